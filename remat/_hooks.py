@@ -1,0 +1,170 @@
+"""Saved-tensor hooks shared by both strategies: handles, per-backward stores, early stop, checks.
+
+See NOTE [ Handle lifetime ] and NOTE [ One store per backward ].
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from . import _stats
+from ._debug import side_by_side
+from ._errors import BUG, RecomputeMismatchError
+
+__all__ = ["Frame", "Handle", "StopRecompute"]
+
+# NOTE [ Handle lifetime ]
+# In forward the pack hook gives autograd a `Handle` (an index) instead of an activation made inside the region;
+# tensors from outside (inputs, parameters, views of them) are returned as they are, since keeping them costs
+# nothing. The frame holds each handle only weakly: a handle is alive exactly as long as the graph node that
+# saved it, so after a node ran (and freed its saved tensors) or after the graph was dropped, its slot is no
+# longer rebuilt, and when the last handle goes the frame goes with it. Every pack call, kept or not, takes the
+# next index, so forward and recompute count saved tensors the same way.
+#
+# NOTE [ One store per backward ]
+# The first unpack in a backward rebuilds every handle that is still alive and not yet rebuilt, and stops as
+# soon as the highest of them is back (early stop). Rebuilt tensors wait in a store keyed by the graph task, so
+# two backwards over one graph (`retain_graph=True`, or two threads) never share tensors; each tensor is popped
+# on its unpack, so it lives only until the node that needs it has run. A callback queued on the autograd engine
+# drops whatever is left in the store when that backward ends (nodes that `autograd.grad(inputs=...)` skipped).
+
+
+class StopRecompute(Exception):
+    """Raised from a recompute pack hook once every needed tensor is back (early stop)."""
+
+
+class Handle:
+    """What autograd keeps for an activation made inside a region: its index in the frame."""
+
+    __slots__ = ("__weakref__", "index")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+_Meta = tuple[torch.Size, torch.dtype, torch.device]
+
+
+class Frame:
+    """The saved tensors of one forward run of a remat site, and how to rebuild them.
+
+    Subclasses decide which tensors are kept as they are (`pack`) and how to rebuild the rest (`recompute`).
+    """
+
+    __slots__ = (
+        "__weakref__", "_handles", "_metas", "_stores", "check", "early_stop", "retrace", "site", "trace"
+    )
+
+    def __init__(self, site: str, check: bool, early_stop: bool, trace: list[str] | None) -> None:
+        self.site = site
+        self.check = check
+        self.early_stop = early_stop
+        self.trace = trace  # forward's op trace under REMAT_DEBUG=1
+        self.retrace: list[str] | None = None  # the running recompute's op trace
+        self._handles: list[weakref.ref[Handle] | None] = []
+        self._metas: list[_Meta] = []
+        self._stores: dict[int, dict[int, torch.Tensor]] = {}
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Account a saved tensor that is kept by reference, and return it for autograd to hold."""
+        self._handles.append(None)
+        if self.check:
+            self._metas.append((tensor.shape, tensor.dtype, tensor.device))
+        return tensor
+
+    def handle(self, tensor: torch.Tensor) -> Handle:
+        """Account a saved tensor that will be rebuilt in backward, and return its handle."""
+        handle = Handle(len(self._handles))
+        self._handles.append(weakref.ref(handle))
+        if self.check:
+            self._metas.append((tensor.shape, tensor.dtype, tensor.device))
+        return handle
+
+    @property
+    def saved(self) -> int:
+        """How many tensors autograd saved inside the region."""
+        return len(self._handles)
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The unpack hook: a kept tensor as it is, a handle's tensor rebuilt (see NOTE [ One store ... ])."""
+        if type(packed) is not Handle:
+            return packed  # type: ignore[no-any-return]
+        gid = torch._C._current_graph_task_id()
+        store = self._stores.get(gid)
+        if store is None or packed.index not in store:
+            store = self._rebuild(gid, store)
+        return store.pop(packed.index)
+
+    def _rebuild(self, gid: int, store: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+        if store is None:
+            store = self._stores[gid] = {}
+            if gid != -1:
+                drop = functools.partial(self._stores.pop, gid, None)
+                torch.autograd.Variable._execution_engine.queue_callback(drop)  # type: ignore[attr-defined]
+        wanted = {
+            index
+            for index, ref in enumerate(self._handles)
+            if ref is not None and ref() is not None and index not in store
+        }
+        if not wanted:
+            raise RecomputeMismatchError(f"remat: `{self.site}` was asked for a tensor twice; {BUG}.")
+        start = time.perf_counter()
+        self.recompute(wanted, store)
+        _stats.add_recompute(time.perf_counter() - start)
+        missing = wanted.difference(store)
+        if missing:
+            raise self.mismatch(
+                min(missing), None, "recompute saved fewer tensors than forward did"
+            )
+        return store
+
+    def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
+        """Put the rebuilt tensor of every index in `wanted` into `store`."""
+        raise NotImplementedError
+
+    # -- checks --------------------------------------------------------------------------------------------
+    def expect(self, index: int, tensor: torch.Tensor) -> None:
+        """Check that recompute's `index`-th saved tensor looks like forward's (shape, dtype, device)."""
+        if not self.check:
+            return
+        if index >= len(self._metas):
+            raise self.mismatch(index, tensor, "recompute saved more tensors than forward did")
+        shape, dtype, device = self._metas[index]
+        if tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
+            raise self.mismatch(index, tensor, "recompute saved a different tensor than forward")
+
+    def mismatch(
+        self,
+        index: int,
+        tensor: torch.Tensor | None,
+        what: str,
+    ) -> RecomputeMismatchError:
+        """Build the error for a recompute that parted from forward at saved tensor `index`."""
+        if index < len(self._metas):
+            shape, dtype, device = self._metas[index]
+            expected = f"shape {tuple(shape)}, dtype {dtype}, device {device}"
+        else:
+            expected = "no tensor"
+        got = (
+            "no tensor"
+            if tensor is None
+            else f"shape {tuple(tensor.shape)}, dtype {tensor.dtype}, device {tensor.device}"
+        )
+        message = (
+            f"remat: {what} in `{self.site}`: at saved tensor #{index} forward saved {expected}, "
+            f"recompute saved {got}. The function must run the same ops in backward as in forward: "
+            "look for global state, Python side effects or data-dependent control flow, or use "
+            "strategy='replay', which replays the recorded ops."
+        )
+        if self.trace is not None and self.retrace is not None:
+            message += "\nOp traces (REMAT_DEBUG=1):\n" + side_by_side(self.trace, self.retrace)
+        else:
+            message += " Set REMAT_DEBUG=1 to see the op traces of forward and recompute side by side."
+        return RecomputeMismatchError(message)

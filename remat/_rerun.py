@@ -1,0 +1,259 @@
+"""The rerun strategy: forward runs the function under saved-tensor hooks; backward calls it again.
+
+See NOTE [ Handle lifetime ] in _hooks.py for what the hooks keep, and NOTE [ Inputs of nested sites ] below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._debug import OpTrace
+from ._errors import RematError
+from ._guard import OutsideWrites
+from ._hooks import Frame, Handle, StopRecompute
+from ._rng import RngStash, devices_of
+from ._tree import map_tensors, tensors_in
+
+__all__ = ["AutocastState", "RerunFrame", "begin", "call", "end"]
+
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+# NOTE [ Inputs of nested sites ]
+# A site keeps its inputs to call the function again. When it runs inside another site (or inside any
+# saved-tensor hooks, e.g. `save_on_cpu`), its inputs are activations of the enclosing region: keeping them by
+# reference would hold exactly what the outer region promises to free. So the inputs are handed to the
+# enclosing pack hook, as if autograd saved them there, and fetched back through its unpack hook when this site
+# recomputes — which may in turn make the outer site recompute. Outside any hooks the inputs are kept as they
+# are (they are alive anyway while the graph is) and their versions are checked before recompute.
+
+_INPLACE_INPUT = (
+    "remat: one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: input tensor #{index} of `{site}` was at version {before} when forward started and is at "
+    "version {after} now. Rerun would call the function on the modified value and give wrong gradients. "
+    "Don't modify the inputs of a remat site in place (inside it or between forward and backward), or use "
+    "strategy='replay'."
+)
+
+
+class AutocastState:
+    """Autocast settings of each device type a region touches, to re-enter them in recompute."""
+
+    __slots__ = ("cache", "kinds")
+
+    def __init__(self, devices: tuple[torch.device, ...]) -> None:
+        kinds = {"cpu", *(device.type for device in devices)}
+        self.kinds = tuple(
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds
+        )
+        self.cache = torch.is_autocast_cache_enabled()
+
+    @staticmethod
+    def capture(devices: tuple[torch.device, ...]) -> AutocastState | None:
+        """The current autocast state, or None when autocast is off everywhere (the common case)."""
+        return AutocastState(devices) if torch._C._is_any_autocast_enabled() else None
+
+    @staticmethod
+    @contextmanager
+    def enter(state: AutocastState | None, devices: tuple[torch.device, ...]) -> Iterator[None]:
+        """Re-enter `state`; with None, turn off any autocast the backward runs under."""
+        if state is None:
+            if not torch._C._is_any_autocast_enabled():
+                yield
+                return
+            state = AutocastState(devices)
+            state.kinds = tuple((kind, False, dtype) for kind, _, dtype in state.kinds)
+        with ExitStack() as stack:
+            for kind, enabled, dtype in state.kinds:
+                stack.enter_context(
+                    torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=state.cache)
+                )
+            yield
+
+
+class RerunFrame(Frame):
+    """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
+
+    __slots__ = (
+        "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kwargs", "outer_unpack",
+        "rng", "tensors", "versions",
+    )
+
+    fn: Callable[..., Any]
+    args: Any
+    kwargs: Any
+    outer_unpack: Callable[[Any], torch.Tensor] | None
+    tensors: list[torch.Tensor]
+    versions: list[int]
+    ids: set[int]
+    devices: tuple[torch.device, ...]
+    rng: RngStash | None
+    autocast: AutocastState | None
+    contexts: Callable[[], AbstractContextManager[Any]] | None
+    exit: ExitStack | None
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | Handle:
+        """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
+        if id(tensor) in self.ids or (tensor.requires_grad and tensor.grad_fn is None):
+            return self.keep(tensor)
+        base = tensor._base
+        if base is not None and (
+            id(base) in self.ids or (base.requires_grad and base.grad_fn is None)
+        ):
+            return self.keep(tensor)
+        return self.handle(tensor)
+
+    def _inputs(self) -> tuple[Any, Any]:
+        if self.outer_unpack is not None:
+            unpack = self.outer_unpack
+            return map_tensors(self.args, unpack), map_tensors(self.kwargs, unpack)
+        for index, (tensor, before) in enumerate(zip(self.tensors, self.versions)):
+            if tensor._version != before:
+                raise RematError(
+                    _INPLACE_INPUT.format(
+                        index=index, site=self.site, before=before, after=tensor._version
+                    )
+                )
+        return self.args, self.kwargs
+
+    def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
+        """Call the function again under hooks that collect the saved tensors in `wanted`."""
+        args, kwargs = self._inputs()
+        create_graph = torch.is_grad_enabled()
+        last = max(wanted) if self.early_stop else -1
+        count = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor | None:
+            nonlocal count
+            index, count = count, count + 1
+            self.expect(index, tensor)
+            if index in wanted:
+                store[index] = tensor if create_graph else tensor.detach()
+            if index == last:
+                raise StopRecompute
+            return tensor if create_graph else None
+
+        with ExitStack() as stack:
+            if self.rng is not None:
+                stack.enter_context(self.rng.restore())
+            stack.enter_context(AutocastState.enter(self.autocast, self.devices))
+            stack.enter_context(torch.enable_grad())
+            if self.contexts is not None:
+                stack.enter_context(self.contexts())
+            stack.enter_context(OutsideWrites())
+            if self.trace is not None:
+                self.retrace = []
+                stack.enter_context(OpTrace(self.retrace))
+            _push_hooks(pack, _identity)
+            try:
+                self.fn(*args, **kwargs)
+            except StopRecompute:
+                pass
+            finally:
+                _pop_hooks()
+
+
+def _identity(packed: Any) -> Any:
+    return packed
+
+
+_Contexts = tuple[
+    Callable[[], AbstractContextManager[Any]], Callable[[], AbstractContextManager[Any]]
+]
+
+
+def begin(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    site: str,
+    check: bool = True,
+    preserve_rng: bool = True,
+    early_stop: bool = True,
+    debug: bool = False,
+    module: nn.Module | None = None,
+    contexts: _Contexts | None = None,
+) -> RerunFrame:
+    """Open a rerun region for the call `fn(*args, **kwargs)` that the caller makes next; see `call`."""
+    tensors = tensors_in(args, [])
+    if kwargs:
+        tensors_in(kwargs, tensors)
+    frame = RerunFrame(site, check, early_stop, [] if debug else None)
+    frame.fn = fn
+    outer = _top_hooks(False)
+    if outer is None:
+        frame.args, frame.kwargs, frame.outer_unpack = args, kwargs, None
+        frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
+    else:
+        outer_pack, frame.outer_unpack = outer
+        frame.args, frame.kwargs = map_tensors(args, outer_pack), map_tensors(kwargs, outer_pack)
+        frame.tensors, frame.versions = [], []
+    frame.ids = {id(tensor) for tensor in tensors}
+    frame.devices = devices_of(tensors, module) if preserve_rng else ()
+    frame.rng = RngStash.capture(frame.devices) if preserve_rng else None
+    frame.autocast = AutocastState.capture(frame.devices)
+    frame.contexts = contexts[1] if contexts is not None else None
+    frame.exit = None
+    if contexts is not None or frame.trace is not None:
+        frame.exit = ExitStack()
+        if contexts is not None:
+            frame.exit.enter_context(contexts[0]())
+        if frame.trace is not None:
+            frame.exit.enter_context(OpTrace(frame.trace))
+    _push_hooks(frame.pack, frame.unpack)
+    return frame
+
+
+def end(frame: RerunFrame) -> None:
+    """Close the region `begin` opened (also after an exception)."""
+    _pop_hooks()
+    if frame.exit is not None:
+        frame.exit.close()
+        frame.exit = None
+
+
+def call(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    site: str,
+    check: bool = True,
+    preserve_rng: bool = True,
+    early_stop: bool = True,
+    debug: bool = False,
+    module: nn.Module | None = None,
+    contexts: _Contexts | None = None,
+) -> Any:
+    """Run `fn(*args, **kwargs)` as a rerun region and return its output.
+
+    Args:
+        fn: the function; for a method, the plain function with the instance first in `args`.
+        args: positional arguments; tensors may sit anywhere inside containers.
+        kwargs: keyword arguments, likewise.
+        site: the name used in errors.
+        check: compare shape, dtype and device of what recompute saves with forward.
+        preserve_rng: restore forward's RNG state of every device touched for recompute.
+        early_stop: stop recompute as soon as every needed tensor is back.
+        debug: record op traces for mismatch errors.
+        module: the module whose method runs, so its parameters' devices count for RNG.
+        contexts: `(forward, recompute)` context factories, like torch's `context_fn`.
+
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> call(torch.sin, (x,), {}, site="sin").sum().backward()
+    """
+    frame = begin(
+        fn, args, kwargs, site=site, check=check, preserve_rng=preserve_rng,
+        early_stop=early_stop, debug=debug, module=module, contexts=contexts,
+    )
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        end(frame)

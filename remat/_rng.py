@@ -1,0 +1,122 @@
+"""RNG state of every device a region touches, stashed in forward and restored inside a fork (spec §3.3).
+
+Devices are found from the tensors themselves (positional and keyword inputs, a module's parameters and
+buffers), the current accelerator and an active `torch.device(...)` context, and each one's generator is
+reached through `torch.get_device_module(device.type)`: no device type is hard-coded, so CUDA, XPU, MPS, HPU
+and privateuse1 backends all work. The CPU generator is always included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["RngStash", "devices_of"]
+
+_NO_RNG = frozenset({"cpu", "meta"})
+
+
+def _device_module(kind: str) -> ModuleType | None:
+    try:
+        return torch.get_device_module(kind)
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+def _with_index(device: torch.device) -> torch.device | None:
+    """`cuda` -> `cuda:<current>`; None when the device has no usable generator module."""
+    module = _device_module(device.type)
+    if module is None or not hasattr(module, "get_rng_state"):
+        return None
+    if device.index is not None:
+        return device
+    current = getattr(module, "current_device", None)
+    return torch.device(device.type, int(current()) if callable(current) else 0)
+
+
+def _current_accelerator() -> torch.device | None:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is None:
+        return None
+    device: torch.device | None = accelerator.current_accelerator()
+    if device is None:
+        return None
+    module = _device_module(device.type)
+    initialized = getattr(module, "is_initialized", None)
+    if module is None or (callable(initialized) and not initialized()):
+        return None
+    return device
+
+
+def devices_of(
+    tensors: Iterable[torch.Tensor], module: nn.Module | None = None
+) -> tuple[torch.device, ...]:
+    """Return the non-CPU devices whose generators a region may draw from, each with its index.
+
+    Args:
+        tensors: the region's inputs (positional and keyword, flattened).
+        module: the module whose method runs in the region; its parameters and buffers count too.
+
+    >>> devices_of([torch.zeros(2)])
+    ()
+    """
+    kinds: set[torch.device] = {t.device for t in tensors if t.device.type not in _NO_RNG}
+    if module is not None:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.device.type not in _NO_RNG:
+                kinds.add(tensor.device)
+    accelerator = _current_accelerator()
+    if accelerator is not None:
+        kinds.add(accelerator)
+    if torch._C._is_torch_function_mode_enabled():
+        default = torch.get_default_device()
+        if default.type not in _NO_RNG:
+            kinds.add(default)
+    found = {_with_index(device) for device in kinds}
+    return tuple(sorted((d for d in found if d is not None), key=str))
+
+
+class RngStash:
+    """The CPU generator state and that of each given device, taken at one moment.
+
+    >>> stash = RngStash.capture(())
+    >>> a = torch.rand(1)
+    >>> with stash.restore():
+    ...     b = torch.rand(1)
+    >>> bool(a == b)
+    True
+    """
+
+    __slots__ = ("cpu", "devices")
+
+    def __init__(self, cpu: torch.Tensor, devices: tuple[tuple[torch.device, Any], ...]) -> None:
+        self.cpu = cpu
+        self.devices = devices
+
+    @classmethod
+    def capture(cls, devices: Iterable[torch.device]) -> RngStash:
+        """Read the generator state of the CPU and of every device in `devices`."""
+        states = tuple(
+            (device, torch.get_device_module(device.type).get_rng_state(device)) for device in devices
+        )
+        return cls(torch.get_rng_state(), states)
+
+    def _apply(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for device, state in self.devices:
+            torch.get_device_module(device.type).set_rng_state(state, device)
+
+    @contextmanager
+    def restore(self) -> Iterator[None]:
+        """Run the block with the stashed states, then put back the states the caller had (a fork)."""
+        caller = RngStash.capture(device for device, _ in self.devices)
+        self._apply()
+        try:
+            yield
+        finally:
+            caller._apply()

@@ -1,0 +1,240 @@
+"""What `@remat` can decorate: functions and methods, `nn.Module` classes, and module instances.
+
+See NOTE [ Module instances ].
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from . import _rerun, _switch
+from ._options import Options
+
+__all__ = ["apply", "undo", "wrap", "wrap_class", "wrap_function", "wrap_module"]
+
+_M = TypeVar("_M", bound=nn.Module)
+_F = TypeVar("_F", bound=Callable[..., Any])
+_MARK = "__remat_options__"
+
+
+class _Engine:
+    """The strategy's entry points, resolved once when a site is made."""
+
+    __slots__ = ("begin", "call", "end", "extra")
+
+    def __init__(self, options: Options, site: str) -> None:
+        if options.strategy == "replay":
+            from . import _region as engine
+
+            self.extra: dict[str, Any] = {}
+        else:
+            engine = _rerun  # type: ignore[assignment]
+            self.extra = {"early_stop": True}
+        self.call = engine.call
+        self.begin = engine.begin
+        self.end = engine.end
+        self.extra.update(
+            site=site,
+            check=options.check,
+            preserve_rng=options.preserve_rng,
+            debug=options.debug or _switch.debug(),
+        )
+
+
+def _active(options: Options) -> bool:
+    return (_switch._state[0] if options.enabled is None else options.enabled) and (
+        torch.is_grad_enabled()
+    )
+
+
+def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
+    """Return `fn` rematerialized: a plain function (so methods bind and dynamo can trace it)."""
+    if isinstance(fn, (staticmethod, classmethod)):
+        return type(fn)(wrap_function(fn.__func__, options, site))  # type: ignore[return-value]
+    name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
+    engine = _Engine(options, name)
+    call, extra, enabled, switch = engine.call, engine.extra, options.enabled, _switch._state
+
+    @functools.wraps(fn)
+    def remat_wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not (switch[0] if enabled is None else enabled) or not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        module = args[0] if args and isinstance(args[0], nn.Module) else None
+        return call(fn, args, kwargs, module=module, **extra)
+
+    setattr(remat_wrapper, _MARK, options)
+    return remat_wrapper  # type: ignore[return-value]
+
+
+def wrap_class(cls: type[_M], options: Options) -> type[_M]:
+    """Rematerialize every instance's `forward`; the class stays itself (isinstance, pickling hold)."""
+    forward = cls.forward
+    forward = getattr(forward, "__wrapped__", forward) if hasattr(forward, _MARK) else forward
+    cls.forward = wrap_function(forward, options, site=cls.__qualname__)  # type: ignore[method-assign]
+    return cls
+
+
+# NOTE [ Module instances ]
+# `remat(module)` must leave the object itself untouched: same type, same attributes, no wrapper in
+# `named_modules()` or `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is
+# proxied and no attribute is set: a forward pre-hook opens the region and a forward hook (prepended, so it
+# runs before any other forward hook, and `always_call`, so it runs when forward raises) closes it. The hooks
+# are small picklable objects that carry the options; `undo` finds them by type. Recompute calls
+# `module.forward` itself, not `module(...)`, so other hooks are not run twice.
+
+class _Open:
+    """Forward pre-hook that opens a region around `module.forward`."""
+
+    def __init__(self, options: Options, site: str) -> None:
+        self.options = options
+        self.site = site
+        self.engine = _Engine(options, site)
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        stack = _open_sites.stack
+        if not _active(self.options):
+            stack.append((module, None, None))
+            return
+        engine = self.engine
+        extra = engine.extra
+        if self.options.strategy == "replay":
+            token = engine.begin(module=module, **extra)
+        else:
+            token = engine.begin(module.forward, args, kwargs, module=module, **extra)
+        stack.append((module, engine, token))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Open, (self.options, self.site))
+
+
+class _Close:
+    """Forward hook that closes the region `_Open` opened, also when forward raised."""
+
+    def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        stack = _open_sites.stack
+        if stack and stack[-1][0] is module:
+            _, engine, token = stack.pop()
+            if engine is not None:
+                engine.end(token)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Close, ())
+
+
+class _OpenSites(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[nn.Module, _Engine | None, Any]] = []
+
+
+_open_sites = _OpenSites()
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _is_ours(hook: Any) -> bool:
+    return isinstance(hook, (_Open, _Close))
+
+
+def _remove_hooks(module: nn.Module) -> None:
+    ids = [
+        key
+        for name in ("_forward_pre_hooks", "_forward_hooks")
+        for key, hook in getattr(module, name).items()
+        if _is_ours(hook)
+    ]
+    for name in _HOOK_DICTS:
+        table = getattr(module, name)
+        for key in ids:
+            table.pop(key, None)
+
+
+def wrap_module(module: _M, options: Options) -> _M:
+    """Rematerialize `module`'s forward in place and return the same object."""
+    if hasattr(type(module).forward, _MARK):
+        return module  # the class is rematerialized already
+    _remove_hooks(module)
+    site = options.name or type(module).__qualname__
+    module.register_forward_pre_hook(_Open(options, site), with_kwargs=True)
+    module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
+    return module
+
+
+def wrap(target: Any, options: Options) -> Any:
+    """Dispatch on what `target` is; see the module docstring."""
+    if isinstance(target, type):
+        if not issubclass(target, nn.Module):
+            raise TypeError(
+                f"remat: @remat on a class needs an nn.Module subclass, but got `{target.__qualname__}`; "
+                "decorate its methods instead."
+            )
+        return wrap_class(target, options)
+    if isinstance(target, nn.Module):
+        return wrap_module(target, options)
+    if callable(target) or isinstance(target, (staticmethod, classmethod)):
+        return wrap_function(target, options)
+    raise TypeError(
+        "remat: @remat expects a function, a method, an nn.Module class or an nn.Module instance, "
+        f"but got `{type(target).__name__}`."
+    )
+
+
+def undo(module: _M) -> _M:
+    """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"remat: undo expects an nn.Module, but got `{type(module).__name__}`.")
+    for submodule in module.modules():
+        _remove_hooks(submodule)
+    return module
+
+
+def apply(
+    model: _M,
+    where: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool],
+    every: int,
+    options: Options,
+) -> _M:
+    """Rematerialize each `every`-th submodule of `model` that `where` selects; see `remat.apply`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
+    if isinstance(where, type) or (
+        isinstance(where, tuple) and all(isinstance(kind, type) for kind in where)
+    ):
+        kinds = where
+
+        def select(name: str, module: nn.Module) -> bool:
+            return isinstance(module, kinds)
+    elif callable(where):
+        select = where  # type: ignore[assignment]
+    else:
+        raise TypeError(
+            "remat: `where` must be an nn.Module type, a tuple of types or a predicate "
+            f"(name, module) -> bool, but got `{type(where).__name__}`."
+        )
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(outer + ".") or outer == "" for outer, _ in chosen)
+        if not inside and select(name, module):
+            chosen.append((name, module))
+    if not chosen:
+        raise ValueError(
+            f"remat: apply found no submodule of `{type(model).__qualname__}` matching {where!r}."
+        )
+    for index, (_, module) in enumerate(chosen):
+        if index % every == 0:
+            wrap_module(module, options)
+    return model

@@ -1,0 +1,49 @@
+"""Find and replace tensors anywhere in call arguments: tuples, lists, dicts, namedtuples, dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["map_tensors", "tensors_in"]
+
+_Tensor = torch.Tensor
+
+
+def tensors_in(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Append every tensor inside `obj` to `out`, depth first, and return `out`."""
+    if isinstance(obj, _Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            tensors_in(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            tensors_in(item, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            tensors_in(getattr(obj, field.name), out)
+    return out
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Return `obj` with every tensor `t` inside replaced by `fn(t)`; containers are rebuilt, others kept."""
+    if isinstance(obj, _Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [map_tensors(item, fn) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return type(obj)(map_tensors(item, fn) for item in obj)
+    if isinstance(obj, dict):
+        mapped = type(obj)()
+        for key, item in obj.items():
+            mapped[key] = map_tensors(item, fn)
+        return mapped
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
