@@ -115,7 +115,9 @@ def checkpoint_sequential(
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
     >>> out = remat.checkpoint_sequential(model, 2, torch.randn(2, 4), use_reentrant=False)
     """
-    stages = list(functions.children()) if isinstance(functions, nn.Sequential) else list(functions)
+    stages: list[Callable[..., Any]] = list(
+        functions.children() if isinstance(functions, nn.Sequential) else functions
+    )
     if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments:
         raise ValueError(f"remat: `segments` must be a positive int, but got {segments!r}.")
     size = len(stages) // segments

@@ -19,11 +19,11 @@ def _describe(func: Any, out: Any) -> str:
     return f"{func}{shapes if shapes else ''}"
 
 
-class OpTrace(TorchDispatchMode):
+class OpTrace(TorchDispatchMode):  # type: ignore[misc]
     """Record each aten op that runs inside, with its output shapes, into `lines`."""
 
     def __init__(self, lines: list[str]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.lines = lines
 
     def __torch_dispatch__(

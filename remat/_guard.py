@@ -39,11 +39,11 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().data_ptr())
 
 
-class OutsideWrites(TorchDispatchMode):
+class OutsideWrites(TorchDispatchMode):  # type: ignore[misc]
     """Redirect in-place writes to tensors from outside the recompute onto clones."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.made: set[int] = set()
 
     def _outside(self, value: Any) -> bool:

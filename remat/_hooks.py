@@ -5,7 +5,6 @@ See NOTE [ Handle lifetime ] and NOTE [ One store per backward ].
 
 from __future__ import annotations
 
-import functools
 import time
 import weakref
 from typing import Any
@@ -106,8 +105,12 @@ class Frame:
         if store is None:
             store = self._stores[gid] = {}
             if gid != -1:
-                drop = functools.partial(self._stores.pop, gid, None)
-                torch.autograd.Variable._execution_engine.queue_callback(drop)  # type: ignore[attr-defined]
+                stores = self._stores
+
+                def drop() -> None:
+                    stores.pop(gid, None)
+
+                torch.autograd.Variable._execution_engine.queue_callback(drop)
         wanted = {
             index
             for index, ref in enumerate(self._handles)

@@ -113,7 +113,7 @@ class RerunFrame(Frame):
         if self.outer_unpack is not None:
             unpack = self.outer_unpack
             return map_tensors(self.args, unpack), map_tensors(self.kwargs, unpack)
-        for index, (tensor, before) in enumerate(zip(self.tensors, self.versions)):
+        for index, (tensor, before) in enumerate(zip(self.tensors, self.versions, strict=True)):
             if tensor._version != before:
                 raise RematError(
                     _INPLACE_INPUT.format(

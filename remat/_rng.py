@@ -23,7 +23,8 @@ _NO_RNG = frozenset({"cpu", "meta"})
 
 def _device_module(kind: str) -> ModuleType | None:
     try:
-        return torch.get_device_module(kind)
+        module: ModuleType = torch.get_device_module(kind)
+        return module
     except (RuntimeError, AttributeError, ValueError):
         return None
 
