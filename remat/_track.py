@@ -1,0 +1,343 @@
+"""Device-agnostic tracking of live tensor storage bytes: `remat.track`.
+
+torch keeps allocator statistics only for some accelerators (``torch.cuda.max_memory_allocated``),
+never on CPU. `track` counts bytes itself, the same way on every device: a `TorchDispatchMode` sees
+the outputs of every aten op run inside the block (forward, and backward too when it runs inside
+the block), and each new storage is counted once, until it is released.
+
+NOTE [ Storage lifetime ]
+A tensor is not the unit of memory, its storage is: views share the storage of their base, and a
+storage lives as long as any view of it, or autograd's saved copy of it, does. A finalizer on the
+*tensor* would fire too early (the tensor dies, a view keeps the memory) and could not see a storage
+that C++ alone keeps alive (a saved activation). torch preserves the Python object of an
+``UntypedStorage`` for as long as its C++ ``StorageImpl`` lives ("PyObject preservation", as for
+tensors): ``t.untyped_storage()`` returns the same object for every view of the storage, and that
+object is deallocated exactly when the C++ storage is. A ``weakref.finalize`` on it is thus a
+correct "storage released" event, also for storages that only autograd holds (tested in
+tests/test_track.py). Storages are keyed by ``untyped_storage()._cdata`` (the address of the
+``StorageImpl``): unique among live storages, and the key is dropped when the finalizer fires,
+before the address can be reused.
+
+NOTE [ New or old storage ]
+An op output's storage is new unless the op's schema says the output aliases an input (views,
+in-place and ``out=`` ops: ``Tensor(a)`` in the schema) and the storage is indeed one of the
+inputs' storages. One exception: ``torch.tensor(data)`` allocates outside the dispatcher's Python
+key and shows the fresh tensor to modes only through ``aten.lift_fresh(fresh) -> fresh``, whose
+schema says "alias"; its output counts as new. A storage that changed size (``resize_``, an
+``out=`` op that resized its output) is re-counted at its new size.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Tracker", "track"]
+
+# Per op overload: for each return, whether its schema says that it aliases an input.
+# See NOTE [ New or old storage ].
+_ALIASING: dict[torch._ops.OpOverload, tuple[bool, ...]] = {}
+
+
+def _aliasing(func: torch._ops.OpOverload) -> tuple[bool, ...]:
+    flags = _ALIASING.get(func)
+    if flags is None:
+        if func is torch.ops.aten.lift_fresh.default:
+            flags = (False,)  # its input was made outside the dispatcher: a new storage
+        else:
+            flags = tuple(r.alias_info is not None for r in func._schema.returns)
+        _ALIASING[func] = flags
+    return flags
+
+
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Yield the tensors in an op's argument or result: a tensor, or a list/tuple of tensors."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    if t.layout is not torch.strided or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
+
+
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The dispatch mode of one `Tracker`: runs every op and shows its outputs to the tracker."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._tracker = tracker
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self._tracker._see(func, args, kwargs, out)
+        return out
+
+
+class Tracker:
+    """Live tensor storage bytes per device, counted while a `track` block runs.
+
+    Create one with `track`. Inside the block the numbers move as storages are allocated and
+    released; after the block they stay at their values when it ended. Bytes are storage bytes
+    (``untyped_storage().nbytes()``), not what an allocator reserved: caching allocators round up
+    and keep freed blocks, which this does not see.
+
+    Attributes:
+        peak_bytes: The highest number of live bytes, all devices together, seen in the block.
+        current_bytes: Bytes live now (or when the block ended), all devices together.
+
+    Example:
+        >>> import torch, remat
+        >>> with remat.track() as t:
+        ...     x = torch.zeros(1000)          # 4000 bytes
+        ...     y = x[:10]                     # a view: no new storage
+        ...     del x, y
+        >>> t.peak_bytes, t.current_bytes
+        (4000, 0)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[torch.device, int, weakref.finalize[Any, Any]]] = {}
+        self._current: dict[torch.device, int] = {}
+        self._peak: dict[torch.device, int] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._mode: _Mode | None = None
+        self._done = False
+
+    # -- context manager ---------------------------------------------------------------------
+    def __enter__(self) -> Tracker:
+        if self._mode is not None or self._done:
+            raise RuntimeError(
+                "remat: a Tracker can be entered only once; call remat.track() again instead."
+            )
+        self._mode = _Mode(self)
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        mode, self._mode = self._mode, None
+        self._done = True
+        try:
+            if mode is not None:
+                mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        finally:
+            with self._lock:
+                for _, _, fin in self._live.values():
+                    fin.detach()
+                self._live.clear()
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        """The devices on which a storage was seen, sorted by name."""
+        return tuple(sorted(self._peak, key=str))
+
+    def peak(self, device: str | torch.device) -> int:
+        """Return the peak live bytes on one device (0 for a device never seen).
+
+        Args:
+            device: A device or its name. A name without an index (``"cuda"``) means the one
+                device of that type seen, or index 0 if none was.
+
+        Returns:
+            Bytes.
+
+        Raises:
+            ValueError: ``device`` has no index and several devices of its type were seen.
+
+        Example:
+            >>> import torch, remat
+            >>> with remat.track() as t:
+            ...     _ = torch.ones(4, dtype=torch.float64)
+            >>> t.peak("cpu")
+            32
+        """
+        return self._peak.get(self._resolve(device), 0)
+
+    def current(self, device: str | torch.device) -> int:
+        """Return the live bytes on one device now, or when the block ended.
+
+        Args:
+            device: A device or its name, as for `peak`.
+
+        Returns:
+            Bytes (0 for a device never seen).
+
+        Raises:
+            ValueError: ``device`` has no index and several devices of its type were seen.
+
+        Example:
+            >>> import torch, remat
+            >>> with remat.track() as t:
+            ...     keep = torch.ones(4, dtype=torch.float64)
+            >>> t.current("cpu")
+            32
+        """
+        return self._current.get(self._resolve(device), 0)
+
+    def __repr__(self) -> str:
+        per_device = ", ".join(
+            f"{d}: current={self._current.get(d, 0)} peak={self._peak[d]}" for d in self.devices
+        )
+        return (
+            f"Tracker(current_bytes={self.current_bytes}, peak_bytes={self.peak_bytes}, "
+            f"per_device={{{per_device}}})"
+        )
+
+    def _resolve(self, device: str | torch.device) -> torch.device:
+        dev = device if isinstance(device, torch.device) else torch.device(device)
+        if dev.type == "cpu":
+            return torch.device("cpu")
+        if dev.index is not None:
+            return dev
+        same_type = [d for d in self._peak if d.type == dev.type]
+        if len(same_type) > 1:
+            names = ", ".join(sorted(map(str, same_type)))
+            raise ValueError(
+                f"remat: device {str(dev)!r} is ambiguous; this tracker saw {names}. "
+                "Name the device with its index."
+            )
+        return same_type[0] if same_type else torch.device(dev.type, 0)
+
+    def _bytes_of(self, tensors: Sequence[torch.Tensor]) -> dict[torch.device, int]:
+        """Bytes of the distinct storages of ``tensors`` that this tracker counts now."""
+        out: dict[torch.device, int] = {}
+        seen: set[int] = set()
+        with self._lock:
+            for t in tensors:
+                st = _storage(t)
+                if st is None or st._cdata in seen:
+                    continue
+                seen.add(st._cdata)
+                entry = self._live.get(st._cdata)
+                if entry is not None:
+                    out[entry[0]] = out.get(entry[0], 0) + entry[1]
+        return out
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _see(
+        self,
+        func: torch._ops.OpOverload,
+        args: Sequence[Any],
+        kwargs: dict[str, Any] | None,
+        out: Any,
+    ) -> None:
+        aliasing = _aliasing(func)
+        results = out if isinstance(out, (tuple, list)) and len(aliasing) > 1 else (out,)
+        inputs: set[int] | None = None
+        for i, result in enumerate(results):
+            aliases = aliasing[i] if i < len(aliasing) else False
+            for t in _tensors(result):
+                st = _storage(t)
+                if st is None:
+                    continue
+                key = st._cdata
+                entry = self._live.get(key)
+                if entry is not None:
+                    if entry[1] != st.nbytes():  # resized: see NOTE [ New or old storage ]
+                        self._resize(key, st.nbytes())
+                    continue
+                if aliases:
+                    if inputs is None:
+                        inputs = self._input_storages(args, kwargs)
+                    if key in inputs:
+                        continue
+                self._add(key, st)
+
+    @staticmethod
+    def _input_storages(args: Sequence[Any], kwargs: dict[str, Any] | None) -> set[int]:
+        keys: set[int] = set()
+        for arg in (*args, *(kwargs or {}).values()):
+            for t in _tensors(arg):
+                st = _storage(t)
+                if st is not None:
+                    keys.add(st._cdata)
+        return keys
+
+    def _add(self, key: int, st: torch.UntypedStorage) -> None:
+        device = st.device
+        if device.type == "cpu":
+            device = torch.device("cpu")
+        nbytes = st.nbytes()
+        fin = weakref.finalize(st, self._release, key)
+        fin.atexit = False
+        with self._lock:
+            self._live[key] = (device, nbytes, fin)
+            self._account(device, nbytes)
+
+    def _resize(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            entry = self._live.get(key)
+            if entry is not None:
+                self._live[key] = (entry[0], nbytes, entry[2])
+                self._account(entry[0], nbytes - entry[1])
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._account(entry[0], -entry[1])
+
+    def _account(self, device: torch.device, delta: int) -> None:
+        # Called with the lock held.
+        cur = self._current.get(device, 0) + delta
+        self._current[device] = cur
+        if cur > self._peak.get(device, -1):
+            self._peak[device] = cur
+        self.current_bytes += delta
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+
+
+def track() -> Tracker:
+    """Track live tensor storage bytes per device while a ``with`` block runs.
+
+    Every storage allocated by an aten op inside the block is counted once (views share their
+    base's storage) until it is released, on any device, CPU included. Tensors that existed before
+    the block are not counted, even when they are freed inside it. A backward run inside the block
+    is tracked too (its gradients and temporaries). Trackers nest: an inner one sees its own
+    window, the outer one still counts everything. After the block, the numbers stay at their
+    values at its end. See NOTE [ Storage lifetime ] for how a release is observed.
+
+    Tracking costs a few microseconds per aten op: time code outside a tracker.
+
+    Returns:
+        A `Tracker`, to use as a context manager once.
+
+    Example:
+        >>> import torch, remat
+        >>> with remat.track() as t:
+        ...     a = torch.ones(256)         # 1024 bytes
+        ...     b = torch.ones(256) * 2     # 1024 more; its operand is freed at once
+        ...     del a
+        >>> t.peak_bytes, t.current_bytes, t.devices
+        (3072, 1024, (device(type='cpu'),))
+    """
+    return Tracker()

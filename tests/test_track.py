@@ -1,0 +1,206 @@
+"""Tests for remat._track: live storage bytes per device, through a dispatch mode and finalizers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from remat._track import Tracker, track
+
+F32 = 4
+
+
+def _dispatch_modes() -> int:
+    return int(torch._C._len_torch_dispatch_stack())
+
+
+def test_known_allocations_give_known_bytes() -> None:
+    with track() as t:
+        a = torch.empty(1000)
+        b = torch.ones(10, 10, dtype=torch.float64)
+        c = torch.zeros(3, dtype=torch.int8)
+        assert t.current_bytes == 1000 * F32 + 100 * 8 + 3
+    assert t.peak_bytes == 4803
+    assert (a.numel(), b.numel(), c.numel()) == (1000, 100, 3)
+
+
+def test_views_share_their_base_storage() -> None:
+    with track() as t:
+        x = torch.empty(100)
+        views = [x.view(10, 10), x.view(10, 10).t(), x[::2], x[5:], x.unsqueeze(0), *torch.split(x, 10)]
+        assert t.current_bytes == 100 * F32
+        del x
+        assert t.current_bytes == 100 * F32, "a view keeps its base's storage alive"
+        del views
+        assert t.current_bytes == 0
+    assert t.peak_bytes == 100 * F32
+
+
+def test_freed_storages_are_subtracted_and_peak_stays() -> None:
+    with track() as t:
+        a = torch.empty(1000)
+        b = torch.empty(500)
+        del a
+        assert t.current_bytes == 500 * F32
+        c = torch.empty(100)
+        assert t.current_bytes == 600 * F32
+        del b, c
+    assert t.current_bytes == 0
+    assert t.peak_bytes == 1500 * F32
+
+
+def test_temporaries_count_toward_peak() -> None:
+    x = torch.ones(1000)
+    with track() as t:
+        y = (x * 2 + 1).sum()  # x * 2 and (+ 1) are temporaries of 4000 bytes each
+    assert t.current_bytes == y.nbytes == F32
+    assert t.peak_bytes == 2 * 1000 * F32
+
+
+def test_tensors_from_before_the_block_are_not_counted() -> None:
+    x = torch.ones(1000)
+    keep = x.view(10, 100)
+    with track() as t:
+        x.add_(1)  # in place: same storage
+        v = x[:10]  # a view of an outside storage
+        torch.add(x, 1, out=keep.view(-1))  # out= into an outside storage, same size
+        del x  # freeing an outside tensor does not go below zero
+    assert (t.current_bytes, t.peak_bytes) == (0, 0)
+    assert v.shape == (10,)
+
+
+def test_storage_held_only_by_autograd_is_counted_until_backward_frees_it() -> None:
+    w = torch.randn(1000, requires_grad=True)
+    with track() as t:
+        h = w * 2
+        out = h.sin()  # saves h for backward
+        del h
+        held = t.current_bytes
+        torch.autograd.backward(out.sum())
+        after = t.current_bytes
+    assert held == 2 * 1000 * F32  # h (saved) + out
+    # h is freed by backward; out, the loss, and w.grad remain.
+    assert w.grad is not None
+    assert after == out.nbytes + w.grad.nbytes
+
+
+def test_backward_inside_the_block_is_tracked() -> None:
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+    with track() as t:
+        loss = (x @ w).relu().sum()
+        before_backward = t.current_bytes
+        torch.autograd.backward(loss)
+        assert w.grad is not None
+        assert t._bytes_of([w.grad]) == {torch.device("cpu"): w.grad.nbytes}
+    assert t.peak_bytes > before_backward + w.grad.nbytes - 1
+    assert t.current_bytes == loss.nbytes + w.grad.nbytes
+
+
+def test_nested_trackers_see_their_own_window() -> None:
+    with track() as outer:
+        a = torch.empty(1000)
+        with track() as inner:
+            b = torch.empty(200)
+            c = a[:10]  # a view of a storage from before the inner block
+            del a  # freed inside, allocated outside the inner block
+            assert inner.current_bytes == 200 * F32
+        assert outer.current_bytes == 1200 * F32
+        del c
+        assert outer.current_bytes == 200 * F32
+    assert (inner.peak_bytes, inner.current_bytes) == (200 * F32, 200 * F32)
+    assert (outer.peak_bytes, outer.current_bytes) == (1200 * F32, 200 * F32)
+    assert b.numel() == 200
+
+
+def test_numbers_are_frozen_after_the_block() -> None:
+    with track() as t:
+        a = torch.empty(1000)
+    del a
+    b = torch.empty(1000)
+    assert (t.current_bytes, t.peak_bytes) == (1000 * F32, 1000 * F32)
+    assert b.numel() == 1000
+
+
+def test_resized_storages_are_recounted() -> None:
+    with track() as t:
+        out = torch.empty(0)
+        torch.add(torch.ones(10), 1, out=out)  # resizes out to 40 bytes; the ones are freed
+        assert t.current_bytes == 10 * F32
+        out.resize_(100)
+        assert t.current_bytes == 100 * F32
+    assert t.peak_bytes == 100 * F32
+
+
+def test_tensor_from_python_data_is_counted() -> None:
+    with track() as t:
+        x = torch.tensor([1.0, 2.0, 3.0])
+    assert t.current_bytes == 3 * F32
+    assert x.sum().item() == 6.0
+
+
+def test_multiple_outputs_are_each_counted_once() -> None:
+    x = torch.randn(10, 20)
+    with track() as t:
+        values, indices = x.max(dim=1)
+        halves = x.chunk(2)  # views of x: nothing new
+    assert t.current_bytes == 10 * F32 + 10 * 8
+    assert len(halves) == 2 and values.shape == indices.shape
+
+
+def test_per_device_queries() -> None:
+    with track() as t:
+        a = torch.empty(10)
+        m = torch.empty(1000, device="meta")  # no memory
+    assert t.devices == (torch.device("cpu"),)
+    assert t.peak("cpu") == t.current(torch.device("cpu")) == 10 * F32
+    assert t.peak("cuda") == t.current("cuda:1") == 0
+    assert "current_bytes=40" in repr(t)
+    assert a.numel() == 10 and m.numel() == 1000
+
+
+def test_tracker_enters_once_and_leaves_no_mode_behind() -> None:
+    assert _dispatch_modes() == 0
+    tracker = track()
+    assert isinstance(tracker, Tracker)
+    with pytest.raises(ZeroDivisionError), tracker:
+        torch.ones(3)
+        raise ZeroDivisionError
+    assert _dispatch_modes() == 0
+    with pytest.raises(RuntimeError, match=r"^remat: a Tracker can be entered only once"):
+        tracker.__enter__()
+    assert tracker.current_bytes == 0
+
+
+def test_frees_from_another_thread_are_subtracted() -> None:
+    box: list[torch.Tensor] = []
+    with track() as t:
+        box.append(torch.empty(1000))
+        thread = threading.Thread(target=box.clear)
+        thread.start()
+        thread.join()
+        assert t.current_bytes == 0
+    assert t.peak_bytes == 1000 * F32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_matches_the_allocator() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    w = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    x = torch.randn(512, 1024, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with track() as t:
+        loss = (x @ w).relu().square().sum()
+        torch.autograd.backward(loss)
+        torch.cuda.synchronize()
+    allocator_peak = torch.cuda.max_memory_allocated() - base
+    assert t.devices == (torch.device("cuda", 0),)
+    # The caching allocator rounds every block up to 512 bytes and may hold workspaces (cuBLAS).
+    assert t.peak("cuda") <= allocator_peak
+    assert allocator_peak - t.peak("cuda") <= 0.05 * allocator_peak + 8 * 1024 * 1024
