@@ -6,7 +6,8 @@ import itertools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._modes import Mode
 
 __all__ = ["OpTrace", "side_by_side"]
 
@@ -19,7 +20,7 @@ def _describe(func: Any, out: Any) -> str:
     return f"{func}{shapes if shapes else ''}"
 
 
-class OpTrace(TorchDispatchMode):  # type: ignore[misc]
+class OpTrace(Mode):
     """Record each aten op that runs inside, with its output shapes, into `lines`."""
 
     def __init__(self, lines: list[str]) -> None:

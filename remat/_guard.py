@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._modes import Mode
 
 __all__ = ["OutsideWrites"]
 
@@ -16,44 +17,48 @@ __all__ = ["OutsideWrites"]
 # Forward already applied every in-place update to state that outlives the region: BatchNorm's running
 # statistics and `num_batches_tracked`, a user's accumulator, a buffer. Recompute must compute the same values
 # without applying those updates a second time (torch.utils.checkpoint applies them twice, pytorch issue 96136).
-# While recompute runs, this mode remembers the storage of every tensor an op makes; an op whose schema
-# writes to an argument whose storage was not made during recompute runs on a clone of that argument instead.
+# While recompute runs, this mode remembers the memory of every tensor an op makes (ops whose outputs alias an
+# input, views and in-place ops, make nothing new); an op whose schema writes to an argument whose memory was
+# not made during recompute runs on a clone of that argument instead. A tensor's memory is named by the data
+# pointer of its base, so views of a tensor made inside count as inside and views of outside ones as outside.
 # The forward path pays nothing: the mode exists only while recompute runs.
 
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+_Info = tuple[tuple[tuple[int, str], ...], bool]
+_INFO: dict[Any, _Info] = {}
 
 
-def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
-    found = _WRITES.get(func)
-    if found is None:
-        found = tuple(
-            (position, argument.name)
-            for position, argument in enumerate(func._schema.arguments)
-            if argument.alias_info is not None and argument.alias_info.is_write
-        )
-        _WRITES[func] = found
+def _info(func: Any) -> _Info:
+    """Which arguments `func` writes to, and whether its outputs are new memory (not aliases)."""
+    schema = func._schema
+    writes = tuple(
+        (position, argument.name)
+        for position, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+    fresh = all(result.alias_info is None for result in schema.returns)
+    _INFO[func] = found = (writes, fresh)
     return found
 
 
-def _storage_key(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage().data_ptr())
+def _memory(tensor: torch.Tensor) -> int:
+    base = tensor._base
+    return int((tensor if base is None else base).data_ptr())
 
 
-class OutsideWrites(TorchDispatchMode):  # type: ignore[misc]
+class OutsideWrites(Mode):
     """Redirect in-place writes to tensors from outside the recompute onto clones."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.made: set[int] = set()
 
     def _outside(self, value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and _storage_key(value) not in self.made
+        return isinstance(value, torch.Tensor) and _memory(value) not in self.made
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        writes = _written_arguments(func)
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        writes, fresh = _INFO.get(func) or _info(func)
+        if kwargs is None:
+            kwargs = {}
         if writes:
             args = list(args)
             for position, name in writes:
@@ -62,7 +67,12 @@ class OutsideWrites(TorchDispatchMode):  # type: ignore[misc]
                 elif name in kwargs and self._outside(kwargs[name]):
                     kwargs = {**kwargs, name: kwargs[name].clone()}
         out = func(*args, **kwargs)
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor):
-                self.made.add(_storage_key(tensor))
+        if fresh:
+            made = self.made
+            if type(out) is torch.Tensor:
+                made.add(out.data_ptr())
+            elif isinstance(out, (tuple, list)):
+                for tensor in out:
+                    if isinstance(tensor, torch.Tensor):
+                        made.add(_memory(tensor))
         return out
