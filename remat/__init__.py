@@ -9,6 +9,7 @@ import sys
 import types
 from typing import Any
 
+from . import policies as policies
 from ._api import Remat as Remat
 from ._api import remat as remat
 from ._checkpoint import checkpoint as checkpoint
@@ -16,6 +17,7 @@ from ._checkpoint import checkpoint_sequential as checkpoint_sequential
 from ._errors import BudgetError as BudgetError
 from ._errors import RecomputeMismatchError as RecomputeMismatchError
 from ._errors import RematError as RematError
+from ._policies import tag as tag
 from ._switch import enabled as enabled
 from ._switch import is_enabled as is_enabled
 from ._switch import set_enabled as set_enabled
@@ -34,11 +36,13 @@ __all__ = [
     "apply",
     "checkpoint",
     "checkpoint_sequential",
+    "policies",
     "enabled",
     "is_enabled",
     "region",
     "remat",
     "set_enabled",
+    "tag",
     "undo",
 ]
 

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ._policies import as_policy
+
 __all__ = ["STRATEGIES", "Options"]
 
 Strategy = Literal["rerun", "replay"]
@@ -25,10 +27,11 @@ class Options:
     debug: bool = False
 
     def __post_init__(self) -> None:
-        if self.policy is not None and not callable(self.policy):
-            raise TypeError(
-                "remat: `policy` must be a callable or one of remat.policies, "
-                f"but got `{type(self.policy).__name__}`."
+        as_policy(self.policy)  # raises TypeError for anything else
+        if self.strategy == "replay" and not as_policy(self.policy).saves_nothing:
+            raise ValueError(
+                "remat: a `policy` other than save_nothing/save_all works with strategy='rerun' only "
+                "for now; use @remat(policy=...) with the default strategy."
             )
         for flag in ("preserve_rng", "check", "debug"):
             if not isinstance(getattr(self, flag), bool):

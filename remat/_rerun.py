@@ -16,6 +16,7 @@ from ._debug import OpTrace
 from ._errors import RematError
 from ._guard import OutsideWrites
 from ._hooks import Frame, Handle, StopRecompute
+from ._policies import Policy, ReuseOps, SaveOps, tags
 from ._rng import RngStash, devices_of
 from ._tree import map_tensors, tensors_in
 
@@ -81,8 +82,8 @@ class RerunFrame(Frame):
     """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
 
     __slots__ = (
-        "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kwargs", "outer_unpack",
-        "rng", "tensors", "versions",
+        "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
+        "kwargs", "outer_unpack", "policy", "rng", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
@@ -97,17 +98,30 @@ class RerunFrame(Frame):
     autocast: AutocastState | None
     contexts: Callable[[], AbstractContextManager[Any]] | None
     exit: ExitStack | None
+    policy: Policy | None
+    kept: list[Any]  # outputs of the ops the policy keeps, in forward's order
+    kept_ids: set[int]  # ids of every tensor the policy keeps
+    kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, in order
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | Handle:
         """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
         if id(tensor) in self.ids or (tensor.requires_grad and tensor.grad_fn is None):
             return self.keep(tensor)
+        if self.policy is not None and id(tensor) in self.kept_ids:
+            return self.keep(tensor.detach())  # detached: an op may save its own output
         base = tensor._base
         if base is not None and (
             id(base) in self.ids or (base.requires_grad and base.grad_fn is None)
         ):
             return self.keep(tensor)
         return self.handle(tensor)
+
+    def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Forward's `remat.tag`: keep `tensor` when the policy saves `name`."""
+        if self.policy is not None and self.policy.saves_name(name):
+            self.kept_tags.append(tensor)
+            self.kept_ids.add(id(tensor))
+        return tensor
 
     def _inputs(self) -> tuple[Any, Any]:
         if self.outer_unpack is not None:
@@ -147,6 +161,17 @@ class RerunFrame(Frame):
             if self.contexts is not None:
                 stack.enter_context(self.contexts())
             stack.enter_context(OutsideWrites())
+            if self.policy is not None:
+                stack.enter_context(ReuseOps(self.policy, self.kept))
+                if self.kept_tags:
+                    kept_tags = iter(self.kept_tags)
+
+                    def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
+                        if not self.policy.saves_name(name):  # type: ignore[union-attr]
+                            return tensor
+                        return next(kept_tags).detach().requires_grad_(tensor.requires_grad)
+
+                    stack.enter_context(_tag_sink(hand_back))
             if self.trace is not None:
                 self.retrace = []
                 stack.enter_context(OpTrace(self.retrace))
@@ -161,6 +186,16 @@ class RerunFrame(Frame):
 
 def _identity(packed: Any) -> Any:
     return packed
+
+
+@contextmanager
+def _tag_sink(sink: Callable[[torch.Tensor, str], torch.Tensor]) -> Iterator[None]:
+    """Route `remat.tag` calls to `sink` while the block runs (see NOTE [ Policies ])."""
+    tags.sinks.append(sink)
+    try:
+        yield
+    finally:
+        tags.sinks.pop()
 
 
 _Contexts = tuple[
@@ -180,6 +215,7 @@ def begin(
     debug: bool = False,
     module: nn.Module | None = None,
     contexts: _Contexts | None = None,
+    policy: Policy | None = None,
 ) -> RerunFrame:
     """Open a rerun region for the call `fn(*args, **kwargs)` that the caller makes next; see `call`."""
     tensors = tensors_in(args, [])
@@ -201,12 +237,20 @@ def begin(
     frame.autocast = AutocastState.capture(frame.devices)
     frame.contexts = contexts[1] if contexts is not None else None
     frame.exit = None
-    if contexts is not None or frame.trace is not None:
+    frame.policy = policy
+    if policy is not None:
+        frame.kept, frame.kept_ids, frame.kept_tags = [], set(), []
+    if contexts is not None or frame.trace is not None or policy is not None:
         frame.exit = ExitStack()
         if contexts is not None:
             frame.exit.enter_context(contexts[0]())
         if frame.trace is not None:
             frame.exit.enter_context(OpTrace(frame.trace))
+        if policy is not None:
+            if policy.ops:
+                frame.exit.enter_context(SaveOps(policy, frame.kept, frame.kept_ids))
+            if policy.names:
+                frame.exit.enter_context(_tag_sink(frame.keep_tagged))
     _push_hooks(frame.pack, frame.unpack)
     return frame
 
@@ -231,6 +275,7 @@ def call(
     debug: bool = False,
     module: nn.Module | None = None,
     contexts: _Contexts | None = None,
+    policy: Policy | None = None,
 ) -> Any:
     """Run `fn(*args, **kwargs)` as a rerun region and return its output.
 
@@ -245,13 +290,14 @@ def call(
         debug: record op traces for mismatch errors.
         module: the module whose method runs, so its parameters' devices count for RNG.
         contexts: `(forward, recompute)` context factories, like torch's `context_fn`.
+        policy: what to keep from forward instead of rebuilding (None: nothing; see NOTE [ Policies ]).
 
     >>> x = torch.ones(3, requires_grad=True)
     >>> call(torch.sin, (x,), {}, site="sin").sum().backward()
     """
     frame = begin(
         fn, args, kwargs, site=site, check=check, preserve_rng=preserve_rng,
-        early_stop=early_stop, debug=debug, module=module, contexts=contexts,
+        early_stop=early_stop, debug=debug, module=module, contexts=contexts, policy=policy,
     )
     try:
         return fn(*args, **kwargs)

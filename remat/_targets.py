@@ -15,6 +15,7 @@ from torch import nn
 
 from . import _rerun, _switch
 from ._options import Options
+from ._policies import as_policy
 
 __all__ = ["apply", "undo", "wrap", "wrap_class", "wrap_function", "wrap_module"]
 
@@ -26,16 +27,18 @@ _MARK = "__remat_options__"
 class _Engine:
     """The strategy's entry points, resolved once when a site is made."""
 
-    __slots__ = ("begin", "call", "end", "extra")
+    __slots__ = ("begin", "call", "end", "extra", "passthrough")
 
     def __init__(self, options: Options, site: str) -> None:
+        policy = as_policy(options.policy)
+        self.passthrough = policy.everything
         if options.strategy == "replay":
             from . import _region as engine
 
             self.extra: dict[str, Any] = {}
         else:
             engine = _rerun  # type: ignore[assignment]
-            self.extra = {"early_stop": True}
+            self.extra = {"early_stop": True, "policy": None if policy.saves_nothing else policy}
         self.call = engine.call
         self.begin = engine.begin
         self.end = engine.end
@@ -60,6 +63,8 @@ def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
     name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
     engine = _Engine(options, name)
     call, extra, enabled, switch = engine.call, engine.extra, options.enabled, _switch._state
+    if engine.passthrough:  # save_all keeps every activation: nothing to rematerialize
+        enabled = False
 
     @functools.wraps(fn)
     def remat_wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -100,7 +105,7 @@ class _Open:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         stack = _open_sites.stack
-        if not _active(self.options):
+        if self.engine.passthrough or not _active(self.options):
             stack.append((module, None, None))
             return
         engine = self.engine

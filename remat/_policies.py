@@ -1,0 +1,195 @@
+"""Selective rematerialization: which activations inside a region are still saved (spec §2.4).
+
+See NOTE [ Policies ].
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ._modes import Mode
+
+__all__ = ["Policy", "SaveOps", "ReuseOps", "as_policy", "save_all", "save_matmuls", "save_nothing",
+           "save_tagged", "tag"]
+
+# NOTE [ Policies ]
+# A policy says which op outputs a region keeps from forward instead of rebuilding. It is a set of ops (decided
+# per aten overload, once: `save_matmuls`, or any callable `op -> bool`) and a set of tag names (`save_tagged`,
+# with `remat.tag(t, name)` naming a tensor, like JAX's `checkpoint_name`); `|` takes the union.
+# With a policy that saves ops, forward runs under `SaveOps`, which keeps the outputs of every chosen op in
+# order; recompute runs under `ReuseOps`, which hands those outputs back instead of running the op again. That
+# is where the time goes back: the matmuls are not recomputed, the cheap pointwise ops between them are. A
+# tagged tensor is kept when `tag` is called on it inside a region whose policy saves that name, and `tag`
+# returns the kept tensor in recompute. The pack hook keeps every kept tensor by reference.
+
+_Op = Callable[[Any], bool]
+
+
+class Policy:
+    """Which activations a region keeps; combine with `|`.
+
+    >>> import remat
+    >>> policy = remat.policies.save_matmuls | remat.policies.save_tagged("attn")
+    >>> policy.saves_name("attn")
+    True
+    """
+
+    __slots__ = ("_cache", "everything", "names", "ops")
+
+    def __init__(
+        self, ops: Iterable[_Op] = (), names: Iterable[str] = (), everything: bool = False
+    ) -> None:
+        self.ops = tuple(ops)
+        self.names = frozenset(names)
+        self.everything = everything
+        self._cache: dict[Any, bool] = {}
+
+    def saves_op(self, op: Any) -> bool:
+        """Whether outputs of the aten overload `op` are kept (decided once per overload)."""
+        found = self._cache.get(op)
+        if found is None:
+            found = self._cache[op] = any(choose(op) for choose in self.ops)
+        return found
+
+    def saves_name(self, name: str) -> bool:
+        """Whether tensors tagged `name` are kept."""
+        return name in self.names
+
+    @property
+    def saves_nothing(self) -> bool:
+        """True for the default policy: every activation is rebuilt."""
+        return not (self.ops or self.names or self.everything)
+
+    def __or__(self, other: Policy | _Op) -> Policy:
+        other = as_policy(other)
+        return Policy(
+            self.ops + other.ops, self.names | other.names, self.everything or other.everything
+        )
+
+    __ror__ = __or__
+
+    def __repr__(self) -> str:
+        if self.everything:
+            return "save_all"
+        parts = [getattr(op, "__name__", repr(op)) for op in self.ops]
+        if self.names:
+            parts.append(f"save_tagged{tuple(sorted(self.names))}")
+        return " | ".join(parts) or "save_nothing"
+
+
+def as_policy(policy: Policy | _Op | None) -> Policy:
+    """`None` is `save_nothing`; a callable `op -> bool` chooses ops; a `Policy` is itself."""
+    if policy is None:
+        return save_nothing
+    if isinstance(policy, Policy):
+        return policy
+    if callable(policy):
+        return Policy(ops=(policy,))
+    raise TypeError(
+        f"remat: `policy` must be a callable or one of remat.policies, but got `{type(policy).__name__}`."
+    )
+
+
+def _matmul_packets() -> frozenset[Any]:
+    aten = torch.ops.aten
+    names = (
+        "mm", "bmm", "addmm", "baddbmm", "convolution", "_convolution", "_scaled_mm",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    )
+    return frozenset(getattr(aten, name) for name in names if hasattr(aten, name))
+
+
+_MATMULS: list[frozenset[Any]] = []
+
+
+def matmuls(op: Any) -> bool:
+    """Matmul-class ops: mm, bmm, addmm, baddbmm, convolution, scaled-dot-product attention kernels."""
+    if not _MATMULS:
+        _MATMULS.append(_matmul_packets())
+    return getattr(op, "overloadpacket", None) in _MATMULS[0]
+
+
+save_nothing = Policy()
+save_all = Policy(everything=True)
+save_matmuls = Policy(ops=(matmuls,))
+
+
+def save_tagged(*names: str) -> Policy:
+    """Keep the tensors named with `remat.tag(t, name)` for any of `names`.
+
+    >>> import remat
+    >>> remat.policies.save_tagged("attn", "mlp").names == {"attn", "mlp"}
+    True
+    """
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"remat: save_tagged takes tag names (str), but got `{type(name).__name__}`.")
+    return Policy(names=names)
+
+
+class _Tags(threading.local):
+    """The innermost region whose policy keeps tags, for `tag` to report to."""
+
+    def __init__(self) -> None:
+        self.sinks: list[Callable[[torch.Tensor, str], torch.Tensor]] = []
+
+
+tags = _Tags()
+
+
+def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Name `tensor` for `save_tagged`; returns it (in recompute, the kept tensor from forward).
+
+    Outside a region whose policy saves `name`, this is the identity and costs one list check.
+
+    >>> import torch, remat
+    >>> @remat(policy=remat.policies.save_tagged("h"))
+    ... def f(x):
+    ...     return remat.tag(x.sin(), "h").cos()
+    >>> f(torch.ones(2, requires_grad=True)).sum().backward()
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"remat: tag expects a tensor, but got `{type(tensor).__name__}`.")
+    sinks = tags.sinks
+    return sinks[-1](tensor, name) if sinks else tensor
+
+
+class SaveOps(Mode):
+    """Forward: keep the outputs of the ops `policy` chooses, in order."""
+
+    def __init__(self, policy: Policy, kept: list[Any], ids: set[int]) -> None:
+        super().__init__()
+        self.policy = policy
+        self.kept = kept
+        self.ids = ids
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.policy.saves_op(func):
+            self.kept.append(out)
+            for tensor in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(tensor, torch.Tensor):
+                    self.ids.add(id(tensor))
+        return out
+
+
+class ReuseOps(Mode):
+    """Recompute: hand back forward's outputs of the chosen ops instead of running them again."""
+
+    def __init__(self, policy: Policy, kept: list[Any]) -> None:
+        super().__init__()
+        self.policy = policy
+        self.kept = iter(kept)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.policy.saves_op(func):
+            out = next(self.kept)
+            if isinstance(out, torch.Tensor):
+                return out.detach()
+            return type(out)(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
+        return func(*args, **(kwargs or {}))
