@@ -29,6 +29,7 @@ schema says "alias"; its output counts as new. A storage that changed size (``re
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -75,12 +76,23 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+# NOTE [ Dynamo and first use ]
+# TorchDispatchMode wraps a subclass's __torch_dispatch__ in `torch._disable_dynamo`, which imports
+# torch._dynamo (about 2 s on CPU) on the first op a mode sees. Dynamo can only run into our frame
+# when compiled code runs, which needs torch._dynamo imported. So the mode used is picked at
+# `__enter__`: `_Mode` (not wrapped) while torch._dynamo is not imported, else `_DynamoSafeMode`.
+
+
 class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The dispatch mode of one `Tracker`: runs every op and shows its outputs to the tracker."""
 
     def __init__(self, tracker: Tracker) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._tracker = tracker
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # see NOTE [ Dynamo and first use ]
 
     def __torch_dispatch__(
         self,
@@ -92,6 +104,16 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         self._tracker._see(func, args, kwargs, out)
         return out
+
+
+class _DynamoSafeMode(_Mode):  # type: ignore[no-untyped-call]
+    """`_Mode` with __torch_dispatch__ hidden from dynamo. See NOTE [ Dynamo and first use ]."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = _Mode.__torch_dispatch__  # re-declared so that it gets wrapped
 
 
 class Tracker:
@@ -129,10 +151,9 @@ class Tracker:
     # -- context manager ---------------------------------------------------------------------
     def __enter__(self) -> Tracker:
         if self._mode is not None or self._done:
-            raise RuntimeError(
-                "remat: a Tracker can be entered only once; call remat.track() again instead."
-            )
-        self._mode = _Mode(self)
+            raise RuntimeError("remat: a Tracker can be entered only once; call remat.track() again instead.")
+        mode_type = _DynamoSafeMode if "torch._dynamo" in sys.modules else _Mode
+        self._mode = mode_type(self)
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 
@@ -203,13 +224,8 @@ class Tracker:
         return self._current.get(self._resolve(device), 0)
 
     def __repr__(self) -> str:
-        per_device = ", ".join(
-            f"{d}: current={self._current.get(d, 0)} peak={self._peak[d]}" for d in self.devices
-        )
-        return (
-            f"Tracker(current_bytes={self.current_bytes}, peak_bytes={self.peak_bytes}, "
-            f"per_device={{{per_device}}})"
-        )
+        per_device = ", ".join(f"{d}: current={self._current.get(d, 0)} peak={self._peak[d]}" for d in self.devices)
+        return f"Tracker(current_bytes={self.current_bytes}, peak_bytes={self.peak_bytes}, per_device={{{per_device}}})"
 
     def _resolve(self, device: str | torch.device) -> torch.device:
         dev = device if isinstance(device, torch.device) else torch.device(device)
@@ -221,8 +237,7 @@ class Tracker:
         if len(same_type) > 1:
             names = ", ".join(sorted(map(str, same_type)))
             raise ValueError(
-                f"remat: device {str(dev)!r} is ambiguous; this tracker saw {names}. "
-                "Name the device with its index."
+                f"remat: device {str(dev)!r} is ambiguous; this tracker saw {names}. Name the device with its index."
             )
         return same_type[0] if same_type else torch.device(dev.type, 0)
 
