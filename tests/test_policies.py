@@ -1,0 +1,120 @@
+"""Policies (spec §2.4): what a region keeps from forward, and that keeping it saves recompute."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same_grads, randn
+from models import MLP, TransformerBlock
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat import policies
+from remat._track import track
+
+POLICIES = {
+    "save_nothing": policies.save_nothing,
+    "save_all": policies.save_all,
+    "save_matmuls": policies.save_matmuls,
+    "save_tagged": policies.save_tagged("hidden"),
+    "matmuls_or_tagged": policies.save_matmuls | policies.save_tagged("hidden"),
+    "callable": lambda op: "tanh" in str(op),
+}
+
+
+class TaggedMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = remat.tag(torch.tanh(self.fc2(torch.relu(self.fc1(x)))), "hidden")
+        return self.fc3(hidden)
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if policies.Policy(ops=[remat._policies.matmuls]).saves_op(func):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_gives_the_gradients_of_no_remat(name: str) -> None:
+    policy = POLICIES[name]
+    assert_same_grads(TaggedMLP, (randn(4, 8, requires_grad=True),), lambda m: remat.remat(m, policy=policy))
+
+
+@pytest.mark.parametrize("name", ["save_matmuls", "matmuls_or_tagged"])
+def test_policies_on_a_transformer_block_with_dropout(name: str) -> None:
+    policy = POLICIES[name]
+    assert_same_grads(
+        TransformerBlock, (randn(2, 5, 8, requires_grad=True),), lambda m: remat.remat(m, policy=policy)
+    )
+
+
+def _backward_matmuls(policy: Any) -> int:
+    model = MLP().double()
+    step = remat.remat(model, policy=policy) if policy is not None else model
+    loss = step(randn(4, 8, requires_grad=True)).sum()
+    with _CountMatmuls() as counter:
+        loss.backward()
+    return counter.count
+
+
+def test_save_matmuls_runs_no_matmul_again_in_backward() -> None:
+    plain = _backward_matmuls(None)
+    assert _backward_matmuls(policies.save_nothing) > plain  # full remat reruns the layers' addmm
+    assert _backward_matmuls(policies.save_matmuls) == plain
+
+
+def _held_bytes(policy: Any) -> int:
+    model = TaggedMLP(64).double()
+    step = remat.remat(model, policy=policy) if policy is not None else model
+    x = randn(32, 64, requires_grad=True)
+    with track() as tracker:
+        out = step(x)
+        held = tracker.current_bytes
+    out.sum().backward()
+    return held
+
+
+def test_save_matmuls_holds_memory_between_full_remat_and_none() -> None:
+    none, full = _held_bytes(None), _held_bytes(policies.save_nothing)
+    matmuls = _held_bytes(policies.save_matmuls)
+    # Outputs of matmuls are kept; pointwise ops between them are rebuilt. On an MLP whose pointwise
+    # ops save their own outputs, that can hold as much as no remat, never more.
+    assert full < matmuls <= none
+
+
+def test_a_tagged_tensor_is_kept_and_the_rest_rebuilt() -> None:
+    full = _held_bytes(policies.save_nothing)
+    tagged = _held_bytes(policies.save_tagged("hidden"))
+    hidden_bytes = 32 * 128 * 8
+    assert tagged - full == hidden_bytes
+
+
+def test_tag_outside_a_region_is_the_identity() -> None:
+    x = torch.ones(3)
+    assert remat.tag(x, "anything") is x
+    with pytest.raises(TypeError, match="tag expects a tensor"):
+        remat.tag([1.0], "x")  # type: ignore[arg-type]
+
+
+def test_policies_combine_with_or() -> None:
+    policy = policies.save_matmuls | policies.save_tagged("a") | policies.save_tagged("b")
+    assert policy.names == {"a", "b"}
+    assert policy.saves_op(torch.ops.aten.mm.default)
+    assert not policy.saves_op(torch.ops.aten.relu.default)
+    assert repr(policies.save_nothing) == "save_nothing"
+
+
+def test_a_bad_policy_is_a_type_error_when_decorating() -> None:
+    with pytest.raises(TypeError, match="`policy` must be a callable or one of remat.policies, but got `int`"):
+        remat.remat(policy=3)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="save_tagged takes tag names"):
+        policies.save_tagged(1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="strategy='rerun' only"):
+        remat.remat(policy=policies.save_matmuls, strategy="replay")
