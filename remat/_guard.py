@@ -22,18 +22,27 @@ __all__ = ["OutsideWrites"]
 # not made during recompute runs on a clone of that argument instead. A tensor's memory is named by the data
 # pointer of its base, so views of a tensor made inside count as inside and views of outside ones as outside.
 # The forward path pays nothing: the mode exists only while recompute runs.
+# Some ops write to arguments that their schema does not mark as written: `native_batch_norm` (and its cuDNN
+# and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`. Those
+# writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.
 
 _Info = tuple[tuple[tuple[int, str], ...], bool]
+_UNDECLARED = {
+    "native_batch_norm": ("running_mean", "running_var"),
+    "cudnn_batch_norm": ("running_mean", "running_var"),
+    "miopen_batch_norm": ("running_mean", "running_var"),
+}
 _INFO: dict[Any, _Info] = {}
 
 
 def _info(func: Any) -> _Info:
     """Which arguments `func` writes to, and whether its outputs are new memory (not aliases)."""
     schema = func._schema
+    undeclared = _UNDECLARED.get(schema.name.removeprefix("aten::"), ())
     writes = tuple(
         (position, argument.name)
         for position, argument in enumerate(schema.arguments)
-        if argument.alias_info is not None and argument.alias_info.is_write
+        if (argument.alias_info is not None and argument.alias_info.is_write) or argument.name in undeclared
     )
     fresh = all(result.alias_info is None for result in schema.returns)
     _INFO[func] = found = (writes, fresh)
