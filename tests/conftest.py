@@ -1,0 +1,160 @@
+"""Shared test helpers: one comparison of remat against a no-remat float64 baseline, and a leak guard.
+
+`assert_same_grads` is the helper every feature test uses (see tests/test_*.py): it runs the same model or
+function twice from the same seeds, once as is and once through a remat variant, and compares outputs,
+gradients of every input and parameter, buffers (BatchNorm statistics) and the RNG state after backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import _targets
+from remat._tree import map_tensors, tensors_in
+
+
+def randn(*shape: int, requires_grad: bool = False, seed: int = 0) -> torch.Tensor:
+    """A float64 tensor from its own generator (the global RNG stays untouched)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).requires_grad_(requires_grad)
+
+
+def hooks_installed() -> bool:
+    """Whether any saved-tensor default hooks are on the stack right now."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def dispatch_modes() -> int:
+    return int(torch._C._len_torch_dispatch_stack())
+
+
+@pytest.fixture(autouse=True)
+def _no_state_left_behind() -> Iterator[None]:
+    """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch back on."""
+    assert not hooks_installed(), "a previous test left saved-tensor hooks installed"
+    yield
+    left_hooks = hooks_installed()
+    left_modes = dispatch_modes()
+    left_sites = list(_targets._open_sites.stack)
+    while hooks_installed():
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    _targets._open_sites.stack.clear()
+    remat.set_enabled(True)
+    assert not left_hooks, "the test left saved-tensor hooks installed"
+    assert left_modes == 0, "the test left a dispatch mode on the stack"
+    assert not left_sites, "the test left a module site open"
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """A scalar that depends on every floating output element with a distinct fixed weight."""
+    generator = torch.Generator().manual_seed(1234)
+    total = torch.zeros(())
+    for tensor in tensors_in(out, []):
+        if tensor.is_floating_point() and tensor.requires_grad:
+            weight = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+            total = total + (tensor * weight).sum()
+    return total
+
+
+def _fresh(inputs: Any) -> Any:
+    """A copy of `inputs` with every tensor cloned as a new leaf that keeps its requires_grad."""
+    return map_tensors(inputs, lambda t: t.detach().clone().requires_grad_(t.requires_grad))
+
+
+class Run:
+    """What one run produced: outputs, loss, gradients of inputs and parameters, buffers, RNG after."""
+
+    def __init__(self, out: Any, loss: torch.Tensor, grads: dict[str, Any], buffers: dict[str, Any],
+                 rng: torch.Tensor, target: Any) -> None:
+        self.out, self.loss, self.grads, self.buffers, self.rng, self.target = (
+            out, loss, grads, buffers, rng, target
+        )
+
+
+def run_once(
+    make: Callable[[], Any],
+    inputs: tuple[Any, ...],
+    wrap: Callable[[Any], Callable[..., Any]],
+    *,
+    kwargs: dict[str, Any] | None = None,
+    seed: int = 0,
+    backward: Callable[[torch.Tensor, list[torch.Tensor]], None] | None = None,
+) -> Run:
+    """Build the target from `seed`, call it through `wrap`, run backward, collect every gradient."""
+    torch.manual_seed(seed)
+    target = make()
+    if isinstance(target, nn.Module):
+        target = target.double()
+    args, kw = _fresh(inputs), _fresh(kwargs or {})
+    fn = wrap(target)
+    torch.manual_seed(seed + 1)
+    out = fn(*args, **kw)
+    loss = loss_of(out)
+    leaves = [t for t in tensors_in((args, kw), []) if t.requires_grad]
+    params = dict(target.named_parameters()) if isinstance(target, nn.Module) else {}
+    if loss.requires_grad:
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss, leaves + list(params.values()))
+    grads: dict[str, Any] = {f"input {i}": t.grad for i, t in enumerate(leaves)}
+    grads.update({f"parameter {name}": p.grad for name, p in params.items()})
+    buffers = (
+        {name: b.clone() for name, b in target.named_buffers()} if isinstance(target, nn.Module) else {}
+    )
+    return Run(out, loss.detach(), grads, buffers, torch.get_rng_state(), target)
+
+
+def assert_same_grads(
+    make: Callable[[], Any],
+    inputs: tuple[Any, ...],
+    variant: Callable[[Any], Callable[..., Any]] = remat.remat,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    seed: int = 0,
+    backward: Callable[[torch.Tensor, list[torch.Tensor]], None] | None = None,
+) -> tuple[Run, Run]:
+    """Compare a no-remat run with a remat run of the same model or function, from the same seeds.
+
+    Args:
+        make: builds the target: an `nn.Module` (made float64) or a plain function. Called once per run
+            after `torch.manual_seed(seed)`, so both runs start from the same parameters.
+        inputs: positional arguments; tensors anywhere inside are cloned for each run as fresh leaves that
+            keep their `requires_grad`.
+        variant: turns the target into the rematerialized callable (`remat`, `remat.apply(...)`, a
+            `remat.checkpoint` partial, ...). The baseline calls the target as it is.
+        kwargs: keyword arguments, cloned the same way.
+        seed: the seed of the parameters; the call itself runs after `torch.manual_seed(seed + 1)`.
+        backward: how to run backward given `(loss, leaves)`; default `loss.backward()`.
+
+    Returns:
+        The baseline run and the remat run, for further checks.
+
+    Compares outputs (values and `requires_grad`), every input and parameter gradient, every buffer, and
+    the CPU RNG state after backward, with `torch.testing.assert_close` at default tolerances.
+    """
+    base = run_once(make, inputs, lambda target: target, kwargs=kwargs, seed=seed, backward=backward)
+    ours = run_once(make, inputs, variant, kwargs=kwargs, seed=seed, backward=backward)
+    base_out, our_out = tensors_in(base.out, []), tensors_in(ours.out, [])
+    assert len(base_out) == len(our_out), "remat changed the number of output tensors"
+    for index, (expected, got) in enumerate(zip(base_out, our_out, strict=True)):
+        assert got.requires_grad == expected.requires_grad, f"output {index}: requires_grad differs"
+        torch.testing.assert_close(got, expected, msg=lambda m, i=index: f"output {i}: {m}")
+    torch.testing.assert_close(ours.loss, base.loss)
+    assert ours.grads.keys() == base.grads.keys()
+    for key, expected in base.grads.items():
+        got = ours.grads[key]
+        assert (got is None) == (expected is None), f"{key}: gradient present in only one run"
+        if expected is not None:
+            torch.testing.assert_close(got, expected, msg=lambda m, k=key: f"gradient of {k}: {m}")
+    assert ours.buffers.keys() == base.buffers.keys()
+    for key, expected in base.buffers.items():
+        torch.testing.assert_close(ours.buffers[key], expected, msg=lambda m, k=key: f"buffer {k}: {m}")
+    assert torch.equal(ours.rng, base.rng), "the RNG state after backward differs from a run without remat"
+    return base, ours
