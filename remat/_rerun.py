@@ -33,6 +33,8 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 # enclosing pack hook, as if autograd saved them there, and fetched back through its unpack hook when this site
 # recomputes — which may in turn make the outer site recompute. Outside any hooks the inputs are kept as they
 # are (they are alive anyway while the graph is) and their versions are checked before recompute.
+# The same holds for what the nested site's own pack hook sees of its inputs (and views of them): each one is
+# handed to the enclosing pack hook again, wrapped in `_Outer`, and fetched back through its unpack hook.
 
 _INPLACE_INPUT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
@@ -78,17 +80,28 @@ class AutocastState:
             yield
 
 
+class _Outer:
+    """A nested site's input as the enclosing pack hook packed it (see NOTE [ Inputs of nested sites ])."""
+
+    __slots__ = ("packed", "requires_grad")
+
+    def __init__(self, packed: Any, requires_grad: bool = False) -> None:
+        self.packed = packed
+        self.requires_grad = requires_grad
+
+
 class RerunFrame(Frame):
     """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
 
     __slots__ = (
         "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
-        "kwargs", "outer_unpack", "policy", "rng", "tensors", "versions",
+        "kwargs", "outer_pack", "outer_unpack", "policy", "rng", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
     args: Any
     kwargs: Any
+    outer_pack: Callable[[torch.Tensor], Any] | None
     outer_unpack: Callable[[Any], torch.Tensor] | None
     tensors: list[torch.Tensor]
     versions: list[int]
@@ -105,16 +118,31 @@ class RerunFrame(Frame):
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | Handle:
         """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
-        if id(tensor) in self.ids or (tensor.requires_grad and tensor.grad_fn is None):
+        if id(tensor) in self.ids:
+            return self.keep_input(tensor)
+        if tensor.requires_grad and tensor.grad_fn is None:
             return self.keep(tensor)
         if self.policy is not None and id(tensor) in self.kept_ids:
             return self.keep(tensor.detach())  # detached: an op may save its own output
         base = tensor._base
-        if base is not None and (
-            id(base) in self.ids or (base.requires_grad and base.grad_fn is None)
-        ):
-            return self.keep(tensor)
+        if base is not None:
+            if id(base) in self.ids:
+                return self.keep_input(tensor)
+            if base.requires_grad and base.grad_fn is None:
+                return self.keep(tensor)
         return self.handle(tensor)
+
+    def keep_input(self, tensor: torch.Tensor) -> torch.Tensor | _Outer:
+        """Keep an input (or a view of one); inside other hooks, hand it to them instead."""
+        self.keep(tensor)
+        return tensor if self.outer_pack is None else _Outer(self.outer_pack(tensor))
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The unpack hook: what `keep_input` handed to the enclosing hooks comes back through them."""
+        if type(packed) is _Outer:
+            assert self.outer_unpack is not None
+            return self.outer_unpack(packed.packed)
+        return super().unpack(packed)
 
     def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Forward's `remat.tag`: keep `tensor` when the policy saves `name`."""
@@ -126,7 +154,16 @@ class RerunFrame(Frame):
     def _inputs(self) -> tuple[Any, Any]:
         if self.outer_unpack is not None:
             unpack = self.outer_unpack
-            return map_tensors(self.args, unpack), map_tensors(self.kwargs, unpack)
+
+            def fetch(outer: _Outer) -> torch.Tensor:
+                # The enclosing store hands back detached tensors; recompute must see forward's
+                # requires_grad, or autograd would save fewer tensors than forward did.
+                tensor = unpack(outer.packed)
+                if outer.requires_grad and not tensor.requires_grad:
+                    tensor = tensor.detach().requires_grad_()
+                return tensor
+
+            return map_tensors(self.args, fetch, _Outer), map_tensors(self.kwargs, fetch, _Outer)
         for index, (tensor, before) in enumerate(zip(self.tensors, self.versions, strict=True)):
             if tensor._version != before:
                 raise RematError(
@@ -225,11 +262,16 @@ def begin(
     frame.fn = fn
     outer = _top_hooks(False)
     if outer is None:
-        frame.args, frame.kwargs, frame.outer_unpack = args, kwargs, None
+        frame.args, frame.kwargs, frame.outer_pack, frame.outer_unpack = args, kwargs, None, None
         frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
     else:
-        outer_pack, frame.outer_unpack = outer
-        frame.args, frame.kwargs = map_tensors(args, outer_pack), map_tensors(kwargs, outer_pack)
+        outer_pack = frame.outer_pack = outer[0]
+        frame.outer_unpack = outer[1]
+
+        def hand_over(tensor: torch.Tensor) -> _Outer:
+            return _Outer(outer_pack(tensor), tensor.requires_grad)
+
+        frame.args, frame.kwargs = map_tensors(args, hand_over), map_tensors(kwargs, hand_over)
         frame.tensors, frame.versions = [], []
     frame.ids = {id(tensor) for tensor in tensors}
     frame.devices = devices_of(tensors, module) if preserve_rng else ()

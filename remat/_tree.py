@@ -29,21 +29,24 @@ def tensors_in(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Return `obj` with every tensor `t` inside replaced by `fn(t)`; containers are rebuilt, others kept."""
-    if isinstance(obj, _Tensor):
+def map_tensors(obj: Any, fn: Callable[[Any], Any], leaf: type = _Tensor) -> Any:
+    """Return `obj` with every tensor `t` inside replaced by `fn(t)`; containers are rebuilt, others kept.
+
+    `leaf` is the type of what is replaced (tensors unless told otherwise).
+    """
+    if isinstance(obj, leaf):
         return fn(obj)
     if isinstance(obj, tuple):
-        items = [map_tensors(item, fn) for item in obj]
+        items = [map_tensors(item, fn, leaf) for item in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, list):
-        return type(obj)(map_tensors(item, fn) for item in obj)
+        return type(obj)(map_tensors(item, fn, leaf) for item in obj)
     if isinstance(obj, dict):
         mapped = type(obj)()
         for key, item in obj.items():
-            mapped[key] = map_tensors(item, fn)
+            mapped[key] = map_tensors(item, fn, leaf)
         return mapped
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn, leaf) for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(obj, **changes)
     return obj
