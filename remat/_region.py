@@ -1,0 +1,376 @@
+"""The replay strategy: `with remat.region():`, `@remat.region()` and `@remat(strategy="replay")`.
+
+A region records the aten ops its block runs (`_tape.Recorder`) and gives autograd handles instead of the
+activations made inside; backward replays the tape (`_tape.Tape.replay`). See NOTE [ What the tape holds ] in
+_tape.py, NOTE [ Handle lifetime ] in _hooks.py, and NOTE [ Region entry ] and NOTE [ Kept tensors ] below.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from . import _switch
+from ._errors import BUG, RecomputeMismatchError, RematError
+from ._hooks import Frame, Handle
+from ._options import Options
+from ._tape import Recorder, Tape, op_info
+
+__all__ = ["Region", "RegionFrame", "begin", "call", "end"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+# NOTE [ Kept tensors ]
+# Saved tensors that the region does not rebuild — tensors from outside, views of them, tensors the tape never
+# saw — are kept by reference. With hooks installed autograd no longer checks their version on unpack, so the
+# region does: each is kept with the version it had when saved, and a different version in backward raises
+# autograd's own "modified by an inplace operation" error instead of giving a wrong gradient. Inside an
+# enclosing site (another region, a rerun site, `save_on_cpu`), these tensors may be activations of that site,
+# so they are handed to its pack hook instead (see NOTE [ Inputs of nested sites ] in _rerun.py); so are the
+# outside tensors the tape reads, at the end of forward.
+
+_INPLACE_KEPT = (
+    "remat: one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: a tensor of shape {shape} saved in region `{site}` was at version {before} when saved and is "
+    "at version {after} now. Don't modify it in place between forward and backward (clone it first)."
+)
+
+_VALUES_DIFFER = (
+    "remat: replay of `{site}` rebuilt saved tensor #{index} (output {output} of op #{op}, {name}) with other "
+    "values than forward saved ({detail}). Something changed that tensor outside the PyTorch dispatcher (a raw "
+    "Triton or CUDA kernel launch, a write through `.numpy()` or `data_ptr()`), which the tape cannot see: "
+    "do that outside the region, or use strategy='rerun'."
+)
+
+
+class _Kept:
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+
+class _Outer:
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
+class RegionFrame(Frame):
+    """One forward run of a region: its tape, and the saved tensors autograd holds handles for."""
+
+    __slots__ = (
+        "captures", "copies", "freed", "freed_bytes", "ops", "outer", "recorder", "tape",
+    )
+
+    def __init__(self, site: str, check: bool, preserve_rng: bool, debug: bool) -> None:
+        super().__init__(site, check, True, [] if debug else None)
+        self.recorder: Recorder | None = Recorder(preserve_rng, self.trace)
+        self.outer = _top_hooks(False)
+        self.captures: list[tuple[int, int, int, int | None]] = []
+        self.freed: dict[int, int] = {}
+        self.copies: dict[int, torch.Tensor] | None = {} if debug else None
+        self.tape: Tape | None = None
+        self.ops = 0
+        self.freed_bytes = 0
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """The pack hook: a handle for a tensor the tape made, the tensor itself otherwise."""
+        recorder = self.recorder
+        if recorder is None:  # pragma: no cover - hooks are popped before the recorder is dropped
+            raise RematError(f"remat: region `{self.site}` saved a tensor after it ended; {BUG}.")
+        slot = recorder.lookup(tensor)
+        if slot is not None:
+            base = tensor._base
+            if base is None or recorder.lookup(base) is not None:
+                return self._handle(recorder, tensor, slot)
+        self.keep(tensor)
+        if self.outer is None:
+            return _Kept(tensor)
+        recorder.paused = True
+        try:
+            return _Outer(self.outer[0](tensor))
+        finally:
+            recorder.paused = False
+
+    def _handle(self, recorder: Recorder, tensor: torch.Tensor, slot: int) -> Handle:
+        handle = self.handle(tensor)
+        try:
+            storage = tensor.untyped_storage()
+            cdata = int(storage._cdata)
+            if cdata not in self.freed:
+                self.freed[cdata] = storage.nbytes()
+            key: int | None = cdata
+        except (RuntimeError, NotImplementedError, TypeError):
+            key = None
+        self.captures.append((handle.index, slot, len(recorder.ops), key))
+        if self.copies is not None:
+            recorder.paused = True
+            try:
+                self.copies[handle.index] = tensor.detach().clone()
+            finally:
+                recorder.paused = False
+        return handle
+
+    def finish(self) -> None:
+        """End of forward: keep the tape for the saved tensors still alive, drop everything else."""
+        recorder = self.recorder
+        assert recorder is not None
+        self.recorder = None
+        self.ops = len(recorder.ops)
+        self.freed_bytes = sum(self.freed.values())
+        self.freed = {}
+        alive = [
+            capture for capture in self.captures
+            if (ref := self._handles[capture[0]]) is not None and ref() is not None
+        ]
+        self.captures = []
+        recorder.refs = {}
+        if not alive:
+            return
+        self.tape = Tape(recorder, alive, self.site)
+        if self.outer is not None:
+            self.tape.hand_to(self.outer[0])
+
+    # -- backward ------------------------------------------------------------------------------------------
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The unpack hook: see NOTE [ Kept tensors ] and NOTE [ One store per backward ] in _hooks.py."""
+        kind = type(packed)
+        if kind is _Kept:
+            tensor: torch.Tensor = packed.tensor
+            if tensor._version != packed.version:
+                raise RematError(
+                    _INPLACE_KEPT.format(
+                        shape=list(tensor.shape), site=self.site, before=packed.version,
+                        after=tensor._version,
+                    )
+                )
+            return tensor
+        if kind is _Outer:
+            assert self.outer is not None
+            return self.outer[1](packed.packed)
+        return super().unpack(packed)
+
+    def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
+        """Replay the tape up to the last op that `wanted` needs and put those tensors into `store`."""
+        tape = self.tape
+        if tape is None:
+            raise RecomputeMismatchError(f"remat: region `{self.site}` has no tape to replay; {BUG}.")
+        create_graph = torch.is_grad_enabled()
+        copies = self.copies
+
+        def emit(index: int, tensor: torch.Tensor) -> None:
+            self.expect(index, tensor)
+            if copies is not None:
+                self._compare(tape, index, tensor, copies[index])
+            store[index] = tensor if create_graph or not tensor.requires_grad else tensor.detach()
+
+        self.retrace = [] if self.trace is not None else None
+        tape.replay(wanted, emit, None if self.outer is None else self.outer[1], self.retrace)
+
+    def _compare(self, tape: Tape, index: int, tensor: torch.Tensor, forward: torch.Tensor) -> None:
+        try:
+            torch.testing.assert_close(tensor.detach(), forward, equal_nan=True)
+        except AssertionError as error:
+            slot = next(slot for handle, slot, _, _ in tape.captures if handle == index)
+            op = max(i for i, entry in enumerate(tape.ops) if entry[3] <= slot)
+            func, _, _, first, _, _ = tape.ops[op]
+            detail = str(error).strip().splitlines()[0]
+            raise RecomputeMismatchError(
+                _VALUES_DIFFER.format(
+                    site=self.site, index=index, output=slot - first, op=op, name=op_info(func).name,
+                    detail=detail,
+                )
+            ) from None
+
+
+# NOTE [ Region entry ]
+# `begin` pushes the recording mode and then the saved-tensor hooks; `end` pops them in reverse order and
+# finishes the tape, also when the block raised (then the recording is dropped). A region records only when
+# grad mode is on: without it autograd saves nothing, so there is nothing to free. A `Region` object keeps the
+# recordings it has open in a thread-local stack, so one object may be entered again while it is open (a
+# recursive decorated function: each level is a nested region) and from several threads at once; `ops` and
+# `freed_bytes` describe the recording that ended last.
+
+
+def begin(
+    *, site: str, check: bool, preserve_rng: bool, debug: bool, module: nn.Module | None = None
+) -> object:
+    """Start recording a replay region; the code between `begin` and `end` runs inside it.
+
+    Args:
+        site: the name used in errors.
+        check: compare shape, dtype and device of rebuilt tensors with forward's.
+        preserve_rng: replay random ops with the generator states forward used.
+        debug: also keep a copy of each freed tensor and compare rebuilt values (REMAT_DEBUG=1).
+        module: accepted for symmetry with the rerun strategy; the tape finds devices itself.
+
+    Returns:
+        A token for `end` (None when nothing is recorded: grad mode is off).
+
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> token = begin(site="demo", check=True, preserve_rng=True, debug=False)
+    >>> y = x.sin().sin()
+    >>> end(token)
+    >>> y.sum().backward()
+    """
+    del module
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return None
+    frame = RegionFrame(site, check, preserve_rng, debug)
+    recorder = frame.recorder
+    assert recorder is not None
+    recorder.__enter__()  # type: ignore[no-untyped-call]
+    try:
+        _push_hooks(frame.pack, frame.unpack)
+    except BaseException:
+        recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        raise
+    return frame
+
+
+def end(token: object, *, ok: bool = True) -> None:
+    """Stop the recording `begin` started; with `ok=False` (the block raised) just drop it.
+
+    >>> end(None)  # a token of a region that recorded nothing
+    """
+    if token is None:
+        return
+    if not isinstance(token, RegionFrame) or token.recorder is None:
+        raise RematError(f"remat: `end` got {token!r}, which is not an open region token; {BUG}.")
+    recorder = token.recorder
+    try:
+        _pop_hooks()
+    finally:
+        recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    if ok:
+        token.finish()
+    else:
+        token.recorder = None
+
+
+def call(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    site: str,
+    check: bool = True,
+    preserve_rng: bool = True,
+    debug: bool = False,
+    module: nn.Module | None = None,
+) -> Any:
+    """Run `fn(*args, **kwargs)` as a replay region and return its output.
+
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> y = call(torch.sin, (x,), {}, site="sin")
+    >>> y.sum().backward()
+    """
+    token = begin(site=site, check=check, preserve_rng=preserve_rng, debug=debug, module=module)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException:
+        end(token, ok=False)
+        raise
+    end(token)
+    return out
+
+
+class Region:
+    """Rematerialize every activation of a block by replaying the aten ops it ran (spec §2.2).
+
+    Used as `with remat.region() as r:` or as a decorator, `@remat.region()`. Inside, autograd keeps handles
+    instead of the activations made in the block; backward replays the recorded ops to rebuild them. Tensors
+    created before the block are kept by reference. The block runs untouched when the site is off
+    (`enabled=False`, or `REMAT=0`) or when grad mode is off.
+
+    Attributes:
+        ops: number of aten ops recorded by the recording that ended last.
+        freed_bytes: bytes of saved activations that it does not keep (rebuilt in backward).
+
+    Args:
+        options: the site's options; `strategy` is ignored (a region always replays).
+
+    >>> import torch
+    >>> from remat._options import Options
+    >>> x = torch.randn(4, 4, requires_grad=True)
+    >>> with Region(Options()) as r:
+    ...     y = x.tanh().exp()
+    >>> y.sum().backward()
+    >>> r.ops, r.freed_bytes
+    (2, 128)
+    """
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.ops = 0
+        self.freed_bytes = 0
+        self._local = threading.local()
+
+    def _stack(self) -> list[object]:
+        stack: list[object] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _begin(self, site: str | None) -> None:
+        options = self.options
+        token = None
+        if options.active(_switch.is_enabled()):
+            if site is None:
+                caller = sys._getframe(2)
+                site = f"region at {caller.f_code.co_filename}:{caller.f_lineno}"
+            token = begin(
+                site=site, check=options.check, preserve_rng=options.preserve_rng,
+                debug=options.debug or _switch.debug(),
+            )
+        self._stack().append(token)
+
+    def _end(self, ok: bool) -> None:
+        token = self._stack().pop()
+        end(token, ok=ok)
+        if ok and isinstance(token, RegionFrame):
+            self.ops, self.freed_bytes = token.ops, token.freed_bytes
+
+    def __enter__(self) -> Region:
+        self._begin(self.options.name)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._end(exc_type is None)
+
+    def __call__(self, fn: _F) -> _F:
+        """Decorate a function or method: each call runs as a fresh region."""
+        site = self.options.name or getattr(fn, "__qualname__", None) or repr(fn)
+
+        @functools.wraps(fn)
+        def region(*args: Any, **kwargs: Any) -> Any:
+            self._begin(site)
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException:
+                self._end(False)
+                raise
+            self._end(True)
+            return out
+
+        return region  # type: ignore[return-value]

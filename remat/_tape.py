@@ -1,0 +1,547 @@
+"""Record the aten ops a block runs, and replay them in backward (strategy "replay", spec §3.2).
+
+See NOTE [ What the tape holds ], NOTE [ Writes to outside memory ] and NOTE [ Replay plan ].
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._errors import RematError
+from ._rerun import AutocastState
+from ._rng import RngStash
+
+__all__ = ["Recorder", "Tape"]
+
+# NOTE [ What the tape holds ]
+# While the block runs, `Recorder.__torch_dispatch__` appends one entry per aten op: the op, its arguments with
+# every tensor replaced by a marker, its first output slot and its output count, and the grad mode. A marker is
+# the pair `(weakref, slot)`: `slot` numbers every op output (one slot per returned element) and every tensor
+# from outside the tape. Tensors made by the tape are known only through weak references, so the tape never keeps
+# an activation alive; tensors from outside (inputs, parameters, constants) are held strongly, because replay
+# needs them, exactly as a checkpoint keeps its inputs. Identity is the Python object: the objects an op returns
+# inside the mode are the ones that autograd later shows to the pack hook, and an in-place op returns its input
+# object, whose marker then moves to the in-place op's output slot (its new value).
+#
+# NOTE [ Writes to outside memory ]
+# An op that writes (in-place or `out=`) into memory of a tensor from outside the tape — BatchNorm's running
+# statistics, a user's buffer, `x.detach().add_(1)` — happens once, in forward. Before the first such write the
+# recorder copies the whole outside storage; replay rebuilds every outside tensor on that storage as a view of
+# a fresh copy of the snapshot, so replayed writes land on the copy and the original is never touched. Memory is
+# identified by storage (not by tensor) so that any alias of the outside tensor, made inside or outside the tape,
+# is covered. Every other outside tensor is checked in backward against the version it had when first seen:
+# a change means the tape would read a value that no longer exists, which is autograd's "modified by an inplace
+# operation" error.
+#
+# NOTE [ Replay plan ]
+# Forward does the least it can: the plan — which ops are live (an op whose outputs feed no saved tensor is
+# skipped unless it writes memory or draws random numbers), which argument slots each op reads, after which op
+# every slot is dropped, and after which op every saved tensor is complete — is built on the first replay and
+# reused by later ones (`retain_graph`). A saved tensor is taken after the op count it was saved at; if a later
+# replayed op writes into its memory (in-place on it or on a view), it is cloned when taken.
+
+_Tensor = torch.Tensor
+_ref = weakref.ref
+_Ref = weakref.ReferenceType
+_grad_enabled = torch.is_grad_enabled
+
+Marker = tuple["weakref.ReferenceType[torch.Tensor]", int]
+# (op, marked args, marked kwargs or None, first output slot, output count (-1: one tensor), grad mode)
+Entry = tuple[Any, list[Any], "dict[str, Any] | None", int, int, bool]
+
+
+# Ops whose schema does not declare that they write their running statistics (training-mode batch norm).
+_BN_STATS = ((3, "running_mean"), (4, "running_var"))
+_UNDECLARED_WRITES: dict[str, tuple[tuple[int, str], ...]] = {
+    "aten::native_batch_norm": _BN_STATS,
+    "aten::cudnn_batch_norm": _BN_STATS,
+    "aten::miopen_batch_norm": _BN_STATS,
+}
+
+
+class OpInfo:
+    """What the recorder needs to know about one op overload, read once from its schema."""
+
+    __slots__ = ("lists", "name", "seeded", "writes")
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        self.name = str(func)
+        self.writes = tuple(
+            (position, argument.name)
+            for position, argument in enumerate(schema.arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ) + _UNDECLARED_WRITES.get(schema.name, ())
+        self.lists = any("Tensor" in str(argument.type) and "[]" in str(argument.type)
+                         for argument in schema.arguments)
+        self.seeded = torch.Tag.nondeterministic_seeded in func.tags
+
+
+_INFOS: dict[Any, OpInfo] = {}
+_INFOS_LOCK = threading.Lock()
+
+
+def op_info(func: Any) -> OpInfo:
+    """Return the cached `OpInfo` of an op overload."""
+    info = _INFOS.get(func)
+    if info is None:
+        info = OpInfo(func)
+        with _INFOS_LOCK:
+            _INFOS[func] = info
+    return info
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class Outside:
+    """A tensor from outside the tape: the tensor (or what the enclosing hook packed), and its version."""
+
+    __slots__ = ("dtype", "first", "offset", "packed", "shape", "storage", "stride", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, first: int) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.version = tensor._version
+        self.storage = _storage_key(tensor)
+        self.first = first  # the index of the first op that reads it
+        self.packed: Any = None
+        self.shape: tuple[int, ...] = ()
+        self.stride: tuple[int, ...] = ()
+        self.offset = 0
+        self.dtype = tensor.dtype
+
+
+def _seeded_device(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.device:
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, _Tensor):
+            return value.device
+    device = (kwargs or {}).get("device")
+    if device is None:
+        return torch.get_default_device()
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        module = torch.get_device_module(device.type)
+        current = getattr(module, "current_device", None)
+        device = torch.device(device.type, int(current()) if callable(current) else 0)
+    return device
+
+
+class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The dispatch mode that records a region's ops (see NOTE [ What the tape holds ])."""
+
+    def __init__(self, preserve_rng: bool, trace: list[str] | None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.refs: dict[int, Marker] = {}
+        self.ops: list[Entry] = []
+        self.slots = 0
+        self.outside: dict[int, Outside] = {}
+        self.outside_storages: set[int] = set()
+        self.snapshots: dict[int, torch.UntypedStorage] = {}
+        self.writes: list[tuple[int, int]] = []
+        self.preserve_rng = preserve_rng
+        self.cpu_rng: torch.Tensor | None = None
+        self.device_rng: dict[torch.device, Any] = {}
+        self.generators: dict[torch.Generator, torch.Tensor] = {}
+        self.trace = trace
+        self.paused = False
+
+    # -- the hot path --------------------------------------------------------------------------------------
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if self.paused:
+            return func(*args, **(kwargs or {}))
+        info = _INFOS.get(func)
+        if info is None:
+            info = op_info(func)
+        refs = self.refs
+        if info.lists:
+            marked = [self._mark(arg) for arg in args]
+        else:
+            marked = []
+            put = marked.append
+            for arg in args:
+                found = refs.get(id(arg))
+                if found is not None and found[0]() is arg:
+                    put(found)
+                elif isinstance(arg, _Tensor):
+                    put(self._outside(arg))
+                else:
+                    put(arg)
+        marked_kwargs = {key: self._mark(value) for key, value in kwargs.items()} if kwargs else None
+        if info.writes:
+            self._before_write(info, args, kwargs)
+        if info.seeded and self.preserve_rng:
+            self._stash_rng(args, kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        first = self.slots
+        if isinstance(out, _Tensor):
+            refs[id(out)] = (_ref(out), first)
+            self.slots = first + 1
+            count = -1
+        elif type(out) is tuple or type(out) is list:
+            count = len(out)
+            for index, item in enumerate(out):
+                if isinstance(item, _Tensor):
+                    refs[id(item)] = (_ref(item), first + index)
+            self.slots = first + count
+        elif info.writes:
+            count = 0
+        else:
+            return out  # a Python number (`item()`), an op that makes no tensor: nothing to replay
+        self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
+        if self.trace is not None:
+            self.trace.append(_describe(info, out))
+        return out
+
+    # -- the slow paths ------------------------------------------------------------------------------------
+    def _mark(self, value: Any) -> Any:
+        found = self.refs.get(id(value))
+        if found is not None and found[0]() is value:
+            return found
+        if isinstance(value, _Tensor):
+            return self._outside(value)
+        if type(value) is list or type(value) is tuple:
+            return type(value)(self._mark(item) for item in value)
+        return value
+
+    def _outside(self, tensor: torch.Tensor) -> Marker:
+        slot = self.slots
+        self.slots = slot + 1
+        record = Outside(tensor, len(self.ops))
+        self.outside[slot] = record
+        if record.storage is not None:
+            self.outside_storages.add(record.storage)
+        marker = (_ref(tensor), slot)
+        self.refs[id(tensor)] = marker
+        return marker
+
+    def _before_write(self, info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any] | None) -> None:
+        """See NOTE [ Writes to outside memory ]: snapshot outside storage before its first write."""
+        for position, name in info.writes:
+            value = args[position] if position < len(args) else (kwargs or {}).get(name)
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                if not isinstance(tensor, _Tensor):
+                    continue
+                key = _storage_key(tensor)
+                if key is None:
+                    continue
+                self.writes.append((len(self.ops), key))
+                if key in self.outside_storages and key not in self.snapshots:
+                    self.snapshots[key] = tensor.untyped_storage().clone()  # type: ignore[no-untyped-call]
+
+    def _stash_rng(self, args: Sequence[Any], kwargs: dict[str, Any] | None) -> None:
+        """Read the generator state of the device a random op is about to draw from, once per device."""
+        generator = (kwargs or {}).get("generator")
+        if isinstance(generator, torch.Generator):
+            if generator not in self.generators:
+                self.generators[generator] = generator.get_state()
+            return
+        if self.cpu_rng is None:
+            self.cpu_rng = torch.get_rng_state()
+        device = _seeded_device(args, kwargs)
+        if device.type not in ("cpu", "meta") and device not in self.device_rng:
+            self.device_rng[device] = torch.get_device_module(device.type).get_rng_state(device)
+
+    # -- end of forward ------------------------------------------------------------------------------------
+    def lookup(self, tensor: torch.Tensor) -> int | None:
+        """The slot of a tensor made by the tape, or None for one from outside (or never seen)."""
+        found = self.refs.get(id(tensor))
+        if found is None or found[0]() is not tensor or found[1] in self.outside:
+            return None
+        return found[1]
+
+    def rng(self) -> RngStash | None:
+        """The generator states read before the first random op of each device (None: no random op ran)."""
+        if self.cpu_rng is None:
+            return None
+        return RngStash(self.cpu_rng, tuple(self.device_rng.items()))
+
+
+def _describe(info: OpInfo, out: Any) -> str:
+    shapes = [
+        tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,))
+        if isinstance(t, _Tensor)
+    ]
+    return f"{info.name}{shapes if shapes else ''}"
+
+
+class _Slot:
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+
+
+class _Plan:
+    """What replay runs; see NOTE [ Replay plan ]."""
+
+    __slots__ = ("captures", "frees", "steps")
+
+    def __init__(
+        self,
+        steps: list[tuple[Any, list[Any], dict[str, Any] | None, int, int, bool] | None],
+        captures: list[list[tuple[int, int, bool]] | None],
+        frees: list[list[int] | None],
+    ) -> None:
+        self.steps = steps
+        self.captures = captures
+        self.frees = frees
+
+
+def _slots_in(value: Any, out: list[int]) -> None:
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is _Ref:
+        out.append(value[1])
+    elif type(value) is list or type(value) is tuple:
+        for item in value:
+            _slots_in(item, out)
+
+
+def _template(value: Any) -> Any:
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is _Ref:
+        return _Slot(value[1])
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_template(item) for item in value)
+    return value
+
+
+def _fill(value: Any, values: list[Any]) -> Any:
+    if type(value) is _Slot:
+        return values[value.slot]
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_fill(item, values) for item in value)
+    return value
+
+
+_INPLACE_OUTSIDE = (
+    "remat: one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: a tensor of shape {shape} from outside region `{site}`, read by op #{op} ({name}) of its "
+    "tape, was at version {before} when the region read it and is at version {after} now. Replay would run on "
+    "the modified value and give wrong gradients. Don't modify tensors a region reads in place between its "
+    "forward and backward (clone them first, or modify them inside the region)."
+)
+
+
+class Tape:
+    """A finished recording: the ops of one forward of a region and what replay needs to run them again.
+
+    Built by `Tape.finish` at the end of forward from a `Recorder`; `replay` runs in backward.
+    """
+
+    __slots__ = (
+        "captures", "generators", "lock", "ops", "outside", "plan", "points", "rng", "site", "slots",
+        "snapshots", "trace", "writes",
+    )
+
+    def __init__(self, recorder: Recorder, captures: list[tuple[int, int, int, int | None]], site: str) -> None:
+        self.site = site
+        stop = max((point for _, _, point, _ in captures), default=0)
+        self.ops = recorder.ops[:stop]
+        self.slots = recorder.slots
+        self.outside = {slot: o for slot, o in recorder.outside.items() if o.first < stop}
+        self.snapshots = {
+            key: storage for key, storage in recorder.snapshots.items()
+            if any(o.storage == key for o in self.outside.values())
+        }
+        for o in self.outside.values():
+            if o.storage is not None and o.storage in self.snapshots:
+                assert o.tensor is not None
+                o.shape, o.stride = tuple(o.tensor.shape), tuple(o.tensor.stride())
+                o.offset = int(o.tensor.storage_offset())
+                o.tensor = None  # replay uses the snapshot; keeping the original could make a cycle
+        self.writes = [(op, key) for op, key in recorder.writes if op < stop]
+        self.captures = captures
+        self.points = {index: point for index, _, point, _ in captures}
+        self.rng = recorder.rng() if recorder.preserve_rng else None
+        self.generators = tuple(recorder.generators.items())
+        self.trace = recorder.trace
+        self.plan: _Plan | None = None
+        self.lock = threading.Lock()
+
+    def hand_to(self, pack: Callable[[torch.Tensor], Any]) -> None:
+        """Give the outside tensors to an enclosing pack hook (see NOTE [ Inputs of nested sites ])."""
+        for o in self.outside.values():
+            if o.tensor is not None:
+                o.packed, o.tensor = pack(o.tensor), None
+                o.version = -1
+
+    # -- plan ----------------------------------------------------------------------------------------------
+    def _make_plan(self) -> _Plan:
+        ops = self.ops
+        count = len(ops)
+        needed: set[int] = {slot for _, slot, _, _ in self.captures}
+        live = [False] * count
+        reads: list[list[int]] = [[] for _ in range(count)]
+        for index in range(count - 1, -1, -1):
+            func, args, kwargs, first, outputs, _ = ops[index]
+            info = op_info(func)
+            produced = range(first, first + (1 if outputs < 0 else outputs))
+            if info.writes or info.seeded or any(slot in needed for slot in produced):
+                live[index] = True
+                slots: list[int] = []
+                _slots_in(args, slots)
+                if kwargs:
+                    _slots_in(list(kwargs.values()), slots)
+                reads[index] = slots
+                needed.update(slots)
+        last: dict[int, int] = {}
+        for index in range(count):
+            if not live[index]:
+                continue
+            func, args, kwargs, first, outputs, _ = ops[index]
+            for slot in range(first, first + (1 if outputs < 0 else outputs)):
+                last[slot] = index
+            for slot in reads[index]:
+                last[slot] = index
+        captures: list[list[tuple[int, int, bool]] | None] = [None] * count
+        for handle, slot, point, key in self.captures:
+            at = point - 1
+            clone = key is not None and any(
+                op >= point and written == key for op, written in self.writes
+            )
+            if captures[at] is None:
+                captures[at] = []
+            captures[at].append((handle, slot, clone))  # type: ignore[union-attr]
+            last[slot] = max(last.get(slot, at), at)
+        frees: list[list[int] | None] = [None] * count
+        for slot, index in last.items():
+            if frees[index] is None:
+                frees[index] = []
+            frees[index].append(slot)  # type: ignore[union-attr]
+        steps: list[tuple[Any, list[Any], dict[str, Any] | None, int, int, bool] | None] = [
+            (
+                func,
+                [_template(arg) for arg in args],
+                {key: _template(value) for key, value in kwargs.items()} if kwargs else None,
+                first,
+                outputs,
+                grad,
+            ) if live[index] else None
+            for index, (func, args, kwargs, first, outputs, grad) in enumerate(ops)
+        ]
+        return _Plan(steps, captures, frees)
+
+    # -- replay --------------------------------------------------------------------------------------------
+    def _outside_value(
+        self, o: Outside, storages: dict[int, torch.UntypedStorage], unpack: Callable[[Any], Any] | None,
+        op: int,
+    ) -> torch.Tensor:
+        if o.storage is not None and o.storage in self.snapshots:
+            storage = storages.get(o.storage)
+            if storage is None:
+                storage = storages[o.storage] = self.snapshots[o.storage].clone()  # type: ignore[no-untyped-call]
+            view = torch.empty(0, dtype=o.dtype, device=storage.device)
+            return view.set_(storage, o.offset, o.shape, o.stride)
+        if o.tensor is None:
+            assert unpack is not None
+            return unpack(o.packed)  # type: ignore[no-any-return]
+        tensor = o.tensor
+        if tensor._version != o.version:
+            raise RematError(
+                _INPLACE_OUTSIDE.format(
+                    shape=list(tensor.shape), site=self.site, op=op, name=op_info(self.ops[op][0]).name,
+                    before=o.version, after=tensor._version,
+                )
+            )
+        return tensor
+
+    def replay(
+        self,
+        wanted: set[int],
+        emit: Callable[[int, torch.Tensor], None],
+        unpack: Callable[[Any], Any] | None,
+        retrace: list[str] | None,
+    ) -> None:
+        """Run the ops up to the last one that `wanted` saved tensors need, and `emit` each of them.
+
+        Args:
+            wanted: handle indices to rebuild.
+            emit: called with (handle index, tensor) as soon as a tensor is complete.
+            unpack: the enclosing unpack hook, for outside tensors that were handed to it.
+            retrace: under REMAT_DEBUG, receives one line per replayed op.
+        """
+        plan = self.plan
+        if plan is None:
+            with self.lock:
+                plan = self.plan
+                if plan is None:
+                    plan = self.plan = self._make_plan()
+        stop = max(self.points[index] for index in wanted)
+        create_graph = torch.is_grad_enabled()
+        values: list[Any] = [None] * self.slots
+        storages: dict[int, torch.UntypedStorage] = {}
+        for slot, o in self.outside.items():
+            if o.first < stop:
+                values[slot] = self._outside_value(o, storages, unpack, o.first)
+        steps, captures, frees = plan.steps, plan.captures, plan.frees
+        with ExitStack() as stack:
+            if self.rng is not None:
+                stack.enter_context(self.rng.restore())
+            for generator, state in self.generators:
+                stack.enter_context(_generator_fork(generator, state))
+            if torch._C._is_any_autocast_enabled():
+                stack.enter_context(AutocastState.enter(None, ()))
+            grad = create_graph
+            if not create_graph:
+                stack.enter_context(torch.no_grad())
+            for index in range(stop):
+                step = steps[index]
+                if step is not None:
+                    func, args, kwargs, first, outputs, op_grad = step
+                    if create_graph and op_grad is not grad:
+                        torch._C._set_grad_enabled(op_grad)
+                        grad = op_grad
+                    call_args = [
+                        values[a.slot] if type(a) is _Slot
+                        else (_fill(a, values) if type(a) is list or type(a) is tuple else a)
+                        for a in args
+                    ]
+                    if kwargs:
+                        out = func(*call_args, **{k: _fill(v, values) for k, v in kwargs.items()})
+                    else:
+                        out = func(*call_args)
+                    if outputs < 0:
+                        values[first] = out
+                    elif outputs:
+                        values[first:first + outputs] = out
+                    if retrace is not None:
+                        retrace.append(_describe(op_info(func), out))
+                taken = captures[index]
+                if taken is not None:
+                    for handle, slot, clone in taken:
+                        if handle in wanted:
+                            value = values[slot]
+                            emit(handle, value.clone() if clone else value)
+                dropped = frees[index]
+                if dropped is not None:
+                    for slot in dropped:
+                        values[slot] = None
+            if create_graph:
+                torch._C._set_grad_enabled(True)
+
+
+class _generator_fork:
+    __slots__ = ("caller", "generator", "state")
+
+    def __init__(self, generator: torch.Generator, state: torch.Tensor) -> None:
+        self.generator, self.state = generator, state
+        self.caller: torch.Tensor | None = None
+
+    def __enter__(self) -> None:
+        self.caller = self.generator.get_state()
+        self.generator.set_state(self.state)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.caller is not None
+        self.generator.set_state(self.caller)
