@@ -1,0 +1,8 @@
+"""``python -m remat``: the built-in benchmark (spec §5); ``--help`` lists the flags."""
+
+from __future__ import annotations
+
+from ._bench import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

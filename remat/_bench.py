@@ -1,0 +1,550 @@
+"""The built-in benchmark behind ``python -m remat`` (spec §5).
+
+For each model, every configuration runs on its own copy of the same weights and the same batch:
+one warm-up step, one step under `remat.track` for memory and gradients, then ``repeats`` timed
+steps, interleaved across configurations (``a b c a b c ...``) so that a machine's drift affects
+them alike; the step time shown is the median. The tiny-function rows measure the per-call
+overhead of spec §5.1 the same way.
+
+NOTE [ What the memory columns count ]
+Parameters and their ``.grad`` exist before the tracked step (the gradients are zero-filled
+first, as after a step of ``zero_grad(set_to_none=False)``), so they are not counted: "peak" is
+the highest number of live tensor bytes the step adds (activations, remat's saved inputs,
+temporaries, incoming gradients), and "held" is what is still alive at the end of forward, minus
+the loss itself (see NOTE [ Held for backward ] in _measure.py).
+
+Configurations live in a registry (`register`), so rows such as ``save_matmuls`` or
+``remat.chain`` plug in without touching the runner.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO, cast
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ._measure import _sync, format_bytes, format_seconds
+from ._models import (
+    CONVNET_SIZES,
+    GPT,
+    GPT_SIZES,
+    BenchModel,
+    ConvNet,
+    human_count,
+    parameter_count,
+    tiny,
+    tiny_input,
+)
+from ._track import track
+
+__all__ = ["CONFIGS", "Config", "Result", "format_table", "main", "plot", "register", "run"]
+
+SEED = 1234
+NO_REMAT = "no remat"
+TORCH = "torch.utils.checkpoint"
+
+
+# -- the registry of configurations --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One benchmark row: how to rematerialize the blocks of a fresh copy of a model.
+
+    Attributes:
+        name: The row's label.
+        prepare: Changes the copy in place: replaces ``model.call`` or the blocks. It may raise
+            ImportError/AttributeError when the feature is not available yet; the row then says so.
+        wrap_tiny: How the tiny function of spec §5.1 is wrapped for the overhead rows, or None to
+            leave this configuration out of them.
+        models: Model names the row applies to; None for all.
+    """
+
+    name: str
+    prepare: Callable[[BenchModel], None]
+    wrap_tiny: Callable[[Callable[[torch.Tensor], torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]] | None = None
+    models: tuple[str, ...] | None = None
+
+
+CONFIGS: list[Config] = []
+
+
+def register(config: Config) -> Config:
+    """Add a configuration (a row) to the benchmark; a later one with the same name replaces it.
+
+    Example:
+        >>> from remat._bench import Config, register, CONFIGS
+        >>> _ = register(Config("plain again", lambda model: None, models=("gpt",)))
+        >>> CONFIGS[-1].name
+        'plain again'
+        >>> _ = CONFIGS.pop()
+    """
+    for i, existing in enumerate(CONFIGS):
+        if existing.name == config.name:
+            CONFIGS[i] = config
+            return config
+    CONFIGS.append(config)
+    return config
+
+
+def _torch_call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = checkpoint(block, x, use_reentrant=False)
+    return out
+
+
+def _torch_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def wrapped(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(fn, x, use_reentrant=False)
+        return out
+
+    return wrapped
+
+
+def _remat_blocks(model: BenchModel) -> None:
+    from ._api import remat
+
+    for block in model.blocks:
+        remat(block)
+
+
+def _remat_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    from ._api import remat
+
+    return remat(fn)
+
+
+def _region_call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from ._api import remat
+
+    with remat.region():
+        out: torch.Tensor = block(x)
+    return out
+
+
+def _region_blocks(model: BenchModel) -> None:
+    from ._api import remat
+
+    remat.region()  # raises ImportError while the region engine is missing
+    model.call = _region_call
+
+
+def _region_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    from ._api import remat
+
+    remat.region()
+
+    def wrapped(x: torch.Tensor) -> torch.Tensor:
+        with remat.region():
+            return fn(x)
+
+    return wrapped
+
+
+def _save_matmuls_blocks(model: BenchModel) -> None:
+    from ._api import remat
+    from ._policies import save_matmuls
+
+    decorator = cast(Any, remat)(policy=save_matmuls)  # Policy is not a Callable[..., Any] to mypy
+    for block in model.blocks:
+        decorator(block)
+
+
+register(Config(NO_REMAT, lambda model: None, wrap_tiny=lambda fn: fn))
+register(Config(TORCH, lambda model: setattr(model, "call", _torch_call), wrap_tiny=_torch_tiny))
+register(Config("@remat", _remat_blocks, wrap_tiny=_remat_tiny))
+register(Config("remat.region", _region_blocks, wrap_tiny=_region_tiny))
+register(Config("@remat(policy=save_matmuls)", _save_matmuls_blocks))
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """One row of the table: a configuration measured on a model.
+
+    ``step_seconds`` holds every timed repeat (per call for the tiny function); ``step`` is
+    their median.
+    """
+
+    model: str
+    config: str
+    peak_bytes: int | None = None
+    held_bytes: int | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    grad_diff: float | None = None
+    note: str = ""
+
+    @property
+    def step(self) -> float | None:
+        """Median step time in seconds, or None when the row did not run."""
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the row as plain JSON-ready values, with the median step time."""
+        return {**asdict(self), "step_median_seconds": self.step}
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """One status line on stderr, rewritten in place on a terminal."""
+
+    def __init__(self, stream: TextIO, quiet: bool) -> None:
+        self.stream, self.quiet = stream, quiet
+        self.tty = stream.isatty()
+        self.width = 0
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.quiet:
+            return
+        line = f"[{time.perf_counter() - self.start:5.1f} s] {message}"
+        if self.tty:
+            self.stream.write("\r" + line.ljust(self.width))
+            self.width = len(line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty and not self.quiet:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def _note(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _timed_step(model: BenchModel, batch: Sequence[torch.Tensor], device: torch.device) -> float:
+    for p in model.parameters():
+        p.grad = None
+    devices = {device}
+    _sync(devices)
+    start = time.perf_counter()
+    loss = model.loss(*batch)
+    torch.autograd.backward(loss)
+    _sync(devices)
+    return time.perf_counter() - start
+
+
+def _tracked_step(model: BenchModel, batch: Sequence[torch.Tensor]) -> tuple[int, int, list[torch.Tensor]]:
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)  # see NOTE [ What the memory columns count ]
+    torch.manual_seed(SEED)
+    with track() as t:
+        loss = model.loss(*batch)
+        held = t.current_bytes - sum(t._bytes_of([loss]).values())
+        torch.autograd.backward(loss)
+        del loss
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return t.peak_bytes, held, grads
+
+
+def _max_diff(grads: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
+    return max((float((g - r).abs().max()) for g, r in zip(grads, reference, strict=True) if g.numel()), default=0.0)
+
+
+MODELS: dict[str, Callable[[str], BenchModel]] = {
+    "gpt": lambda size: GPT(GPT_SIZES[size]),
+    "convnet": lambda size: ConvNet(CONVNET_SIZES[size]),
+}
+
+
+def _bench_model(
+    name: str,
+    base: BenchModel,
+    device: torch.device,
+    repeats: int,
+    configs: Sequence[Config],
+    progress: Callable[[str], None],
+) -> list[Result]:
+    base.to(device).train()
+    batch = base.sample(device, seed=SEED)
+    results: list[Result] = []
+    running: list[tuple[Result, BenchModel]] = []
+    for config in configs:
+        if config.models is not None and name not in config.models:
+            continue
+        result = Result(name, config.name)
+        results.append(result)
+        progress(f"{name}: preparing {config.name}")
+        model = copy.deepcopy(base)
+        try:
+            config.prepare(model)
+        except (ImportError, AttributeError) as e:
+            result.note = f"not available ({_note(e)})"
+            continue
+        try:
+            torch.manual_seed(SEED)
+            _timed_step(model, batch, device)  # warm-up: lazy imports, allocator, caches
+        except Exception as e:
+            result.note = f"failed: {_note(e)}"
+            continue
+        running.append((result, model))
+    reference: list[torch.Tensor] | None = None
+    for result, model in running:
+        progress(f"{name}: memory of {result.config}")
+        result.peak_bytes, result.held_bytes, grads = _tracked_step(model, batch)
+        if reference is None and result.config == NO_REMAT:
+            reference = grads
+        if reference is not None:
+            result.grad_diff = _max_diff(grads, reference)
+    for r in range(repeats):
+        for result, model in running:
+            progress(f"{name}: repeat {r + 1}/{repeats}, {result.config}")
+            torch.manual_seed(SEED + r)
+            result.step_seconds.append(_timed_step(model, batch, device))
+    return results
+
+
+def _bench_tiny(
+    device: torch.device,
+    repeats: int,
+    configs: Sequence[Config],
+    progress: Callable[[str], None],
+    calls: int = 300,
+) -> list[Result]:
+    x = tiny_input(device)
+    seed_grad = torch.ones_like(x)
+    results: list[Result] = []
+    running: list[tuple[Result, Callable[[torch.Tensor], torch.Tensor]]] = []
+    reference: torch.Tensor | None = None
+    for config in configs:
+        if config.wrap_tiny is None or (config.models is not None and "tiny" not in config.models):
+            continue
+        result = Result("tiny", config.name)
+        results.append(result)
+        progress(f"tiny: preparing {config.name}")
+        try:
+            fn = config.wrap_tiny(tiny)
+        except (ImportError, AttributeError) as e:
+            result.note = f"not available ({_note(e)})"
+            continue
+        try:
+            for _ in range(20):  # warm-up
+                x.grad = None
+                torch.autograd.backward(fn(x), seed_grad)
+        except Exception as e:
+            result.note = f"failed: {_note(e)}"
+            continue
+        assert x.grad is not None
+        if reference is None and config.name == NO_REMAT:
+            reference = x.grad.clone()
+        if reference is not None:
+            result.grad_diff = float((x.grad - reference).abs().max())
+        running.append((result, fn))
+    for r in range(repeats):
+        for result, fn in running:
+            progress(f"tiny: repeat {r + 1}/{repeats}, {result.config}")
+            _sync({device})
+            start = time.perf_counter()
+            for _ in range(calls):
+                torch.autograd.backward(fn(x), seed_grad)
+            _sync({device})
+            result.step_seconds.append((time.perf_counter() - start) / calls)
+    by_name = {res.config: res.step for res in results}
+    plain, theirs = by_name.get(NO_REMAT), by_name.get(TORCH)
+    for res in results:
+        ours = res.step
+        if res.config in (NO_REMAT, TORCH) or None in (ours, plain, theirs):
+            continue
+        assert ours is not None and plain is not None and theirs is not None
+        if theirs > plain:
+            ratio = (ours - plain) / (theirs - plain)
+            res.note = f"overhead {ratio:.2f} of torch's (§5.1 target ≤ 0.33)"
+    return results
+
+
+def run(
+    models: Sequence[str] = ("gpt", "convnet", "tiny"),
+    *,
+    size: str = "small",
+    device: str | torch.device = "cpu",
+    repeats: int = 3,
+    progress: Callable[[str], None] = lambda message: None,
+) -> tuple[dict[str, Any], list[Result]]:
+    """Run the benchmark and return its metadata and rows (what ``python -m remat`` prints).
+
+    Args:
+        models: Any of ``"gpt"``, ``"convnet"``, ``"tiny"``.
+        size: ``"small"`` (a quick CPU run) or ``"medium"`` (the sizes of spec §5).
+        device: Where to run.
+        repeats: Timed steps per configuration; the median is reported.
+        progress: Called with a status message as the run goes.
+
+    Returns:
+        ``(meta, rows)``.
+
+    Example:
+        >>> from remat._bench import run
+        >>> meta, rows = run(["tiny"], repeats=1)
+        >>> rows[0].config, rows[0].step is not None
+        ('no remat', True)
+    """
+    dev = torch.device(device)
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "size": size,
+        "repeats": repeats,
+        "models": {},
+    }
+    rows: list[Result] = []
+    for name in models:
+        if name == "tiny":
+            meta["models"]["tiny"] = "(x * 2).sin() on 16 floats; step = forward+backward per call"
+            rows += _bench_tiny(dev, repeats, CONFIGS, progress)
+            continue
+        base = MODELS[name](size)
+        meta["models"][name] = f"{base.describe()} ({human_count(parameter_count(base))} parameters, float32)"
+        rows += _bench_model(name, base, dev, repeats, CONFIGS, progress)
+    return meta, rows
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
+    """Render the benchmark as one aligned table with its header."""
+    lines = [
+        f"remat benchmark · {meta['date']} · {meta['device']}, {meta['threads']} threads · "
+        f"torch {meta['torch']} · size {meta['size']} · median of {meta['repeats']} repeats",
+        *(f"  {name}: {text}" for name, text in meta["models"].items()),
+        "  peak: highest live tensor bytes a training step adds beyond parameters and gradients;",
+        "  held: bytes kept for backward at the end of forward (both counted by remat.track)",
+        "",
+    ]
+    head = (
+        "model",
+        "configuration",
+        "peak",
+        "held",
+        "step",
+        "peak/none",
+        "peak/torch",
+        "time/none",
+        "time/torch",
+        "max|Δgrad|",
+        "note",
+    )
+    table: list[tuple[str, ...]] = [head]
+    by_key = {(r.model, r.config): r for r in rows}
+    for r in rows:
+        none, theirs = by_key.get((r.model, NO_REMAT)), by_key.get((r.model, TORCH))
+        table.append(
+            (
+                r.model,
+                r.config,
+                "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
+                "-" if r.held_bytes is None else format_bytes(r.held_bytes),
+                format_seconds(r.step),
+                _ratio(r.peak_bytes, none.peak_bytes if none else None),
+                _ratio(r.peak_bytes, theirs.peak_bytes if theirs else None),
+                _ratio(r.step, none.step if none else None),
+                _ratio(r.step, theirs.step if theirs else None),
+                "-" if r.grad_diff is None else f"{r.grad_diff:.1e}",
+                r.note,
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for i, row in enumerate(table):
+        cells = [c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row[:-1], widths, strict=False))]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+        if i == 0:
+            lines.append("-" * len(lines[-1]))
+    return "\n".join(lines)
+
+
+def plot(meta: dict[str, Any], rows: Sequence[Result], path: str) -> None:
+    """Save a PNG of peak memory against step time, one panel per model (needs matplotlib)."""
+    matplotlib: Any = importlib.import_module("matplotlib")  # optional, untyped here
+    matplotlib.use("Agg")
+    plt: Any = importlib.import_module("matplotlib.pyplot")
+
+    models = [m for m in meta["models"] if m != "tiny"]
+    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(6 * max(len(models), 1), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=False):
+        for r in rows:
+            if r.model != model or r.step is None or r.peak_bytes is None:
+                continue
+            ax.scatter(r.step * 1e3, r.peak_bytes / 2**20)
+            ax.annotate(r.config, (r.step * 1e3, r.peak_bytes / 2**20), fontsize=8)
+        ax.set_title(f"{model}: {meta['models'][model]}", fontsize=8)
+        ax.set_xlabel("step time (ms)")
+        ax.set_ylabel("peak live tensor memory (MiB)")
+    fig.suptitle(f"remat benchmark, {meta['device']}, {meta['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+PLOT_MISSING = (
+    "remat: --plot needs matplotlib, which is not installed; install it with "
+    "`pip install matplotlib` (or `pip install 'remat[plot]'`), or leave out --plot."
+)
+
+
+def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int:
+    """Run ``python -m remat`` with command-line arguments ``argv``; return the exit status."""
+    import argparse
+
+    out = stdout or sys.stdout
+    parser = argparse.ArgumentParser(
+        prog="python -m remat",
+        description="Benchmark activation checkpointing: remat against torch.utils.checkpoint and no remat.",
+    )
+    parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
+    parser.add_argument("--model", choices=["gpt", "convnet", "tiny", "all"], default="all")
+    parser.add_argument("--size", choices=["small", "medium"], default="small", help="small: quick; medium: spec §5")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median shown)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="also write a PNG of memory vs step time (matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print(PLOT_MISSING, file=sys.stderr)
+        return 2
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        print(f"remat: cannot use --device {args.device}: {_note(e)}", file=sys.stderr)
+        return 2
+    models = ["gpt", "convnet", "tiny"] if args.model == "all" else [args.model]
+    progress = _Progress(sys.stderr, args.quiet)
+    meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
+    progress.done()
+    print(format_table(meta, rows), file=out)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "rows": [r.to_dict() for r in rows]}, f, indent=2)
+    if args.plot:
+        plot(meta, rows, args.plot)
+    return 0

@@ -1,0 +1,150 @@
+"""Tests for the benchmark behind `python -m remat` (remat._bench, remat._models), on tiny sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from remat import _bench
+from remat._bench import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
+from remat._models import GPT, BenchModel, ConvNet, ConvNetConfig, GPTConfig, human_count, tiny
+
+CPU = torch.device("cpu")
+TINY_GPT = GPTConfig(blocks=2, d=16, heads=2, seq=8, batch=2, vocab=20)
+TINY_CONVNET = ConvNetConfig(width=4, blocks_per_stage=1, image=8, batch=4)
+
+
+def _rows(model: BenchModel, name: str, configs: list[Config] | None = None) -> dict[str, Result]:
+    torch.manual_seed(0)
+    results = _bench._bench_model(name, model, CPU, 1, configs or CONFIGS, lambda message: None)
+    return {r.config: r for r in results}
+
+
+@pytest.mark.parametrize("model", [GPT(TINY_GPT), ConvNet(TINY_CONVNET)], ids=["gpt", "convnet"])
+def test_every_configuration_matches_no_remat(model: BenchModel) -> None:
+    rows = _rows(model, "m")
+    none, theirs = rows[NO_REMAT], rows[TORCH]
+    assert none.peak_bytes is not None and none.held_bytes is not None
+    assert theirs.held_bytes is not None and theirs.held_bytes < none.held_bytes
+    for row in rows.values():
+        if row.note.startswith("not available"):
+            continue
+        assert not row.note.startswith("failed"), row.note
+        assert len(row.step_seconds) == 1 and row.step is not None
+        assert row.grad_diff is not None and row.grad_diff < 1e-5, row.config
+
+
+def test_a_configuration_that_is_not_available_says_so() -> None:
+    def missing(model: BenchModel) -> None:
+        raise ImportError("no module named remat._future")
+
+    def broken(model: BenchModel) -> None:
+        def call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+        model.call = call
+
+    configs = [
+        CONFIGS[0],
+        Config("future", missing),
+        Config("broken", broken),
+        Config("gpt only", lambda m: None, models=("gpt",)),
+    ]
+    rows = _rows(ConvNet(TINY_CONVNET), "convnet", configs)
+    assert rows["future"].note.startswith("not available (ImportError: no module named remat._future")
+    assert rows["broken"].note == "failed: RuntimeError: boom"
+    assert rows["broken"].step is None
+    assert "gpt only" not in rows
+
+
+def test_register_replaces_by_name() -> None:
+    before = list(CONFIGS)
+    try:
+        register(Config("extra", lambda m: None))
+        register(Config("extra", lambda m: None, models=("tiny",)))
+        assert [c.name for c in CONFIGS].count("extra") == 1
+        assert CONFIGS[-1].models == ("tiny",)
+    finally:
+        CONFIGS[:] = before
+
+
+def test_tiny_overhead_rows() -> None:
+    meta, rows = run(["tiny"], repeats=1)
+    by_name = {r.config: r for r in rows}
+    assert {NO_REMAT, TORCH} <= set(by_name)
+    for row in rows:
+        if row.note.startswith("not available"):
+            continue
+        assert row.step is not None and row.step > 0
+        assert row.grad_diff == 0.0
+        if row.config not in (NO_REMAT, TORCH) and by_name[TORCH].step > by_name[NO_REMAT].step:  # type: ignore[operator]
+            assert row.note.startswith("overhead ")
+    assert "tiny" in meta["models"]
+
+
+def test_table_is_aligned_and_has_ratios() -> None:
+    meta = {
+        "date": "d",
+        "device": "cpu",
+        "threads": 2,
+        "torch": "t",
+        "size": "small",
+        "repeats": 1,
+        "models": {"m": "x"},
+    }
+    rows = [
+        Result("m", NO_REMAT, 4096, 2048, [0.010], 0.0),
+        Result("m", TORCH, 1024, 512, [0.020], 0.0),
+        Result("m", "@remat", 1024, 512, [0.015], 1e-7, "a note"),
+        Result("m", "remat.region", note="not available (ImportError: x)"),
+    ]
+    text = format_table(meta, rows)
+    lines = text.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("model"))) :]
+    assert len({line.index("configuration") for line in table[:1]}) == 1
+    assert "0.25x" in text and "1.50x" in text and "0.75x" in text and "1.0e-07" in text
+    assert table[-1].rstrip().endswith("not available (ImportError: x)")
+    # Every data row puts its numeric columns at the same place.
+    ends = {len(line.split("  a note")[0]) for line in table[2:4]}
+    assert len(ends) == 1
+
+
+def test_main_prints_one_table_and_writes_json(tmp_path: Path) -> None:
+    out = io.StringIO()
+    path = tmp_path / "bench.json"
+    status = main(["--model", "tiny", "--repeats", "1", "--json", str(path), "--quiet"], stdout=out)
+    assert status == 0
+    text = out.getvalue()
+    assert text.startswith("remat benchmark")
+    assert "torch.utils.checkpoint" in text
+    data = json.loads(path.read_text())
+    assert data["meta"]["size"] == "small"
+    assert {r["config"] for r in data["rows"]} >= {NO_REMAT, TORCH}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_plot_without_matplotlib_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "tiny", "--plot", "x.png", "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("remat: --plot needs matplotlib")
+
+
+def test_bad_device_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device", "nonsense", "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("remat: cannot use --device nonsense")
+
+
+def test_models_and_helpers() -> None:
+    gpt = GPT(TINY_GPT)
+    assert gpt.loss(*gpt.sample(CPU)).dim() == 0
+    assert "2 blocks" in gpt.describe()
+    conv = ConvNet(TINY_CONVNET)
+    assert any(isinstance(m, nn.BatchNorm2d) for m in conv.blocks.modules())
+    assert conv.loss(*conv.sample(CPU)).dim() == 0
+    assert tiny(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]
+    assert (human_count(999), human_count(1234), human_count(2_700_000)) == ("999", "1.2K", "2.7M")
