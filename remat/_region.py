@@ -19,7 +19,7 @@ from torch import nn
 
 from . import _switch
 from ._errors import BUG, RecomputeMismatchError, RematError
-from ._hooks import Frame, Handle
+from ._hooks import Frame
 from ._options import Options
 from ._tape import Recorder, Tape, op_info
 
@@ -93,11 +93,26 @@ class RegionFrame(Frame):
         recorder = self.recorder
         if recorder is None:  # pragma: no cover - hooks are popped before the recorder is dropped
             raise RematError(f"remat: region `{self.site}` saved a tensor after it ended; {BUG}.")
-        slot = recorder.lookup(tensor)
-        if slot is not None:
+        refs, outside = recorder.refs, recorder.outside
+        found = refs.get(id(tensor))
+        if found is not None and found[0]() is tensor and found[1] not in outside:
             base = tensor._base
-            if base is None or recorder.lookup(base) is not None:
-                return self._handle(recorder, tensor, slot)
+            if base is None or (
+                (made := refs.get(id(base))) is not None and made[0]() is base and made[1] not in outside
+            ):
+                handle = self.handle(tensor)
+                key: int | None
+                try:
+                    storage = tensor.untyped_storage()
+                    key = storage._cdata
+                    if key not in self.freed:
+                        self.freed[key] = storage.nbytes()
+                except (RuntimeError, NotImplementedError, TypeError):
+                    key = None
+                self.captures.append((handle.index, found[1], len(recorder.ops), key))
+                if self.copies is not None:
+                    self._copy(recorder, handle.index, tensor)
+                return handle
         self.keep(tensor)
         if self.outer is None:
             return _Kept(tensor)
@@ -107,24 +122,13 @@ class RegionFrame(Frame):
         finally:
             recorder.paused = False
 
-    def _handle(self, recorder: Recorder, tensor: torch.Tensor, slot: int) -> Handle:
-        handle = self.handle(tensor)
+    def _copy(self, recorder: Recorder, index: int, tensor: torch.Tensor) -> None:
+        assert self.copies is not None
+        recorder.paused = True
         try:
-            storage = tensor.untyped_storage()
-            cdata = int(storage._cdata)
-            if cdata not in self.freed:
-                self.freed[cdata] = storage.nbytes()
-            key: int | None = cdata
-        except (RuntimeError, NotImplementedError, TypeError):
-            key = None
-        self.captures.append((handle.index, slot, len(recorder.ops), key))
-        if self.copies is not None:
-            recorder.paused = True
-            try:
-                self.copies[handle.index] = tensor.detach().clone()
-            finally:
-                recorder.paused = False
-        return handle
+            self.copies[index] = tensor.detach().clone()
+        finally:
+            recorder.paused = False
 
     def finish(self) -> None:
         """End of forward: keep the tape for the saved tensors still alive, drop everything else."""

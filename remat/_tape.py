@@ -47,10 +47,17 @@ __all__ = ["Recorder", "Tape"]
 # reused by later ones (`retain_graph`). A saved tensor is taken after the op count it was saved at; if a later
 # replayed op writes into its memory (in-place on it or on a view), it is cloned when taken.
 
+# NOTE [ No dynamo wrapper ]
+# TorchDispatchMode wraps a subclass's `__torch_dispatch__` in `torch._disable_dynamo` unless the subclass says
+# `_should_skip_dynamo() -> False`; the wrapper costs about 1.7 µs per op, a third of the recording budget. It is
+# not needed here: while a non-infra mode is on the stack, dynamo runs every frame eagerly (TorchDispatchMode
+# sets `_is_in_any_mode_without_ignore_compile_internals`), this handler included; test_region checks that a
+# compiled function inside a region gives the right gradients.
+
 _Tensor = torch.Tensor
 _ref = weakref.ref
 _Ref = weakref.ReferenceType
-_grad_enabled = torch.is_grad_enabled
+_grad_enabled = torch._C.is_grad_enabled
 
 Marker = tuple["weakref.ReferenceType[torch.Tensor]", int]
 # (op, marked args, marked kwargs or None, first output slot, output count (-1: one tensor), grad mode)
@@ -69,7 +76,7 @@ _UNDECLARED_WRITES: dict[str, tuple[tuple[int, str], ...]] = {
 class OpInfo:
     """What the recorder needs to know about one op overload, read once from its schema."""
 
-    __slots__ = ("lists", "name", "seeded", "writes")
+    __slots__ = ("lists", "name", "seeded", "slow", "writes")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -82,6 +89,7 @@ class OpInfo:
         self.lists = any("Tensor" in str(argument.type) and "[]" in str(argument.type)
                          for argument in schema.arguments)
         self.seeded = torch.Tag.nondeterministic_seeded in func.tags
+        self.slow = bool(self.lists or self.writes or self.seeded)
 
 
 _INFOS: dict[Any, OpInfo] = {}
@@ -113,7 +121,7 @@ class Outside:
     def __init__(self, tensor: torch.Tensor, first: int) -> None:
         self.tensor: torch.Tensor | None = tensor
         self.version = tensor._version
-        self.storage = _storage_key(tensor)
+        self.storage: int | None = None  # read only when an op writes (see `Recorder._outside_storages`)
         self.first = first  # the index of the first op that reads it
         self.packed: Any = None
         self.shape: tuple[int, ...] = ()
@@ -140,6 +148,11 @@ def _seeded_device(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.
 class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The dispatch mode that records a region's ops (see NOTE [ What the tape holds ])."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # See NOTE [ No dynamo wrapper ].
+        return False
+
     def __init__(self, preserve_rng: bool, trace: list[str] | None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.refs: dict[int, Marker] = {}
@@ -147,6 +160,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.slots = 0
         self.outside: dict[int, Outside] = {}
         self.outside_storages: set[int] = set()
+        self.scanned = 0  # how many of `outside` have their storage in `outside_storages`
         self.snapshots: dict[int, torch.UntypedStorage] = {}
         self.writes: list[tuple[int, int]] = []
         self.preserve_rng = preserve_rng
@@ -154,31 +168,63 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.device_rng: dict[torch.device, Any] = {}
         self.generators: dict[torch.Generator, torch.Tensor] = {}
         self.trace = trace
-        self.paused = False
+        self._paused = False
+        self.fast = trace is None  # see `paused`
+
+    @property
+    def paused(self) -> bool:
+        """Whether ops pass through unrecorded (while a hook runs ops of its own)."""
+        return self._paused
+
+    @paused.setter
+    def paused(self, flag: bool) -> None:
+        self._paused = flag
+        self.fast = not flag and self.trace is None
 
     # -- the hot path --------------------------------------------------------------------------------------
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        info = _INFOS.get(func)
+        if info is None or info.slow or not self.fast:
+            return self._dispatch(func, args, kwargs)
+        refs = self.refs
+        marked: list[Any] = []
+        put = marked.append
+        for arg in args:
+            found = refs.get(id(arg))
+            if found is not None and found[0]() is arg:
+                put(found)
+            elif isinstance(arg, _Tensor):
+                put(self._outside(arg))
+            else:
+                put(arg)
+        if kwargs:
+            out = func._op(*args, **kwargs)
+            marked_kwargs: dict[str, Any] | None = {key: self._mark(value) for key, value in kwargs.items()}
+        else:
+            out = func._op(*args)
+            marked_kwargs = None
+        first = self.slots
+        if isinstance(out, _Tensor):
+            refs[id(out)] = (_ref(out), first)
+            self.slots = first + 1
+            self.ops.append((func, marked, marked_kwargs, first, -1, _grad_enabled()))
+        elif type(out) is tuple or type(out) is list:
+            count = len(out)
+            for index, item in enumerate(out):
+                if isinstance(item, _Tensor):
+                    refs[id(item)] = (_ref(item), first + index)
+            self.slots = first + count
+            self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
+        return out  # a Python number (`item()`) or nothing: no tensor to replay
+
+    def _dispatch(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
+        """The general path: tensor lists, writes, random ops, debug traces, paused recording."""
         if self.paused:
             return func(*args, **(kwargs or {}))
-        info = _INFOS.get(func)
-        if info is None:
-            info = op_info(func)
-        refs = self.refs
-        if info.lists:
-            marked = [self._mark(arg) for arg in args]
-        else:
-            marked = []
-            put = marked.append
-            for arg in args:
-                found = refs.get(id(arg))
-                if found is not None and found[0]() is arg:
-                    put(found)
-                elif isinstance(arg, _Tensor):
-                    put(self._outside(arg))
-                else:
-                    put(arg)
+        info = op_info(func)
+        marked = [self._mark(arg) for arg in args]
         marked_kwargs = {key: self._mark(value) for key, value in kwargs.items()} if kwargs else None
         if info.writes:
             self._before_write(info, args, kwargs)
@@ -187,19 +233,19 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **kwargs) if kwargs else func(*args)
         first = self.slots
         if isinstance(out, _Tensor):
-            refs[id(out)] = (_ref(out), first)
+            self.refs[id(out)] = (_ref(out), first)
             self.slots = first + 1
             count = -1
         elif type(out) is tuple or type(out) is list:
             count = len(out)
             for index, item in enumerate(out):
                 if isinstance(item, _Tensor):
-                    refs[id(item)] = (_ref(item), first + index)
+                    self.refs[id(item)] = (_ref(item), first + index)
             self.slots = first + count
         elif info.writes:
             count = 0
         else:
-            return out  # a Python number (`item()`), an op that makes no tensor: nothing to replay
+            return out
         self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
         if self.trace is not None:
             self.trace.append(_describe(info, out))
@@ -219,16 +265,26 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _outside(self, tensor: torch.Tensor) -> Marker:
         slot = self.slots
         self.slots = slot + 1
-        record = Outside(tensor, len(self.ops))
-        self.outside[slot] = record
-        if record.storage is not None:
-            self.outside_storages.add(record.storage)
+        self.outside[slot] = Outside(tensor, len(self.ops))
         marker = (_ref(tensor), slot)
         self.refs[id(tensor)] = marker
         return marker
 
+    def _outside_storages(self) -> set[int]:
+        """The storages of every outside tensor seen so far (read lazily: only writes need them)."""
+        records = self.outside
+        if self.scanned < len(records):
+            for record in list(records.values())[self.scanned:]:
+                assert record.tensor is not None
+                record.storage = _storage_key(record.tensor)
+                if record.storage is not None:
+                    self.outside_storages.add(record.storage)
+            self.scanned = len(records)
+        return self.outside_storages
+
     def _before_write(self, info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any] | None) -> None:
         """See NOTE [ Writes to outside memory ]: snapshot outside storage before its first write."""
+        outside = self._outside_storages()
         for position, name in info.writes:
             value = args[position] if position < len(args) else (kwargs or {}).get(name)
             for tensor in value if isinstance(value, (list, tuple)) else (value,):
@@ -238,7 +294,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if key is None:
                     continue
                 self.writes.append((len(self.ops), key))
-                if key in self.outside_storages and key not in self.snapshots:
+                if key in outside and key not in self.snapshots:
                     self.snapshots[key] = tensor.untyped_storage().clone()  # type: ignore[no-untyped-call]
 
     def _stash_rng(self, args: Sequence[Any], kwargs: dict[str, Any] | None) -> None:
@@ -346,6 +402,8 @@ class Tape:
 
     def __init__(self, recorder: Recorder, captures: list[tuple[int, int, int, int | None]], site: str) -> None:
         self.site = site
+        if recorder.snapshots:
+            recorder._outside_storages()
         stop = max((point for _, _, point, _ in captures), default=0)
         self.ops = recorder.ops[:stop]
         self.slots = recorder.slots
