@@ -597,3 +597,69 @@ def test_errors_derive_from_remat_error() -> None:
     c.add_(1)
     with pytest.raises(RematError, match="`my block`"):
         y.backward()
+
+
+# -- more corners ------------------------------------------------------------------------------------------
+def test_nested_region_holds_no_activation_of_the_outer_one() -> None:
+    from remat._track import track
+
+    x = torch.randn(64, 64, requires_grad=True)
+    with track() as t:
+        with Region(Options()):
+            h = x.tanh() * 3  # an activation of the outer region
+            with Region(Options()):
+                y = (h.sin() * h).exp().sum()  # saves h: it must go to the outer hooks, not be kept
+            del h
+    assert t.current_bytes <= 64  # only the scalar output
+    (g,) = torch.autograd.grad(y, x)
+    h = x.tanh() * 3
+    (expected,) = torch.autograd.grad((h.sin() * h).exp().sum(), x)
+    torch.testing.assert_close(g, expected)
+
+
+def test_random_ops_with_their_own_generator() -> None:
+    def setup() -> Any:
+        gen = torch.Generator().manual_seed(3)
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            noise = torch.rand(x.shape, generator=gen)
+            return (x.sin() * noise).exp() * torch.bernoulli(torch.full_like(x, 0.5), generator=gen)
+
+        return fn, (torch.randn(6, requires_grad=True),)
+
+    compare(setup)
+
+
+def test_saved_tensor_written_later_in_the_block_is_rebuilt_with_its_saved_value() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with Region(Options()):
+        h = x.exp()  # saves its output h
+        out = (h * 1).sum()
+        with torch.no_grad():
+            h.detach().zero_()  # without remat, backward would raise; replay clones h before the write
+        later = (x * 2).sin().sum()  # saves x * 2: replay runs past the write
+    (g,) = torch.autograd.grad(out + later, x)
+    torch.testing.assert_close(g, x.detach().exp() + 2 * (x.detach() * 2).cos())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own warnings while tracing
+def test_compiled_function_inside_a_region() -> None:
+    @torch.compile(backend="eager")
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return (t.sin() * 2).exp()
+
+    compare(lambda: (f, (torch.randn(5, requires_grad=True),)))
+
+
+def test_autocast_in_forward_is_replayed_exactly() -> None:
+    def setup() -> Any:
+        lin = nn.Linear(4, 4)
+
+        def fn(x: torch.Tensor, lin: nn.Module) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = lin(x).relu()
+            return h.float().exp()
+
+        return fn, (torch.randn(3, 4, requires_grad=True), lin)
+
+    compare(setup)
