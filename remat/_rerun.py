@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ._debug import OpTrace
 from ._errors import RematError
@@ -185,7 +186,13 @@ class RerunFrame(Frame):
             index, count = count, count + 1
             self.expect(index, tensor)
             if index in wanted:
-                store[index] = tensor if create_graph else tensor.detach()
+                if create_graph:
+                    store[index] = tensor
+                elif self.retrace is None:
+                    store[index] = tensor.detach()
+                else:  # keep remat's own detach out of the op trace the user reads
+                    with _disable_current_modes():
+                        store[index] = tensor.detach()
             if index == last:
                 raise StopRecompute
             return tensor if create_graph else None
