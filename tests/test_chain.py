@@ -40,14 +40,11 @@ def _grads_match(reference: nn.Module, remat_chain: nn.Module, x: torch.Tensor, 
     torch.testing.assert_close(after_remat, after_ref)  # the caller's RNG stream is untouched
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.35, 0.2])
+@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.45, 0.35])
 def test_gradients_equal_plain_sequential_with_dropout(fraction: float) -> None:
     reference = _stack()
     x = torch.randn(32, 16, dtype=torch.float64)
-    try:
-        budgeted = chain(copy.deepcopy(reference), budget=fraction, sample=x)
-    except BudgetError:
-        pytest.skip("budget below the least memory for this chain")
+    budgeted = chain(copy.deepcopy(reference), budget=fraction, sample=x)
     _grads_match(reference, budgeted, x)
     plan = budgeted.plan
     assert plan is not None and plan.budget is not None and plan.peak_bytes <= plan.budget
