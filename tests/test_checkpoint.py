@@ -1,0 +1,224 @@
+"""Drop-ins for torch.utils.checkpoint (spec §2.3): torch's signatures and keywords, gradients equal the
+baseline, and keywords that cannot be honoured raise clear errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_grads, randn
+from models import MLP, ConvBN, TransformerBlock
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import remat
+from remat import _stats
+
+
+def checkpointed(**keywords: Any) -> Callable[[Any], Callable[..., Any]]:
+    """A variant for `assert_same_grads`: call the target through `remat.checkpoint` with `keywords`."""
+    return lambda target: lambda *args, **kwargs: remat.checkpoint(target, *args, **keywords, **kwargs)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False, None])
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [(MLP, (4, 8)), (TransformerBlock, (2, 5, 8)), (ConvBN, (2, 3, 5, 5))],
+    ids=["mlp", "transformer", "conv-bn"],
+)
+def test_use_reentrant_any_value_matches_baseline(
+    use_reentrant: bool | None, make: type[nn.Module], shape: tuple[int, ...]
+) -> None:
+    before = _stats.recomputes
+    assert_same_grads(make, (randn(*shape, requires_grad=True),), checkpointed(use_reentrant=use_reentrant))
+    assert _stats.recomputes == before + 1
+
+
+def test_keyword_arguments_reach_the_function() -> None:
+    def fn(x: torch.Tensor, *, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x.exp() * mask).sin() * scale
+
+    kwargs = {"mask": randn(4, requires_grad=True, seed=1), "scale": 3.0}
+    assert_same_grads(lambda: fn, (randn(4, requires_grad=True),), checkpointed(use_reentrant=False), kwargs=kwargs)
+
+
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+def test_preserve_rng_state(preserve_rng_state: bool) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x.sin(), 0.5).exp()
+
+    x = randn(64, requires_grad=True)
+    torch.manual_seed(0)
+    remat.checkpoint(fn, x, preserve_rng_state=preserve_rng_state, use_reentrant=False).sum().backward()
+    ours, x.grad = x.grad, None
+    torch.manual_seed(0)
+    fn(x).sum().backward()
+    assert torch.allclose(ours, x.grad) is preserve_rng_state  # without it, recompute draws a new mask
+    if preserve_rng_state:
+        assert_same_grads(lambda: fn, (x,), checkpointed(preserve_rng_state=True))
+
+
+def test_context_fn_with_two_null_contexts() -> None:
+    entered: list[str] = []
+
+    class Recording(nullcontext[None]):
+        def __init__(self, label: str) -> None:
+            super().__init__()
+            self.label = label
+
+        def __enter__(self) -> None:
+            entered.append(self.label)
+
+    def contexts() -> tuple[Recording, Recording]:
+        return Recording("forward"), Recording("recompute")
+
+    assert_same_grads(MLP, (randn(4, 8, requires_grad=True),), checkpointed(context_fn=contexts, use_reentrant=False))
+    assert entered == ["forward", "recompute"]
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_context_fn_with_torch_selective_checkpoint_contexts() -> None:
+    def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).sin() @ w
+
+    inputs = (randn(4, 4, requires_grad=True), randn(4, 4, requires_grad=True, seed=1))
+    selective = partial(create_selective_checkpoint_contexts, save_matmuls)
+    assert_same_grads(lambda: fn, inputs, checkpointed(context_fn=selective, use_reentrant=False))
+
+    counts = []
+    for context_fn in (selective, None):
+        x, w = (t.detach().clone().requires_grad_() for t in inputs)
+        y = remat.checkpoint(fn, x, w, context_fn=context_fn, use_reentrant=False)
+        with CountMatmuls() as counter:
+            y.sum().backward()
+        counts.append(counter.count)
+    assert counts[0] < counts[1], "the saved matmul must not run again in recompute"
+
+
+@pytest.mark.parametrize("determinism_check", ["default", "none"])
+def test_determinism_check_values(determinism_check: str) -> None:
+    state = {"wide": False}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x.exp()
+        return (torch.cat([h, h]) if state["wide"] else h).sin().sum() * x
+
+    assert_same_grads(lambda: fn, (randn(4, requires_grad=True),), checkpointed(determinism_check=determinism_check))
+    y = remat.checkpoint(fn, randn(4, requires_grad=True), determinism_check=determinism_check)
+    state["wide"] = True
+    if determinism_check == "default":
+        with pytest.raises(remat.RecomputeMismatchError, match="fn"):
+            y.sum().backward()
+    else:
+        with pytest.raises(RuntimeError) as info:  # autograd itself trips over the wrong shape later on
+            y.sum().backward()
+        assert not isinstance(info.value, remat.RecomputeMismatchError)
+
+
+@pytest.mark.parametrize(("early_stop", "runs"), [(True, 2), (False, 3)])
+def test_early_stop_and_debug_are_accepted(early_stop: bool, runs: int) -> None:
+    tails: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin().exp()
+        tails.append(1)  # after the last saved tensor
+        return h * 2.0
+
+    assert_same_grads(
+        lambda: fn, (randn(4, requires_grad=True),), checkpointed(early_stop=early_stop, debug=True)
+    )
+    assert len(tails) == runs  # baseline, forward, and recompute only without early stop
+
+
+@pytest.mark.parametrize(
+    ("keywords", "error", "words"),
+    [
+        ({"determinism_check": "strict"}, ValueError, "determinism_check"),
+        ({"use_reentrant": "yes"}, TypeError, "use_reentrant"),
+        ({"preserve_rng_state": 1}, TypeError, "preserve_rng_state"),
+        ({"debug": "on"}, TypeError, "debug"),
+        ({"early_stop": None}, TypeError, "early_stop"),
+    ],
+)
+def test_bad_keywords_raise(keywords: dict[str, Any], error: type[Exception], words: str) -> None:
+    with pytest.raises(error, match=words):
+        remat.checkpoint(torch.sin, randn(3, requires_grad=True), **keywords)
+
+
+def test_not_callable_raises_type_error() -> None:
+    with pytest.raises(TypeError, match="callable"):
+        remat.checkpoint(3, randn(3))  # type: ignore[arg-type]
+
+
+def test_checkpoint_under_no_grad_is_a_plain_call() -> None:
+    with torch.no_grad():
+        y = remat.checkpoint(lambda t: t.sin().exp(), randn(3, requires_grad=True), use_reentrant=False)
+    assert not y.requires_grad
+
+
+# -- checkpoint_sequential --------------------------------------------------------------------------------
+def _sequence() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6), nn.GELU(), nn.Linear(6, 6), nn.Sigmoid()
+    )
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3, 7])
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpoint_sequential_matches_baseline(segments: int, use_reentrant: bool) -> None:
+    assert_same_grads(
+        _sequence, (randn(5, 6, requires_grad=True),),
+        lambda seq: lambda x: remat.checkpoint_sequential(seq, segments, x, use_reentrant=use_reentrant),
+    )
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Softplus()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_checkpoint_sequential_on_a_list_of_callables_with_keywords() -> None:
+    _, ours = assert_same_grads(
+        Chain, (randn(5, 6, requires_grad=True),),
+        lambda chain: lambda x: remat.checkpoint_sequential(
+            list(chain.layers), 2, x, use_reentrant=False, preserve_rng_state=False, determinism_check="none"
+        ),
+    )
+    assert ours.grads["parameter layers.0.weight"] is not None
+
+
+def test_checkpoint_sequential_rematerializes_all_but_the_last_segment() -> None:
+    before = _stats.recomputes
+    seq = _sequence().double()
+    remat.checkpoint_sequential(seq, 3, randn(5, 6, requires_grad=True), use_reentrant=False).sum().backward()
+    assert _stats.recomputes - before == 2
+
+
+@pytest.mark.parametrize("segments", [0, -1, 1.5, True])
+def test_checkpoint_sequential_bad_segments(segments: Any) -> None:
+    with pytest.raises(ValueError, match="segments"):
+        remat.checkpoint_sequential(_sequence(), segments, randn(5, 6))
