@@ -7,15 +7,13 @@ calls to it), so every spelling takes the same options, validated when decoratin
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
+from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
 from . import _checkpoint, _switch, _targets
 from ._options import Options, Strategy
-
-if TYPE_CHECKING:
-    from ._region import Region
+from ._region import Region
 
 __all__ = ["Decorator", "Remat", "remat"]
 
@@ -168,8 +166,6 @@ class Remat:
             policy=policy, preserve_rng=preserve_rng, strategy="replay", enabled=enabled,
             check=check, name=name,
         )
-        from ._region import Region
-
         return Region(settings)
 
     checkpoint = staticmethod(_checkpoint.checkpoint)

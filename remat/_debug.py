@@ -24,7 +24,7 @@ class OpTrace(Mode):
     """Record each aten op that runs inside, with its output shapes, into `lines`."""
 
     def __init__(self, lines: list[str]) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.lines = lines
 
     def __torch_dispatch__(

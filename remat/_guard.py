@@ -11,7 +11,7 @@ import torch
 
 from ._modes import Mode
 
-__all__ = ["OutsideWrites"]
+__all__ = ["OutsideWrites", "written_arguments"]
 
 # NOTE [ Writes during recompute ]
 # Forward already applied every in-place update to state that outlives the region: BatchNorm's running
@@ -26,25 +26,32 @@ __all__ = ["OutsideWrites"]
 # and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`. Those
 # writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.
 
-_Info = tuple[tuple[tuple[int, str], ...], bool]
+Writes = tuple[tuple[int, str], ...]
+_Info = tuple[Writes, bool]
+_BN_STATS = ("running_mean", "running_var")
 _UNDECLARED = {
-    "native_batch_norm": ("running_mean", "running_var"),
-    "cudnn_batch_norm": ("running_mean", "running_var"),
-    "miopen_batch_norm": ("running_mean", "running_var"),
+    "aten::native_batch_norm": _BN_STATS,
+    "aten::cudnn_batch_norm": _BN_STATS,
+    "aten::miopen_batch_norm": _BN_STATS,
 }
 _INFO: dict[Any, _Info] = {}
 
 
-def _info(func: Any) -> _Info:
-    """Which arguments `func` writes to, and whether its outputs are new memory (not aliases)."""
+def written_arguments(func: Any) -> Writes:
+    """The `(position, name)` of every argument the aten overload `func` writes to, declared or not."""
     schema = func._schema
-    undeclared = _UNDECLARED.get(schema.name.removeprefix("aten::"), ())
-    writes = tuple(
+    undeclared = _UNDECLARED.get(schema.name, ())
+    return tuple(
         (position, argument.name)
         for position, argument in enumerate(schema.arguments)
         if (argument.alias_info is not None and argument.alias_info.is_write) or argument.name in undeclared
     )
-    fresh = all(result.alias_info is None for result in schema.returns)
+
+
+def _info(func: Any) -> _Info:
+    """Which arguments `func` writes to, and whether its outputs are new memory (not aliases)."""
+    writes = written_arguments(func)
+    fresh = all(result.alias_info is None for result in func._schema.returns)
     _INFO[func] = found = (writes, fresh)
     return found
 

@@ -117,7 +117,7 @@ class RerunFrame(Frame):
     kept_ids: set[int]  # ids of every tensor the policy keeps
     kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, in order
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor | Handle:
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | Handle | _Outer:
         """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
         if id(tensor) in self.ids:
             return self.keep_input(tensor)
@@ -304,8 +304,8 @@ def begin(
     return frame
 
 
-def end(frame: RerunFrame) -> None:
-    """Close the region `begin` opened (also after an exception)."""
+def end(frame: RerunFrame, *, ok: bool = True) -> None:
+    """Close the region `begin` opened; `ok=False` after an exception (nothing differs for rerun)."""
     _pop_hooks()
     if frame.exit is not None:
         frame.exit.close()

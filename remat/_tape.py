@@ -12,9 +12,10 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import RematError
+from ._guard import written_arguments
+from ._modes import Mode
 from ._rerun import AutocastState
 from ._rng import RngStash
 
@@ -47,13 +48,6 @@ __all__ = ["Recorder", "Tape"]
 # reused by later ones (`retain_graph`). A saved tensor is taken after the op count it was saved at; if a later
 # replayed op writes into its memory (in-place on it or on a view), it is cloned when taken.
 
-# NOTE [ No dynamo wrapper ]
-# TorchDispatchMode wraps a subclass's `__torch_dispatch__` in `torch._disable_dynamo` unless the subclass says
-# `_should_skip_dynamo() -> False`; the wrapper costs about 1.7 µs per op, a third of the recording budget. It is
-# not needed here: while a non-infra mode is on the stack, dynamo runs every frame eagerly (TorchDispatchMode
-# sets `_is_in_any_mode_without_ignore_compile_internals`), this handler included; test_region checks that a
-# compiled function inside a region gives the right gradients.
-
 _Tensor = torch.Tensor
 _ref = weakref.ref
 _Ref = weakref.ReferenceType
@@ -64,15 +58,6 @@ Marker = tuple["weakref.ReferenceType[torch.Tensor]", int]
 Entry = tuple[Any, list[Any], "dict[str, Any] | None", int, int, bool]
 
 
-# Ops whose schema does not declare that they write their running statistics (training-mode batch norm).
-_BN_STATS = ((3, "running_mean"), (4, "running_var"))
-_UNDECLARED_WRITES: dict[str, tuple[tuple[int, str], ...]] = {
-    "aten::native_batch_norm": _BN_STATS,
-    "aten::cudnn_batch_norm": _BN_STATS,
-    "aten::miopen_batch_norm": _BN_STATS,
-}
-
-
 class OpInfo:
     """What the recorder needs to know about one op overload, read once from its schema."""
 
@@ -81,11 +66,7 @@ class OpInfo:
     def __init__(self, func: Any) -> None:
         schema = func._schema
         self.name = str(func)
-        self.writes = tuple(
-            (position, argument.name)
-            for position, argument in enumerate(schema.arguments)
-            if argument.alias_info is not None and argument.alias_info.is_write
-        ) + _UNDECLARED_WRITES.get(schema.name, ())
+        self.writes = written_arguments(func)
         self.lists = any("Tensor" in str(argument.type) and "[]" in str(argument.type)
                          for argument in schema.arguments)
         self.seeded = torch.Tag.nondeterministic_seeded in func.tags
@@ -145,16 +126,11 @@ def _seeded_device(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.
     return device
 
 
-class Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class Recorder(Mode):
     """The dispatch mode that records a region's ops (see NOTE [ What the tape holds ])."""
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # See NOTE [ No dynamo wrapper ].
-        return False
-
     def __init__(self, preserve_rng: bool, trace: list[str] | None) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.refs: dict[int, Marker] = {}
         self.ops: list[Entry] = []
         self.slots = 0

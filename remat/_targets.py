@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from . import _rerun, _switch
+from . import _region, _rerun, _switch
 from ._options import Options
 from ._policies import as_policy
 
@@ -33,11 +33,10 @@ class _Engine:
         policy = as_policy(options.policy)
         self.passthrough = policy.everything
         if options.strategy == "replay":
-            from . import _region as engine
-
+            engine: Any = _region
             self.extra: dict[str, Any] = {}
         else:
-            engine = _rerun  # type: ignore[assignment]
+            engine = _rerun
             self.extra = {"early_stop": True, "policy": None if policy.saves_nothing else policy}
         self.call = engine.call
         self.begin = engine.begin
@@ -59,7 +58,7 @@ def _active(options: Options) -> bool:
 def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
     """Return `fn` rematerialized: a plain function (so methods bind and dynamo can trace it)."""
     if isinstance(fn, (staticmethod, classmethod)):
-        return type(fn)(wrap_function(fn.__func__, options, site))  # type: ignore[return-value]
+        return type(fn)(wrap_function(fn.__func__, options, site))
     name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
     engine = _Engine(options, name)
     call, extra, enabled, switch = engine.call, engine.extra, options.enabled, _switch._state
@@ -81,7 +80,7 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
     """Rematerialize every instance's `forward`; the class stays itself (isinstance, pickling hold)."""
     forward = cls.forward
     forward = getattr(forward, "__wrapped__", forward) if hasattr(forward, _MARK) else forward
-    cls.forward = wrap_function(forward, options, site=cls.__qualname__)  # type: ignore[method-assign]
+    cls.forward = wrap_function(forward, options, site=cls.__qualname__)
     return cls
 
 
@@ -124,11 +123,12 @@ class _Close:
     """Forward hook that closes the region `_Open` opened, also when forward raised."""
 
     def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        # Called as (module, args, kwargs, output) after forward, as (module, args, None) when it raised.
         stack = _open_sites.stack
         if stack and stack[-1][0] is module:
             _, engine, token = stack.pop()
             if engine is not None:
-                engine.end(token)
+                engine.end(token, ok=len(rest) == 2)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Close, ())

@@ -112,9 +112,9 @@ def test_policies_combine_with_or() -> None:
 
 
 def test_a_bad_policy_is_a_type_error_when_decorating() -> None:
-    with pytest.raises(TypeError, match="`policy` must be a callable or one of remat.policies, but got `int`"):
+    with pytest.raises(TypeError, match=r"`policy` must be a callable or one of remat\.policies, but got `int`"):
         remat.remat(policy=3)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="save_tagged takes tag names"):
         policies.save_tagged(1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="strategy='rerun' only"):
+    with pytest.raises(ValueError, match=r"strategy=.rerun. only"):
         remat.remat(policy=policies.save_matmuls, strategy="replay")
