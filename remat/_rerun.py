@@ -180,19 +180,24 @@ class RerunFrame(Frame):
         create_graph = torch.is_grad_enabled()
         last = max(wanted) if self.early_stop else -1
         count = 0
+        # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and
+        # with create_graph the store holds tensors of that graph: `pack` reaches the frame and the store only
+        # through `live`, emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
+        live: list[Any] = [self, store]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor | None:
             nonlocal count
+            frame, found = live
             index, count = count, count + 1
-            self.expect(index, tensor)
+            frame.expect(index, tensor)
             if index in wanted:
                 if create_graph:
-                    store[index] = tensor
-                elif self.retrace is None:
-                    store[index] = tensor.detach()
+                    found[index] = tensor
+                elif frame.retrace is None:
+                    found[index] = tensor.detach()
                 else:  # keep remat's own detach out of the op trace the user reads
                     with _disable_current_modes():
-                        store[index] = tensor.detach()
+                        found[index] = tensor.detach()
             if index == last:
                 raise StopRecompute
             return tensor if create_graph else None
@@ -226,6 +231,7 @@ class RerunFrame(Frame):
                 pass
             finally:
                 _pop_hooks()
+                live.clear()
 
 
 def _identity(packed: Any) -> Any:
