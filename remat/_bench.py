@@ -23,6 +23,7 @@ import copy
 import datetime
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ from typing import Any, TextIO, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from ._measure import _sync, format_bytes, format_seconds
 from ._models import (
@@ -160,11 +161,33 @@ def _save_matmuls_blocks(model: BenchModel) -> None:
         decorator(block)
 
 
+def _chain_blocks(model: BenchModel) -> None:
+    from ._chain import chain
+
+    model.stack = chain(list(model.blocks), budget=0.5)  # profiled on the warm-up step's input
+
+
+class _Sequential(nn.Module):
+    def __init__(self, blocks: nn.ModuleList, segments: int) -> None:
+        super().__init__()
+        self.blocks, self.segments = blocks, segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        run = cast(Callable[..., torch.Tensor], checkpoint_sequential)
+        return run(list(self.blocks), self.segments, x, use_reentrant=False)
+
+
+def _sequential_blocks(model: BenchModel) -> None:
+    model.stack = _Sequential(model.blocks, max(1, round(math.sqrt(len(model.blocks)))))
+
+
 register(Config(NO_REMAT, lambda model: None, wrap_tiny=lambda fn: fn))
 register(Config(TORCH, lambda model: setattr(model, "call", _torch_call), wrap_tiny=_torch_tiny))
 register(Config("@remat", _remat_blocks, wrap_tiny=_remat_tiny))
 register(Config("remat.region", _region_blocks, wrap_tiny=_region_tiny))
 register(Config("@remat(policy=save_matmuls)", _save_matmuls_blocks))
+register(Config("checkpoint_sequential, √n segments", _sequential_blocks))
+register(Config("remat.chain(budget=0.5)", _chain_blocks))
 
 
 # -- results -------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class BenchModel(nn.Module):
     Attributes:
         blocks: The repeated blocks, run in order through ``call``.
         call: How a block is called; `call_directly` unless a configuration replaced it.
+        stack: When set, a module that runs all the blocks at once instead (``remat.chain``).
     """
 
     blocks: nn.ModuleList
@@ -50,9 +51,13 @@ class BenchModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.call: BlockCall = call_directly
+        self.stack: nn.Module | None = None
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """Run every block on ``x`` through ``call``."""
+        """Run every block on ``x``: through ``stack`` if set, else one by one through ``call``."""
+        if self.stack is not None:
+            out: torch.Tensor = self.stack(x)
+            return out
         for block in self.blocks:
             x = self.call(block, x)
         return x

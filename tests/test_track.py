@@ -6,6 +6,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from remat._track import Tracker, track
 
@@ -183,6 +185,43 @@ def test_frees_from_another_thread_are_subtracted() -> None:
         thread.join()
         assert t.current_bytes == 0
     assert t.peak_bytes == 1000 * F32
+
+
+_STEP = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 64), st.sampled_from([torch.float32, torch.float64, torch.int8])),
+    st.tuples(st.just("view"), st.integers(0, 1000), st.just(None)),
+    st.tuples(st.just("del"), st.integers(0, 1000), st.just(None)),
+    st.tuples(st.just("inplace"), st.integers(0, 1000), st.just(None)),
+    st.tuples(st.just("add"), st.integers(0, 1000), st.just(None)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_STEP, max_size=25))
+def test_current_bytes_equal_the_live_distinct_storages(steps: list[tuple[str, int, torch.dtype | None]]) -> None:
+    live: list[torch.Tensor] = []
+    peak = 0
+
+    def expected() -> int:
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in live}
+        return sum(storages.values())
+
+    with track() as t:
+        for kind, n, dtype in steps:
+            if kind == "alloc":
+                assert dtype is not None
+                live.append(torch.zeros(n, dtype=dtype))
+            elif live and kind == "view":
+                live.append(live[n % len(live)][1:])
+            elif live and kind == "del":
+                live.pop(n % len(live))
+            elif live and kind == "inplace":
+                live[n % len(live)].mul_(2)
+            elif live and kind == "add":
+                live.append(live[n % len(live)] + 1)
+            peak = max(peak, expected())
+            assert t.current_bytes == expected()
+    assert t.peak_bytes >= peak
 
 
 @pytest.mark.cuda
