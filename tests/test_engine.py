@@ -319,3 +319,35 @@ def test_output_used_twice_and_partially(strategy_model: type[nn.Module]) -> Non
 
     x = randn(2, 5, 8, requires_grad=True) if strategy_model is TransformerBlock else randn(4, 8, requires_grad=True)
     assert_same_grads(TwoHeads, (x,), lambda m: (remat.remat(m.body), m)[1])
+
+
+def test_sites_inside_other_saved_tensor_hooks() -> None:
+    """Inside `save_on_cpu` (or any user hooks) a site hands its inputs to those hooks and gets them back."""
+
+    def under_save_on_cpu(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        remat.apply(model, (nn.LayerNorm, nn.Sequential))
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            with torch.autograd.graph.save_on_cpu():
+                return model(x)
+
+        return run
+
+    assert_same_grads(TransformerBlock, (randn(2, 5, 8, requires_grad=True),), under_save_on_cpu)
+
+
+def test_double_backward_through_nested_sites() -> None:
+    def penalty(loss: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+        grads = torch.autograd.grad(loss, leaves, create_graph=True)
+        sum((g * g).sum() for g in grads).backward()
+
+    def nested(model: nn.Module) -> nn.Module:
+        remat.apply(model, (nn.LayerNorm, nn.Softplus))
+        remat.remat(model[2])
+        return remat.remat(model)
+
+    def make() -> nn.Module:
+        inner = nn.Sequential(nn.Linear(8, 8), nn.Softplus(), nn.LayerNorm(8))
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), inner, nn.Tanh())
+
+    assert_same_grads(make, (randn(2, 3, 8, requires_grad=True),), nested, backward=penalty)
