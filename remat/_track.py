@@ -14,7 +14,9 @@ that C++ alone keeps alive (a saved activation). torch preserves the Python obje
 tensors): ``t.untyped_storage()`` returns the same object for every view of the storage, and that
 object is deallocated exactly when the C++ storage is. A ``weakref.finalize`` on it is thus a
 correct "storage released" event, also for storages that only autograd holds (tested in
-tests/test_track.py). Storages are keyed by ``untyped_storage()._cdata`` (the address of the
+tests/test_track.py). A plain ``weakref.ref`` with a callback is used rather than
+``weakref.finalize`` (four times cheaper); the tracker keeps the reference, and dropping it when the
+block ends drops the callback. Storages are keyed by ``untyped_storage()._cdata`` (the address of the
 ``StorageImpl``): unique among live storages, and the key is dropped when the finalizer fires,
 before the address can be reused.
 
@@ -29,6 +31,7 @@ schema says "alias"; its output counts as new. A storage that changed size (``re
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -68,11 +71,11 @@ def _tensors(obj: object) -> Iterator[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    if t.layout is not torch.strided or t.device.type == "meta":
+    if t.is_meta:
         return None
     try:
         return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+    except (RuntimeError, NotImplementedError):  # sparse tensors, subclasses without a storage
         return None
 
 
@@ -140,7 +143,8 @@ class Tracker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[int, tuple[torch.device, int, weakref.finalize[Any, Any]]] = {}
+        # storage key -> (device, bytes, weak reference whose callback releases the key)
+        self._live: dict[int, tuple[torch.device, int, weakref.ref[torch.UntypedStorage]]] = {}
         self._current: dict[torch.device, int] = {}
         self._peak: dict[torch.device, int] = {}
         self.current_bytes = 0
@@ -170,9 +174,7 @@ class Tracker:
                 mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
         finally:
             with self._lock:
-                for _, _, fin in self._live.values():
-                    fin.detach()
-                self._live.clear()
+                self._live.clear()  # dropping the weak references drops their callbacks
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -301,10 +303,9 @@ class Tracker:
         if device.type == "cpu":
             device = torch.device("cpu")
         nbytes = st.nbytes()
-        fin = weakref.finalize(st, self._release, key)
-        fin.atexit = False
+        ref = weakref.ref(st, functools.partial(self._release, key))
         with self._lock:
-            self._live[key] = (device, nbytes, fin)
+            self._live[key] = (device, nbytes, ref)
             self._account(device, nbytes)
 
     def _resize(self, key: int, nbytes: int) -> None:
@@ -314,7 +315,7 @@ class Tracker:
                 self._live[key] = (entry[0], nbytes, entry[2])
                 self._account(entry[0], nbytes - entry[1])
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: int, ref: object = None) -> None:
         with self._lock:
             entry = self._live.pop(key, None)
             if entry is not None:
