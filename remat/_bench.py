@@ -208,6 +208,7 @@ class Result:
     step_seconds: list[float] = field(default_factory=list)
     grad_diff: float | None = None
     note: str = ""
+    compare: bool = True  # whether ratios to the no-remat and torch rows make sense
 
     @property
     def step(self) -> float | None:
@@ -397,6 +398,93 @@ def _bench_tiny(
     return results
 
 
+REPLAY_OPS = 64
+
+
+def _many_ops(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(REPLAY_OPS // 2):
+        x = (x * 1.0001).sin()
+    return x
+
+
+def _bench_replay(device: torch.device, repeats: int, progress: Callable[[str], None], calls: int = 30) -> list[Result]:
+    """Forward-only overhead of `remat.region` per recorded op (spec §5.2), against the plain function."""
+    result = Result("tiny", "remat.region forward, per op", compare=False)
+    try:
+        from ._api import remat
+
+        remat.region()
+    except (ImportError, AttributeError) as e:
+        result.note = f"not available ({_note(e)})"
+        return [result]
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        with remat.region():
+            return _many_ops(x)
+
+    x = tiny_input(device)
+    plain_times: list[float] = []
+    for r in range(repeats):
+        progress(f"tiny: replay overhead, repeat {r + 1}/{repeats}")
+        pair = []
+        for fn in (_many_ops, region):
+            fn(x)  # warm-up
+            _sync({device})
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            _sync({device})
+            pair.append((time.perf_counter() - start) / calls)
+        plain_times.append(pair[0])
+        result.step_seconds.append((pair[1] - pair[0]) / REPLAY_OPS)
+    per_op = result.step
+    assert per_op is not None
+    plain = format_seconds(statistics.median(plain_times) / REPLAY_OPS)
+    result.note = f"overhead per recorded op (§5.2 target ≤ 5 µs); an op itself takes {plain}"
+    return [result]
+
+
+_STARTUP = """
+import time, torch
+t0 = time.perf_counter()
+import remat
+t1 = time.perf_counter()
+x = torch.randn(16, requires_grad=True)
+f = remat.remat(lambda t: (t * 2).sin())
+t2 = time.perf_counter()
+f(x).sum().backward()
+t3 = time.perf_counter()
+print(t1 - t0, t3 - t2)
+"""
+
+
+def _bench_startup(progress: Callable[[str], None]) -> list[Result]:
+    """Cost of ``import remat`` after ``import torch``, and of the first @remat call (spec §5.6), in a fresh process."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    progress("startup: import remat and first call in a fresh process")
+    imported = Result("startup", "import remat (after torch)", compare=False)
+    first = Result("startup", "first @remat call, forward+backward", compare=False)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _STARTUP], capture_output=True, text=True, env=env, timeout=300, check=True
+        )
+        import_s, first_s = (float(v) for v in done.stdout.split()[-2:])
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        imported.note = first.note = f"failed: {_note(e)}"
+        return [imported, first]
+    imported.step_seconds.append(import_s)
+    imported.note = "§5.6 target ≤ 50 ms"
+    first.step_seconds.append(first_s)
+    first.note = "§5.6: no one-off second of set-up"
+    return [imported, first]
+
+
 def run(
     models: Sequence[str] = ("gpt", "convnet", "tiny"),
     *,
@@ -404,6 +492,7 @@ def run(
     device: str | torch.device = "cpu",
     repeats: int = 3,
     progress: Callable[[str], None] = lambda message: None,
+    startup: bool | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
     """Run the benchmark and return its metadata and rows (what ``python -m remat`` prints).
 
@@ -413,13 +502,15 @@ def run(
         device: Where to run.
         repeats: Timed steps per configuration; the median is reported.
         progress: Called with a status message as the run goes.
+        startup: Also time ``import remat`` and a first call in a fresh process; by default
+            when ``"tiny"`` is among ``models``.
 
     Returns:
         ``(meta, rows)``.
 
     Example:
         >>> from remat._bench import run
-        >>> meta, rows = run(["tiny"], repeats=1)
+        >>> meta, rows = run(["tiny"], repeats=1, startup=False)
         >>> rows[0].config, rows[0].step is not None
         ('no remat', True)
     """
@@ -436,12 +527,18 @@ def run(
     rows: list[Result] = []
     for name in models:
         if name == "tiny":
-            meta["models"]["tiny"] = "(x * 2).sin() on 16 floats; step = forward+backward per call"
+            meta["models"]["tiny"] = (
+                f"(x * 2).sin() on 16 floats, step = forward+backward per call; region overhead on {REPLAY_OPS} ops"
+            )
             rows += _bench_tiny(dev, repeats, CONFIGS, progress)
+            rows += _bench_replay(dev, repeats, progress)
             continue
         base = MODELS[name](size)
         meta["models"][name] = f"{base.describe()} ({human_count(parameter_count(base))} parameters, float32)"
         rows += _bench_model(name, base, dev, repeats, CONFIGS, progress)
+    if startup or (startup is None and "tiny" in models):
+        meta["models"]["startup"] = "a fresh process: import remat after torch, first call of a @remat function"
+        rows += _bench_startup(progress)
     return meta, rows
 
 
@@ -479,6 +576,8 @@ def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
     by_key = {(r.model, r.config): r for r in rows}
     for r in rows:
         none, theirs = by_key.get((r.model, NO_REMAT)), by_key.get((r.model, TORCH))
+        if not r.compare:
+            none = theirs = None
         table.append(
             (
                 r.model,

@@ -77,11 +77,11 @@ def test_register_replaces_by_name() -> None:
 
 
 def test_tiny_overhead_rows() -> None:
-    meta, rows = run(["tiny"], repeats=1)
+    meta, rows = run(["tiny"], repeats=1, startup=False)
     by_name = {r.config: r for r in rows}
     assert {NO_REMAT, TORCH} <= set(by_name)
     for row in rows:
-        if row.note.startswith("not available"):
+        if row.note.startswith("not available") or not row.compare:
             continue
         assert row.step is not None and row.step > 0
         assert row.grad_diff == 0.0
@@ -117,7 +117,8 @@ def test_table_is_aligned_and_has_ratios() -> None:
     assert len(ends) == 1
 
 
-def test_main_prints_one_table_and_writes_json(tmp_path: Path) -> None:
+def test_main_prints_one_table_and_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_bench, "_bench_startup", lambda progress: [])
     out = io.StringIO()
     path = tmp_path / "bench.json"
     status = main(["--model", "tiny", "--repeats", "1", "--json", str(path), "--quiet"], stdout=out)
@@ -128,6 +129,22 @@ def test_main_prints_one_table_and_writes_json(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["meta"]["size"] == "small"
     assert {r["config"] for r in data["rows"]} >= {NO_REMAT, TORCH}
+
+
+def test_startup_rows_time_a_fresh_process() -> None:
+    meta, rows = run([], startup=True)
+    assert [r.model for r in rows] == ["startup", "startup"]
+    for row in rows:
+        assert not row.note.startswith("failed"), row.note
+        assert row.step is not None and 0 < row.step < 60
+    assert "startup" in meta["models"]
+
+
+def test_replay_row_reports_overhead_per_op() -> None:
+    (row,) = _bench._bench_replay(CPU, 1, lambda message: None, calls=2)
+    if not row.note.startswith("not available"):
+        assert row.step is not None and "per recorded op" in row.note
+    assert not row.compare
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
