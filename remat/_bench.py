@@ -646,10 +646,15 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median shown)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG of memory vs step time (matplotlib)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(PLOT_MISSING, file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,20 @@ from remat._bench import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table,
 from remat._models import GPT, BenchModel, ConvNet, ConvNetConfig, GPTConfig, human_count, tiny
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # Tiny models on a busy machine: with two OpenMP threads, a step can stall for a scheduler
+    # quantum (measured: 10 ms steps taking 0.3-1 s); one thread keeps these tests fast.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 TINY_GPT = GPTConfig(blocks=2, d=16, heads=2, seq=8, batch=2, vocab=20)
 TINY_CONVNET = ConvNetConfig(width=4, blocks_per_stage=1, image=8, batch=4)
 
