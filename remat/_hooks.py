@@ -13,9 +13,9 @@ import torch
 
 from . import _stats
 from ._debug import side_by_side
-from ._errors import BUG, RecomputeMismatchError
+from ._errors import BUG, RecomputeMismatchError, RematError
 
-__all__ = ["Frame", "Handle", "StopRecompute"]
+__all__ = ["Frame", "Handle", "Kept", "StopRecompute"]
 
 # NOTE [ Handle lifetime ]
 # In forward the pack hook gives autograd a `Handle` (an index) instead of an activation made inside the region;
@@ -33,6 +33,14 @@ __all__ = ["Frame", "Handle", "StopRecompute"]
 # drops whatever is left in the store when that backward ends (nodes that `autograd.grad(inputs=...)` skipped).
 
 
+# NOTE [ Freeing long chains ]
+# Dropping the output of a long chain of sites (the tutorial's 1000 calls of 100 ops) frees the whole graph at
+# once. torch frees chains of graph nodes without recursion, unless a node has a Python object: reading
+# `tensor.grad_fn` from Python makes one, and freeing then recurses through Python deallocation, one level per
+# node, and overflows the C stack. So the hooks never read `grad_fn` (`is_leaf` tells what they need), and
+# kept tensors are held by the frame, reached through the unpack hook, rather than by autograd.
+
+
 class StopRecompute(Exception):
     """Raised from a recompute pack hook once every needed tensor is back (early stop)."""
 
@@ -46,6 +54,22 @@ class Handle:
         self.index = index
 
 
+class Kept:
+    """What autograd keeps for a tensor the frame holds as it is (an input, a parameter, a view of one)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+_INPLACE_KEPT = (
+    "remat: one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: a tensor of shape {shape} saved in `{site}` was at version {before} when saved and is at "
+    "version {after} now. Don't modify it in place between forward and backward (clone it first)."
+)
+
+
 _Meta = tuple[torch.Size, torch.dtype, torch.device]
 
 
@@ -56,7 +80,8 @@ class Frame:
     """
 
     __slots__ = (
-        "__weakref__", "_handles", "_metas", "_stores", "check", "early_stop", "retrace", "site", "trace"
+        "__weakref__", "_handles", "_kept", "_metas", "_stores", "check", "early_stop", "retrace", "site",
+        "trace",
     )
 
     def __init__(self, site: str, check: bool, early_stop: bool, trace: list[str] | None) -> None:
@@ -68,14 +93,25 @@ class Frame:
         self._handles: list[weakref.ref[Handle] | None] = []
         self._metas: list[_Meta] = []
         self._stores: dict[int, dict[int, torch.Tensor]] = {}
+        self._kept: dict[int, tuple[torch.Tensor, int]] = {}
 
     # -- forward -------------------------------------------------------------------------------------------
-    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Account a saved tensor that is kept by reference, and return it for autograd to hold."""
+    def account(self, tensor: torch.Tensor) -> None:
+        """Count a saved tensor that someone else keeps (the enclosing hooks), so indices stay aligned."""
         self._handles.append(None)
         if self.check:
             self._metas.append((tensor.shape, tensor.dtype, tensor.device))
-        return tensor
+
+    def keep(self, tensor: torch.Tensor) -> Kept:
+        """Hold a saved tensor as it is, with its version, and return the token autograd keeps.
+
+        Unpack checks that it was not modified in place since, as autograd does for the tensors it saves
+        itself (with hooks installed, autograd no longer checks).
+        """
+        kept = Kept(len(self._handles))
+        self._kept[kept.index] = (tensor, tensor._version)
+        self.account(tensor)
+        return kept
 
     def handle(self, tensor: torch.Tensor) -> Handle:
         """Account a saved tensor that will be rebuilt in backward, and return its handle."""
@@ -94,12 +130,22 @@ class Frame:
     def unpack(self, packed: Any) -> torch.Tensor:
         """The unpack hook: a kept tensor as it is, a handle's tensor rebuilt (see NOTE [ One store ... ])."""
         if type(packed) is not Handle:
-            return packed  # type: ignore[no-any-return]
+            return self._unpack_kept(packed)
         gid = torch._C._current_graph_task_id()
         store = self._stores.get(gid)
         if store is None or packed.index not in store:
             store = self._rebuild(gid, store)
         return store.pop(packed.index)
+
+    def _unpack_kept(self, kept: Kept) -> torch.Tensor:
+        tensor, version = self._kept[kept.index]
+        if tensor._version != version:
+            raise RematError(
+                _INPLACE_KEPT.format(
+                    shape=list(tensor.shape), site=self.site, before=version, after=tensor._version
+                )
+            )
+        return tensor
 
     def _rebuild(self, gid: int, store: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
         if store is None:

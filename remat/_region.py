@@ -40,26 +40,12 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 # so they are handed to its pack hook instead (see NOTE [ Inputs of nested sites ] in _rerun.py); so are the
 # outside tensors the tape reads, at the end of forward.
 
-_INPLACE_KEPT = (
-    "remat: one of the variables needed for gradient computation has been modified by an inplace "
-    "operation: a tensor of shape {shape} saved in region `{site}` was at version {before} when saved and is "
-    "at version {after} now. Don't modify it in place between forward and backward (clone it first)."
-)
-
 _VALUES_DIFFER = (
     "remat: replay of `{site}` rebuilt saved tensor #{index} (output {output} of op #{op}, {name}) with other "
     "values than forward saved ({detail}). Something changed that tensor outside the PyTorch dispatcher (a raw "
     "Triton or CUDA kernel launch, a write through `.numpy()` or `data_ptr()`), which the tape cannot see: "
     "do that outside the region, or use strategy='rerun'."
 )
-
-
-class _Kept:
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.version = tensor._version
 
 
 class _Outer:
@@ -113,9 +99,9 @@ class RegionFrame(Frame):
                 if self.copies is not None:
                     self._copy(recorder, handle.index, tensor)
                 return handle
-        self.keep(tensor)
         if self.outer is None:
-            return _Kept(tensor)
+            return self.keep(tensor)
+        self.account(tensor)
         recorder.paused = True
         try:
             return _Outer(self.outer[0](tensor))
@@ -153,18 +139,7 @@ class RegionFrame(Frame):
     # -- backward ------------------------------------------------------------------------------------------
     def unpack(self, packed: Any) -> torch.Tensor:
         """The unpack hook: see NOTE [ Kept tensors ] and NOTE [ One store per backward ] in _hooks.py."""
-        kind = type(packed)
-        if kind is _Kept:
-            tensor: torch.Tensor = packed.tensor
-            if tensor._version != packed.version:
-                raise RematError(
-                    _INPLACE_KEPT.format(
-                        shape=list(tensor.shape), site=self.site, before=packed.version,
-                        after=tensor._version,
-                    )
-                )
-            return tensor
-        if kind is _Outer:
+        if type(packed) is _Outer:
             assert self.outer is not None
             return self.outer[1](packed.packed)
         return super().unpack(packed)

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ._debug import OpTrace
 from ._errors import RematError
 from ._guard import OutsideWrites
-from ._hooks import Frame, Handle, StopRecompute
+from ._hooks import Frame, Handle, Kept, StopRecompute
 from ._policies import Policy, ReuseOps, SaveOps, tags
 from ._rng import RngStash, devices_of
 from ._tree import map_tensors, tensors_in
@@ -117,11 +117,11 @@ class RerunFrame(Frame):
     kept_ids: set[int]  # ids of every tensor the policy keeps
     kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, in order
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor | Handle | _Outer:
+    def pack(self, tensor: torch.Tensor) -> Kept | Handle | _Outer:
         """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
         if id(tensor) in self.ids:
             return self.keep_input(tensor)
-        if tensor.requires_grad and tensor.grad_fn is None:
+        if tensor.requires_grad and tensor.is_leaf:  # never `grad_fn`: see NOTE [ Freeing long chains ]
             return self.keep(tensor)
         if self.policy is not None and id(tensor) in self.kept_ids:
             return self.keep(tensor.detach())  # detached: an op may save its own output
@@ -129,14 +129,16 @@ class RerunFrame(Frame):
         if base is not None:
             if id(base) in self.ids:
                 return self.keep_input(tensor)
-            if base.requires_grad and base.grad_fn is None:
+            if base.requires_grad and base.is_leaf:
                 return self.keep(tensor)
         return self.handle(tensor)
 
-    def keep_input(self, tensor: torch.Tensor) -> torch.Tensor | _Outer:
+    def keep_input(self, tensor: torch.Tensor) -> Kept | _Outer:
         """Keep an input (or a view of one); inside other hooks, hand it to them instead."""
-        self.keep(tensor)
-        return tensor if self.outer_pack is None else _Outer(self.outer_pack(tensor))
+        if self.outer_pack is None:
+            return self.keep(tensor)
+        self.account(tensor)
+        return _Outer(self.outer_pack(tensor))
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """The unpack hook: what `keep_input` handed to the enclosing hooks comes back through them."""

@@ -351,3 +351,16 @@ def test_double_backward_through_nested_sites() -> None:
         return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), inner, nn.Tanh())
 
     assert_same_grads(make, (randn(2, 3, 8, requires_grad=True),), nested, backward=penalty)
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_a_long_chain_of_sites_is_freed_without_recursion(strategy: str) -> None:
+    """Dropping 20000 chained sites once crashed the C stack (see NOTE [ Freeing long chains ])."""
+    site = remat.remat(lambda x, a: (x * a).sin() * a, strategy=strategy)  # type: ignore[call-overload]
+    a = torch.full((4,), 1.5, requires_grad=True)
+    x = torch.ones(4, requires_grad=True)
+    for _ in range(20_000):
+        x = site(x, a)
+    x.sum().backward()
+    assert a.grad is not None
+    del x
