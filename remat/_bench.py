@@ -24,6 +24,7 @@ import datetime
 import importlib.util
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -65,15 +66,16 @@ class Config:
 
     Attributes:
         name: The row's label.
-        prepare: Changes the copy in place: replaces ``model.call`` or the blocks. It may raise
-            ImportError/AttributeError when the feature is not available yet; the row then says so.
+        prepare: Changes the copy in place: replaces ``model.call``, ``model.stack`` or the blocks,
+            and returns a note for the table or None. It may raise ImportError/AttributeError when
+            the feature is not available yet; the row then says so.
         wrap_tiny: How the tiny function of spec §5.1 is wrapped for the overhead rows, or None to
             leave this configuration out of them.
         models: Model names the row applies to; None for all.
     """
 
     name: str
-    prepare: Callable[[BenchModel], None]
+    prepare: Callable[[BenchModel], str | None]
     wrap_tiny: Callable[[Callable[[torch.Tensor], torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]] | None = None
     models: tuple[str, ...] | None = None
 
@@ -112,11 +114,12 @@ def _torch_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.T
     return wrapped
 
 
-def _remat_blocks(model: BenchModel) -> None:
+def _remat_blocks(model: BenchModel) -> str | None:
     from ._api import remat
 
     for block in model.blocks:
         remat(block)
+    return None
 
 
 def _remat_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -133,11 +136,12 @@ def _region_call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _region_blocks(model: BenchModel) -> None:
+def _region_blocks(model: BenchModel) -> str | None:
     from ._api import remat
 
     remat.region()  # raises ImportError while the region engine is missing
     model.call = _region_call
+    return None
 
 
 def _region_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -152,19 +156,32 @@ def _region_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.
     return wrapped
 
 
-def _save_matmuls_blocks(model: BenchModel) -> None:
+def _save_matmuls_blocks(model: BenchModel) -> str | None:
     from ._api import remat
     from ._policies import save_matmuls
 
     decorator = cast(Any, remat)(policy=save_matmuls)  # Policy is not a Callable[..., Any] to mypy
     for block in model.blocks:
         decorator(block)
+    return None
 
 
-def _chain_blocks(model: BenchModel) -> None:
+def _chain_blocks(model: BenchModel) -> str | None:
     from ._chain import chain
+    from ._errors import BudgetError
 
-    model.stack = chain(list(model.blocks), budget=0.5)  # profiled on the warm-up step's input
+    with torch.no_grad():
+        sample = model.embed(*model.sample(next(model.parameters()).device, seed=SEED))
+    try:
+        model.stack = chain(list(model.blocks), budget=0.5, sample=sample)
+    except BudgetError as e:
+        smallest = re.search(r"smallest feasible budget is (\d+) bytes", str(e))
+        if smallest is None:
+            raise
+        budget = int(smallest.group(1))
+        model.stack = chain(list(model.blocks), budget=budget, sample=sample)
+        return f"50% is below the smallest budget; ran at that, {format_bytes(budget)}"
+    return None
 
 
 class _Sequential(nn.Module):
@@ -177,12 +194,18 @@ class _Sequential(nn.Module):
         return run(list(self.blocks), self.segments, x, use_reentrant=False)
 
 
-def _sequential_blocks(model: BenchModel) -> None:
+def _sequential_blocks(model: BenchModel) -> str | None:
     model.stack = _Sequential(model.blocks, max(1, round(math.sqrt(len(model.blocks)))))
+    return None
+
+
+def _torch_blocks(model: BenchModel) -> str | None:
+    model.call = _torch_call
+    return None
 
 
 register(Config(NO_REMAT, lambda model: None, wrap_tiny=lambda fn: fn))
-register(Config(TORCH, lambda model: setattr(model, "call", _torch_call), wrap_tiny=_torch_tiny))
+register(Config(TORCH, _torch_blocks, wrap_tiny=_torch_tiny))
 register(Config("@remat", _remat_blocks, wrap_tiny=_remat_tiny))
 register(Config("remat.region", _region_blocks, wrap_tiny=_region_tiny))
 register(Config("@remat(policy=save_matmuls)", _save_matmuls_blocks))
@@ -313,7 +336,7 @@ def _bench_model(
         progress(f"{name}: preparing {config.name}")
         model = copy.deepcopy(base)
         try:
-            config.prepare(model)
+            result.note = config.prepare(model) or ""
         except (ImportError, AttributeError) as e:
             result.note = f"not available ({_note(e)})"
             continue

@@ -66,6 +66,10 @@ class BenchModel(nn.Module):
         """Return one batch of inputs for `loss`, made from ``seed``."""
         raise NotImplementedError
 
+    def embed(self, *batch: torch.Tensor) -> torch.Tensor:
+        """Return what the first block receives for a batch from `sample`."""
+        raise NotImplementedError
+
     def loss(self, *batch: torch.Tensor) -> torch.Tensor:
         """Return the scalar training loss of one batch."""
         raise NotImplementedError
@@ -157,9 +161,13 @@ class GPT(BenchModel):
         self.head = nn.Linear(config.d, config.vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.ln(self.run_blocks(self.embed(idx))))
+        return out
+
+    def embed(self, *batch: torch.Tensor) -> torch.Tensor:
+        idx = batch[0]
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.tokens(idx) + self.positions(pos))
-        out: torch.Tensor = self.head(self.ln(self.run_blocks(x)))
+        out: torch.Tensor = self.drop(self.tokens(idx) + self.positions(pos))
         return out
 
     def sample(self, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -244,8 +252,12 @@ class ConvNet(BenchModel):
         self.head = nn.Linear(cin, config.classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        h = self.run_blocks(self.stem(images))
+        h = self.run_blocks(self.embed(images))
         out: torch.Tensor = self.head(h.mean(dim=(2, 3)))
+        return out
+
+    def embed(self, *batch: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.stem(batch[0])
         return out
 
     def sample(self, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
