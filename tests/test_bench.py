@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,3 +182,19 @@ def test_models_and_helpers() -> None:
     assert conv.loss(*conv.sample(CPU)).dim() == 0
     assert tiny(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]
     assert (human_count(999), human_count(1234), human_count(2_700_000)) == ("999", "1.2K", "2.7M")
+
+
+def test_plot_draws_one_panel_per_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from unittest import mock
+
+    fake = mock.MagicMock()
+    fig, ax = mock.MagicMock(), mock.MagicMock()
+    fake.pyplot.subplots.return_value = (fig, [[ax]])
+    monkeypatch.setitem(sys.modules, "matplotlib", fake)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", fake.pyplot)
+    meta = {"date": "d", "device": "cpu", "models": {"gpt": "x", "tiny": "y"}}
+    rows = [Result("gpt", NO_REMAT, 2**20, 2**19, [0.5]), Result("tiny", NO_REMAT, step_seconds=[1e-4])]
+    _bench.plot(meta, rows, str(tmp_path / "p.png"))
+    fake.use.assert_called_once_with("Agg")
+    ax.scatter.assert_called_once_with(500.0, 1.0)
+    fig.savefig.assert_called_once()

@@ -243,3 +243,18 @@ def test_cuda_peak_matches_the_allocator() -> None:
     # The caching allocator rounds every block up to 512 bytes and may hold workspaces (cuBLAS).
     assert t.peak("cuda") <= allocator_peak
     assert allocator_peak - t.peak("cuda") <= 0.05 * allocator_peak + 8 * 1024 * 1024
+
+
+def test_compiled_code_runs_under_the_tracker() -> None:
+    import torch._dynamo
+
+    from remat._track import _DynamoSafeMode
+
+    compiled = torch.compile(lambda a: (a * 2).sin(), backend="eager")
+    x = torch.ones(100)
+    with track() as t:
+        assert type(t._mode) is _DynamoSafeMode  # torch._dynamo is imported: see NOTE [ Dynamo and first use ]
+        y = compiled(x)
+    assert t.current_bytes == y.nbytes == 100 * F32
+    assert t.peak_bytes == 2 * 100 * F32
+    torch._dynamo.reset()
