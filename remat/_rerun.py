@@ -5,14 +5,15 @@ See NOTE [ Handle lifetime ] in _hooks.py for what the hooks keep, and NOTE [ In
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
+from ._autocast import AutocastState
 from ._debug import OpTrace
 from ._errors import RematError
 from ._guard import OutsideWrites
@@ -21,7 +22,7 @@ from ._policies import Policy, ReuseOps, SaveOps, tags
 from ._rng import RngStash, devices_of
 from ._tree import map_tensors, tensors_in
 
-__all__ = ["AutocastState", "RerunFrame", "begin", "call", "end"]
+__all__ = ["RerunFrame", "begin", "call", "end"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -37,6 +38,16 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 # The same holds for what the nested site's own pack hook sees of its inputs (and views of them): each one is
 # handed to the enclosing pack hook again, wrapped in `_Outer`, and fetched back through its unpack hook.
 
+# NOTE [ Recompute state ]
+# Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
+# enabled (so autograd saves, and the pack hook sees, what forward saved), under `OutsideWrites` (NOTE
+# [ Writes during recompute ]), and under autocast, the user's recompute context, the policy and debug traces
+# only when those are in play: the common path sets three things and restores three, with no context-manager
+# machinery, since it runs once per site in every backward.
+# Early stop raises out of the pack hook through autograd's C++, which costs some 30 µs; it only pays when
+# what it skips can cost more, so it is used when forward took longer than `_EARLY_STOP_SECONDS`.
+_EARLY_STOP_SECONDS = 100e-6
+
 _INPLACE_INPUT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
     "operation: input tensor #{index} of `{site}` was at version {before} when forward started and is at "
@@ -44,41 +55,6 @@ _INPLACE_INPUT = (
     "Don't modify the inputs of a remat site in place (inside it or between forward and backward), or use "
     "strategy='replay'."
 )
-
-
-class AutocastState:
-    """Autocast settings of each device type a region touches, to re-enter them in recompute."""
-
-    __slots__ = ("cache", "kinds")
-
-    def __init__(self, devices: tuple[torch.device, ...]) -> None:
-        kinds = {"cpu", *(device.type for device in devices)}
-        self.kinds = tuple(
-            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds
-        )
-        self.cache = torch.is_autocast_cache_enabled()
-
-    @staticmethod
-    def capture(devices: tuple[torch.device, ...]) -> AutocastState | None:
-        """The current autocast state, or None when autocast is off everywhere (the common case)."""
-        return AutocastState(devices) if torch._C._is_any_autocast_enabled() else None
-
-    @staticmethod
-    @contextmanager
-    def enter(state: AutocastState | None, devices: tuple[torch.device, ...]) -> Iterator[None]:
-        """Re-enter `state`; with None, turn off any autocast the backward runs under."""
-        if state is None:
-            if not torch._C._is_any_autocast_enabled():
-                yield
-                return
-            state = AutocastState(devices)
-            state.kinds = tuple((kind, False, dtype) for kind, _, dtype in state.kinds)
-        with ExitStack() as stack:
-            for kind, enabled, dtype in state.kinds:
-                stack.enter_context(
-                    torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=state.cache)
-                )
-            yield
 
 
 class _Outer:
@@ -96,7 +72,7 @@ class RerunFrame(Frame):
 
     __slots__ = (
         "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
-        "kwargs", "outer_pack", "outer_unpack", "policy", "rng", "tensors", "versions",
+        "kwargs", "outer_pack", "outer_unpack", "policy", "rng", "seconds", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
@@ -112,6 +88,7 @@ class RerunFrame(Frame):
     autocast: AutocastState | None
     contexts: Callable[[], AbstractContextManager[Any]] | None
     exit: ExitStack | None
+    seconds: float  # how long forward took: see NOTE [ Recompute state ]
     policy: Policy | None
     kept: list[Any]  # outputs of the ops the policy keeps, in forward's order
     kept_ids: set[int]  # ids of every tensor the policy keeps
@@ -180,7 +157,7 @@ class RerunFrame(Frame):
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
         args, kwargs = self._inputs()
         create_graph = torch.is_grad_enabled()
-        last = max(wanted) if self.early_stop else -1
+        last = max(wanted) if self.early_stop and self.seconds > _EARLY_STOP_SECONDS else -1
         count = 0
         # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and
         # with create_graph the store holds tensors of that graph: `pack` reaches the frame and the store only
@@ -188,52 +165,70 @@ class RerunFrame(Frame):
         live: list[Any] = [self, store]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor | None:
+            # No detach: autograd makes a fresh tensor of what an unpack hook returns.
             nonlocal count
             frame, found = live
             index, count = count, count + 1
             frame.expect(index, tensor)
             if index in wanted:
-                if create_graph:
-                    found[index] = tensor
-                elif frame.retrace is None:
-                    found[index] = tensor.detach()
-                else:  # keep remat's own detach out of the op trace the user reads
-                    with _disable_current_modes():
-                        found[index] = tensor.detach()
+                found[index] = tensor
             if index == last:
                 raise StopRecompute
             return tensor if create_graph else None
 
-        with ExitStack() as stack:
-            if self.rng is not None:
-                stack.enter_context(self.rng.restore())
-            stack.enter_context(AutocastState.enter(self.autocast, self.devices))
-            stack.enter_context(torch.enable_grad())
-            if self.contexts is not None:
-                stack.enter_context(self.contexts())
-            stack.enter_context(OutsideWrites())
-            if self.policy is not None:
-                stack.enter_context(ReuseOps(self.policy, self.kept))
-                if self.kept_tags:
-                    kept_tags = iter(self.kept_tags)
+        # See NOTE [ Recompute state ].
+        caller_rng = self.rng.swap_in() if self.rng is not None else None
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        extra = self._recompute_contexts() if self._needs_contexts() else None
+        guard = OutsideWrites()
+        guard.__enter__()  # type: ignore[no-untyped-call]
+        _push_hooks(pack, _identity)
+        try:
+            self.fn(*args, **kwargs)
+        except StopRecompute:
+            pass
+        finally:
+            _pop_hooks()
+            live.clear()
+            guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            if extra is not None:
+                extra.close()
+            torch._C._set_grad_enabled(grad_was)
+            if caller_rng is not None:
+                caller_rng.apply()
 
-                    def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
-                        if not self.policy.saves_name(name):  # type: ignore[union-attr]
-                            return tensor
-                        return next(kept_tags).detach().requires_grad_(tensor.requires_grad)
+    def _needs_contexts(self) -> bool:
+        return (
+            self.autocast is not None
+            or self.contexts is not None
+            or self.policy is not None
+            or self.trace is not None
+            or torch._C._is_any_autocast_enabled()
+        )
 
-                    stack.enter_context(_tag_sink(hand_back))
-            if self.trace is not None:
-                self.retrace = []
-                stack.enter_context(OpTrace(self.retrace))
-            _push_hooks(pack, _identity)
-            try:
-                self.fn(*args, **kwargs)
-            except StopRecompute:
-                pass
-            finally:
-                _pop_hooks()
-                live.clear()
+    def _recompute_contexts(self) -> ExitStack:
+        """The rarer recompute state: autocast, the user's recompute context, the policy, debug traces."""
+        stack = ExitStack()
+        stack.enter_context(AutocastState.enter(self.autocast, self.devices))
+        if self.contexts is not None:
+            stack.enter_context(self.contexts())
+        if self.policy is not None:
+            stack.enter_context(ReuseOps(self.policy, self.kept))
+            if self.kept_tags:
+                kept_tags = iter(self.kept_tags)
+                policy = self.policy
+
+                def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
+                    if not policy.saves_name(name):
+                        return tensor
+                    return next(kept_tags).detach().requires_grad_(tensor.requires_grad)
+
+                stack.enter_context(_tag_sink(hand_back))
+        if self.trace is not None:
+            self.retrace = []
+            stack.enter_context(OpTrace(self.retrace))
+        return stack
 
 
 def _identity(packed: Any) -> Any:
@@ -294,6 +289,7 @@ def begin(
     frame.autocast = AutocastState.capture(frame.devices)
     frame.contexts = contexts[1] if contexts is not None else None
     frame.exit = None
+    frame.seconds = time.perf_counter()
     frame.policy = policy
     if policy is not None:
         frame.kept, frame.kept_ids, frame.kept_tags = [], set(), []
@@ -315,6 +311,7 @@ def begin(
 def end(frame: RerunFrame, *, ok: bool = True) -> None:
     """Close the region `begin` opened; `ok=False` after an exception (nothing differs for rerun)."""
     _pop_hooks()
+    frame.seconds = time.perf_counter() - frame.seconds
     if frame.exit is not None:
         frame.exit.close()
         frame.exit = None

@@ -19,6 +19,7 @@ from torch import nn
 __all__ = ["RngStash", "devices_of"]
 
 _NO_RNG = frozenset({"cpu", "meta"})
+_cpu = torch.default_generator
 
 
 def _device_module(kind: str) -> ModuleType | None:
@@ -105,19 +106,25 @@ class RngStash:
         states = tuple(
             (device, torch.get_device_module(device.type).get_rng_state(device)) for device in devices
         )
-        return cls(torch.get_rng_state(), states)
+        return cls(_cpu.get_state(), states)
 
-    def _apply(self) -> None:
-        torch.set_rng_state(self.cpu)
+    def apply(self) -> None:
+        """Set every generator to this stash's state."""
+        _cpu.set_state(self.cpu)
         for device, state in self.devices:
             torch.get_device_module(device.type).set_rng_state(state, device)
+
+    def swap_in(self) -> RngStash:
+        """Set this stash's states and return the states the caller had, to `apply` afterwards."""
+        caller = RngStash.capture(device for device, _ in self.devices)
+        self.apply()
+        return caller
 
     @contextmanager
     def restore(self) -> Iterator[None]:
         """Run the block with the stashed states, then put back the states the caller had (a fork)."""
-        caller = RngStash.capture(device for device, _ in self.devices)
-        self._apply()
+        caller = self.swap_in()
         try:
             yield
         finally:
-            caller._apply()
+            caller.apply()

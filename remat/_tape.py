@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from ._autocast import AutocastState
 from ._errors import RematError
 from ._guard import written_arguments
 from ._modes import Mode
-from ._rerun import AutocastState
 from ._rng import RngStash
 
 __all__ = ["Recorder", "Tape"]

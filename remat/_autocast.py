@@ -1,0 +1,45 @@
+"""Autocast state of a region's forward, to re-enter it in recompute (spec §3.2)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+__all__ = ["AutocastState"]
+
+
+class AutocastState:
+    """Autocast settings of each device type a region touches, to re-enter them in recompute."""
+
+    __slots__ = ("cache", "kinds")
+
+    def __init__(self, devices: tuple[torch.device, ...]) -> None:
+        kinds = {"cpu", *(device.type for device in devices)}
+        self.kinds = tuple(
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds
+        )
+        self.cache = torch.is_autocast_cache_enabled()
+
+    @staticmethod
+    def capture(devices: tuple[torch.device, ...]) -> AutocastState | None:
+        """The current autocast state, or None when autocast is off everywhere (the common case)."""
+        return AutocastState(devices) if torch._C._is_any_autocast_enabled() else None
+
+    @staticmethod
+    @contextmanager
+    def enter(state: AutocastState | None, devices: tuple[torch.device, ...]) -> Iterator[None]:
+        """Re-enter `state`; with None, turn off any autocast the backward runs under."""
+        if state is None:
+            if not torch._C._is_any_autocast_enabled():
+                yield
+                return
+            state = AutocastState(devices)
+            state.kinds = tuple((kind, False, dtype) for kind, _, dtype in state.kinds)
+        with ExitStack() as stack:
+            for kind, enabled, dtype in state.kinds:
+                stack.enter_context(
+                    torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=state.cache)
+                )
+            yield
