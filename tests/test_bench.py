@@ -127,6 +127,9 @@ def test_table_is_aligned_and_has_ratios() -> None:
     assert len({line.index("configuration") for line in table[:1]}) == 1
     assert "0.25x" in text and "1.50x" in text and "0.75x" in text and "1.0e-07" in text
     assert table[-1].rstrip().endswith("not available (ImportError: x)")
+    assert "warning" not in text
+    noisy = format_table(meta, [Result("m", NO_REMAT, step_seconds=[0.1, 0.1, 0.9])])
+    assert "warning: the step times of 1 row varied more than 2x" in noisy
     # Every data row puts its numeric columns at the same place.
     ends = {len(line.split("  a note")[0]) for line in table[2:4]}
     assert len(ends) == 1
