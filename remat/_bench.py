@@ -625,9 +625,10 @@ def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
     noisy = [r for r in rows if len(r.step_seconds) > 1 and max(r.step_seconds) > 2 * min(r.step_seconds)]
     if noisy:
         worst = max(noisy, key=lambda r: max(r.step_seconds) / min(r.step_seconds))
+        rows_text = f"{len(noisy)} row{'s' if len(noisy) > 1 else ''}"
         lines += [
             "",
-            f"warning: the step times of {len(noisy)} row{'s' if len(noisy) > 1 else ''} varied more than 2x between repeats (worst: "
+            f"warning: the step times of {rows_text} varied more than 2x between repeats (worst: "
             f"{worst.model} {worst.config}, {format_seconds(min(worst.step_seconds))} to "
             f"{format_seconds(max(worst.step_seconds))}).",
             "  The machine was busy: time ratios may mislead. Try --threads 1 (no stalls of OpenMP threads "
