@@ -1,40 +1,43 @@
-"""Keep recompute from writing to tensors that live outside it (spec §3.4, side effects once).
+"""Keep recompute from updating module buffers a second time (spec §3.4, side effects once).
 
 See NOTE [ Writes during recompute ].
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules import module as _module
 
 from ._modes import Mode
 
-__all__ = ["OutsideWrites", "written_arguments"]
+__all__ = ["BufferGuard", "BufferWrites", "written_arguments"]
 
 # NOTE [ Writes during recompute ]
-# Forward already applied every in-place update to state that outlives the region: BatchNorm's running
-# statistics and `num_batches_tracked`, a user's accumulator, a buffer. Recompute must compute the same values
-# without applying those updates a second time (torch.utils.checkpoint applies them twice, pytorch issue 96136).
-# While recompute runs, this mode remembers the memory of every tensor an op makes (ops whose outputs alias an
-# input, views and in-place ops, make nothing new); an op whose schema writes to an argument whose memory was
-# not made during recompute runs on a clone of that argument instead. A tensor's memory is named by the data
-# pointer of its base, so views of a tensor made inside count as inside and views of outside ones as outside.
-# The forward path pays nothing: the mode exists only while recompute runs.
+# Forward already applied every in-place update to module buffers: BatchNorm's running statistics and
+# `num_batches_tracked`, a user's counters. Recompute must compute the same values without applying those
+# updates a second time (torch.utils.checkpoint applies them twice, pytorch issue 96136). While a rerun
+# recompute runs, global module hooks see every module called; inside a module that owns buffers (and inside
+# the site's own module), `BufferWrites` runs an op that writes to one of those buffers on a clone of it
+# instead. A buffer is named by the data pointer of its base, so writes through views are caught too.
+# The forward path pays nothing, and recompute pays per op only inside modules that own buffers (a BatchNorm:
+# three ops). Writes to other tensors from outside (a tensor a closure captured) are not redirected by rerun;
+# replay redirects every write to a tensor from outside the region (see _tape.py).
 # Some ops write to arguments that their schema does not mark as written: `native_batch_norm` (and its cuDNN
 # and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`. Those
 # writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.
 
 Writes = tuple[tuple[int, str], ...]
-_Info = tuple[Writes, bool]
 _BN_STATS = ("running_mean", "running_var")
 _UNDECLARED = {
     "aten::native_batch_norm": _BN_STATS,
     "aten::cudnn_batch_norm": _BN_STATS,
     "aten::miopen_batch_norm": _BN_STATS,
 }
-_INFO: dict[Any, _Info] = {}
+_WRITES: dict[Any, Writes] = {}
 
 
 def written_arguments(func: Any) -> Writes:
@@ -48,47 +51,93 @@ def written_arguments(func: Any) -> Writes:
     )
 
 
-def _info(func: Any) -> _Info:
-    """Which arguments `func` writes to, and whether its outputs are new memory (not aliases)."""
-    writes = written_arguments(func)
-    fresh = all(result.alias_info is None for result in func._schema.returns)
-    _INFO[func] = found = (writes, fresh)
-    return found
-
-
 def _memory(tensor: torch.Tensor) -> int:
     base = tensor._base
     return int((tensor if base is None else base).data_ptr())
 
 
-class OutsideWrites(Mode):
-    """Redirect in-place writes to tensors from outside the recompute onto clones."""
+def _buffer_memory(module: nn.Module) -> set[int]:
+    return {_memory(buffer) for buffer in module._buffers.values() if buffer is not None}
 
-    def __init__(self) -> None:
+
+class BufferWrites(Mode):
+    """Run ops that write to the given memory on clones of those arguments."""
+
+    def __init__(self, protected: set[int]) -> None:
         super().__init__()
-        self.made: set[int] = set()
+        self.protected = protected
 
-    def _outside(self, value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and _memory(value) not in self.made
+    def _protected(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and _memory(value) in self.protected
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        writes, fresh = _INFO.get(func) or _info(func)
+        writes = _WRITES.get(func)
+        if writes is None:
+            writes = _WRITES[func] = written_arguments(func)
         if kwargs is None:
             kwargs = {}
         if writes:
             args = list(args)
             for position, name in writes:
-                if position < len(args) and self._outside(args[position]):
+                if position < len(args) and self._protected(args[position]):
                     args[position] = args[position].clone()
-                elif name in kwargs and self._outside(kwargs[name]):
+                elif name in kwargs and self._protected(kwargs[name]):
                     kwargs = {**kwargs, name: kwargs[name].clone()}
-        out = func(*args, **kwargs)
-        if fresh:
-            made = self.made
-            if type(out) is torch.Tensor:
-                made.add(out.data_ptr())
-            elif isinstance(out, (tuple, list)):
-                for tensor in out:
-                    if isinstance(tensor, torch.Tensor):
-                        made.add(_memory(tensor))
-        return out
+        return func(*args, **kwargs)
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0  # recomputes running on this thread
+        self.open: list[tuple[nn.Module, BufferWrites]] = []
+
+
+_local = _Local()
+_lock = threading.Lock()
+_installed: list[Any] = []  # the global hook handles while any thread recomputes
+_users = 0
+
+
+def _enter_module(module: nn.Module, args: Any) -> None:
+    if _local.depth and module._buffers:
+        mode = BufferWrites(_buffer_memory(module))
+        mode.__enter__()  # type: ignore[no-untyped-call]
+        _local.open.append((module, mode))
+
+
+def _leave_module(module: nn.Module, args: Any, output: Any) -> None:
+    opened = _local.open
+    if _local.depth and opened and opened[-1][0] is module:
+        opened.pop()[1].__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+
+class BufferGuard:
+    """While a recompute runs on this thread, module buffers keep the values forward left them with."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: nn.Module | None) -> None:
+        self.root = BufferWrites(_buffer_memory(root)) if root is not None and root._buffers else None
+
+    def __enter__(self) -> None:
+        global _users
+        with _lock:
+            if _users == 0:
+                _installed.append(_module.register_module_forward_pre_hook(_enter_module))
+                _installed.append(_module.register_module_forward_hook(_leave_module, always_call=True))
+            _users += 1
+        _local.depth += 1
+        if self.root is not None:
+            self.root.__enter__()  # type: ignore[no-untyped-call]
+
+    def __exit__(self, *exc: object) -> None:
+        global _users
+        if self.root is not None:
+            self.root.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        _local.depth -= 1
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                for handle in _installed:
+                    handle.remove()
+                _installed.clear()

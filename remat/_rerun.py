@@ -16,7 +16,7 @@ from torch import nn
 from ._autocast import AutocastState
 from ._debug import OpTrace
 from ._errors import RematError
-from ._guard import OutsideWrites
+from ._guard import BufferGuard
 from ._hooks import Frame, Handle, Kept, StopRecompute
 from ._policies import Policy, ReuseOps, SaveOps, tags
 from ._rng import RngStash, devices_of
@@ -40,7 +40,7 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
-# enabled (so autograd saves, and the pack hook sees, what forward saved), under `OutsideWrites` (NOTE
+# enabled (so autograd saves, and the pack hook sees, what forward saved), under `BufferGuard` (NOTE
 # [ Writes during recompute ]), and under autocast, the user's recompute context, the policy and debug traces
 # only when those are in play: the common path sets three things and restores three, with no context-manager
 # machinery, since it runs once per site in every backward.
@@ -72,7 +72,7 @@ class RerunFrame(Frame):
 
     __slots__ = (
         "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
-        "kwargs", "outer_pack", "outer_unpack", "policy", "rng", "seconds", "tensors", "versions",
+        "kwargs", "module", "outer_pack", "outer_unpack", "policy", "rng", "seconds", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
@@ -89,6 +89,7 @@ class RerunFrame(Frame):
     contexts: Callable[[], AbstractContextManager[Any]] | None
     exit: ExitStack | None
     seconds: float  # how long forward took: see NOTE [ Recompute state ]
+    module: nn.Module | None  # the module whose forward runs, for its buffers: NOTE [ Writes during recompute ]
     policy: Policy | None
     kept: list[Any]  # outputs of the ops the policy keeps, in forward's order
     kept_ids: set[int]  # ids of every tensor the policy keeps
@@ -181,8 +182,8 @@ class RerunFrame(Frame):
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
         extra = self._recompute_contexts() if self._needs_contexts() else None
-        guard = OutsideWrites()
-        guard.__enter__()  # type: ignore[no-untyped-call]
+        guard = BufferGuard(self.module)
+        guard.__enter__()
         _push_hooks(pack, _identity)
         try:
             self.fn(*args, **kwargs)
@@ -191,7 +192,7 @@ class RerunFrame(Frame):
         finally:
             _pop_hooks()
             live.clear()
-            guard.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            guard.__exit__()
             if extra is not None:
                 extra.close()
             torch._C._set_grad_enabled(grad_was)
@@ -270,6 +271,7 @@ def begin(
         tensors_in(kwargs, tensors)
     frame = RerunFrame(site, check, early_stop, [] if debug else None)
     frame.fn = fn
+    frame.module = module
     outer = _top_hooks(False)
     if outer is None:
         frame.args, frame.kwargs, frame.outer_pack, frame.outer_unpack = args, kwargs, None, None
