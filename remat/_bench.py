@@ -677,8 +677,18 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         description="Benchmark activation checkpointing: remat against torch.utils.checkpoint and no remat.",
     )
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
-    parser.add_argument("--model", choices=["gpt", "convnet", "tiny", "all"], default="all")
-    parser.add_argument("--size", choices=["small", "medium"], default="small", help="small: quick; medium: spec §5")
+    parser.add_argument(
+        "--model",
+        choices=["gpt", "convnet", "tiny", "all"],
+        default="all",
+        help="what to run (default: all); tiny: per-call overhead, replay overhead and start-up",
+    )
+    parser.add_argument(
+        "--size",
+        choices=["small", "medium"],
+        default="small",
+        help="small (default): a quick CPU run; medium: GPT of 12 blocks, d=512, seq 256, batch 8 and a 64px ResNet",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median shown)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG of memory vs step time (matplotlib)")
