@@ -94,8 +94,10 @@ class _Local(threading.local):
 
 _local = _Local()
 _lock = threading.Lock()
-_installed: list[Any] = []  # the global hook handles while any thread recomputes
 _users = 0
+# The global hooks go straight into torch's tables under a key of their own, no `RemovableHandle`: installing
+# and removing them is on the path of every recompute.
+_KEY = -0x5E3A7
 
 
 def _enter_module(module: nn.Module, args: Any) -> None:
@@ -123,8 +125,9 @@ class BufferGuard:
         global _users
         with _lock:
             if _users == 0:
-                _installed.append(_module.register_module_forward_pre_hook(_enter_module))
-                _installed.append(_module.register_module_forward_hook(_leave_module, always_call=True))
+                _module._global_forward_pre_hooks[_KEY] = _enter_module
+                _module._global_forward_hooks[_KEY] = _leave_module
+                _module._global_forward_hooks_always_called[_KEY] = True
             _users += 1
         _local.depth += 1
         if self.root is not None:
@@ -138,6 +141,6 @@ class BufferGuard:
         with _lock:
             _users -= 1
             if _users == 0:
-                for handle in _installed:
-                    handle.remove()
-                _installed.clear()
+                _module._global_forward_pre_hooks.pop(_KEY, None)
+                _module._global_forward_hooks.pop(_KEY, None)
+                _module._global_forward_hooks_always_called.pop(_KEY, None)

@@ -67,10 +67,10 @@ def devices_of(
     >>> devices_of([torch.zeros(2)])
     ()
     """
-    kinds: set[torch.device] = {t.device for t in tensors if t.device.type not in _NO_RNG}
+    kinds: set[torch.device] = {t.device for t in tensors if not t.is_cpu and not t.is_meta}
     if module is not None:
         for tensor in (*module.parameters(), *module.buffers()):
-            if tensor.device.type not in _NO_RNG:
+            if not tensor.is_cpu and not tensor.is_meta:
                 kinds.add(tensor.device)
     accelerator = _current_accelerator()
     if accelerator is not None:
@@ -79,6 +79,8 @@ def devices_of(
         default = torch.get_default_device()
         if default.type not in _NO_RNG:
             kinds.add(default)
+    if not kinds:
+        return ()
     found = {_with_index(device) for device in kinds}
     return tuple(sorted((d for d in found if d is not None), key=str))
 
