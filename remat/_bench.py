@@ -575,9 +575,10 @@ def _ratio(a: float | None, b: float | None) -> str:
 def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
     """Render the benchmark as one aligned table with its header."""
     plural = "" if meta["threads"] == 1 else "s"
+    repeats_plural = "" if meta["repeats"] == 1 else "s"
     lines = [
         f"remat benchmark · {meta['date']} · {meta['device']}, {meta['threads']} thread{plural} · "
-        f"torch {meta['torch']} · size {meta['size']} · median of {meta['repeats']} repeats",
+        f"torch {meta['torch']} · size {meta['size']} · median of {meta['repeats']} repeat{repeats_plural}",
         *(f"  {name}: {text}" for name, text in meta["models"].items()),
         "  peak: highest live tensor bytes a training step adds beyond parameters and gradients;",
         "  held: bytes kept for backward at the end of forward (both counted by remat.track)",
