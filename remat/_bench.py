@@ -624,7 +624,7 @@ def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
         lines.append("  ".join([*cells, row[-1]]).rstrip())
         if i == 0:
             lines.append("-" * len(lines[-1]))
-    noisy = [r for r in rows if len(r.step_seconds) > 1 and max(r.step_seconds) > 2 * min(r.step_seconds)]
+    noisy = [r for r in rows if r.compare and len(r.step_seconds) > 1 and max(r.step_seconds) > 2 * min(r.step_seconds)]
     if noisy:
         worst = max(noisy, key=lambda r: max(r.step_seconds) / min(r.step_seconds))
         rows_text = f"{len(noisy)} row{'s' if len(noisy) > 1 else ''}"
