@@ -13,6 +13,7 @@ from torch import nn
 
 from . import _checkpoint, _switch, _targets
 from ._options import Options, Strategy
+from ._policies import PolicyLike
 from ._region import Region
 
 __all__ = ["Decorator", "Remat", "remat"]
@@ -75,7 +76,7 @@ class Remat:
         self,
         /,
         *,
-        policy: Callable[..., Any] | None = None,
+        policy: PolicyLike = None,
         preserve_rng: bool = True,
         strategy: Strategy = "rerun",
         enabled: bool | None = None,
@@ -95,7 +96,7 @@ class Remat:
         where: _Where,
         *,
         every: int = 1,
-        policy: Callable[..., Any] | None = None,
+        policy: PolicyLike = None,
         preserve_rng: bool = True,
         strategy: Strategy = "rerun",
         enabled: bool | None = None,
@@ -137,7 +138,7 @@ class Remat:
     @staticmethod
     def region(
         *,
-        policy: Callable[..., Any] | None = None,
+        policy: PolicyLike = None,
         preserve_rng: bool = True,
         enabled: bool | None = None,
         check: bool = True,

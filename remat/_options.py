@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from ._policies import as_policy
+from ._policies import PolicyLike, as_policy
 
 __all__ = ["STRATEGIES", "Options"]
 
@@ -18,7 +17,7 @@ STRATEGIES: tuple[str, ...] = ("rerun", "replay")
 class Options:
     """Keyword options of `@remat`, `remat(module)`, `remat.apply` and `remat.region` (spec §2.1)."""
 
-    policy: Callable[..., Any] | None = None
+    policy: PolicyLike = None
     preserve_rng: bool = True
     strategy: Strategy = "rerun"
     enabled: bool | None = None

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Union
 
 import torch
 
 from ._modes import Mode
 
-__all__ = ["Policy", "SaveOps", "ReuseOps", "as_policy", "save_all", "save_matmuls", "save_nothing",
+__all__ = ["Policy", "PolicyLike", "SaveOps", "ReuseOps", "as_policy", "save_all", "save_matmuls", "save_nothing",
            "save_tagged", "tag"]
 
 # NOTE [ Policies ]
@@ -27,6 +27,8 @@ __all__ = ["Policy", "SaveOps", "ReuseOps", "as_policy", "save_all", "save_matmu
 # returns the kept tensor in recompute. The pack hook keeps every kept tensor by reference.
 
 _Op = Callable[[Any], bool]
+#: What `policy=` takes: a `Policy`, a callable choosing aten overloads, or None (save nothing).
+PolicyLike = Union["Policy", _Op, None]
 
 
 class Policy:
@@ -81,7 +83,7 @@ class Policy:
         return " | ".join(parts) or "save_nothing"
 
 
-def as_policy(policy: Policy | _Op | None) -> Policy:
+def as_policy(policy: PolicyLike) -> Policy:
     """`None` is `save_nothing`; a callable `op -> bool` chooses ops; a `Policy` is itself."""
     if policy is None:
         return save_nothing

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from typing_extensions import assert_type
 
+import remat as remat_module
 from remat import remat
 
 
@@ -52,3 +53,8 @@ def forms() -> None:
         y = x.sin()
     assert_type(r.ops, int)
     assert_type(y, torch.Tensor)
+
+
+@remat(policy=remat_module.policies.save_matmuls | remat_module.policies.save_tagged("h"))
+def with_policy(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
