@@ -38,10 +38,12 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from ._measure import _sync, format_bytes, format_seconds
 from ._models import (
+    CHAIN_SIZES,
     CONVNET_SIZES,
     GPT,
     GPT_SIZES,
     BenchModel,
+    ChainNet,
     ConvNet,
     human_count,
     parameter_count,
@@ -421,6 +423,128 @@ def _bench_tiny(
     return results
 
 
+# -- remat.chain against checkpoint_sequential (spec §5.5) -----------------------------------------
+
+CHAIN_BUDGET = 0.5
+CHAIN = f"remat.chain(budget={CHAIN_BUDGET})"
+
+
+def _sequential_name(k: int) -> str:
+    return f"checkpoint_sequential, {k} segment{'s' if k > 1 else ''}"
+
+
+def _bench_chain(
+    base: ChainNet, device: torch.device, repeats: int, progress: Callable[[str], None]
+) -> tuple[str, dict[str, Any], list[Result]]:
+    """Spec §5.5 on `ChainNet`: `remat.chain` at 50% of the chain's activation memory, against
+    torch's `checkpoint_sequential` (``use_reentrant=False``) with every segment count 1..n.
+
+    Every configuration is a row of `_bench_model` (same peak definition, interleaved repeats). The
+    table keeps no remat, the chain and the fastest ``checkpoint_sequential`` whose measured peak is
+    at most the chain's; the whole sweep, the budget and the plan's predictions go to the returned
+    summary (the ``chain`` entry of the JSON metadata).
+    """
+    from ._chain import Chain, chain
+    from ._errors import BudgetError
+    from ._solver import Plan
+
+    n = len(base.blocks)
+    chains: list[Chain] = []
+
+    def chained(model: BenchModel) -> str | None:
+        sample = model.sample(device, seed=SEED)[0]
+        note = None
+        try:
+            built = chain(list(model.blocks), budget=CHAIN_BUDGET, sample=sample)
+        except BudgetError as e:
+            smallest = re.search(r"smallest feasible budget is (\d+) bytes", str(e))
+            if smallest is None:
+                raise
+            built = chain(list(model.blocks), budget=int(smallest.group(1)), sample=sample)
+            note = f"{CHAIN_BUDGET:.0%} is below the smallest budget; ran at that"
+        model.stack = built
+        chains.append(built)
+        return note
+
+    def sequential(k: int) -> Callable[[BenchModel], str | None]:
+        def prepare(model: BenchModel) -> str | None:
+            model.stack = _Sequential(model.blocks, k)
+            return None
+
+        return prepare
+
+    configs = [
+        Config(NO_REMAT, lambda model: None),
+        Config(CHAIN, chained),
+        *(Config(_sequential_name(k), sequential(k)) for k in range(1, n + 1)),
+    ]
+    description = f"{base.describe()} ({human_count(parameter_count(base))} parameters, float32)"
+    rows = _bench_model("chain", base, device, repeats, configs, progress)
+    by_name = {r.config: r for r in rows}
+    none, ours = by_name[NO_REMAT], by_name[CHAIN]
+    sweep = [by_name[_sequential_name(k)] for k in range(1, n + 1)]
+    summary: dict[str, Any] = {
+        "budget_fraction": CHAIN_BUDGET,
+        "sequential": "torch.utils.checkpoint.checkpoint_sequential(use_reentrant=False)",
+        "sweep": [{"segments": k + 1, "peak_bytes": r.peak_bytes, "step_median_seconds": r.step}
+                  for k, r in enumerate(sweep)],
+    }  # fmt: skip
+    shown = [none, ours]
+    if not chains or ours.peak_bytes is None or ours.step is None:
+        return description, summary, shown + sweep
+    plan = chains[0].plan
+    assert plan is not None
+    input_bytes, budget = plan.input_bytes, plan.budget
+    assert budget is not None
+    # The budget counts the chain's input (NOTE [ Memory model ] in _solver.py); the measured peak does
+    # not (the batch exists before the step), so it is added back to compare like with like.
+    counted = ours.peak_bytes + input_bytes
+    baseline = Plan.no_remat(plan.stages, input_bytes=input_bytes)
+    summary.update(
+        budget_bytes=budget,
+        input_bytes=input_bytes,
+        predicted_peak_bytes=plan.peak_bytes,
+        measured_peak_bytes=ours.peak_bytes,
+        peak_over_budget=counted / budget,
+        predicted_seconds=plan.makespan,
+        measured_seconds=ours.step,
+        predicted_over_measured=plan.makespan / ours.step,
+        extra_forwards=plan.extra_forwards(),
+        no_remat_predicted_peak_bytes=baseline.peak_bytes,
+        no_remat_measured_peak_bytes=none.peak_bytes,
+        no_remat_predicted_seconds=baseline.makespan,
+        no_remat_measured_seconds=none.step,
+    )
+    summary.update(
+        # The chain returns its parameters' gradients to autograd when its backward ends, so a copy of
+        # them is alive on top of the zero-filled .grad (see NOTE [ What the memory columns count ]):
+        # what the measured peak adds to the plan's, which counts activations only.
+        parameter_bytes=sum(p.numel() * p.element_size() for p in base.parameters()),
+        measured_minus_predicted_bytes=counted - plan.peak_bytes,
+    )
+    ours.note = "; ".join(
+        filter(None, [
+            ours.note,
+            f"peak+input/budget {counted / budget:.3f} (budget {format_bytes(budget)}, §5.5 ≤ 1.05)",
+            f"predicted/measured time {plan.makespan / ours.step:.2f} (§5.5 within 15%)",
+        ])
+    )  # fmt: skip
+    if none.step is not None:
+        none.note = f"predicted/measured time {baseline.makespan / none.step:.2f} (the chain's profile, no remat)"
+    fits = [(r.step, k + 1, r) for k, r in enumerate(sweep) if r.step is not None and r.peak_bytes is not None
+            and r.peak_bytes <= ours.peak_bytes]  # fmt: skip
+    if not fits:
+        summary["best_sequential"] = None
+        ours.note += "; no checkpoint_sequential fits its peak"
+        return description, summary, shown
+    _, k, best = min(fits, key=lambda fit: fit[0])
+    assert best.step is not None
+    best.config = f"{_sequential_name(k)} (best fitting)"
+    best.note = f"fastest k of 1..{n} with peak ≤ the chain's; chain time/this {ours.step / best.step:.2f}x (§5.5 ≤ 1)"
+    summary.update(best_sequential=k, best_sequential_seconds=best.step, chain_over_sequential=ours.step / best.step)
+    return description, summary, [*shown, best]
+
+
 REPLAY_OPS = 64
 
 
@@ -509,7 +633,7 @@ def _bench_startup(progress: Callable[[str], None]) -> list[Result]:
 
 
 def run(
-    models: Sequence[str] = ("gpt", "convnet", "tiny"),
+    models: Sequence[str] = ("gpt", "convnet", "chain", "tiny"),
     *,
     size: str = "small",
     device: str | torch.device = "cpu",
@@ -520,7 +644,7 @@ def run(
     """Run the benchmark and return its metadata and rows (what ``python -m remat`` prints).
 
     Args:
-        models: Any of ``"gpt"``, ``"convnet"``, ``"tiny"``.
+        models: Any of ``"gpt"``, ``"convnet"``, ``"chain"``, ``"tiny"``.
         size: ``"small"`` (a quick CPU run) or ``"medium"`` (the sizes of spec §5).
         device: Where to run.
         repeats: Timed steps per configuration; the median is reported.
@@ -555,6 +679,12 @@ def run(
             )
             rows += _bench_tiny(dev, repeats, CONFIGS, progress)
             rows += _bench_replay(dev, repeats, progress)
+            continue
+        if name == "chain":
+            description, summary, chain_rows = _bench_chain(ChainNet(CHAIN_SIZES[size]), dev, repeats, progress)
+            meta["models"]["chain"] = description
+            meta["chain"] = summary
+            rows += chain_rows
             continue
         base = MODELS[name](size)
         meta["models"][name] = f"{base.describe()} ({human_count(parameter_count(base))} parameters, float32)"
@@ -680,9 +810,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "tiny", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "all"],
         default="all",
-        help="what to run (default: all); tiny: per-call overhead, replay overhead and start-up",
+        help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
+        "against checkpoint_sequential (spec §5.5); tiny: per-call overhead, replay overhead and start-up",
     )
     parser.add_argument(
         "--size",
@@ -711,7 +842,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     except (RuntimeError, AssertionError) as e:
         print(f"remat: cannot use --device {args.device}: {_note(e)}", file=sys.stderr)
         return 2
-    models = ["gpt", "convnet", "tiny"] if args.model == "all" else [args.model]
+    models = ["gpt", "convnet", "chain", "tiny"] if args.model == "all" else [args.model]
     progress = _Progress(sys.stderr, args.quiet)
     meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
     progress.done()

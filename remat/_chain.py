@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -172,6 +173,9 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_TIMINGS = 3  # timed runs per stage when profiling; the median is the stage's cost
+
+
 def _profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCost], int]:
     """Measure every stage on `x` in turn: times, output and saved bytes, temporaries."""
     costs: list[StageCost] = []
@@ -200,23 +204,31 @@ def _profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCo
             kept = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
             backward_temp = max(0, bwd.peak_bytes - kept)
             del grads
-        # Timing, outside the tracker and the hooks.
-        inp = _grad_input(a, True)
-        _sync(device)
-        start = time.perf_counter()
-        with torch.enable_grad():
-            out = stage(inp)
-        _sync(device)
-        middle = time.perf_counter()
-        wrt = ([inp] if inp.requires_grad else []) + list(params)
-        if out.requires_grad and wrt:
-            torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
-        _sync(device)
-        end = time.perf_counter()
+        # Timing, outside the tracker and the hooks: the median of _TIMINGS runs. One run is often
+        # far off (measured: the first profile of a convnet chain summed to 1.2-1.3x its training
+        # step, while a second one matched it), and a plan is only as good as its times.
+        forward_times: list[float] = []
+        backward_times: list[float] = []
+        for _ in range(_TIMINGS):
+            inp = _grad_input(a, True)
+            _sync(device)
+            start = time.perf_counter()
+            with torch.enable_grad():
+                out = stage(inp)
+            _sync(device)
+            forward_times.append(time.perf_counter() - start)
+            wrt = ([inp] if inp.requires_grad else []) + list(params)
+            if out.requires_grad and wrt:
+                grad = torch.ones_like(out)
+                _sync(device)
+                start = time.perf_counter()
+                torch.autograd.grad(out, wrt, grad, allow_unused=True)
+                _sync(device)
+                backward_times.append(time.perf_counter() - start)
         costs.append(
             StageCost(
-                forward_time=middle - start,
-                backward_time=end - middle,
+                forward_time=statistics.median(forward_times),
+                backward_time=statistics.median(backward_times) if backward_times else 0.0,
                 output_bytes=out_bytes,
                 saved_bytes=max(saved, out_bytes),
                 forward_temp=forward_temp,

@@ -15,7 +15,17 @@ from torch import nn
 
 from remat import _bench
 from remat._bench import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
-from remat._models import GPT, BenchModel, ConvNet, ConvNetConfig, GPTConfig, human_count, tiny
+from remat._models import (
+    GPT,
+    BenchModel,
+    ChainNet,
+    ChainNetConfig,
+    ConvNet,
+    ConvNetConfig,
+    GPTConfig,
+    human_count,
+    tiny,
+)
 
 CPU = torch.device("cpu")
 
@@ -34,6 +44,10 @@ def _one_thread() -> Iterator[None]:
 
 TINY_GPT = GPTConfig(blocks=2, d=16, heads=2, seq=8, batch=2, vocab=20)
 TINY_CONVNET = ConvNetConfig(width=4, blocks_per_stage=1, image=8, batch=4)
+# Narrow and wide images: activations dominate parameters, as in the small size. (With width 4 on
+# 16x16 images the parameters' gradients, which the chain holds as a second copy until its backward
+# returns, are larger than the activation budget, and the chain's peak is 2.3x its budget.)
+TINY_CHAIN = ChainNetConfig(width=2, image=64, batch=2)
 
 
 def _rows(model: BenchModel, name: str, configs: list[Config] | None = None) -> dict[str, Result]:
@@ -204,3 +218,44 @@ def test_plot_draws_one_panel_per_model(tmp_path: Path, monkeypatch: pytest.Monk
     fake.use.assert_called_once_with("Agg")
     ax.scatter.assert_called_once_with(500.0, 1.0)
     fig.savefig.assert_called_once()
+
+
+def test_chain_mode_measures_the_chain_against_checkpoint_sequential() -> None:
+    description, summary, rows = _bench._bench_chain(ChainNet(TINY_CHAIN), CPU, 1, lambda message: None)
+    assert "14 stages" in description
+    by_name = {r.config: r for r in rows}
+    none, ours = by_name[NO_REMAT], by_name[_bench.CHAIN]
+    for row in rows:
+        assert not row.note.startswith(("failed", "not available")), row.note
+        assert row.step is not None and row.peak_bytes is not None
+        assert row.grad_diff is not None and row.grad_diff < 1e-5, row.config
+    assert ours.peak_bytes is not None and none.peak_bytes is not None and ours.peak_bytes < none.peak_bytes
+    # §5.5: the measured peak (plus the chain's input, which the budget counts) within the budget + 5%.
+    assert summary["peak_over_budget"] <= 1.05, summary
+    assert summary["budget_bytes"] * 2 <= summary["no_remat_predicted_peak_bytes"] + 1
+    assert summary["predicted_seconds"] > 0 and summary["predicted_over_measured"] > 0
+    assert [entry["segments"] for entry in summary["sweep"]] == list(range(1, 15))
+    assert "peak+input/budget" in ours.note and "predicted/measured time" in ours.note
+    best = summary["best_sequential"]
+    if best is None:
+        assert "no checkpoint_sequential fits" in ours.note
+    else:
+        fitting = [r for r in rows if r.config.endswith("(best fitting)")]
+        assert len(fitting) == 1 and fitting[0].peak_bytes is not None
+        assert fitting[0].peak_bytes <= ours.peak_bytes
+        assert "chain time/this" in fitting[0].note
+        assert summary["chain_over_sequential"] == pytest.approx(ours.step / fitting[0].step)  # type: ignore[operator]
+    table = format_table({"date": "d", "device": "cpu", "threads": 1, "torch": "t", "size": "tiny", "repeats": 1,
+                          "models": {"chain": description}}, rows)  # fmt: skip
+    assert _bench.CHAIN in table and "peak+input/budget" in table
+
+
+def test_main_accepts_the_chain_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(_bench.CHAIN_SIZES, "small", TINY_CHAIN)
+    path = tmp_path / "bench.json"
+    out = io.StringIO()
+    assert main(["--model", "chain", "--repeats", "1", "--json", str(path), "--quiet"], stdout=out) == 0
+    assert _bench.CHAIN in out.getvalue()
+    data = json.loads(path.read_text())
+    assert data["meta"]["chain"]["budget_fraction"] == 0.5
+    assert {r["model"] for r in data["rows"]} == {"chain"}
