@@ -14,7 +14,7 @@ from torch.nn.modules import module as _module
 
 from ._modes import Mode
 
-__all__ = ["BufferGuard", "BufferWrites", "written_arguments"]
+__all__ = ["BufferWrites", "guard_buffers", "release", "written_arguments"]
 
 # NOTE [ Writes during recompute ]
 # Forward already applied every in-place update to module buffers: BatchNorm's running statistics and
@@ -113,34 +113,36 @@ def _leave_module(module: nn.Module, args: Any, output: Any) -> None:
         opened.pop()[1].__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
-class BufferGuard:
-    """While a recompute runs on this thread, module buffers keep the values forward left them with."""
+def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
+    """Start keeping module buffers as forward left them, for a recompute on this thread; see `release`.
 
-    __slots__ = ("root",)
+    Returns the mode that guards `root`'s own buffers (its forward is called directly, without the module
+    hooks), to hand to `release`.
+    """
+    global _users
+    with _lock:
+        if _users == 0:
+            _module._global_forward_pre_hooks[_KEY] = _enter_module
+            _module._global_forward_hooks[_KEY] = _leave_module
+            _module._global_forward_hooks_always_called[_KEY] = True
+        _users += 1
+    _local.depth += 1
+    if root is None or not root._buffers:
+        return None
+    mode = BufferWrites(_buffer_memory(root))
+    mode.__enter__()  # type: ignore[no-untyped-call]
+    return mode
 
-    def __init__(self, root: nn.Module | None) -> None:
-        self.root = BufferWrites(_buffer_memory(root)) if root is not None and root._buffers else None
 
-    def __enter__(self) -> None:
-        global _users
-        with _lock:
-            if _users == 0:
-                _module._global_forward_pre_hooks[_KEY] = _enter_module
-                _module._global_forward_hooks[_KEY] = _leave_module
-                _module._global_forward_hooks_always_called[_KEY] = True
-            _users += 1
-        _local.depth += 1
-        if self.root is not None:
-            self.root.__enter__()  # type: ignore[no-untyped-call]
-
-    def __exit__(self, *exc: object) -> None:
-        global _users
-        if self.root is not None:
-            self.root.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        _local.depth -= 1
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                _module._global_forward_pre_hooks.pop(_KEY, None)
-                _module._global_forward_hooks.pop(_KEY, None)
-                _module._global_forward_hooks_always_called.pop(_KEY, None)
+def release(mode: BufferWrites | None) -> None:
+    """End what `guard_buffers` started."""
+    global _users
+    if mode is not None:
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    _local.depth -= 1
+    with _lock:
+        _users -= 1
+        if _users == 0:
+            _module._global_forward_pre_hooks.pop(_KEY, None)
+            _module._global_forward_hooks.pop(_KEY, None)
+            _module._global_forward_hooks_always_called.pop(_KEY, None)

@@ -16,7 +16,7 @@ from torch import nn
 from ._autocast import AutocastState
 from ._debug import OpTrace
 from ._errors import RematError
-from ._guard import BufferGuard
+from ._guard import guard_buffers, release
 from ._hooks import Frame, Handle, Kept, StopRecompute
 from ._policies import Policy, ReuseOps, SaveOps, tags
 from ._rng import RngStash, devices_of
@@ -40,7 +40,7 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
-# enabled (so autograd saves, and the pack hook sees, what forward saved), under `BufferGuard` (NOTE
+# enabled (so autograd saves, and the pack hook sees, what forward saved), under `guard_buffers` (NOTE
 # [ Writes during recompute ]), and under autocast, the user's recompute context, the policy and debug traces
 # only when those are in play: the common path sets three things and restores three, with no context-manager
 # machinery, since it runs once per site in every backward.
@@ -145,13 +145,12 @@ class RerunFrame(Frame):
                 return tensor
 
             return map_tensors(self.args, fetch, _Outer), map_tensors(self.kwargs, fetch, _Outer)
-        for index, (tensor, before) in enumerate(zip(self.tensors, self.versions, strict=True)):
-            if tensor._version != before:
-                raise RematError(
-                    _INPLACE_INPUT.format(
-                        index=index, site=self.site, before=before, after=tensor._version
+        if [tensor._version for tensor in self.tensors] != self.versions:
+            for index, (tensor, before) in enumerate(zip(self.tensors, self.versions, strict=True)):
+                if tensor._version != before:
+                    raise RematError(
+                        _INPLACE_INPUT.format(index=index, site=self.site, before=before, after=tensor._version)
                     )
-                )
         return self.args, self.kwargs
 
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
@@ -182,8 +181,7 @@ class RerunFrame(Frame):
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
         extra = self._recompute_contexts() if self._needs_contexts() else None
-        guard = BufferGuard(self.module)
-        guard.__enter__()
+        guard = guard_buffers(self.module)
         _push_hooks(pack, _identity)
         try:
             self.fn(*args, **kwargs)
@@ -192,7 +190,7 @@ class RerunFrame(Frame):
         finally:
             _pop_hooks()
             live.clear()
-            guard.__exit__()
+            release(guard)
             if extra is not None:
                 extra.close()
             torch._C._set_grad_enabled(grad_was)
