@@ -32,6 +32,7 @@ schema says "alias"; its output counts as new. A storage that changed size (``re
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -39,8 +40,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
-
-from ._modes import Mode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Tracker", "track"]
 
@@ -79,12 +79,23 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-class _Mode(Mode):
+# NOTE [ Dynamo and first use ]
+# TorchDispatchMode wraps a subclass's __torch_dispatch__ in `torch._disable_dynamo`, which imports
+# torch._dynamo (about 2 s on CPU) on the first op a mode sees. Dynamo can only run into our frame
+# when compiled code runs, which needs torch._dynamo imported. So the mode used is picked at
+# `__enter__`: `_Mode` (not wrapped) while torch._dynamo is not imported, else `_DynamoSafeMode`.
+
+
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The dispatch mode of one `Tracker`: runs every op and shows its outputs to the tracker."""
 
     def __init__(self, tracker: Tracker) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._tracker = tracker
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # see NOTE [ Dynamo and first use ]
 
     def __torch_dispatch__(
         self,
@@ -96,6 +107,16 @@ class _Mode(Mode):
         out = func(*args, **(kwargs or {}))
         self._tracker._see(func, args, kwargs, out)
         return out
+
+
+class _DynamoSafeMode(_Mode):  # type: ignore[no-untyped-call]
+    """`_Mode` with __torch_dispatch__ hidden from dynamo. See NOTE [ Dynamo and first use ]."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = _Mode.__torch_dispatch__  # re-declared so that it gets wrapped
 
 
 class Tracker:
@@ -135,7 +156,8 @@ class Tracker:
     def __enter__(self) -> Tracker:
         if self._mode is not None or self._done:
             raise RuntimeError("remat: a Tracker can be entered only once; call remat.track() again instead.")
-        self._mode = _Mode(self)  # no dynamo wrapper: see NOTE [ Modes without the dynamo guard ]
+        mode_type = _DynamoSafeMode if "torch._dynamo" in sys.modules else _Mode
+        self._mode = mode_type(self)
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 
