@@ -32,7 +32,6 @@ schema says "alias"; its output counts as new. A storage that changed size (``re
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -40,7 +39,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._modes import Mode
 
 __all__ = ["Tracker", "track"]
 
@@ -79,23 +79,12 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-# NOTE [ Dynamo and first use ]
-# TorchDispatchMode wraps a subclass's __torch_dispatch__ in `torch._disable_dynamo`, which imports
-# torch._dynamo (about 2 s on CPU) on the first op a mode sees. Dynamo can only run into our frame
-# when compiled code runs, which needs torch._dynamo imported. So the mode used is picked at
-# `__enter__`: `_Mode` (not wrapped) while torch._dynamo is not imported, else `_DynamoSafeMode`.
-
-
-class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _Mode(Mode):
     """The dispatch mode of one `Tracker`: runs every op and shows its outputs to the tracker."""
 
     def __init__(self, tracker: Tracker) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self._tracker = tracker
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # see NOTE [ Dynamo and first use ]
 
     def __torch_dispatch__(
         self,
@@ -107,16 +96,6 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         self._tracker._see(func, args, kwargs, out)
         return out
-
-
-class _DynamoSafeMode(_Mode):  # type: ignore[no-untyped-call]
-    """`_Mode` with __torch_dispatch__ hidden from dynamo. See NOTE [ Dynamo and first use ]."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return True
-
-    __torch_dispatch__ = _Mode.__torch_dispatch__  # re-declared so that it gets wrapped
 
 
 class Tracker:
@@ -156,8 +135,7 @@ class Tracker:
     def __enter__(self) -> Tracker:
         if self._mode is not None or self._done:
             raise RuntimeError("remat: a Tracker can be entered only once; call remat.track() again instead.")
-        mode_type = _DynamoSafeMode if "torch._dynamo" in sys.modules else _Mode
-        self._mode = mode_type(self)
+        self._mode = _Mode(self)  # guarded once dynamo is in use: NOTE [ Modes without the dynamo guard ]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 
