@@ -1,0 +1,21 @@
+"""The README's examples run (the slower ones are covered by their own tests: tutorial loop, chains)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("name", ["region_block", "transformer"])
+def test_example_runs(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.strip(), "the example printed nothing"
+    if name == "region_block":
+        assert "num_batches_tracked = 1" in out
+    else:
+        assert out.count("gradients equal") == 3
