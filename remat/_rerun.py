@@ -137,8 +137,9 @@ class RerunFrame(Frame):
             unpack = self.outer_unpack
 
             def fetch(outer: _Outer) -> torch.Tensor:
-                # The enclosing store hands back detached tensors; recompute must see forward's
-                # requires_grad, or autograd would save fewer tensors than forward did.
+                # Enclosing hooks may hand back a tensor that needs no grad (`save_on_cpu`, an outer store
+                # filled under no_grad); recompute must see forward's requires_grad, or autograd would save
+                # fewer tensors than forward did.
                 tensor = unpack(outer.packed)
                 if outer.requires_grad and not tensor.requires_grad:
                     tensor = tensor.detach().requires_grad_()
