@@ -19,9 +19,9 @@ from torch import nn
 
 from . import _switch
 from ._errors import BUG, RecomputeMismatchError, RematError
-from ._hooks import Frame
+from ._hooks import Frame, Handle, Kept
 from ._options import Options
-from ._tape import Recorder, Tape, op_info
+from ._tape import Recorder, Tape, op_info, storage_id
 
 __all__ = ["Region", "RegionFrame", "begin", "call", "end"]
 
@@ -59,7 +59,7 @@ class RegionFrame(Frame):
     """One forward run of a region: its tape, and the saved tensors autograd holds handles for."""
 
     __slots__ = (
-        "captures", "copies", "freed", "freed_bytes", "ops", "outer", "recorder", "tape",
+        "captures", "copies", "freed", "freed_bytes", "kept", "ops", "outer", "recorder", "tape",
     )
 
     def __init__(self, site: str, check: bool, preserve_rng: bool, debug: bool) -> None:
@@ -67,7 +67,8 @@ class RegionFrame(Frame):
         self.recorder: Recorder | None = Recorder(preserve_rng, self.trace)
         self.outer = _top_hooks(False)
         self.captures: list[tuple[int, int, int, int | None]] = []
-        self.freed: dict[int, int] = {}
+        self.freed: dict[int, int] = {}  # storage (`storage_id`) -> bytes, of the tensors handles stand for
+        self.kept: dict[int, tuple[Kept, int]] = {}  # tape slot of an outside tensor -> its token, its version
         self.copies: dict[int, torch.Tensor] | None = {} if debug else None
         self.tape: Tape | None = None
         self.ops = 0
@@ -81,24 +82,21 @@ class RegionFrame(Frame):
             raise RematError(f"remat: region `{self.site}` saved a tensor after it ended; {BUG}.")
         refs, outside = recorder.refs, recorder.outside
         found = refs.get(id(tensor))
-        if found is not None and found[0]() is tensor and found[1] not in outside:
-            base = tensor._base
-            if base is None or (
-                (made := refs.get(id(base))) is not None and made[0]() is base and made[1] not in outside
-            ):
-                handle = self.handle(tensor)
-                key: int | None
-                try:
-                    storage = tensor.untyped_storage()
-                    key = storage._cdata
-                    if key not in self.freed:
-                        self.freed[key] = storage.nbytes()
-                except (RuntimeError, NotImplementedError, TypeError):
-                    key = None
-                self.captures.append((handle.index, found[1], len(recorder.ops), key))
-                if self.copies is not None:
-                    self._copy(recorder, handle.index, tensor)
-                return handle
+        if found is not None and found[0]() is tensor:
+            slot = found[1]
+            if slot not in outside:
+                base = tensor._base
+                if base is None or (
+                    (made := refs.get(id(base))) is not None and made[0]() is base and made[1] not in outside
+                ):
+                    return self._capture(recorder, tensor, slot)
+            elif self.outer is None:
+                # A tensor from outside that the tape reads, saved again at the same version (a weight used by
+                # every step of a loop): autograd may hold one token for all of them.
+                kept = self.kept.get(slot)
+                if kept is None or kept[1] != tensor._version:
+                    kept = self.kept[slot] = (self.keep(tensor), tensor._version)
+                return kept[0]
         if self.outer is None:
             return self.keep(tensor)
         self.account(tensor)
@@ -107,6 +105,22 @@ class RegionFrame(Frame):
             return _Outer(self.outer[0](tensor))
         finally:
             recorder.paused = False
+
+    def _capture(self, recorder: Recorder, tensor: torch.Tensor, slot: int) -> Handle:
+        """A handle for a tensor the tape made (tape slot `slot`), rebuilt by replay."""
+        handle = self.handle(tensor)
+        key: int | None
+        try:
+            key = storage_id(tensor)
+        except (RuntimeError, NotImplementedError, TypeError):
+            key = None
+        else:
+            if key not in self.freed:
+                self.freed[key] = tensor.untyped_storage().nbytes()
+        self.captures.append((handle.index, slot, len(recorder.ops), key))
+        if self.copies is not None:
+            self._copy(recorder, handle.index, tensor)
+        return handle
 
     def _copy(self, recorder: Recorder, index: int, tensor: torch.Tensor) -> None:
         assert self.copies is not None
@@ -124,6 +138,7 @@ class RegionFrame(Frame):
         self.ops = len(recorder.ops)
         self.freed_bytes = sum(self.freed.values())
         self.freed = {}
+        self.kept = {}
         alive = [
             capture for capture in self.captures
             if (ref := self._handles[capture[0]]) is not None and ref() is not None

@@ -52,6 +52,8 @@ _Tensor = torch.Tensor
 _ref = weakref.ref
 _Ref = weakref.ReferenceType
 _grad_enabled = torch._C.is_grad_enabled
+# `tensor.untyped_storage()._cdata` without making a storage object (raises for tensors without storage)
+storage_id: Callable[[torch.Tensor], int] = torch._C._storage_id  # type: ignore[attr-defined]
 
 Marker = tuple["weakref.ReferenceType[torch.Tensor]", int]
 # (op, marked args, marked kwargs or None, first output slot, output count (-1: one tensor), grad mode)
@@ -75,6 +77,10 @@ class OpInfo:
 
 _INFOS: dict[Any, OpInfo] = {}
 _INFOS_LOCK = threading.Lock()
+# The `id` of every op overload the fast path records (not `slow`). Ids, because an `OpOverload` hashes in
+# Python; `_INFOS` keeps each overload alive, so an id is never reused for another op.
+_FAST: set[int] = set()
+_NOTHING_FAST: frozenset[int] = frozenset()
 
 
 def op_info(func: Any) -> OpInfo:
@@ -84,12 +90,14 @@ def op_info(func: Any) -> OpInfo:
         info = OpInfo(func)
         with _INFOS_LOCK:
             _INFOS[func] = info
+            if not info.slow:
+                _FAST.add(id(func))
     return info
 
 
 def _storage_key(tensor: torch.Tensor) -> int | None:
     try:
-        return int(tensor.untyped_storage()._cdata)
+        return storage_id(tensor)
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
@@ -145,7 +153,7 @@ class Recorder(Mode):
         self.generators: dict[torch.Generator, torch.Tensor] = {}
         self.trace = trace
         self._paused = False
-        self.fast = trace is None  # see `paused`
+        self.fast: set[int] | frozenset[int] = _FAST if trace is None else _NOTHING_FAST  # see `paused`
 
     @property
     def paused(self) -> bool:
@@ -155,14 +163,13 @@ class Recorder(Mode):
     @paused.setter
     def paused(self, flag: bool) -> None:
         self._paused = flag
-        self.fast = not flag and self.trace is None
+        self.fast = _FAST if not flag and self.trace is None else _NOTHING_FAST
 
     # -- the hot path --------------------------------------------------------------------------------------
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        info = _INFOS.get(func)
-        if info is None or info.slow or not self.fast:
+        if id(func) not in self.fast:  # a new op, a slow one, or recording paused or traced
             return self._dispatch(func, args, kwargs)
         refs = self.refs
         marked: list[Any] = []

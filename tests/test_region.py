@@ -331,6 +331,32 @@ def test_outside_tensor_modified_after_forward_raises_autograds_error() -> None:
         y.backward()
 
 
+def test_outside_tensor_saved_by_several_ops_is_checked_at_each_version() -> None:
+    # The pack hook gives autograd one token for an outside tensor saved again at the same version.
+    x = torch.randn(4, requires_grad=True)
+    w = torch.randn(4)
+    with Region(Options()):
+        y = (x * w * w).sin().sum()
+    w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+    def setup() -> Any:
+        def fn(x: torch.Tensor, w: torch.Tensor, bn: nn.BatchNorm1d) -> torch.Tensor:
+            a = x + w  # reads w at version 0 (add saves nothing)
+            w.add_(1)  # a write to outside memory inside the block: replay writes to a copy
+            return (a * w).sin() + bn(x) * w  # saves w at version 1, twice
+
+        return fn, (torch.randn(2, 4, requires_grad=True), torch.randn(4), nn.BatchNorm1d(4))
+
+    compare(setup)
+    fn, (x, w, bn) = setup()
+    with Region(Options()):
+        y = fn(x, w, bn)
+    y.sum().backward()
+    assert int(bn.num_batches_tracked) == 1
+
+
 # -- memory ----------------------------------------------------------------------------------------------
 def test_memory_held_for_backward_is_about_the_outside_inputs() -> None:
     from remat._track import track
