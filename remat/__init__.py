@@ -19,6 +19,7 @@ from ._checkpoint import checkpoint_sequential as checkpoint_sequential
 from ._errors import BudgetError as BudgetError
 from ._errors import RecomputeMismatchError as RecomputeMismatchError
 from ._errors import RematError as RematError
+from ._measure import Measurement as Measurement
 from ._measure import Report as Report
 from ._measure import measure as measure
 from ._policies import tag as tag
@@ -41,6 +42,7 @@ undo = remat.undo
 __all__ = [
     "BudgetError",
     "Chain",
+    "Measurement",
     "Plan",
     "RecomputeMismatchError",
     "Region",
