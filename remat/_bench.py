@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from ._measure import _sync, format_bytes, format_seconds
+from ._measure import format_bytes, format_seconds
 from ._models import (
     CHAIN_SIZES,
     CONVNET_SIZES,
@@ -50,6 +50,7 @@ from ._models import (
     tiny,
     tiny_input,
 )
+from ._track import synchronize as _sync
 from ._track import track
 
 __all__ = ["CONFIGS", "Config", "Result", "format_table", "main", "plot", "register", "run"]

@@ -14,18 +14,19 @@ import re
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ._autocast import AutocastState
 from ._errors import RematError
+from ._guard import keep_buffers
 from ._rng import RngStash, devices_of
 from ._solver import Plan, StageCost, solve
-from ._track import track
+from ._track import synchronize, track
 
 __all__ = ["Chain", "chain", "parse_budget"]
 
@@ -55,7 +56,9 @@ _BUDGET_HELP = (
 # RNG: each stage's first run (always in forward, in order) draws from the caller's generators as a
 # plain nn.Sequential would; the state before it is stashed, and every recomputation runs inside a
 # fork set to that state, so dropout masks match and the caller's stream is untouched.
-# Buffers (BatchNorm statistics) are put back after every recomputation: they move once per forward.
+# Buffers (BatchNorm statistics) move once per forward: recomputations (and profiling) run under the
+# engine's `keep_buffers`, which sends their writes to copies (NOTE [ Writes during recompute ]).
+# Autocast is captured and re-entered as the rerun engine does (`AutocastState`).
 # The function's backward runs once: backward with retain_graph=True twice raises an error.
 
 
@@ -117,14 +120,6 @@ def _storage_bytes(t: torch.Tensor) -> tuple[int, int]:
     return st.data_ptr(), st.nbytes()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        module = torch.get_device_module(device.type)
-        sync = getattr(module, "synchronize", None)
-        if callable(sync):
-            sync()
-
-
 def _check_tensor(value: object, where: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(
@@ -133,20 +128,6 @@ def _check_tensor(value: object, where: str) -> torch.Tensor:
             "pack them into one tensor, or use @remat on the stages instead."
         )
     return value
-
-
-@contextmanager
-def _buffers_kept(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Put every buffer back as it was on exit (profiling and recomputation must not move them)."""
-    saved = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
-    try:
-        yield
-    finally:
-        # Through `.data`, so that the version counter does not move: a stage run with grad may have
-        # saved the buffer for backward (batch_norm saves its running statistics).
-        with torch.no_grad():
-            for b, value in saved:
-                b.data.copy_(value)
 
 
 def _params(module: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -211,19 +192,19 @@ def _profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCo
         backward_times: list[float] = []
         for _ in range(_TIMINGS):
             inp = _grad_input(a, True)
-            _sync(device)
+            synchronize((device,))
             start = time.perf_counter()
             with torch.enable_grad():
                 out = stage(inp)
-            _sync(device)
+            synchronize((device,))
             forward_times.append(time.perf_counter() - start)
             wrt = ([inp] if inp.requires_grad else []) + list(params)
             if out.requires_grad and wrt:
                 grad = torch.ones_like(out)
-                _sync(device)
+                synchronize((device,))
                 start = time.perf_counter()
                 torch.autograd.grad(out, wrt, grad, allow_unused=True)
-                _sync(device)
+                synchronize((device,))
                 backward_times.append(time.perf_counter() - start)
         costs.append(
             StageCost(
@@ -258,8 +239,7 @@ class _Run:
         self.stage_params = [_params(s) for s in self.stages]
         self.grads: list[torch.Tensor | None] = [None] * len(params)
         self.grad: torch.Tensor | None = None  # the current delta_{i+1}
-        kind = x.device.type
-        self.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        self.autocast = AutocastState.capture(self.devices)
 
     def _input(self, i: int) -> torch.Tensor:
         if i in self.acts:
@@ -272,11 +252,10 @@ class _Run:
             self.rng[i] = RngStash.capture(self.devices)
             out = self.stages[i](inp)
         else:
-            kind, enabled, dtype = self.autocast
             with (
                 self.rng[i].restore(),
-                _buffers_kept([self.stages[i]]),
-                torch.autocast(kind, dtype=dtype, enabled=enabled) if enabled else nullcontext(),
+                keep_buffers(),
+                AutocastState.enter(self.autocast, self.devices),
             ):
                 out = self.stages[i](inp)
         if inp._version != version:
@@ -438,7 +417,7 @@ class Chain(nn.Sequential):
         plan = self._plans.get(key)
         if plan is None:
             stages = list(self)
-            with RngStash.capture(devices_of([x], module=self)).restore(), _buffers_kept(stages):
+            with RngStash.capture(devices_of([x], module=self)).restore(), keep_buffers():
                 costs, input_bytes = _profile(stages, x)
             if self._segments is not None:
                 plan = Plan.segments(costs, self._segments, input_bytes=input_bytes)

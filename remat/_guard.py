@@ -6,6 +6,8 @@ See NOTE [ Writes during recompute ].
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,7 +16,7 @@ from torch.nn.modules import module as _module
 
 from ._modes import Mode
 
-__all__ = ["BufferWrites", "guard_buffers", "release", "written_arguments"]
+__all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "written_arguments"]
 
 # NOTE [ Writes during recompute ]
 # Forward already applied every in-place update to module buffers: BatchNorm's running statistics and
@@ -146,3 +148,13 @@ def release(mode: BufferWrites | None) -> None:
             _module._global_forward_pre_hooks.pop(_KEY, None)
             _module._global_forward_hooks.pop(_KEY, None)
             _module._global_forward_hooks_always_called.pop(_KEY, None)
+
+
+@contextmanager
+def keep_buffers(root: nn.Module | None = None) -> Iterator[None]:
+    """`guard_buffers` and `release` around a block: modules called inside leave their buffers as they are."""
+    mode = guard_buffers(root)
+    try:
+        yield
+    finally:
+        release(mode)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ._track import synchronize as _sync
 from ._track import track
 
 __all__ = ["Measurement", "Report", "format_bytes", "format_seconds", "measure"]
@@ -235,14 +236,6 @@ def _loss(out: object) -> torch.Tensor:
 
 def _leaves(obj: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
-
-
-def _sync(devices: set[torch.device]) -> None:
-    for dev in devices:
-        module = getattr(torch, dev.type, None)
-        sync = getattr(module, "synchronize", None)
-        if callable(sync):
-            sync()
 
 
 def _recompute_seconds() -> float | None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -42,7 +42,7 @@ import torch
 
 from ._modes import Mode
 
-__all__ = ["Tracker", "track"]
+__all__ = ["Tracker", "synchronize", "track"]
 
 # Per op overload: for each return, whether its schema says that it aliases an input.
 # See NOTE [ New or old storage ].
@@ -96,6 +96,15 @@ class _Mode(Mode):
         out = func(*args, **(kwargs or {}))
         self._tracker._see(func, args, kwargs, out)
         return out
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait for the queued work of every device in `devices` (timings around asynchronous kernels)."""
+    for device in devices:
+        if device.type not in ("cpu", "meta"):
+            sync = getattr(torch.get_device_module(device.type), "synchronize", None)
+            if callable(sync):
+                sync()
 
 
 class Tracker:
