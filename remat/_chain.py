@@ -115,9 +115,8 @@ class _Call(nn.Module):
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
 
-def _storage_bytes(t: torch.Tensor) -> tuple[int, int]:
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes()
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
 
 
 def _check_tensor(value: object, where: str) -> torch.Tensor:
@@ -139,21 +138,6 @@ def _grad_input(a: torch.Tensor, want: bool) -> torch.Tensor:
     return inp.requires_grad_() if want and inp.is_floating_point() else inp
 
 
-def _counter(seen: dict[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A pack hook that notes each saved tensor's storage (pointer -> bytes) and keeps the tensor."""
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr, nbytes = _storage_bytes(t)
-        seen[ptr] = nbytes
-        return t
-
-    return pack
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 _TIMINGS = 3  # timed runs per stage when profiling; the median is the stage's cost
 
 
@@ -161,20 +145,17 @@ def _profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCo
     """Measure every stage on `x` in turn: times, output and saved bytes, temporaries."""
     costs: list[StageCost] = []
     a = x.detach()
-    input_bytes = _storage_bytes(a)[1]
+    input_bytes = _nbytes(a)
     device = a.device
     for n, stage in enumerate(stages):
         params = _params(stage)
-        excluded = {_storage_bytes(t)[0] for t in (*stage.parameters(), *stage.buffers())}
         inp = _grad_input(a, True)
-        excluded.add(_storage_bytes(inp)[0])
-        seen: dict[int, int] = {}
-        with track() as fwd, torch.autograd.graph.saved_tensors_hooks(_counter(seen), _same):
+        with track() as fwd:
             with torch.enable_grad():
                 out = _check_tensor(stage(inp), f"the output of stage {n}")
-        ptr, out_bytes = _storage_bytes(out)
-        seen[ptr] = out_bytes
-        saved = sum(b for p, b in seen.items() if p not in excluded)
+        # What the forward made and is still alive is the output and what autograd saved: x̄.
+        saved = fwd.current_bytes
+        out_bytes = _nbytes(out)
         forward_temp = max(0, fwd.peak_bytes - fwd.current_bytes)
         wrt = ([inp] if inp.requires_grad else []) + list(params)
         backward_temp = 0
