@@ -9,10 +9,11 @@ import torch
 
 from ._modes import Mode
 
-__all__ = ["OpTrace", "side_by_side"]
+__all__ = ["OpTrace", "describe", "side_by_side"]
 
 
-def _describe(func: Any, out: Any) -> str:
+def describe(func: Any, out: Any) -> str:
+    """One line of an op trace: the op and the shapes of the tensors it returned."""
     shapes = [
         tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,))
         if isinstance(t, torch.Tensor)
@@ -31,7 +32,7 @@ class OpTrace(Mode):
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.lines.append(_describe(func, out))
+        self.lines.append(describe(func, out))
         return out
 
 

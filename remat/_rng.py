@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RngStash", "devices_of"]
+__all__ = ["RngStash", "devices_of", "with_index"]
 
 _NO_RNG = frozenset({"cpu", "meta"})
 _cpu = torch.default_generator
@@ -30,7 +30,7 @@ def _device_module(kind: str) -> ModuleType | None:
         return None
 
 
-def _with_index(device: torch.device) -> torch.device | None:
+def with_index(device: torch.device) -> torch.device | None:
     """`cuda` -> `cuda:<current>`; None when the device has no usable generator module."""
     module = _device_module(device.type)
     if module is None or not hasattr(module, "get_rng_state"):
@@ -81,7 +81,7 @@ def devices_of(
             kinds.add(default)
     if not kinds:
         return ()
-    found = {_with_index(device) for device in kinds}
+    found = {with_index(device) for device in kinds}
     return tuple(sorted((d for d in found if d is not None), key=str))
 
 

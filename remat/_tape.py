@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from ._autocast import AutocastState
+from ._debug import describe
 from ._errors import RematError
 from ._guard import written_arguments
 from ._modes import Mode
-from ._rng import RngStash
+from ._rng import RngStash, with_index
 
 __all__ = ["Recorder", "Tape"]
 
@@ -127,11 +128,9 @@ def _seeded_device(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.
     if device is None:
         return torch.get_default_device()
     device = torch.device(device)
-    if device.index is None and device.type not in ("cpu", "meta"):
-        module = torch.get_device_module(device.type)
-        current = getattr(module, "current_device", None)
-        device = torch.device(device.type, int(current()) if callable(current) else 0)
-    return device
+    if device.type in ("cpu", "meta"):
+        return device
+    return with_index(device) or device
 
 
 class Recorder(Mode):
@@ -231,7 +230,7 @@ class Recorder(Mode):
             return out
         self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
         if self.trace is not None:
-            self.trace.append(_describe(info, out))
+            self.trace.append(describe(func, out))
         return out
 
     # -- the slow paths ------------------------------------------------------------------------------------
@@ -306,14 +305,6 @@ class Recorder(Mode):
         if self.cpu_rng is None:
             return None
         return RngStash(self.cpu_rng, tuple(self.device_rng.items()))
-
-
-def _describe(info: OpInfo, out: Any) -> str:
-    shapes = [
-        tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else (out,))
-        if isinstance(t, _Tensor)
-    ]
-    return f"{info.name}{shapes if shapes else ''}"
 
 
 class _Slot:
@@ -557,7 +548,7 @@ class Tape:
                     elif outputs:
                         values[first:first + outputs] = out
                     if retrace is not None:
-                        retrace.append(_describe(op_info(func), out))
+                        retrace.append(describe(func, out))
                 taken = captures[index]
                 if taken is not None:
                     for handle, slot, clone in taken:
