@@ -6,7 +6,7 @@ See NOTE [ Writes during recompute ].
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,7 +16,7 @@ from torch.nn.modules import module as _module
 
 from ._modes import Mode
 
-__all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "written_arguments"]
+__all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_key", "written_arguments"]
 
 # NOTE [ Writes during recompute ]
 # Forward already applied every in-place update to module buffers: BatchNorm's running statistics and
@@ -24,7 +24,7 @@ __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "written_
 # updates a second time (torch.utils.checkpoint applies them twice, pytorch issue 96136). While a rerun
 # recompute runs, global module hooks see every module called; inside a module that owns buffers (and inside
 # the site's own module), `BufferWrites` runs an op that writes to one of those buffers on a clone of it
-# instead. A buffer is named by the data pointer of its base, so writes through views are caught too.
+# instead. A buffer is named by its storage (`storage_key`), so writes through views are caught too.
 # The forward path pays nothing, and recompute pays per op only inside modules that own buffers (a BatchNorm:
 # three ops). Writes to other tensors from outside (a tensor a closure captured) are not redirected by rerun;
 # replay redirects every write to a tensor from outside the region (see _tape.py).
@@ -53,24 +53,32 @@ def written_arguments(func: Any) -> Writes:
     )
 
 
-def _memory(tensor: torch.Tensor) -> int:
-    base = tensor._base
-    return int((tensor if base is None else base).data_ptr())
+_storage_id: Callable[[torch.Tensor], int] = torch._C._storage_id  # type: ignore[attr-defined]
 
 
-def _buffer_memory(module: nn.Module) -> set[int]:
-    return {_memory(buffer) for buffer in module._buffers.values() if buffer is not None}
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The identity of a tensor's storage, shared by all its views; None for tensors without one (sparse)."""
+    try:
+        return _storage_id(tensor)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _buffer_memory(module: nn.Module) -> set[int | None]:
+    keys = {storage_key(buffer) for buffer in module._buffers.values() if buffer is not None}
+    keys.discard(None)
+    return keys
 
 
 class BufferWrites(Mode):
     """Run ops that write to the given memory on clones of those arguments."""
 
-    def __init__(self, protected: set[int]) -> None:
+    def __init__(self, protected: set[int | None]) -> None:
         super().__init__()
         self.protected = protected
 
     def _protected(self, value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and _memory(value) in self.protected
+        return isinstance(value, torch.Tensor) and storage_key(value) in self.protected
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         writes = _WRITES.get(func)

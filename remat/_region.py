@@ -19,9 +19,10 @@ from torch import nn
 
 from . import _switch
 from ._errors import BUG, RecomputeMismatchError, RematError
+from ._guard import storage_key
 from ._hooks import Frame, Handle, Kept
 from ._options import Options
-from ._tape import Recorder, Tape, op_info, storage_id
+from ._tape import Recorder, Tape, op_info
 
 __all__ = ["Region", "RegionFrame", "begin", "call", "end"]
 
@@ -67,7 +68,7 @@ class RegionFrame(Frame):
         self.recorder: Recorder | None = Recorder(preserve_rng, self.trace)
         self.outer = _top_hooks(False)
         self.captures: list[tuple[int, int, int, int | None]] = []
-        self.freed: dict[int, int] = {}  # storage (`storage_id`) -> bytes, of the tensors handles stand for
+        self.freed: dict[int, int] = {}  # storage (`storage_key`) -> bytes, of the tensors handles stand for
         self.kept: dict[int, tuple[Kept, int]] = {}  # tape slot of an outside tensor -> its token, its version
         self.copies: dict[int, torch.Tensor] | None = {} if debug else None
         self.tape: Tape | None = None
@@ -109,14 +110,9 @@ class RegionFrame(Frame):
     def _capture(self, recorder: Recorder, tensor: torch.Tensor, slot: int) -> Handle:
         """A handle for a tensor the tape made (tape slot `slot`), rebuilt by replay."""
         handle = self.handle(tensor)
-        key: int | None
-        try:
-            key = storage_id(tensor)
-        except (RuntimeError, NotImplementedError, TypeError):
-            key = None
-        else:
-            if key not in self.freed:
-                self.freed[key] = tensor.untyped_storage().nbytes()
+        key = storage_key(tensor)
+        if key is not None and key not in self.freed:
+            self.freed[key] = tensor.untyped_storage().nbytes()
         self.captures.append((handle.index, slot, len(recorder.ops), key))
         if self.copies is not None:
             self._copy(recorder, handle.index, tensor)

@@ -16,7 +16,7 @@ import torch
 from ._autocast import AutocastState
 from ._debug import describe
 from ._errors import RematError
-from ._guard import written_arguments
+from ._guard import storage_key, written_arguments
 from ._modes import Mode
 from ._rng import RngStash, with_index
 
@@ -53,8 +53,6 @@ _Tensor = torch.Tensor
 _ref = weakref.ref
 _Ref = weakref.ReferenceType
 _grad_enabled = torch._C.is_grad_enabled
-# `tensor.untyped_storage()._cdata` without making a storage object (raises for tensors without storage)
-storage_id: Callable[[torch.Tensor], int] = torch._C._storage_id  # type: ignore[attr-defined]
 
 Marker = tuple["weakref.ReferenceType[torch.Tensor]", int]
 # (op, marked args, marked kwargs or None, first output slot, output count (-1: one tensor), grad mode)
@@ -94,13 +92,6 @@ def op_info(func: Any) -> OpInfo:
             if not info.slow:
                 _FAST.add(id(func))
     return info
-
-
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    try:
-        return storage_id(tensor)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
 
 
 class Outside:
@@ -258,7 +249,7 @@ class Recorder(Mode):
         if self.scanned < len(records):
             for record in list(records.values())[self.scanned:]:
                 assert record.tensor is not None
-                record.storage = _storage_key(record.tensor)
+                record.storage = storage_key(record.tensor)
                 if record.storage is not None:
                     self.outside_storages.add(record.storage)
             self.scanned = len(records)
@@ -272,7 +263,7 @@ class Recorder(Mode):
             for tensor in value if isinstance(value, (list, tuple)) else (value,):
                 if not isinstance(tensor, _Tensor):
                     continue
-                key = _storage_key(tensor)
+                key = storage_key(tensor)
                 if key is None:
                     continue
                 self.writes.append((len(self.ops), key))
