@@ -5,6 +5,7 @@ See NOTE [ Policies ].
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Union
@@ -96,6 +97,7 @@ def as_policy(policy: PolicyLike) -> Policy:
     )
 
 
+@functools.cache
 def _matmul_packets() -> frozenset[Any]:
     aten = torch.ops.aten
     names = (
@@ -106,14 +108,9 @@ def _matmul_packets() -> frozenset[Any]:
     return frozenset(getattr(aten, name) for name in names if hasattr(aten, name))
 
 
-_MATMULS: list[frozenset[Any]] = []
-
-
 def matmuls(op: Any) -> bool:
     """Matmul-class ops: mm, bmm, addmm, baddbmm, convolution, scaled-dot-product attention kernels."""
-    if not _MATMULS:
-        _MATMULS.append(_matmul_packets())
-    return getattr(op, "overloadpacket", None) in _MATMULS[0]
+    return getattr(op, "overloadpacket", None) in _matmul_packets()
 
 
 save_nothing = Policy()
