@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ._rng import RngStash, devices_of
 from ._track import synchronize as _sync
 from ._track import track
 
@@ -335,7 +336,8 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
     inputs = _leaves((args, kwargs))
     params = list(fn_or_module.parameters()) if isinstance(fn_or_module, nn.Module) else []
     grad_leaves = [t for t in (*inputs, *params) if t.requires_grad and t.is_leaf]
-    devices = {t.device for t in (*inputs, *params) if t.device.type not in ("cpu", "meta")}
+    module = fn_or_module if isinstance(fn_or_module, nn.Module) else None
+    devices = set(devices_of(inputs, module))
     name = _name(fn_or_module)
     with _fresh_grads(grad_leaves):
         if not compare:
@@ -345,7 +347,7 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
         except ImportError as e:  # pragma: no cover - the switch ships with remat
             raise RuntimeError("remat: measure(compare=True) needs remat._switch.") from e
         buffers = [b.detach().clone() for b in fn_or_module.buffers()] if isinstance(fn_or_module, nn.Module) else []
-        with _forked_rng(devices):
+        with RngStash.capture(devices).restore():  # the second run starts from the same RNG state
             with enabled(True):
                 on = _run(fn_or_module, args, kwargs, "remat on", devices)
             for t in grad_leaves:
@@ -357,12 +359,3 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
         with enabled(False):
             off = _run(fn_or_module, args, kwargs, "remat off", devices)
         return Report(name, (on, off))
-
-
-def _forked_rng(devices: set[torch.device]) -> contextlib.AbstractContextManager[Any]:
-    types = {d.type for d in devices}
-    if len(types) == 1:
-        (kind,) = types
-        indices = sorted({d.index if d.index is not None else 0 for d in devices})
-        return torch.random.fork_rng(devices=indices, device_type=kind)
-    return torch.random.fork_rng(devices=[])
