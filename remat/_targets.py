@@ -66,9 +66,7 @@ def _compiled_checkpoint(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: 
 
 
 def _active(options: Options) -> bool:
-    return (_switch._state[0] if options.enabled is None else options.enabled) and (
-        torch.is_grad_enabled()
-    )
+    return options.active(_switch._state[0]) and torch.is_grad_enabled()
 
 
 def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
