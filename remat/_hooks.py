@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from . import _stats
 from ._debug import side_by_side
 from ._errors import BUG, RecomputeMismatchError, RematError
 
-__all__ = ["Frame", "Handle", "Kept", "StopRecompute"]
+__all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute"]
 
 # NOTE [ Handle lifetime ]
 # In forward the pack hook gives autograd a `Handle` (an index) instead of an activation made inside the region;
@@ -63,6 +64,28 @@ class Kept:
         self.index = index
 
 
+# NOTE [ Inputs of nested sites ]
+# A site keeps its inputs to call the function again. When it runs inside another site (or inside any
+# saved-tensor hooks, e.g. `save_on_cpu`), its inputs are activations of the enclosing region: keeping them by
+# reference would hold exactly what the outer region promises to free. So the inputs are handed to the
+# enclosing pack hook, as if autograd saved them there, and fetched back through its unpack hook when this site
+# recomputes — which may in turn make the outer site recompute. Outside any hooks the inputs are kept as they
+# are (they are alive anyway while the graph is) and their versions are checked before recompute.
+# The same holds for what the nested site's own pack hook sees of its inputs (and views of them): each one is
+# handed to the enclosing pack hook again (`Frame.keep_outside`) and fetched back through its unpack hook.
+
+class Outer:
+    """What the enclosing saved-tensor hooks packed for a frame (see NOTE [ Inputs of nested sites ])."""
+
+    __slots__ = ("packed", "requires_grad")
+
+    def __init__(self, packed: Any, requires_grad: bool) -> None:
+        self.packed = packed
+        self.requires_grad = requires_grad
+
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
 _INPLACE_KEPT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
     "operation: a tensor of shape {shape} saved in `{site}` was at version {before} when saved and is at "
@@ -80,8 +103,8 @@ class Frame:
     """
 
     __slots__ = (
-        "__weakref__", "_handles", "_kept", "_metas", "_stores", "check", "early_stop", "retrace", "site",
-        "trace",
+        "__weakref__", "_handles", "_kept", "_metas", "_stores", "check", "early_stop", "outer", "retrace",
+        "site", "trace",
     )
 
     def __init__(self, site: str, check: bool, early_stop: bool, trace: list[str] | None) -> None:
@@ -94,6 +117,8 @@ class Frame:
         self._metas: list[_Meta] = []
         self._stores: dict[int, dict[int, torch.Tensor]] = {}
         self._kept: dict[int, tuple[torch.Tensor, int]] = {}
+        # The saved-tensor hooks this frame runs inside (an enclosing site, `save_on_cpu`), or None.
+        self.outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = _top_hooks(False)
 
     # -- forward -------------------------------------------------------------------------------------------
     def account(self, tensor: torch.Tensor) -> None:
@@ -113,6 +138,18 @@ class Frame:
         self.account(tensor)
         return kept
 
+    def hand_over(self, tensor: torch.Tensor) -> Outer:
+        """Give a tensor from outside the frame to the enclosing pack hook (see NOTE [ Inputs of nested sites ])."""
+        assert self.outer is not None
+        return Outer(self.outer[0](tensor), tensor.requires_grad)
+
+    def keep_outside(self, tensor: torch.Tensor) -> Kept | Outer:
+        """A saved tensor from outside the frame: held here, or inside other hooks handed over to them."""
+        if self.outer is None:
+            return self.keep(tensor)
+        self.account(tensor)
+        return self.hand_over(tensor)
+
     def handle(self, tensor: torch.Tensor) -> Handle:
         """Account a saved tensor that will be rebuilt in backward, and return its handle."""
         handle = Handle(len(self._handles))
@@ -128,9 +165,14 @@ class Frame:
 
     # -- backward ------------------------------------------------------------------------------------------
     def unpack(self, packed: Any) -> torch.Tensor:
-        """The unpack hook: a kept tensor as it is, a handle's tensor rebuilt (see NOTE [ One store ... ])."""
-        if type(packed) is not Handle:
+        """The unpack hook: a handle's tensor rebuilt (see NOTE [ One store ... ]), a kept tensor as it is,
+        a handed-over one back through the enclosing unpack hook."""
+        kind = type(packed)
+        if kind is Kept:
             return self._unpack_kept(packed)
+        if kind is Outer:
+            assert self.outer is not None
+            return self.outer[1](packed.packed)
         gid = torch._C._current_graph_task_id()
         store = self._stores.get(gid)
         if store is None or packed.index not in store:

@@ -30,7 +30,6 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 # NOTE [ Kept tensors ]
 # Saved tensors that the region does not rebuild — tensors from outside, views of them, tensors the tape never
@@ -38,7 +37,7 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 # region does: each is kept with the version it had when saved, and a different version in backward raises
 # autograd's own "modified by an inplace operation" error instead of giving a wrong gradient. Inside an
 # enclosing site (another region, a rerun site, `save_on_cpu`), these tensors may be activations of that site,
-# so they are handed to its pack hook instead (see NOTE [ Inputs of nested sites ] in _rerun.py); so are the
+# so they are handed to its pack hook instead (see NOTE [ Inputs of nested sites ] in _hooks.py); so are the
 # outside tensors the tape reads, at the end of forward.
 
 _VALUES_DIFFER = (
@@ -49,24 +48,16 @@ _VALUES_DIFFER = (
 )
 
 
-class _Outer:
-    __slots__ = ("packed",)
-
-    def __init__(self, packed: Any) -> None:
-        self.packed = packed
-
-
 class RegionFrame(Frame):
     """One forward run of a region: its tape, and the saved tensors autograd holds handles for."""
 
     __slots__ = (
-        "captures", "copies", "freed", "freed_bytes", "kept", "ops", "outer", "recorder", "tape",
+        "captures", "copies", "freed", "freed_bytes", "kept", "ops", "recorder", "tape",
     )
 
     def __init__(self, site: str, check: bool, preserve_rng: bool, debug: bool) -> None:
         super().__init__(site, check, True, [] if debug else None)
         self.recorder: Recorder | None = Recorder(preserve_rng, self.trace)
-        self.outer = _top_hooks(False)
         self.captures: list[tuple[int, int, int, int | None]] = []
         self.freed: dict[int, int] = {}  # storage (`storage_key`) -> bytes, of the tensors handles stand for
         self.kept: dict[int, tuple[Kept, int]] = {}  # tape slot of an outside tensor -> its token, its version
@@ -100,10 +91,9 @@ class RegionFrame(Frame):
                 return kept[0]
         if self.outer is None:
             return self.keep(tensor)
-        self.account(tensor)
-        recorder.paused = True
+        recorder.paused = True  # the enclosing pack hook may run ops of its own: not the tape's
         try:
-            return _Outer(self.outer[0](tensor))
+            return self.keep_outside(tensor)
         finally:
             recorder.paused = False
 
@@ -148,13 +138,6 @@ class RegionFrame(Frame):
             self.tape.hand_to(self.outer[0])
 
     # -- backward ------------------------------------------------------------------------------------------
-    def unpack(self, packed: Any) -> torch.Tensor:
-        """The unpack hook: see NOTE [ Kept tensors ] and NOTE [ One store per backward ] in _hooks.py."""
-        if type(packed) is _Outer:
-            assert self.outer is not None
-            return self.outer[1](packed.packed)
-        return super().unpack(packed)
-
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Replay the tape up to the last op that `wanted` needs and put those tensors into `store`."""
         tape = self.tape

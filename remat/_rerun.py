@@ -1,6 +1,6 @@
 """The rerun strategy: forward runs the function under saved-tensor hooks; backward calls it again.
 
-See NOTE [ Handle lifetime ] in _hooks.py for what the hooks keep, and NOTE [ Inputs of nested sites ] below.
+See NOTE [ Handle lifetime ] and NOTE [ Inputs of nested sites ] in _hooks.py for what the hooks keep.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ._autocast import AutocastState
 from ._debug import OpTrace
 from ._errors import RematError
 from ._guard import guard_buffers, release
-from ._hooks import Frame, Handle, Kept, StopRecompute
+from ._hooks import Frame, Handle, Kept, Outer, StopRecompute
 from ._policies import Policy, ReuseOps, SaveOps, tags
 from ._rng import RngStash, devices_of
 from ._tree import map_tensors, tensors_in
@@ -26,17 +26,6 @@ __all__ = ["RerunFrame", "begin", "call", "end"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-# NOTE [ Inputs of nested sites ]
-# A site keeps its inputs to call the function again. When it runs inside another site (or inside any
-# saved-tensor hooks, e.g. `save_on_cpu`), its inputs are activations of the enclosing region: keeping them by
-# reference would hold exactly what the outer region promises to free. So the inputs are handed to the
-# enclosing pack hook, as if autograd saved them there, and fetched back through its unpack hook when this site
-# recomputes — which may in turn make the outer site recompute. Outside any hooks the inputs are kept as they
-# are (they are alive anyway while the graph is) and their versions are checked before recompute.
-# The same holds for what the nested site's own pack hook sees of its inputs (and views of them): each one is
-# handed to the enclosing pack hook again, wrapped in `_Outer`, and fetched back through its unpack hook.
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
@@ -57,29 +46,17 @@ _INPLACE_INPUT = (
 )
 
 
-class _Outer:
-    """A nested site's input as the enclosing pack hook packed it (see NOTE [ Inputs of nested sites ])."""
-
-    __slots__ = ("packed", "requires_grad")
-
-    def __init__(self, packed: Any, requires_grad: bool = False) -> None:
-        self.packed = packed
-        self.requires_grad = requires_grad
-
-
 class RerunFrame(Frame):
     """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
 
     __slots__ = (
         "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
-        "kwargs", "module", "outer_pack", "outer_unpack", "policy", "rng", "seconds", "tensors", "versions",
+        "kwargs", "module", "policy", "rng", "seconds", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
     args: Any
     kwargs: Any
-    outer_pack: Callable[[torch.Tensor], Any] | None
-    outer_unpack: Callable[[Any], torch.Tensor] | None
     tensors: list[torch.Tensor]
     versions: list[int]
     ids: set[int]
@@ -95,10 +72,10 @@ class RerunFrame(Frame):
     kept_ids: set[int]  # ids of every tensor the policy keeps
     kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, in order
 
-    def pack(self, tensor: torch.Tensor) -> Kept | Handle | _Outer:
+    def pack(self, tensor: torch.Tensor) -> Kept | Handle | Outer:
         """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
         if id(tensor) in self.ids:
-            return self.keep_input(tensor)
+            return self.keep_outside(tensor)
         if tensor.requires_grad and tensor.is_leaf:  # never `grad_fn`: see NOTE [ Freeing long chains ]
             return self.keep(tensor)
         if self.policy is not None and id(tensor) in self.kept_ids:
@@ -106,24 +83,10 @@ class RerunFrame(Frame):
         base = tensor._base
         if base is not None:
             if id(base) in self.ids:
-                return self.keep_input(tensor)
+                return self.keep_outside(tensor)
             if base.requires_grad and base.is_leaf:
                 return self.keep(tensor)
         return self.handle(tensor)
-
-    def keep_input(self, tensor: torch.Tensor) -> Kept | _Outer:
-        """Keep an input (or a view of one); inside other hooks, hand it to them instead."""
-        if self.outer_pack is None:
-            return self.keep(tensor)
-        self.account(tensor)
-        return _Outer(self.outer_pack(tensor))
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        """The unpack hook: what `keep_input` handed to the enclosing hooks comes back through them."""
-        if type(packed) is _Outer:
-            assert self.outer_unpack is not None
-            return self.outer_unpack(packed.packed)
-        return super().unpack(packed)
 
     def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Forward's `remat.tag`: keep `tensor` when the policy saves `name`."""
@@ -133,10 +96,10 @@ class RerunFrame(Frame):
         return tensor
 
     def _inputs(self) -> tuple[Any, Any]:
-        if self.outer_unpack is not None:
-            unpack = self.outer_unpack
+        if self.outer is not None:
+            unpack = self.outer[1]
 
-            def fetch(outer: _Outer) -> torch.Tensor:
+            def fetch(outer: Outer) -> torch.Tensor:
                 # Enclosing hooks may hand back a tensor that needs no grad (`save_on_cpu`, an outer store
                 # filled under no_grad); recompute must see forward's requires_grad, or autograd would save
                 # fewer tensors than forward did.
@@ -145,7 +108,7 @@ class RerunFrame(Frame):
                     tensor = tensor.detach().requires_grad_()
                 return tensor
 
-            return map_tensors(self.args, fetch, _Outer), map_tensors(self.kwargs, fetch, _Outer)
+            return map_tensors(self.args, fetch, Outer), map_tensors(self.kwargs, fetch, Outer)
         if [tensor._version for tensor in self.tensors] != self.versions:
             for index, (tensor, before) in enumerate(zip(self.tensors, self.versions, strict=True)):
                 if tensor._version != before:
@@ -271,18 +234,11 @@ def begin(
     frame = RerunFrame(site, check, early_stop, [] if debug else None)
     frame.fn = fn
     frame.module = module
-    outer = _top_hooks(False)
-    if outer is None:
-        frame.args, frame.kwargs, frame.outer_pack, frame.outer_unpack = args, kwargs, None, None
+    if frame.outer is None:
+        frame.args, frame.kwargs = args, kwargs
         frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
     else:
-        outer_pack = frame.outer_pack = outer[0]
-        frame.outer_unpack = outer[1]
-
-        def hand_over(tensor: torch.Tensor) -> _Outer:
-            return _Outer(outer_pack(tensor), tensor.requires_grad)
-
-        frame.args, frame.kwargs = map_tensors(args, hand_over), map_tensors(kwargs, hand_over)
+        frame.args, frame.kwargs = map_tensors(args, frame.hand_over), map_tensors(kwargs, frame.hand_over)
         frame.tensors, frame.versions = [], []
     frame.ids = {id(tensor) for tensor in tensors}
     frame.devices = devices_of(tensors, module) if preserve_rng else ()
