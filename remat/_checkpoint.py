@@ -77,6 +77,11 @@ def checkpoint(
         raise TypeError(f"remat: checkpoint expects a callable, but got `{type(function).__name__}`.")
     if not _switch._state[0] or not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    if _rerun.compiling():  # see NOTE [ Under torch.compile ]
+        keywords = {"determinism_check": determinism_check, "debug": debug, "preserve_rng_state": preserve_rng_state}
+        if not _is_noop(context_fn):
+            keywords["context_fn"] = context_fn
+        return _rerun.torch_checkpoint(function, args, kwargs, **keywords)
     contexts = None
     if not _is_noop(context_fn):
         assert context_fn is not None

@@ -74,6 +74,7 @@ class Kept:
 # The same holds for what the nested site's own pack hook sees of its inputs (and views of them): each one is
 # handed to the enclosing pack hook again (`Frame.keep_outside`) and fetched back through its unpack hook.
 
+
 class Outer:
     """What the enclosing saved-tensor hooks packed for a frame (see NOTE [ Inputs of nested sites ])."""
 

@@ -22,7 +22,7 @@ from ._policies import Policy, ReuseOps, SaveOps, tags
 from ._rng import RngStash, devices_of
 from ._tree import map_tensors, tensors_in
 
-__all__ = ["RerunFrame", "begin", "call", "end"]
+__all__ = ["RerunFrame", "begin", "call", "compiling", "end", "torch_checkpoint"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -36,6 +36,24 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # Early stop raises out of the pack hook through autograd's C++, which costs some 30 µs; it only pays when
 # what it skips can cost more, so it is used when forward took longer than `_EARLY_STOP_SECONDS`.
 _EARLY_STOP_SECONDS = 100e-6
+
+# NOTE [ Under torch.compile ]
+# Saved-tensor hooks and dispatch modes are graph breaks for dynamo, and a compiled graph saves other tensors
+# than the eager function that rerun calls again, so remat's engine cannot run inside a compiled frame. There
+# a rematerialized function becomes `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, which dynamo
+# turns into its activation-checkpoint operator and the compiler partitions for memory (RNG is functionalised
+# by the compiler itself); the `remat.checkpoint` drop-in hands its own keywords on to torch's there. A module
+# instance's hooks step aside: its forward is traced as it is, so under compile `remat(module)` keeps
+# gradients right but leaves memory to the compiler.
+compiling = torch.compiler.is_compiling
+
+
+def torch_checkpoint(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **keywords: Any) -> Any:
+    """`torch.utils.checkpoint.checkpoint`, non-reentrant: what a site is inside a compiled frame."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False, **keywords, **kwargs)
+
 
 _INPLACE_INPUT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "

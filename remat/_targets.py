@@ -16,6 +16,7 @@ from torch import nn
 from . import _region, _rerun, _switch
 from ._options import Options
 from ._policies import as_policy
+from ._rerun import compiling, torch_checkpoint
 
 __all__ = ["apply", "undo", "wrap", "wrap_class", "wrap_function", "wrap_module"]
 
@@ -49,22 +50,6 @@ class _Engine:
         )
 
 
-# NOTE [ Under torch.compile ]
-# Saved-tensor hooks and dispatch modes are graph breaks for dynamo, and a compiled graph saves other tensors
-# than the eager function that rerun calls again, so remat's engine cannot run inside a compiled frame. There
-# a rematerialized function becomes `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, which dynamo
-# turns into its activation-checkpoint operator and the compiler partitions for memory (RNG is functionalised
-# by the compiler itself). A module instance's hooks step aside: its forward is traced as it is, so under
-# compile `remat(module)` keeps gradients right but leaves memory to the compiler.
-_compiling = torch.compiler.is_compiling
-
-
-def _compiled_checkpoint(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-
-
 def _active(options: Options) -> bool:
     return options.active(_switch._state[0]) and torch.is_grad_enabled()
 
@@ -83,8 +68,8 @@ def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
     def remat_wrapper(*args: Any, **kwargs: Any) -> Any:
         if not (switch[0] if enabled is None else enabled) or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        if _compiling():  # see NOTE [ Under torch.compile ]
-            return _compiled_checkpoint(fn, args, kwargs)
+        if compiling():  # see NOTE [ Under torch.compile ]
+            return torch_checkpoint(fn, args, kwargs)
         module = args[0] if args and isinstance(args[0], nn.Module) else None
         return call(fn, args, kwargs, module=module, **extra)
 
@@ -120,7 +105,7 @@ class _Open:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         stack = _open_sites.stack
-        if self.engine.passthrough or not _active(self.options) or _compiling():
+        if self.engine.passthrough or not _active(self.options) or compiling():
             stack.append((module, None, None))
             return
         engine = self.engine

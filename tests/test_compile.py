@@ -44,3 +44,17 @@ def test_a_compiled_rematerialized_instance_matches_eager() -> None:
     expected = torch.autograd.grad(model(x).sum(), x)
     got = torch.autograd.grad(torch.compile(model, backend="aot_eager")(x).sum(), x)
     torch.testing.assert_close(got, expected)
+
+
+def test_the_checkpoint_drop_in_under_compile_matches_eager() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8).double()
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        return remat.checkpoint(lambda h: torch.tanh(layer(h)), x, use_reentrant=False).sum()
+
+    x = randn(4, 8, requires_grad=True)
+    expected = torch.autograd.grad(model(x), (x, layer.weight))
+    got = torch.autograd.grad(torch.compile(model, backend="aot_eager")(x), (x, layer.weight))
+    torch.testing.assert_close(got, expected)
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
