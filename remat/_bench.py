@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from ._api import remat
 from ._measure import format_bytes, format_seconds
 from ._models import (
     CHAIN_SIZES,
@@ -50,6 +51,7 @@ from ._models import (
     tiny,
     tiny_input,
 )
+from ._policies import save_matmuls
 from ._track import synchronize as _sync
 from ._track import track
 
@@ -118,40 +120,27 @@ def _torch_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.T
 
 
 def _remat_blocks(model: BenchModel) -> str | None:
-    from ._api import remat
-
     for block in model.blocks:
         remat(block)
     return None
 
 
 def _remat_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    from ._api import remat
-
     return remat(fn)
 
 
 def _region_call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    from ._api import remat
-
     with remat.region():
         out: torch.Tensor = block(x)
     return out
 
 
 def _region_blocks(model: BenchModel) -> str | None:
-    from ._api import remat
-
-    remat.region()  # raises ImportError while the region engine is missing
     model.call = _region_call
     return None
 
 
 def _region_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    from ._api import remat
-
-    remat.region()
-
     def wrapped(x: torch.Tensor) -> torch.Tensor:
         with remat.region():
             return fn(x)
@@ -160,12 +149,8 @@ def _region_tiny(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.
 
 
 def _save_matmuls_blocks(model: BenchModel) -> str | None:
-    from ._api import remat
-    from ._policies import save_matmuls
-
-    decorator = cast(Any, remat)(policy=save_matmuls)  # Policy is not a Callable[..., Any] to mypy
     for block in model.blocks:
-        decorator(block)
+        remat(policy=save_matmuls)(block)
     return None
 
 
@@ -565,15 +550,6 @@ def _bench_replay(device: torch.device, repeats: int, progress: Callable[[str], 
         (Result("tiny", "remat.region forward, per op", compare=False), False),
         (Result("tiny", "remat.region forward, per op, with grad", compare=False), True),
     ]
-    try:
-        from ._api import remat
-
-        remat.region()
-    except (ImportError, AttributeError) as e:
-        for result, _ in rows:
-            result.note = f"not available ({_note(e)})"
-        return [result for result, _ in rows]
-
     def region(x: torch.Tensor) -> torch.Tensor:
         with remat.region():
             return _many_ops(x)

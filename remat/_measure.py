@@ -22,7 +22,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from . import _stats
 from ._rng import RngStash, devices_of
+from ._switch import enabled
 from ._track import synchronize as _sync
 from ._track import track
 
@@ -239,15 +241,6 @@ def _leaves(obj: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
-def _recompute_seconds() -> float | None:
-    try:
-        from . import _stats
-    except ImportError:  # an engine without counters
-        return None
-    value = getattr(_stats, "recompute_seconds", None)
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 @contextlib.contextmanager
 def _fresh_grads(leaves: list[torch.Tensor]) -> Iterator[None]:
     """Run with ``.grad`` of ``leaves`` set to None, and put back what was there."""
@@ -277,14 +270,14 @@ def _run(
         own = t._bytes_of(_leaves(out))
         held = {d: t.current(d) - own.get(d, 0) for d in t.devices}
         loss = _loss(out)
-        recompute_before = _recompute_seconds()
+        recompute_before = _stats.recompute_seconds
         start = time.perf_counter()
         torch.autograd.backward(loss)
         _sync(devices)
         backward = time.perf_counter() - start
-        recompute_after = _recompute_seconds()
+        recompute_after = _stats.recompute_seconds
         del out, loss
-    recompute = None if recompute_before is None or recompute_after is None else recompute_after - recompute_before
+    recompute = recompute_after - recompute_before
     return Measurement(
         label=label,
         peak_bytes=t.peak_bytes,
@@ -342,10 +335,6 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
     with _fresh_grads(grad_leaves):
         if not compare:
             return Report(name, (_run(fn_or_module, args, kwargs, "as is", devices),))
-        try:
-            from ._switch import enabled
-        except ImportError as e:  # pragma: no cover - the switch ships with remat
-            raise RuntimeError("remat: measure(compare=True) needs remat._switch.") from e
         buffers = [b.detach().clone() for b in fn_or_module.buffers()] if isinstance(fn_or_module, nn.Module) else []
         with RngStash.capture(devices).restore():  # the second run starts from the same RNG state
             with enabled(True):
