@@ -58,3 +58,18 @@ def test_the_checkpoint_drop_in_under_compile_matches_eager() -> None:
     got = torch.autograd.grad(torch.compile(model, backend="aot_eager")(x), (x, layer.weight))
     torch.testing.assert_close(got, expected)
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
+
+
+def test_a_region_inside_compiled_code_gives_eager_gradients() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8).double()
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        with remat.region():
+            h = torch.tanh(layer(x)).sin()
+        return (h * 2).sum()
+
+    x = randn(4, 8, requires_grad=True)
+    expected = torch.autograd.grad(model(x), (x, layer.weight))
+    got = torch.autograd.grad(torch.compile(model, backend="aot_eager")(x), (x, layer.weight))
+    torch.testing.assert_close(got, expected)
