@@ -12,26 +12,26 @@ from typing import Any
 from . import policies as policies
 from ._api import Remat as Remat
 from ._api import remat as remat
-from ._chain import Chain as Chain
-from ._chain import chain as chain
 from ._checkpoint import checkpoint as checkpoint
 from ._checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._engine.region import Region as Region
 from ._errors import BudgetError as BudgetError
 from ._errors import RecomputeMismatchError as RecomputeMismatchError
 from ._errors import RematError as RematError
-from ._measure import Measurement as Measurement
-from ._measure import Report as Report
-from ._measure import measure as measure
+from ._measure.measure import Measurement as Measurement
+from ._measure.measure import Report as Report
+from ._measure.measure import measure as measure
+from ._measure.track import Tracker as Tracker
+from ._measure.track import track as track
+from ._plan.chain import Chain as Chain
+from ._plan.chain import chain as chain
+from ._plan.solver import Plan as Plan
+from ._plan.solver import StageCost as StageCost
+from ._plan.solver import solve as solve
 from ._policies import tag as tag
-from ._region import Region as Region
-from ._solver import Plan as Plan
-from ._solver import StageCost as StageCost
-from ._solver import solve as solve
 from ._switch import enabled as enabled
 from ._switch import is_enabled as is_enabled
 from ._switch import set_enabled as set_enabled
-from ._track import Tracker as Tracker
-from ._track import track as track
 
 __version__ = "0.1.0"
 

@@ -12,9 +12,9 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 from torch import nn
 
 from . import _checkpoint, _switch, _targets
+from ._engine.region import Region
 from ._options import Options, Strategy
 from ._policies import PolicyLike
-from ._region import Region
 
 __all__ = ["Decorator", "Remat", "remat"]
 

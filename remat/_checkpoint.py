@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _rerun, _switch
+from . import _switch
+from ._engine import rerun as _rerun
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 

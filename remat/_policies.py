@@ -12,17 +12,16 @@ from typing import Any, Union
 
 import torch
 
-from ._modes import Mode
-
-__all__ = ["Policy", "PolicyLike", "SaveOps", "ReuseOps", "as_policy", "save_all", "save_matmuls", "save_nothing",
+__all__ = ["Policy", "PolicyLike", "as_policy", "save_all", "save_matmuls", "save_nothing",
            "save_tagged", "tag"]
 
 # NOTE [ Policies ]
 # A policy says which op outputs a region keeps from forward instead of rebuilding. It is a set of ops (decided
 # per aten overload, once: `save_matmuls`, or any callable `op -> bool`) and a set of tag names (`save_tagged`,
 # with `remat.tag(t, name)` naming a tensor, like JAX's `checkpoint_name`); `|` takes the union.
-# With a policy that saves ops, forward runs under `SaveOps`, which keeps the outputs of every chosen op in
-# order; recompute runs under `ReuseOps`, which hands those outputs back instead of running the op again. That
+# With a policy that saves ops, forward runs under `SaveOps` (_engine/selective.py), which keeps the outputs of
+# every chosen op in order; recompute runs under `ReuseOps`, which hands those outputs back instead of running the
+# op again. That
 # is where the time goes back: the matmuls are not recomputed, the cheap pointwise ops between them are. A
 # tagged tensor is kept when `tag` is called on it inside a region whose policy saves that name, and `tag`
 # returns the kept tensor in recompute. The pack hook keeps every kept tensor by reference.
@@ -156,39 +155,3 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
         raise TypeError(f"remat: tag expects a tensor, but got `{type(tensor).__name__}`.")
     sinks = tags.sinks
     return sinks[-1](tensor, name) if sinks else tensor
-
-
-class SaveOps(Mode):
-    """Forward: keep the outputs of the ops `policy` chooses, in order."""
-
-    def __init__(self, policy: Policy, kept: list[Any], ids: set[int]) -> None:
-        super().__init__()
-        self.policy = policy
-        self.kept = kept
-        self.ids = ids
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.policy.saves_op(func):
-            self.kept.append(out)
-            for tensor in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(tensor, torch.Tensor):
-                    self.ids.add(id(tensor))
-        return out
-
-
-class ReuseOps(Mode):
-    """Recompute: hand back forward's outputs of the chosen ops instead of running them again."""
-
-    def __init__(self, policy: Policy, kept: list[Any]) -> None:
-        super().__init__()
-        self.policy = policy
-        self.kept = iter(kept)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.policy.saves_op(func):
-            out = next(self.kept)
-            if isinstance(out, torch.Tensor):
-                return out.detach()
-            return type(out)(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
-        return func(*args, **(kwargs or {}))

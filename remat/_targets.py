@@ -13,10 +13,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from . import _region, _rerun, _switch
+from . import _switch
+from ._engine import region as _region
+from ._engine import rerun as _rerun
+from ._engine.rerun import compiling, torch_checkpoint
 from ._options import Options
 from ._policies import as_policy
-from ._rerun import compiling, torch_checkpoint
 
 __all__ = ["apply", "undo", "wrap", "wrap_class", "wrap_function", "wrap_module"]
 

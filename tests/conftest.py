@@ -16,7 +16,7 @@ from torch import nn
 
 import remat
 from remat import _targets
-from remat._tree import map_tensors, tensors_in
+from remat._engine.tree import map_tensors, tensors_in
 
 
 def randn(*shape: int, requires_grad: bool = False, seed: int = 0) -> torch.Tensor:

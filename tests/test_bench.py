@@ -1,4 +1,4 @@
-"""Tests for the benchmark behind `python -m remat` (remat._bench, remat._models), on tiny sizes."""
+"""Tests for the benchmark behind `python -m remat` (remat.bench.cli, remat.bench.models), on tiny sizes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from remat import _bench
-from remat._bench import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
-from remat._models import (
+from remat.bench import cli as _bench
+from remat.bench.cli import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
+from remat.bench.models import (
     GPT,
     BenchModel,
     ChainNet,

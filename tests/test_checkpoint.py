@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
-from remat import _stats
+from remat._engine import stats as _stats
 
 
 def checkpointed(**keywords: Any) -> Callable[[Any], Callable[..., Any]]:

@@ -13,8 +13,9 @@ from models import MLP, Cell, TransformerBlock, TwoConv
 from torch import nn
 
 import remat
-from remat import _rerun, _stats
-from remat._track import track
+from remat._engine import rerun as _rerun
+from remat._engine import stats as _stats
+from remat._measure.track import track
 
 
 def recomputes() -> int:

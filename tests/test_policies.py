@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import policies
-from remat._track import track
+from remat._measure.track import track
 
 POLICIES = {
     "save_nothing": policies.save_nothing,

@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat import _rerun, _stats, _switch
+from remat import _switch
+from remat._engine import rerun as _rerun
+from remat._engine import stats as _stats
+from remat._engine.region import Region, RegionFrame, begin, call, end
 from remat._errors import RecomputeMismatchError, RematError
 from remat._options import Options
-from remat._region import Region, RegionFrame, begin, call, end
 
 
 @pytest.fixture(autouse=True)
@@ -359,7 +361,7 @@ def test_outside_tensor_saved_by_several_ops_is_checked_at_each_version() -> Non
 
 # -- memory ----------------------------------------------------------------------------------------------
 def test_memory_held_for_backward_is_about_the_outside_inputs() -> None:
-    from remat._track import track
+    from remat._measure.track import track
 
     x = torch.randn(128, 128, requires_grad=True)
     w = torch.randn(128, 128, requires_grad=True)
@@ -627,7 +629,7 @@ def test_errors_derive_from_remat_error() -> None:
 
 # -- more corners ------------------------------------------------------------------------------------------
 def test_nested_region_holds_no_activation_of_the_outer_one() -> None:
-    from remat._track import track
+    from remat._measure.track import track
 
     x = torch.randn(64, 64, requires_grad=True)
     with track() as t:

@@ -14,7 +14,7 @@ from models import TransformerBlock
 from torch import nn
 
 import remat
-from remat import _rng
+from remat._engine import rng as _rng
 
 
 def dropout_twice(x: torch.Tensor) -> torch.Tensor:

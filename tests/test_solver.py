@@ -1,4 +1,4 @@
-"""Tests of the rotor-style solver (`remat._solver`): reference values, optimality, baselines."""
+"""Tests of the rotor-style solver (`remat._plan.solver`): reference values, optimality, baselines."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remat._errors import BudgetError
-from remat._solver import (
+from remat._plan.solver import (
     Plan,
     StageCost,
     _InvalidOp,

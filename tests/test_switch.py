@@ -15,7 +15,7 @@ from models import MLP
 from torch import nn
 
 import remat
-from remat import _stats
+from remat._engine import stats as _stats
 from remat._switch import parse_flag
 
 

@@ -15,7 +15,7 @@ from models import MLP, Attention, Cell, ConvBN, TransformerBlock, Unrolled
 from torch import nn
 
 import remat
-from remat import _stats
+from remat._engine import stats as _stats
 
 
 def recomputes() -> int:

@@ -1,4 +1,4 @@
-"""Tests for remat._track: live storage bytes per device, through a dispatch mode and finalizers."""
+"""Tests for remat._measure.track: live storage bytes per device, through a dispatch mode and finalizers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat._track import Tracker, track
+from remat._measure.track import Tracker, track
 
 F32 = 4
 

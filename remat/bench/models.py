@@ -146,7 +146,7 @@ class GPT(BenchModel):
 
     Example:
         >>> import torch
-        >>> from remat._models import GPT, GPTConfig
+        >>> from remat.bench.models import GPT, GPTConfig
         >>> model = GPT(GPTConfig(blocks=2, d=32, heads=2, seq=8, batch=2, vocab=50))
         >>> model.loss(*model.sample(torch.device("cpu"))).shape
         torch.Size([])
@@ -234,7 +234,7 @@ class ConvNet(BenchModel):
 
     Example:
         >>> import torch
-        >>> from remat._models import ConvNet, ConvNetConfig
+        >>> from remat.bench.models import ConvNet, ConvNetConfig
         >>> model = ConvNet(ConvNetConfig(width=4, blocks_per_stage=1, image=8, batch=2))
         >>> model.loss(*model.sample(torch.device("cpu"))).shape
         torch.Size([])
@@ -332,7 +332,7 @@ class ChainNet(BenchModel):
 
     Example:
         >>> import torch
-        >>> from remat._models import ChainNet, ChainNetConfig
+        >>> from remat.bench.models import ChainNet, ChainNetConfig
         >>> model = ChainNet(ChainNetConfig(width=4, levels=(2, 1), image=8, batch=2))
         >>> len(model.blocks), model.loss(*model.sample(torch.device("cpu"))).shape
         (5, torch.Size([]))
@@ -386,7 +386,7 @@ def tiny(x: torch.Tensor) -> torch.Tensor:
 
     Example:
         >>> import torch
-        >>> from remat._models import tiny
+        >>> from remat.bench.models import tiny
         >>> tiny(torch.zeros(2))
         tensor([0., 0.])
     """

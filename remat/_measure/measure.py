@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from . import _stats
-from ._rng import RngStash, devices_of
-from ._switch import enabled
-from ._track import synchronize as _sync
-from ._track import track
+from .._engine import stats as _stats
+from .._engine.rng import RngStash, devices_of
+from .._switch import enabled
+from .track import synchronize as _sync
+from .track import track
 
 __all__ = ["Measurement", "Report", "format_bytes", "format_seconds", "measure"]
 

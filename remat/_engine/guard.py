@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from ._modes import Mode
+from .modes import Mode
 
 __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_key", "written_arguments"]
 

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from ._errors import BUG, BudgetError, RematError
+from .._errors import BUG, BudgetError, RematError
 
 __all__ = ["OpKind", "Plan", "StageCost", "solve"]
 

@@ -17,12 +17,12 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from . import _switch
-from ._errors import BUG, RecomputeMismatchError, RematError
-from ._guard import storage_key
-from ._hooks import Frame, Handle, Kept
-from ._options import Options
-from ._tape import Recorder, Tape, op_info
+from .. import _switch
+from .._errors import BUG, RecomputeMismatchError, RematError
+from .._options import Options
+from .guard import storage_key
+from .hooks import Frame, Handle, Kept
+from .tape import Recorder, Tape, op_info
 
 __all__ = ["Region", "RegionFrame", "begin", "call", "end"]
 

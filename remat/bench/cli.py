@@ -36,9 +36,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from ._api import remat
-from ._measure import format_bytes, format_seconds
-from ._models import (
+from .._api import remat
+from .._measure.measure import format_bytes, format_seconds
+from .._measure.track import synchronize as _sync
+from .._measure.track import track
+from .._policies import save_matmuls
+from .models import (
     CHAIN_SIZES,
     CONVNET_SIZES,
     GPT,
@@ -51,9 +54,6 @@ from ._models import (
     tiny,
     tiny_input,
 )
-from ._policies import save_matmuls
-from ._track import synchronize as _sync
-from ._track import track
 
 __all__ = ["CONFIGS", "Config", "Result", "format_table", "main", "plot", "register", "run"]
 
@@ -92,7 +92,7 @@ def register(config: Config) -> Config:
     """Add a configuration (a row) to the benchmark; a later one with the same name replaces it.
 
     Example:
-        >>> from remat._bench import Config, register, CONFIGS
+        >>> from remat.bench.cli import Config, register, CONFIGS
         >>> _ = register(Config("plain again", lambda model: None, models=("gpt",)))
         >>> CONFIGS[-1].name
         'plain again'
@@ -155,8 +155,8 @@ def _save_matmuls_blocks(model: BenchModel) -> str | None:
 
 
 def _chain_blocks(model: BenchModel) -> str | None:
-    from ._chain import chain
-    from ._errors import BudgetError
+    from .._errors import BudgetError
+    from .._plan.chain import chain
 
     with torch.no_grad():
         sample = model.embed(*model.sample(next(model.parameters()).device, seed=SEED))
@@ -430,9 +430,9 @@ def _bench_chain(
     at most the chain's; the whole sweep, the budget and the plan's predictions go to the returned
     summary (the ``chain`` entry of the JSON metadata).
     """
-    from ._chain import Chain, chain
-    from ._errors import BudgetError
-    from ._solver import Plan
+    from .._errors import BudgetError
+    from .._plan.chain import Chain, chain
+    from .._plan.solver import Plan
 
     n = len(base.blocks)
     chains: list[Chain] = []
@@ -647,7 +647,7 @@ def run(
         ``(meta, rows)``.
 
     Example:
-        >>> from remat._bench import run
+        >>> from remat.bench.cli import run
         >>> meta, rows = run(["tiny"], repeats=1, startup=False)
         >>> rows[0].config, rows[0].step is not None
         ('no remat', True)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ._modes import Mode
+from .._engine.modes import Mode
 
 __all__ = ["Tracker", "synchronize", "track"]
 

@@ -1,7 +1,7 @@
 """`remat.chain`: a sequence of stages run under the fastest schedule that fits a memory budget.
 
 `chain` profiles each stage on a sample (forward and backward time, bytes of its output, of what it
-saves for backward, and of its temporaries), asks `remat._solver.solve` for a plan, and runs that plan
+saves for backward, and of its temporaries), asks `remat._plan.solver.solve` for a plan, and runs that plan
 through one custom autograd function, rotor-style: forward runs the operations up to the loss, and the
 function's backward runs the rest, recomputing stages from kept activations (see NOTE [ Chain
 execution ]). Stages take and return a single tensor.
@@ -21,12 +21,12 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ._autocast import AutocastState
-from ._errors import RematError
-from ._guard import keep_buffers
-from ._rng import RngStash, devices_of
-from ._solver import Plan, StageCost, solve
-from ._track import synchronize, track
+from .._engine.autocast import AutocastState
+from .._engine.guard import keep_buffers
+from .._engine.rng import RngStash, devices_of
+from .._errors import RematError
+from .._measure.track import synchronize, track
+from .solver import Plan, StageCost, solve
 
 __all__ = ["Chain", "chain", "parse_budget"]
 

@@ -13,14 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._autocast import AutocastState
-from ._debug import OpTrace
-from ._errors import RematError
-from ._guard import guard_buffers, release
-from ._hooks import Frame, Handle, Kept, Outer, StopRecompute
-from ._policies import Policy, ReuseOps, SaveOps, tags
-from ._rng import RngStash, devices_of
-from ._tree import map_tensors, tensors_in
+from .._errors import RematError
+from .._policies import Policy, tags
+from .autocast import AutocastState
+from .debug import OpTrace
+from .guard import guard_buffers, release
+from .hooks import Frame, Handle, Kept, Outer, StopRecompute
+from .rng import RngStash, devices_of
+from .selective import ReuseOps, SaveOps
+from .tree import map_tensors, tensors_in
 
 __all__ = ["RerunFrame", "begin", "call", "compiling", "end", "torch_checkpoint"]
 

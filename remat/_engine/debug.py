@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._modes import Mode
+from .modes import Mode
 
 __all__ = ["OpTrace", "describe", "side_by_side"]
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from ._autocast import AutocastState
-from ._debug import describe
-from ._errors import RematError
-from ._guard import storage_key, written_arguments
-from ._modes import Mode
-from ._rng import RngStash, with_index
+from .._errors import RematError
+from .autocast import AutocastState
+from .debug import describe
+from .guard import storage_key, written_arguments
+from .modes import Mode
+from .rng import RngStash, with_index
 
 __all__ = ["Recorder", "Tape"]
 

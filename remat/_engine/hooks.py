@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from . import _stats
-from ._debug import side_by_side
-from ._errors import BUG, RecomputeMismatchError, RematError
+from .._errors import BUG, RecomputeMismatchError, RematError
+from . import stats as _stats
+from .debug import side_by_side
 
 __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute"]
 

@@ -1,0 +1,1 @@
+"""Instruments: live tensor bytes (the tracker) and one-step measurements."""

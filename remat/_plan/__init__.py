@@ -1,0 +1,1 @@
+"""Deciding what to rematerialize: the rotor-style solver and budgeted chains."""

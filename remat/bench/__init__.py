@@ -1,0 +1,1 @@
+"""The built-in benchmark behind `python -m remat`; never imported by the library itself."""
