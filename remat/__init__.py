@@ -25,6 +25,7 @@ from ._measure.track import Tracker as Tracker
 from ._measure.track import track as track
 from ._plan.chain import Chain as Chain
 from ._plan.chain import chain as chain
+from ._plan.sites import ModelPlan as ModelPlan
 from ._plan.solver import Plan as Plan
 from ._plan.solver import StageCost as StageCost
 from ._plan.solver import solve as solve
@@ -36,6 +37,7 @@ from ._switch import set_enabled as set_enabled
 __version__ = "0.1.0"
 
 apply = remat.apply
+plan = remat.plan
 region = remat.region
 undo = remat.undo
 
@@ -43,6 +45,7 @@ __all__ = [
     "BudgetError",
     "Chain",
     "Measurement",
+    "ModelPlan",
     "Plan",
     "RecomputeMismatchError",
     "Region",
@@ -58,6 +61,7 @@ __all__ = [
     "enabled",
     "is_enabled",
     "measure",
+    "plan",
     "policies",
     "region",
     "remat",

@@ -14,6 +14,7 @@ from torch import nn
 from . import _checkpoint, _switch, _targets
 from ._engine.region import Region
 from ._options import Options, Strategy
+from ._plan.sites import ModelPlan
 from ._policies import PolicyLike
 
 __all__ = ["Decorator", "Remat", "remat"]
@@ -93,7 +94,7 @@ class Remat:
     @staticmethod
     def apply(
         model: _M,
-        where: _Where,
+        where: _Where | None = None,
         *,
         every: int = 1,
         policy: PolicyLike = None,
@@ -105,16 +106,20 @@ class Remat:
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
-        A submodule inside one already selected is not selected again (no nested regions).
+        A submodule inside one already selected is not selected again (no nested regions). Without `where`,
+        the model's repeated blocks are chosen: on a Hugging Face model the layers its own gradient
+        checkpointing wraps, elsewhere the children of the longest `nn.ModuleList`/`nn.Sequential` whose
+        children share one class; `remat.plan(model)` lists them.
 
         Args:
             model: the model; it is changed in place and returned.
-            where: an `nn.Module` type, a tuple of types, or a predicate `(name, module) -> bool`.
+            where: an `nn.Module` type, a tuple of types, a predicate `(name, module) -> bool`, or None.
             every: keep every `every`-th match, counting from the first (`every=2`: 1st, 3rd, ...).
             policy, preserve_rng, strategy, enabled, check, name: as for `remat`.
 
         Raises:
-            ValueError: when `where` matches no submodule, or `every` is not a positive int.
+            ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
+                or `every` is not a positive int.
 
         >>> import torch, remat
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
@@ -125,6 +130,20 @@ class Remat:
             check=check, name=name,
         )
         return _targets.apply(model, where, every, settings)
+
+    @staticmethod
+    def plan(model: nn.Module) -> ModelPlan:
+        """List the rematerialized sites of `model` (block, class, choice); `str()` is a table.
+
+        >>> import torch, remat
+        >>> model = remat.apply(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+        >>> print(remat.plan(model))
+        remat plan for Sequential: 2 rematerialized sites
+        block  class   choice
+        0      Linear  full
+        1      Linear  full
+        """
+        return _targets.plan(model)
 
     @staticmethod
     def undo(module: _M) -> _M:

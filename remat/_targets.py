@@ -18,9 +18,11 @@ from ._engine import region as _region
 from ._engine import rerun as _rerun
 from ._engine.rerun import compiling, torch_checkpoint
 from ._options import Options
+from ._plan.blocks import describe_search, find_blocks
+from ._plan.sites import ModelPlan, Site
 from ._policies import as_policy
 
-__all__ = ["apply", "undo", "wrap", "wrap_class", "wrap_function", "wrap_module"]
+__all__ = ["apply", "plan", "undo", "wrap", "wrap_class", "wrap_function", "wrap_module"]
 
 _M = TypeVar("_M", bound=nn.Module)
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -210,7 +212,7 @@ def undo(module: _M) -> _M:
 
 def apply(
     model: _M,
-    where: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool],
+    where: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None,
     every: int,
     options: Options,
 ) -> _M:
@@ -219,6 +221,23 @@ def apply(
         raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
+    chosen = _select(model, where)
+    for index, (_, module) in enumerate(chosen):
+        if index % every == 0:
+            wrap_module(module, options)
+    return model
+
+
+def _select(
+    model: nn.Module,
+    where: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None,
+) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules `where` selects (see NOTE [ Picking blocks ] when it is None)."""
+    if where is None:
+        blocks = find_blocks(model)
+        if not blocks:
+            raise ValueError(describe_search(model))
+        return blocks
     if isinstance(where, type) or (
         isinstance(where, tuple) and all(isinstance(kind, type) for kind in where)
     ):
@@ -242,7 +261,30 @@ def apply(
         raise ValueError(
             f"remat: apply found no submodule of `{type(model).__qualname__}` matching {where!r}."
         )
-    for index, (_, module) in enumerate(chosen):
-        if index % every == 0:
-            wrap_module(module, options)
-    return model
+    return chosen
+
+
+def describe_options(options: Options) -> str:
+    """How a site is rematerialized, in a word or two: `full`, a policy's name, `replay`."""
+    policy = as_policy(options.policy)
+    choice = "full" if policy.saves_nothing else repr(policy)
+    if options.strategy == "replay":
+        choice += " (replay)"
+    if options.enabled is False:
+        choice += " (disabled)"
+    return choice
+
+
+def plan(model: nn.Module) -> ModelPlan:
+    """The rematerialized sites of `model`: module instances (`remat(module)`, `remat.apply`) and classes."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat: plan expects an nn.Module, but got `{type(model).__name__}`.")
+    sites: list[Site] = []
+    for name, module in model.named_modules():
+        options = getattr(type(module).forward, _MARK, None)
+        if options is None:
+            options = next((hook.options for hook in module._forward_pre_hooks.values() if isinstance(hook, _Open)),
+                           None)
+        if options is not None:
+            sites.append(Site(name, type(module).__qualname__, describe_options(options)))
+    return ModelPlan(type(model).__qualname__, tuple(sites))

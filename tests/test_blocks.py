@@ -1,0 +1,91 @@
+"""`remat.apply(model)` with no `where` (spec §2.1): the blocks a user would pick, and `remat.plan`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_grads, randn
+from models import MLP, TransformerBlock
+from torch import nn
+
+import remat
+from remat._plan.blocks import find_blocks, is_hf_layer
+
+
+class Stack(nn.Module):
+    """Embedding-ish head, a long ModuleList of blocks, and a short Sequential of mixed layers."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.ReLU())  # two children, two classes: not a stack
+        self.blocks = nn.ModuleList(TransformerBlock() for _ in range(depth))
+        self.pair = nn.ModuleList([MLP(), MLP()])  # shorter than `blocks`
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.head(x)
+        for block in self.blocks:
+            x = block(x)
+        for mlp in self.pair:
+            x = mlp(x)
+        return self.out(x)
+
+
+def test_picks_the_longest_container_of_one_class() -> None:
+    names = [name for name, _ in find_blocks(Stack())]
+    assert names == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_a_sequential_model_is_its_own_container() -> None:
+    model = nn.Sequential(MLP(), MLP(), MLP())
+    assert [name for name, _ in find_blocks(model)] == ["0", "1", "2"]
+
+
+def test_apply_without_where_equals_naming_the_class() -> None:
+    x = randn(2, 5, 8, requires_grad=True)
+    assert_same_grads(Stack, (x,), remat.apply)
+    named = remat.plan(remat.apply(Stack(), TransformerBlock))
+    picked = remat.plan(remat.apply(Stack()))
+    assert [site.name for site in picked] == [site.name for site in named] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_apply_without_where_on_a_model_with_no_stack_names_what_it_looked_for() -> None:
+    with pytest.raises(ValueError, match=r"GradientCheckpointingLayer.*ModuleList or nn\.Sequential"):
+        remat.apply(MLP())
+
+
+def test_hf_layers_are_found_by_class_name_without_importing_transformers() -> None:
+    # A stand-in with the same module and name as transformers' class: detection reads the MRO only.
+    layer_type = type("GradientCheckpointingLayer", (nn.Module,), {"__module__": "transformers.modeling_layers"})
+    decoder_layer = type("DecoderLayer", (layer_type,), {"forward": lambda self, x: x})
+    model = nn.Module()
+    model.layers = nn.ModuleList(decoder_layer() for _ in range(2))  # type: ignore[assignment]
+    model.longer = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))  # type: ignore[assignment]
+    assert is_hf_layer(model.layers[0]) and not is_hf_layer(model.longer[0])  # type: ignore[index]
+    assert [name for name, _ in find_blocks(model)] == ["layers.0", "layers.1"]
+
+
+def test_plan_lists_sites_and_choices() -> None:
+    model = remat.apply(Stack(), TransformerBlock, policy=remat.policies.save_matmuls)
+    remat(model.out)
+    plan = remat.plan(model)
+    assert [(site.name, site.kind, site.choice) for site in plan] == [
+        ("blocks.0", "TransformerBlock", "matmuls"),
+        ("blocks.1", "TransformerBlock", "matmuls"),
+        ("blocks.2", "TransformerBlock", "matmuls"),
+        ("out", "Linear", "full"),
+    ]
+    text = str(plan)
+    assert text.splitlines()[0] == "remat plan for Stack: 4 rematerialized sites"
+    assert "blocks.2" in text and "matmuls" in text
+    assert len(remat.plan(remat.undo(model))) == 0
+
+
+def test_plan_sees_decorated_classes() -> None:
+    @remat
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+
+    model = nn.Sequential(Block(), nn.ReLU())
+    assert [(site.name, site.choice) for site in remat.plan(model)] == [("0", "full")]
