@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from remat.bench import cli as _bench
+from remat.bench.chain import CHAIN, bench_chain
 from remat.bench.cli import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
 from remat.bench.models import (
+    CHAIN_SIZES,
     GPT,
     BenchModel,
     ChainNet,
@@ -26,6 +28,8 @@ from remat.bench.models import (
     human_count,
     tiny,
 )
+from remat.bench.runner import bench_model
+from remat.bench.tiny import bench_replay
 
 CPU = torch.device("cpu")
 
@@ -52,7 +56,7 @@ TINY_CHAIN = ChainNetConfig(width=2, image=64, batch=2)
 
 def _rows(model: BenchModel, name: str, configs: list[Config] | None = None) -> dict[str, Result]:
     torch.manual_seed(0)
-    results = _bench._bench_model(name, model, CPU, 1, configs or CONFIGS, lambda message: None)
+    results = bench_model(name, model, CPU, 1, configs or CONFIGS, lambda message: None)
     return {r.config: r for r in results}
 
 
@@ -150,7 +154,7 @@ def test_table_is_aligned_and_has_ratios() -> None:
 
 
 def test_main_prints_one_table_and_writes_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_bench, "_bench_startup", lambda progress: [])
+    monkeypatch.setattr(_bench, "bench_startup", lambda progress: [])
     out = io.StringIO()
     path = tmp_path / "bench.json"
     status = main(["--model", "tiny", "--repeats", "1", "--json", str(path), "--quiet"], stdout=out)
@@ -173,7 +177,7 @@ def test_startup_rows_time_a_fresh_process() -> None:
 
 
 def test_replay_row_reports_overhead_per_op() -> None:
-    rows = _bench._bench_replay(CPU, 1, lambda message: None, calls=2)
+    rows = bench_replay(CPU, 1, lambda message: None, calls=2)
     assert [row.config for row in rows] == [
         "remat.region forward, per op", "remat.region forward, per op, with grad"
     ]
@@ -221,10 +225,10 @@ def test_plot_draws_one_panel_per_model(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_chain_mode_measures_the_chain_against_checkpoint_sequential() -> None:
-    description, summary, rows = _bench._bench_chain(ChainNet(TINY_CHAIN), CPU, 1, lambda message: None)
+    description, summary, rows = bench_chain(ChainNet(TINY_CHAIN), CPU, 1, lambda message: None)
     assert "14 stages" in description
     by_name = {r.config: r for r in rows}
-    none, ours = by_name[NO_REMAT], by_name[_bench.CHAIN]
+    none, ours = by_name[NO_REMAT], by_name[CHAIN]
     for row in rows:
         assert not row.note.startswith(("failed", "not available")), row.note
         assert row.step is not None and row.peak_bytes is not None
@@ -247,15 +251,15 @@ def test_chain_mode_measures_the_chain_against_checkpoint_sequential() -> None:
         assert summary["chain_over_sequential"] == pytest.approx(ours.step / fitting[0].step)  # type: ignore[operator]
     table = format_table({"date": "d", "device": "cpu", "threads": 1, "torch": "t", "size": "tiny", "repeats": 1,
                           "models": {"chain": description}}, rows)  # fmt: skip
-    assert _bench.CHAIN in table and "peak+input/budget" in table
+    assert CHAIN in table and "peak+input/budget" in table
 
 
 def test_main_accepts_the_chain_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setitem(_bench.CHAIN_SIZES, "small", TINY_CHAIN)
+    monkeypatch.setitem(CHAIN_SIZES, "small", TINY_CHAIN)
     path = tmp_path / "bench.json"
     out = io.StringIO()
     assert main(["--model", "chain", "--repeats", "1", "--json", str(path), "--quiet"], stdout=out) == 0
-    assert _bench.CHAIN in out.getvalue()
+    assert CHAIN in out.getvalue()
     data = json.loads(path.read_text())
     assert data["meta"]["chain"]["budget_fraction"] == 0.5
     assert {r["model"] for r in data["rows"]} == {"chain"}

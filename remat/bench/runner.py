@@ -1,0 +1,228 @@
+"""Running rows: one warm-up step, one tracked step for memory and gradients, interleaved timed repeats."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import torch
+
+from .._measure.track import synchronize as _sync
+from .._measure.track import track
+from .configs import NO_REMAT, SEED, TORCH, Config
+from .models import CONVNET_SIZES, GPT, GPT_SIZES, BenchModel, ConvNet, tiny, tiny_input
+
+__all__ = ["MODELS", "Progress", "Result", "bench_model", "bench_tiny", "note", "sync"]
+
+sync = _sync
+
+# -- results -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """One row of the table: a configuration measured on a model.
+
+    ``step_seconds`` holds every timed repeat (per call for the tiny function); ``step`` is
+    their median.
+    """
+
+    model: str
+    config: str
+    peak_bytes: int | None = None
+    held_bytes: int | None = None
+    step_seconds: list[float] = field(default_factory=list)
+    grad_diff: float | None = None
+    note: str = ""
+    compare: bool = True  # whether ratios to the no-remat and torch rows make sense
+
+    @property
+    def step(self) -> float | None:
+        """Median step time in seconds, or None when the row did not run."""
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the row as plain JSON-ready values, with the median step time."""
+        return {**asdict(self), "step_median_seconds": self.step}
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal."""
+
+    def __init__(self, stream: TextIO, quiet: bool) -> None:
+        self.stream, self.quiet = stream, quiet
+        self.tty = stream.isatty()
+        self.width = 0
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.quiet:
+            return
+        line = f"[{time.perf_counter() - self.start:5.1f} s] {message}"
+        if self.tty:
+            self.stream.write("\r" + line.ljust(self.width))
+            self.width = len(line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty and not self.quiet:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+
+
+# -- running -------------------------------------------------------------------------------------
+
+
+def note(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _timed_step(model: BenchModel, batch: Sequence[torch.Tensor], device: torch.device) -> float:
+    for p in model.parameters():
+        p.grad = None
+    devices = {device}
+    _sync(devices)
+    start = time.perf_counter()
+    loss = model.loss(*batch)
+    torch.autograd.backward(loss)
+    _sync(devices)
+    return time.perf_counter() - start
+
+
+def _tracked_step(model: BenchModel, batch: Sequence[torch.Tensor]) -> tuple[int, int, list[torch.Tensor]]:
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)  # see NOTE [ What the memory columns count ]
+    torch.manual_seed(SEED)
+    with track() as t:
+        loss = model.loss(*batch)
+        held = t.current_bytes - sum(t._bytes_of([loss]).values())
+        torch.autograd.backward(loss)
+        del loss
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return t.peak_bytes, held, grads
+
+
+def _max_diff(grads: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
+    return max((float((g - r).abs().max()) for g, r in zip(grads, reference, strict=True) if g.numel()), default=0.0)
+
+
+MODELS: dict[str, Callable[[str], BenchModel]] = {
+    "gpt": lambda size: GPT(GPT_SIZES[size]),
+    "convnet": lambda size: ConvNet(CONVNET_SIZES[size]),
+}
+
+
+def bench_model(
+    name: str,
+    base: BenchModel,
+    device: torch.device,
+    repeats: int,
+    configs: Sequence[Config],
+    progress: Callable[[str], None],
+) -> list[Result]:
+    base.to(device).train()
+    batch = base.sample(device, seed=SEED)
+    results: list[Result] = []
+    running: list[tuple[Result, BenchModel]] = []
+    for config in configs:
+        if config.models is not None and name not in config.models:
+            continue
+        result = Result(name, config.name)
+        results.append(result)
+        progress(f"{name}: preparing {config.name}")
+        model = copy.deepcopy(base)
+        try:
+            result.note = config.prepare(model) or ""
+        except (ImportError, AttributeError) as e:
+            result.note = f"not available ({note(e)})"
+            continue
+        try:
+            torch.manual_seed(SEED)
+            _timed_step(model, batch, device)  # warm-up: lazy imports, allocator, caches
+        except Exception as e:
+            result.note = f"failed: {note(e)}"
+            continue
+        running.append((result, model))
+    reference: list[torch.Tensor] | None = None
+    for result, model in running:
+        progress(f"{name}: memory of {result.config}")
+        result.peak_bytes, result.held_bytes, grads = _tracked_step(model, batch)
+        if reference is None and result.config == NO_REMAT:
+            reference = grads
+        if reference is not None:
+            result.grad_diff = _max_diff(grads, reference)
+    for r in range(repeats):
+        for result, model in running:
+            progress(f"{name}: repeat {r + 1}/{repeats}, {result.config}")
+            torch.manual_seed(SEED + r)
+            result.step_seconds.append(_timed_step(model, batch, device))
+    return results
+
+
+def bench_tiny(
+    device: torch.device,
+    repeats: int,
+    configs: Sequence[Config],
+    progress: Callable[[str], None],
+    calls: int = 300,
+) -> list[Result]:
+    x = tiny_input(device)
+    seed_grad = torch.ones_like(x)
+    results: list[Result] = []
+    running: list[tuple[Result, Callable[[torch.Tensor], torch.Tensor]]] = []
+    reference: torch.Tensor | None = None
+    for config in configs:
+        if config.wrap_tiny is None or (config.models is not None and "tiny" not in config.models):
+            continue
+        result = Result("tiny", config.name)
+        results.append(result)
+        progress(f"tiny: preparing {config.name}")
+        try:
+            fn = config.wrap_tiny(tiny)
+        except (ImportError, AttributeError) as e:
+            result.note = f"not available ({note(e)})"
+            continue
+        try:
+            for _ in range(20):  # warm-up
+                x.grad = None
+                torch.autograd.backward(fn(x), seed_grad)
+        except Exception as e:
+            result.note = f"failed: {note(e)}"
+            continue
+        assert x.grad is not None
+        if reference is None and config.name == NO_REMAT:
+            reference = x.grad.clone()
+        if reference is not None:
+            result.grad_diff = float((x.grad - reference).abs().max())
+        running.append((result, fn))
+    for r in range(repeats):
+        for result, fn in running:
+            progress(f"tiny: repeat {r + 1}/{repeats}, {result.config}")
+            _sync({device})
+            start = time.perf_counter()
+            for _ in range(calls):
+                torch.autograd.backward(fn(x), seed_grad)
+            _sync({device})
+            result.step_seconds.append((time.perf_counter() - start) / calls)
+    by_name = {res.config: res.step for res in results}
+    plain, theirs = by_name.get(NO_REMAT), by_name.get(TORCH)
+    for res in results:
+        ours = res.step
+        if res.config in (NO_REMAT, TORCH) or None in (ours, plain, theirs):
+            continue
+        assert ours is not None and plain is not None and theirs is not None
+        if theirs > plain:
+            ratio = (ours - plain) / (theirs - plain)
+            res.note = f"overhead {ratio:.2f} of torch's (§5.1 target ≤ 0.33)"
+    return results
