@@ -179,11 +179,12 @@ def test_startup_rows_time_a_fresh_process() -> None:
 def test_replay_row_reports_overhead_per_op() -> None:
     rows = bench_replay(CPU, 1, lambda message: None, calls=2)
     assert [row.config for row in rows] == [
-        "remat.region forward, per op", "remat.region forward, per op, with grad"
+        "empty TorchDispatchMode forward, per op", "remat.region forward, per op",
+        "empty TorchDispatchMode forward, per op, with grad", "remat.region forward, per op, with grad",
     ]
     for row in rows:
-        assert row.step is not None and "per recorded op" in row.note
-        assert not row.compare
+        assert row.step is not None and not row.compare
+    assert "per recorded op" in rows[1].note and "floor" in rows[0].note
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
@@ -263,3 +264,27 @@ def test_main_accepts_the_chain_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     data = json.loads(path.read_text())
     assert data["meta"]["chain"]["budget_fraction"] == 0.5
     assert {r["model"] for r in data["rows"]} == {"chain"}
+
+
+def test_targets_take_ratios_per_repeat_and_judge_the_median() -> None:
+    from remat.bench.targets import check_targets, format_checks
+
+    rows = [
+        Result("tiny", NO_REMAT, step_seconds=[1.0, 1.0, 1.0]),
+        Result("tiny", TORCH, step_seconds=[4.0, 4.0, 7.0]),
+        Result("tiny", "@remat", step_seconds=[1.6, 2.5, 2.2]),  # overheads 0.2, 0.5, 0.2 of torch's
+        Result("gpt", NO_REMAT, peak_bytes=900, step_seconds=[1.0, 1.0]),
+        Result("gpt", TORCH, peak_bytes=300, step_seconds=[2.0, 2.0]),
+        Result("gpt", "@remat", peak_bytes=310, step_seconds=[1.9, 2.1]),
+        Result("gpt", "@remat(policy=save_matmuls)", peak_bytes=950, step_seconds=[1.2, 1.2]),
+    ]
+    checks = {check.what: check for check in check_targets(rows)}
+    overhead = checks["@remat per-call overhead / torch.utils.checkpoint's"]
+    assert (overhead.median, overhead.low, overhead.high) == pytest.approx((0.2, 0.2, 0.5)) and overhead.ok
+    assert not checks["gpt: @remat peak / torch's"].ok  # 310 / 300 > 1.02
+    assert not checks["gpt: @remat peak / no remat's"].ok  # 310 / 900 > 1/3
+    assert checks["gpt: save_matmuls time overhead / full remat's"].ok  # 0.2 / 1.0
+    assert not checks["gpt: save_matmuls peak between full remat and none"].ok  # 950 > 900
+    text = format_checks(list(checks.values()))
+    assert "✓" in text and "✗" in text and "0.2 [0.2..0.5]" in text
+    assert text.splitlines()[-1] == f"{sum(c.ok for c in checks.values())} of {len(checks)} targets hold in this run."

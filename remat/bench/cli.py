@@ -33,6 +33,7 @@ from .configs import CONFIGS, NO_REMAT, TORCH, Config, register
 from .models import CHAIN_SIZES, ChainNet, human_count, parameter_count
 from .runner import MODELS, Progress, Result, bench_model, bench_tiny, note
 from .table import PLOT_MISSING, format_table, plot
+from .targets import check_targets, format_checks
 from .tiny import REPLAY_OPS, bench_replay, bench_startup
 
 __all__ = ["CONFIGS", "NO_REMAT", "TORCH", "Config", "Result", "format_table", "main", "plot", "register", "run"]
@@ -150,9 +151,13 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
     progress.done()
     print(format_table(meta, rows), file=out)
+    checks = check_targets(rows, meta.get("chain"))
+    if checks:
+        print("\n" + format_checks(checks), file=out)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "rows": [r.to_dict() for r in rows]}, f, indent=2)
+            data = {"meta": meta, "rows": [r.to_dict() for r in rows], "targets": [c.to_dict() for c in checks]}
+            json.dump(data, f, indent=2)
     if args.plot:
         plot(meta, rows, args.plot)
     return 0

@@ -18,6 +18,14 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
+def _spread(seconds: Sequence[float]) -> str:
+    """Half the range of the repeats, relative to their median: how much the machine moved."""
+    if len(seconds) < 2:
+        return "-"
+    middle = sorted(seconds)[len(seconds) // 2]
+    return f"±{(max(seconds) - min(seconds)) / 2 / middle:.0%}" if middle else "-"
+
+
 def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
     """Render the benchmark as one aligned table with its header."""
     plural = "" if meta["threads"] == 1 else "s"
@@ -28,6 +36,7 @@ def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
         *(f"  {name}: {text}" for name, text in meta["models"].items()),
         "  peak: highest live tensor bytes a training step adds beyond parameters and gradients;",
         "  held: bytes kept for backward at the end of forward (both counted by remat.track)",
+        "  step: median over interleaved repeats; spread: half their range, relative to the median",
         "",
     ]
     head = (
@@ -36,6 +45,7 @@ def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
         "peak",
         "held",
         "step",
+        "spread",
         "peak/none",
         "peak/torch",
         "time/none",
@@ -56,6 +66,7 @@ def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
                 "-" if r.peak_bytes is None else format_bytes(r.peak_bytes),
                 "-" if r.held_bytes is None else format_bytes(r.held_bytes),
                 format_seconds(r.step),
+                _spread(r.step_seconds),
                 _ratio(r.peak_bytes, none.peak_bytes if none else None),
                 _ratio(r.peak_bytes, theirs.peak_bytes if theirs else None),
                 _ratio(r.step, none.step if none else None),

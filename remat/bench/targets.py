@@ -1,0 +1,148 @@
+"""Spec §5's targets checked against one run's rows: each with its measurement, its target and ✓ or ✗.
+
+NOTE [ Ratios per repeat ]
+Repeats interleave the configurations (``a b c a b c ...``), so the i-th repeat of every row ran at about the
+same moment and under the same load. A ratio of two rows is therefore taken per repeat index, and a target
+reports the median of those ratios with their spread (lowest to highest): a reader sees both whether the target
+holds and how much the machine moved during the run. The verdict is on the median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .chain import CHAIN
+from .configs import NO_REMAT, TORCH
+from .runner import Result
+from .tiny import EMPTY_MODE, REGION
+
+__all__ = ["Check", "check_targets", "format_checks"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One target of spec §5: what was measured (median and spread), the bound, and whether it holds."""
+
+    section: str
+    what: str
+    median: float
+    low: float
+    high: float
+    target: str
+    ok: bool
+
+    def to_dict(self) -> dict[str, object]:
+        return {"section": self.section, "what": self.what, "median": self.median, "low": self.low,
+                "high": self.high, "target": self.target, "ok": self.ok}  # fmt: skip
+
+
+def _per_repeat(fn: Callable[..., float], *rows: Result) -> list[float] | None:
+    """`fn` of the rows' step times, per repeat index (NOTE [ Ratios per repeat ])."""
+    if any(not row.step_seconds for row in rows):
+        return None
+    count = min(len(row.step_seconds) for row in rows)
+    values = []
+    for i in range(count):
+        try:
+            values.append(fn(*(row.step_seconds[i] for row in rows)))
+        except ZeroDivisionError:
+            continue
+    return values or None
+
+
+class _Checks:
+    def __init__(self, rows: Sequence[Result]) -> None:
+        self.by_key = {(row.model, row.config): row for row in rows}
+        self.found: list[Check] = []
+
+    def row(self, model: str, config: str) -> Result | None:
+        return self.by_key.get((model, config))
+
+    def add(self, section: str, what: str, values: Sequence[float] | None, bound: float, target: str) -> None:
+        if not values:
+            return
+        median = statistics.median(values)
+        self.found.append(Check(section, what, median, min(values), max(values), target, median <= bound))
+
+    def add_value(self, section: str, what: str, value: float | None, bound: float, target: str) -> None:
+        if value is not None:
+            self.add(section, what, [value], bound, target)
+
+
+def _overhead(ours: float, plain: float, theirs: float) -> float:
+    return (ours - plain) / (theirs - plain)
+
+
+def check_targets(rows: Sequence[Result], summary: dict[str, object] | None = None) -> list[Check]:
+    """The §5 targets this run's rows can check (rows that did not run are left out)."""
+    c = _Checks(rows)
+    plain, theirs, ours = c.row("tiny", NO_REMAT), c.row("tiny", TORCH), c.row("tiny", "@remat")
+    if plain and theirs and ours:
+        c.add("5.1", "@remat per-call overhead / torch.utils.checkpoint's", _per_repeat(_overhead, ours, plain, theirs),
+              1 / 3, "≤ 0.33")  # fmt: skip
+    for suffix in ("", ", with grad"):
+        floor, region = c.row("tiny", EMPTY_MODE + suffix), c.row("tiny", REGION + suffix)
+        if floor and region:
+            c.add("5.2", f"region per-op overhead / empty mode's{suffix}",
+                  _per_repeat(lambda a, b: a / b, region, floor), 1.5, "≤ 1.5x")  # fmt: skip
+    for model in ("gpt", "convnet"):
+        none, torch_row = c.row(model, NO_REMAT), c.row(model, TORCH)
+        decorator, region = c.row(model, "@remat"), c.row(model, "remat.region")
+        if decorator and region and model == "gpt":
+            c.add("5.2", f"{model}: region step / @remat step", _per_repeat(lambda a, b: a / b, region, decorator),
+                  1.05, "≤ 1.05x")  # fmt: skip
+        if decorator and torch_row and none and decorator.peak_bytes and torch_row.peak_bytes and none.peak_bytes:
+            c.add_value("5.3", f"{model}: @remat peak / torch's", decorator.peak_bytes / torch_row.peak_bytes,
+                        1.02, "≤ 1.02x")  # fmt: skip
+            c.add_value("5.3", f"{model}: @remat peak / no remat's", decorator.peak_bytes / none.peak_bytes,
+                        1 / 3, "≤ 0.33x")  # fmt: skip
+            c.add("5.3", f"{model}: @remat step / torch's", _per_repeat(lambda a, b: a / b, decorator, torch_row),
+                  1.0, "≤ 1.00x")  # fmt: skip
+        matmuls = c.row(model, "@remat(policy=save_matmuls)")
+        if matmuls and decorator and none:
+            c.add("5.4", f"{model}: save_matmuls time overhead / full remat's",
+                  _per_repeat(lambda s, f, n: (s - n) / (f - n), matmuls, decorator, none), 0.5, "≤ 0.5")
+            if matmuls.peak_bytes and decorator.peak_bytes and none.peak_bytes:
+                between = decorator.peak_bytes <= matmuls.peak_bytes <= none.peak_bytes
+                c.found.append(Check("5.4", f"{model}: save_matmuls peak between full remat and none",
+                                     matmuls.peak_bytes / none.peak_bytes, matmuls.peak_bytes / none.peak_bytes,
+                                     matmuls.peak_bytes / none.peak_bytes, "full ≤ it ≤ none", between))
+    chain, chain_summary = c.row("chain", CHAIN), summary or {}
+    if chain is not None and "peak_over_budget" in chain_summary:
+        c.add_value("5.5", "chain: measured peak / budget", float(chain_summary["peak_over_budget"]),  # type: ignore[arg-type]
+                    1.05, "≤ 1.05")  # fmt: skip
+        best = next((row for (model, config), row in c.by_key.items()
+                     if model == "chain" and config.endswith("(best fitting)")), None)  # fmt: skip
+        if best is not None:
+            c.add("5.5", "chain: step / best fitting checkpoint_sequential's",
+                  _per_repeat(lambda a, b: a / b, chain, best), 0.95, "≤ 0.95x")  # fmt: skip
+        error = abs(float(chain_summary.get("predicted_over_measured", 0.0)) - 1)  # type: ignore[arg-type]
+        c.add_value("5.5", "chain: |predicted / measured time - 1|", error, 0.15, "≤ 0.15")
+    imported = c.row("startup", "import remat (after torch)")
+    if imported and imported.step_seconds:
+        c.add("5.6", "import remat after torch (s)", imported.step_seconds, 0.050, "≤ 0.050 s")
+    first = c.row("startup", "first @remat call, forward+backward")
+    if first and first.step_seconds:
+        c.add("5.6", "first @remat call (s)", first.step_seconds, 0.1, "≤ 0.1 s (no one-off set-up)")
+    return c.found
+
+
+def format_checks(checks: Sequence[Check]) -> str:
+    """The targets as an aligned table: §, what, median [spread], target, ✓/✗."""
+    if not checks:
+        return ""
+    table = [("§", "target", "measured (median [low..high] over repeats)", "bound", "")]
+    for check in checks:
+        spread = "" if check.low == check.high else f" [{check.low:.3g}..{check.high:.3g}]"
+        table.append((check.section, check.what, f"{check.median:.3g}{spread}", check.target, "✓" if check.ok else "✗"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["Targets of spec §5 (this run):"]
+    for i, row in enumerate(table):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        if i == 0:
+            lines.append("-" * len(lines[-1]))
+    held = sum(check.ok for check in checks)
+    lines.append(f"{held} of {len(checks)} targets hold in this run.")
+    return "\n".join(lines)
