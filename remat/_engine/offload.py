@@ -35,8 +35,9 @@ __all__ = ["Offload", "Parcel", "Stay", "host_bytes", "live_parcels", "offload",
 # freed is not overwritten early), and the compute stream waits on that copy's event, not on the host.
 # Prefetch: parcels are chained in the order they were packed (`prev`, a weak link, per thread and device);
 # unpacking one starts copying back the `_AHEAD` nearest earlier ones that are still alive, since backward
-# needs them next. A prefetched tensor belongs to its graph task (two backwards over one graph never share
-# one); a callback at the end of that backward drops whatever was prefetched and not used.
+# needs them next. A tensor brought back belongs to its graph task (two backwards over one graph never share
+# one) and is held for as many unpacks as the parcel has users (a tensor saved by two nodes comes back once);
+# a callback at the end of that backward drops whatever was brought back and not used.
 # The host copy lives as long as the parcel, i.e. as long as autograd's saved variable: freed after the node
 # ran, or when the graph is dropped; `retain_graph=True` keeps it for the next backward, which copies again.
 # On CPU (`include_cpu=True`, for tests) the same functions run: torch.cpu's streams are no-ops and its
@@ -193,14 +194,12 @@ class _Chain(threading.local):
 
 
 _chain = _Chain()
-_prefetch_lock = threading.Lock()
-_prefetched: dict[int, list[weakref.ref[Parcel]]] = {}
 
 
 class Parcel:
     """What autograd keeps for an offloaded tensor: its host copy, and how to bring it back."""
 
-    __slots__ = ("__weakref__", "host", "lane", "nbytes", "prefetched", "prev")
+    __slots__ = ("__weakref__", "host", "lane", "nbytes", "prev", "ready", "users")
 
     def __init__(self, tensor: torch.Tensor, pin: bool) -> None:
         lane = _lane(tensor.device)
@@ -208,7 +207,9 @@ class Parcel:
         self.lane = lane
         self.host = lane.out(tensor, pin)
         self.nbytes = self.host.untyped_storage().nbytes()
-        self.prefetched: tuple[int, torch.Tensor, Any] | None = None
+        self.users = 0  # how many times pack handed it out: saved variables, a site's inputs
+        # On its way back, for one backward: (graph task, tensor, event, unpacks still to come).
+        self.ready: tuple[int, torch.Tensor, Any, int] | None = None
         last = _chain.last
         self.prev = last.get(lane.device)
         last[lane.device] = weakref.ref(self)
@@ -218,20 +219,39 @@ class Parcel:
         _counter.add(-self.nbytes, -1)
 
     def get(self) -> torch.Tensor:
-        """The unpack: a device tensor with the saved values (prefetched, or copied back now)."""
+        """The unpack: a device tensor with the saved values (prefetched, or copied back now).
+
+        A parcel that several saved variables share comes back once per backward and stays until the
+        last of them has been unpacked (or that backward ends), as the tensor itself would.
+        """
         lane = self.lane
         lane.reap()
         gid = _graph_task_id()
         with _prefetch_lock:
-            ready, self.prefetched = self.prefetched, None
-        if ready is not None and ready[0] == gid:
-            _, tensor, event = ready
-        else:
+            ready = self.ready
+            if ready is not None and ready[0] == gid:
+                _, tensor, event, left = ready
+                self.ready = (gid, tensor, event, left - 1) if left > 1 else None
+            else:
+                ready = None
+        if ready is None:
             tensor, event = lane.back(self.host)
+            if gid != -1 and self.users > 1:
+                self._hold(gid, tensor, event, self.users - 1)
         if gid != -1:
             self._prefetch_earlier(gid)
         lane.wait(event)
         return tensor
+
+    def _hold(self, gid: int, tensor: torch.Tensor, event: Any, left: int) -> None:
+        """Keep a tensor brought back for `left` more unpacks in backward `gid` (dropped when it ends)."""
+        with _prefetch_lock:
+            self.ready = (gid, tensor, event, left)
+            waiting = _waiting.get(gid)
+            if waiting is None:
+                waiting = _waiting[gid] = []
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: _drop_ready(gid))
+            waiting.append(weakref.ref(self))
 
     def _prefetch_earlier(self, gid: int) -> None:
         ahead = walked = 0
@@ -242,28 +262,24 @@ class Parcel:
                 return
             walked += 1
             link = parcel.prev
-            ready = parcel.prefetched
-            if ready is not None and ready[0] == gid:
-                ahead += 1
-                continue
-            tensor, event = parcel.lane.back(parcel.host)
-            with _prefetch_lock:
-                parcel.prefetched = (gid, tensor, event)
-                waiting = _prefetched.get(gid)
-                if waiting is None:
-                    waiting = _prefetched[gid] = []
-                    torch.autograd.Variable._execution_engine.queue_callback(lambda: _drop_prefetched(gid))
-                waiting.append(weakref.ref(parcel))
+            ready = parcel.ready
+            if ready is None or ready[0] != gid:
+                tensor, event = parcel.lane.back(parcel.host)
+                parcel._hold(gid, tensor, event, parcel.users)
             ahead += 1
 
 
-def _drop_prefetched(gid: int) -> None:
-    """End of a backward: forget what was copied back for it and not used (a node it did not run)."""
+_prefetch_lock = threading.Lock()
+_waiting: dict[int, list[weakref.ref[Parcel]]] = {}
+
+
+def _drop_ready(gid: int) -> None:
+    """End of a backward: forget what was brought back for it and not used (a node it did not run)."""
     with _prefetch_lock:
-        for ref in _prefetched.pop(gid, ()):
+        for ref in _waiting.pop(gid, ()):
             parcel = ref()
-            if parcel is not None and parcel.prefetched is not None and parcel.prefetched[0] == gid:
-                parcel.prefetched = None
+            if parcel is not None and parcel.ready is not None and parcel.ready[0] == gid:
+                parcel.ready = None
 
 
 class Stay:
@@ -364,6 +380,10 @@ class Offload:
             f"include_cpu={self.include_cpu})"
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Only the settings: a module whose site offloads pickles and deep-copies (spec §2.1).
+        return (Offload, (self.min_bytes, self.pin_memory, self.include_cpu))
+
     @property
     def hooks(self) -> tuple[Any, Any]:
         """The saved-tensor hooks `(pack, unpack)` that offload."""
@@ -390,12 +410,14 @@ class Offload:
         if found is not None and found[0]() is tensor and found[1] == tensor._version:
             parcel = found[2]()
             if parcel is not None:
+                parcel.users += 1
                 return parcel
         if _modes_on():
             with _disable_current_modes():
                 parcel = Parcel(tensor, self.pin_memory)
         else:
             parcel = Parcel(tensor, self.pin_memory)
+        parcel.users = 1
         seen = self._seen
         if len(seen) > 4096:
             for stale in [k for k, (ref, _, box) in seen.items() if ref() is None or box() is None]:
