@@ -75,13 +75,19 @@ class _Lane:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.module: Any = torch.get_device_module(device.type)
-        self.stream: Any = self.module.Stream() if device.type == "cpu" else self.module.Stream(device=device)
+        module: Any = torch.get_device_module(device.type)
+        if device.type == "cpu" or not all(hasattr(module, name) for name in ("Stream", "current_stream", "stream")):
+            # CPU, or a backend without streams (MPS): torch.cpu's no-op streams, synchronous copies
+            self.module: Any = torch.cpu
+            self.stream: Any = torch.cpu.Stream()
+        else:
+            self.module = module
+            self.stream = module.Stream(device=device)
         self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self.lock = threading.Lock()
 
     def _compute(self) -> Any:
-        return self.module.current_stream(self.device)
+        return self.module.current_stream(self.device if self.module is not torch.cpu else None)
 
     def out(self, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
         """Copy `tensor` into a new host tensor; its memory stays referenced until the copy is done."""
