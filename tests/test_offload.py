@@ -347,6 +347,51 @@ def test_decorator_module_and_region_sites(copies: Copies) -> None:
     assert [shape for shape, _ in copies.out] == [(4, 8)] * 2 + [(2, 5, 8)]
 
 
+def _frames() -> list[weakref.ref[object]]:
+    gc.collect()
+    return [weakref.ref(obj) for obj in gc.get_objects() if type(obj).__name__ in ("RerunFrame", "RegionFrame")]
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+@pytest.mark.parametrize("backward", ["backward", "retain_graph_twice", "create_graph", "none"])
+def test_offloading_sites_leave_nothing_behind(strategy: str, backward: str) -> None:
+    before = {id(ref()) for ref in _frames()}
+    model = Doubled(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Softplus()).double())
+    remat.remat(model.inner, offload=CPU, strategy=strategy)  # type: ignore[call-overload]
+    x = randn(4, 8, requires_grad=True)
+    y = model(x).sum()
+    refs = [ref for ref in _frames() if id(ref()) not in before]
+    assert len(refs) == 1 and _offload.live_parcels() == 1
+    params = list(model.parameters())
+    if backward == "backward":
+        y.backward()
+    elif backward == "retain_graph_twice":
+        y.backward(retain_graph=True)
+        y.backward()
+    elif backward == "create_graph":
+        grads = torch.autograd.grad(y, params, create_graph=True)
+        sum((g * g).sum() for g in grads).backward()
+        del grads
+    del y
+    assert refs[0]() is None, "the frame outlived its graph (a cycle through C++ that gc cannot see)"
+    assert _offload.live_parcels() == 0
+
+
+def test_an_exception_inside_an_offloading_site_leaves_nothing_behind() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin().exp()
+        if h.sum() > -1:
+            raise ZeroDivisionError
+        return h
+
+    site = remat.remat(offload=CPU)(fn)
+    with pytest.raises(ZeroDivisionError):
+        site(randn(8, 8, requires_grad=True) * 2)
+    gc.collect()
+    assert _offload.live_parcels() == 0
+    assert_same_grads(lambda: chain_of_sines, (randn(4, 4, requires_grad=True),), remat.remat(offload=CPU))
+
+
 def test_an_offloading_site_holds_no_input_on_the_device() -> None:
     def held(offload: Any) -> int:
         model = remat.apply(Blocks(3, 64).double(), offload=offload)
@@ -495,12 +540,18 @@ def test_cuda_copies_run_on_a_side_stream_without_synchronizing_the_device(monke
     def no_sync(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("offload synchronized the whole device")
 
+    offload = remat.offload()
+    _grads(model, x, offload)  # warm-up: pinned host blocks are allocated once, then cached
     monkeypatch.setattr(torch.Tensor, "copy_", spy)
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     monkeypatch.setattr(torch.cuda.Stream, "synchronize", no_sync)
     monkeypatch.setattr(torch.cuda.Event, "synchronize", no_sync)
-    got = _grads(model, x, remat.offload())
-    monkeypatch.undo()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        got = _grads(model, x, offload)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.undo()
     torch.cuda.synchronize()
     assert streams, "nothing was copied"
     compute = torch.cuda.current_stream()
@@ -516,9 +567,10 @@ def test_cuda_overwriting_freed_memory_after_forward_does_not_change_gradients()
     expected = _grads(model, x, nullcontext())
 
     def scribble() -> None:
-        # Take every block the allocator has free (what offload released) and fill it with NaN.
-        free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        junk = [torch.full((max(free // 4 // 8, 1),), float("nan"), device="cuda") for _ in range(8)]
+        # Right after forward, with no synchronization: take blocks the size of the activations and fill them
+        # with NaN on the compute stream. Had offload released a device tensor before its copy to host ran on
+        # the side stream, the copy would read NaN.
+        junk = [torch.full(shape, float("nan"), device="cuda") for shape in [(512, 512), (512, 256)] * 64]
         del junk
 
     for offload in (remat.offload(), remat.offload(pin_memory=False)):
