@@ -102,19 +102,27 @@ class _Lane:
                 self.pending.append((event, tensor.detach()))
         return host
 
-    def back(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Start copying `host` into a new device tensor; return it and the event that marks the end."""
+    def back(self, host: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+        """Start copying `host` into a new device tensor.
+
+        Returns the tensor, the event that marks the end of the copy, and the stream the tensor was allocated
+        on (the compute stream), which must wait on that event before the tensor is used or freed.
+        """
         tensor = torch.empty_like(host, device=self.device)
-        self.stream.wait_stream(self._compute())
+        compute = self._compute()
+        self.stream.wait_stream(compute)
         with self.module.stream(self.stream):
             tensor.copy_(host, non_blocking=host.is_pinned())
             event = self.stream.record_event()
-        return tensor, event
+        return tensor, event, compute
 
-    def wait(self, event: Any) -> None:
+    def wait(self, event: Any, allocated: Any) -> None:
         """Make the compute stream (not the host) wait until the copy that recorded `event` is done."""
         if event is not None:
-            self._compute().wait_event(event)
+            compute = self._compute()
+            compute.wait_event(event)
+            if allocated != compute:
+                allocated.wait_event(event)
 
     def reap(self) -> None:
         """Release the device tensors whose copy to host has finished (never blocks)."""
@@ -214,14 +222,18 @@ class Parcel:
         self.host = lane.out(tensor, pin)
         self.nbytes = self.host.untyped_storage().nbytes()
         self.users = 0  # how many times pack handed it out: saved variables, a site's inputs
-        # On its way back, for one backward: (graph task, tensor, event, unpacks still to come).
-        self.ready: tuple[int, torch.Tensor, Any, int] | None = None
+        # On its way back, for one backward: (graph task, tensor, event, stream it was allocated on, unpacks
+        # still to come). A tensor dropped unused must first make that stream wait for its copy (`_let_go`),
+        # or the allocator could hand its memory to a kernel while the copy still writes into it.
+        self.ready: tuple[int, torch.Tensor, Any, Any, int] | None = None
         last = _chain.last
         self.prev = last.get(lane.device)
         last[lane.device] = weakref.ref(self)
         _counter.add(self.nbytes, 1)
 
     def __del__(self) -> None:
+        if self.ready is not None:
+            _let_go(self.ready)
         _counter.add(-self.nbytes, -1)
 
     def get(self) -> torch.Tensor:
@@ -236,23 +248,25 @@ class Parcel:
         with _prefetch_lock:
             ready = self.ready
             if ready is not None and ready[0] == gid:
-                _, tensor, event, left = ready
-                self.ready = (gid, tensor, event, left - 1) if left > 1 else None
+                _, tensor, event, allocated, left = ready
+                self.ready = (gid, tensor, event, allocated, left - 1) if left > 1 else None
             else:
                 ready = None
         if ready is None:
-            tensor, event = lane.back(self.host)
+            tensor, event, allocated = lane.back(self.host)
             if gid != -1 and self.users > 1:
-                self._hold(gid, tensor, event, self.users - 1)
+                self._hold(gid, tensor, event, allocated, self.users - 1)
         if gid != -1:
             self._prefetch_earlier(gid)
-        lane.wait(event)
+        lane.wait(event, allocated)
         return tensor
 
-    def _hold(self, gid: int, tensor: torch.Tensor, event: Any, left: int) -> None:
+    def _hold(self, gid: int, tensor: torch.Tensor, event: Any, allocated: Any, left: int) -> None:
         """Keep a tensor brought back for `left` more unpacks in backward `gid` (dropped when it ends)."""
         with _prefetch_lock:
-            self.ready = (gid, tensor, event, left)
+            if self.ready is not None:
+                _let_go(self.ready)
+            self.ready = (gid, tensor, event, allocated, left)
             waiting = _waiting.get(gid)
             if waiting is None:
                 waiting = _waiting[gid] = []
@@ -270,8 +284,7 @@ class Parcel:
             link = parcel.prev
             ready = parcel.ready
             if ready is None or ready[0] != gid:
-                tensor, event = parcel.lane.back(parcel.host)
-                parcel._hold(gid, tensor, event, parcel.users)
+                parcel._hold(gid, *parcel.lane.back(parcel.host), parcel.users)
             ahead += 1
 
 
@@ -285,7 +298,14 @@ def _drop_ready(gid: int) -> None:
         for ref in _waiting.pop(gid, ()):
             parcel = ref()
             if parcel is not None and parcel.ready is not None and parcel.ready[0] == gid:
+                _let_go(parcel.ready)
                 parcel.ready = None
+
+
+def _let_go(ready: tuple[int, torch.Tensor, Any, Any, int]) -> None:
+    """Before a tensor brought back is dropped unused: its stream waits for the copy into it."""
+    if ready[2] is not None:
+        ready[3].wait_event(ready[2])
 
 
 class Stay:
