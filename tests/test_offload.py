@@ -25,6 +25,7 @@ from torch import nn
 import remat
 from remat import policies
 from remat._engine import offload as _offload
+from remat._engine import transfer as _transfer
 from remat._plan.chain import chain
 
 # Tiny test tensors are far below the default floor of 1 KiB: offload every tensor unless a test says otherwise.
@@ -37,13 +38,13 @@ class Copies:
     def __init__(self) -> None:
         self.out: list[tuple[tuple[int, ...], int]] = []
         self.back: list[int] = []
-        self.parcels: list[weakref.ref[_offload.Parcel]] = []
+        self.parcels: list[weakref.ref[_transfer.Parcel]] = []
 
 
 @pytest.fixture
 def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
     seen = Copies()
-    out, back = _offload._Lane.out, _offload._Lane.back
+    out, back = _transfer._Lane.out, _transfer._Lane.back
 
     def spy_out(lane: Any, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
         host = out(lane, tensor, pin)
@@ -54,15 +55,15 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
         seen.back.append(id(host))
         return back(lane, host)
 
-    init = _offload.Parcel.__init__
+    init = _transfer.Parcel.__init__
 
-    def spy_init(parcel: _offload.Parcel, tensor: torch.Tensor, pin: bool) -> None:
+    def spy_init(parcel: _transfer.Parcel, tensor: torch.Tensor, pin: bool) -> None:
         init(parcel, tensor, pin)
         seen.parcels.append(weakref.ref(parcel))
 
-    monkeypatch.setattr(_offload.Parcel, "__init__", spy_init)
-    monkeypatch.setattr(_offload._Lane, "out", spy_out)
-    monkeypatch.setattr(_offload._Lane, "back", spy_back)
+    monkeypatch.setattr(_transfer.Parcel, "__init__", spy_init)
+    monkeypatch.setattr(_transfer._Lane, "out", spy_out)
+    monkeypatch.setattr(_transfer._Lane, "back", spy_back)
     yield seen
 
 
@@ -71,8 +72,8 @@ def _nothing_left_on_the_host() -> Iterator[None]:
     """After every test here: no host copy alive (the graphs of the test are gone)."""
     yield
     gc.collect()
-    assert _offload.live_parcels() == 0, "a host copy outlived its graph"
-    assert _offload.host_bytes()[0] == 0
+    assert _transfer.live_parcels() == 0, "a host copy outlived its graph"
+    assert _transfer.host_bytes()[0] == 0
 
 
 def in_context(offload: AbstractContextManager[Any]) -> Callable[[Any], Callable[..., Any]]:
@@ -114,10 +115,10 @@ def test_offloaded_tensors_leave_in_forward_and_come_back_in_backward(copies: Co
     del h
     gc.collect()
     assert storage() is None, "the device tensor was not freed once copied"
-    assert _offload.live_parcels() == 1 and _offload.host_bytes()[0] == 16 * 16 * 8  # exp and sin share h
+    assert _transfer.live_parcels() == 1 and _transfer.host_bytes()[0] == 16 * 16 * 8  # exp and sin share h
     y.backward()
     assert len(copies.back) == len(copies.out)
-    assert _offload.live_parcels() == 0 and _offload.host_bytes()[0] == 0
+    assert _transfer.live_parcels() == 0 and _transfer.host_bytes()[0] == 0
 
 
 def test_without_offload_the_same_tensor_stays() -> None:
@@ -194,12 +195,12 @@ def test_retain_graph_twice(copies: Copies) -> None:
     once = len(copies.out)
     y.backward(retain_graph=True)
     first = x.grad.clone()
-    assert _offload.live_parcels() == once, "retain_graph must keep the host copies"
+    assert _transfer.live_parcels() == once, "retain_graph must keep the host copies"
     y.backward()
     torch.testing.assert_close(x.grad, 2 * first)
     assert len(copies.back) == 2 * once
     del y
-    assert _offload.live_parcels() == 0
+    assert _transfer.live_parcels() == 0
 
 
 def test_create_graph_double_backward() -> None:
@@ -220,9 +221,9 @@ def test_dropping_the_graph_without_backward_frees_every_host_copy() -> None:
     x = randn(16, 16, requires_grad=True)
     with CPU:
         y = chain_of_sines(x)
-    assert _offload.live_parcels() > 0
+    assert _transfer.live_parcels() > 0
     del y
-    assert _offload.live_parcels() == 0  # no cycle: freed without gc
+    assert _transfer.live_parcels() == 0  # no cycle: freed without gc
 
 
 def test_an_exception_inside_leaves_nothing_behind() -> None:
@@ -232,7 +233,7 @@ def test_an_exception_inside_leaves_nothing_behind() -> None:
         raise ZeroDivisionError
     del y
     gc.collect()
-    assert _offload.live_parcels() == 0
+    assert _transfer.live_parcels() == 0
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert_same_grads(lambda: chain_of_sines, (randn(4, 4, requires_grad=True),), in_context(CPU))
 
@@ -361,7 +362,7 @@ def test_offloading_sites_leave_nothing_behind(strategy: str, backward: str) -> 
     x = randn(4, 8, requires_grad=True)
     y = model(x).sum()
     refs = [ref for ref in _frames() if id(ref()) not in before]
-    assert len(refs) == 1 and _offload.live_parcels() == 1
+    assert len(refs) == 1 and _transfer.live_parcels() == 1
     params = list(model.parameters())
     if backward == "backward":
         y.backward()
@@ -374,7 +375,7 @@ def test_offloading_sites_leave_nothing_behind(strategy: str, backward: str) -> 
         del grads
     del y
     assert refs[0]() is None, "the frame outlived its graph (a cycle through C++ that gc cannot see)"
-    assert _offload.live_parcels() == 0
+    assert _transfer.live_parcels() == 0
 
 
 def test_an_exception_inside_an_offloading_site_leaves_nothing_behind() -> None:
@@ -388,7 +389,7 @@ def test_an_exception_inside_an_offloading_site_leaves_nothing_behind() -> None:
     with pytest.raises(ZeroDivisionError):
         site(randn(8, 8, requires_grad=True) * 2)
     gc.collect()
-    assert _offload.live_parcels() == 0
+    assert _transfer.live_parcels() == 0
     assert_same_grads(lambda: chain_of_sines, (randn(4, 4, requires_grad=True),), remat.remat(offload=CPU))
 
 
@@ -578,8 +579,8 @@ def test_cuda_overwriting_freed_memory_after_forward_does_not_change_gradients()
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e)
     torch.cuda.synchronize()
-    _offload.reap()
-    assert all(not lane.pending for lane in _offload._lanes.values()), "device tensors held after their copy"
+    _transfer.reap()
+    assert all(not lane.pending for lane in _transfer._lanes.values()), "device tensors held after their copy"
 
 
 @pytest.mark.cuda
@@ -593,7 +594,7 @@ def test_cuda_per_block_remat_with_offload_holds_less_on_the_device() -> None:
         base = torch.cuda.memory_allocated()
         y = model(x * 2)
         torch.cuda.synchronize()
-        _offload.reap()
+        _transfer.reap()
         held = torch.cuda.memory_allocated() - base
         y.square().sum().backward()
         return held

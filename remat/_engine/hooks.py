@@ -15,7 +15,7 @@ import torch
 from .._errors import BUG, RecomputeMismatchError, RematError
 from . import stats as _stats
 from .debug import side_by_side
-from .offload import Parcel, Stay
+from .transfer import Parcel, Stay
 
 __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute"]
 

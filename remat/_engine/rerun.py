@@ -19,9 +19,10 @@ from .autocast import AutocastState
 from .debug import OpTrace
 from .guard import guard_buffers, release
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
-from .offload import Offload, Parcel, Stay, resolve
+from .offload import Offload, resolve
 from .rng import RngStash, devices_of
 from .selective import ReuseOps, SaveOps
+from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
 __all__ = ["RerunFrame", "begin", "call", "compiling", "end", "torch_checkpoint"]

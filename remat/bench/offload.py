@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from .._api import remat
-from .._engine.offload import Offload, host_bytes
+from .._engine.offload import Offload
+from .._engine.transfer import host_bytes
 from .._measure.measure import format_bytes
 from .._measure.track import track
 from .._policies import offload as offload_policy
