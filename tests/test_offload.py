@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -259,6 +260,26 @@ def test_prefetched_tensors_that_backward_did_not_use_are_dropped(copies: Copies
     parcels = [p for p in copies.parcels if p() is not None]
     assert parcels and all(p().ready is None for p in parcels)  # type: ignore[union-attr]
     del y, mid
+
+
+def test_two_threads_offload_at_once() -> None:
+    def run(seed: int, out: dict[int, Any]) -> None:
+        x = randn(16, 16, requires_grad=True, seed=seed)
+        with CPU:
+            y = chain_of_sines(x * 2, 8).sum()
+        y.backward()
+        out[seed] = x.grad
+
+    got: dict[int, Any] = {}
+    threads = [threading.Thread(target=run, args=(seed, got)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed in (1, 2):
+        x = randn(16, 16, requires_grad=True, seed=seed)
+        chain_of_sines(x * 2, 8).sum().backward()
+        torch.testing.assert_close(got[seed], x.grad)
 
 
 # -- sites -------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ _watch_lock = threading.Lock()
 
 
 def _note_buffers(module: nn.Module, args: Any) -> None:
-    if module._buffers:
+    if module._buffers and not torch.compiler.is_compiling():  # dynamo would break the graph on weakrefs
         for buffer in module._buffers.values():
             if buffer is not None:
                 key = storage_key(buffer)
