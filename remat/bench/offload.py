@@ -142,9 +142,13 @@ def bench_offload(
     if device.type == "cpu" and not offload.include_cpu:
         return NEEDS_ACCELERATOR, []
     base = GPT(config).to(device).train()
+    if device.type == "cpu":
+        how = "float32, the CPU path of include_cpu (for tests; remat.track counts the peak)"
+    else:
+        how = "bf16 autocast; peak: max_memory_allocated beyond parameters and gradients"
     description = (
-        f"GPT-like stack, {base.describe()}, bf16 autocast ({human_count(parameter_count(base))} parameters); "
-        "peak: device max_memory_allocated beyond parameters and gradients; host: saved copies at their peak"
+        f"GPT-like stack, {base.describe()} ({human_count(parameter_count(base))} parameters), {how}; "
+        "host: bytes of saved copies at their peak"
     )
     batch = base.sample(device, seed=SEED)
     rows: list[dict[str, Any]] = []
