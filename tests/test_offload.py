@@ -40,6 +40,7 @@ class Copies:
         self.out: list[tuple[tuple[int, ...], int]] = []
         self.back: list[int] = []
         self.parcels: list[weakref.ref[_transfer.Parcel]] = []
+        self.brought: list[weakref.ref[torch.Tensor]] = []  # every tensor brought back
 
 
 @pytest.fixture
@@ -52,9 +53,11 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
         seen.out.append((tuple(tensor.shape), id(host)))
         return host
 
-    def spy_back(lane: Any, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def spy_back(lane: Any, host: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
         seen.back.append(id(host))
-        return back(lane, host)
+        tensor, event, stream = back(lane, host)
+        seen.brought.append(weakref.ref(tensor))
+        return tensor, event, stream
 
     init = _transfer.Parcel.__init__
 
@@ -247,6 +250,7 @@ def test_backward_brings_tensors_back_in_reverse_order_each_once(copies: Copies)
     y.backward()
     assert sorted(copies.back) == sorted(packed), "a tensor was brought back twice, or never"
     assert copies.back == packed[::-1], "backward did not fetch in reverse order of packing"
+    assert all(ref() is None for ref in copies.brought), "a tensor brought back outlived its use"
 
 
 def test_prefetched_tensors_that_backward_did_not_use_are_dropped(copies: Copies) -> None:
@@ -259,6 +263,7 @@ def test_prefetched_tensors_that_backward_did_not_use_are_dropped(copies: Copies
     assert len(prefetched) > 4, "nothing was prefetched beyond what backward ran"
     parcels = [p for p in copies.parcels if p() is not None]
     assert parcels and all(p().ready is None for p in parcels)  # type: ignore[union-attr]
+    assert all(ref() is None for ref in copies.brought), "an unused prefetched tensor outlived its backward"
     del y, mid
 
 
