@@ -511,6 +511,26 @@ def test_a_chain_inside_offload() -> None:
 # -- options -----------------------------------------------------------------------------------------------
 
 
+def test_offload_inside_a_rerun_function_is_a_clear_error() -> None:
+    @remat.remat(name="block")
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with CPU:
+            return x.sin().exp()
+
+    with pytest.raises(remat.RematError, match=r"inside the rematerialized function `block`.*offload=True"):
+        block(randn(4, 4, requires_grad=True))
+
+    def in_region(fn: Any) -> Callable[..., torch.Tensor]:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            with remat.region(), CPU:  # replay does not run Python again: fine
+                out: torch.Tensor = fn(x)
+            return out
+
+        return call
+
+    assert_same_grads(lambda: lambda x: x.sin().exp(), (randn(4, 4, requires_grad=True),), in_region)
+
+
 def test_bad_offload_options_are_clear_errors() -> None:
     with pytest.raises(TypeError, match=r"remat: `offload` must be True, False or remat.offload"):
         remat.remat(offload="yes")  # type: ignore[call-overload]

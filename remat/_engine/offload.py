@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .._errors import RematError
 from .guard import storage_key
 from .transfer import Parcel, Stay, reap
 
@@ -34,6 +35,12 @@ __all__ = ["Offload", "offload", "resolve"]
 # `remat.track`, never sees them: the tracker counts device memory, `host_bytes()` counts host copies.
 
 _modes_on = torch._C._len_torch_dispatch_stack
+
+_INSIDE_RERUN = (
+    "remat: `with remat.offload():` inside the rematerialized function `{site}`: rerun calls the function again "
+    "in backward and the offload block would take the tensors that recompute must rebuild. Give the site "
+    "`offload=True` instead (what it keeps goes to host), or put the offload block around the call."
+)
 
 
 # -- buffers (NOTE [ What is offloaded ]) ------------------------------------------------------------------
@@ -184,6 +191,13 @@ class Offload:
 
     # -- the context manager -------------------------------------------------------------------------------
     def __enter__(self) -> Offload:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None:
+            from .rerun import RerunFrame  # here: rerun imports this module
+
+            frame = getattr(top[0], "__self__", None)
+            if isinstance(frame, RerunFrame):
+                raise RematError(_INSIDE_RERUN.format(site=frame.site))
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
         return self
 
