@@ -287,6 +287,68 @@ def test_two_threads_offload_at_once() -> None:
         torch.testing.assert_close(got[seed], x.grad)
 
 
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _FakeStream:
+    """A device stream seen from the host: events that finish when the test says so."""
+
+    def __init__(self, events: list[_FakeEvent]) -> None:
+        self.events = events
+        self.waited: list[_FakeEvent] = []
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self) -> _FakeEvent:
+        self.events.append(_FakeEvent())
+        return self.events[-1]
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.waited.append(event)
+
+
+def test_device_tensors_are_held_until_their_copy_is_done_and_in_flight_bytes_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The accelerator path of a lane, with streams and events that the test completes by hand.
+    events: list[_FakeEvent] = []
+    compute, side = _FakeStream(events), _FakeStream(events)
+
+    class Module:
+        @staticmethod
+        def current_stream(device: Any = None) -> _FakeStream:
+            return compute
+
+        @staticmethod
+        def stream(stream: Any) -> AbstractContextManager[None]:
+            return nullcontext()
+
+    lane = _transfer._Lane(torch.device("cpu"))
+    lane.module, lane.stream = Module(), side
+    monkeypatch.setattr(_transfer, "_PENDING_BYTES", 3 * 4096)
+    tensors = [torch.full((1024,), float(i)) for i in range(5)]  # 4 KiB each
+    storages = [weakref.ref(t.untyped_storage()) for t in tensors]
+    hosts = [lane.out(t, pin=False) for t in tensors]
+    del tensors
+    # Five copies in flight is two more than the bound: the compute stream waits on the two oldest copies
+    # (on the device, not the host) and their tensors go back to the allocator; the others are held.
+    assert compute.waited == events[:2] and side.waited == []
+    assert [ref() is None for ref in storages] == [True, True, False, False, False]
+    events[2].done = events[4].done = True
+    lane.reap()  # copies finish in order: #2 is released, #3 holds #4 back
+    assert [ref() is None for ref in storages] == [True, True, True, False, False]
+    events[3].done = True
+    lane.reap()
+    assert all(ref() is None for ref in storages) and lane.pending_bytes == 0
+    assert [float(h[0]) for h in hosts] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
 # -- sites -------------------------------------------------------------------------------------------------
 
 

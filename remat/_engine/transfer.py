@@ -24,21 +24,29 @@ __all__ = ["Parcel", "Stay", "host_bytes", "live_parcels", "reap"]
 # (`_Lane.reap`, polled without blocking on every pack and unpack, and by `reap()`), so the caching allocator
 # can never hand its memory to a kernel while the copy still reads it. Nothing sleeps, nothing synchronizes
 # the device. Autograd keeps a `Parcel` (the host copy) instead of the tensor.
+# Backpressure: compute makes activations faster than a host link copies them, so the queue is bounded:
+# past `_PENDING_BYTES`, the oldest tensor's stream (the compute stream) waits on its copy's event, on the
+# device, and the reference is dropped at once: kernels queued after that wait, the only ones that can get
+# its memory, run after the copy. The device then holds at most that many bytes of copies in flight, and
+# compute runs ahead of the copies by that much, which keeps the side stream busy.
 # Backward (unpack): the parcel's tensor is copied back into a fresh device tensor (allocated on the compute
 # stream, copied on the side stream after it waited for the compute stream, so memory the compute stream
 # freed is not overwritten early), and the compute stream waits on that copy's event, not on the host.
 # Prefetch: parcels are chained in the order they were packed (`prev`, a weak link, per thread and device);
 # unpacking one starts copying back the `_AHEAD` nearest earlier ones that are still alive, since backward
-# needs them next. A tensor brought back belongs to its graph task (two backwards over one graph never share
-# one) and is held for as many unpacks as the parcel has users (a tensor saved by two nodes comes back once);
+# needs them next (one: with per-block remat, the previous block's input copies while this block recomputes
+# and back-propagates; more would hold more blocks' inputs on the device for no gain). A tensor brought back
+# belongs to its graph task (two backwards over one graph never share one) and is held for as many unpacks as
+# the parcel has users (a tensor saved by two nodes comes back once);
 # a callback at the end of that backward drops whatever was brought back and not used.
 # The host copy lives as long as the parcel, i.e. as long as autograd's saved variable: freed after the node
 # ran, or when the graph is dropped; `retain_graph=True` keeps it for the next backward, which copies again.
 # On CPU (`include_cpu=True`, for tests) the same functions run: torch.cpu's streams are no-ops and its
 # events are None, so copies are synchronous and nothing is ever pending.
 
-_AHEAD = 2  # parcels copied back ahead of the one being unpacked
+_AHEAD = 1  # parcels copied back ahead of the one being unpacked
 _WALK = 8  # at most this many links followed when looking for them
+_PENDING_BYTES = 64 << 20  # bytes of device tensors held per device while their copies to host run
 
 _graph_task_id = torch._C._current_graph_task_id
 
@@ -52,7 +60,7 @@ _INPLACE = (
 class _Lane:
     """Copies between one device and host memory: a side stream on accelerators, plain copies on CPU."""
 
-    __slots__ = ("device", "lock", "module", "pending", "stream")
+    __slots__ = ("device", "lock", "module", "pending", "pending_bytes", "stream")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -64,7 +72,9 @@ class _Lane:
         else:
             self.module = module
             self.stream = module.Stream(device=device)
-        self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        # (event, device tensor, the stream it was made on, bytes): see NOTE [ Offload lifecycle ]
+        self.pending: collections.deque[tuple[Any, torch.Tensor, Any, int]] = collections.deque()
+        self.pending_bytes = 0
         self.lock = threading.Lock()
 
     def _compute(self) -> Any:
@@ -74,13 +84,17 @@ class _Lane:
         """Copy `tensor` into a new host tensor; its memory stays referenced until the copy is done."""
         pin = pin and self.device.type != "cpu"
         host = torch.empty_like(tensor, device="cpu", pin_memory=pin)
-        self.stream.wait_stream(self._compute())
+        compute = self._compute()
+        self.stream.wait_stream(compute)
         with self.module.stream(self.stream):
             host.copy_(tensor, non_blocking=pin)
             event = self.stream.record_event()
         if event is not None:
+            nbytes = host.untyped_storage().nbytes()
             with self.lock:
-                self.pending.append((event, tensor.detach()))
+                self.pending.append((event, tensor.detach(), compute, nbytes))
+                self.pending_bytes += nbytes
+                self._throttle()
         return host
 
     def back(self, host: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
@@ -112,7 +126,20 @@ class _Lane:
             return
         with self.lock:
             while pending and pending[0][0].query():
-                pending.popleft()
+                self.pending_bytes -= pending.popleft()[3]
+
+    def _throttle(self) -> None:
+        """Past `_PENDING_BYTES` in flight, hand the oldest tensors back to the allocator (lock held).
+
+        The stream a tensor was made on first waits for its copy (a wait on the device, not on the host), so
+        no later kernel of that stream can reuse its memory before the copy has read it.
+        """
+        pending = self.pending
+        while self.pending_bytes > _PENDING_BYTES and len(pending) > 1:
+            event, _, made_on, nbytes = pending.popleft()
+            if not event.query():
+                made_on.wait_event(event)
+            self.pending_bytes -= nbytes
 
 
 _lanes: dict[torch.device, _Lane] = {}
