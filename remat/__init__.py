@@ -14,6 +14,7 @@ from ._api import Remat as Remat
 from ._api import remat as remat
 from ._checkpoint import checkpoint as checkpoint
 from ._checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._engine.offload import Offload as Offload
 from ._engine.region import Region as Region
 from ._errors import BudgetError as BudgetError
 from ._errors import RecomputeMismatchError as RecomputeMismatchError
@@ -37,6 +38,7 @@ from ._switch import set_enabled as set_enabled
 __version__ = "0.1.0"
 
 apply = remat.apply
+offload = remat.offload
 plan = remat.plan
 region = remat.region
 undo = remat.undo
@@ -45,6 +47,7 @@ __all__ = [
     "BudgetError",
     "Chain",
     "Measurement",
+    "Offload",
     "ModelPlan",
     "Plan",
     "RecomputeMismatchError",
@@ -61,6 +64,7 @@ __all__ = [
     "enabled",
     "is_enabled",
     "measure",
+    "offload",
     "plan",
     "policies",
     "region",

@@ -12,6 +12,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 from torch import nn
 
 from . import _checkpoint, _switch, _targets
+from ._engine import offload as _offload
 from ._engine.region import Region
 from ._options import Options, Strategy
 from ._plan.sites import ModelPlan
@@ -50,6 +51,8 @@ class Remat:
         enabled: `True`/`False` force this site on or off; `None` follows the `REMAT` switch.
         check: compare what recompute saves with what forward saved and raise on a mismatch.
         name: label used in errors and reports (default: the qualified name).
+        offload: keep what the site keeps for backward (its inputs, what the policy saves) in host memory
+            (`True`, or `remat.offload(...)` for its settings); what it recomputes is never copied.
 
     Returns:
         The same kind of thing it was given: a function, the same class, the same module object.
@@ -83,6 +86,7 @@ class Remat:
         enabled: bool | None = None,
         check: bool = True,
         name: str | None = None,
+        offload: bool | _offload.Offload = False,
     ) -> Decorator: ...
 
     def __call__(self, target: Any = None, /, **options: Any) -> Any:
@@ -103,6 +107,7 @@ class Remat:
         enabled: bool | None = None,
         check: bool = True,
         name: str | None = None,
+        offload: bool | _offload.Offload = False,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -115,7 +120,7 @@ class Remat:
             model: the model; it is changed in place and returned.
             where: an `nn.Module` type, a tuple of types, a predicate `(name, module) -> bool`, or None.
             every: keep every `every`-th match, counting from the first (`every=2`: 1st, 3rd, ...).
-            policy, preserve_rng, strategy, enabled, check, name: as for `remat`.
+            policy, preserve_rng, strategy, enabled, check, name, offload: as for `remat`.
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
@@ -127,7 +132,7 @@ class Remat:
         """
         settings = Options(
             policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
-            check=check, name=name,
+            check=check, name=name, offload=offload,
         )
         return _targets.apply(model, where, every, settings)
 
@@ -162,6 +167,7 @@ class Remat:
         enabled: bool | None = None,
         check: bool = True,
         name: str | None = None,
+        offload: bool | _offload.Offload = False,
     ) -> Region:
         """Rematerialize a block of code: `with remat.region(): ...` (spec §2.2).
 
@@ -171,6 +177,8 @@ class Remat:
 
         Args:
             policy, preserve_rng, enabled, check, name: as for `remat`.
+            offload: keep the tensors from before the block that it reads in host memory (`True`, or
+                `remat.offload(...)`).
 
         Returns:
             A `Region`; after the block, `r.ops` is the number of ops recorded and `r.freed_bytes` the
@@ -184,10 +192,11 @@ class Remat:
         """
         settings = Options(
             policy=policy, preserve_rng=preserve_rng, strategy="replay", enabled=enabled,
-            check=check, name=name,
+            check=check, name=name, offload=offload,
         )
         return Region(settings)
 
+    offload = staticmethod(_offload.offload)
     checkpoint = staticmethod(_checkpoint.checkpoint)
     checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
     is_enabled = staticmethod(_switch.is_enabled)

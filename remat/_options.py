@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ._policies import PolicyLike, as_policy
 
@@ -11,6 +11,14 @@ __all__ = ["STRATEGIES", "Options"]
 
 Strategy = Literal["rerun", "replay"]
 STRATEGIES: tuple[str, ...] = ("rerun", "replay")
+
+
+@runtime_checkable
+class Offloader(Protocol):
+    """What `offload=` takes besides a bool: `remat.offload(...)`, which says how to offload."""
+
+    def pack(self, tensor: Any) -> Any: ...
+    def unpack(self, packed: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,7 @@ class Options:
     check: bool = True
     name: str | None = None
     debug: bool = False
+    offload: bool | Offloader = False
 
     def __post_init__(self) -> None:
         as_policy(self.policy)  # raises TypeError for anything else
@@ -44,6 +53,11 @@ class Options:
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"remat: `strategy` must be one of {STRATEGIES}, but got {self.strategy!r}."
+            )
+        if not isinstance(self.offload, (bool, Offloader)):
+            raise TypeError(
+                "remat: `offload` must be True, False or remat.offload(...), but got "
+                f"`{type(self.offload).__name__}`."
             )
         if self.name is not None and not isinstance(self.name, str):
             raise TypeError(f"remat: `name` must be a str, but got `{type(self.name).__name__}`.")

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["Policy", "PolicyLike", "as_policy", "save_all", "save_matmuls", "save_nothing",
+__all__ = ["Policy", "PolicyLike", "as_policy", "offload", "save_all", "save_matmuls", "save_nothing",
            "save_tagged", "tag"]
 
 # NOTE [ Policies ]
@@ -40,14 +40,16 @@ class Policy:
     True
     """
 
-    __slots__ = ("_cache", "everything", "names", "ops")
+    __slots__ = ("_cache", "everything", "names", "offloads", "ops")
 
     def __init__(
-        self, ops: Iterable[_Op] = (), names: Iterable[str] = (), everything: bool = False
+        self, ops: Iterable[_Op] = (), names: Iterable[str] = (), everything: bool = False,
+        offloads: bool = False,
     ) -> None:
         self.ops = tuple(ops)
         self.names = frozenset(names)
         self.everything = everything
+        self.offloads = offloads  # what it keeps goes to host memory: see `offload`
         self._cache: dict[Any, bool] = {}
 
     def saves_op(self, op: Any) -> bool:
@@ -68,8 +70,13 @@ class Policy:
 
     def __or__(self, other: Policy | _Op) -> Policy:
         other = as_policy(other)
+        if self.offloads != other.offloads:
+            raise ValueError(
+                f"remat: cannot combine `{self!r}` and `{other!r}`: one keeps on the device, the other offloads; "
+                "combine the inner policies and offload the result: offload(a | b)."
+            )
         return Policy(
-            self.ops + other.ops, self.names | other.names, self.everything or other.everything
+            self.ops + other.ops, self.names | other.names, self.everything or other.everything, self.offloads
         )
 
     __ror__ = __or__
@@ -80,7 +87,8 @@ class Policy:
         parts = [getattr(op, "__name__", repr(op)) for op in self.ops]
         if self.names:
             parts.append(f"save_tagged{tuple(sorted(self.names))}")
-        return " | ".join(parts) or "save_nothing"
+        text = " | ".join(parts) or "save_nothing"
+        return f"offload({text})" if self.offloads else text
 
 
 def as_policy(policy: PolicyLike) -> Policy:
@@ -128,6 +136,29 @@ def save_tagged(*names: str) -> Policy:
         if not isinstance(name, str):
             raise TypeError(f"remat: save_tagged takes tag names (str), but got `{type(name).__name__}`.")
     return Policy(names=names)
+
+
+def offload(policy: PolicyLike) -> Policy:
+    """Keep what `policy` keeps in host memory instead of on the device (JAX's save-and-offload).
+
+    A site with this policy saves the same op outputs and tags as with `policy`, and does not recompute
+    them, but copies them to host memory in forward and back in backward (see `remat.offload`); its inputs
+    stay where they are unless the site also has `offload=True`. On CPU it is the same as `policy`.
+
+    Raises:
+        ValueError: for `save_all`, which would offload everything: use `with remat.offload():` instead.
+
+    >>> import remat
+    >>> remat.policies.offload(remat.policies.save_matmuls)
+    offload(matmuls)
+    """
+    inner = as_policy(policy)
+    if inner.everything:
+        raise ValueError(
+            "remat: offload(save_all) would keep every activation on the host without rematerializing "
+            "anything; use `with remat.offload():` around the code instead."
+        )
+    return Policy(inner.ops, inner.names, offloads=True)
 
 
 class _Tags(threading.local):

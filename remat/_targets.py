@@ -16,6 +16,7 @@ from torch import nn
 from . import _switch
 from ._engine import region as _region
 from ._engine import rerun as _rerun
+from ._engine.offload import resolve as resolve_offload
 from ._engine.rerun import compiling, torch_checkpoint
 from ._options import Options
 from ._plan.blocks import describe_search, find_blocks
@@ -47,6 +48,7 @@ class _Engine:
         self.begin = engine.begin
         self.end = engine.end
         self.extra.update(
+            offload=resolve_offload(options.offload),
             site=site,
             check=options.check,
             preserve_rng=options.preserve_rng,
@@ -270,6 +272,8 @@ def describe_options(options: Options) -> str:
     choice = "full" if policy.saves_nothing else repr(policy)
     if options.strategy == "replay":
         choice += " (replay)"
+    if options.offload is not False:
+        choice += " + offload"
     if options.enabled is False:
         choice += " (disabled)"
     return choice

@@ -1,4 +1,4 @@
-"""Policies for selective rematerialization: `save_nothing`, `save_all`, `save_matmuls`, `save_tagged`.
+"""Policies for selective rematerialization: `save_nothing`, `save_all`, `save_matmuls`, `save_tagged`, `offload`.
 
 >>> import remat
 >>> remat.policies.save_matmuls | remat.policies.save_tagged("attn")
@@ -6,9 +6,10 @@ matmuls | save_tagged('attn',)
 """
 
 from ._policies import Policy as Policy
+from ._policies import offload as offload
 from ._policies import save_all as save_all
 from ._policies import save_matmuls as save_matmuls
 from ._policies import save_nothing as save_nothing
 from ._policies import save_tagged as save_tagged
 
-__all__ = ["Policy", "save_all", "save_matmuls", "save_nothing", "save_tagged"]
+__all__ = ["Policy", "offload", "save_all", "save_matmuls", "save_nothing", "save_tagged"]

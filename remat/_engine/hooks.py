@@ -15,6 +15,7 @@ import torch
 from .._errors import BUG, RecomputeMismatchError, RematError
 from . import stats as _stats
 from .debug import side_by_side
+from .transfer import Parcel, Stay
 
 __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute"]
 
@@ -174,6 +175,8 @@ class Frame:
         if kind is Outer:
             assert self.outer is not None
             return self.outer[1](packed.packed)
+        if kind is Parcel or kind is Stay:  # kept by the site's offload: see NOTE [ Offloaded sites ]
+            return packed.get()  # type: ignore[no-any-return]
         gid = torch._C._current_graph_task_id()
         store = self._stores.get(gid)
         if store is None or packed.index not in store:

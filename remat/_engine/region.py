@@ -22,6 +22,7 @@ from .._errors import BUG, RecomputeMismatchError, RematError
 from .._options import Options
 from .guard import storage_key
 from .hooks import Frame, Handle, Kept
+from .offload import Offload, resolve
 from .tape import Recorder, Tape, op_info
 
 __all__ = ["Region", "RegionFrame", "begin", "call", "end"]
@@ -181,7 +182,8 @@ class RegionFrame(Frame):
 
 
 def begin(
-    *, site: str, check: bool, preserve_rng: bool, debug: bool, module: nn.Module | None = None
+    *, site: str, check: bool, preserve_rng: bool, debug: bool, module: nn.Module | None = None,
+    offload: Offload | None = None,
 ) -> object:
     """Start recording a replay region; the code between `begin` and `end` runs inside it.
 
@@ -191,6 +193,7 @@ def begin(
         preserve_rng: replay random ops with the generator states forward used.
         debug: also keep a copy of each freed tensor and compare rebuilt values (REMAT_DEBUG=1).
         module: accepted for symmetry with the rerun strategy; the tape finds devices itself.
+        offload: keep the tensors from outside that the region keeps on the host (NOTE [ Offloaded sites ]).
 
     Returns:
         A token for `end` (None when nothing is recorded: grad mode is off).
@@ -205,6 +208,8 @@ def begin(
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return None
     frame = RegionFrame(site, check, preserve_rng, debug)
+    if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
+        frame.outer = offload.hooks
     recorder = frame.recorder
     assert recorder is not None
     recorder.__enter__()  # type: ignore[no-untyped-call]
@@ -246,6 +251,7 @@ def call(
     preserve_rng: bool = True,
     debug: bool = False,
     module: nn.Module | None = None,
+    offload: Offload | None = None,
 ) -> Any:
     """Run `fn(*args, **kwargs)` as a replay region and return its output.
 
@@ -253,7 +259,7 @@ def call(
     >>> y = call(torch.sin, (x,), {}, site="sin")
     >>> y.sum().backward()
     """
-    token = begin(site=site, check=check, preserve_rng=preserve_rng, debug=debug, module=module)
+    token = begin(site=site, check=check, preserve_rng=preserve_rng, debug=debug, module=module, offload=offload)
     try:
         out = fn(*args, **kwargs)
     except BaseException:
@@ -309,7 +315,7 @@ class Region:
                 site = f"region at {caller.f_code.co_filename}:{caller.f_lineno}"
             token = begin(
                 site=site, check=options.check, preserve_rng=options.preserve_rng,
-                debug=options.debug or _switch.debug(),
+                debug=options.debug or _switch.debug(), offload=resolve(options.offload),
             )
         self._stack().append(token)
 

@@ -19,8 +19,10 @@ from .autocast import AutocastState
 from .debug import OpTrace
 from .guard import guard_buffers, release
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
+from .offload import Offload, resolve
 from .rng import RngStash, devices_of
 from .selective import ReuseOps, SaveOps
+from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
 __all__ = ["RerunFrame", "begin", "call", "compiling", "end", "torch_checkpoint"]
@@ -70,7 +72,7 @@ class RerunFrame(Frame):
 
     __slots__ = (
         "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
-        "kwargs", "module", "policy", "rng", "seconds", "tensors", "versions",
+        "kwargs", "module", "offload", "policy", "rng", "seconds", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
@@ -90,14 +92,18 @@ class RerunFrame(Frame):
     kept: list[Any]  # outputs of the ops the policy keeps, in forward's order
     kept_ids: set[int]  # ids of every tensor the policy keeps
     kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, in order
+    offload: Offload | None  # where what the policy keeps goes: NOTE [ Offloaded sites ] in offload.py
 
-    def pack(self, tensor: torch.Tensor) -> Kept | Handle | Outer:
+    def pack(self, tensor: torch.Tensor) -> Kept | Handle | Outer | Parcel | Stay:
         """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
         if id(tensor) in self.ids:
             return self.keep_outside(tensor)
         if tensor.requires_grad and tensor.is_leaf:  # never `grad_fn`: see NOTE [ Freeing long chains ]
             return self.keep(tensor)
         if self.policy is not None and id(tensor) in self.kept_ids:
+            if self.offload is not None:
+                self.account(tensor)
+                return self.offload.pack(tensor)
             return self.keep(tensor.detach())  # detached: an op may save its own output
         base = tensor._base
         if base is not None:
@@ -196,9 +202,10 @@ class RerunFrame(Frame):
         if self.contexts is not None:
             stack.enter_context(self.contexts())
         if self.policy is not None:
-            stack.enter_context(ReuseOps(self.policy, self.kept))
+            unpack = None if self.offload is None else self.offload.unpack_one
+            stack.enter_context(ReuseOps(self.policy, self.kept if unpack is None else map(unpack, self.kept)))
             if self.kept_tags:
-                kept_tags = iter(self.kept_tags)
+                kept_tags = iter(self.kept_tags if unpack is None else map(unpack, self.kept_tags))
                 policy = self.policy
 
                 def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -245,6 +252,7 @@ def begin(
     module: nn.Module | None = None,
     contexts: _Contexts | None = None,
     policy: Policy | None = None,
+    offload: Offload | None = None,
 ) -> RerunFrame:
     """Open a rerun region for the call `fn(*args, **kwargs)` that the caller makes next; see `call`."""
     tensors = tensors_in(args, [])
@@ -253,6 +261,9 @@ def begin(
     frame = RerunFrame(site, check, early_stop, [] if debug else None)
     frame.fn = fn
     frame.module = module
+    if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
+        frame.outer = offload.hooks
+    frame.offload = offload if offload is not None or policy is None or not policy.offloads else resolve(True)
     if frame.outer is None:
         frame.args, frame.kwargs = args, kwargs
         frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
@@ -291,6 +302,8 @@ def end(frame: RerunFrame, *, ok: bool = True) -> None:
     if frame.exit is not None:
         frame.exit.close()
         frame.exit = None
+    if frame.offload is not None and frame.policy is not None:
+        frame.kept, frame.kept_tags = frame.offload.pack_all(frame.kept), frame.offload.pack_all(frame.kept_tags)
 
 
 def call(
@@ -306,6 +319,7 @@ def call(
     module: nn.Module | None = None,
     contexts: _Contexts | None = None,
     policy: Policy | None = None,
+    offload: Offload | None = None,
 ) -> Any:
     """Run `fn(*args, **kwargs)` as a rerun region and return its output.
 
@@ -321,13 +335,14 @@ def call(
         module: the module whose method runs, so its parameters' devices count for RNG.
         contexts: `(forward, recompute)` context factories, like torch's `context_fn`.
         policy: what to keep from forward instead of rebuilding (None: nothing; see NOTE [ Policies ]).
+        offload: where to keep what the site keeps, instead of on its device (NOTE [ Offloaded sites ]).
 
     >>> x = torch.ones(3, requires_grad=True)
     >>> call(torch.sin, (x,), {}, site="sin").sum().backward()
     """
     frame = begin(
         fn, args, kwargs, site=site, check=check, preserve_rng=preserve_rng,
-        early_stop=early_stop, debug=debug, module=module, contexts=contexts, policy=policy,
+        early_stop=early_stop, debug=debug, module=module, contexts=contexts, policy=policy, offload=offload,
     )
     try:
         return fn(*args, **kwargs)

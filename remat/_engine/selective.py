@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ class SaveOps(Mode):
 class ReuseOps(Mode):
     """Recompute: hand back forward's outputs of the chosen ops instead of running them again."""
 
-    def __init__(self, policy: Policy, kept: list[Any]) -> None:
+    def __init__(self, policy: Policy, kept: Iterable[Any]) -> None:
         super().__init__()
         self.policy = policy
         self.kept = iter(kept)

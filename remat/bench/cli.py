@@ -51,7 +51,7 @@ def run(
     """Run the benchmark and return its metadata and rows (what ``python -m remat`` prints).
 
     Args:
-        models: Any of ``"gpt"``, ``"convnet"``, ``"chain"``, ``"tiny"``.
+        models: Any of ``"gpt"``, ``"convnet"``, ``"chain"``, ``"tiny"``, ``"offload"`` (an accelerator only).
         size: ``"small"`` (a quick CPU run) or ``"medium"`` (the sizes of spec §5).
         device: Where to run.
         repeats: Timed steps per configuration; the median is reported.
@@ -80,6 +80,12 @@ def run(
     }
     rows: list[Result] = []
     for name in models:
+        if name == "offload":  # spec §5.9: its own rows and model (remat/bench/offload.py)
+            from .offload import bench_offload
+
+            meta["models"]["offload"], found = bench_offload(dev, repeats, progress)
+            rows += [Result("offload", **{k: v for k, v in row.items() if k != "host_bytes"}) for row in found]
+            continue
         if name == "tiny":
             meta["models"]["tiny"] = (
                 f"(x * 2).sin() on 16 floats, step = forward+backward per call; region overhead on {REPLAY_OPS} ops"
@@ -114,10 +120,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "offload", "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
-        "against checkpoint_sequential (spec §5.5); tiny: per-call overhead, replay overhead and start-up",
+        "against checkpoint_sequential (spec §5.5); tiny: per-call overhead, replay overhead and start-up; "
+        "offload: offloading to host memory on the GPT-like stack (spec §5.9; needs --device cuda)",
     )
     parser.add_argument(
         "--size",

@@ -1,0 +1,274 @@
+"""Offload what autograd keeps to host memory: `remat.offload()`, `offload=True` on sites (spec §2.11).
+
+See NOTE [ What is offloaded ] and NOTE [ Offloaded sites ] here, NOTE [ Offload lifecycle ] in transfer.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .._errors import RematError
+from .guard import storage_key
+from .transfer import Parcel, Stay, reap
+
+__all__ = ["Offload", "offload", "resolve"]
+
+# NOTE [ What is offloaded ]
+# A saved tensor is offloaded when it is on an accelerator (or on CPU with `include_cpu`), holds at least
+# `min_bytes`, is a plain strided tensor, and is not memory that lives anyway: not an `nn.Parameter`, not a
+# leaf that requires grad (a user's input), not a view of one of those, and not a module buffer. Buffers are
+# recognised by storage: once an `Offload` exists, a global forward pre-hook notes the buffers of every module
+# called (a lookup of `module._buffers`; weak references, so nothing is kept alive). A tensor saved twice
+# (the output of `tanh`, saved by `tanh` and by the matmul that reads it) is the same Python object both
+# times: it is copied once and both saved variables share the parcel. Everything else is handed back as it
+# is (`Stay`), with its version, so an in-place change before backward still raises.
+# Offload's own copies run with the dispatch modes set aside, so a site's recorder or policy, or
+# `remat.track`, never sees them: the tracker counts device memory, `host_bytes()` counts host copies.
+
+_modes_on = torch._C._len_torch_dispatch_stack
+
+_INSIDE_RERUN = (
+    "remat: `with remat.offload():` inside the rematerialized function `{site}`: rerun calls the function again "
+    "in backward and the offload block would take the tensors that recompute must rebuild. Give the site "
+    "`offload=True` instead (what it keeps goes to host), or put the offload block around the call."
+)
+
+
+# -- buffers (NOTE [ What is offloaded ]) ------------------------------------------------------------------
+
+_buffers: dict[int, weakref.ref[torch.Tensor]] = {}
+_KEY = -0x0FF10AD
+_watching = False
+_watch_lock = threading.Lock()
+
+
+def _note_buffers(module: nn.Module, args: Any) -> None:
+    if module._buffers and not torch.compiler.is_compiling():  # dynamo would break the graph on weakrefs
+        for buffer in module._buffers.values():
+            if buffer is not None:
+                key = storage_key(buffer)
+                if key is not None:
+                    _buffers[key] = weakref.ref(buffer)
+
+
+def _watch_buffers() -> None:
+    global _watching
+    with _watch_lock:
+        if not _watching:
+            _module._global_forward_pre_hooks[_KEY] = _note_buffers
+            _watching = True
+
+
+def _is_buffer(tensor: torch.Tensor) -> bool:
+    key = storage_key(tensor)
+    ref = _buffers.get(key) if key is not None else None
+    if ref is None:
+        return False
+    buffer = ref()
+    if buffer is None or storage_key(buffer) != key:
+        _buffers.pop(key, None)  # type: ignore[arg-type]
+        return False
+    return True
+
+
+def _lives_anyway(tensor: torch.Tensor) -> bool:
+    """A parameter, a leaf that requires grad, a view of one of those."""
+    if isinstance(tensor, nn.Parameter) or (tensor.requires_grad and tensor.is_leaf):
+        return True
+    base = tensor._base
+    return base is not None and (isinstance(base, nn.Parameter) or (base.requires_grad and base.is_leaf))
+
+
+class Offload:
+    """Keep what autograd saves in host memory instead of on the accelerator (spec §2.11).
+
+    Made by `remat.offload(...)`. As a context manager, every tensor autograd saves inside the block that
+    qualifies (see `remat.offload`) is copied to host memory in forward and brought back in backward. As a
+    site option (`@remat(offload=remat.offload(...))`), it says how that site offloads what it keeps. One
+    object may be entered again, nested and from several threads.
+
+    >>> import torch, remat
+    >>> x = torch.randn(64, 64, requires_grad=True)
+    >>> with remat.offload(include_cpu=True):
+    ...     y = x.exp().exp()
+    >>> y.sum().backward()
+    """
+
+    def __init__(self, min_bytes: int = 1024, pin_memory: bool = True, include_cpu: bool = False) -> None:
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"remat: offload's `min_bytes` must be an int >= 0, but got {min_bytes!r}.")
+        for flag, value in (("pin_memory", pin_memory), ("include_cpu", include_cpu)):
+            if not isinstance(value, bool):
+                raise TypeError(f"remat: offload's `{flag}` must be a bool, but got `{type(value).__name__}`.")
+        self.min_bytes = min_bytes
+        self.pin_memory = pin_memory
+        self.include_cpu = include_cpu
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, weakref.ref[Parcel]]] = {}
+        _watch_buffers()
+
+    def __repr__(self) -> str:
+        return (
+            f"remat.offload(min_bytes={self.min_bytes}, pin_memory={self.pin_memory}, "
+            f"include_cpu={self.include_cpu})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Only the settings: a module whose site offloads pickles and deep-copies (spec §2.1).
+        return (Offload, (self.min_bytes, self.pin_memory, self.include_cpu))
+
+    @property
+    def hooks(self) -> tuple[Any, Any]:
+        """The saved-tensor hooks `(pack, unpack)` that offload."""
+        return self.pack, self.unpack
+
+    # -- the hooks -----------------------------------------------------------------------------------------
+    def qualifies(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` would be copied to host (see NOTE [ What is offloaded ])."""
+        device = tensor.device.type
+        if device == "meta" or (device == "cpu" and not self.include_cpu):
+            return False
+        if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
+            return False  # tensor subclasses (fake, functional, DTensor) keep their own semantics
+        if tensor.layout != torch.strided or tensor.numel() * tensor.element_size() < self.min_bytes:
+            return False
+        return not _lives_anyway(tensor) and not (_buffers and _is_buffer(tensor))
+
+    def pack(self, tensor: torch.Tensor) -> Parcel | Stay:
+        """The pack hook: a `Parcel` (a host copy) for a qualifying tensor, a `Stay` for the rest."""
+        if not self.qualifies(tensor):
+            return Stay(tensor)
+        key = id(tensor)
+        found = self._seen.get(key)
+        if found is not None and found[0]() is tensor and found[1] == tensor._version:
+            parcel = found[2]()
+            if parcel is not None:
+                parcel.users += 1
+                return parcel
+        if _modes_on():
+            with _disable_current_modes():
+                parcel = Parcel(tensor, self.pin_memory)
+        else:
+            parcel = Parcel(tensor, self.pin_memory)
+        parcel.users = 1
+        seen = self._seen
+        if len(seen) > 4096:
+            for stale in [k for k, (ref, _, box) in seen.items() if ref() is None or box() is None]:
+                del seen[stale]
+        seen[key] = (weakref.ref(tensor), tensor._version, weakref.ref(parcel))
+        return parcel
+
+    @staticmethod
+    def unpack(packed: Parcel | Stay) -> torch.Tensor:
+        """The unpack hook: the tensor back on its device."""
+        return packed.get()
+
+    def pack_all(self, values: Iterable[Any]) -> list[Any]:
+        """Pack every tensor in a list of op outputs (a tensor, or a tuple/list of them)."""
+        return [
+            self.pack(value) if isinstance(value, torch.Tensor)
+            else type(value)(self.pack(t) if isinstance(t, torch.Tensor) else t for t in value)
+            if isinstance(value, (tuple, list)) else value
+            for value in values
+        ]
+
+    @staticmethod
+    def unpack_one(value: Any) -> Any:
+        """The inverse of one item of `pack_all`."""
+        if isinstance(value, (Parcel, Stay)):
+            return value.get()
+        if isinstance(value, (tuple, list)):
+            return type(value)(t.get() if isinstance(t, (Parcel, Stay)) else t for t in value)
+        return value
+
+    # -- the context manager -------------------------------------------------------------------------------
+    def __enter__(self) -> Offload:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None:
+            from .rerun import RerunFrame  # here: rerun imports this module
+
+            frame = getattr(top[0], "__self__", None)
+            if isinstance(frame, RerunFrame):
+                raise RematError(_INSIDE_RERUN.format(site=frame.site))
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        reap()
+
+
+def offload(min_bytes: int = 1024, pin_memory: bool = True, include_cpu: bool = False) -> Offload:
+    """Keep the tensors autograd saves in host memory, not on the accelerator: `with remat.offload():`.
+
+    Every tensor autograd saves for backward inside the block that lives on an accelerator, holds at least
+    `min_bytes`, and is not a parameter, a buffer, a leaf that requires grad or a view of one of those, is
+    copied to host memory in forward, on a side stream of its device (so the copy overlaps compute), and
+    copied back in backward ahead of its use. The device tensor is freed once its copy is done. Wrap
+    rematerialized sites in it, or give a site `offload=True`, and what those sites keep (their inputs, what
+    a policy saves) goes to host while what they recompute is never copied. Device-generic (CUDA, XPU, ...:
+    `torch.get_device_module`).
+
+    Args:
+        min_bytes: smaller tensors stay where they are (a copy costs more than it frees).
+        pin_memory: copy into pinned host memory, so that copies run asynchronously.
+        include_cpu: also copy CPU tensors (into separate host tensors, through the same path): for tests.
+            Without it, offload is a pass-through on CPU, where there is nowhere cheaper to put them.
+
+    Returns:
+        An `Offload`: a context manager, also accepted as a site's `offload=` option.
+
+    Raises:
+        ValueError, TypeError: for a bad `min_bytes`, `pin_memory` or `include_cpu`.
+
+    >>> import torch, remat
+    >>> w = torch.randn(32, 32, requires_grad=True)
+    >>> with remat.offload(include_cpu=True):
+    ...     loss = (torch.randn(8, 32) @ w).tanh().sum()
+    >>> loss.backward()
+    """
+    return Offload(min_bytes, pin_memory, include_cpu)
+
+
+_default: list[Offload] = []
+
+
+def resolve(setting: Any) -> Offload | None:
+    """A site's `offload=` option as an `Offload` (True: the defaults), or None.
+
+    >>> resolve(False) is None, resolve(True) is resolve(True)
+    (True, True)
+    """
+    if setting is False or setting is None:
+        return None
+    if setting is True:
+        if not _default:
+            _default.append(Offload())
+        return _default[0]
+    if isinstance(setting, Offload):
+        return setting
+    raise TypeError(
+        f"remat: `offload` must be True, False or remat.offload(...), but got `{type(setting).__name__}`."
+    )
+
+
+# NOTE [ Offloaded sites ]
+# A site with `offload=` (`@remat`, `remat(module)`, `remat.apply`, `remat.region`) keeps for backward its
+# inputs (and views of them), the outputs its policy saves, and parameters. Sites already hand their inputs
+# to the enclosing saved-tensor hooks when there are any (NOTE [ Inputs of nested sites ] in hooks.py);
+# an offloading site with no enclosing hooks makes its `Offload` those hooks (`frame.outer`), so its inputs
+# go to host through the same path, and come back through it when recompute or replay needs them. Inside
+# another site the inputs are that site's activations, rebuilt by it: nothing to offload. The outputs a
+# policy saves go to the frame's `offload` (the site's, or the default one for `policies.offload(...)`):
+# the pack hook returns their parcels, and the list that recompute reuses holds parcels from the end of
+# forward on, brought back one by one as recompute reaches them. What the site recomputes is never copied.

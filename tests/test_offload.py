@@ -1,0 +1,711 @@
+"""Offload to host memory (spec §2.11): `remat.offload()`, `offload=` on sites, `policies.offload`.
+
+On CPU everything runs through `remat.offload(include_cpu=True)`, which copies CPU tensors into separate host
+tensors through the same code as on an accelerator (torch.cpu's streams are no-ops, its events None). The
+`cuda`-marked tests at the end check what only a GPU can show: the side stream, no device synchronize, and no
+use of freed device memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same_grads, randn
+from models import MLP, ConvBN, TransformerBlock
+from torch import nn
+
+import remat
+from remat import policies
+from remat._engine import offload as _offload
+from remat._engine import transfer as _transfer
+from remat._plan.chain import chain
+
+# Tiny test tensors are far below the default floor of 1 KiB: offload every tensor unless a test says otherwise.
+CPU = remat.offload(min_bytes=0, include_cpu=True)
+
+
+class Copies:
+    """Every copy to host (`out`) and back (`back`), as (shape, host tensor id)."""
+
+    def __init__(self) -> None:
+        self.out: list[tuple[tuple[int, ...], int]] = []
+        self.back: list[int] = []
+        self.parcels: list[weakref.ref[_transfer.Parcel]] = []
+        self.brought: list[weakref.ref[torch.Tensor]] = []  # every tensor brought back
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
+    seen = Copies()
+    out, back = _transfer._Lane.out, _transfer._Lane.back
+
+    def spy_out(lane: Any, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+        host = out(lane, tensor, pin)
+        seen.out.append((tuple(tensor.shape), id(host)))
+        return host
+
+    def spy_back(lane: Any, host: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+        seen.back.append(id(host))
+        tensor, event, stream = back(lane, host)
+        seen.brought.append(weakref.ref(tensor))
+        return tensor, event, stream
+
+    init = _transfer.Parcel.__init__
+
+    def spy_init(parcel: _transfer.Parcel, tensor: torch.Tensor, pin: bool) -> None:
+        init(parcel, tensor, pin)
+        seen.parcels.append(weakref.ref(parcel))
+
+    monkeypatch.setattr(_transfer.Parcel, "__init__", spy_init)
+    monkeypatch.setattr(_transfer._Lane, "out", spy_out)
+    monkeypatch.setattr(_transfer._Lane, "back", spy_back)
+    yield seen
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_on_the_host() -> Iterator[None]:
+    """After every test here: no host copy alive (the graphs of the test are gone)."""
+    yield
+    gc.collect()
+    assert _transfer.live_parcels() == 0, "a host copy outlived its graph"
+    assert _transfer.host_bytes()[0] == 0
+
+
+def in_context(offload: AbstractContextManager[Any]) -> Callable[[Any], Callable[..., Any]]:
+    """A variant for `assert_same_grads`: call the target inside the offload block."""
+
+    def variant(target: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with offload:
+                return target(*args, **kwargs)
+
+        return call
+
+    return variant
+
+
+def chain_of_sines(x: torch.Tensor, n: int = 6) -> torch.Tensor:
+    for _ in range(n):
+        x = x.sin()
+    return x
+
+
+# -- remat.offload() ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [MLP, TransformerBlock, ConvBN], ids=["mlp", "transformer", "conv_bn"])
+def test_offload_gives_the_gradients_of_no_remat(make: Callable[[], nn.Module], copies: Copies) -> None:
+    shape = (2, 3, 6, 6) if make is ConvBN else (2, 5, 8) if make is TransformerBlock else (4, 8)
+    assert_same_grads(make, (randn(*shape, requires_grad=True),), in_context(CPU))
+    assert copies.out, "nothing was offloaded"
+    assert len(copies.back) >= len(copies.out)
+
+
+def test_offloaded_tensors_leave_in_forward_and_come_back_in_backward(copies: Copies) -> None:
+    x = randn(16, 16, requires_grad=True)
+    with CPU:
+        h = (x * 2).exp()  # exp saves its output
+        storage = weakref.ref(h.untyped_storage())
+        y = h.sin().sum()
+    del h
+    gc.collect()
+    assert storage() is None, "the device tensor was not freed once copied"
+    assert _transfer.live_parcels() == 1 and _transfer.host_bytes()[0] == 16 * 16 * 8  # exp and sin share h
+    y.backward()
+    assert len(copies.back) == len(copies.out)
+    assert _transfer.live_parcels() == 0 and _transfer.host_bytes()[0] == 0
+
+
+def test_without_offload_the_same_tensor_stays() -> None:
+    # The baseline of the test above: autograd keeps the tensor itself.
+    x = randn(16, 16, requires_grad=True)
+    h = (x * 2).exp()
+    storage = weakref.ref(h.untyped_storage())
+    y = h.sin().sum()
+    del h
+    gc.collect()
+    assert storage() is not None
+    y.backward()
+
+
+def test_a_tensor_saved_twice_is_copied_once(copies: Copies) -> None:
+    x = randn(8, 8, requires_grad=True)
+    with CPU:
+        h = x.tanh()  # saved by tanh (its output) and by mm (its input): one object
+        y = (h @ h).sum()
+    assert [shape for shape, _ in copies.out].count((8, 8)) == 1
+    y.backward()
+
+
+def test_parameters_buffers_views_and_small_tensors_stay(copies: Copies) -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(32, 32).double()
+            self.register_buffer("scale", torch.rand(32, 32, dtype=torch.float64) + 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.linear(x) * self.scale).tanh()
+
+    module = Scaled()
+    x = randn(32, 32)
+    small = randn(2, 2, requires_grad=True)
+    with remat.offload(min_bytes=1024, include_cpu=True) as offload:
+        y = module(x).sum() + (small * small).sum()
+        assert not offload.qualifies(module.linear.weight)
+        assert not offload.qualifies(module.linear.weight.t())
+        assert not offload.qualifies(module.scale)
+        assert not offload.qualifies(small * 2)
+        assert offload.qualifies(x)
+    offloaded = sorted(shape for shape, _ in copies.out)
+    # x (saved by addmm) and the tanh output; not the weight, its transpose, the buffer (saved by mul), nor
+    # the 2x2 tensors.
+    assert offloaded == [(32, 32)] * 2
+    y.backward()
+    assert module.linear.weight.grad is not None
+
+
+def test_cpu_tensors_pass_through_by_default(copies: Copies) -> None:
+    x = randn(64, 64, requires_grad=True)
+    with remat.offload():
+        y = x.exp().exp().sum()
+    y.backward()
+    assert copies.out == [] and copies.back == []
+
+
+def test_an_inplace_change_of_a_tensor_kept_on_the_device_raises() -> None:
+    w = randn(4, 4, requires_grad=True)
+    with CPU:
+        y = (w * w).sum()  # w is a leaf that requires grad: kept as it is
+    with torch.no_grad():
+        w.add_(1)
+    with pytest.raises(remat.RematError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_retain_graph_twice(copies: Copies) -> None:
+    x = randn(8, 8, requires_grad=True)
+    with CPU:
+        y = chain_of_sines(x).sum()
+    once = len(copies.out)
+    y.backward(retain_graph=True)
+    first = x.grad.clone()
+    assert _transfer.live_parcels() == once, "retain_graph must keep the host copies"
+    y.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+    assert len(copies.back) == 2 * once
+    del y
+    assert _transfer.live_parcels() == 0
+
+
+def test_create_graph_double_backward() -> None:
+    def second(x: torch.Tensor, offload: AbstractContextManager[Any]) -> torch.Tensor:
+        x = x.detach().clone().requires_grad_()
+        with offload:
+            y = (chain_of_sines(x, 3) * x).sum()
+        (grad,) = torch.autograd.grad(y, x, create_graph=True)
+        (grad * grad).sum().backward()
+        assert x.grad is not None
+        return x.grad
+
+    x = randn(5, 5)
+    torch.testing.assert_close(second(x, CPU), second(x, nullcontext()))
+
+
+def test_dropping_the_graph_without_backward_frees_every_host_copy() -> None:
+    x = randn(16, 16, requires_grad=True)
+    with CPU:
+        y = chain_of_sines(x)
+    assert _transfer.live_parcels() > 0
+    del y
+    assert _transfer.live_parcels() == 0  # no cycle: freed without gc
+
+
+def test_an_exception_inside_leaves_nothing_behind() -> None:
+    x = randn(16, 16, requires_grad=True)
+    with pytest.raises(ZeroDivisionError), CPU:
+        y = chain_of_sines(x)
+        raise ZeroDivisionError
+    del y
+    gc.collect()
+    assert _transfer.live_parcels() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert_same_grads(lambda: chain_of_sines, (randn(4, 4, requires_grad=True),), in_context(CPU))
+
+
+def test_backward_brings_tensors_back_in_reverse_order_each_once(copies: Copies) -> None:
+    x = randn(8, 8, requires_grad=True)
+    with CPU:
+        y = chain_of_sines(x, 8).sum()
+    packed = [host for _, host in copies.out]
+    y.backward()
+    assert sorted(copies.back) == sorted(packed), "a tensor was brought back twice, or never"
+    assert copies.back == packed[::-1], "backward did not fetch in reverse order of packing"
+    assert all(ref() is None for ref in copies.brought), "a tensor brought back outlived its use"
+
+
+def test_prefetched_tensors_that_backward_did_not_use_are_dropped(copies: Copies) -> None:
+    x = randn(8, 8, requires_grad=True)
+    with CPU:
+        mid = chain_of_sines(x, 4)
+        y = chain_of_sines(mid, 4).sum()
+    torch.autograd.grad(y, mid)  # stops at `mid`: the first four sines never run, some were prefetched
+    prefetched = set(copies.back)
+    assert len(prefetched) > 4, "nothing was prefetched beyond what backward ran"
+    parcels = [p for p in copies.parcels if p() is not None]
+    assert parcels and all(p().ready is None for p in parcels)  # type: ignore[union-attr]
+    assert all(ref() is None for ref in copies.brought), "an unused prefetched tensor outlived its backward"
+    del y, mid
+
+
+def test_two_threads_offload_at_once() -> None:
+    def run(seed: int, out: dict[int, Any]) -> None:
+        x = randn(16, 16, requires_grad=True, seed=seed)
+        with CPU:
+            y = chain_of_sines(x * 2, 8).sum()
+        y.backward()
+        out[seed] = x.grad
+
+    got: dict[int, Any] = {}
+    threads = [threading.Thread(target=run, args=(seed, got)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed in (1, 2):
+        x = randn(16, 16, requires_grad=True, seed=seed)
+        chain_of_sines(x * 2, 8).sum().backward()
+        torch.testing.assert_close(got[seed], x.grad)
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _FakeStream:
+    """A device stream seen from the host: events that finish when the test says so."""
+
+    def __init__(self, events: list[_FakeEvent]) -> None:
+        self.events = events
+        self.waited: list[_FakeEvent] = []
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self) -> _FakeEvent:
+        self.events.append(_FakeEvent())
+        return self.events[-1]
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.waited.append(event)
+
+
+def test_device_tensors_are_held_until_their_copy_is_done_and_in_flight_bytes_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The accelerator path of a lane, with streams and events that the test completes by hand.
+    events: list[_FakeEvent] = []
+    compute, side = _FakeStream(events), _FakeStream(events)
+
+    class Module:
+        @staticmethod
+        def current_stream(device: Any = None) -> _FakeStream:
+            return compute
+
+        @staticmethod
+        def stream(stream: Any) -> AbstractContextManager[None]:
+            return nullcontext()
+
+    lane = _transfer._Lane(torch.device("cpu"))
+    lane.module, lane.stream = Module(), side
+    monkeypatch.setattr(_transfer, "_PENDING_BYTES", 3 * 4096)
+    tensors = [torch.full((1024,), float(i)) for i in range(5)]  # 4 KiB each
+    storages = [weakref.ref(t.untyped_storage()) for t in tensors]
+    hosts = [lane.out(t, pin=False) for t in tensors]
+    del tensors
+    # Five copies in flight is two more than the bound: the compute stream waits on the two oldest copies
+    # (on the device, not the host) and their tensors go back to the allocator; the others are held.
+    assert compute.waited == events[:2] and side.waited == []
+    assert [ref() is None for ref in storages] == [True, True, False, False, False]
+    events[2].done = events[4].done = True
+    lane.reap()  # copies finish in order: #2 is released, #3 holds #4 back
+    assert [ref() is None for ref in storages] == [True, True, True, False, False]
+    events[3].done = True
+    lane.reap()
+    assert all(ref() is None for ref in storages) and lane.pending_bytes == 0
+    assert [float(h[0]) for h in hosts] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+# -- sites -------------------------------------------------------------------------------------------------
+
+
+class Doubled(nn.Module):
+    """`inner(x * 2)`: the input of `inner` is an activation, not the user's leaf (which is never offloaded)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(x * 2)
+        return out
+
+
+class Blocks(nn.Module):
+    def __init__(self, n: int = 3, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        lambda m: remat.apply(m, offload=CPU),
+        lambda m: remat.apply(m, offload=CPU, strategy="replay"),
+    ],
+    ids=["apply", "apply_replay"],
+)
+def test_sites_offload_their_inputs_and_never_what_they_recompute(
+    variant: Callable[[nn.Module], nn.Module], copies: Copies
+) -> None:
+    assert_same_grads(Blocks, (randn(4, 8, requires_grad=True),), variant)
+    # the inputs of blocks 2 and 3 (block 1's input is the user's leaf, which lives anyway), each once
+    assert [shape for shape, _ in copies.out if shape == (4, 8)] == [(4, 8)] * 2
+    # and nothing the blocks recompute
+    assert {shape for shape, _ in copies.out} == {(4, 8)}
+    assert len(copies.back) == len(copies.out), "each copy comes back once"
+
+
+def test_save_matmuls_with_offload_copies_the_kept_matmul_outputs(copies: Copies) -> None:
+    assert_same_grads(
+        Blocks, (randn(4, 8, requires_grad=True),),
+        lambda m: remat.apply(m, offload=CPU, policy=policies.save_matmuls),
+    )
+    # per block: fc1's and fc2's outputs (4, 16) and fc3's (4, 8), which is also the next block's input
+    # (one copy for both); the tanh and relu outputs are recomputed
+    shapes = [shape for shape, _ in copies.out]
+    assert shapes.count((4, 16)) == 6 and shapes.count((4, 8)) == 3
+
+
+def test_decorator_module_and_region_sites(copies: Copies) -> None:
+    def module(m: nn.Module) -> nn.Module:
+        remat.remat(m.inner, offload=CPU)
+        return m
+
+    assert_same_grads(lambda: Doubled(MLP()), (randn(4, 8, requires_grad=True),), module)
+    assert [shape for shape, _ in copies.out] == [(4, 8)]
+
+    def doubled_sines(x: torch.Tensor) -> torch.Tensor:
+        return chain_of_sines(x * 2)
+
+    def decorated(fn: Any) -> Any:
+        sines = remat.remat(offload=CPU)(chain_of_sines)
+        return lambda x: sines(x * 2)
+
+    assert_same_grads(lambda: doubled_sines, (randn(4, 8, requires_grad=True),), decorated)
+    assert [shape for shape, _ in copies.out] == [(4, 8)] * 2
+
+    def region(m: nn.Module) -> Callable[..., torch.Tensor]:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            h = x * 2
+            with remat.region(offload=CPU):
+                out: torch.Tensor = m.inner(h)
+            return out
+
+        return call
+
+    assert_same_grads(lambda: Doubled(TransformerBlock()), (randn(2, 5, 8, requires_grad=True),), region)
+    assert [shape for shape, _ in copies.out] == [(4, 8)] * 2 + [(2, 5, 8)]
+
+
+def _frames() -> list[weakref.ref[object]]:
+    gc.collect()
+    return [weakref.ref(obj) for obj in gc.get_objects() if type(obj).__name__ in ("RerunFrame", "RegionFrame")]
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+@pytest.mark.parametrize("backward", ["backward", "retain_graph_twice", "create_graph", "none"])
+def test_offloading_sites_leave_nothing_behind(strategy: str, backward: str) -> None:
+    before = {id(ref()) for ref in _frames()}
+    model = Doubled(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Softplus()).double())
+    remat.remat(model.inner, offload=CPU, strategy=strategy)  # type: ignore[call-overload]
+    x = randn(4, 8, requires_grad=True)
+    y = model(x).sum()
+    refs = [ref for ref in _frames() if id(ref()) not in before]
+    assert len(refs) == 1 and _transfer.live_parcels() == 1
+    params = list(model.parameters())
+    if backward == "backward":
+        y.backward()
+    elif backward == "retain_graph_twice":
+        y.backward(retain_graph=True)
+        y.backward()
+    elif backward == "create_graph":
+        grads = torch.autograd.grad(y, params, create_graph=True)
+        sum((g * g).sum() for g in grads).backward()
+        del grads
+    del y
+    assert refs[0]() is None, "the frame outlived its graph (a cycle through C++ that gc cannot see)"
+    assert _transfer.live_parcels() == 0
+
+
+def test_an_exception_inside_an_offloading_site_leaves_nothing_behind() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin().exp()
+        if h.sum() > -1:
+            raise ZeroDivisionError
+        return h
+
+    site = remat.remat(offload=CPU)(fn)
+    with pytest.raises(ZeroDivisionError):
+        site(randn(8, 8, requires_grad=True) * 2)
+    gc.collect()
+    assert _transfer.live_parcels() == 0
+    assert_same_grads(lambda: chain_of_sines, (randn(4, 4, requires_grad=True),), remat.remat(offload=CPU))
+
+
+def test_an_offloading_site_holds_no_input_on_the_device() -> None:
+    def held(offload: Any) -> int:
+        model = remat.apply(Blocks(3, 64).double(), offload=offload)
+        x = randn(32, 64, requires_grad=True)
+        with remat.track() as t:
+            y = model(x * 2)
+            held = t.current_bytes
+        y.sum().backward()
+        return held
+
+    # Without offload the blocks keep their inputs: 3 of 32x64 float64 (x * 2 and two block outputs,
+    # the last of which is the output itself); with offload they are on the host.
+    assert held(False) - held(CPU) >= 2 * 32 * 64 * 8
+
+
+def test_policy_offload_keeps_matmul_outputs_on_the_host(
+    copies: Copies, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_offload, "_default", [CPU])  # policies.offload uses the default settings
+    policy = policies.offload(policies.save_matmuls)
+    assert_same_grads(MLP, (randn(4, 8, requires_grad=True),), lambda m: remat.remat(m, policy=policy))
+    # fc1, fc2, fc3 outputs; not the input (the site itself does not offload)
+    assert sorted(shape for shape, _ in copies.out) == [(4, 8), (4, 16), (4, 16)]
+
+
+def test_policy_offload_with_tags(copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_offload, "_default", [CPU])
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return remat.tag(x.sin() * 3, "h").cos().exp()
+
+    assert_same_grads(lambda: fn, (randn(4, 8, requires_grad=True),),
+                      remat.remat(policy=policies.offload(policies.save_tagged("h"))))
+    assert [shape for shape, _ in copies.out] == [(4, 8)]
+
+
+def test_policy_offload_repr_and_errors() -> None:
+    assert repr(policies.offload(policies.save_matmuls)) == "offload(matmuls)"
+    with pytest.raises(ValueError, match=r"remat\.offload"):
+        policies.offload(policies.save_all)
+    with pytest.raises(ValueError, match="offload"):
+        policies.offload(policies.save_matmuls) | policies.save_tagged("a")
+
+
+# -- nesting -----------------------------------------------------------------------------------------------
+
+
+def test_offload_around_rematerialized_blocks_copies_only_their_inputs(copies: Copies) -> None:
+    assert_same_grads(Blocks, (randn(4, 8, requires_grad=True),), lambda m: in_context(CPU)(remat.apply(m)))
+    assert copies.out and all(shape == (4, 8) for shape, _ in copies.out)
+
+
+def test_a_site_inside_an_offloading_site_leaves_its_inputs_to_it(copies: Copies) -> None:
+    def nest(model: nn.Module) -> nn.Module:
+        for block in model.inner.blocks:
+            remat.remat(block, offload=CPU)
+        remat.remat(model.inner, offload=CPU)
+        return model
+
+    assert_same_grads(lambda: Doubled(Blocks(2)), (randn(4, 8, requires_grad=True),), nest)
+    assert [shape for shape, _ in copies.out] == [(4, 8)], "only the outer site's input goes to host"
+
+
+def test_a_region_inside_an_offloading_decorated_function() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with remat.region():
+            h = x.sin().exp()
+        return h.tanh()
+
+    assert_same_grads(lambda: fn, (randn(4, 8, requires_grad=True),), remat.remat(offload=CPU))
+    assert_same_grads(lambda: fn, (randn(4, 8, requires_grad=True),), in_context(CPU))
+
+
+def test_a_chain_inside_offload() -> None:
+    torch.manual_seed(0)
+    stages = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]).double()
+    budgeted = chain(copy.deepcopy(stages), segments=2)
+    x = randn(8, 16)
+    for model in (stages, budgeted):
+        for p in model.parameters():
+            p.grad = None
+    stages(x).sum().backward()
+    with CPU:
+        y = budgeted(x).sum()
+    y.backward()
+    for p, q in zip(stages.parameters(), budgeted.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+# -- options -----------------------------------------------------------------------------------------------
+
+
+def test_offload_inside_a_rerun_function_is_a_clear_error() -> None:
+    @remat.remat(name="block")
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with CPU:
+            return x.sin().exp()
+
+    with pytest.raises(remat.RematError, match=r"inside the rematerialized function `block`.*offload=True"):
+        block(randn(4, 4, requires_grad=True))
+
+    def in_region(fn: Any) -> Callable[..., torch.Tensor]:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            with remat.region(), CPU:  # replay does not run Python again: fine
+                out: torch.Tensor = fn(x)
+            return out
+
+        return call
+
+    assert_same_grads(lambda: lambda x: x.sin().exp(), (randn(4, 4, requires_grad=True),), in_region)
+
+
+def test_bad_offload_options_are_clear_errors() -> None:
+    with pytest.raises(TypeError, match=r"remat: `offload` must be True, False or remat.offload"):
+        remat.remat(offload="yes")  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="min_bytes"):
+        remat.offload(min_bytes=-1)
+    with pytest.raises(TypeError, match="pin_memory"):
+        remat.offload(pin_memory=1)  # type: ignore[arg-type]
+
+
+def test_a_module_that_offloads_pickles_deep_copies_and_shows_in_its_plan() -> None:
+    model = remat.apply(Blocks(2), offload=remat.offload(min_bytes=4096))
+    clone = pickle.loads(pickle.dumps(model))
+    again = copy.deepcopy(model)
+    assert "offload" in str(remat.plan(clone)) and "offload" in str(remat.plan(again))
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(clone(x), model(x))
+
+
+# -- CUDA (skipped without a GPU) --------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[MLP(256) for _ in range(4)]).cuda()
+
+
+def _grads(model: nn.Module, x: torch.Tensor, offload: AbstractContextManager[Any], hook: Any = None) -> list[Any]:
+    for p in model.parameters():
+        p.grad = None
+    with offload:
+        y = model(x).square().sum()
+    if hook is not None:
+        hook()
+    y.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_copies_run_on_a_side_stream_without_synchronizing_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = _cuda_model(), torch.randn(512, 256, device="cuda")
+    expected = _grads(model, x, nullcontext())
+    streams: list[Any] = []
+    copy_ = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if self.device != src.device:
+            streams.append(torch.cuda.current_stream())
+            assert non_blocking, "a copy between host and device blocked the host"
+        return copy_(self, src, non_blocking)
+
+    def no_sync(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("offload synchronized the whole device")
+
+    offload = remat.offload()
+    _grads(model, x, offload)  # warm-up: pinned host blocks are allocated once, then cached
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", no_sync)
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", no_sync)
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        got = _grads(model, x, offload)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.undo()
+    torch.cuda.synchronize()
+    assert streams, "nothing was copied"
+    compute = torch.cuda.current_stream()
+    assert all(stream != compute for stream in streams), "a copy ran on the compute stream"
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_overwriting_freed_memory_after_forward_does_not_change_gradients() -> None:
+    model, x = _cuda_model(), torch.randn(512, 256, device="cuda")
+    expected = _grads(model, x, nullcontext())
+
+    def scribble() -> None:
+        # Right after forward, with no synchronization: take blocks the size of the activations and fill them
+        # with NaN on the compute stream. Had offload released a device tensor before its copy to host ran on
+        # the side stream, the copy would read NaN.
+        junk = [torch.full(shape, float("nan"), device="cuda") for shape in [(512, 512), (512, 256)] * 64]
+        del junk
+
+    for offload in (remat.offload(), remat.offload(pin_memory=False)):
+        got = _grads(model, x, offload, scribble)
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e)
+    torch.cuda.synchronize()
+    _transfer.reap()
+    assert all(not lane.pending for lane in _transfer._lanes.values()), "device tensors held after their copy"
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_per_block_remat_with_offload_holds_less_on_the_device() -> None:
+    def held(offload: bool) -> int:
+        model = remat.apply(_cuda_model(), MLP, offload=offload)
+        x = torch.randn(4096, 256, device="cuda", requires_grad=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        y = model(x * 2)
+        torch.cuda.synchronize()
+        _transfer.reap()
+        held = torch.cuda.memory_allocated() - base
+        y.square().sum().backward()
+        return held
+
+    # the inputs of blocks 2 to 4 (4096 x 256 float32 each) leave the device
+    assert held(True) <= held(False) - 3 * 4096 * 256 * 4
