@@ -17,6 +17,7 @@ from . import _switch
 from ._engine import region as _region
 from ._engine import rerun as _rerun
 from ._engine.rerun import compiling, torch_checkpoint
+from ._integrations import comes_from
 from ._options import Options
 from ._plan.blocks import describe_search, find_blocks
 from ._plan.sites import ModelPlan, Site
@@ -100,18 +101,22 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 class _Open:
     """Forward pre-hook that opens a region around `module.forward`."""
 
-    def __init__(self, options: Options, site: str) -> None:
+    def __init__(self, options: Options, site: str, adapt: Any = None) -> None:
         self.options = options
         self.site = site
         self.engine = _Engine(options, site)
+        self.adapt = adapt  # changes the arguments of an active site: see _cache_rule
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         stack = _open_sites.stack
         if self.engine.passthrough or not _active(self.options) or compiling():
             stack.append((module, None, None))
-            return
+            return None
+        changed = self.adapt(module, args, kwargs) if self.adapt is not None else None
+        if changed is not None:
+            args, kwargs = changed
         engine = self.engine
         extra = engine.extra
         if self.options.strategy == "replay":
@@ -119,9 +124,10 @@ class _Open:
         else:
             token = engine.begin(module.forward, args, kwargs, module=module, **extra)
         stack.append((module, engine, token))
+        return changed
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Open, (self.options, self.site))
+        return (_Open, (self.options, self.site, self.adapt))
 
 
 class _Close:
@@ -171,13 +177,26 @@ def _remove_hooks(module: nn.Module) -> None:
             table.pop(key, None)
 
 
-def wrap_module(module: _M, options: Options) -> _M:
+def _cache_rule(module: nn.Module, options: Options, shared: list[Any]) -> Any:
+    """The KV-cache rule for a transformers layer under rerun, else None; see NOTE [ Caches of transformers
+    layers ] in _integrations/transformers.py. `shared` holds one rule for a model's layers (one log line)."""
+    if options.strategy == "replay" or not comes_from(module, "transformers"):
+        return None
+    if not shared:
+        from ._integrations.transformers import CacheOff
+
+        shared.append(CacheOff())
+    return shared[0]
+
+
+def wrap_module(module: _M, options: Options, shared: list[Any] | None = None) -> _M:
     """Rematerialize `module`'s forward in place and return the same object."""
     if hasattr(type(module).forward, _MARK):
         return module  # the class is rematerialized already
     _remove_hooks(module)
     site = options.name or type(module).__qualname__
-    module.register_forward_pre_hook(_Open(options, site), with_kwargs=True)
+    adapt = _cache_rule(module, options, [] if shared is None else shared)
+    module.register_forward_pre_hook(_Open(options, site, adapt), with_kwargs=True)
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module
 
@@ -222,9 +241,10 @@ def apply(
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
     chosen = _select(model, where)
+    shared: list[Any] = []
     for index, (_, module) in enumerate(chosen):
         if index % every == 0:
-            wrap_module(module, options)
+            wrap_module(module, options, shared)
     return model
 
 
