@@ -59,8 +59,11 @@ def _active(options: Options) -> bool:
     return options.active(_switch._state[0]) and torch.is_grad_enabled()
 
 
-def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
-    """Return `fn` rematerialized: a plain function (so methods bind and dynamo can trace it)."""
+def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any = None) -> _F:
+    """Return `fn` rematerialized: a plain function (so methods bind and dynamo can trace it).
+
+    `adapt(module, args, kwargs)`, for a method, may change the arguments of an active call (see _cache_rule).
+    """
     if isinstance(fn, (staticmethod, classmethod)):
         return type(fn)(wrap_function(fn.__func__, options, site))
     name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
@@ -76,6 +79,10 @@ def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
         if compiling():  # see NOTE [ Under torch.compile ]
             return torch_checkpoint(fn, args, kwargs)
         module = args[0] if args and isinstance(args[0], nn.Module) else None
+        if adapt is not None and module is not None:
+            changed = adapt(module, args[1:], kwargs)
+            if changed is not None:
+                args, kwargs = (module, *changed[0]), changed[1]
         return call(fn, args, kwargs, module=module, **extra)
 
     setattr(remat_wrapper, _MARK, options)
@@ -86,7 +93,7 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
     """Rematerialize every instance's `forward`; the class stays itself (isinstance, pickling hold)."""
     forward = cls.forward
     forward = getattr(forward, "__wrapped__", forward) if hasattr(forward, _MARK) else forward
-    cls.forward = wrap_function(forward, options, site=cls.__qualname__)
+    cls.forward = wrap_function(forward, options, site=cls.__qualname__, adapt=_cache_rule(cls, options, []))
     return cls
 
 
@@ -177,10 +184,10 @@ def _remove_hooks(module: nn.Module) -> None:
             table.pop(key, None)
 
 
-def _cache_rule(module: nn.Module, options: Options, shared: list[Any]) -> Any:
-    """The KV-cache rule for a transformers layer under rerun, else None; see NOTE [ Caches of transformers
+def _cache_rule(kind: type, options: Options, shared: list[Any]) -> Any:
+    """The KV-cache rule for a transformers layer class under rerun, else None; see NOTE [ Caches of transformers
     layers ] in _integrations/transformers.py. `shared` holds one rule for a model's layers (one log line)."""
-    if options.strategy == "replay" or not comes_from(module, "transformers"):
+    if options.strategy == "replay" or not comes_from(kind, "transformers"):
         return None
     if not shared:
         from ._integrations.transformers import CacheOff
@@ -195,7 +202,7 @@ def wrap_module(module: _M, options: Options, shared: list[Any] | None = None) -
         return module  # the class is rematerialized already
     _remove_hooks(module)
     site = options.name or type(module).__qualname__
-    adapt = _cache_rule(module, options, [] if shared is None else shared)
+    adapt = _cache_rule(type(module), options, [] if shared is None else shared)
     module.register_forward_pre_hook(_Open(options, site, adapt), with_kwargs=True)
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module

@@ -141,6 +141,20 @@ def test_replay_keeps_the_cache_and_backward_leaves_it_unchanged(name: str) -> N
         assert torch.equal(keys, keys_after) and torch.equal(values, values_after)
 
 
+def test_the_class_form_switches_the_cache_off_too() -> None:
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    forward = layer.forward
+    none = _step(llama, "llama", "none")
+    try:
+        remat(layer)  # every instance, the same rule
+        ours = _step(llama, "llama", "none")
+    finally:
+        layer.forward = forward
+    _assert_same(none, ours)
+    assert ours["peak"] < none["peak"]
+    assert ours["cache"].get_seq_length() == 0
+
+
 def test_each_model_picks_its_layers() -> None:
     for name, (make, kind) in MODELS.items():
         sites = list(remat.plan(remat.apply(make())))

@@ -6,17 +6,15 @@ transformers or peft.
 
 from __future__ import annotations
 
-from torch import nn
-
 __all__ = ["comes_from"]
 
 
-def comes_from(module: nn.Module, library: str) -> bool:
-    """Whether `module`'s class, or one of its bases, is defined in `library` (a top-level package name).
+def comes_from(kind: type, library: str) -> bool:
+    """Whether the class `kind`, or one of its bases, is defined in `library` (a top-level package name).
 
     >>> import torch
-    >>> comes_from(torch.nn.Linear(1, 1), "torch"), comes_from(torch.nn.Linear(1, 1), "transformers")
+    >>> comes_from(torch.nn.Linear, "torch"), comes_from(torch.nn.Linear, "transformers")
     (True, False)
     """
     prefix = library + "."
-    return any(kind.__module__ == library or kind.__module__.startswith(prefix) for kind in type(module).__mro__)
+    return any(base.__module__ == library or base.__module__.startswith(prefix) for base in kind.__mro__)
