@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import subprocess
 import sys
 from collections.abc import Callable
@@ -153,6 +154,15 @@ def test_the_class_form_switches_the_cache_off_too() -> None:
     _assert_same(none, ours)
     assert ours["peak"] < none["peak"]
     assert ours["cache"].get_seq_length() == 0
+
+
+def test_an_applied_model_survives_deepcopy_and_pickle() -> None:
+    model = remat.apply(llama().double().train())
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        out = clone(**batch())
+        out.loss.backward()
+        assert out.past_key_values.get_seq_length() == 0
+        assert len(remat.plan(clone)) == 2
 
 
 def test_each_model_picks_its_layers() -> None:
