@@ -21,7 +21,8 @@ logger = logging.getLogger("remat")
 # In training, transformers models build a KV cache by default (`use_cache` defaults to the config's, True
 # for most decoders) and hand it to every layer, which appends its keys and values with `cache.update(...)`
 # (T5's cross-attention also flips `cache.is_updated[layer]` and, once flipped, reads keys from the cache
-# instead of projecting them). Rerun calls a layer's forward again in backward, so the cache would be updated a
+# instead of projecting them; T5's decoder gets a cache in training because its copy of the config keeps
+# `use_cache=True`, which only the encoder's copy turns off). Rerun calls a layer's forward again in backward, so the cache would be updated a
 # second time: the recompute saves other tensors than forward (a `RecomputeMismatchError` with a padded batch,
 # always on T5's decoder) or, worse, silently succeeds and doubles the cache the model returned, keeping a
 # second copy of every key and value alive.
