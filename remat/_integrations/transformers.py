@@ -18,22 +18,23 @@ __all__ = ["CACHE_ARGUMENTS", "CacheOff"]
 logger = logging.getLogger("remat")
 
 # NOTE [ Caches of transformers layers ]
-# In training, transformers models build a KV cache by default (`use_cache` defaults to the config's, True
-# for most decoders) and hand it to every layer, which appends its keys and values with `cache.update(...)`
-# (T5's cross-attention also flips `cache.is_updated[layer]` and, once flipped, reads keys from the cache
-# instead of projecting them; T5's decoder gets a cache in training because its copy of the config keeps
-# `use_cache=True`, which only the encoder's copy turns off). Rerun calls a layer's forward again in backward, so the cache would be updated a
+# In training, transformers models build a KV cache by default (`use_cache` defaults to the config's, True for most
+# decoders) and hand it to every layer, which appends its keys and values with `cache.update(...)` (T5's cross-
+# attention also flips `cache.is_updated[layer]` and, once flipped, reads keys from the cache instead of projecting
+# them; T5's decoder gets a cache in training because its copy of the config keeps `use_cache=True`, which only the
+# encoder's copy turns off). Rerun calls a layer's forward again in backward, so the cache would be updated a
 # second time: the recompute saves other tensors than forward (a `RecomputeMismatchError` with a padded batch,
-# always on T5's decoder) or, worse, silently succeeds and doubles the cache the model returned, keeping a
-# second copy of every key and value alive.
-# transformers' own checkpointing (`GradientCheckpointingLayer`) switches the cache off for checkpointed
-# layers in training, and remat does the same for the layers it reruns: the forward pre-hook that opens a rerun
-# site on a transformers layer in training passes `use_cache=False` and None for every cache argument (by
-# keyword or by position: GPT-2 passes its cache positionally), unless the class declares
-# `_can_checkpoint_with_cache = True` (layers that only read the cache), and logs one line per model. Forward
-# and recompute then see the same arguments, and the cache the model returns is the one it had before the
-# layers ran (empty, for a fresh one). Layers in eval mode, sites that are off (the switch, `no_grad`) and
-# `strategy="replay"` keep the cache: replay runs the recorded ops again, not the Python that updates it.
+# always on T5's decoder) or, worse, silently succeeds and doubles the cache the model returned, keeping a second
+# copy of every key and value alive.
+# transformers' own checkpointing (`GradientCheckpointingLayer`) switches the cache off for checkpointed layers in
+# training, and remat does the same for the layers it reruns: the forward pre-hook that opens a rerun site on a
+# transformers layer in training passes `use_cache=False` and None for every cache argument (by keyword or by
+# position: GPT-2 passes its cache positionally), unless the class declares `_can_checkpoint_with_cache = True`
+# (layers that only read the cache), and logs one line per model. Forward and recompute then see the same
+# arguments, and the cache the model returns is the one it had before the layers ran (empty, for a fresh one).
+# `@remat` on a layer class applies the same rule in its wrapper. Layers in eval mode, sites that are off (the
+# switch, `no_grad`) and `strategy="replay"` keep the cache: replay runs the recorded ops again, not the Python
+# that updates it.
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
