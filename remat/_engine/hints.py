@@ -22,29 +22,41 @@ __all__ = ["Attributes", "attributes", "explain"]
 # only, so forward pays nothing for the hints.
 
 _MODULE_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping: hooks, parameters, buffers, `training`
-Attributes = list[tuple[str, nn.Module, dict[str, tuple[int, int]]]]
+Attributes = list[tuple[nn.Module, dict[str, tuple[int, int]]]]
+_SIZED = frozenset((list, dict, set))
 
 
 def _state(value: Any) -> tuple[int, int]:
-    return id(value), len(value) if isinstance(value, (list, dict, set)) else -1
+    # `type`, not `isinstance`: the latter reads `__class__` through objects' own `__getattribute__` (slow on
+    # transformers' configs).
+    return id(value), len(value) if type(value) in _SIZED else -1
+
+
+def _own(sub: nn.Module) -> dict[str, Any]:
+    return {key: value for key, value in sub.__dict__.items() if key not in _MODULE_OWN}
 
 
 def attributes(module: nn.Module) -> Attributes:
     """The Python attributes of `module` and its submodules, as (identity, container length) per name."""
-    return [
-        (name, sub, {key: _state(value) for key, value in vars(sub).items() if key not in _MODULE_OWN})
-        for name, sub in module.named_modules()
-    ]
+    found: Attributes = []
+    stack = [module]
+    while stack:  # a plain walk: `named_modules` builds every qualified name, which costs more than the rest
+        sub = stack.pop()
+        found.append((sub, {key: _state(value) for key, value in _own(sub).items()}))
+        stack.extend(child for child in sub._modules.values() if child is not None)
+    return found
 
 
-def _changed(before: Attributes) -> list[str]:
+def _changed(module: nn.Module, before: Attributes) -> list[str]:
+    names = {id(sub): name for name, sub in module.named_modules(remove_duplicate=False)}
     found = []
-    for prefix, sub, states in before:
-        now = {key: value for key, value in vars(sub).items() if key not in _MODULE_OWN}
+    for sub, states in before:
+        now = _own(sub)
+        prefix = names.get(id(sub), "")
         for key in sorted(states.keys() | now.keys()):
             if key not in now or key not in states or _state(now[key]) != states[key]:
                 found.append(f"{prefix}.{key}" if prefix else key)
-    return found
+    return sorted(found)
 
 
 def _is_cache(value: Any) -> bool:
@@ -93,7 +105,7 @@ def explain(args: Any, kwargs: Any, module: nn.Module | None, before: Attributes
             "recompute. Pass `use_cache=False` in training, or use strategy='replay'."
         )
     if module is not None and before is not None:
-        changed = _changed(before)
+        changed = _changed(module, before)
         if changed:
             names = ", ".join(f"`{name}`" for name in changed[:5]) + (", ..." if len(changed) > 5 else "")
             sentences.append(
