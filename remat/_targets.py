@@ -18,6 +18,7 @@ from ._engine import region as _region
 from ._engine import rerun as _rerun
 from ._engine.offload import resolve as resolve_offload
 from ._engine.rerun import compiling, torch_checkpoint
+from ._integrations import comes_from
 from ._options import Options
 from ._plan.blocks import describe_search, find_blocks
 from ._plan.sites import ModelPlan, Site
@@ -60,8 +61,11 @@ def _active(options: Options) -> bool:
     return options.active(_switch._state[0]) and torch.is_grad_enabled()
 
 
-def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
-    """Return `fn` rematerialized: a plain function (so methods bind and dynamo can trace it)."""
+def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any = None) -> _F:
+    """Return `fn` rematerialized: a plain function (so methods bind and dynamo can trace it).
+
+    `adapt(module, args, kwargs)`, for a method, may change the arguments of an active call (see _cache_rule).
+    """
     if isinstance(fn, (staticmethod, classmethod)):
         return type(fn)(wrap_function(fn.__func__, options, site))
     name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
@@ -77,6 +81,10 @@ def wrap_function(fn: _F, options: Options, site: str | None = None) -> _F:
         if compiling():  # see NOTE [ Under torch.compile ]
             return torch_checkpoint(fn, args, kwargs)
         module = args[0] if args and isinstance(args[0], nn.Module) else None
+        if adapt is not None and module is not None:
+            changed = adapt(module, args[1:], kwargs)
+            if changed is not None:
+                args, kwargs = (module, *changed[0]), changed[1]
         return call(fn, args, kwargs, module=module, **extra)
 
     setattr(remat_wrapper, _MARK, options)
@@ -87,7 +95,7 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
     """Rematerialize every instance's `forward`; the class stays itself (isinstance, pickling hold)."""
     forward = cls.forward
     forward = getattr(forward, "__wrapped__", forward) if hasattr(forward, _MARK) else forward
-    cls.forward = wrap_function(forward, options, site=cls.__qualname__)
+    cls.forward = wrap_function(forward, options, site=cls.__qualname__, adapt=_cache_rule(cls, options, []))
     return cls
 
 
@@ -102,18 +110,22 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 class _Open:
     """Forward pre-hook that opens a region around `module.forward`."""
 
-    def __init__(self, options: Options, site: str) -> None:
+    def __init__(self, options: Options, site: str, adapt: Any = None) -> None:
         self.options = options
         self.site = site
         self.engine = _Engine(options, site)
+        self.adapt = adapt  # changes the arguments of an active site: see _cache_rule
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         stack = _open_sites.stack
         if self.engine.passthrough or not _active(self.options) or compiling():
             stack.append((module, None, None))
-            return
+            return None
+        changed = self.adapt(module, args, kwargs) if self.adapt is not None else None
+        if changed is not None:
+            args, kwargs = changed
         engine = self.engine
         extra = engine.extra
         if self.options.strategy == "replay":
@@ -121,9 +133,10 @@ class _Open:
         else:
             token = engine.begin(module.forward, args, kwargs, module=module, **extra)
         stack.append((module, engine, token))
+        return changed
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Open, (self.options, self.site))
+        return (_Open, (self.options, self.site, self.adapt))
 
 
 class _Close:
@@ -173,13 +186,26 @@ def _remove_hooks(module: nn.Module) -> None:
             table.pop(key, None)
 
 
-def wrap_module(module: _M, options: Options) -> _M:
+def _cache_rule(kind: type, options: Options, shared: list[Any]) -> Any:
+    """The KV-cache rule for a transformers layer class under rerun, else None; see NOTE [ Caches of transformers
+    layers ] in _integrations/transformers.py. `shared` holds one rule for a model's layers (one log line)."""
+    if options.strategy == "replay" or not comes_from(kind, "transformers"):
+        return None
+    if not shared:
+        from ._integrations.transformers import CacheOff
+
+        shared.append(CacheOff())
+    return shared[0]
+
+
+def wrap_module(module: _M, options: Options, shared: list[Any] | None = None) -> _M:
     """Rematerialize `module`'s forward in place and return the same object."""
     if hasattr(type(module).forward, _MARK):
         return module  # the class is rematerialized already
     _remove_hooks(module)
     site = options.name or type(module).__qualname__
-    module.register_forward_pre_hook(_Open(options, site), with_kwargs=True)
+    adapt = _cache_rule(type(module), options, [] if shared is None else shared)
+    module.register_forward_pre_hook(_Open(options, site, adapt), with_kwargs=True)
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module
 
@@ -224,9 +250,10 @@ def apply(
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
     chosen = _select(model, where)
+    shared: list[Any] = []
     for index, (_, module) in enumerate(chosen):
         if index % every == 0:
-            wrap_module(module, options)
+            wrap_module(module, options, shared)
     return model
 
 

@@ -19,3 +19,13 @@ def test_example_runs(name: str, capsys: pytest.CaptureFixture[str]) -> None:
         assert "num_batches_tracked = 1" in out
     else:
         assert out.count("gradients equal") == 3
+
+
+def test_hf_finetune_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    runpy.run_path(str(EXAMPLES / "hf_finetune.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "4 rematerialized sites" in out and "LlamaDecoderLayer" in out
+    assert "remat on" in out and "remat off" in out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]

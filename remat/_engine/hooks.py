@@ -224,6 +224,10 @@ class Frame:
         """Put the rebuilt tensor of every index in `wanted` into `store`."""
         raise NotImplementedError
 
+    def hint(self) -> str:
+        """Sentences for a mismatch error naming a likely cause and its fix (see NOTE [ Mismatch hints ])."""
+        return ""
+
     # -- checks --------------------------------------------------------------------------------------------
     def expect(self, index: int, tensor: torch.Tensor) -> None:
         """Check that recompute's `index`-th saved tensor looks like forward's (shape, dtype, device)."""
@@ -258,6 +262,7 @@ class Frame:
             "look for global state, Python side effects or data-dependent control flow, or use "
             "strategy='replay', which replays the recorded ops."
         )
+        message += self.hint()
         if self.trace is not None and self.retrace is not None:
             message += "\nOp traces (REMAT_DEBUG=1):\n" + side_by_side(self.trace, self.retrace)
         else:

@@ -18,6 +18,7 @@ from .._policies import Policy, tags
 from .autocast import AutocastState
 from .debug import OpTrace
 from .guard import guard_buffers, release
+from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .offload import Offload, resolve
 from .rng import RngStash, devices_of
@@ -71,7 +72,7 @@ class RerunFrame(Frame):
     """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
 
     __slots__ = (
-        "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
+        "args", "attrs", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
         "kwargs", "module", "offload", "policy", "rng", "seconds", "tensors", "versions",
     )
 
@@ -93,6 +94,11 @@ class RerunFrame(Frame):
     kept_ids: set[int]  # ids of every tensor the policy keeps
     kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, in order
     offload: Offload | None  # where what the policy keeps goes: NOTE [ Offloaded sites ] in offload.py
+    attrs: Attributes | None  # the module's Python attributes before recompute: NOTE [ Mismatch hints ]
+
+    def hint(self) -> str:
+        """A cache among the arguments, attributes the module changed: see NOTE [ Mismatch hints ]."""
+        return explain(self.args, self.kwargs, self.module, getattr(self, "attrs", None))
 
     def pack(self, tensor: torch.Tensor) -> Kept | Handle | Outer | Parcel | Stay:
         """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
@@ -145,6 +151,7 @@ class RerunFrame(Frame):
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
         args, kwargs = self._inputs()
+        self.attrs = attributes(self.module) if self.module is not None else None
         create_graph = torch.is_grad_enabled()
         last = max(wanted) if self.early_stop and self.seconds > _EARLY_STOP_SECONDS else -1
         count = 0

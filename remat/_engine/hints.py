@@ -1,0 +1,116 @@
+"""What a recompute mismatch error can say about its likely cause, from what the site was called with.
+
+See NOTE [ Mismatch hints ].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["Attributes", "attributes", "explain"]
+
+# NOTE [ Mismatch hints ]
+# A rerun recompute that saves other tensors than forward did almost always ran other Python: the function
+# changed state that it reads. Two causes are common and visible from the site, so the error names them with
+# the fix: a cache object among the arguments (a KV cache that each call appends to; transformers' caches are
+# classes named `...Cache` with an `update` method) or `use_cache=True`, and a module whose Python attributes
+# change when it runs (a counter, a flag, a list it appends to). The second is seen by comparing the module's
+# attributes (identity, and length of containers) before recompute with those when the mismatch is found:
+# recompute runs the same Python as forward, so it repeats forward's writes. The snapshot is taken in backward
+# only, so forward pays nothing for the hints.
+
+_MODULE_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping: hooks, parameters, buffers, `training`
+Attributes = list[tuple[nn.Module, dict[str, tuple[int, int]]]]
+_SIZED = frozenset((list, dict, set))
+
+
+def _state(value: Any) -> tuple[int, int]:
+    # `type`, not `isinstance`: the latter reads `__class__` through objects' own `__getattribute__` (slow on
+    # transformers' configs).
+    return id(value), len(value) if type(value) in _SIZED else -1
+
+
+def _own(sub: nn.Module) -> dict[str, Any]:
+    return {key: value for key, value in sub.__dict__.items() if key not in _MODULE_OWN}
+
+
+def attributes(module: nn.Module) -> Attributes:
+    """The Python attributes of `module` and its submodules, as (identity, container length) per name."""
+    found: Attributes = []
+    stack = [module]
+    while stack:  # a plain walk: `named_modules` builds every qualified name, which costs more than the rest
+        sub = stack.pop()
+        found.append((sub, {key: _state(value) for key, value in _own(sub).items()}))
+        stack.extend(child for child in sub._modules.values() if child is not None)
+    return found
+
+
+def _changed(module: nn.Module, before: Attributes) -> list[str]:
+    names = {id(sub): name for name, sub in module.named_modules(remove_duplicate=False)}
+    found = []
+    for sub, states in before:
+        now = _own(sub)
+        prefix = names.get(id(sub), "")
+        for key in sorted(states.keys() | now.keys()):
+            if key not in now or key not in states or _state(now[key]) != states[key]:
+                found.append(f"{prefix}.{key}" if prefix else key)
+    return sorted(found)
+
+
+def _is_cache(value: Any) -> bool:
+    kind = type(value)
+    return "Cache" in kind.__name__ and callable(getattr(kind, "update", None))
+
+
+def _caches(args: Any, kwargs: Any) -> list[str]:
+    found = []
+    named = [(f"positional argument #{index}", value) for index, value in enumerate(args or ())]
+    named += list((kwargs or {}).items())
+    for name, value in named:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if _is_cache(item):
+                found.append(f"`{name}` (a `{type(item).__name__}`)")
+                break
+    return found
+
+
+def explain(args: Any, kwargs: Any, module: nn.Module | None, before: Attributes | None) -> str:
+    """Sentences naming the likely cause of a rerun mismatch, each with its fix; "" when none is seen.
+
+    Args:
+        args: the positional arguments the site was called with.
+        kwargs: its keyword arguments.
+        module: the module whose forward the site runs, or None.
+        before: `attributes(module)` taken before recompute, or None.
+
+    >>> class DynamicCache:
+    ...     def update(self, keys, values): ...
+    >>> explain((), {"past_key_values": DynamicCache()}, None, None).split(":")[0]
+    ' It was called with a cache object, `past_key_values` (a `DynamicCache`)'
+    """
+    sentences = []
+    caches = _caches(args, kwargs)
+    if caches:
+        sentences.append(
+            f"It was called with a cache object, {', '.join(caches)}: rerun calls it again in backward, which "
+            "updates the cache a second time. Pass no cache in training (`use_cache=False`), or use "
+            "strategy='replay', which does not run Python again."
+        )
+    elif kwargs and kwargs.get("use_cache") is True:
+        sentences.append(
+            "It was called with `use_cache=True`: a cache it builds or updates changes between forward and "
+            "recompute. Pass `use_cache=False` in training, or use strategy='replay'."
+        )
+    if module is not None and before is not None:
+        changed = _changed(module, before)
+        if changed:
+            names = ", ".join(f"`{name}`" for name in changed[:5]) + (", ..." if len(changed) > 5 else "")
+            sentences.append(
+                f"Recompute changed Python attributes of `{type(module).__qualname__}` ({names}): a module "
+                "that writes its own state when it runs sees other state in recompute than in forward. Keep "
+                "that state out of forward, or use strategy='replay'."
+            )
+    return "".join(" " + sentence for sentence in sentences)

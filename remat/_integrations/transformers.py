@@ -1,0 +1,119 @@
+"""Hugging Face transformers layers under rerun: the KV-cache rule (spec §2.10).
+
+Imported only when a rematerialized module comes from transformers (see `remat._integrations.comes_from`);
+it reads arguments and class attributes by name and never imports transformers itself.
+See NOTE [ Caches of transformers layers ].
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from torch import nn
+
+__all__ = ["CACHE_ARGUMENTS", "CacheOff"]
+
+logger = logging.getLogger("remat")
+
+# NOTE [ Caches of transformers layers ]
+# In training, transformers models build a KV cache by default (`use_cache` defaults to the config's, True for most
+# decoders) and hand it to every layer, which appends its keys and values with `cache.update(...)` (T5's cross-
+# attention also flips `cache.is_updated[layer]` and, once flipped, reads keys from the cache instead of projecting
+# them; T5's decoder gets a cache in training because its copy of the config keeps `use_cache=True`, which only the
+# encoder's copy turns off). Rerun calls a layer's forward again in backward, so the cache would be updated a
+# second time: the recompute saves other tensors than forward (a `RecomputeMismatchError` with a padded batch,
+# always on T5's decoder) or, worse, silently succeeds and doubles the cache the model returned, keeping a second
+# copy of every key and value alive.
+# transformers' own checkpointing (`GradientCheckpointingLayer`) switches the cache off for checkpointed layers in
+# training, and remat does the same for the layers it reruns: the forward pre-hook that opens a rerun site on a
+# transformers layer in training passes `use_cache=False` and None for every cache argument (by keyword or by
+# position: GPT-2 passes its cache positionally), unless the class declares `_can_checkpoint_with_cache = True`
+# (layers that only read the cache), and logs one line per model. Forward and recompute then see the same
+# arguments, and the cache the model returns is the one it had before the layers ran (empty, for a fresh one).
+# `@remat` on a layer class applies the same rule in its wrapper. Layers in eval mode, sites that are off (the
+# switch, `no_grad`) and `strategy="replay"` keep the cache: replay runs the recorded ops again, not the Python
+# that updates it.
+
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_positions: dict[type, dict[str, int]] = {}
+
+
+def _argument_positions(kind: type) -> dict[str, int]:
+    """Index in `args` (self excluded) of `use_cache` and each cache argument of `kind.forward`."""
+    found = _positions.get(kind)
+    if found is None:
+        try:
+            parameters = list(inspect.signature(kind.forward).parameters.values())  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            parameters = []
+        names = [parameter.name for parameter in parameters if parameter.kind in _POSITIONAL][1:]
+        wanted = ("use_cache", *CACHE_ARGUMENTS)
+        found = _positions[kind] = {name: index for index, name in enumerate(names) if name in wanted}
+    return found
+
+
+class CacheOff:
+    """Switch the KV cache off for a rematerialized transformers layer in training; see the NOTE above.
+
+    Called by the site's forward pre-hook with the call's `(module, args, kwargs)`; returns the arguments to
+    use instead, or None when nothing changes. One instance is shared by the layers of one model, so the log
+    line appears once per model.
+
+    >>> import torch
+    >>> class Layer(torch.nn.Module):
+    ...     def forward(self, x, past_key_values=None, use_cache=False):
+    ...         return x
+    >>> CacheOff()(Layer(), (1, "cache"), {"use_cache": True})
+    ((1, None), {'use_cache': False})
+    """
+
+    __slots__ = ("logged",)
+
+    def __init__(self) -> None:
+        self.logged = False
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not module.training:
+            return None
+        positions = _argument_positions(type(module))
+        keep_cache = bool(getattr(module, "_can_checkpoint_with_cache", False))
+        new_args: list[Any] | None = None
+        new_kwargs: dict[str, Any] | None = None
+        changed: list[str] = []
+        for name in ("use_cache", *CACHE_ARGUMENTS):
+            if name != "use_cache" and keep_cache:
+                break
+            off = False if name == "use_cache" else None
+            if name in kwargs:
+                value = kwargs[name]
+                if (bool(value) if name == "use_cache" else value is not None):
+                    new_kwargs = dict(kwargs) if new_kwargs is None else new_kwargs
+                    new_kwargs[name] = off
+                    changed.append(f"`{name}={off}`")
+            elif positions.get(name, len(args)) < len(args):
+                index = positions[name]
+                value = args[index]
+                if (bool(value) if name == "use_cache" else value is not None):
+                    new_args = list(args) if new_args is None else new_args
+                    new_args[index] = off
+                    changed.append(f"`{name}={off}`")
+        if not changed:
+            return None
+        if not self.logged:
+            self.logged = True
+            logger.warning(
+                "remat: caching is off in the rematerialized %s layers in training (%s), as transformers' own "
+                "gradient checkpointing does: rerun calls a layer again in backward and would update its cache "
+                "twice. Use strategy='replay' to keep the cache.",
+                type(module).__qualname__,
+                ", ".join(changed),
+            )
+        return (
+            tuple(new_args) if new_args is not None else args,
+            new_kwargs if new_kwargs is not None else kwargs,
+        )
