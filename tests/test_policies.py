@@ -118,3 +118,16 @@ def test_a_bad_policy_is_a_type_error_when_decorating() -> None:
         policies.save_tagged(1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"strategy=.rerun. only"):
         remat.remat(policy=policies.save_matmuls, strategy="replay")
+
+
+def test_retain_graph_backward_twice_with_a_policy() -> None:
+    """A kept output that autograd does not save is dropped after the first recompute; the second reruns it."""
+
+    def twice(loss: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    for policy in (policies.save_matmuls, policies.save_matmuls | policies.save_tagged("hidden")):
+        assert_same_grads(
+            TaggedMLP, (randn(4, 8, requires_grad=True),), lambda m, p=policy: remat.remat(m, policy=p), backward=twice
+        )

@@ -6,6 +6,7 @@ See NOTE [ Handle lifetime ] and NOTE [ Inputs of nested sites ] in _hooks.py fo
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -38,6 +39,14 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # what it skips can cost more, so it is used when forward took longer than `_EARLY_STOP_SECONDS`.
 _EARLY_STOP_SECONDS = 100e-6
 
+# NOTE [ Recompute saves nothing ]
+# The recompute pack hook collects the tensors forward's graph needs and gives autograd nothing to keep (None),
+# also under `create_graph=True`: the graph recompute builds is never run backward. What the unpack hook
+# returns is only the data of a saved tensor; autograd attaches forward's grad_fn to it, so a double backward
+# goes through forward's graph. Returning the tensor itself made a cycle through C++ for every op that saves
+# its own output (exp, tanh, sigmoid: tensor -> grad_fn -> saved variable -> tensor) that held the recompute
+# graph, and through it the site's inputs and their AccumulateGrad nodes, forever.
+
 # NOTE [ Under torch.compile ]
 # Saved-tensor hooks and dispatch modes are graph breaks for dynamo, and a compiled graph saves other tensors
 # than the eager function that rerun calls again, so remat's engine cannot run inside a compiled frame. There
@@ -69,8 +78,8 @@ class RerunFrame(Frame):
     """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
 
     __slots__ = (
-        "args", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
-        "kwargs", "module", "policy", "rng", "seconds", "tensors", "versions",
+        "args", "autocast", "claimed", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids",
+        "kept_tags", "kwargs", "module", "policy", "rng", "saver", "seconds", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
@@ -87,9 +96,11 @@ class RerunFrame(Frame):
     seconds: float  # how long forward took: see NOTE [ Recompute state ]
     module: nn.Module | None  # the module whose forward runs, for its buffers: NOTE [ Writes during recompute ]
     policy: Policy | None
-    kept: list[Any]  # outputs of the ops the policy keeps, in forward's order
-    kept_ids: set[int]  # ids of every tensor the policy keeps
-    kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, in order
+    saver: SaveOps | None  # forward's notes of the policy's ops (NOTE [ What a policy keeps ])
+    kept: list[Any]  # per call of a policy op, its kept outputs (None once dropped); after forward
+    claimed: set[int]  # the calls in `kept` whose outputs autograd saves
+    kept_ids: dict[int, weakref.ref[torch.Tensor]]  # tensors kept through `remat.tag`, by id
+    kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, detached, in order
 
     def pack(self, tensor: torch.Tensor) -> Kept | Handle | Outer:
         """The forward pack hook: inputs, leaf parameters and views of them are kept, the rest rebuilt."""
@@ -97,7 +108,7 @@ class RerunFrame(Frame):
             return self.keep_outside(tensor)
         if tensor.requires_grad and tensor.is_leaf:  # never `grad_fn`: see NOTE [ Freeing long chains ]
             return self.keep(tensor)
-        if self.policy is not None and id(tensor) in self.kept_ids:
+        if self.policy is not None and self._kept_by_policy(tensor):
             return self.keep(tensor.detach())  # detached: an op may save its own output
         base = tensor._base
         if base is not None:
@@ -107,11 +118,17 @@ class RerunFrame(Frame):
                 return self.keep(tensor)
         return self.handle(tensor)
 
+    def _kept_by_policy(self, tensor: torch.Tensor) -> bool:
+        ref = self.kept_ids.get(id(tensor))
+        if ref is not None and ref() is tensor:
+            return True
+        return self.saver is not None and self.saver.claim(tensor)
+
     def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Forward's `remat.tag`: keep `tensor` when the policy saves `name`."""
         if self.policy is not None and self.policy.saves_name(name):
-            self.kept_tags.append(tensor)
-            self.kept_ids.add(id(tensor))
+            self.kept_tags.append(tensor.detach())  # detached: no cycle through forward's graph
+            self.kept_ids[id(tensor)] = weakref.ref(tensor)
         return tensor
 
     def _inputs(self) -> tuple[Any, Any]:
@@ -139,16 +156,15 @@ class RerunFrame(Frame):
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
         args, kwargs = self._inputs()
-        create_graph = torch.is_grad_enabled()
         last = max(wanted) if self.early_stop and self.seconds > _EARLY_STOP_SECONDS else -1
         count = 0
         # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and
-        # with create_graph the store holds tensors of that graph: `pack` reaches the frame and the store only
-        # through `live`, emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
+        # the store holds tensors of that graph: `pack` reaches the frame and the store only through `live`,
+        # emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
         live: list[Any] = [self, store]
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor | None:
-            # No detach: autograd makes a fresh tensor of what an unpack hook returns.
+        def pack(tensor: torch.Tensor) -> None:
+            # See NOTE [ Recompute saves nothing ].
             nonlocal count
             frame, found = live
             index, count = count, count + 1
@@ -157,7 +173,6 @@ class RerunFrame(Frame):
                 found[index] = tensor
             if index == last:
                 raise StopRecompute
-            return tensor if create_graph else None
 
         # See NOTE [ Recompute state ].
         caller_rng = self.rng.swap_in() if self.rng is not None else None
@@ -196,7 +211,8 @@ class RerunFrame(Frame):
         if self.contexts is not None:
             stack.enter_context(self.contexts())
         if self.policy is not None:
-            stack.enter_context(ReuseOps(self.policy, self.kept))
+            if self.kept:
+                stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed))
             if self.kept_tags:
                 kept_tags = iter(self.kept_tags)
                 policy = self.policy
@@ -267,8 +283,9 @@ def begin(
     frame.exit = None
     frame.seconds = time.perf_counter()
     frame.policy = policy
+    frame.saver = None
     if policy is not None:
-        frame.kept, frame.kept_ids, frame.kept_tags = [], set(), []
+        frame.kept, frame.claimed, frame.kept_ids, frame.kept_tags = [], set(), {}, []
     if contexts is not None or frame.trace is not None or policy is not None:
         frame.exit = ExitStack()
         if contexts is not None:
@@ -277,7 +294,7 @@ def begin(
             frame.exit.enter_context(OpTrace(frame.trace))
         if policy is not None:
             if policy.ops:
-                frame.exit.enter_context(SaveOps(policy, frame.kept, frame.kept_ids))
+                frame.saver = frame.exit.enter_context(SaveOps(policy))
             if policy.names:
                 frame.exit.enter_context(_tag_sink(frame.keep_tagged))
     _push_hooks(frame.pack, frame.unpack)
@@ -291,6 +308,9 @@ def end(frame: RerunFrame, *, ok: bool = True) -> None:
     if frame.exit is not None:
         frame.exit.close()
         frame.exit = None
+    if frame.saver is not None:
+        frame.kept, frame.claimed = frame.saver.finish()
+        frame.saver = None
 
 
 def call(
