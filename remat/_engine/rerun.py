@@ -5,7 +5,6 @@ See NOTE [ Handle lifetime ] and NOTE [ Inputs of nested sites ] in _hooks.py fo
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -35,9 +34,15 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # [ Writes during recompute ]), and under autocast, the user's recompute context, the policy and debug traces
 # only when those are in play: the common path sets three things and restores three, with no context-manager
 # machinery, since it runs once per site in every backward.
-# Early stop raises out of the pack hook through autograd's C++, which costs some 30 µs; it only pays when
-# what it skips can cost more, so it is used when forward took longer than `_EARLY_STOP_SECONDS`.
-_EARLY_STOP_SECONDS = 100e-6
+#
+# NOTE [ Early stop ]
+# With early stop on (the default), whatever recompute saves after the last needed tensor is tolerated, as torch
+# tolerates it: not checked, not kept. With it off, recompute must save exactly as many tensors as forward did,
+# and a different count is a mismatch. What decides the outcome is only what was saved, never how long anything
+# took (spec §3.1). Stopping early raises out of the pack hook through autograd's C++, which costs some 30 µs,
+# so it is done only where it skips work that matters: when forward saved a tensor to rebuild after the last
+# needed one (part of the graph was freed or is not needed). Otherwise everything after the last needed tensor
+# saved nothing in forward, and the function runs to its end: the same tensors, no error either way.
 
 # NOTE [ Recompute saves nothing ]
 # The recompute pack hook collects the tensors forward's graph needs and gives autograd nothing to keep (None),
@@ -79,7 +84,7 @@ class RerunFrame(Frame):
 
     __slots__ = (
         "args", "autocast", "claimed", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids",
-        "kept_tags", "kwargs", "module", "policy", "rng", "saver", "seconds", "tensors", "versions",
+        "kept_tags", "kwargs", "module", "policy", "rng", "saver", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
@@ -93,7 +98,6 @@ class RerunFrame(Frame):
     autocast: AutocastState | None
     contexts: Callable[[], AbstractContextManager[Any]] | None
     exit: ExitStack | None
-    seconds: float  # how long forward took: see NOTE [ Recompute state ]
     module: nn.Module | None  # the module whose forward runs, for its buffers: NOTE [ Writes during recompute ]
     policy: Policy | None
     saver: SaveOps | None  # forward's notes of the policy's ops (NOTE [ What a policy keeps ])
@@ -156,7 +160,16 @@ class RerunFrame(Frame):
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
         args, kwargs = self._inputs()
-        last = max(wanted) if self.early_stop and self.seconds > _EARLY_STOP_SECONDS else -1
+        # See NOTE [ Early stop ]: tolerate what comes after `limit`; raise out at `stop`.
+        limit = stop = -1
+        if self.early_stop:
+            limit = max(wanted)
+            handles = self._handles
+            top = len(handles) - 1
+            while handles[top] is None:
+                top -= 1
+            if limit < top:
+                stop = limit
         count = 0
         # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and
         # the store holds tensors of that graph: `pack` reaches the frame and the store only through `live`,
@@ -168,10 +181,12 @@ class RerunFrame(Frame):
             nonlocal count
             frame, found = live
             index, count = count, count + 1
+            if index > limit >= 0:
+                return
             frame.expect(index, tensor)
             if index in wanted:
                 found[index] = tensor
-            if index == last:
+            if index == stop:
                 raise StopRecompute
 
         # See NOTE [ Recompute state ].
@@ -183,6 +198,8 @@ class RerunFrame(Frame):
         _push_hooks(pack, _identity)
         try:
             self.fn(*args, **kwargs)
+            if limit < 0 and self.check and count < self.saved:
+                raise self.mismatch(count, None, "recompute saved fewer tensors than forward did")
         except StopRecompute:
             pass
         finally:
@@ -281,7 +298,6 @@ def begin(
     frame.autocast = AutocastState.capture(frame.devices)
     frame.contexts = contexts[1] if contexts is not None else None
     frame.exit = None
-    frame.seconds = time.perf_counter()
     frame.policy = policy
     frame.saver = None
     if policy is not None:
@@ -304,7 +320,6 @@ def begin(
 def end(frame: RerunFrame, *, ok: bool = True) -> None:
     """Close the region `begin` opened; `ok=False` after an exception (nothing differs for rerun)."""
     _pop_hooks()
-    frame.seconds = time.perf_counter() - frame.seconds
     if frame.exit is not None:
         frame.exit.close()
         frame.exit = None
