@@ -139,7 +139,8 @@ def test_early_stop_and_debug_are_accepted(early_stop: bool, runs: int) -> None:
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         h = x.sin().exp()
-        tails.append(1)  # after the last saved tensor
+        tails.append(1)  # after the last needed tensor
+        h.exp()  # saved in forward but not needed (see NOTE [ Early stop ])
         return h * 2.0
 
     assert_same_grads(

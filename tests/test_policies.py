@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from conftest import assert_same_grads, randn
 from models import MLP, TransformerBlock
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
@@ -118,3 +120,76 @@ def test_a_bad_policy_is_a_type_error_when_decorating() -> None:
         policies.save_tagged(1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"strategy=.rerun. only"):
         remat.remat(policy=policies.save_matmuls, strategy="replay")
+
+
+def test_retain_graph_backward_twice_with_a_policy() -> None:
+    """A kept output that autograd does not save is dropped after the first recompute; the second reruns it."""
+
+    def twice(loss: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    for policy in (policies.save_matmuls, policies.save_matmuls | policies.save_tagged("hidden")):
+        assert_same_grads(
+            TaggedMLP, (randn(4, 8, requires_grad=True),), lambda m, p=policy: remat.remat(m, policy=p), backward=twice
+        )
+
+
+def _encoder(dropout: float) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]:
+    def make() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+        layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=dropout, batch_first=True)
+        model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        x = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(0))
+        return model, lambda m: m(x).square().mean()
+
+    return make
+
+
+def _bench(kind: str) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]:
+    from remat.bench import models as bench
+
+    def make() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+        model: bench.BenchModel
+        if kind == "gpt":
+            model = bench.GPT(bench.GPTConfig(blocks=3, d=32, heads=2, seq=32, batch=2, vocab=64))
+        elif kind == "convnet":
+            model = bench.ConvNet(bench.ConvNetConfig(width=4, blocks_per_stage=1, image=16, batch=2))
+        else:
+            model = bench.ChainNet(bench.ChainNetConfig(width=8, levels=(2, 2), image=16, batch=4))
+        batch = model.sample(torch.device("cpu"))
+        return model, lambda m: m.loss(*batch)  # type: ignore[operator]
+
+    return make
+
+
+MODELS = {
+    "TransformerEncoder": _encoder(0.1),
+    "TransformerEncoder without dropout": _encoder(0.0),
+    "GPT": _bench("gpt"),
+    "ConvNet": _bench("convnet"),
+    "ChainNet": _bench("chain"),
+}
+
+
+def _peak(make: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]], policy: Any) -> int:
+    """Peak bytes one training step adds beyond parameters and their (zero-filled) gradients."""
+    torch.manual_seed(0)
+    model, loss = make()
+    if policy is not None:
+        remat.apply(model, lambda name, m: name.count(".") == 1 and name.split(".")[0] in ("layers", "blocks"),
+                    policy=policy)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(1)
+    with track() as t:
+        loss(model).backward()
+    return t.peak_bytes
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_save_matmuls_peaks_between_full_remat_and_none(name: str) -> None:
+    """0.1.0 peaked above no remat on nn.TransformerEncoder: kept matmul outputs outlived their recompute."""
+    make = MODELS[name]
+    none, full = _peak(make, None), _peak(make, policies.save_nothing)
+    matmuls = _peak(make, policies.save_matmuls)
+    assert full <= matmuls <= none, (full, matmuls, none)
