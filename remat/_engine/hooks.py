@@ -228,13 +228,20 @@ class Frame:
     # -- checks --------------------------------------------------------------------------------------------
     def expect(self, index: int, tensor: torch.Tensor) -> None:
         """Check that recompute's `index`-th saved tensor looks like forward's (shape, dtype, device)."""
+        what = self.differs(index, tensor)
+        if what is not None:
+            raise self.mismatch(index, tensor, what)
+
+    def differs(self, index: int, tensor: torch.Tensor) -> str | None:
+        """How recompute's `index`-th saved tensor differs from forward's, or None when it does not."""
         if not self.check:
-            return
+            return None
         if index >= len(self._metas):
-            raise self.mismatch(index, tensor, "recompute saved more tensors than forward did")
+            return "recompute saved more tensors than forward did"
         shape, dtype, device = self._metas[index]
         if tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
-            raise self.mismatch(index, tensor, "recompute saved a different tensor than forward")
+            return "recompute saved a different tensor than forward"
+        return None
 
     def mismatch(
         self,

@@ -231,6 +231,8 @@ class Recorder(Mode):
         elif info.writes:
             count = 0
         else:
+            if self.trace is not None:  # a number (`item()`): nothing to replay, but the trace shows it
+                self.trace.append(describe(func, out))
             return out
         self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
         if self.trace is not None:
