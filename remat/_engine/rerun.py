@@ -190,7 +190,7 @@ class RerunFrame(Frame):
             if defer:
                 what = frame.differs(index, tensor)
                 if what is not None:
-                    parted.extend((index, tensor, what))
+                    parted.extend((index, tensor.detach(), what))  # detached: no cycle through `pack`
                     return
             else:
                 frame.expect(index, tensor)
