@@ -132,7 +132,7 @@ POLICIES = {
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("strategy", ["rerun"])
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
 def test_nothing_stays_alive_with_a_policy(strategy: str, policy: str, mode: str) -> None:
     site = remat.remat(policy=POLICIES[policy], strategy=strategy)  # type: ignore[call-overload]
     assert _alive_after(site, mode) == 0

@@ -178,6 +178,10 @@ class RerunFrame(Frame):
             if limit < top:
                 stop = limit
         count = 0
+        # Under debug traces a mismatch is raised once the function has run to its end, so that the trace shows
+        # every op recompute ran, also those after the point where it parted from forward.
+        parted: list[Any] = []
+        defer = self.trace is not None
         # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and
         # the store holds tensors of that graph: `pack` reaches the frame and the store only through `live`,
         # emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
@@ -188,9 +192,15 @@ class RerunFrame(Frame):
             nonlocal count
             frame, found = live
             index, count = count, count + 1
-            if index > limit >= 0:
+            if index > limit >= 0 or parted:
                 return
-            frame.expect(index, tensor)
+            if defer:
+                what = frame.differs(index, tensor)
+                if what is not None:
+                    parted.extend((index, tensor.detach(), what))  # detached: no cycle through `pack`
+                    return
+            else:
+                frame.expect(index, tensor)
             if index in wanted:
                 found[index] = tensor
             if index == stop:
@@ -204,7 +214,15 @@ class RerunFrame(Frame):
         guard = guard_buffers(self.module)
         _push_hooks(pack, _identity)
         try:
-            self.fn(*args, **kwargs)
+            try:
+                self.fn(*args, **kwargs)
+            except StopRecompute:
+                raise
+            except Exception:
+                if not parted:
+                    raise
+            if parted:
+                raise self.mismatch(*parted)
             if limit < 0 and self.check and count < self.saved:
                 raise self.mismatch(count, None, "recompute saved fewer tensors than forward did")
         except StopRecompute:
