@@ -38,6 +38,7 @@ class SaveOps(Mode):
     def __init__(self, policy: Policy, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
         super().__init__()
         self.policy = policy
+        self.saves_op = policy.saves_op  # bound once: the per-op path looks up nothing else
         # how a kept output is held: detached, or `pack`ed at once (an offloaded site: the same tensor object
         # autograd or the next site saves, so that it is copied once; NOTE [ Offloaded sites ])
         self.pack: Callable[[torch.Tensor], Any] = torch.Tensor.detach if pack is None else pack
@@ -46,8 +47,8 @@ class SaveOps(Mode):
         self.notes: dict[int, int] = {}  # storage of a kept output -> its call
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.policy.saves_op(func):
+        out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # `_op`: no Python frame of `__call__`
+        if self.saves_op(func):
             index = len(self.kept)
             keep = self.pack
             if isinstance(out, torch.Tensor):
@@ -101,13 +102,14 @@ class ReuseOps(Mode):
     ) -> None:
         super().__init__()
         self.policy = policy
+        self.saves_op = policy.saves_op  # bound once: the per-op path looks up nothing else
         self.kept = kept
         self.claimed = claimed
         self.unpack = unpack  # brings an offloaded kept output back (NOTE [ Offloaded sites ])
         self.next = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.policy.saves_op(func):
+        if self.saves_op(func):
             index = self.next
             self.next = index + 1
             out = self.kept[index] if index < len(self.kept) else None
@@ -115,4 +117,4 @@ class ReuseOps(Mode):
                 if index not in self.claimed:
                     self.kept[index] = None
                 return reuse(out if self.unpack is None else self.unpack(out))
-        return func(*args, **(kwargs or {}))
+        return func._op(*args, **kwargs) if kwargs else func._op(*args)
