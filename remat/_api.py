@@ -235,6 +235,7 @@ class Remat:
     Measurement = _measure.Measurement
     Report = _measure.Report
     Tracker = _track.Tracker
+    Offload = _offload.Offload
     ModelPlan = ModelPlan
     Region = Region
     RematError = _errors.RematError

@@ -263,7 +263,8 @@ class RerunFrame(Frame):
                 def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
                     if not policy.saves_name(name):
                         return tensor
-                    return next(kept_tags).detach().requires_grad_(tensor.requires_grad)
+                    kept: torch.Tensor = next(kept_tags)
+                    return kept.detach().requires_grad_(tensor.requires_grad)
 
                 stack.enter_context(_tag_sink(hand_back))
         if self.trace is not None:
