@@ -11,10 +11,15 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from . import _checkpoint, _switch, _targets
+from . import _checkpoint, _errors, _policies, _switch, _targets
+from . import policies as _policies_module
 from ._engine import offload as _offload
 from ._engine.region import Region
+from ._measure import measure as _measure
+from ._measure import track as _track
 from ._options import Options, Strategy
+from ._plan import chain as _chain
+from ._plan import solver as _solver
 from ._plan.sites import ModelPlan
 from ._policies import PolicyLike
 
@@ -35,6 +40,21 @@ class Decorator(Protocol):
     def __call__(self, target: _M, /) -> _M: ...
     @overload
     def __call__(self, target: Callable[_P, _R], /) -> Callable[_P, _R]: ...
+
+
+class _PoliciesModule(Protocol):
+    """The type of `remat.policies` (a module) as an attribute of the decorator object; mypy checks the module
+    against it."""
+
+    @property
+    def Policy(self) -> type[_policies.Policy]: ...
+    @property
+    def save_nothing(self) -> _policies.Policy: ...
+    @property
+    def save_all(self) -> _policies.Policy: ...
+    @property
+    def save_matmuls(self) -> _policies.Policy: ...
+    def save_tagged(self, *names: str) -> _policies.Policy: ...
 
 
 class Remat:
@@ -196,12 +216,41 @@ class Remat:
         )
         return Region(settings)
 
+    # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__` (spec §2).
     offload = staticmethod(_offload.offload)
     checkpoint = staticmethod(_checkpoint.checkpoint)
     checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
     is_enabled = staticmethod(_switch.is_enabled)
     set_enabled = staticmethod(_switch.set_enabled)
     enabled = staticmethod(_switch.enabled)
+    policies: _PoliciesModule = _policies_module
+    tag = staticmethod(_policies.tag)
+    chain = staticmethod(_chain.chain)
+    solve = staticmethod(_solver.solve)
+    measure = staticmethod(_measure.measure)
+    track = staticmethod(_track.track)
+    Chain = _chain.Chain
+    Plan = _solver.Plan
+    StageCost = _solver.StageCost
+    Measurement = _measure.Measurement
+    Report = _measure.Report
+    Tracker = _track.Tracker
+    Offload = _offload.Offload
+    ModelPlan = ModelPlan
+    Region = Region
+    RematError = _errors.RematError
+    RecomputeMismatchError = _errors.RecomputeMismatchError
+    BudgetError = _errors.BudgetError
+
+    @property
+    def remat(self) -> Remat:
+        """The decorator itself (`remat.remat`), as the package has it."""
+        return self
+
+    @property
+    def Remat(self) -> type[Remat]:
+        """The decorator's class."""
+        return type(self)
 
     def __repr__(self) -> str:
         return "<remat decorator>"

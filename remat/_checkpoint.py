@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
 from . import _switch
@@ -56,6 +57,11 @@ def checkpoint(
         early_stop: stop recompute as soon as every needed tensor is back.
         preserve_rng_state: recompute sees forward's RNG state on every device it touched.
 
+    torch's global switches apply as they do to torch's checkpoint: inside
+    `torch.utils.checkpoint.set_checkpoint_early_stop(flag)` the flag overrides `early_stop`, inside
+    `set_checkpoint_debug_enabled(flag)` it overrides `debug`, and under `GraphExecGroup` one recompute serves
+    every backward of the group.
+
     Raises:
         TypeError, ValueError: for a keyword of the wrong kind or value.
 
@@ -83,6 +89,11 @@ def checkpoint(
         if not _is_noop(context_fn):
             keywords["context_fn"] = context_fn
         return _rerun.torch_checkpoint(function, args, kwargs, **keywords)
+    # torch's global switches win over the keywords, as in torch.utils.checkpoint.
+    if _torch_checkpoint._enable_checkpoint_early_stop is not None:
+        early_stop = _torch_checkpoint._enable_checkpoint_early_stop
+    if _torch_checkpoint._checkpoint_debug_enabled is not None:
+        debug = _torch_checkpoint._checkpoint_debug_enabled
     contexts = None
     if not _is_noop(context_fn):
         assert context_fn is not None

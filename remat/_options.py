@@ -36,11 +36,6 @@ class Options:
 
     def __post_init__(self) -> None:
         as_policy(self.policy)  # raises TypeError for anything else
-        if self.strategy == "replay" and not as_policy(self.policy).saves_nothing:
-            raise ValueError(
-                "remat: a `policy` other than save_nothing/save_all works with strategy='rerun' only "
-                "for now; use @remat(policy=...) with the default strategy."
-            )
         for flag in ("preserve_rng", "check", "debug"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(

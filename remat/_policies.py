@@ -50,14 +50,16 @@ class Policy:
         self.names = frozenset(names)
         self.everything = everything
         self.offloads = offloads  # what it keeps goes to host memory: see `offload`
-        self._cache: dict[Any, bool] = {}
+        self._cache: dict[int, tuple[Any, bool]] = {}
 
     def saves_op(self, op: Any) -> bool:
         """Whether outputs of the aten overload `op` are kept (decided once per overload)."""
-        found = self._cache.get(op)
-        if found is None:
-            found = self._cache[op] = any(choose(op) for choose in self.ops)
-        return found
+        # Keyed by id (an `OpOverload` hashes in Python, a third of the lookup's cost); the entry holds the op,
+        # so its id is never reused for another while the entry lives.
+        found = self._cache.get(id(op))
+        if found is None or found[0] is not op:
+            found = self._cache[id(op)] = (op, any(choose(op) for choose in self.ops))
+        return found[1]
 
     def saves_name(self, name: str) -> bool:
         """Whether tensors tagged `name` are kept."""

@@ -41,7 +41,7 @@ class _Engine:
         self.passthrough = policy.everything
         if options.strategy == "replay":
             engine: Any = _region
-            self.extra: dict[str, Any] = {}
+            self.extra: dict[str, Any] = {"policy": None if policy.saves_nothing else policy}
         else:
             engine = _rerun
             self.extra = {"early_stop": True, "policy": None if policy.saves_nothing else policy}

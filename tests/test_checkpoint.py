@@ -139,7 +139,8 @@ def test_early_stop_and_debug_are_accepted(early_stop: bool, runs: int) -> None:
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         h = x.sin().exp()
-        tails.append(1)  # after the last saved tensor
+        tails.append(1)  # after the last needed tensor
+        h.exp()  # saved in forward but not needed (see NOTE [ Early stop ])
         return h * 2.0
 
     assert_same_grads(
@@ -222,3 +223,73 @@ def test_checkpoint_sequential_rematerializes_all_but_the_last_segment() -> None
 def test_checkpoint_sequential_bad_segments(segments: Any) -> None:
     with pytest.raises(ValueError, match="segments"):
         remat.checkpoint_sequential(_sequence(), segments, randn(5, 6))
+
+
+# -- torch's global switches (spec §2.3) ----------------------------------------------------------------------
+def test_torch_set_checkpoint_early_stop_applies() -> None:
+    tails: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin().exp()
+        tails.append(1)
+        h.exp()  # saved in forward, not needed: early stop skips the rest of the function
+        return h * 2.0
+
+    x = randn(4, requires_grad=True)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        remat.checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert len(tails) == 2, "set_checkpoint_early_stop(False) must make recompute run to the end"
+    tails.clear()
+    remat.checkpoint(fn, x, use_reentrant=False, early_stop=False).sum().backward()
+    assert len(tails) == 2
+    tails.clear()
+    with torch.utils.checkpoint.set_checkpoint_early_stop(True):
+        remat.checkpoint(fn, x, use_reentrant=False, early_stop=False).sum().backward()
+    assert len(tails) == 1, "the global switch wins over the keyword, as in torch"
+
+
+def test_torch_set_checkpoint_debug_enabled_applies() -> None:
+    calls: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        h = x.exp()
+        return (h.sin() if len(calls) == 1 else h).cos()
+
+    with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+        y = remat.checkpoint(fn, randn(4, requires_grad=True), use_reentrant=False)
+        with pytest.raises(remat.RecomputeMismatchError, match=r"(?s)Op traces.*>> "):
+            y.sum().backward()
+
+
+def test_a_count_mismatch_uses_torchs_words_too() -> None:
+    calls: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        h = x.exp()
+        return (h.sin() if len(calls) == 1 else h).cos()  # recompute saves one tensor fewer
+
+    y = remat.checkpoint(fn, randn(4, requires_grad=True), use_reentrant=False, early_stop=False)
+    with pytest.raises(remat.RecomputeMismatchError) as info:
+        y.sum().backward()
+    assert "A different number of tensors was saved during the original forward and recomputation" in str(
+        info.value
+    )
+    assert "`test_a_count_mismatch_uses_torchs_words_too.<locals>.fn`" in str(info.value)
+
+
+def test_graph_exec_group_shares_one_recompute() -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin().exp(), x.cos().exp()
+
+    expected = [torch.autograd.grad(out.sum(), x)[0] for x in [randn(5, requires_grad=True)] for out in fn(x)]
+    for group, recomputes in ((True, 1), (False, 2)):
+        x = randn(5, requires_grad=True)
+        a, b = remat.checkpoint(fn, x, use_reentrant=False)
+        before = _stats.recomputes
+        with torch.utils.checkpoint.GraphExecGroup() if group else nullcontext():
+            grads = [torch.autograd.grad(a.sum(), x)[0], torch.autograd.grad(b.sum(), x)[0]]
+        assert _stats.recomputes - before == recomputes, group
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want)

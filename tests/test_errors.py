@@ -304,3 +304,35 @@ def test_input_modified_in_place_plain_autograd_raises_too() -> None:
         h.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_debug_traces_show_the_ops_only_recompute_ran() -> None:
+    """The trace goes on past the point where recompute parted from forward (0.1.0 stopped right there)."""
+    calls: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        h = x.exp()
+        if len(calls) > 1:
+            h = torch.cat([h, h])  # recompute only: cos then saves a tensor of another shape
+        return h.cos().tanh()
+
+    y = remat.checkpoint(fn, randn(4, requires_grad=True), use_reentrant=False, debug=True)
+    with pytest.raises(remat.RecomputeMismatchError) as info:
+        y.sum().backward()
+    message = str(info.value)
+    assert "aten.cat" in message
+    assert "aten.cos.default[(8,)]" in message and "aten.tanh.default[(8,)]" in message
+    assert "aten.cos.default[(4,)]" in message and "aten.tanh.default[(4,)]" in message
+
+
+def test_debug_traces_of_a_region_show_ops_that_return_numbers() -> None:
+    from remat._engine.region import RegionFrame, begin, end
+
+    x = randn(4, requires_grad=True)
+    token = begin(site="numbers", check=True, preserve_rng=True, debug=True)
+    y = x.exp() * x.detach().sum().item()  # `item` runs aten._local_scalar_dense, which returns a number
+    end(token)
+    assert isinstance(token, RegionFrame) and token.trace is not None
+    assert any("_local_scalar_dense" in line for line in token.trace), token.trace
+    y.sum().backward()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from conftest import assert_same_grads, randn
 from models import MLP, TransformerBlock
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
@@ -41,38 +43,57 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _site(strategy: str, policy: Any) -> Callable[[nn.Module], Callable[..., Any]]:
+    """`remat(m, policy=...)` with a strategy, or the module's forward inside `remat.region(policy=...)`."""
+
+    def wrap(model: nn.Module) -> Callable[..., Any]:
+        if strategy != "region":
+            return remat.remat(model, policy=policy, strategy=strategy)  # type: ignore[call-overload, no-any-return]
+
+        def run(*args: Any) -> Any:
+            with remat.region(policy=policy):
+                return model(*args)
+
+        return run
+
+    return wrap
+
+
+STRATEGIES = ["rerun", "replay", "region"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_every_policy_gives_the_gradients_of_no_remat(name: str) -> None:
-    policy = POLICIES[name]
-    assert_same_grads(TaggedMLP, (randn(4, 8, requires_grad=True),), lambda m: remat.remat(m, policy=policy))
+def test_every_policy_gives_the_gradients_of_no_remat(name: str, strategy: str) -> None:
+    """Every policy works with every strategy: the tape keeps a kept op's outputs too (spec §2.2)."""
+    assert_same_grads(TaggedMLP, (randn(4, 8, requires_grad=True),), _site(strategy, POLICIES[name]))
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", ["save_matmuls", "matmuls_or_tagged"])
-def test_policies_on_a_transformer_block_with_dropout(name: str) -> None:
-    policy = POLICIES[name]
-    assert_same_grads(
-        TransformerBlock, (randn(2, 5, 8, requires_grad=True),), lambda m: remat.remat(m, policy=policy)
-    )
+def test_policies_on_a_transformer_block_with_dropout(name: str, strategy: str) -> None:
+    assert_same_grads(TransformerBlock, (randn(2, 5, 8, requires_grad=True),), _site(strategy, POLICIES[name]))
 
 
-def _backward_matmuls(policy: Any) -> int:
+def _backward_matmuls(policy: Any, strategy: str = "rerun") -> int:
     model = MLP().double()
-    step = remat.remat(model, policy=policy) if policy is not None else model
+    step = _site(strategy, policy)(model) if policy is not None else model
     loss = step(randn(4, 8, requires_grad=True)).sum()
     with _CountMatmuls() as counter:
         loss.backward()
     return counter.count
 
 
-def test_save_matmuls_runs_no_matmul_again_in_backward() -> None:
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_save_matmuls_runs_no_matmul_again_in_backward(strategy: str) -> None:
     plain = _backward_matmuls(None)
-    assert _backward_matmuls(policies.save_nothing) > plain  # full remat reruns the layers' addmm
-    assert _backward_matmuls(policies.save_matmuls) == plain
+    assert _backward_matmuls(policies.save_nothing, strategy) > plain  # full remat reruns the layers' addmm
+    assert _backward_matmuls(policies.save_matmuls, strategy) == plain
 
 
-def _held_bytes(policy: Any) -> int:
+def _held_bytes(policy: Any, strategy: str = "rerun") -> int:
     model = TaggedMLP(64).double()
-    step = remat.remat(model, policy=policy) if policy is not None else model
+    step = _site(strategy, policy)(model) if policy is not None else model
     x = randn(32, 64, requires_grad=True)
     with track() as tracker:
         out = step(x)
@@ -81,17 +102,19 @@ def _held_bytes(policy: Any) -> int:
     return held
 
 
-def test_save_matmuls_holds_memory_between_full_remat_and_none() -> None:
-    none, full = _held_bytes(None), _held_bytes(policies.save_nothing)
-    matmuls = _held_bytes(policies.save_matmuls)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_save_matmuls_holds_memory_between_full_remat_and_none(strategy: str) -> None:
+    none, full = _held_bytes(None), _held_bytes(policies.save_nothing, strategy)
+    matmuls = _held_bytes(policies.save_matmuls, strategy)
     # Outputs of matmuls are kept; pointwise ops between them are rebuilt. On an MLP whose pointwise
     # ops save their own outputs, that can hold as much as no remat, never more.
     assert full < matmuls <= none
 
 
-def test_a_tagged_tensor_is_kept_and_the_rest_rebuilt() -> None:
-    full = _held_bytes(policies.save_nothing)
-    tagged = _held_bytes(policies.save_tagged("hidden"))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_tagged_tensor_is_kept_and_the_rest_rebuilt(strategy: str) -> None:
+    full = _held_bytes(policies.save_nothing, strategy)
+    tagged = _held_bytes(policies.save_tagged("hidden"), strategy)
     hidden_bytes = 32 * 128 * 8
     assert tagged - full == hidden_bytes
 
@@ -116,5 +139,75 @@ def test_a_bad_policy_is_a_type_error_when_decorating() -> None:
         remat.remat(policy=3)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="save_tagged takes tag names"):
         policies.save_tagged(1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"strategy=.rerun. only"):
-        remat.remat(policy=policies.save_matmuls, strategy="replay")
+
+
+def test_retain_graph_backward_twice_with_a_policy() -> None:
+    """A kept output that autograd does not save is dropped after the first recompute; the second reruns it."""
+
+    def twice(loss: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    for strategy in STRATEGIES:
+        for policy in (policies.save_matmuls, policies.save_matmuls | policies.save_tagged("hidden")):
+            assert_same_grads(TaggedMLP, (randn(4, 8, requires_grad=True),), _site(strategy, policy), backward=twice)
+
+
+def _encoder(dropout: float) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]:
+    def make() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+        layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=dropout, batch_first=True)
+        model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        x = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(0))
+        return model, lambda m: m(x).square().mean()
+
+    return make
+
+
+def _bench(kind: str) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]:
+    from remat.bench import models as bench
+
+    def make() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+        model: bench.BenchModel
+        if kind == "gpt":
+            model = bench.GPT(bench.GPTConfig(blocks=3, d=32, heads=2, seq=32, batch=2, vocab=64))
+        elif kind == "convnet":
+            model = bench.ConvNet(bench.ConvNetConfig(width=4, blocks_per_stage=1, image=16, batch=2))
+        else:
+            model = bench.ChainNet(bench.ChainNetConfig(width=8, levels=(2, 2), image=16, batch=4))
+        batch = model.sample(torch.device("cpu"))
+        return model, lambda m: m.loss(*batch)  # type: ignore[operator]
+
+    return make
+
+
+MODELS = {
+    "TransformerEncoder": _encoder(0.1),
+    "TransformerEncoder without dropout": _encoder(0.0),
+    "GPT": _bench("gpt"),
+    "ConvNet": _bench("convnet"),
+    "ChainNet": _bench("chain"),
+}
+
+
+def _peak(make: Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]], policy: Any) -> int:
+    """Peak bytes one training step adds beyond parameters and their (zero-filled) gradients."""
+    torch.manual_seed(0)
+    model, loss = make()
+    if policy is not None:
+        remat.apply(model, lambda name, m: name.count(".") == 1 and name.split(".")[0] in ("layers", "blocks"),
+                    policy=policy)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(1)
+    with track() as t:
+        loss(model).backward()
+    return t.peak_bytes
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_save_matmuls_peaks_between_full_remat_and_none(name: str) -> None:
+    """0.1.0 peaked above no remat on nn.TransformerEncoder: kept matmul outputs outlived their recompute."""
+    make = MODELS[name]
+    none, full = _peak(make, None), _peak(make, policies.save_nothing)
+    matmuls = _peak(make, policies.save_matmuls)
+    assert full <= matmuls <= none, (full, matmuls, none)

@@ -394,3 +394,13 @@ def test_apply_errors() -> None:
 def test_cell_with_tuple_state_as_an_instance() -> None:
     inputs = (randn(2, 6, requires_grad=True), (randn(2, 6, requires_grad=True, seed=1), randn(2, 6, seed=2)))
     assert_same_grads(Cell, inputs, remat.remat)
+
+
+def test_the_decorator_object_carries_the_whole_api() -> None:
+    """Spec §2: `from remat import remat` is the whole API, the same objects as `import remat` gives."""
+    from remat import remat as decorator
+
+    missing = [name for name in remat.__all__ if not hasattr(decorator, name)]
+    assert not missing, f"missing on the decorator object: {missing}"
+    for name in remat.__all__:
+        assert getattr(decorator, name) is getattr(remat, name), name

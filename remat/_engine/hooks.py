@@ -17,7 +17,7 @@ from . import stats as _stats
 from .debug import side_by_side
 from .transfer import Parcel, Stay
 
-__all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute"]
+__all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_message"]
 
 # NOTE [ Handle lifetime ]
 # In forward the pack hook gives autograd a `Handle` (an index) instead of an activation made inside the region;
@@ -33,6 +33,8 @@ __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute"]
 # two backwards over one graph (`retain_graph=True`, or two threads) never share tensors; each tensor is popped
 # on its unpack, so it lives only until the node that needs it has run. A callback queued on the autograd engine
 # drops whatever is left in the store when that backward ends (nodes that `autograd.grad(inputs=...)` skipped).
+# Under torch's `torch.utils.checkpoint.GraphExecGroup`, the group is the key instead: the backwards of one group
+# share one recompute, and what is left stays until the frame goes (as in torch).
 
 
 # NOTE [ Freeing long chains ]
@@ -87,6 +89,7 @@ class Outer:
 
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_exec_group: Callable[[], Any] = torch._C._get_graph_exec_group
 
 _INPLACE_KEPT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
@@ -117,7 +120,7 @@ class Frame:
         self.retrace: list[str] | None = None  # the running recompute's op trace
         self._handles: list[weakref.ref[Handle] | None] = []
         self._metas: list[_Meta] = []
-        self._stores: dict[int, dict[int, torch.Tensor]] = {}
+        self._stores: dict[Any, dict[int, torch.Tensor]] = {}  # graph task id or GraphExecGroup -> store
         self._kept: dict[int, tuple[torch.Tensor, int]] = {}
         # The saved-tensor hooks this frame runs inside (an enclosing site, `save_on_cpu`), or None.
         self.outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = _top_hooks(False)
@@ -177,7 +180,8 @@ class Frame:
             return self.outer[1](packed.packed)
         if kind is Parcel or kind is Stay:  # kept by the site's offload: see NOTE [ Offloaded sites ]
             return packed.get()  # type: ignore[no-any-return]
-        gid = torch._C._current_graph_task_id()
+        group = _exec_group()
+        gid: Any = torch._C._current_graph_task_id() if group is None else group
         store = self._stores.get(gid)
         if store is None or packed.index not in store:
             store = self._rebuild(gid, store)
@@ -193,10 +197,10 @@ class Frame:
             )
         return tensor
 
-    def _rebuild(self, gid: int, store: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    def _rebuild(self, gid: Any, store: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
         if store is None:
             store = self._stores[gid] = {}
-            if gid != -1:
+            if type(gid) is int and gid != -1:
                 stores = self._stores
 
                 def drop() -> None:
@@ -231,13 +235,20 @@ class Frame:
     # -- checks --------------------------------------------------------------------------------------------
     def expect(self, index: int, tensor: torch.Tensor) -> None:
         """Check that recompute's `index`-th saved tensor looks like forward's (shape, dtype, device)."""
+        what = self.differs(index, tensor)
+        if what is not None:
+            raise self.mismatch(index, tensor, what)
+
+    def differs(self, index: int, tensor: torch.Tensor) -> str | None:
+        """How recompute's `index`-th saved tensor differs from forward's, or None when it does not."""
         if not self.check:
-            return
+            return None
         if index >= len(self._metas):
-            raise self.mismatch(index, tensor, "recompute saved more tensors than forward did")
+            return "recompute saved more tensors than forward did"
         shape, dtype, device = self._metas[index]
         if tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
-            raise self.mismatch(index, tensor, "recompute saved a different tensor than forward")
+            return "recompute saved a different tensor than forward"
+        return None
 
     def mismatch(
         self,
@@ -245,26 +256,57 @@ class Frame:
         tensor: torch.Tensor | None,
         what: str,
     ) -> RecomputeMismatchError:
-        """Build the error for a recompute that parted from forward at saved tensor `index`."""
-        if index < len(self._metas):
-            shape, dtype, device = self._metas[index]
-            expected = f"shape {tuple(shape)}, dtype {dtype}, device {device}"
-        else:
-            expected = "no tensor"
-        got = (
-            "no tensor"
-            if tensor is None
-            else f"shape {tuple(tensor.shape)}, dtype {tensor.dtype}, device {tensor.device}"
-        )
-        message = (
-            f"remat: {what} in `{self.site}`: at saved tensor #{index} forward saved {expected}, "
-            f"recompute saved {got}. The function must run the same ops in backward as in forward: "
-            "look for global state, Python side effects or data-dependent control flow, or use "
-            "strategy='replay', which replays the recorded ops."
-        )
-        message += self.hint()
-        if self.trace is not None and self.retrace is not None:
-            message += "\nOp traces (REMAT_DEBUG=1):\n" + side_by_side(self.trace, self.retrace)
-        else:
-            message += " Set REMAT_DEBUG=1 to see the op traces of forward and recompute side by side."
-        return RecomputeMismatchError(message)
+        """Build the error for a recompute that parted from forward at saved tensor `index`.
+
+        All of the message is made here (see `mismatch_message`), so that hints can be added in one place.
+        """
+        expected = self._metas[index] if index < len(self._metas) else None
+        got = None if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
+        traces = (self.trace, self.retrace) if self.trace is not None and self.retrace is not None else None
+        return RecomputeMismatchError(mismatch_message(self.site, index, what, expected, got, traces) + self.hint())
+
+
+# torch.utils.checkpoint's words for a count mismatch, which users search for (kept verbatim).
+_TORCH_COUNT_PHRASE = "A different number of tensors was saved during the original forward and recomputation."
+
+
+def mismatch_message(
+    site: str,
+    index: int,
+    what: str,
+    expected: _Meta | None,
+    got: _Meta | None,
+    traces: tuple[list[str], list[str]] | None,
+) -> str:
+    """The text of a `RecomputeMismatchError`: where forward and recompute parted, why, and what to do.
+
+    Args:
+        site: the site's name.
+        index: the saved tensor at which they parted.
+        what: one clause saying what differed ("recompute saved more tensors than forward did").
+        expected, got: (shape, dtype, device) of forward's and recompute's tensor there, None for none.
+        traces: forward's and recompute's op traces under debug mode, or None.
+
+    >>> print(mismatch_message("f", 2, "recompute saved fewer tensors than forward did", None, None, None)[:60])
+    remat: recompute saved fewer tensors than forward did in `f`
+    """
+
+    def describe(meta: _Meta | None) -> str:
+        return "no tensor" if meta is None else f"shape {tuple(meta[0])}, dtype {meta[1]}, device {meta[2]}"
+
+    message = (
+        f"remat: {what} in `{site}`: at saved tensor #{index} forward saved {describe(expected)}, "
+        f"recompute saved {describe(got)}. "
+    )
+    if expected is None or got is None:
+        message += _TORCH_COUNT_PHRASE + " "
+    message += (
+        "The function must run the same ops in backward as in forward: "
+        "look for global state, Python side effects or data-dependent control flow, or use "
+        "strategy='replay', which replays the recorded ops."
+    )
+    if traces is not None:
+        message += "\nOp traces (REMAT_DEBUG=1):\n" + side_by_side(*traces)
+    else:
+        message += " Set REMAT_DEBUG=1 to see the op traces of forward and recompute side by side."
+    return message

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from torch import nn
 from .. import _switch
 from .._errors import BUG, RecomputeMismatchError, RematError
 from .._options import Options
+from .._policies import Policy, as_policy, tags
 from .guard import storage_key
 from .hooks import Frame, Handle, Kept
 from .offload import Offload, resolve
@@ -30,6 +32,8 @@ __all__ = ["Region", "RegionFrame", "begin", "call", "end"]
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_storage_id: Callable[[torch.Tensor], int] = torch._C._storage_id  # type: ignore[attr-defined]
+_ref = weakref.ref
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
 # NOTE [ Kept tensors ]
@@ -53,12 +57,15 @@ class RegionFrame(Frame):
     """One forward run of a region: its tape, and the saved tensors autograd holds handles for."""
 
     __slots__ = (
-        "captures", "copies", "freed", "freed_bytes", "kept", "ops", "recorder", "tape",
+        "captures", "claimed", "copies", "freed", "freed_bytes", "kept", "ops", "recorder", "tape",
     )
 
-    def __init__(self, site: str, check: bool, preserve_rng: bool, debug: bool) -> None:
+    def __init__(
+        self, site: str, check: bool, preserve_rng: bool, debug: bool, policy: Policy | None = None
+    ) -> None:
         super().__init__(site, check, True, [] if debug else None)
-        self.recorder: Recorder | None = Recorder(preserve_rng, self.trace)
+        self.recorder: Recorder | None = Recorder(preserve_rng, self.trace, policy)
+        self.claimed: set[int] = set()  # kept slots (policy) that autograd saves: NOTE [ Policies on the tape ]
         self.captures: list[tuple[int, int, int, int | None]] = []
         self.freed: dict[int, int] = {}  # storage (`storage_key`) -> bytes, of the tensors handles stand for
         self.kept: dict[int, tuple[Kept, int]] = {}  # tape slot of an outside tensor -> its token, its version
@@ -79,9 +86,31 @@ class RegionFrame(Frame):
             slot = found[1]
             if slot not in outside:
                 base = tensor._base
+                if base is None and not recorder.kept and self.copies is None:
+                    # The common case, `_capture` inlined: one Python call per saved tensor is a tenth of the
+                    # hook's cost (see NOTE [ Recording cost ] in tape.py).
+                    handles = self._handles
+                    index = len(handles)
+                    handle = Handle(index)
+                    handles.append(_ref(handle))
+                    if self.check:
+                        self._metas.append((tensor.shape, tensor.dtype, tensor.device))
+                    try:
+                        key: int | None = _storage_id(tensor)
+                    except (RuntimeError, NotImplementedError, TypeError):
+                        key = None
+                    freed = self.freed
+                    if key is not None and key not in freed:
+                        freed[key] = tensor.untyped_storage().nbytes()
+                    self.captures.append((index, slot, len(recorder.ops), key))
+                    return handle
                 if base is None or (
                     (made := refs.get(id(base))) is not None and made[0]() is base and made[1] not in outside
                 ):
+                    if recorder.kept:
+                        kept_slot = slot if base is None else refs[id(base)][1]
+                        if kept_slot in recorder.kept:
+                            return self._keep_claimed(recorder, tensor, kept_slot)
                     return self._capture(recorder, tensor, slot)
             elif self.outer is None:
                 # A tensor from outside that the tape reads, saved again at the same version (a weight used by
@@ -95,6 +124,15 @@ class RegionFrame(Frame):
         recorder.paused = True  # the enclosing pack hook may run ops of its own: not the tape's
         try:
             return self.keep_outside(tensor)
+        finally:
+            recorder.paused = False
+
+    def _keep_claimed(self, recorder: Recorder, tensor: torch.Tensor, slot: int) -> Kept:
+        """A saved tensor that is (a view of) an output the policy keeps: kept by reference, not rebuilt."""
+        self.claimed.add(slot)
+        recorder.paused = True
+        try:
+            return self.keep(tensor.detach())  # detached: an op may save its own output
         finally:
             recorder.paused = False
 
@@ -134,7 +172,7 @@ class RegionFrame(Frame):
         recorder.refs = {}
         if not alive:
             return
-        self.tape = Tape(recorder, alive, self.site)
+        self.tape = Tape(recorder, alive, self.site, frozenset(self.claimed))
         if self.outer is not None:
             self.tape.hand_to(self.outer[0])
 
@@ -183,7 +221,7 @@ class RegionFrame(Frame):
 
 def begin(
     *, site: str, check: bool, preserve_rng: bool, debug: bool, module: nn.Module | None = None,
-    offload: Offload | None = None,
+    offload: Offload | None = None, policy: Policy | None = None,
 ) -> object:
     """Start recording a replay region; the code between `begin` and `end` runs inside it.
 
@@ -194,6 +232,7 @@ def begin(
         debug: also keep a copy of each freed tensor and compare rebuilt values (REMAT_DEBUG=1).
         module: accepted for symmetry with the rerun strategy; the tape finds devices itself.
         offload: keep the tensors from outside that the region keeps on the host (NOTE [ Offloaded sites ]).
+        policy: what to keep from forward instead of replaying (None: nothing; NOTE [ Policies on the tape ]).
 
     Returns:
         A token for `end` (None when nothing is recorded: grad mode is off).
@@ -207,7 +246,11 @@ def begin(
     del module
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return None
-    frame = RegionFrame(site, check, preserve_rng, debug)
+    if policy is not None and (policy.everything or policy.saves_nothing):
+        if policy.everything:
+            return None  # save_all: every activation is kept, nothing to record
+        policy = None
+    frame = RegionFrame(site, check, preserve_rng, debug, policy)
     if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
         frame.outer = offload.hooks
     recorder = frame.recorder
@@ -218,6 +261,8 @@ def begin(
     except BaseException:
         recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         raise
+    if policy is not None and policy.names:
+        tags.sinks.append(recorder.keep_tagged)
     return frame
 
 
@@ -231,6 +276,8 @@ def end(token: object, *, ok: bool = True) -> None:
     if not isinstance(token, RegionFrame) or token.recorder is None:
         raise RematError(f"remat: `end` got {token!r}, which is not an open region token; {BUG}.")
     recorder = token.recorder
+    if recorder.policy is not None and recorder.policy.names:
+        tags.sinks.pop()
     try:
         _pop_hooks()
     finally:
@@ -252,6 +299,7 @@ def call(
     debug: bool = False,
     module: nn.Module | None = None,
     offload: Offload | None = None,
+    policy: Policy | None = None,
 ) -> Any:
     """Run `fn(*args, **kwargs)` as a replay region and return its output.
 
@@ -259,7 +307,9 @@ def call(
     >>> y = call(torch.sin, (x,), {}, site="sin")
     >>> y.sum().backward()
     """
-    token = begin(site=site, check=check, preserve_rng=preserve_rng, debug=debug, module=module, offload=offload)
+    token = begin(
+        site=site, check=check, preserve_rng=preserve_rng, debug=debug, module=module, offload=offload, policy=policy,
+    )
     try:
         out = fn(*args, **kwargs)
     except BaseException:
@@ -316,6 +366,7 @@ class Region:
             token = begin(
                 site=site, check=options.check, preserve_rng=options.preserve_rng,
                 debug=options.debug or _switch.debug(), offload=resolve(options.offload),
+                policy=as_policy(options.policy),
             )
         self._stack().append(token)
 

@@ -5,7 +5,7 @@ See NOTE [ Handle lifetime ] and NOTE [ Inputs of nested sites ] in _hooks.py fo
 
 from __future__ import annotations
 
-import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -37,9 +37,23 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # [ Writes during recompute ]), and under autocast, the user's recompute context, the policy and debug traces
 # only when those are in play: the common path sets three things and restores three, with no context-manager
 # machinery, since it runs once per site in every backward.
-# Early stop raises out of the pack hook through autograd's C++, which costs some 30 µs; it only pays when
-# what it skips can cost more, so it is used when forward took longer than `_EARLY_STOP_SECONDS`.
-_EARLY_STOP_SECONDS = 100e-6
+#
+# NOTE [ Early stop ]
+# With early stop on (the default), whatever recompute saves after the last needed tensor is tolerated, as torch
+# tolerates it: not checked, not kept. With it off, recompute must save exactly as many tensors as forward did,
+# and a different count is a mismatch. What decides the outcome is only what was saved, never how long anything
+# took (spec §3.1). Stopping early raises out of the pack hook through autograd's C++, which costs some 30 µs,
+# so it is done only where it skips work that matters: when forward saved a tensor to rebuild after the last
+# needed one (part of the graph was freed or is not needed). Otherwise everything after the last needed tensor
+# saved nothing in forward, and the function runs to its end: the same tensors, no error either way.
+
+# NOTE [ Recompute saves nothing ]
+# The recompute pack hook collects the tensors forward's graph needs and gives autograd nothing to keep (None),
+# also under `create_graph=True`: the graph recompute builds is never run backward. What the unpack hook
+# returns is only the data of a saved tensor; autograd attaches forward's grad_fn to it, so a double backward
+# goes through forward's graph. Returning the tensor itself made a cycle through C++ for every op that saves
+# its own output (exp, tanh, sigmoid: tensor -> grad_fn -> saved variable -> tensor) that held the recompute
+# graph, and through it the site's inputs and their AccumulateGrad nodes, forever.
 
 # NOTE [ Under torch.compile ]
 # Saved-tensor hooks and dispatch modes are graph breaks for dynamo, and a compiled graph saves other tensors
@@ -72,8 +86,8 @@ class RerunFrame(Frame):
     """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
 
     __slots__ = (
-        "args", "attrs", "autocast", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids", "kept_tags",
-        "kwargs", "module", "offload", "policy", "rng", "seconds", "tensors", "versions",
+        "args", "attrs", "autocast", "claimed", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids",
+        "kept_tags", "kwargs", "module", "offload", "policy", "rng", "saver", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
@@ -87,12 +101,13 @@ class RerunFrame(Frame):
     autocast: AutocastState | None
     contexts: Callable[[], AbstractContextManager[Any]] | None
     exit: ExitStack | None
-    seconds: float  # how long forward took: see NOTE [ Recompute state ]
     module: nn.Module | None  # the module whose forward runs, for its buffers: NOTE [ Writes during recompute ]
     policy: Policy | None
-    kept: list[Any]  # outputs of the ops the policy keeps, in forward's order
-    kept_ids: set[int]  # ids of every tensor the policy keeps
-    kept_tags: list[torch.Tensor]  # tensors kept through `remat.tag`, in order
+    saver: SaveOps | None  # forward's notes of the policy's ops (NOTE [ What a policy keeps ])
+    kept: list[Any]  # per call of a policy op, its kept outputs (None once dropped); after forward
+    claimed: set[int]  # the calls in `kept` whose outputs autograd saves
+    kept_ids: dict[int, weakref.ref[torch.Tensor]]  # tensors kept through `remat.tag`, by id
+    kept_tags: list[Any]  # tensors kept through `remat.tag`, detached (or offloaded), in order
     offload: Offload | None  # where what the policy keeps goes: NOTE [ Offloaded sites ] in offload.py
     attrs: Attributes | None  # the module's Python attributes before recompute: NOTE [ Mismatch hints ]
 
@@ -106,7 +121,7 @@ class RerunFrame(Frame):
             return self.keep_outside(tensor)
         if tensor.requires_grad and tensor.is_leaf:  # never `grad_fn`: see NOTE [ Freeing long chains ]
             return self.keep(tensor)
-        if self.policy is not None and id(tensor) in self.kept_ids:
+        if self.policy is not None and self._kept_by_policy(tensor):
             if self.offload is not None:
                 self.account(tensor)
                 return self.offload.pack(tensor)
@@ -119,11 +134,18 @@ class RerunFrame(Frame):
                 return self.keep(tensor)
         return self.handle(tensor)
 
+    def _kept_by_policy(self, tensor: torch.Tensor) -> bool:
+        ref = self.kept_ids.get(id(tensor))
+        if ref is not None and ref() is tensor:
+            return True
+        return self.saver is not None and self.saver.claim(tensor)
+
     def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Forward's `remat.tag`: keep `tensor` when the policy saves `name`."""
         if self.policy is not None and self.policy.saves_name(name):
-            self.kept_tags.append(tensor)
-            self.kept_ids.add(id(tensor))
+            # detached: no cycle through forward's graph; offloaded at once, as the tensor autograd saves
+            self.kept_tags.append(tensor.detach() if self.offload is None else self.offload.pack(tensor))
+            self.kept_ids[id(tensor)] = weakref.ref(tensor)
         return tensor
 
     def _inputs(self) -> tuple[Any, Any]:
@@ -152,25 +174,44 @@ class RerunFrame(Frame):
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
         args, kwargs = self._inputs()
         self.attrs = attributes(self.module) if self.module is not None else None
-        create_graph = torch.is_grad_enabled()
-        last = max(wanted) if self.early_stop and self.seconds > _EARLY_STOP_SECONDS else -1
+        # See NOTE [ Early stop ]: tolerate what comes after `limit`; raise out at `stop`.
+        limit = stop = -1
+        if self.early_stop:
+            limit = max(wanted)
+            handles = self._handles
+            top = len(handles) - 1
+            while handles[top] is None:
+                top -= 1
+            if limit < top:
+                stop = limit
         count = 0
+        # Under debug traces a mismatch is raised once the function has run to its end, so that the trace shows
+        # every op recompute ran, also those after the point where it parted from forward.
+        parted: list[Any] = []
+        defer = self.trace is not None
         # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and
-        # with create_graph the store holds tensors of that graph: `pack` reaches the frame and the store only
-        # through `live`, emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
+        # the store holds tensors of that graph: `pack` reaches the frame and the store only through `live`,
+        # emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
         live: list[Any] = [self, store]
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor | None:
-            # No detach: autograd makes a fresh tensor of what an unpack hook returns.
+        def pack(tensor: torch.Tensor) -> None:
+            # See NOTE [ Recompute saves nothing ].
             nonlocal count
             frame, found = live
             index, count = count, count + 1
-            frame.expect(index, tensor)
+            if index > limit >= 0 or parted:
+                return
+            if defer:
+                what = frame.differs(index, tensor)
+                if what is not None:
+                    parted.extend((index, tensor.detach(), what))  # detached: no cycle through `pack`
+                    return
+            else:
+                frame.expect(index, tensor)
             if index in wanted:
                 found[index] = tensor
-            if index == last:
+            if index == stop:
                 raise StopRecompute
-            return tensor if create_graph else None
 
         # See NOTE [ Recompute state ].
         caller_rng = self.rng.swap_in() if self.rng is not None else None
@@ -180,7 +221,17 @@ class RerunFrame(Frame):
         guard = guard_buffers(self.module)
         _push_hooks(pack, _identity)
         try:
-            self.fn(*args, **kwargs)
+            try:
+                self.fn(*args, **kwargs)
+            except StopRecompute:
+                raise
+            except Exception:
+                if not parted:
+                    raise
+            if parted:
+                raise self.mismatch(*parted)
+            if limit < 0 and self.check and count < self.saved:
+                raise self.mismatch(count, None, "recompute saved fewer tensors than forward did")
         except StopRecompute:
             pass
         finally:
@@ -210,7 +261,8 @@ class RerunFrame(Frame):
             stack.enter_context(self.contexts())
         if self.policy is not None:
             unpack = None if self.offload is None else self.offload.unpack_one
-            stack.enter_context(ReuseOps(self.policy, self.kept if unpack is None else map(unpack, self.kept)))
+            if self.kept:
+                stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed, unpack))
             if self.kept_tags:
                 kept_tags = iter(self.kept_tags if unpack is None else map(unpack, self.kept_tags))
                 policy = self.policy
@@ -218,7 +270,8 @@ class RerunFrame(Frame):
                 def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
                     if not policy.saves_name(name):
                         return tensor
-                    return next(kept_tags).detach().requires_grad_(tensor.requires_grad)
+                    kept: torch.Tensor = next(kept_tags)
+                    return kept.detach().requires_grad_(tensor.requires_grad)
 
                 stack.enter_context(_tag_sink(hand_back))
         if self.trace is not None:
@@ -283,10 +336,10 @@ def begin(
     frame.autocast = AutocastState.capture(frame.devices)
     frame.contexts = contexts[1] if contexts is not None else None
     frame.exit = None
-    frame.seconds = time.perf_counter()
     frame.policy = policy
+    frame.saver = None
     if policy is not None:
-        frame.kept, frame.kept_ids, frame.kept_tags = [], set(), []
+        frame.kept, frame.claimed, frame.kept_ids, frame.kept_tags = [], set(), {}, []
     if contexts is not None or frame.trace is not None or policy is not None:
         frame.exit = ExitStack()
         if contexts is not None:
@@ -295,7 +348,8 @@ def begin(
             frame.exit.enter_context(OpTrace(frame.trace))
         if policy is not None:
             if policy.ops:
-                frame.exit.enter_context(SaveOps(policy, frame.kept, frame.kept_ids))
+                pack = None if frame.offload is None else frame.offload.pack
+                frame.saver = frame.exit.enter_context(SaveOps(policy, pack))
             if policy.names:
                 frame.exit.enter_context(_tag_sink(frame.keep_tagged))
     _push_hooks(frame.pack, frame.unpack)
@@ -305,12 +359,12 @@ def begin(
 def end(frame: RerunFrame, *, ok: bool = True) -> None:
     """Close the region `begin` opened; `ok=False` after an exception (nothing differs for rerun)."""
     _pop_hooks()
-    frame.seconds = time.perf_counter() - frame.seconds
     if frame.exit is not None:
         frame.exit.close()
         frame.exit = None
-    if frame.offload is not None and frame.policy is not None:
-        frame.kept, frame.kept_tags = frame.offload.pack_all(frame.kept), frame.offload.pack_all(frame.kept_tags)
+    if frame.saver is not None:
+        frame.kept, frame.claimed = frame.saver.finish()
+        frame.saver = None
 
 
 def call(

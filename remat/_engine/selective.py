@@ -1,49 +1,120 @@
-"""Dispatch modes that carry out a policy in rerun: keep chosen ops' outputs, then reuse them (NOTE [ Policies ])."""
+"""Dispatch modes that carry out a policy: keep the chosen ops' outputs in forward, hand them back in recompute.
+
+See NOTE [ Policies ] in _policies.py and NOTE [ What a policy keeps ] below.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .._policies import Policy
+from .guard import storage_key
 from .modes import Mode
 
-__all__ = ["ReuseOps", "SaveOps"]
+__all__ = ["ReuseOps", "SaveOps", "reuse"]
+
+# NOTE [ What a policy keeps ]
+# A policy names ops whose outputs are kept from forward instead of rebuilt (`save_matmuls`), so that recompute
+# never runs them again. Most such outputs are not what autograd saves: `linear1`'s output in a transformer's
+# MLP is read by `relu`, which saves its own output; recompute needs the kept output to rebuild relu's. Per
+# layer that costs about what no remat saves (the kept input of a cheap op instead of its saved output). The
+# cost above no remat came from the layer whose backward runs: its kept outputs and the tensors recompute
+# rebuilds from them were alive together until the site's graph died, and peak(save_matmuls) went above
+# peak(no remat) on nn.TransformerEncoder. So a kept output that autograd does not save itself is handed to
+# recompute once and dropped by the site as it is handed over: it dies as soon as recompute has used it, like
+# the input of the same op in no remat's forward. A kept output that autograd saves (itself, or a view of its
+# memory such as q/k/v split from one projection: `claim`, by storage) stays while the site's graph does, as
+# no remat keeps it. A later recompute of the same graph (`retain_graph=True`) runs the dropped ops again.
+# Every kept tensor is detached: a kept output with its grad_fn would reach the site's saved-tensor hooks, a
+# cycle through C++ that kept everything alive when the graph was dropped without backward.
 
 
 class SaveOps(Mode):
-    """Forward: keep the outputs of the ops `policy` chooses, in order."""
+    """Forward: keep the outputs of the ops `policy` chooses, in order (see NOTE [ What a policy keeps ])."""
 
-    def __init__(self, policy: Policy, kept: list[Any], ids: set[int]) -> None:
+    def __init__(self, policy: Policy, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
         super().__init__()
         self.policy = policy
-        self.kept = kept
-        self.ids = ids
+        self.saves_op = policy.saves_op  # bound once: the per-op path looks up nothing else
+        # how a kept output is held: detached, or `pack`ed at once (an offloaded site: the same tensor object
+        # autograd or the next site saves, so that it is copied once; NOTE [ Offloaded sites ])
+        self.pack: Callable[[torch.Tensor], Any] = torch.Tensor.detach if pack is None else pack
+        self.kept: list[Any] = []  # per chosen op call: its output(s), detached
+        self.claimed: set[int] = set()  # calls whose output autograd saves (kept for the graph's lifetime)
+        self.notes: dict[int, int] = {}  # storage of a kept output -> its call
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.policy.saves_op(func):
-            self.kept.append(out)
-            for tensor in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(tensor, torch.Tensor):
-                    self.ids.add(id(tensor))
+        out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # `_op`: no Python frame of `__call__`
+        if self.saves_op(func):
+            index = len(self.kept)
+            keep = self.pack
+            if isinstance(out, torch.Tensor):
+                self.kept.append(keep(out))
+                self._note(out, index)
+            else:
+                self.kept.append(tuple(keep(t) if isinstance(t, torch.Tensor) else t for t in out))
+                for t in out:
+                    if isinstance(t, torch.Tensor):
+                        self._note(t, index)
         return out
+
+    def _note(self, tensor: torch.Tensor, index: int) -> None:
+        key = storage_key(tensor)
+        if key is not None:
+            self.notes[key] = index
+
+    def claim(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`, which autograd saves, lies in the memory of a kept output (then keep it for good)."""
+        if not self.notes:
+            return False
+        index = self.notes.get(storage_key(tensor))  # type: ignore[arg-type]
+        if index is None:
+            return False
+        self.claimed.add(index)
+        return True
+
+    def finish(self) -> tuple[list[Any], set[int]]:
+        """End of forward: the kept outputs in order, and which of them autograd saves."""
+        kept, claimed = self.kept, self.claimed
+        self.kept, self.claimed, self.notes = [], set(), {}
+        return kept, claimed
+
+
+def reuse(kept: Any) -> Any:
+    """A kept output handed back for one recompute: fresh detached tensors (autograd wraps op outputs)."""
+    if isinstance(kept, torch.Tensor):
+        return kept.detach()
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in kept)
 
 
 class ReuseOps(Mode):
-    """Recompute: hand back forward's outputs of the chosen ops instead of running them again."""
+    """Recompute: hand back forward's kept outputs of the chosen ops instead of running them again.
 
-    def __init__(self, policy: Policy, kept: Iterable[Any]) -> None:
+    An output autograd does not save is dropped from `kept` as it is handed back (NOTE [ What a policy keeps ]);
+    an op whose output was dropped runs again.
+    """
+
+    def __init__(
+        self, policy: Policy, kept: list[Any], claimed: set[int], unpack: Callable[[Any], Any] | None = None
+    ) -> None:
         super().__init__()
         self.policy = policy
-        self.kept = iter(kept)
+        self.saves_op = policy.saves_op  # bound once: the per-op path looks up nothing else
+        self.kept = kept
+        self.claimed = claimed
+        self.unpack = unpack  # brings an offloaded kept output back (NOTE [ Offloaded sites ])
+        self.next = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.policy.saves_op(func):
-            out = next(self.kept)
-            if isinstance(out, torch.Tensor):
-                return out.detach()
-            return type(out)(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
-        return func(*args, **(kwargs or {}))
+        if self.saves_op(func):
+            index = self.next
+            self.next = index + 1
+            out = self.kept[index] if index < len(self.kept) else None
+            if out is not None:
+                if index not in self.claimed:
+                    self.kept[index] = None
+                return reuse(out if self.unpack is None else self.unpack(out))
+        return func._op(*args, **kwargs) if kwargs else func._op(*args)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import RematError
+from .._policies import Policy
 from .autocast import AutocastState
 from .debug import describe
 from .guard import storage_key, written_arguments
@@ -41,6 +42,15 @@ __all__ = ["Recorder", "Tape"]
 # is covered. Every other outside tensor is checked in backward against the version it had when first seen:
 # a change means the tape would read a value that no longer exists, which is autograd's "modified by an inplace
 # operation" error.
+#
+# NOTE [ Policies on the tape ]
+# With a policy (spec §2.2), the recorder keeps the outputs of the ops it chooses (and tensors named by
+# `remat.tag` for a saved name), detached, by slot. Replay puts a kept output into its slot instead of running
+# its op (the op's inputs are then not needed either), so a kept op never runs again. A saved tensor that is a
+# kept output, or a view of one, is kept by reference instead of being rebuilt ("claimed"). As in rerun
+# (NOTE [ What a policy keeps ] in selective.py), a kept output that autograd does not save is dropped after
+# the replay that used it, so that it and what replay rebuilt from it do not outlive that backward; a second
+# replay (`retain_graph`) runs its op. A kept output written in place later in forward is not kept.
 #
 # NOTE [ Replay plan ]
 # Forward does the least it can: the plan — which ops are live (an op whose outputs feed no saved tensor is
@@ -127,8 +137,11 @@ def _seeded_device(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.
 class Recorder(Mode):
     """The dispatch mode that records a region's ops (see NOTE [ What the tape holds ])."""
 
-    def __init__(self, preserve_rng: bool, trace: list[str] | None) -> None:
+    def __init__(self, preserve_rng: bool, trace: list[str] | None, policy: Policy | None = None) -> None:
         super().__init__()
+        self.policy = policy
+        # Outputs of the ops the policy keeps, detached, with their version (see NOTE [ Policies on the tape ]).
+        self.kept: dict[int, tuple[torch.Tensor, int]] = {}
         self.refs: dict[int, Marker] = {}
         self.ops: list[Entry] = []
         self.slots = 0
@@ -143,7 +156,7 @@ class Recorder(Mode):
         self.generators: dict[torch.Generator, torch.Tensor] = {}
         self.trace = trace
         self._paused = False
-        self.fast: set[int] | frozenset[int] = _FAST if trace is None else _NOTHING_FAST  # see `paused`
+        self.fast: set[int] | frozenset[int] = _FAST if trace is None and policy is None else _NOTHING_FAST
 
     @property
     def paused(self) -> bool:
@@ -153,7 +166,7 @@ class Recorder(Mode):
     @paused.setter
     def paused(self, flag: bool) -> None:
         self._paused = flag
-        self.fast = _FAST if not flag and self.trace is None else _NOTHING_FAST
+        self.fast = _FAST if not flag and self.trace is None and self.policy is None else _NOTHING_FAST
 
     # -- the hot path --------------------------------------------------------------------------------------
     def __torch_dispatch__(
@@ -218,10 +231,16 @@ class Recorder(Mode):
         elif info.writes:
             count = 0
         else:
+            if self.trace is not None:  # a number (`item()`): nothing to replay, but the trace shows it
+                self.trace.append(describe(func, out))
             return out
         self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
         if self.trace is not None:
             self.trace.append(describe(func, out))
+        if self.policy is not None and count != 0 and self.policy.saves_op(func):
+            for index, item in enumerate((out,) if count < 0 else out):
+                if isinstance(item, _Tensor):
+                    self.kept[first + index] = (item.detach(), item._version)
         return out
 
     # -- the slow paths ------------------------------------------------------------------------------------
@@ -284,6 +303,15 @@ class Recorder(Mode):
             self.device_rng[device] = torch.get_device_module(device.type).get_rng_state(device)
 
     # -- end of forward ------------------------------------------------------------------------------------
+    def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """`remat.tag` inside a region whose policy saves `name`: keep the tensor's slot from forward."""
+        assert self.policy is not None
+        if self.policy.saves_name(name):
+            slot = self.lookup(tensor)
+            if slot is not None:
+                self.kept[slot] = (tensor.detach(), tensor._version)
+        return tensor
+
     def lookup(self, tensor: torch.Tensor) -> int | None:
         """The slot of a tensor made by the tape, or None for one from outside (or never seen)."""
         found = self.refs.get(id(tensor))
@@ -308,17 +336,19 @@ class _Slot:
 class _Plan:
     """What replay runs; see NOTE [ Replay plan ]."""
 
-    __slots__ = ("captures", "frees", "steps")
+    __slots__ = ("captures", "fills", "frees", "steps")
 
     def __init__(
         self,
         steps: list[tuple[Any, list[Any], dict[str, Any] | None, int, int, bool] | None],
         captures: list[list[tuple[int, int, bool]] | None],
         frees: list[list[int] | None],
+        fills: list[list[int] | None] | None,
     ) -> None:
         self.steps = steps
         self.captures = captures
         self.frees = frees
+        self.fills = fills  # per op, the kept output slots that stand for running it (None: no policy)
 
 
 def _slots_in(value: Any, out: list[int]) -> None:
@@ -361,11 +391,14 @@ class Tape:
     """
 
     __slots__ = (
-        "captures", "generators", "lock", "ops", "outside", "plan", "points", "rng", "site", "slots",
-        "snapshots", "trace", "writes",
+        "captures", "claimed", "generators", "kept", "lock", "ops", "outside", "plan", "points", "rng", "site",
+        "slots", "snapshots", "trace", "writes",
     )
 
-    def __init__(self, recorder: Recorder, captures: list[tuple[int, int, int, int | None]], site: str) -> None:
+    def __init__(
+        self, recorder: Recorder, captures: list[tuple[int, int, int, int | None]], site: str,
+        claimed: frozenset[int] = frozenset(),
+    ) -> None:
         self.site = site
         if recorder.snapshots:
             recorder._outside_storages()
@@ -391,6 +424,13 @@ class Tape:
         self.trace = recorder.trace
         self.plan: _Plan | None = None
         self.lock = threading.Lock()
+        # See NOTE [ Policies on the tape ]: a kept output written in place after it was kept is not kept.
+        end = self.ops[-1][3] + max(self.ops[-1][4], 1) if self.ops else 0
+        self.kept = {
+            slot: tensor for slot, (tensor, version) in recorder.kept.items()
+            if slot < end and tensor._version == version
+        }
+        self.claimed = claimed
 
     def hand_to(self, pack: Callable[[torch.Tensor], Any]) -> None:
         """Give the outside tensors to an enclosing pack hook (see NOTE [ Inputs of nested sites ])."""
@@ -406,10 +446,17 @@ class Tape:
         needed: set[int] = {slot for _, slot, _, _ in self.captures}
         live = [False] * count
         reads: list[list[int]] = [[] for _ in range(count)]
+        kept = self.kept
+        fills: list[list[int] | None] | None = [None] * count if kept else None
         for index in range(count - 1, -1, -1):
             func, args, kwargs, first, outputs, _ = ops[index]
             info = op_info(func)
             produced = range(first, first + (1 if outputs < 0 else outputs))
+            if fills is not None and outputs != 0 and not info.writes and all(slot in kept for slot in produced):
+                if any(slot in needed for slot in produced):  # kept from forward: not run again
+                    live[index] = True
+                    fills[index] = list(produced)
+                continue
             if info.writes or info.seeded or any(slot in needed for slot in produced):
                 live[index] = True
                 slots: list[int] = []
@@ -450,10 +497,10 @@ class Tape:
                 first,
                 outputs,
                 grad,
-            ) if live[index] else None
+            ) if live[index] and (fills is None or fills[index] is None) else None
             for index, (func, args, kwargs, first, outputs, grad) in enumerate(ops)
         ]
-        return _Plan(steps, captures, frees)
+        return _Plan(steps, captures, frees, fills)
 
     # -- replay --------------------------------------------------------------------------------------------
     def _outside_value(
@@ -507,7 +554,7 @@ class Tape:
         for slot, o in self.outside.items():
             if o.first < stop:
                 values[slot] = self._outside_value(o, storages, unpack, o.first)
-        steps, captures, frees = plan.steps, plan.captures, plan.frees
+        steps, captures, frees, fills = plan.steps, plan.captures, plan.frees, plan.fills
         with ExitStack() as stack:
             if self.rng is not None:
                 stack.enter_context(self.rng.restore())
@@ -540,6 +587,9 @@ class Tape:
                         values[first:first + outputs] = out
                     if retrace is not None:
                         retrace.append(describe(func, out))
+                elif fills is not None and (filled := fills[index]) is not None:
+                    for slot in filled:
+                        values[slot] = self.kept[slot].detach()
                 taken = captures[index]
                 if taken is not None:
                     for handle, slot, clone in taken:
@@ -552,6 +602,17 @@ class Tape:
                         values[slot] = None
             if create_graph:
                 torch._C._set_grad_enabled(True)
+        if fills is not None:
+            self._drop_unclaimed()
+
+    def _drop_unclaimed(self) -> None:
+        """After a replay, drop the kept outputs autograd does not save (see NOTE [ Policies on the tape ])."""
+        with self.lock:
+            dropped = [slot for slot in self.kept if slot not in self.claimed]
+            if dropped:
+                for slot in dropped:
+                    del self.kept[slot]
+                self.plan = None  # the next replay (retain_graph) runs those ops again
 
 
 class _generator_fork:
