@@ -11,7 +11,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["OpKind", "StageCost", "check_bytes", "check_stages", "simulate"]
+from .._measure.costs import ModelCost
+
+__all__ = ["OpKind", "StageCost", "check_bytes", "check_stages", "evaluate_blocks", "simulate"]
 
 OpKind = Literal["forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"]
 _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"))
@@ -241,3 +243,15 @@ def check_stages(stages: Sequence[StageCost]) -> tuple[StageCost, ...]:
             raise TypeError(f"remat: stage {n} must be a remat.StageCost, but got {type(s).__name__}.")
     return stages
 
+
+def evaluate_blocks(cost: ModelCost, choice: Sequence[int]) -> tuple[int, float]:
+    """The predicted peak bytes and step time of one choice per block (NOTE [ Budget model ])."""
+    held, peak, time = 0, 0, cost.outside_time
+    for i, (row, c) in enumerate(zip(cost.blocks, choice, strict=True)):
+        block = row[c]
+        if block is None:
+            raise ValueError(f"remat: choice {cost.choices[c]!r} is not open to block {cost.names[i]!r}.")
+        peak = max(peak, held + cost.outside_peaks[i], held + block.need)
+        held += block.held_bytes
+        time += block.time
+    return max(peak, held + cost.outside_peaks[-1]), time
