@@ -11,7 +11,8 @@ where every block's forward and backward start and end (a forward pre-hook and h
 first input and first output tensor), and a tracker records the peak of every window between two marks.
 A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
 what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
-start); the second part is shared among blocks of a kind (the largest seen), the first is the block's own.
+start); the second part is the block's own where it ran under that choice, else the (upper) median over the
+blocks of its kind that did; the first is always the block's own.
 Then one more step under the same choices runs without the tracker and with the clock: times are the median
 over blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`.
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
@@ -247,8 +248,10 @@ def profile_blocks(
     return _costs(names, blocks, choices, rounds, tracked, timed)
 
 
-def _larger(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
-    return (max(a[0], b[0]), max(a[1], b[1]), max(a[2], b[2]))
+def _median(entries: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+    ordered = [sorted(column) for column in zip(*entries, strict=True)]
+    middle = len(entries) // 2
+    return (ordered[0][middle], ordered[1][middle], ordered[2][middle])
 
 
 def _costs(
@@ -261,8 +264,9 @@ def _costs(
 ) -> ModelCost:
     n = len(blocks)
     kinds = [_kind(b) for b in blocks]
-    # Per kind and choice, what a block adds itself (the largest seen); per block, its base.
-    local: dict[tuple[Any, int], tuple[int, int, int]] = {}
+    # What a block adds itself under a choice: its own measurement, else the median over its kind; its base.
+    own: dict[tuple[int, int], tuple[int, int, int]] = {}
+    samples: dict[tuple[Any, int], list[tuple[int, int, int]]] = defaultdict(list)
     base = [0] * n
     for assignment, rec in zip(rounds, tracked, strict=True):
         for i, c in enumerate(assignment):
@@ -271,8 +275,8 @@ def _costs(
             fwd = rec.peaks.get(("fwd", i), rec.base[i] + h)
             bwd = rec.peaks.get(("bwd", i), rec.base[i] + h)
             entry = (h, fwd - rec.base[i], bwd - rec.base[i] - h)
-            old = local.get((kinds[i], c))
-            local[(kinds[i], c)] = entry if old is None else _larger(old, entry)
+            own[(i, c)] = entry
+            samples[(kinds[i], c)].append(entry)
     times: dict[tuple[Any, int], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for assignment, rec in zip(rounds, timed, strict=True):
         for i, c in enumerate(assignment):
@@ -282,7 +286,7 @@ def _costs(
     for i in range(n):
         row: list[BlockCost | None] = []
         for c in range(len(choices)):
-            h, f, b = local[(kinds[i], c)]
+            h, f, b = own.get((i, c)) or _median(samples[(kinds[i], c)])
             fwd_times, bwd_times = times.get((kinds[i], c), ([], []))
             row.append(
                 BlockCost(
