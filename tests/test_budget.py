@@ -279,7 +279,7 @@ def test_profiling_leaves_rng_grads_and_buffers_alone() -> None:
         p.grad = torch.full_like(p, 7.0)
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     state = torch.get_rng_state()
-    remat.apply(model, budget=0.6, sample=x)
+    remat.apply(model, budget=0.8, sample=x)
     assert torch.equal(torch.get_rng_state(), state)
     assert all(bool((p.grad == 7.0).all()) for p in model.parameters() if p.grad is not None)
     for k, v in model.named_buffers():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,7 +71,7 @@ class _Recorder:
         self.peaks: dict[tuple[str, int], int] = {}
         self.times: dict[tuple[str, int], float] = defaultdict(float)
         self.clock = time.perf_counter()
-        self.grad_events: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
+        self.grad_events: dict[int, tuple[weakref.ref[torch.Tensor], list[tuple[int, int]]]] = {}
 
     def _switch(self, owner: tuple[str, int]) -> int:
         if self.tracker is None:
@@ -110,12 +111,15 @@ class _Recorder:
         self.held_sum -= self.held[i]
 
     def on_grad(self, tensor: torch.Tensor, event: int, i: int) -> None:
-        """Call backward_end(i) (event 0) or backward_start(i) (event 1) when `tensor`'s gradient is ready."""
+        """Call backward_end(i) (event 0) or backward_start(i) (event 1) when `tensor`'s gradient is ready.
+
+        Tensors are held weakly: a strong reference would keep every block's output alive to the end of the step.
+        """
         entry = self.grad_events.get(id(tensor))
-        if entry is None:
-            entry = (tensor, [])
+        if entry is None or entry[0]() is not tensor:
+            events: list[tuple[int, int]] = []
+            entry = (weakref.ref(tensor), events)
             self.grad_events[id(tensor)] = entry
-            events = entry[1]
 
             def hook(grad: torch.Tensor) -> None:
                 for kind, block in sorted(events):  # ends before starts: the same tensor ends i and starts i-1

@@ -147,6 +147,7 @@ def _short(label: str) -> str:
 _COMPILED = r"""
 import json, os, statistics, sys, time
 import torch
+import torch._functorch.config
 from remat.bench.models import GPT, GPT_SIZES
 fraction, size, repeats = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 torch._functorch.config.activation_memory_budget = fraction
