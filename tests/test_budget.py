@@ -135,7 +135,10 @@ def test_gradients_equal_no_remat_under_any_plan(fraction: float) -> None:
         return remat.apply(model, budget=fraction, sample=X)
 
     _, ours = assert_same_grads(_stack, (X,), variant)
-    assert ours.target.blocks[0]._forward_pre_hooks or fraction == 1.0 or remat.plan(ours.target).budget
+    plan = remat.plan(ours.target).budget
+    assert plan is not None
+    if fraction < 0.5:
+        assert any(plan.choices[c] != "kept" for c in plan.choice)
 
 
 def test_gradients_equal_with_batchnorm_blocks() -> None:
@@ -158,7 +161,7 @@ def test_peak_stays_within_the_budget(fraction: float) -> None:
     measured = _peak(model, X)
     assert measured <= plan.budget * 1.05
     assert measured < none
-    assert abs(plan.peak_bytes - measured) <= 0.10 * measured  # tiny blocks: a 32 KiB transient is 6% here
+    assert abs(plan.peak_bytes - measured) <= 0.05 * measured
 
 
 def test_budget_error_names_the_smallest_feasible_budget() -> None:
@@ -199,12 +202,17 @@ def test_choices_are_honoured() -> None:
     assert plan is not None
     assert plan.choices == ("kept", "save_matmuls", "full", repr(tagged))
     assert all(plan.cost.blocks[i][3] is not None for i in range(len(plan.cost)))
-    # The chosen options are the ones on the blocks.
+    # The chosen options are the ones on the blocks: `remat.plan` lists each site with its policy.
     sites = {site.name: site.choice for site in remat.plan(model)}
+    matmuls = repr(remat.policies.save_matmuls)
+    shown = {"kept": None, "full": "full", "save_matmuls": matmuls, repr(tagged): repr(tagged)}
     for i, c in enumerate(plan.choice):
-        name = plan.cost.names[i]
-        label = plan.choices[c]
-        assert sites.get(name, "kept") == {"full": "full", "kept": "kept"}.get(label, sites.get(name))
+        assert sites.get(plan.cost.names[i]) == shown[plan.choices[c]]
+    # And a block given the extra choice runs under it: its gradients still equal no remat.
+    hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "budget_plan"))
+    for i in range(len(plan.cost)):
+        hook.assign(model, i, 3)
+    assert all(site.choice == repr(tagged) for site in remat.plan(model))
 
 
 def test_plan_table_shows_blocks_and_baselines() -> None:
