@@ -141,7 +141,7 @@ class Remat:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
         >>> model = remat.apply(model, torch.nn.Linear)
-        >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=0.8, sample=torch.randn(8, 4))
+        >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
         """
         if budget is not None:
             if every != 1 or policy is not None or enabled is not None or name is not None:
