@@ -6,12 +6,12 @@ calls to it), so every spelling takes the same options, validated when decoratin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from . import _checkpoint, _errors, _policies, _switch, _targets
+from . import _checkpoint, _errors, _fit, _policies, _switch, _targets
 from . import policies as _policies_module
 from ._engine import offload as _offload
 from ._engine.region import Region
@@ -21,6 +21,7 @@ from ._options import Options, Strategy
 from ._plan import chain as _chain
 from ._plan import solver as _solver
 from ._plan.sites import ModelPlan
+from ._plan.units import Budget
 from ._policies import PolicyLike
 
 __all__ = ["Decorator", "Remat", "remat"]
@@ -128,6 +129,11 @@ class Remat:
         check: bool = True,
         name: str | None = None,
         offload: bool | _offload.Offload = False,
+        budget: Budget | None = None,
+        sample: Any = None,
+        loss: Callable[[Any], Any] | None = None,
+        choices: Sequence[PolicyLike] | None = None,
+        replan: bool = True,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -141,15 +147,39 @@ class Remat:
             where: an `nn.Module` type, a tuple of types, a predicate `(name, module) -> bool`, or None.
             every: keep every `every`-th match, counting from the first (`every=2`: 1st, 3rd, ...).
             policy, preserve_rng, strategy, enabled, check, name, offload: as for `remat`.
+            budget: instead of one `policy` for all, fit a memory budget (spec §2.8): bytes (an int, or a string
+                such as "1.5GiB"), or a float in (0, 1], that fraction of the activation peak of a training step
+                without remat. One training step on `sample` is profiled and each block gets the choice — kept,
+                `save_matmuls`, full remat, or one of `choices` — that makes the predicted peak fit at the least
+                predicted time; `remat.plan(model)` shows the plan.
+            sample: with `budget`, the model's inputs for one step: a tensor, a tuple, or a dict of keywords.
+            loss: with `budget`, a callable from the model's output to the scalar loss (default: the output's
+                `.loss` if it has one, else the sum of its floating tensors).
+            choices: with `budget`, more policies a block may get besides kept, save_matmuls and full remat.
+            replan: with `budget`, profile and plan again when the model is called with a new input shape.
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
                 or `every` is not a positive int.
+            BudgetError: with `budget`, no choice per block fits; the message names the smallest budget that does.
 
         >>> import torch, remat
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
         >>> model = remat.apply(model, torch.nn.Linear)
+        >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
         """
+        if budget is not None:
+            if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
+                raise ValueError(
+                    "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
+                    "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
+                )
+            return _fit.apply_budget(
+                model, budget, sample, where, loss=loss, choices=choices, replan=replan,
+                preserve_rng=preserve_rng, strategy=strategy, check=check,
+            )
+        if sample is not None or loss is not None or choices is not None or replan is not True:
+            raise ValueError("remat: `sample`, `loss`, `choices` and `replan` go with `budget=`; give a budget too.")
         settings = Options(
             policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
             check=check, name=name, offload=offload,

@@ -170,7 +170,7 @@ _HOOK_DICTS = (
 
 
 def _is_ours(hook: Any) -> bool:
-    return isinstance(hook, (_Open, _Close))
+    return isinstance(hook, (_Open, _Close)) or getattr(hook, "_remat_owned", False)
 
 
 def _remove_hooks(module: nn.Module) -> None:
@@ -318,4 +318,10 @@ def plan(model: nn.Module) -> ModelPlan:
                            None)
         if options is not None:
             sites.append(Site(name, type(module).__qualname__, describe_options(options)))
+    hooks: list[Any] = list(model._forward_pre_hooks.values())
+    budget = next((hook.budget_plan for hook in hooks if _is_ours(hook)
+                   and getattr(hook, "budget_plan", None) is not None), None)  # see remat/_fit.py
+    if budget is not None:
+        classes = tuple(type(model.get_submodule(name)).__qualname__ for name in budget.cost.names)
+        return ModelPlan(type(model).__qualname__, tuple(sites), budget, classes)
     return ModelPlan(type(model).__qualname__, tuple(sites))

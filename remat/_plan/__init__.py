@@ -1,1 +1,1 @@
-"""Deciding what to rematerialize: the rotor-style solver and budgeted chains."""
+"""Deciding what to rematerialize: the solver (rotor chains, whole-model budgets) and its front ends."""

@@ -10,7 +10,6 @@ execution ]). Stages take and return a single tensor.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 from collections import OrderedDict
@@ -27,25 +26,12 @@ from .._engine.rng import RngStash, devices_of
 from .._errors import RematError
 from .._measure.track import synchronize, track
 from .solver import Plan, StageCost, solve
+from .units import Budget, parse_budget
 
 __all__ = ["Chain", "chain", "parse_budget"]
 
-Budget = int | str | float
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-_BUDGET_HELP = (
-    "a budget is bytes as an int (1_500_000_000), a string with a unit ('1.5GiB', '800MB', "
-    "'512KiB'), or a float in (0, 1]: a fraction of the chain's activation memory without remat"
-)
-
 # NOTE [ Chain execution ]
-# A plan's operations (see NOTE [ Memory model ] in _solver.py) split at "loss". `_ChainFunction`
+# A plan's operations (see NOTE [ Memory model ] in simulate.py) split at "loss". `_ChainFunction`
 # runs the first part in its forward: forward_nosave / forward_checkpoint run the stage without grad,
 # forward_save runs it with grad on a detached input that requires grad, keeping (input, output) and
 # the small graph between them. The function returns a_L. Its backward receives delta_L and runs the
@@ -60,45 +46,6 @@ _BUDGET_HELP = (
 # engine's `keep_buffers`, which sends their writes to copies (NOTE [ Writes during recompute ]).
 # Autocast is captured and re-entered as the rerun engine does (`AutocastState`).
 # The function's backward runs once: backward with retain_graph=True twice raises an error.
-
-
-def parse_budget(budget: Budget) -> int | float:
-    """Read a budget: bytes (an int or a string with a unit) or a fraction in (0, 1] (a float).
-
-    Args:
-        budget: an int of bytes, a string such as "1.5GiB" or "800MB" (KB/MB/GB/TB are powers of
-            1000, KiB/MiB/GiB/TiB of 1024), or a float fraction in (0, 1].
-
-    Returns:
-        An int of bytes, or the float fraction.
-
-    Raises:
-        TypeError: `budget` is of another type.
-        ValueError: it cannot be read, or is out of range.
-
-    >>> parse_budget("1.5GiB"), parse_budget("800MB"), parse_budget(0.5)
-    (1610612736, 800000000, 0.5)
-    """
-    if isinstance(budget, bool):
-        raise TypeError(f"remat: `budget` must be bytes or a fraction, but got bool: {_BUDGET_HELP}.")
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(f"remat: `budget` must be > 0 bytes, but got {budget}.")
-        return budget
-    if isinstance(budget, float):
-        if not (0.0 < budget <= 1.0):
-            raise ValueError(f"remat: a float `budget` is a fraction in (0, 1], but got {budget!r}; {_BUDGET_HELP}.")
-        return budget
-    if isinstance(budget, str):
-        match = _BUDGET_RE.match(budget)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"remat: cannot read the budget {budget!r}; {_BUDGET_HELP}.")
-        nbytes = int(float(match.group(1)) * _UNITS[unit])
-        if nbytes <= 0:
-            raise ValueError(f"remat: `budget` must be > 0 bytes, but got {budget!r}.")
-        return nbytes
-    raise TypeError(f"remat: `budget` must be an int, str or float, but got {type(budget).__name__}.")
 
 
 class _Call(nn.Module):
@@ -439,7 +386,7 @@ def chain(
     backward time; bytes of its output, of what it saves for backward, of its temporaries); rotor's
     dynamic program (`remat.solve`) then picks which activations to keep, which to recompute and
     when. The budget covers the chain's input and every activation and gradient the model counts
-    (see NOTE [ Memory model ] in remat/_solver.py); parameters and their gradients are outside it.
+    (see NOTE [ Memory model ] in remat/_plan/simulate.py); parameters and their gradients are outside it.
     Stages take and return one tensor: tuples raise a TypeError when first seen. A graph built by
     the chain can be back-propagated once (no retain_graph=True twice, no double backward).
 

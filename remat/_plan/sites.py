@@ -1,9 +1,17 @@
-"""`remat.plan(model)`: what is rematerialized in a model, one row per site, as a readable table."""
+"""`remat.plan(model)`: what is rematerialized in a model, one row per site, as a readable table.
+
+A model under a budget (`remat.apply(model, budget=...)`) shows every block instead: its choice, the bytes it
+holds for backward and the time it adds over keeping everything, then the predicted peak and step time and those
+of no remat and of full remat.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from .budget import BudgetPlan
+from .units import format_bytes
 
 __all__ = ["ModelPlan", "Site"]
 
@@ -29,6 +37,8 @@ class ModelPlan:
 
     model: str
     sites: tuple[Site, ...]
+    budget: BudgetPlan | None = None
+    classes: tuple[str, ...] = ()
 
     def __iter__(self) -> Iterator[Site]:
         return iter(self.sites)
@@ -37,12 +47,29 @@ class ModelPlan:
         return len(self.sites)
 
     def __str__(self) -> str:
+        if self.budget is not None:
+            return self._budget_table(self.budget)
         if not self.sites:
             return f"remat plan for {self.model}: no rematerialized sites"
         header = ("block", "class", "choice")
         rows = [header, *((site.name or "(model)", site.kind, site.choice) for site in self.sites)]
-        widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
         lines = [f"remat plan for {self.model}: {len(self.sites)} rematerialized sites"]
-        for row in rows:
-            lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        lines += _aligned(rows)
         return "\n".join(lines)
+
+    def _budget_table(self, plan: BudgetPlan) -> str:
+        header = ("block", "class", "choice", "held", "extra time")
+        rows = [header]
+        for i in range(len(plan.cost)):
+            name, choice, cost, extra = plan.block(i)
+            kind = self.classes[i] if i < len(self.classes) else ""
+            rows.append((name or "(model)", kind, choice, format_bytes(cost.held_bytes), f"{extra * 1e3:+.2f} ms"))
+        lines = [f"remat plan for {self.model}: {len(plan.cost)} blocks under a budget"]
+        lines += _aligned(rows)
+        lines += plan.summary()
+        return "\n".join(lines)
+
+
+def _aligned(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -13,408 +13,25 @@ accounting and NOTE [ Rotor recurrence ] for the dynamic program.
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Sequence
 
 import torch
 
 from .._errors import BUG, BudgetError, RematError
+from .._measure.costs import ModelCost
+from .plan import Plan
+from .simulate import OpKind, StageCost, _InvalidOp, _Machine, check_bytes, check_stages
+from .simulate import evaluate_blocks as evaluate_blocks
+from .threads import one_thread
+from .units import format_bytes
 
-__all__ = ["OpKind", "Plan", "StageCost", "solve"]
+__all__ = [
+    "OpKind", "Plan", "StageCost", "evaluate_blocks", "least_budget_blocks", "smallest_budget", "solve",
+    "solve_blocks",
+]
+__all__ += ["_InvalidOp", "_Machine"]  # for the tests, which play schedules by hand
 
-OpKind = Literal["forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"]
-_KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"))
 _INF = math.inf
-
-# NOTE [ Memory model ]
-# A chain has L stages 0..L-1 followed by a loss stage L of zero cost. a_i is the activation entering
-# stage i (a_0 is the chain input, x_0 = input_bytes bytes; a_{i+1}, the output of stage i, has
-# x_{i+1} = output_bytes bytes). Running stage i with grad keeps abar_{i+1}: everything the stage
-# saves for backward, its output a_{i+1} included (xbar_{i+1} = saved_bytes bytes). The gradient
-# delta_i with respect to a_i has x_i bytes; the loss's own output and gradient count 0 bytes.
-#
-# Operations, and what they hold (`_Machine` is the one simulator every plan goes through):
-#   forward_nosave(i)      run stage i without grad from a_i; a_{i+1} is a transient: it must be used
-#                          by the next operation. a_i is released if it was itself a transient.
-#   forward_checkpoint(i)  the same, but a_i is kept (a checkpoint) until backward(i).
-#   forward_save(i)        run stage i with grad: abar_{i+1} is kept until backward(i); a_i is kept
-#                          until backward(i) too (backward reads its gradient there).
-#   loss                   run the loss on a_L and its backward: delta_L appears, a_L is released
-#                          (unless it lives inside abar_L).
-#   backward(i)            from delta_{i+1}, abar_{i+1} and a_i compute delta_i; then abar_{i+1},
-#                          delta_{i+1} and a_i are released.
-# The chain input a_0 is held until backward(0). Live bytes are the sum of the kept activations (one
-# inside a live abar is not counted twice), the live abar's, the transient and the current gradient.
-# An operation's peak is the live bytes before it plus what it creates: x_{i+1} (+ forward_temp) for a
-# forward without grad, xbar_{i+1} (+ forward_temp) with grad, x_i (+ backward_temp) for a backward,
-# x_L for the loss. A plan's peak is the largest operation peak; its makespan the sum of the times.
-
-
-@dataclass(frozen=True)
-class StageCost:
-    """What one stage of a chain costs, in rotor's persistent model (see NOTE [ Memory model ]).
-
-    Args:
-        forward_time: time of one forward of the stage (rotor's u_f), any unit.
-        backward_time: time of its backward (rotor's u_b), in the same unit.
-        output_bytes: bytes of the stage's output (rotor's x_{i+1}); its gradient has the same size.
-        saved_bytes: bytes the stage keeps when run with grad, its output included (rotor's
-            xbar_{i+1}); at least `output_bytes`.
-        forward_temp: extra bytes held only while the forward runs.
-        backward_temp: extra bytes held only while the backward runs.
-
-    Raises:
-        ValueError: a time is negative or not finite, a size is negative or not an integer, or
-            `saved_bytes` is below `output_bytes`.
-
-    >>> StageCost(forward_time=1.0, backward_time=2.0, output_bytes=1024, saved_bytes=3072)
-    StageCost(forward_time=1.0, backward_time=2.0, output_bytes=1024, saved_bytes=3072, \
-forward_temp=0, backward_temp=0)
-    """
-
-    forward_time: float
-    backward_time: float
-    output_bytes: int
-    saved_bytes: int
-    forward_temp: int = 0
-    backward_temp: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("forward_time", "backward_time"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"remat: StageCost.{name} must be a number, but got {value!r}.")
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"remat: StageCost.{name} must be finite and >= 0, but got {value!r}.")
-        for name in ("output_bytes", "saved_bytes", "forward_temp", "backward_temp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"remat: StageCost.{name} must be an int >= 0 (bytes), but got {value!r}.")
-        if self.saved_bytes < self.output_bytes:
-            raise ValueError(
-                "remat: StageCost.saved_bytes counts everything the stage keeps for backward, its "
-                f"output included, so it must be >= output_bytes ({self.output_bytes}), but got "
-                f"{self.saved_bytes}."
-            )
-
-
-_Snapshot = tuple[frozenset[int], frozenset[int], frozenset[int], int | None, int, int]
-
-
-class _InvalidOp(ValueError):
-    """An operation that the model does not allow at this point of a schedule."""
-
-
-@dataclass(frozen=True)
-class _Row:
-    kind: str
-    stage: int
-    time: float
-    peak: int
-    live: int
-
-
-class _Machine:
-    """Plays operations under NOTE [ Memory model ], tracking live bytes exactly."""
-
-    def __init__(self, stages: Sequence[StageCost], input_bytes: int) -> None:
-        n = len(stages)
-        self.n = n
-        self.x = [input_bytes] + [s.output_bytes for s in stages] + [0]  # x_0 .. x_{L+1}
-        self.xbar = [0] + [s.saved_bytes for s in stages] + [0]  # xbar_0 (unused) .. xbar_{L+1}
-        self.stages = stages
-        self.kept: set[int] = {0}  # activations held until their stage's backward
-        self.own: set[int] = {0}  # the kept ones counted on their own (not inside a live abar)
-        self.saved: set[int] = set()  # stages i whose abar_{i+1} is live
-        self.transient: int | None = None
-        self.grad = n + 1  # delta_{L+1}: none yet
-        self.live = input_bytes
-
-    def snapshot(self) -> _Snapshot:
-        return (
-            frozenset(self.kept),
-            frozenset(self.own),
-            frozenset(self.saved),
-            self.transient,
-            self.grad,
-            self.live,
-        )
-
-    def restore(self, snap: _Snapshot) -> None:
-        kept, own, saved, self.transient, self.grad, self.live = snap
-        self.kept, self.own, self.saved = set(kept), set(own), set(saved)
-
-    @property
-    def done(self) -> bool:
-        return self.grad == 0
-
-    def _available(self, i: int) -> bool:
-        return i in self.kept or (i - 1) in self.saved or self.transient == i
-
-    def _keep(self, i: int) -> None:
-        # Keeping a_i costs nothing new: its bytes are live already, as the transient (which it
-        # stops being) or inside abar_i.
-        if self.transient == i:
-            self.transient = None
-            if i in self.own:  # a second copy of a kept activation: drop the copy
-                self.live -= self.x[i]
-            self.own.add(i)
-        self.kept.add(i)
-
-    def _release(self, i: int) -> None:
-        self.kept.discard(i)
-        if i in self.own:
-            self.own.discard(i)
-            self.live -= self.x[i]
-
-    def step(self, kind: str, i: int) -> tuple[float, int]:
-        """Apply one operation; return its time and its peak bytes (raises `_InvalidOp`)."""
-        n = self.n
-        if kind == "loss":
-            if self.grad != n + 1 or not self._available(n):
-                raise _InvalidOp("loss needs a_L and must come once, before any backward")
-            peak = self.live + self.x[n]
-            if self.transient == n:
-                self.live -= self.x[n]
-                self.transient = None
-            self.live += self.x[n]
-            self.grad = n
-            return 0.0, peak
-        if not 0 <= i < n:
-            raise _InvalidOp(f"no stage {i}")
-        stage = self.stages[i]
-        if kind == "backward":
-            if self.grad != i + 1 or i not in self.saved or self.transient is not None:
-                raise _InvalidOp(f"backward({i}) needs delta_{i + 1} and abar_{i + 1}")
-            peak = self.live + self.x[i] + stage.backward_temp
-            self.saved.discard(i)
-            self.live -= self.xbar[i + 1] + self.x[i + 1]  # abar_{i+1} and delta_{i+1}
-            self._release(i)
-            self.live += self.x[i]  # delta_i
-            self.grad = i
-            return stage.backward_time, peak
-        if kind not in _KINDS:
-            raise _InvalidOp(f"unknown operation {kind!r}")
-        if i >= self.grad or not self._available(i):
-            raise _InvalidOp(f"{kind}({i}) needs a_{i}, before backward({i})")
-        if self.transient is not None and self.transient != i:
-            raise _InvalidOp(f"a_{self.transient} was computed and never used")
-        if kind == "forward_save":
-            if i in self.saved:
-                raise _InvalidOp(f"abar_{i + 1} is already live")
-            peak = self.live + self.xbar[i + 1] + stage.forward_temp
-            self._keep(i)
-            self.saved.add(i)
-            self.live += self.xbar[i + 1]
-            return stage.forward_time, peak
-        peak = self.live + self.x[i + 1] + stage.forward_temp
-        if kind == "forward_checkpoint":
-            self._keep(i)
-        elif self.transient == i:
-            self.transient = None
-            self.live -= self.x[i]
-        self.transient = i + 1
-        self.live += self.x[i + 1]
-        return stage.forward_time, peak
-
-
-def _simulate(
-    stages: Sequence[StageCost], ops: Iterable[tuple[str, int]], input_bytes: int
-) -> tuple[tuple[tuple[OpKind, int], ...], tuple[_Row, ...]]:
-    machine = _Machine(stages, input_bytes)
-    out_ops: list[tuple[OpKind, int]] = []
-    rows: list[_Row] = []
-    for kind, i in ops:
-        try:
-            time, peak = machine.step(kind, i)
-        except _InvalidOp as exc:
-            raise ValueError(f"remat: invalid schedule at step {len(rows)}: {exc}.") from None
-        out_ops.append((kind, i))  # type: ignore[arg-type]  # checked by step
-        rows.append(_Row(kind, i, time, peak, machine.live))
-    if not machine.done:
-        raise ValueError("remat: invalid schedule: it does not back-propagate every stage.")
-    return tuple(out_ops), tuple(rows)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError(BUG)  # pragma: no cover
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A schedule of a chain with its predicted makespan and peak memory.
-
-    Every plan, whether found by `solve` or built by a baseline, is played once through the same
-    simulator of NOTE [ Memory model ], which gives `makespan` and `peak_bytes` in exact bytes.
-
-    Attributes:
-        ops: the operations in order, each `(kind, stage)`; kind is one of "forward_nosave",
-            "forward_checkpoint", "forward_save", "backward", "loss" (the loss's stage is the
-            number of stages).
-        makespan: predicted total time, in the unit of the stage times.
-        peak_bytes: predicted peak of live bytes, the chain input included.
-        budget: the budget the plan was solved for, if any.
-        name: what made the plan ("optimal", "no remat", "recompute all", "segments(k)", ...).
-
-    >>> stages = [StageCost(1.0, 2.0, output_bytes=1, saved_bytes=2)] * 3
-    >>> plan = Plan.no_remat(stages, input_bytes=1)
-    >>> plan.makespan, plan.peak_bytes
-    (9.0, 9)
-    """
-
-    ops: tuple[tuple[OpKind, int], ...]
-    makespan: float
-    peak_bytes: int
-    stages: tuple[StageCost, ...] = field(repr=False)
-    input_bytes: int = field(repr=False)
-    budget: int | None = None
-    name: str = "plan"
-    _rows: tuple[_Row, ...] = field(default=(), repr=False, compare=False)
-
-    @classmethod
-    def from_ops(
-        cls,
-        stages: Sequence[StageCost],
-        ops: Iterable[tuple[str, int]],
-        *,
-        input_bytes: int,
-        budget: int | None = None,
-        name: str = "plan",
-    ) -> Plan:
-        """Build a plan from explicit operations, simulating them under the model.
-
-        Args:
-            stages: the chain's stage costs.
-            ops: the operations, `(kind, stage)` pairs.
-            input_bytes: bytes of the chain input.
-            budget: the budget to record on the plan (not checked).
-            name: a label shown by `str(plan)`.
-
-        Returns:
-            The plan with its simulated makespan and peak bytes.
-
-        Raises:
-            ValueError: the operations are not a valid schedule of the chain.
-
-        >>> s = [StageCost(1.0, 1.0, output_bytes=4, saved_bytes=8)]
-        >>> Plan.from_ops(s, [("forward_save", 0), ("loss", 1), ("backward", 0)],
-        ...               input_bytes=4).peak_bytes
-        20
-        """
-        stages = _check_stages(stages)
-        _check_bytes("input_bytes", input_bytes)
-        out_ops, rows = _simulate(stages, ops, input_bytes)
-        return cls(
-            ops=out_ops,
-            makespan=math.fsum(r.time for r in rows),
-            peak_bytes=max(r.peak for r in rows),
-            stages=stages,
-            input_bytes=input_bytes,
-            budget=budget,
-            name=name,
-            _rows=rows,
-        )
-
-    @classmethod
-    def no_remat(cls, stages: Sequence[StageCost], *, input_bytes: int) -> Plan:
-        """Every stage runs once with grad and keeps what it saves (plain autograd).
-
-        >>> Plan.no_remat([StageCost(1.0, 2.0, 1, 2)] * 2, input_bytes=1).makespan
-        6.0
-        """
-        n = len(stages)
-        ops: list[tuple[str, int]] = [("forward_save", i) for i in range(n)]
-        ops += [("loss", n)] + [("backward", i) for i in reversed(range(n))]
-        return cls.from_ops(stages, ops, input_bytes=input_bytes, name="no remat")
-
-    @classmethod
-    def recompute_all(cls, stages: Sequence[StageCost], *, input_bytes: int) -> Plan:
-        """Every stage is rematerialized: forward keeps only each stage's input, backward runs each
-        stage again with grad just before its backward (what `@remat` on every stage does).
-
-        >>> Plan.recompute_all([StageCost(1.0, 2.0, 1, 2)] * 2, input_bytes=1).makespan
-        8.0
-        """
-        n = len(stages)
-        ops: list[tuple[str, int]] = [("forward_checkpoint", i) for i in range(n)]
-        ops.append(("loss", n))
-        for i in reversed(range(n)):
-            ops += [("forward_save", i), ("backward", i)]
-        return cls.from_ops(stages, ops, input_bytes=input_bytes, name="recompute all")
-
-    @classmethod
-    def segments(cls, stages: Sequence[StageCost], k: int, *, input_bytes: int) -> Plan:
-        """Uniform segments, as `torch.utils.checkpoint.checkpoint_sequential(stages, k, x)` runs.
-
-        The first `k - 1` segments of `len(stages) // k` stages are checkpointed (only their input is
-        kept; backward runs the segment again with grad); the last segment, with the remaining
-        stages, runs with grad. `k = 1` is `no_remat`.
-
-        Raises:
-            ValueError: `k` is not in `1..len(stages)`.
-
-        >>> Plan.segments([StageCost(1.0, 2.0, 1, 2)] * 4, 2, input_bytes=1).makespan
-        14.0
-        """
-        n = len(stages)
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
-            raise ValueError(f"remat: segments must be an int in 1..{n} (stages), but got {k!r}.")
-        size = n // k
-        bounds = [(s, s + size) for s in range(0, size * (k - 1), size)]
-        last = bounds[-1][1] if bounds else 0
-        ops: list[tuple[str, int]] = []
-        for start, stop in bounds:
-            ops += [("forward_checkpoint", start)] + [("forward_nosave", i) for i in range(start + 1, stop)]
-        ops += [("forward_save", i) for i in range(last, n)] + [("loss", n)]
-        ops += [("backward", i) for i in reversed(range(last, n))]
-        for start, stop in reversed(bounds):
-            ops += [("forward_save", i) for i in range(start, stop)]
-            ops += [("backward", i) for i in reversed(range(start, stop))]
-        return cls.from_ops(stages, ops, input_bytes=input_bytes, name=f"segments({k})")
-
-    def extra_forwards(self) -> int:
-        """How many forwards run beyond one per stage (the recomputation the plan pays for).
-
-        >>> Plan.recompute_all([StageCost(1.0, 2.0, 1, 2)] * 3, input_bytes=1).extra_forwards()
-        3
-        """
-        return sum(kind.startswith("forward") for kind, _ in self.ops) - len(self.stages)
-
-    def __str__(self) -> str:
-        budget = "" if self.budget is None else f", budget {_fmt_bytes(self.budget)}"
-        head = (
-            f"remat plan ({self.name}): {len(self.stages)} stages, {len(self.ops)} ops, makespan "
-            f"{self.makespan:.6g}, peak {_fmt_bytes(self.peak_bytes)}{budget}"
-        )
-        rows = self._rows or _simulate(self.stages, self.ops, self.input_bytes)[1]
-        lines = [head, f"{'step':>5}  {'op':<18} {'stage':>5} {'time':>10} {'peak':>12} {'live':>12}"]
-        for n, r in enumerate(rows):
-            lines.append(
-                f"{n:>5}  {r.kind:<18} {r.stage:>5} {r.time:>10.4g} {_fmt_bytes(r.peak):>12} {_fmt_bytes(r.live):>12}"
-            )
-        return "\n".join(lines)
-
-
-def _check_bytes(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"remat: `{name}` must be an int >= 0 (bytes), but got {value!r}.")
-
-
-def _check_stages(stages: Sequence[StageCost]) -> tuple[StageCost, ...]:
-    stages = tuple(stages)
-    if not stages:
-        raise ValueError("remat: a chain needs at least one stage, but got none.")
-    for n, s in enumerate(stages):
-        if not isinstance(s, StageCost):
-            raise TypeError(f"remat: stage {n} must be a remat.StageCost, but got {type(s).__name__}.")
-    return stages
 
 
 # NOTE [ Rotor recurrence ]
@@ -449,36 +66,6 @@ def _check_stages(stages: Sequence[StageCost]) -> tuple[StageCost, ...]:
 # pre-shifted by x_a and xbar_a slots (F and G), so no gather along m is needed in the inner step.
 
 
-# NOTE [ Solver threads ]
-# The table is filled by a few thousand tensor operations of a few MB each. With torch's intra-op
-# thread pool on a busy machine (more runnable threads than cores) each of them can wait a scheduler
-# slice for a descheduled worker: measured on 2 cores under load, 100 stages x 500 slots went from
-# 0.6 s on one thread to 3-7 s on two. So the solver runs on one intra-op thread, restoring the
-# previous count afterwards; a lock and a depth count keep concurrent solves from restoring out of
-# order. Only tensor operations issued while a solve runs are affected, and only in speed.
-_threads_lock = threading.Lock()
-_threads_depth = 0
-_threads_saved = 1
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    global _threads_depth, _threads_saved
-    with _threads_lock:
-        if _threads_depth == 0:
-            _threads_saved = torch.get_num_threads()
-            if _threads_saved != 1:
-                torch.set_num_threads(1)
-        _threads_depth += 1
-    try:
-        yield
-    finally:
-        with _threads_lock:
-            _threads_depth -= 1
-            if _threads_depth == 0 and _threads_saved != 1:
-                torch.set_num_threads(_threads_saved)
-
-
 def _slots_of(nbytes: int, slots: int, budget: int) -> int:
     return -(-nbytes * slots // budget)  # ceil(nbytes / (budget / slots))
 
@@ -504,7 +91,7 @@ def _solve_dp(
     stages: Sequence[StageCost], budget: int, input_bytes: int, slots: int
 ) -> tuple[float, list[tuple[str, int]]] | None:
     """The slot dynamic program of NOTE [ Rotor recurrence ]: (time, ops), or None if infeasible."""
-    with _one_thread():  # see NOTE [ Solver threads ]
+    with one_thread():  # see NOTE [ Solver threads ]
         return _solve_dp_unguarded(stages, budget, input_bytes, slots)
 
 
@@ -651,8 +238,8 @@ def smallest_budget(stages: Sequence[StageCost], *, input_bytes: int) -> int:
     >>> smallest_budget([StageCost(1.0, 2.0, 1, 2)] * 10, input_bytes=1)
     6
     """
-    stages = _check_stages(stages)
-    _check_bytes("input_bytes", input_bytes)
+    stages = check_stages(stages)
+    check_bytes("input_bytes", input_bytes)
     return _least_memory(stages, input_bytes)[0]
 
 
@@ -682,17 +269,17 @@ def solve(stages: Sequence[StageCost], budget: int, *, input_bytes: int, slots: 
     >>> plan.makespan, plan.peak_bytes <= 12
     (37.0, True)
     """
-    stages = _check_stages(stages)
-    _check_bytes("input_bytes", input_bytes)
-    _check_bytes("budget", budget)
+    stages = check_stages(stages)
+    check_bytes("input_bytes", input_bytes)
+    check_bytes("budget", budget)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"remat: `slots` must be an int >= 1, but got {slots!r}.")
     least, least_ops = _least_memory(stages, input_bytes)
     if budget < least:
         raise BudgetError(
             f"remat: no schedule of this chain of {len(stages)} stages fits a budget of {budget} "
-            f"bytes ({_fmt_bytes(budget)}); the smallest feasible budget is {least} bytes "
-            f"({_fmt_bytes(least)}). Raise the budget to at least that."
+            f"bytes ({format_bytes(budget)}); the smallest feasible budget is {least} bytes "
+            f"({format_bytes(least)}). Raise the budget to at least that."
         )
     found = _solve_dp(stages, budget, input_bytes, slots) if budget > 0 else None
     candidates: list[Plan] = []
@@ -717,3 +304,106 @@ def solve(stages: Sequence[StageCost], budget: int, *, input_bytes: int, slots: 
         name="optimal",
         _rows=best._rows,
     )
+
+
+# -- the whole-model front end: one choice per block -------------------------------------------------------
+#
+# NOTE [ Block recurrence ]
+# `remat.apply(model, budget=...)` asks for one choice c_i per block under the model of NOTE [ Budget model ]
+# (remat/_measure/costs.py): with S_i the bytes held by blocks 0..i-1, a plan fits M when S_i + need(i, c_i)
+# <= M for every block and S_k + outside_peaks[k] <= M for every k; its time is the sum of the blocks' times.
+# The only state that links block i to the ones after it is S_i, so the dynamic program runs over blocks,
+# keeping for every reachable S the least time (and dropping any (S, time) that another beats on both): the
+# Pareto front of (bytes held, time). That is exact in bytes. Fronts stay small on real models (repeated
+# blocks make repeated sums); if one grows past `slots` states, its S are rounded UP to multiples of
+# M / slots before merging, as the chain solver's slots are (NOTE [ Discretisation ]): a plan that fits with
+# rounded sums fits in bytes, and the solution is then at worst slightly slower, never over budget.
+# The smallest feasible budget is exact too: for a given M, keeping the smallest reachable S is enough
+# (every constraint only gets harder as S grows), so feasibility is a greedy pass, and the smallest M is
+# found by bisection over integers.
+
+
+def _fits_greedy(cost: ModelCost, budget: int) -> list[int] | None:
+    held, choice = 0, []
+    for i, row in enumerate(cost.blocks):
+        if held + cost.outside_peaks[i] > budget:
+            return None
+        open_ = [(b.held_bytes, b.time, c) for c, b in enumerate(row) if b is not None and held + b.need <= budget]
+        if not open_:
+            return None
+        h, _, c = min(open_)
+        held += h
+        choice.append(c)
+    return choice if held + cost.outside_peaks[-1] <= budget else None
+
+
+def least_budget_blocks(cost: ModelCost) -> tuple[int, tuple[int, ...]]:
+    """The smallest budget under which some choice per block fits, in bytes, and such a choice."""
+    low, high = 0, 1 + max(cost.outside_peaks) + sum(
+        max(b.held_bytes for b in row if b is not None) + max(b.need for b in row if b is not None)
+        for row in cost.blocks
+    )
+    while low < high:  # the smallest M with a feasible plan; feasibility is monotone in M
+        mid = (low + high) // 2
+        if _fits_greedy(cost, mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    found = _fits_greedy(cost, low)
+    if found is None:  # pragma: no cover
+        raise RematError(f"remat: the budget bisection found no plan; {BUG}.")
+    return low, tuple(found)
+
+
+def solve_blocks(cost: ModelCost, budget: int, *, slots: int = 4096) -> tuple[tuple[int, ...], float] | None:
+    """The fastest choice per block that fits `budget` (NOTE [ Block recurrence ]), or None if none is found."""
+    check_bytes("budget", budget)
+    grain = max(1, -(-budget // slots))
+    # The front: S -> (time, index of the back pointer); back pointers are (parent, choice) per block.
+    front: dict[int, tuple[float, int]] = {0: (0.0, -1)}
+    parents: list[list[tuple[int, int]]] = []
+    for i, row in enumerate(cost.blocks):
+        out: dict[int, tuple[float, int]] = {}
+        links: list[tuple[int, int]] = []
+        for held, (time, ptr) in front.items():
+            if held + cost.outside_peaks[i] > budget:
+                continue
+            for c, block in enumerate(row):
+                if block is None or held + block.need > budget:
+                    continue
+                new, t = held + block.held_bytes, time + block.time
+                if new not in out or t < out[new][0]:
+                    links.append((ptr, c))
+                    out[new] = (t, len(links) - 1)
+        front = _pareto(out)
+        if len(front) > slots:
+            coarse: dict[int, tuple[float, int]] = {}
+            for held, entry in front.items():
+                key = -(-held // grain) * grain
+                if key not in coarse or entry[0] < coarse[key][0]:
+                    coarse[key] = entry
+            front = _pareto(coarse)
+        parents.append(links)
+        if not front:
+            return None
+    ends = [(time, ptr) for held, (time, ptr) in front.items() if held + cost.outside_peaks[-1] <= budget]
+    if not ends:
+        return None
+    time, ptr = min(ends)
+    choice: list[int] = []
+    for links in reversed(parents):
+        ptr, c = links[ptr]
+        choice.append(c)
+    return tuple(reversed(choice)), cost.outside_time + time
+
+
+def _pareto(states: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
+    """Keep the states that no state with fewer bytes held beats on time."""
+    kept: dict[int, tuple[float, int]] = {}
+    best = _INF
+    for held in sorted(states):
+        entry = states[held]
+        if entry[0] < best:
+            kept[held] = entry
+            best = entry[0]
+    return kept

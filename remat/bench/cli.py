@@ -120,11 +120,12 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "offload", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
         "against checkpoint_sequential (spec §5.5); tiny: per-call overhead, replay overhead and start-up; "
-        "offload: offloading to host memory on the GPT-like stack (spec §5.9; needs --device cuda)",
+        "offload: offloading to host memory on the GPT-like stack (spec §5.9; needs --device cuda); "
+        "budget: remat.apply(model, budget=...) against uniform configurations and torch.compile (spec §5.7)",
     )
     parser.add_argument(
         "--size",
@@ -155,6 +156,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         return 2
     models = ["gpt", "convnet", "chain", "tiny"] if args.model == "all" else [args.model]
     progress = Progress(sys.stderr, args.quiet)
+    if args.model == "budget":  # its own table: see remat/bench/budget.py
+        from . import budget
+
+        return budget.main(args.size, args.repeats, args.plot, progress, out)
     meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
     progress.done()
     print(format_table(meta, rows), file=out)

@@ -1,0 +1,227 @@
+"""`remat.apply(model, budget=..., sample=...)`: choose per block how it is rematerialized so a step fits a budget.
+
+See spec §2.8 and NOTE [ Budgeted models ].
+
+NOTE [ Budgeted models ]
+A `_Budget` forward pre-hook on the model holds what the budget needs: the blocks (by qualified name, so that
+`deepcopy` and pickling keep pointing at the copy's own blocks), the choices, the loss, the options, and the
+plan for the last input signature (shapes, dtypes, devices of the tensors among the inputs). Each block's
+choice is put on it with the same hooks `remat(module)` uses (none for "kept"), so `remat.plan`, `remat.undo`,
+`state_dict` (no key changes) and `deepcopy` treat a budgeted model like any other. When the model is called in
+training with gradients on and a new input signature (and `replan=True`), the hook profiles one step on
+(detached copies of) those inputs and re-plans before the forward goes on; the profile's own calls of the
+model pass through the hook untouched. A failed re-plan (BudgetError) puts the previous choices back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ._measure.costs import ModelCost
+from ._measure.profile import profile_blocks
+from ._options import Options, Strategy
+from ._plan.budget import BudgetPlan, solve_budget
+from ._plan.units import Budget, parse_budget
+from ._policies import PolicyLike, as_policy, save_matmuls
+from ._targets import _remove_hooks, _select, wrap_module
+
+__all__ = ["apply_budget", "default_loss"]
+
+_M = TypeVar("_M", bound=nn.Module)
+_Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
+Loss = Callable[[Any], torch.Tensor]
+_KEPT = "kept"
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The output's `.loss` if it has one, else the sum of its floating tensors (spec §2.8).
+
+    >>> default_loss((torch.ones(2), torch.tensor([1, 2])))
+    tensor(2.)
+    """
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        raise TypeError(
+            f"remat: the model's output ({type(output).__name__}) has no floating tensor to make a loss from; "
+            "pass `loss=` (a callable from the output to a scalar) to remat.apply."
+        )
+    total = floats[0].sum()
+    for t in floats[1:]:
+        total = total + t.sum()
+    return total
+
+
+def _as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(sample, Mapping):
+        return (), dict(sample)
+    if isinstance(sample, tuple):
+        return sample, {}
+    return (sample,), {}
+
+
+def _detached(value: Any) -> Any:
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+        return t
+
+    return tree_map(one, value)
+
+
+def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
+    return tuple(
+        (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+        for t in tree_leaves((args, kwargs))
+    )
+
+
+def _label(policy: PolicyLike, taken: set[str]) -> str:
+    label = repr(as_policy(policy))
+    while label in taken:
+        label += "'"
+    return label
+
+
+class _Budget:
+    """The model's forward pre-hook that holds its budget plan and re-plans on a new input signature."""
+
+    _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
+
+    def __init__(
+        self,
+        budget: int | float,
+        names: tuple[str, ...],
+        policies: tuple[PolicyLike | str, ...],
+        labels: tuple[str, ...],
+        loss: Loss | None,
+        replan: bool,
+        options: dict[str, Any],
+    ) -> None:
+        self.budget = budget
+        self.names = names
+        self.policies = policies
+        self.labels = labels
+        self.loss = loss
+        self.replan = replan
+        self.options = options
+        self.budget_plan: BudgetPlan | None = None
+        self.signature: tuple[Any, ...] | None = None
+        self.busy = False
+
+    def assign(self, model: nn.Module, i: int, c: int) -> None:
+        block = model.get_submodule(self.names[i])
+        _remove_hooks(block)
+        policy = self.policies[c]
+        if policy != _KEPT:
+            wrap_module(block, Options(policy=policy, **self.options))  # type: ignore[arg-type]
+
+    def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BudgetPlan:
+        """Profile one step on these inputs, solve, and put the chosen options on the blocks."""
+        args, kwargs = _detached(args), _detached(kwargs)
+        loss = self.loss or default_loss
+        blocks = [model.get_submodule(name) for name in self.names]
+        previous = self.budget_plan
+
+        def step() -> torch.Tensor:
+            out = loss(model(*args, **kwargs))
+            if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                raise TypeError(
+                    f"remat: `loss` must return a scalar tensor, but it returned {type(out).__name__}"
+                    f"{'' if not isinstance(out, torch.Tensor) else f' of shape {tuple(out.shape)}'}."
+                )
+            return out
+
+        self.busy = True
+        try:
+            with torch.enable_grad():
+                cost: ModelCost = profile_blocks(
+                    model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c)
+                )
+            plan = solve_budget(cost, self.budget)
+        except BaseException:
+            for i in range(len(blocks)):  # back to the previous choices, or to none
+                if previous is None:
+                    _remove_hooks(blocks[i])
+                else:
+                    self.assign(model, i, previous.choice[i])
+            raise
+        finally:
+            self.busy = False
+        for i, c in enumerate(plan.choice):
+            self.assign(model, i, c)
+        self.budget_plan = plan
+        self.signature = _signature(args, kwargs)
+        return plan
+
+    def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.busy or not self.replan or not model.training or not torch.is_grad_enabled():
+            return
+        if _signature(args, kwargs) != self.signature:
+            self.fit(model, args, kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "busy": False}
+
+
+def apply_budget(
+    model: _M,
+    budget: Budget,
+    sample: Any,
+    where: _Where | None,
+    *,
+    loss: Loss | None,
+    choices: Sequence[PolicyLike] | None,
+    replan: bool,
+    preserve_rng: bool,
+    strategy: Strategy,
+    check: bool,
+) -> _M:
+    """See `remat.apply`: profile, solve, and keep re-planning on new input shapes (NOTE [ Budgeted models ])."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
+    value = parse_budget(budget)
+    if sample is None:
+        raise ValueError(
+            "remat: apply with a `budget` needs `sample=`: the model's inputs for one training step (a tensor, "
+            "a tuple of positional arguments, or a dict of keyword arguments), to profile the blocks on."
+        )
+    if loss is not None and not callable(loss):
+        raise TypeError(f"remat: `loss` must be a callable from the output to a scalar, but got {loss!r}.")
+    if not isinstance(replan, bool):
+        raise TypeError(f"remat: `replan` must be a bool, but got `{type(replan).__name__}`.")
+    policies: list[PolicyLike | str] = [_KEPT]
+    labels = [_KEPT]
+    if strategy == "rerun":
+        policies.append(save_matmuls)
+        labels.append("save_matmuls")
+    policies.append(None)
+    labels.append("full")
+    for extra in choices or ():
+        as_policy(extra)  # a TypeError for anything else
+        if strategy != "rerun":
+            raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
+        labels.append(_label(extra, set(labels)))
+        policies.append(extra)
+    blocks = _select(model, where)
+    names = tuple(name for name, _ in blocks)
+    options = {"preserve_rng": preserve_rng, "strategy": strategy, "check": check}
+    Options(**options)  # type: ignore[arg-type]  # validates before any hook is placed
+    for _, block in blocks:
+        _remove_hooks(block)
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if isinstance(hook, _Budget):
+            del model._forward_pre_hooks[key]
+            model._forward_pre_hooks_with_kwargs.pop(key, None)
+    hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options)
+    args, kwargs = _as_call(sample)
+    hook.fit(model, args, kwargs)
+    model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    return model

@@ -1,0 +1,294 @@
+"""Tests of `remat.apply(model, budget=..., sample=...)` (spec §2.8): the solver, the profile, the face."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import remat
+from remat._measure.costs import BlockCost, ModelCost
+from remat._plan.budget import solve_budget
+from remat._plan.simulate import evaluate_blocks
+from remat._plan.solver import least_budget_blocks, solve_blocks
+from tests.conftest import assert_same_grads, randn
+from tests.models import ConvBN, TransformerBlock
+
+# -- the solver, on paper ------------------------------------------------------------------------------------
+
+
+@st.composite
+def model_costs(draw: st.DrawFn) -> ModelCost:
+    """Random small instances: 1-5 blocks, 1-3 choices (some closed), integer sizes and times."""
+    n, k = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    rows = []
+    for _ in range(n):
+        row: list[BlockCost | None] = []
+        for _ in range(k):
+            if row and draw(st.booleans()) and draw(st.booleans()):
+                row.append(None)
+                continue
+            row.append(BlockCost(
+                held_bytes=draw(st.integers(0, 12)), forward_peak=draw(st.integers(0, 20)),
+                backward_peak=draw(st.integers(0, 20)), forward_time=float(draw(st.integers(0, 6))),
+                backward_time=float(draw(st.integers(0, 6))),
+            ))
+        rows.append(tuple(row))
+    outside = tuple(draw(st.integers(0, 15)) for _ in range(n + 1))
+    return ModelCost(tuple(map(str, range(n))), tuple(f"c{c}" for c in range(k)), tuple(rows), outside, 1.0)
+
+
+def _exhaustive(cost: ModelCost) -> list[tuple[int, float, tuple[int, ...]]]:
+    plans = []
+    for choice in itertools.product(*(range(len(cost.choices)) for _ in range(len(cost)))):
+        if all(cost.blocks[i][c] is not None for i, c in enumerate(choice)):
+            peak, time = evaluate_blocks(cost, choice)
+            plans.append((peak, time, choice))
+    return plans
+
+
+@settings(max_examples=150, deadline=None)
+@given(model_costs(), st.integers(0, 80))
+def test_solver_agrees_with_exhaustive_search(cost: ModelCost, budget: int) -> None:
+    plans = _exhaustive(cost)
+    fits = [time for peak, time, _ in plans if peak <= budget]
+    found = solve_blocks(cost, budget)
+    if not fits:
+        assert found is None
+    else:
+        assert found is not None
+        peak, time = evaluate_blocks(cost, found[0])
+        assert peak <= budget
+        assert time == pytest.approx(min(fits)) == pytest.approx(found[1])
+    least, choice = least_budget_blocks(cost)
+    assert least == min(peak for peak, _, _ in plans)
+    assert evaluate_blocks(cost, choice)[0] == least
+
+
+def test_order_matters_not_just_held_bytes() -> None:
+    # Two identical blocks: the last one's backward runs first, while the first one still holds its bytes, so
+    # keeping the *last* block is what fits; a knapsack on held bytes alone could not tell the two apart.
+    kept, full = BlockCost(10, 10, 20, 1.0, 1.0), BlockCost(1, 10, 22, 1.0, 2.0)
+    cost = ModelCost(("a", "b"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 0), 0.0)
+    plan = solve_budget(cost, 23)
+    assert [plan.choices[c] for c in plan.choice] == ["full", "kept"]
+    assert plan.peak_bytes == evaluate_blocks(cost, (1, 0))[0] == 22
+
+
+def test_budget_error_names_the_smallest_budget_on_paper() -> None:
+    kept, full = BlockCost(10, 10, 20, 1.0, 1.0), BlockCost(1, 10, 22, 1.0, 2.0)
+    cost = ModelCost(("a", "b"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 5), 0.0)
+    least = least_budget_blocks(cost)[0]
+    with pytest.raises(remat.BudgetError, match=f"smallest feasible budget is {least} bytes"):
+        solve_budget(cost, least - 1)
+    assert solve_budget(cost, least).peak_bytes <= least
+
+
+def test_an_extra_choice_that_wins_is_chosen() -> None:
+    kept, full, extra = BlockCost(10, 10, 25, 1.0, 1.0), BlockCost(1, 10, 21, 1.0, 3.0), BlockCost(2, 10, 21, 1, 1.5)
+    cost = ModelCost(("a",), ("kept", "full", "mine"), ((kept, full, extra),), (0, 0), 0.0)
+    plan = solve_budget(cost, 21)
+    assert plan.choices[plan.choice[0]] == "mine"
+
+
+# -- on real models ------------------------------------------------------------------------------------------
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(TransformerBlock(width, 2, dropout=0.1) for _ in range(n))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _stack() -> Stack:
+    return Stack().double()
+
+
+def _peak(model: nn.Module, x: torch.Tensor) -> int:
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with remat.track() as t:
+        model(x).sum().backward()
+    return t.peak_bytes
+
+
+X = randn(4, 32, 16, seed=3)
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.6, 1.0])
+def test_gradients_equal_no_remat_under_any_plan(fraction: float) -> None:
+    def variant(model: nn.Module) -> nn.Module:
+        return remat.apply(model, budget=fraction, sample=X)
+
+    _, ours = assert_same_grads(_stack, (X,), variant)
+    plan = remat.plan(ours.target).budget
+    assert plan is not None
+    if fraction < 0.5:
+        assert any(plan.choices[c] != "kept" for c in plan.choice)
+
+
+def test_gradients_equal_with_batchnorm_blocks() -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(*(ConvBN(3 if i == 0 else 4) for i in range(3))).double()
+
+    x = randn(2, 3, 8, 8, seed=1)
+    assert_same_grads(make, (x,), lambda m: remat.apply(m, budget=0.8, sample=x))
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.7])
+def test_peak_stays_within_the_budget(fraction: float) -> None:
+    torch.manual_seed(0)
+    model = _stack()
+    none = _peak(copy.deepcopy(model), X)
+    remat.apply(model, budget=fraction, sample=X)
+    plan = remat.plan(model).budget
+    assert plan is not None
+    assert plan.budget == int(fraction * none) or abs(plan.budget - fraction * none) <= 0.05 * none
+    measured = _peak(model, X)
+    assert measured <= plan.budget * 1.05
+    assert measured < none
+    assert abs(plan.peak_bytes - measured) <= 0.05 * measured
+
+
+def test_budget_error_names_the_smallest_feasible_budget() -> None:
+    model = _stack()
+    with pytest.raises(remat.BudgetError, match=r"smallest feasible budget is (\d+) bytes") as info:
+        remat.apply(model, budget=1000, sample=X)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()), "hooks left behind"
+    match = re.search(r"smallest feasible budget is (\d+) bytes", str(info.value))
+    assert match is not None
+    least = int(match.group(1))
+    remat.apply(model, budget=least, sample=X)
+    assert _peak(model, X) <= least * 1.05
+
+
+def test_budget_strings_and_bad_arguments() -> None:
+    model = _stack()
+    remat.apply(model, budget="64MiB", sample=X)
+    plan = remat.plan(model).budget
+    assert plan is not None and plan.budget == 64 * 2**20
+    assert plan.peak_bytes <= plan.budget and plan.no_remat is not None and plan.no_remat[0] <= plan.budget
+    with pytest.raises(ValueError, match="needs `sample=`"):
+        remat.apply(_stack(), budget=0.5)
+    with pytest.raises(ValueError, match="leave out `every`"):
+        remat.apply(_stack(), budget=0.5, sample=X, every=2)
+    with pytest.raises(ValueError, match="go with `budget=`"):
+        remat.apply(_stack(), sample=X)
+    with pytest.raises(ValueError, match="cannot read the budget"):
+        remat.apply(_stack(), budget="lots", sample=X)
+    with pytest.raises(TypeError, match="must return a scalar"):
+        remat.apply(_stack(), budget=0.5, sample=X, loss=lambda out: out)
+
+
+def test_choices_are_honoured() -> None:
+    tagged = remat.policies.save_tagged("mid")
+    model = _stack()
+    remat.apply(model, budget=0.5, sample=X, choices=[tagged])
+    plan = remat.plan(model).budget
+    assert plan is not None
+    assert plan.choices == ("kept", "save_matmuls", "full", repr(tagged))
+    assert all(plan.cost.blocks[i][3] is not None for i in range(len(plan.cost)))
+    # The chosen options are the ones on the blocks: `remat.plan` lists each site with its policy.
+    sites = {site.name: site.choice for site in remat.plan(model)}
+    matmuls = repr(remat.policies.save_matmuls)
+    shown = {"kept": None, "full": "full", "save_matmuls": matmuls, repr(tagged): repr(tagged)}
+    for i, c in enumerate(plan.choice):
+        assert sites.get(plan.cost.names[i]) == shown[plan.choices[c]]
+    # And a block given the extra choice runs under it: its gradients still equal no remat.
+    hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "budget_plan"))
+    for i in range(len(plan.cost)):
+        hook.assign(model, i, 3)
+    assert all(site.choice == repr(tagged) for site in remat.plan(model))
+
+
+def test_plan_table_shows_blocks_and_baselines() -> None:
+    model = remat.apply(_stack(), budget=0.5, sample=X)
+    text = str(remat.plan(model))
+    assert "4 blocks under a budget" in text
+    assert "blocks.3" in text and "held" in text and "extra time" in text
+    assert "predicted peak" in text and "no remat: peak" in text and "full remat: peak" in text
+
+
+def test_undo_restores_the_model() -> None:
+    model = _stack()
+    keys = list(model.state_dict())
+    remat.apply(model, budget=0.4, sample=X)
+    assert any(m._forward_pre_hooks for m in model.modules())
+    remat.undo(model)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert len(remat.plan(model)) == 0 and remat.plan(model).budget is None
+    assert list(model.state_dict()) == keys
+    assert_same_grads(_stack, (X,), lambda m: remat.undo(remat.apply(m, budget=0.4, sample=X)))
+
+
+def test_plan_survives_deepcopy_and_state_dict() -> None:
+    model = _stack()
+    keys = list(model.state_dict())
+    remat.apply(model, budget=0.4, sample=X)
+    assert list(model.state_dict()) == keys
+    twin = copy.deepcopy(model)
+    assert str(remat.plan(twin)) == str(remat.plan(model))
+    twin.load_state_dict(model.state_dict())
+    assert [s.name for s in remat.plan(twin)] == [s.name for s in remat.plan(model)]
+    # The copy's hooks act on the copy's blocks: its peak follows the plan, and no re-plan happens.
+    before = remat.plan(twin).budget
+    assert _peak(twin, X) <= remat.plan(model).budget.budget * 1.05  # type: ignore[union-attr]
+    assert remat.plan(twin).budget is before
+    torch.manual_seed(0)
+    reference = _stack()
+    copied = copy.deepcopy(remat.apply(copy.deepcopy(reference), budget=0.4, sample=X))
+    for net in (reference, copied):
+        torch.manual_seed(1)
+        net(X).sum().backward()
+    for (name, p), q in zip(reference.named_parameters(), copied.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_new_input_shape_replans() -> None:
+    model = remat.apply(_stack(), budget=0.4, sample=X)
+    first = remat.plan(model).budget
+    model(randn(4, 32, 16, seed=5)).sum().backward()  # same shape: same plan
+    assert remat.plan(model).budget is first
+    bigger = randn(8, 32, 16, seed=6)
+    model(bigger).sum().backward()
+    second = remat.plan(model).budget
+    assert second is not first and second is not None and first is not None
+    assert second.budget > first.budget  # a fraction of the new shape's peak
+    with torch.no_grad():
+        model(randn(2, 32, 16))  # no gradients: no re-plan
+    assert remat.plan(model).budget is second
+
+
+def test_replan_false_keeps_the_plan() -> None:
+    model = remat.apply(_stack(), budget=0.4, sample=X, replan=False)
+    first = remat.plan(model).budget
+    model(randn(8, 32, 16, seed=6)).sum().backward()
+    assert remat.plan(model).budget is first
+
+
+def test_profiling_leaves_rng_grads_and_buffers_alone() -> None:
+    model = nn.Sequential(*(ConvBN(3 if i == 0 else 4) for i in range(3))).double()
+    x = randn(2, 3, 8, 8, seed=1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    state = torch.get_rng_state()
+    remat.apply(model, budget=0.8, sample=x)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(bool((p.grad == 7.0).all()) for p in model.parameters() if p.grad is not None)
+    for k, v in model.named_buffers():
+        torch.testing.assert_close(v, buffers[k])
