@@ -11,7 +11,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from . import _checkpoint, _switch, _targets
+from . import _checkpoint, _estimate, _switch, _targets
 from ._engine.region import Region
 from ._options import Options, Strategy
 from ._plan.sites import ModelPlan
@@ -188,6 +188,7 @@ class Remat:
         )
         return Region(settings)
 
+    estimate = staticmethod(_estimate.estimate)
     checkpoint = staticmethod(_checkpoint.checkpoint)
     checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
     is_enabled = staticmethod(_switch.is_enabled)

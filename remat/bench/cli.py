@@ -794,6 +794,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     import argparse
 
     out = stdout or sys.stdout
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["estimate"]:  # python -m remat estimate: remat.estimate's table (bench/estimate.py)
+        from .estimate import main as estimate_main
+
+        return estimate_main(argv[1:], out)
     parser = argparse.ArgumentParser(
         prog="python -m remat",
         description="Benchmark activation checkpointing: remat against torch.utils.checkpoint and no remat.",
@@ -801,10 +806,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "estimate", "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
-        "against checkpoint_sequential (spec §5.5); tiny: per-call overhead, replay overhead and start-up",
+        "against checkpoint_sequential (spec §5.5); tiny: per-call overhead, replay overhead and start-up; "
+        "estimate: remat.estimate against real steps (spec §5.8; `python -m remat estimate --help` for its own table)",
     )
     parser.add_argument(
         "--size",
@@ -835,6 +841,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         return 2
     models = ["gpt", "convnet", "chain", "tiny"] if args.model == "all" else [args.model]
     progress = _Progress(sys.stderr, args.quiet)
+    if args.model == "estimate":
+        from .estimate import compare_main
+
+        return compare_main(out, progress)
     meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
     progress.done()
     print(format_table(meta, rows), file=out)
