@@ -123,10 +123,11 @@ def fake_state(model: nn.Module, device: torch.device) -> Iterator[list[torch.Te
     See NOTE [ Swapping in fake state ]. The fake parameters are yielded in ``model.parameters()`` order.
     """
     fakes: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    swapped: list[tuple[dict[str, Any], str, Any]] = []  # (module's table, name, the original)
     try:
         for module in model.modules():
-            for table, parameter in ((module._parameters, True), (module._buffers, False)):
+            tables: tuple[tuple[dict[str, Any], bool], ...] = ((module._parameters, True), (module._buffers, False))
+            for table, parameter in tables:
                 for name, value in list(table.items()):
                     if value is None:
                         continue

@@ -66,7 +66,24 @@ def resolve_device(model: nn.Module, sample: Any, device: str | torch.device | N
         raise ValueError("remat: estimate predicts for a real device; `device` must not be 'meta' (use 'cpu', 'cuda').")
     if dev.type != "cpu" and dev.index is None:
         dev = torch.device(dev.type, 0)
+    if dev.type != "cpu" and not _supported(dev):
+        raise RematError(NO_DEVICE.format(device=dev, kind=dev.type.upper()))
     return dev
+
+
+NO_DEVICE = (
+    "remat: estimate cannot predict for `{device}` with this build of torch, which has no {kind} support: "
+    "autograd needs the device's support even for fake tensors. Run the estimate with a {kind} build of torch "
+    "(no device is needed: nothing is allocated on it), or predict for 'cpu'."
+)
+
+
+def _supported(device: torch.device) -> bool:
+    """Whether this torch build can run autograd on fake tensors of ``device`` (a GPU need not be present)."""
+    if device.type == "cuda":
+        return bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
+    module = getattr(torch, device.type, None)
+    return bool(getattr(module, "is_available", lambda: False)())
 
 
 def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor],
@@ -79,13 +96,15 @@ def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor],
     if optimizer is None:
         return None
     trainable = [p for p in params if p.requires_grad]
-    foreach = {"foreach": True} if device.type == "cuda" else {}
+    foreach: dict[str, Any] = {"foreach": True} if device.type == "cuda" else {}
+    made: Any
     if isinstance(optimizer, str):
         kind, settings = OPTIMIZERS[optimizer.lower()]
-        return kind(trainable, **settings, **foreach)
-    if isinstance(optimizer, type) and foreach and "foreach" in inspect.signature(optimizer).parameters:
-        return optimizer(trainable, **foreach)
-    made = optimizer(trainable)
+        made = kind(trainable, **settings, **foreach)
+    elif isinstance(optimizer, type) and foreach and "foreach" in inspect.signature(optimizer).parameters:
+        made = optimizer(trainable, **foreach)
+    else:
+        made = optimizer(trainable)
     if not isinstance(made, torch.optim.Optimizer):
         raise TypeError(
             f"remat: estimate's `optimizer` must make a torch.optim.Optimizer from the parameters, but it made "
@@ -115,6 +134,7 @@ def _call(model: nn.Module, sample: Any) -> Any:
 
 
 def _scalar(out: Any, loss: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    value: Any
     if loss is not None:
         value = loss(out)
     else:
@@ -151,7 +171,7 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
         value = _scalar(out, loss)
         own = tracker._bytes_of([value]).get(device, 0)
         held = tracker.current(device) - own
-        value.backward()
+        torch.autograd.backward(value)
         grads = [p.grad for p in params if p.grad is not None]
         grad_bytes = storage_bytes(grads)
         del out, value, grads

@@ -71,6 +71,23 @@ def bench_case(name: str, size: str = "small", *, device: str = "cpu", seed: int
     return Case(f"{name} ({model.describe()})", model, (first,), loss)
 
 
+# kind -> (config class, model class, a tiny config, names of (layers, hidden size, heads) in the config)
+_HF: dict[str, tuple[str, str, dict[str, Any], tuple[str, str, tuple[str, ...]]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 4},
+              ("num_hidden_layers", "hidden_size", ("num_attention_heads", "num_key_value_heads"))),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 4, "n_head": 4},
+             ("n_layer", "n_embd", ("n_head",))),
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_layers": 2, "num_heads": 4},
+           ("num_layers", "d_model", ("num_heads",))),
+    "bert": ("BertConfig", "BertForMaskedLM",
+             {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4},
+             ("num_hidden_layers", "hidden_size", ("num_attention_heads",))),
+}
+
+
 def hf_case(kind: str, *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
             seq: int = 2048, batch: int = 1, dtype: torch.dtype = torch.float32, device: str = "meta",
             tiny: bool = False, seed: int = SEED) -> Case:
@@ -80,28 +97,12 @@ def hf_case(kind: str, *, layers: int | None = None, hidden: int | None = None, 
     """
     import transformers as tf
 
-    vocab = 512 if tiny else None
-    if kind == "llama":
-        config: Any = tf.LlamaConfig(**({"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 4,
-                                         "num_attention_heads": 4, "num_key_value_heads": 4} if tiny else {}))
-        names = ("num_hidden_layers", "hidden_size", ("num_attention_heads", "num_key_value_heads"))
-        build: Any = tf.LlamaForCausalLM
-    elif kind == "gpt2":
-        config = tf.GPT2Config(**({"n_embd": 64, "n_layer": 4, "n_head": 4} if tiny else {}))
-        names = ("n_layer", "n_embd", ("n_head",))
-        build = tf.GPT2LMHeadModel
-    elif kind == "t5":
-        config = tf.T5Config(**({"d_model": 64, "d_ff": 128, "d_kv": 16, "num_layers": 2, "num_heads": 4}
-                                if tiny else {}))
-        names = ("num_layers", "d_model", ("num_heads",))
-        build = tf.T5ForConditionalGeneration
-    elif kind == "bert":
-        config = tf.BertConfig(**({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-                                   "num_attention_heads": 4} if tiny else {}))
-        names = ("num_hidden_layers", "hidden_size", ("num_attention_heads",))
-        build = tf.BertForMaskedLM
-    else:
+    if kind not in _HF:
         raise ValueError(f"remat: --hf must be one of {', '.join(HF_KINDS)}, but got {kind!r}.")
+    config_name, model_name, small, names = _HF[kind]
+    vocab = 512 if tiny else None
+    config: Any = getattr(tf, config_name)(**(small if tiny else {}))
+    build: Any = getattr(tf, model_name)
     if vocab is not None:
         config.vocab_size = vocab
     for value, name in zip((layers, hidden), names[:2], strict=True):
@@ -156,7 +157,8 @@ def _optimizer(kind: str | None, params: list[nn.Parameter]) -> torch.optim.Opti
         return None
     if kind == "sgd":
         return torch.optim.SGD(trainable, lr=0.01, momentum=0.9)
-    return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](trainable)
+    made: torch.optim.Optimizer = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](trainable)
+    return made
 
 
 def _call(model: nn.Module, sample: Any) -> Any:
