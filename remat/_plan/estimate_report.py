@@ -74,10 +74,11 @@ class EstimateReport:
 
     Example:
         >>> import torch, remat
-        >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        >>> model = torch.nn.Sequential(*[block() for _ in range(4)])
         >>> report = remat.estimate(model, torch.randn(8, 64), optimizer="adam", configs=("none", "full"))
         >>> report["none"].params_bytes, report["none"].optimizer_bytes   # Adam: two moments and a step each
-        (66560, 133152)
+        (529408, 1058880)
         >>> report["full"].activation_bytes < report["none"].activation_bytes
         True
     """
