@@ -160,7 +160,8 @@ def estimate(
             one, else the sum of its floating-point tensors.
         optimizer: None (no optimizer step), "sgd" (momentum 0.9), "adam", "adamw", an optimizer class, or a
             callable from the list of trainable parameters to an optimizer.
-        configs: what to compare: "none" (every remat site off), "full" and "save_matmuls" (on the blocks
+        configs: what to compare: "none" (remat switched off: every site but those forced on with
+            `enabled=True`), "full" and "save_matmuls" (on the blocks
             `remat.apply(model)` picks, or `where`), a `remat.policies` policy, or a budget (bytes, "6GiB", a
             fraction) for the planner of `remat.apply(model, budget=...)`. Default: ("none", "full",
             "save_matmuls", 0.3), the budget only where that planner exists.
