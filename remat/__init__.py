@@ -26,6 +26,8 @@ from ._measure.track import Tracker as Tracker
 from ._measure.track import track as track
 from ._plan.chain import Chain as Chain
 from ._plan.chain import chain as chain
+from ._plan.estimate_report import ConfigEstimate as ConfigEstimate
+from ._plan.estimate_report import EstimateReport as EstimateReport
 from ._plan.sites import ModelPlan as ModelPlan
 from ._plan.solver import Plan as Plan
 from ._plan.solver import StageCost as StageCost
@@ -38,6 +40,7 @@ from ._switch import set_enabled as set_enabled
 __version__ = "0.1.0"
 
 apply = remat.apply
+estimate = remat.estimate
 offload = remat.offload
 plan = remat.plan
 region = remat.region
@@ -46,6 +49,8 @@ undo = remat.undo
 __all__ = [
     "BudgetError",
     "Chain",
+    "ConfigEstimate",
+    "EstimateReport",
     "Measurement",
     "Offload",
     "ModelPlan",
@@ -62,6 +67,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "enabled",
+    "estimate",
     "is_enabled",
     "measure",
     "offload",

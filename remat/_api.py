@@ -11,7 +11,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from . import _checkpoint, _errors, _fit, _policies, _switch, _targets
+from . import _checkpoint, _errors, _estimate, _fit, _policies, _switch, _targets
 from . import policies as _policies_module
 from ._engine import offload as _offload
 from ._engine.region import Region
@@ -248,6 +248,7 @@ class Remat:
 
     # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__` (spec §2).
     offload = staticmethod(_offload.offload)
+    estimate = staticmethod(_estimate.estimate)
     checkpoint = staticmethod(_checkpoint.checkpoint)
     checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
     is_enabled = staticmethod(_switch.is_enabled)

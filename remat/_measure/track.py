@@ -265,15 +265,16 @@ class Tracker:
                 key = st._cdata
                 entry = self._live.get(key)
                 if entry is not None:
-                    if entry[1] != st.nbytes():  # resized: see NOTE [ New or old storage ]
-                        self._resize(key, st.nbytes())
+                    nbytes = self._place(t, st)[1]
+                    if entry[1] != nbytes:  # resized: see NOTE [ New or old storage ]
+                        self._resize(key, nbytes)
                     continue
                 if aliases:
                     if inputs is None:
                         inputs = self._input_storages(args, kwargs)
                     if key in inputs:
                         continue
-                self._add(key, st)
+                self._add(key, t, st)
 
     @staticmethod
     def _input_storages(args: Sequence[Any], kwargs: dict[str, Any] | None) -> set[int]:
@@ -285,11 +286,13 @@ class Tracker:
                     keys.add(st._cdata)
         return keys
 
-    def _add(self, key: int, st: torch.UntypedStorage) -> None:
+    def _place(self, t: torch.Tensor, st: torch.UntypedStorage) -> tuple[torch.device, int]:
+        """The device a storage counts on and its bytes (a subclass may count fake tensors or allocator blocks)."""
         device = st.device
-        if device.type == "cpu":
-            device = torch.device("cpu")
-        nbytes = st.nbytes()
+        return (torch.device("cpu") if device.type == "cpu" else device), st.nbytes()
+
+    def _add(self, key: int, t: torch.Tensor, st: torch.UntypedStorage) -> None:
+        device, nbytes = self._place(t, st)
         ref = weakref.ref(st, functools.partial(self._release, key))
         with self._lock:
             self._live[key] = (device, nbytes, ref)

@@ -113,6 +113,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     import argparse
 
     out = stdout or sys.stdout
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["estimate"]:  # python -m remat estimate: remat.estimate's table (bench/estimate.py)
+        from .estimate import main as estimate_main
+
+        return estimate_main(argv[1:], out)
     parser = argparse.ArgumentParser(
         prog="python -m remat",
         description="Benchmark activation checkpointing: remat against torch.utils.checkpoint and no remat.",
@@ -120,12 +125,13 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "estimate", "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
         "against checkpoint_sequential (spec §5.5); tiny: per-call overhead, replay overhead and start-up; "
         "offload: offloading to host memory on the GPT-like stack (spec §5.9; needs --device cuda); "
-        "budget: remat.apply(model, budget=...) against uniform configurations and torch.compile (spec §5.7)",
+        "budget: remat.apply(model, budget=...) against uniform configurations and torch.compile (spec §5.7); "
+        "estimate: remat.estimate against real steps (spec §5.8; `python -m remat estimate --help`)",
     )
     parser.add_argument(
         "--size",
@@ -160,6 +166,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         from . import budget
 
         return budget.main(args.size, args.repeats, args.plot, progress, out)
+    if args.model == "estimate":
+        from .estimate import compare_main
+
+        return compare_main(out, progress)
     meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
     progress.done()
     print(format_table(meta, rows), file=out)

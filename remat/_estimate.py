@@ -1,0 +1,204 @@
+"""`remat.estimate`: the peak memory of a training step per remat configuration, before allocating it (spec §2.9).
+
+This face turns each configuration into remat sites on the model for the duration of its step (NOTE [ Applying
+a configuration for a while ]); `_plan.estimate` runs the step on fake tensors and counts its bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _targets
+from ._errors import RematError
+from ._options import Options
+from ._plan.chain import parse_budget
+from ._plan.estimate import OPTIMIZERS, Configured, OptimizerLike, predict, resolve_device
+from ._plan.estimate_report import EstimateReport
+from ._policies import Policy, save_matmuls
+from ._switch import enabled
+
+__all__ = ["DEFAULT_CONFIGS", "budget_planner", "estimate"]
+
+DEFAULT_CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls", 0.3)
+"""The configurations `estimate` compares by default (the budget one only where the budget planner exists)."""
+
+_Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
+
+NO_PLANNER = (
+    "remat: estimate's configuration {config!r} is a memory budget, and budgets in estimate need the budget "
+    "planner (`remat.apply(model, budget=..., sample=...)`, spec §2.8), which this build of remat does not have "
+    "yet. Estimate 'none', 'full', 'save_matmuls' or a policy instead."
+)
+
+
+def budget_planner() -> Callable[..., Any] | None:
+    """`remat.apply` when it takes a `budget` (the planner of spec §2.8), else None."""
+    from ._api import remat  # the face that owns apply; imported here, as _api imports this module
+
+    apply: Callable[..., Any] = remat.apply
+    return apply if "budget" in inspect.signature(apply).parameters else None
+
+
+# NOTE [ Applying a configuration for a while ]
+# "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
+# lets the planner choose per block. Either way the sites are forward hooks (and, from a planner, perhaps
+# attributes) on the user's own modules, so every module's forward-hook tables and attribute names are recorded
+# first and put back exactly afterwards: sites the user had are back as they were (same hook objects, same
+# order), and nothing the configuration added is left. "none" switches every site off with `remat.enabled(False)`;
+# the others run with the switch on, whatever `REMAT` says, since that is what they predict.
+
+
+@contextlib.contextmanager
+def _restoring(model: nn.Module) -> Iterator[None]:
+    modules = list(model.modules())
+    tables = [(table, dict(table)) for m in modules for table in (getattr(m, n) for n in _targets._HOOK_DICTS)]
+    names = [(m, set(vars(m))) for m in modules]
+    try:
+        yield
+    finally:
+        for table, saved in tables:
+            table.clear()
+            table.update(saved)
+        for m, before in names:
+            for name in set(vars(m)) - before:
+                delattr(m, name)
+
+
+def _label(config: Any) -> str:
+    if isinstance(config, str):
+        return config
+    if isinstance(config, Policy):
+        return "full" if config.saves_nothing else repr(config)
+    if isinstance(config, (int, float)):
+        return f"budget {config}"
+    return str(getattr(config, "__name__", None) or repr(config))
+
+
+def _is_budget(config: Any) -> bool:
+    if isinstance(config, bool):
+        return False
+    return isinstance(config, (int, float)) or (isinstance(config, str) and config not in _NAMED)
+
+
+_NAMED: dict[str, Policy | None] = {"none": None, "full": Policy(), "save_matmuls": save_matmuls}
+
+
+def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configured:
+    """How to apply one configuration; argument errors are raised here, before any step runs."""
+    if isinstance(config, bool) or config is None:
+        raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
+                        f"budget, but got {config!r}.")
+    if config == "none":
+        return Configured(config, "none", lambda sample: enabled(False))
+    if _is_budget(config):
+        try:
+            parse_budget(config)
+        except ValueError:
+            if not isinstance(config, str):
+                raise
+            raise ValueError(f"remat: estimate does not know the configuration {config!r}: give 'none', 'full', "
+                             "'save_matmuls', a policy, or a budget (bytes, '6GiB', a fraction).") from None
+        planner = budget_planner()
+        if planner is None:
+            raise RematError(NO_PLANNER.format(config=config))
+
+        @contextlib.contextmanager
+        def planned(sample: Any) -> Iterator[None]:
+            with _restoring(model):
+                planner(model, where, budget=config, sample=sample)
+                with enabled(True):
+                    yield
+
+        return Configured(config, _label(config), planned)
+    policy = _NAMED[config] if isinstance(config, str) else config
+    if not (isinstance(policy, Policy) or callable(policy)):
+        raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
+                        f"budget, but got `{type(config).__name__}`.")
+    options = Options(policy=policy)
+    _targets._select(model, where)  # no blocks, or a `where` that matches nothing: raise now
+
+    @contextlib.contextmanager
+    def applied(sample: Any) -> Iterator[None]:
+        with _restoring(model):
+            _targets.apply(model, where, 1, options)
+            with enabled(True):
+                yield
+
+    return Configured(config, _label(config), applied)
+
+
+def estimate(
+    model: nn.Module,
+    sample: Any,
+    *,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: OptimizerLike = None,
+    configs: Sequence[Any] | None = None,
+    where: _Where | None = None,
+    device: str | torch.device | None = None,
+) -> EstimateReport:
+    """Predict the memory of one training step of `model` on `sample`, per remat configuration, without running it.
+
+    The step (forward, loss, backward, the optimizer step) runs on fake tensors: each op computes the shapes of
+    its outputs only, and remat's byte tracker counts them as `remat.track` counts real ones. The model may be
+    real (its parameters are swapped for fake ones for the duration and put back; nothing about it changes) or
+    built on the meta device, so a 7-billion-parameter model is estimated on a laptop in seconds. Parameters,
+    gradients and optimizer state are exact; activations and the peak match a real run within a few percent.
+    The step is a steady-state one: see NOTE [ What an estimate runs ] in remat/_plan/estimate.py.
+
+    Args:
+        model: the model, real or on the meta device, in the train/eval mode the step should use.
+        sample: the model's inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
+            Real, meta or fake tensors; only their shapes and dtypes matter.
+        loss: a callable from the model's output to the scalar loss; by default the output's `.loss` if it has
+            one, else the sum of its floating-point tensors.
+        optimizer: None (no optimizer step), "sgd" (momentum 0.9), "adam", "adamw", an optimizer class, or a
+            callable from the list of trainable parameters to an optimizer.
+        configs: what to compare: "none" (remat switched off: every site but those forced on with
+            `enabled=True`), "full" and "save_matmuls" (on the blocks
+            `remat.apply(model)` picks, or `where`), a `remat.policies` policy, or a budget (bytes, "6GiB", a
+            fraction) for the planner of `remat.apply(model, budget=...)`. Default: ("none", "full",
+            "save_matmuls", 0.3), the budget only where that planner exists.
+        where: which blocks the configurations rematerialize, as for `remat.apply`.
+        device: the device to predict for; default: the model's, else the sample's, else the CPU. On CUDA the
+            peak predicts `torch.cuda.max_memory_allocated` (tensors rounded up to 512-byte blocks).
+
+    Returns:
+        An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
+        `activation_bytes` and `peak_bytes`; `print(report)` shows a table; `report.to_dict()` for scripts.
+
+    Raises:
+        RematError: an op in the step depends on tensor values (`nonzero`, `.item()`), which fake tensors do
+            not have (the message names the op); or a budget configuration without the budget planner.
+        ValueError, TypeError: an unknown configuration or optimizer, or no blocks to rematerialize.
+
+    >>> import torch, remat
+    >>> with torch.device("meta"):
+    ...     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    >>> report = remat.estimate(model, torch.randn(64, 1024), optimizer="adamw", configs=("none", "full"))
+    >>> report["none"].grads_bytes == report["none"].params_bytes == 8 * (1024 * 1024 + 1024) * 4
+    True
+    >>> print(str(report).splitlines()[0])
+    remat.estimate: Sequential, one training step (optimizer step AdamW), predicted for cpu
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat: estimate expects an nn.Module, but got `{type(model).__name__}`.")
+    if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZERS:
+        raise ValueError(f"remat: estimate's `optimizer` must be one of {sorted(OPTIMIZERS)}, an optimizer class "
+                         f"or a factory, but got {optimizer!r}.")
+    if optimizer is not None and not isinstance(optimizer, str) and not callable(optimizer):
+        raise TypeError(f"remat: estimate's `optimizer` must be a name, an optimizer class or a factory, but got "
+                        f"`{type(optimizer).__name__}`.")
+    if configs is None:
+        configs = DEFAULT_CONFIGS if budget_planner() is not None else DEFAULT_CONFIGS[:3]
+    if isinstance(configs, (str, Policy)) or not isinstance(configs, Sequence):
+        configs = (configs,)
+    resolved = [_configured(model, config, where) for config in configs]
+    target = resolve_device(model, sample, device)
+    return predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target)

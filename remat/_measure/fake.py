@@ -1,0 +1,175 @@
+"""Fake tensors for estimates: a model's state and a sample as `FakeTensor`s, counted like real ones.
+
+NOTE [ Counting fake tensors ]
+Under ``torch._subclasses.FakeTensorMode`` an op computes only the shape, dtype, strides and device of its
+outputs. A fake tensor still has a storage (on the meta device, with the ``nbytes`` a real one would have), and
+that storage's Python object lives exactly as long as its C++ ``StorageImpl``, as for a real tensor (see NOTE
+[ Storage lifetime ] in track.py): the tracker's finalizers fire when autograd or the engine drops a fake
+activation. So `FakeTracker` is the ordinary tracker with two changes: a storage counts on the device its fake
+tensor claims (``t.device``, e.g. ``cuda:0``), not on ``meta``; and on CUDA each storage counts as the block the
+caching allocator would hand out (rounded up to 512 bytes), so that the peak predicts
+``torch.cuda.max_memory_allocated``. A plain `remat.track` around an estimate still sees the fake storages on
+``meta``, which is how the tests check that an estimate allocates nothing real.
+
+NOTE [ Swapping in fake state ]
+An estimate must not touch the user's model: parameters and buffers are replaced by fake ones in each module's
+``_parameters``/``_buffers`` for the duration (a tied weight, one object in two modules, gets one fake), and the
+original objects are put back in ``finally``. Nothing else of the module changes; hooks and attributes stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+from torch.utils._pytree import tree_map
+
+from .._errors import RematError
+from .track import Tracker
+
+__all__ = [
+    "CUDA_BLOCK",
+    "FakeTracker",
+    "allocator_bytes",
+    "data_dependent",
+    "fake_like",
+    "fake_mode",
+    "fake_sample",
+    "fake_state",
+    "storage_bytes",
+]
+
+CUDA_BLOCK = 512
+"""The CUDA caching allocator rounds every allocation up to a multiple of this many bytes."""
+
+
+def allocator_bytes(nbytes: int, device: torch.device) -> int:
+    """Bytes an allocation of ``nbytes`` counts for in ``device``'s allocator statistics.
+
+    On CUDA the caching allocator hands out blocks of a multiple of 512 bytes (at least 512; nothing for an
+    empty tensor), and ``torch.cuda.max_memory_allocated`` counts those blocks. Elsewhere the bytes themselves.
+
+    >>> import torch
+    >>> allocator_bytes(1, torch.device("cuda")), allocator_bytes(513, torch.device("cuda:0"))
+    (512, 1024)
+    >>> allocator_bytes(0, torch.device("cuda")), allocator_bytes(513, torch.device("cpu"))
+    (0, 513)
+    """
+    if device.type != "cuda" or nbytes <= 0:
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+
+
+class FakeTracker(Tracker):
+    """A `Tracker` that counts fake tensors on the device they claim; see NOTE [ Counting fake tensors ].
+
+    >>> import torch
+    >>> with fake_mode() as mode, FakeTracker() as t:
+    ...     x = torch.empty(1000, device="cuda")   # fake: no CUDA needed, nothing allocated
+    >>> t.peak("cuda"), t.devices
+    (4096, (device(type='cuda', index=0),))
+    """
+
+    def _place(self, t: torch.Tensor, st: torch.UntypedStorage) -> tuple[torch.device, int]:
+        device = t.device
+        if device.type == "cpu":
+            device = torch.device("cpu")
+        return device, allocator_bytes(st.nbytes(), device)
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fake tensor mode that turns real tensors it meets (constants, closures) into fake ones."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of ``t``'s shape, strides, dtype and ``requires_grad`` on ``device`` (inside a fake mode)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    if t.requires_grad and t.is_floating_point():
+        out.requires_grad_(True)
+    return out
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None = None) -> int:
+    """Bytes of the distinct storages of ``tensors``.
+
+    With ``device``, only the storages on that device, each as its allocator counts it (`allocator_bytes`);
+    without, the storages' exact bytes on every device.
+    """
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if device is not None and t.device != device:
+            continue
+        st = t.untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            total += st.nbytes() if device is None else allocator_bytes(st.nbytes(), device)
+    return total
+
+
+@contextlib.contextmanager
+def fake_state(model: nn.Module, device: torch.device) -> Iterator[list[torch.Tensor]]:
+    """Swap fake parameters and buffers into ``model`` (inside a fake mode); yield the fake parameters.
+
+    See NOTE [ Swapping in fake state ]. The fake parameters are yielded in ``model.parameters()`` order.
+    """
+    fakes: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict[str, Any], str, Any]] = []  # (module's table, name, the original)
+    try:
+        for module in model.modules():
+            tables: tuple[tuple[dict[str, Any], bool], ...] = ((module._parameters, True), (module._buffers, False))
+            for table, parameter in tables:
+                for name, value in list(table.items()):
+                    if value is None:
+                        continue
+                    fake = fakes.get(id(value))
+                    if fake is None:
+                        fake = fake_like(value.detach(), device)  # a leaf
+                        if parameter:
+                            fake = nn.Parameter(fake, requires_grad=value.requires_grad)
+                        fakes[id(value)] = fake
+                    swapped.append((table, name, value))
+                    table[name] = fake
+        yield list(model.parameters())  # the fakes, tied ones once
+    finally:
+        for table, name, value in reversed(swapped):
+            table[name] = value
+
+
+def fake_sample(sample: Any, device: torch.device) -> Any:
+    """``sample`` (a tensor, a tuple/list, or a dict of keyword arguments) with every tensor made fake on ``device``.
+
+    Floating-point tensors keep ``requires_grad``; nothing else of their values survives (fake tensors have none).
+    """
+    if isinstance(sample, Mapping) and not isinstance(sample, dict):
+        sample = dict(sample)  # a BatchEncoding and the like
+    return tree_map(lambda x: fake_like(x, device) if isinstance(x, torch.Tensor) else x, sample)
+
+
+DATA_DEPENDENT = (
+    "remat: estimate cannot run {site} on fake tensors: the op `{op}` {what}, and fake tensors carry no "
+    "values. Make that step independent of tensor values for the estimate (for example: no `.item()`, "
+    "`.tolist()` or `if tensor:` in forward, a mask multiplied in instead of `nonzero` or boolean indexing, "
+    "an `attention_mask` left out when it is all ones), or measure a real run with `remat.measure`."
+)
+
+
+def data_dependent(error: Exception, site: str) -> RematError | None:
+    """The `RematError` for a data-dependent op met under fake tensors, or None for another error."""
+    if isinstance(error, DynamicOutputShapeException):
+        what = "returns a tensor whose shape depends on the values of its input"
+    elif isinstance(error, DataDependentOutputException):
+        what = "reads a value out of a tensor (`.item()`, `bool(tensor)`, `.tolist()`)"
+    else:
+        return None
+    op = getattr(error, "func", None) or "?"
+    return RematError(DATA_DEPENDENT.format(site=site, op=op, what=what))
