@@ -15,6 +15,7 @@ from . import _checkpoint, _errors, _estimate, _fit, _policies, _switch, _target
 from . import policies as _policies_module
 from ._engine import offload as _offload
 from ._engine.region import Region
+from ._plan import estimate_report as _estimate_report
 from ._measure import measure as _measure
 from ._measure import track as _track
 from ._options import Options, Strategy
@@ -249,6 +250,8 @@ class Remat:
     # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__` (spec §2).
     offload = staticmethod(_offload.offload)
     estimate = staticmethod(_estimate.estimate)
+    EstimateReport = _estimate_report.EstimateReport
+    ConfigEstimate = _estimate_report.ConfigEstimate
     checkpoint = staticmethod(_checkpoint.checkpoint)
     checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
     is_enabled = staticmethod(_switch.is_enabled)
