@@ -15,11 +15,11 @@ from . import _checkpoint, _errors, _estimate, _fit, _policies, _switch, _target
 from . import policies as _policies_module
 from ._engine import offload as _offload
 from ._engine.region import Region
-from ._plan import estimate_report as _estimate_report
 from ._measure import measure as _measure
 from ._measure import track as _track
 from ._options import Options, Strategy
 from ._plan import chain as _chain
+from ._plan import estimate_report as _estimate_report
 from ._plan import solver as _solver
 from ._plan.sites import ModelPlan
 from ._plan.units import Budget
