@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 import remat
 
+from .._estimate import DEFAULT_CONFIGS
 from .._measure.measure import format_bytes
 from .models import CONVNET_SIZES, GPT, GPT_SIZES, ConvNet, ConvNetConfig, GPTConfig, human_count, parameter_count
 
@@ -321,10 +322,20 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
     reports = []
     for case in cases:
         start = time.perf_counter()
-        report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
-                                device=args.device)
+        configs: tuple[Any, ...] = tuple(DEFAULT_CONFIGS)
+        try:
+            report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
+                                    configs=configs, device=args.device)
+            unfit = ""
+        except remat.BudgetError as e:  # the budget row does not fit this model: the other rows still tell
+            configs = tuple(config for config in configs if isinstance(config, str))
+            report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
+                                    configs=configs, device=args.device)
+            unfit = str(e)
         print(f"{case.name}: estimated in {time.perf_counter() - start:.1f} s", file=out)
         print(report, file=out)
+        if unfit:
+            print(unfit, file=out)
         reports.append(report.to_dict())
     if args.json:
         import json
