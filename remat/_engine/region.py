@@ -25,7 +25,8 @@ from .._policies import Policy, as_policy, tags
 from .guard import storage_key
 from .hooks import Frame, Handle, Kept
 from .offload import Offload, resolve
-from .tape import Recorder, Tape, op_info
+from .recorder import Recorder, op_info
+from .tape import Tape
 
 __all__ = ["Region", "RegionFrame", "begin", "call", "end"]
 
@@ -67,7 +68,9 @@ class RegionFrame(Frame):
         self.recorder: Recorder | None = Recorder(preserve_rng, self.trace, policy)
         self.claimed: set[int] = set()  # kept slots (policy) that autograd saves: NOTE [ Policies on the tape ]
         self.captures: list[tuple[int, int, int, int | None]] = []
-        self.freed: dict[int, int] = {}  # storage (`storage_key`) -> bytes, of the tensors handles stand for
+        # Storages of the tensors handles stand for: key (`storage_key`) -> the storage, weakly. A key is an
+        # address, reused once its storage is freed; the weak reference tells a new storage from a seen one.
+        self.freed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.kept: dict[int, tuple[Kept, int]] = {}  # tape slot of an outside tensor -> its token, its version
         self.copies: dict[int, torch.Tensor] | None = {} if debug else None
         self.tape: Tape | None = None
@@ -99,9 +102,8 @@ class RegionFrame(Frame):
                         key: int | None = _storage_id(tensor)
                     except (RuntimeError, NotImplementedError, TypeError):
                         key = None
-                    freed = self.freed
-                    if key is not None and key not in freed:
-                        freed[key] = tensor.untyped_storage().nbytes()
+                    if key is not None:
+                        self._count_freed(key, tensor)
                     self.captures.append((index, slot, len(recorder.ops), key))
                     return handle
                 if base is None or (
@@ -140,12 +142,19 @@ class RegionFrame(Frame):
         """A handle for a tensor the tape made (tape slot `slot`), rebuilt by replay."""
         handle = self.handle(tensor)
         key = storage_key(tensor)
-        if key is not None and key not in self.freed:
-            self.freed[key] = tensor.untyped_storage().nbytes()
+        if key is not None:
+            self._count_freed(key, tensor)
         self.captures.append((handle.index, slot, len(recorder.ops), key))
         if self.copies is not None:
             self._copy(recorder, handle.index, tensor)
         return handle
+
+    def _count_freed(self, key: int, tensor: torch.Tensor) -> None:
+        seen = self.freed.get(key)
+        if seen is None or seen() is None:
+            storage = tensor.untyped_storage()
+            self.freed[key] = weakref.ref(storage)
+            self.freed_bytes += storage.nbytes()
 
     def _copy(self, recorder: Recorder, index: int, tensor: torch.Tensor) -> None:
         assert self.copies is not None
@@ -161,7 +170,6 @@ class RegionFrame(Frame):
         assert recorder is not None
         self.recorder = None
         self.ops = len(recorder.ops)
-        self.freed_bytes = sum(self.freed.values())
         self.freed = {}
         self.kept = {}
         alive = [

@@ -1,48 +1,25 @@
-"""Record the aten ops a block runs, and replay them in backward (strategy "replay", spec §3.2).
+"""Replay a recorded block's aten ops in backward (strategy "replay", spec §3.2).
 
-See NOTE [ What the tape holds ], NOTE [ Writes to outside memory ] and NOTE [ Replay plan ].
+`recorder.Recorder` records them in forward. See NOTE [ Policies on the tape ] and NOTE [ Replay plan ].
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
 import torch
 
 from .._errors import RematError
-from .._policies import Policy
 from .autocast import AutocastState
 from .debug import describe
-from .guard import storage_key, written_arguments
-from .modes import Mode
-from .rng import RngStash, with_index
+from .recorder import Outside, Recorder, op_info
 
-__all__ = ["Recorder", "Tape"]
+__all__ = ["Tape"]
 
-# NOTE [ What the tape holds ]
-# While the block runs, `Recorder.__torch_dispatch__` appends one entry per aten op: the op, its arguments with
-# every tensor replaced by a marker, its first output slot and its output count, and the grad mode. A marker is
-# the pair `(weakref, slot)`: `slot` numbers every op output (one slot per returned element) and every tensor
-# from outside the tape. Tensors made by the tape are known only through weak references, so the tape never keeps
-# an activation alive; tensors from outside (inputs, parameters, constants) are held strongly, because replay
-# needs them, exactly as a checkpoint keeps its inputs. Identity is the Python object: the objects an op returns
-# inside the mode are the ones that autograd later shows to the pack hook, and an in-place op returns its input
-# object, whose marker then moves to the in-place op's output slot (its new value).
-#
-# NOTE [ Writes to outside memory ]
-# An op that writes (in-place or `out=`) into memory of a tensor from outside the tape — BatchNorm's running
-# statistics, a user's buffer, `x.detach().add_(1)` — happens once, in forward. Before the first such write the
-# recorder copies the whole outside storage; replay rebuilds every outside tensor on that storage as a view of
-# a fresh copy of the snapshot, so replayed writes land on the copy and the original is never touched. Memory is
-# identified by storage (not by tensor) so that any alias of the outside tensor, made inside or outside the tape,
-# is covered. Every other outside tensor is checked in backward against the version it had when first seen:
-# a change means the tape would read a value that no longer exists, which is autograd's "modified by an inplace
-# operation" error.
-#
 # NOTE [ Policies on the tape ]
 # With a policy (spec §2.2), the recorder keeps the outputs of the ops it chooses (and tensors named by
 # `remat.tag` for a saved name), detached, by slot. Replay puts a kept output into its slot instead of running
@@ -59,271 +36,7 @@ __all__ = ["Recorder", "Tape"]
 # reused by later ones (`retain_graph`). A saved tensor is taken after the op count it was saved at; if a later
 # replayed op writes into its memory (in-place on it or on a view), it is cloned when taken.
 
-_Tensor = torch.Tensor
-_ref = weakref.ref
 _Ref = weakref.ReferenceType
-_grad_enabled = torch._C.is_grad_enabled
-
-Marker = tuple["weakref.ReferenceType[torch.Tensor]", int]
-# (op, marked args, marked kwargs or None, first output slot, output count (-1: one tensor), grad mode)
-Entry = tuple[Any, list[Any], "dict[str, Any] | None", int, int, bool]
-
-
-class OpInfo:
-    """What the recorder needs to know about one op overload, read once from its schema."""
-
-    __slots__ = ("lists", "name", "seeded", "slow", "writes")
-
-    def __init__(self, func: Any) -> None:
-        schema = func._schema
-        self.name = str(func)
-        self.writes = written_arguments(func)
-        self.lists = any("Tensor" in str(argument.type) and "[]" in str(argument.type)
-                         for argument in schema.arguments)
-        self.seeded = torch.Tag.nondeterministic_seeded in func.tags
-        self.slow = bool(self.lists or self.writes or self.seeded)
-
-
-_INFOS: dict[Any, OpInfo] = {}
-_INFOS_LOCK = threading.Lock()
-# The `id` of every op overload the fast path records (not `slow`). Ids, because an `OpOverload` hashes in
-# Python; `_INFOS` keeps each overload alive, so an id is never reused for another op.
-_FAST: set[int] = set()
-_NOTHING_FAST: frozenset[int] = frozenset()
-
-
-def op_info(func: Any) -> OpInfo:
-    """Return the cached `OpInfo` of an op overload."""
-    info = _INFOS.get(func)
-    if info is None:
-        info = OpInfo(func)
-        with _INFOS_LOCK:
-            _INFOS[func] = info
-            if not info.slow:
-                _FAST.add(id(func))
-    return info
-
-
-class Outside:
-    """A tensor from outside the tape: the tensor (or what the enclosing hook packed), and its version."""
-
-    __slots__ = ("dtype", "first", "offset", "packed", "shape", "storage", "stride", "tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor, first: int) -> None:
-        self.tensor: torch.Tensor | None = tensor
-        self.version = tensor._version
-        self.storage: int | None = None  # read only when an op writes (see `Recorder._outside_storages`)
-        self.first = first  # the index of the first op that reads it
-        self.packed: Any = None
-        self.shape: tuple[int, ...] = ()
-        self.stride: tuple[int, ...] = ()
-        self.offset = 0
-        self.dtype = tensor.dtype
-
-
-def _seeded_device(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.device:
-    for value in (*args, *(kwargs or {}).values()):
-        if isinstance(value, _Tensor):
-            return value.device
-    device = (kwargs or {}).get("device")
-    if device is None:
-        return torch.get_default_device()
-    device = torch.device(device)
-    if device.type in ("cpu", "meta"):
-        return device
-    return with_index(device) or device
-
-
-class Recorder(Mode):
-    """The dispatch mode that records a region's ops (see NOTE [ What the tape holds ])."""
-
-    def __init__(self, preserve_rng: bool, trace: list[str] | None, policy: Policy | None = None) -> None:
-        super().__init__()
-        self.policy = policy
-        # Outputs of the ops the policy keeps, detached, with their version (see NOTE [ Policies on the tape ]).
-        self.kept: dict[int, tuple[torch.Tensor, int]] = {}
-        self.refs: dict[int, Marker] = {}
-        self.ops: list[Entry] = []
-        self.slots = 0
-        self.outside: dict[int, Outside] = {}
-        self.outside_storages: set[int] = set()
-        self.scanned = 0  # how many of `outside` have their storage in `outside_storages`
-        self.snapshots: dict[int, torch.UntypedStorage] = {}
-        self.writes: list[tuple[int, int]] = []
-        self.preserve_rng = preserve_rng
-        self.cpu_rng: torch.Tensor | None = None
-        self.device_rng: dict[torch.device, Any] = {}
-        self.generators: dict[torch.Generator, torch.Tensor] = {}
-        self.trace = trace
-        self._paused = False
-        self.fast: set[int] | frozenset[int] = _FAST if trace is None and policy is None else _NOTHING_FAST
-
-    @property
-    def paused(self) -> bool:
-        """Whether ops pass through unrecorded (while a hook runs ops of its own)."""
-        return self._paused
-
-    @paused.setter
-    def paused(self, flag: bool) -> None:
-        self._paused = flag
-        self.fast = _FAST if not flag and self.trace is None and self.policy is None else _NOTHING_FAST
-
-    # -- the hot path --------------------------------------------------------------------------------------
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        if id(func) not in self.fast:  # a new op, a slow one, or recording paused or traced
-            return self._dispatch(func, args, kwargs)
-        refs = self.refs
-        marked: list[Any] = []
-        put = marked.append
-        for arg in args:
-            found = refs.get(id(arg))
-            if found is not None and found[0]() is arg:
-                put(found)
-            elif isinstance(arg, _Tensor):
-                put(self._outside(arg))
-            else:
-                put(arg)
-        if kwargs:
-            out = func._op(*args, **kwargs)
-            marked_kwargs: dict[str, Any] | None = {key: self._mark(value) for key, value in kwargs.items()}
-        else:
-            out = func._op(*args)
-            marked_kwargs = None
-        first = self.slots
-        if isinstance(out, _Tensor):
-            refs[id(out)] = (_ref(out), first)
-            self.slots = first + 1
-            self.ops.append((func, marked, marked_kwargs, first, -1, _grad_enabled()))
-        elif type(out) is tuple or type(out) is list:
-            count = len(out)
-            for index, item in enumerate(out):
-                if isinstance(item, _Tensor):
-                    refs[id(item)] = (_ref(item), first + index)
-            self.slots = first + count
-            self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
-        return out  # a Python number (`item()`) or nothing: no tensor to replay
-
-    def _dispatch(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Any:
-        """The general path: tensor lists, writes, random ops, debug traces, paused recording."""
-        if self.paused:
-            return func(*args, **(kwargs or {}))
-        info = op_info(func)
-        marked = [self._mark(arg) for arg in args]
-        marked_kwargs = {key: self._mark(value) for key, value in kwargs.items()} if kwargs else None
-        if info.writes:
-            self._before_write(info, args, kwargs)
-        if info.seeded and self.preserve_rng:
-            self._stash_rng(args, kwargs)
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        first = self.slots
-        if isinstance(out, _Tensor):
-            self.refs[id(out)] = (_ref(out), first)
-            self.slots = first + 1
-            count = -1
-        elif type(out) is tuple or type(out) is list:
-            count = len(out)
-            for index, item in enumerate(out):
-                if isinstance(item, _Tensor):
-                    self.refs[id(item)] = (_ref(item), first + index)
-            self.slots = first + count
-        elif info.writes:
-            count = 0
-        else:
-            if self.trace is not None:  # a number (`item()`): nothing to replay, but the trace shows it
-                self.trace.append(describe(func, out))
-            return out
-        self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
-        if self.trace is not None:
-            self.trace.append(describe(func, out))
-        if self.policy is not None and count != 0 and self.policy.saves_op(func):
-            for index, item in enumerate((out,) if count < 0 else out):
-                if isinstance(item, _Tensor):
-                    self.kept[first + index] = (item.detach(), item._version)
-        return out
-
-    # -- the slow paths ------------------------------------------------------------------------------------
-    def _mark(self, value: Any) -> Any:
-        found = self.refs.get(id(value))
-        if found is not None and found[0]() is value:
-            return found
-        if isinstance(value, _Tensor):
-            return self._outside(value)
-        if type(value) is list or type(value) is tuple:
-            return type(value)(self._mark(item) for item in value)
-        return value
-
-    def _outside(self, tensor: torch.Tensor) -> Marker:
-        slot = self.slots
-        self.slots = slot + 1
-        self.outside[slot] = Outside(tensor, len(self.ops))
-        marker = (_ref(tensor), slot)
-        self.refs[id(tensor)] = marker
-        return marker
-
-    def _outside_storages(self) -> set[int]:
-        """The storages of every outside tensor seen so far (read lazily: only writes need them)."""
-        records = self.outside
-        if self.scanned < len(records):
-            for record in list(records.values())[self.scanned:]:
-                assert record.tensor is not None
-                record.storage = storage_key(record.tensor)
-                if record.storage is not None:
-                    self.outside_storages.add(record.storage)
-            self.scanned = len(records)
-        return self.outside_storages
-
-    def _before_write(self, info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any] | None) -> None:
-        """See NOTE [ Writes to outside memory ]: snapshot outside storage before its first write."""
-        outside = self._outside_storages()
-        for position, name in info.writes:
-            value = args[position] if position < len(args) else (kwargs or {}).get(name)
-            for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                if not isinstance(tensor, _Tensor):
-                    continue
-                key = storage_key(tensor)
-                if key is None:
-                    continue
-                self.writes.append((len(self.ops), key))
-                if key in outside and key not in self.snapshots:
-                    self.snapshots[key] = tensor.untyped_storage().clone()  # type: ignore[no-untyped-call]
-
-    def _stash_rng(self, args: Sequence[Any], kwargs: dict[str, Any] | None) -> None:
-        """Read the generator state of the device a random op is about to draw from, once per device."""
-        generator = (kwargs or {}).get("generator")
-        if isinstance(generator, torch.Generator):
-            if generator not in self.generators:
-                self.generators[generator] = generator.get_state()
-            return
-        if self.cpu_rng is None:
-            self.cpu_rng = torch.get_rng_state()
-        device = _seeded_device(args, kwargs)
-        if device.type not in ("cpu", "meta") and device not in self.device_rng:
-            self.device_rng[device] = torch.get_device_module(device.type).get_rng_state(device)
-
-    # -- end of forward ------------------------------------------------------------------------------------
-    def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """`remat.tag` inside a region whose policy saves `name`: keep the tensor's slot from forward."""
-        assert self.policy is not None
-        if self.policy.saves_name(name):
-            slot = self.lookup(tensor)
-            if slot is not None:
-                self.kept[slot] = (tensor.detach(), tensor._version)
-        return tensor
-
-    def lookup(self, tensor: torch.Tensor) -> int | None:
-        """The slot of a tensor made by the tape, or None for one from outside (or never seen)."""
-        found = self.refs.get(id(tensor))
-        if found is None or found[0]() is not tensor or found[1] in self.outside:
-            return None
-        return found[1]
-
-    def rng(self) -> RngStash | None:
-        """The generator states read before the first random op of each device (None: no random op ran)."""
-        if self.cpu_rng is None:
-            return None
-        return RngStash(self.cpu_rng, tuple(self.device_rng.items()))
 
 
 class _Slot:
