@@ -228,7 +228,7 @@ class RegionFrame(Frame):
 
 
 def begin(
-    *, site: str, check: bool, preserve_rng: bool, debug: bool, module: nn.Module | None = None,
+    *, site: str, check: bool = True, preserve_rng: bool = True, debug: bool = False, module: nn.Module | None = None,
     offload: Offload | None = None, policy: Policy | None = None,
 ) -> object:
     """Start recording a replay region; the code between `begin` and `end` runs inside it.
@@ -296,28 +296,14 @@ def end(token: object, *, ok: bool = True) -> None:
         token.recorder = None
 
 
-def call(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    site: str,
-    check: bool = True,
-    preserve_rng: bool = True,
-    debug: bool = False,
-    module: nn.Module | None = None,
-    offload: Offload | None = None,
-    policy: Policy | None = None,
-) -> Any:
-    """Run `fn(*args, **kwargs)` as a replay region and return its output.
+def call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any) -> Any:
+    """Run `fn(*args, **kwargs)` as a replay region and return its output; `options` are those of `begin`.
 
     >>> x = torch.ones(3, requires_grad=True)
     >>> y = call(torch.sin, (x,), {}, site="sin")
     >>> y.sum().backward()
     """
-    token = begin(
-        site=site, check=check, preserve_rng=preserve_rng, debug=debug, module=module, offload=offload, policy=policy,
-    )
+    token = begin(**options)
     try:
         out = fn(*args, **kwargs)
     except BaseException:

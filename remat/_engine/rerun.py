@@ -367,44 +367,15 @@ def end(frame: RerunFrame, *, ok: bool = True) -> None:
         frame.saver = None
 
 
-def call(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    site: str,
-    check: bool = True,
-    preserve_rng: bool = True,
-    early_stop: bool = True,
-    debug: bool = False,
-    module: nn.Module | None = None,
-    contexts: _Contexts | None = None,
-    policy: Policy | None = None,
-    offload: Offload | None = None,
-) -> Any:
+def call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any) -> Any:
     """Run `fn(*args, **kwargs)` as a rerun region and return its output.
 
-    Args:
-        fn: the function; for a method, the plain function with the instance first in `args`.
-        args: positional arguments; tensors may sit anywhere inside containers.
-        kwargs: keyword arguments, likewise.
-        site: the name used in errors.
-        check: compare shape, dtype and device of what recompute saves with forward.
-        preserve_rng: restore forward's RNG state of every device touched for recompute.
-        early_stop: stop recompute as soon as every needed tensor is back.
-        debug: record op traces for mismatch errors.
-        module: the module whose method runs, so its parameters' devices count for RNG.
-        contexts: `(forward, recompute)` context factories, like torch's `context_fn`.
-        policy: what to keep from forward instead of rebuilding (None: nothing; see NOTE [ Policies ]).
-        offload: where to keep what the site keeps, instead of on its device (NOTE [ Offloaded sites ]).
+    `options` are those of `begin`: `site` (the name used in errors) and the keyword arguments after it.
 
     >>> x = torch.ones(3, requires_grad=True)
     >>> call(torch.sin, (x,), {}, site="sin").sum().backward()
     """
-    frame = begin(
-        fn, args, kwargs, site=site, check=check, preserve_rng=preserve_rng,
-        early_stop=early_stop, debug=debug, module=module, contexts=contexts, policy=policy, offload=offload,
-    )
+    frame = begin(fn, args, kwargs, **options)
     try:
         return fn(*args, **kwargs)
     finally:
