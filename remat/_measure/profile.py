@@ -13,13 +13,26 @@ A block's numbers are split into what depends on its position (the bytes live at
 what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
 start); the second part is the block's own where it ran under that choice, else the (upper) median over the
 blocks of its kind that did; the first is always the block's own.
-Then one more step under the same choices runs without the tracker and with the clock: times are the median
-over blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`.
+The same step also keeps the clock (NOTE [ Timing under the tracker ]): times are the median over blocks of a
+kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So planning a stack of
+identical layers costs one training step with a third of its blocks rematerialized, plus the tracker's cost.
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
+
+NOTE [ Timing under the tracker ]
+The tracker runs Python for every aten op, which a plain step does not. Rather than run each round twice (once
+tracked for bytes, once bare for time), the tracked step keeps the clock too and takes the tracker's own time
+out of every window: what its bookkeeping (`_see`, the release callbacks) measurably took, plus, per op, the
+cost of entering the mode and calling back into the op, which no clock inside the mode can see; that constant
+is calibrated once per process on a few hundred small ops (`_per_op_overhead`). The recorder's own work
+between windows is kept out of both. This holds on CPU, where everything runs in the calling thread; where a
+device runs asynchronously (CUDA), the tracker's Python may hide under the kernels or not, so there each round
+runs a second, untracked step for the clock, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import statistics
 import time
 import weakref
@@ -42,13 +55,29 @@ Assign = Callable[[int, int], None]  # put block i under choice c
 
 
 class _Windows(Tracker):
-    """A tracker that also keeps the peak since the last `mark`."""
+    """A tracker that keeps the peak since the last `mark` and its own time (NOTE [ Timing under the tracker ])."""
 
     window_peak = 0
+    overhead = 0.0  # seconds of this tracker's own work since the last `take_overhead`
+    per_op = 0.0  # seconds per op that the clocks in `_see` cannot see
 
     def mark(self) -> int:
         peak, self.window_peak = self.window_peak, self.current_bytes
         return peak
+
+    def take_overhead(self) -> float:
+        overhead, self.overhead = self.overhead, 0.0
+        return overhead
+
+    def _see(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        start = time.perf_counter()
+        super()._see(func, args, kwargs, out)
+        self.overhead += time.perf_counter() - start + self.per_op
+
+    def _release(self, key: int, ref: object = None) -> None:
+        start = time.perf_counter()
+        super()._release(key, ref)
+        self.overhead += time.perf_counter() - start
 
     def _account(self, device: torch.device, delta: int) -> None:
         super()._account(device, delta)
@@ -56,12 +85,37 @@ class _Windows(Tracker):
             self.window_peak = self.current_bytes
 
 
+_PER_OP: list[float] = []  # the calibrated constant of NOTE [ Timing under the tracker ], once per process
+
+
+def _per_op_overhead(ops: int = 256, tries: int = 3) -> float:
+    """Seconds per op that a tracker costs beyond what its own clocks measure (the least over a few tries)."""
+    if _PER_OP:
+        return _PER_OP[0]
+    x = torch.zeros(8)
+    best = math.inf
+    for _ in range(tries):
+        start = time.perf_counter()
+        for _ in range(ops):
+            x.add(1)
+        bare = time.perf_counter() - start
+        with _Windows() as tracker:
+            start = time.perf_counter()
+            for _ in range(ops):
+                x.add(1)
+            tracked = time.perf_counter() - start
+        best = min(best, (tracked - bare - tracker.overhead) / ops)
+    _PER_OP.append(max(0.0, best))
+    return _PER_OP[0]
+
+
 class _Recorder:
     """The marks of one step: forward/backward start and end of each block (see NOTE [ Profiling rounds ])."""
 
-    def __init__(self, n: int, tracker: _Windows | None, devices: tuple[torch.device, ...]) -> None:
+    def __init__(self, n: int, tracker: _Windows | None, timing: bool, devices: tuple[torch.device, ...]) -> None:
         self.n = n
         self.tracker = tracker
+        self.timing = timing
         self.devices = devices
         self.owner: tuple[str, int] = ("out", 0)  # the window open now
         self.held_sum = 0  # bytes held by the blocks whose forward ended and backward has not
@@ -74,19 +128,21 @@ class _Recorder:
         self.grad_events: dict[int, tuple[weakref.ref[torch.Tensor], list[tuple[int, int]]]] = {}
 
     def _switch(self, owner: tuple[str, int]) -> int:
-        if self.tracker is None:
+        if self.timing:
             synchronize(self.devices)
             now = time.perf_counter()
-            self.times[self.owner] += now - self.clock
-            self.clock = now
-            self.owner = owner
-            return 0
-        peak = self.tracker.mark()
-        level = self.tracker.current_bytes
-        kind, k = self.owner
-        base = self.held_sum if kind == "out" else self.held_sum - self.held[k]  # S_k: see NOTE [ Budget model ]
-        self.peaks[self.owner] = max(self.peaks.get(self.owner, 0), peak - base)
+            overhead = self.tracker.take_overhead() if self.tracker is not None else 0.0
+            self.times[self.owner] += max(0.0, now - self.clock - overhead)
+        level = 0
+        if self.tracker is not None:
+            peak = self.tracker.mark()
+            level = self.tracker.current_bytes
+            kind, k = self.owner
+            base = self.held_sum if kind == "out" else self.held_sum - self.held[k]  # S_k: NOTE [ Budget model ]
+            self.peaks[self.owner] = max(self.peaks.get(self.owner, 0), peak - base)
         self.owner = owner
+        if self.timing:
+            self.clock = time.perf_counter()  # what the recorder does between windows counts in none
         return level
 
     def forward_start(self, i: int) -> None:
@@ -163,30 +219,28 @@ def _hooks(blocks: Sequence[nn.Module], recorder: _Recorder) -> list[Any]:
     return handles
 
 
-def _run(step: Step, blocks: Sequence[nn.Module], tracked: bool, devices: tuple[torch.device, ...]) -> _Recorder:
-    handles: list[Any] = []
-    if tracked:
-        tracker = _Windows()
-        with tracker:
-            recorder = _Recorder(len(blocks), tracker, devices)
-            handles = _hooks(blocks, recorder)
-            try:
-                torch.autograd.backward(step())
-                recorder.finish()
-            finally:
-                for handle in handles:
-                    handle.remove()
-        return recorder
-    recorder = _Recorder(len(blocks), None, devices)
-    handles = _hooks(blocks, recorder)
-    try:
-        synchronize(devices)
-        recorder.clock = time.perf_counter()
-        torch.autograd.backward(step())
-        recorder.finish()
-    finally:
-        for handle in handles:
-            handle.remove()
+def _run(
+    step: Step, blocks: Sequence[nn.Module], tracked: bool, timing: bool, devices: tuple[torch.device, ...]
+) -> _Recorder:
+    """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ])."""
+    with contextlib.ExitStack() as stack:
+        tracker = None
+        if tracked:
+            tracker = stack.enter_context(_Windows())
+            tracker.per_op = _per_op_overhead() if timing else 0.0
+        recorder = _Recorder(len(blocks), tracker, timing, devices)
+        handles = _hooks(blocks, recorder)
+        try:
+            if timing:
+                synchronize(devices)
+                if tracker is not None:
+                    tracker.take_overhead()
+                recorder.clock = time.perf_counter()
+            torch.autograd.backward(step())
+            recorder.finish()
+        finally:
+            for handle in handles:
+                handle.remove()
     return recorder
 
 
@@ -233,6 +287,7 @@ def profile_blocks(
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = devices_of(params, module=model)
+    apart = any(d.type != "cpu" for d in devices)  # time apart from the tracker: NOTE [ Timing under the tracker ]
     try:
         for p in params:
             p.grad = torch.zeros_like(p)  # accumulate in place: gradients are outside the budget
@@ -241,8 +296,8 @@ def profile_blocks(
             for assignment in rounds:
                 for i, c in enumerate(assignment):
                     assign(i, c)
-                tracked.append(_run(step, blocks, True, devices))
-                timed.append(_run(step, blocks, False, devices))
+                tracked.append(_run(step, blocks, True, not apart, devices))
+                timed.append(_run(step, blocks, False, True, devices) if apart else tracked[-1])
     finally:
         for p, g in zip(params, grads, strict=True):
             p.grad = g
