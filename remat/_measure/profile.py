@@ -99,7 +99,8 @@ def _per_op_overhead(ops: int = 256, tries: int = 3) -> float:
         for _ in range(ops):
             x.add(1)
         bare = time.perf_counter() - start
-        with _Windows() as tracker:
+        tracker = _Windows()
+        with tracker:
             start = time.perf_counter()
             for _ in range(ops):
                 x.add(1)
@@ -224,9 +225,10 @@ def _run(
 ) -> _Recorder:
     """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ])."""
     with contextlib.ExitStack() as stack:
-        tracker = None
+        tracker: _Windows | None = None
         if tracked:
-            tracker = stack.enter_context(_Windows())
+            tracker = _Windows()
+            stack.enter_context(tracker)
             tracker.per_op = _per_op_overhead() if timing else 0.0
         recorder = _Recorder(len(blocks), tracker, timing, devices)
         handles = _hooks(blocks, recorder)
