@@ -307,3 +307,50 @@ def test_planning_identical_blocks_runs_the_model_once_and_times_every_block() -
     for row in plan.cost.blocks:
         for cost in row:
             assert cost is not None and cost.forward_time > 0 and cost.backward_time > 0
+
+
+def test_a_block_is_timed_alone_on_fresh_inputs_shaped_like_its_own() -> None:
+    from remat._measure.alone import describe, time_alone
+
+    seen: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, *, mask: torch.Tensor, tag: str) -> torch.Tensor:
+            seen.append((x, mask, tag))
+            return self.lin(x).masked_fill(mask, 0.0)
+
+    x, mask = randn(2, 16, seed=1).requires_grad_(), torch.tensor([[True], [False]])
+    spec = describe((x,), {"mask": mask, "tag": "t"})
+    fwd, bwd = time_alone(Masked().double(), spec, [])
+    assert fwd > 0 and bwd > 0
+    fresh, same_mask, tag = seen[0]
+    assert fresh is not x and fresh.shape == x.shape and fresh.dtype == x.dtype and fresh.requires_grad
+    assert same_mask is mask and tag == "t"
+
+
+class _Picky(nn.Module):
+    """A block that refuses inputs other than the ones the model gives it (negative values)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x > 0).any()):
+            raise ValueError("this block only takes the model's own inputs")
+        return -torch.relu(self.lin(x)) - 1
+
+
+def test_a_block_that_cannot_run_alone_is_still_planned() -> None:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(_Picky() for _ in range(3))).double()
+
+    x = -randn(4, 16, seed=2).abs() - 1
+    _, ours = assert_same_grads(make, (x,), lambda m: remat.apply(m, budget=1.0, sample=x))
+    plan = remat.plan(ours.target).budget
+    assert plan is not None and plan.peak_bytes <= plan.budget
