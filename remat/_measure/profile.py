@@ -5,8 +5,13 @@ See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling
 NOTE [ Profiling rounds ]
 Blocks of one kind (same class, same parameter shapes) cost the same wherever they sit, up to what lies
 around them. So one tracked step measures many (block, choice) pairs at once: in round r, the m-th block of
-a kind runs under choice (m + r * size of its kind) mod k, and as many rounds run as the smallest kind needs
-to see every choice (one round for a stack of 12 identical layers and 3 choices). In each round, hooks mark
+a kind takes slot p = m + r * (size of its kind) and runs under choice p mod k while p < 2k (two samples of
+each choice), under choice 0 (kept, in remat.apply: the cheapest to run) after that; as many rounds run as
+the smallest kind needs to see every choice (one round for a stack of 12 identical layers and 3 choices: two
+blocks under each of save_matmuls and full remat, eight kept). Two samples rather than a third of the blocks
+each: the rematerialized blocks are what makes the profiled step slower than a plain one (bytes do not
+need more samples; times are scaled by a run alone anyway), at the price of a profiled step that holds more
+memory (here about 70% of no remat's peak rather than 45%). In each round, hooks mark
 where every block's forward and backward start and end (a forward pre-hook and hook; gradient hooks on its
 first input and first output tensor), and a tracker records the peak of every window between two marks.
 A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
@@ -15,7 +20,8 @@ start); the second part is the block's own where it ran under that choice, else 
 blocks of its kind that did; the first is always the block's own.
 The same step also keeps the clock (NOTE [ Timing under the tracker ]): times are the median over blocks of a
 kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So planning a stack of
-identical layers costs one training step with a third of its blocks rematerialized, plus the tracker's cost.
+identical layers costs one training step with four of its blocks rematerialized, the tracker's cost, and k
+blocks run alone: about 1.8 training steps for the benchmark's GPT-like stack.
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
 
 NOTE [ Timing under the tracker ]
@@ -23,7 +29,7 @@ The tracker runs Python for every aten op, which a plain step does not. Rather t
 tracked for bytes, once bare for time), the tracked step keeps the clock too and takes the tracker's own time
 out of every window: what its bookkeeping (`_see`, the release callbacks) measurably took, plus, per op, the
 cost of entering the mode and calling back into the op, which no clock inside the mode can see; that constant
-is calibrated once per process on a few hundred small ops (`_per_op_overhead`). The recorder's own work
+is calibrated once per process on a few hundred small ops (about 50 ms) (`_per_op_overhead`). The recorder's own work
 between windows is kept out of both. What is left still runs slow, by 5-20% on CPU (measured on the benchmark's
 GPT-like stack; most in backward, and more for blocks under remat): the tracked ops themselves run slower than
 bare ones, by more than small ops show. So after the rounds, one block of the largest kind is run alone and
@@ -97,7 +103,7 @@ class _Windows(Tracker):
 _PER_OP: list[float] = []  # the calibrated constant of NOTE [ Timing under the tracker ], once per process
 
 
-def _per_op_overhead(ops: int = 256, tries: int = 3) -> float:
+def _per_op_overhead(ops: int = 128, tries: int = 3) -> float:
     """Seconds per op that a tracker costs beyond what its own clocks measure (the least over a few tries)."""
     if _PER_OP:
         return _PER_OP[0]
@@ -270,6 +276,9 @@ def _kind(block: nn.Module) -> tuple[Any, ...]:
     return (type(block), repr(block), params)
 
 
+_SAMPLES = 2  # blocks of a kind that run each choice in the profiled step, at most; see NOTE [ Profiling rounds ]
+
+
 def _rounds(blocks: Sequence[nn.Module], k: int) -> list[list[int]]:
     kinds = [_kind(b) for b in blocks]
     members: dict[tuple[Any, ...], list[int]] = defaultdict(list)
@@ -278,7 +287,8 @@ def _rounds(blocks: Sequence[nn.Module], k: int) -> list[list[int]]:
     rank = {i: m for group in members.values() for m, i in enumerate(group)}
     size = {i: len(members[kind]) for i, kind in enumerate(kinds)}
     count = max(-(-k // len(group)) for group in members.values())
-    return [[(rank[i] + r * size[i]) % k for i in range(len(blocks))] for r in range(count)]
+    slot = [[rank[i] + r * size[i] for i in range(len(blocks))] for r in range(count)]
+    return [[p % k if p < _SAMPLES * k else 0 for p in row] for row in slot]
 
 
 def profile_blocks(

@@ -267,7 +267,9 @@ def plot(rows: Sequence[Row], theirs: dict[float, dict[str, Any]], path: str) ->
                    label="uniform (no remat, every-N full remat, save_matmuls every N)")
         for label, x, y in uniform:
             ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.plot([x for x, _ in ours], [y for _, y in ours], "o-", label="remat.apply(budget=f), f = 0.2 ... 1.0")
+        fractions = [r.fraction for r in done if r.fraction is not None]
+        span = f"f = {min(fractions):.1f} ... {max(fractions):.1f}" if fractions else "no budget fitted"
+        ax.plot([x for x, _ in ours], [y for _, y in ours], "o-", label=f"remat.apply(budget=f), {span}")
         base = theirs.get(1.0, {})
         points = [v for _, v in sorted(theirs.items()) if "peak" in v and "peak" in base]
         if model == "gpt" and points:
