@@ -1,6 +1,6 @@
 """Time one block alone, without the tracker, on inputs shaped like the ones it saw in a profiled step.
 
-See NOTE [ Timing under the tracker ] in profile.py for why: the tracked step's clock, with the tracker's own
+See NOTE [ Timing under the tracker ] in windows.py for why: the tracked step's clock, with the tracker's own
 time taken out, still runs a little slow (by 5-20% on CPU, most in backward), and one untracked run of a block
 per choice tells by how much.
 

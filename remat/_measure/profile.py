@@ -11,47 +11,29 @@ the smallest kind needs to see every choice (one round for a stack of 12 identic
 blocks under each of save_matmuls and full remat, eight kept). Two samples rather than a third of the blocks
 each: the rematerialized blocks are what makes the profiled step slower than a plain one (bytes do not
 need more samples; times are scaled by a run alone anyway), at the price of a profiled step that holds more
-memory (here about 70% of no remat's peak rather than 45%). In each round, hooks mark
-where every block's forward and backward start and end (a forward pre-hook and hook; gradient hooks on its
-first input and first output tensor), and a tracker records the peak of every window between two marks.
+memory (on the benchmark's GPT-like stack, by its own figures, about three quarters of no remat's peak rather
+than about half). In each round, hooks mark where every block's forward and backward start and end (a forward
+pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak
+of every window between two marks.
 A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
 what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
 start); the second part is the block's own where it ran under that choice, else the (upper) median over the
 blocks of its kind that did; the first is always the block's own.
-The same step also keeps the clock (NOTE [ Timing under the tracker ]): times are the median over blocks of a
-kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So planning a stack of
-identical layers costs one training step with four of its blocks rematerialized, the tracker's cost, and k
-blocks run alone: about 1.8 training steps for the benchmark's GPT-like stack.
+The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows.py): times are the median over
+blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
+planning a stack of identical layers costs one training step with four of its blocks rematerialized, the
+tracker's cost, and k blocks run alone: about 1.9 training steps for the benchmark's GPT-like stack.
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
-
-NOTE [ Timing under the tracker ]
-The tracker runs Python for every aten op, which a plain step does not. Rather than run each round twice (once
-tracked for bytes, once bare for time), the tracked step keeps the clock too and takes the tracker's own time
-out of every window: what its bookkeeping (`_see`, the release callbacks) measurably took, plus, per op, the
-cost of entering the mode and calling back into the op, which no clock inside the mode can see; that constant
-is calibrated once per process on a few hundred small ops (about 50 ms) (`_per_op_overhead`). The recorder's own work
-between windows is kept out of both. What is left still runs slow, by 5-20% on CPU (measured on the benchmark's
-GPT-like stack; most in backward, and more for blocks under remat): the tracked ops themselves run slower than
-bare ones, by more than small ops show. So after the rounds, one block of the largest kind is run alone and
-untracked once per choice, on fresh inputs shaped like the ones it saw (alone.py), and each choice's forward
-and backward times, for every kind, are scaled by the ratio of that run to the tracked median (never up, never
-below half); the outside time by the ratio over all choices. For a stack of identical layers this costs k
-blocks' forward and backward (a quarter of a step for 12 blocks and 3 choices). If the block cannot run alone
-(any exception), the tracked times stay as they are: the ratio only refines them.
-This holds on CPU, where everything runs in the calling thread; where a device runs asynchronously (CUDA), the
-tracker's Python may hide under the kernels or not, so there each round runs a second, untracked step for the
-clock, as before, and no block runs alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -61,7 +43,8 @@ from torch.utils._pytree import tree_leaves
 from .._engine.rng import RngStash, devices_of
 from .alone import describe, time_alone
 from .costs import BlockCost, ModelCost
-from .track import Tracker, synchronize
+from .track import synchronize
+from .windows import Windows, per_op_overhead
 
 __all__ = ["profile_blocks"]
 
@@ -69,66 +52,10 @@ Step = Callable[[], torch.Tensor]  # runs the forward and returns the scalar los
 Assign = Callable[[int, int], None]  # put block i under choice c
 
 
-class _Windows(Tracker):
-    """A tracker that keeps the peak since the last `mark` and its own time (NOTE [ Timing under the tracker ])."""
-
-    window_peak = 0
-    overhead = 0.0  # seconds of this tracker's own work since the last `take_overhead`
-    per_op = 0.0  # seconds per op that the clocks in `_see` cannot see
-
-    def mark(self) -> int:
-        peak, self.window_peak = self.window_peak, self.current_bytes
-        return peak
-
-    def take_overhead(self) -> float:
-        overhead, self.overhead = self.overhead, 0.0
-        return overhead
-
-    def _see(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        start = time.perf_counter()
-        super()._see(func, args, kwargs, out)
-        self.overhead += time.perf_counter() - start + self.per_op
-
-    def _release(self, key: int, ref: object = None) -> None:
-        start = time.perf_counter()
-        super()._release(key, ref)
-        self.overhead += time.perf_counter() - start
-
-    def _account(self, device: torch.device, delta: int) -> None:
-        super()._account(device, delta)
-        if self.current_bytes > self.window_peak:
-            self.window_peak = self.current_bytes
-
-
-_PER_OP: list[float] = []  # the calibrated constant of NOTE [ Timing under the tracker ], once per process
-
-
-def _per_op_overhead(ops: int = 128, tries: int = 3) -> float:
-    """Seconds per op that a tracker costs beyond what its own clocks measure (the least over a few tries)."""
-    if _PER_OP:
-        return _PER_OP[0]
-    x = torch.zeros(8)
-    best = math.inf
-    for _ in range(tries):
-        start = time.perf_counter()
-        for _ in range(ops):
-            x.add(1)
-        bare = time.perf_counter() - start
-        tracker = _Windows()
-        with tracker:
-            start = time.perf_counter()
-            for _ in range(ops):
-                x.add(1)
-            tracked = time.perf_counter() - start
-        best = min(best, (tracked - bare - tracker.overhead) / ops)
-    _PER_OP.append(max(0.0, best))
-    return _PER_OP[0]
-
-
 class _Recorder:
     """The marks of one step: forward/backward start and end of each block (see NOTE [ Profiling rounds ])."""
 
-    def __init__(self, n: int, tracker: _Windows | None, timing: bool, devices: tuple[torch.device, ...]) -> None:
+    def __init__(self, n: int, tracker: Windows | None, timing: bool, devices: tuple[torch.device, ...]) -> None:
         self.n = n
         self.tracker = tracker
         self.timing = timing
@@ -245,15 +172,15 @@ def _run(
     tracked: bool,
     timing: bool,
     devices: tuple[torch.device, ...],
-    describe: set[int] = frozenset(),  # type: ignore[assignment]
+    describe: Collection[int] = (),
 ) -> _Recorder:
     """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ])."""
     with contextlib.ExitStack() as stack:
-        tracker: _Windows | None = None
+        tracker: Windows | None = None
         if tracked:
-            tracker = _Windows()
+            tracker = Windows()
             stack.enter_context(tracker)
-            tracker.per_op = _per_op_overhead() if timing else 0.0
+            tracker.per_op = per_op_overhead() if timing else 0.0
         recorder = _Recorder(len(blocks), tracker, timing, devices)
         recorder.describe = set(describe)
         handles = _hooks(blocks, recorder)
@@ -318,7 +245,7 @@ def profile_blocks(
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = devices_of(params, module=model)
-    apart = any(d.type != "cpu" for d in devices)  # time apart from the tracker: NOTE [ Timing under the tracker ]
+    apart = any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
     samples = {} if apart else _samples(blocks, rounds, k)
     alone: dict[int, tuple[float, float]] = {}
     try:
@@ -330,14 +257,14 @@ def profile_blocks(
             for assignment in rounds:
                 for i, c in enumerate(assignment):
                     assign(i, c)
-                here = {b for r_b in samples.values() for b in r_b[1:] if r_b[0] == len(tracked)}
+                here = {b for r, b in samples.values() if r == len(tracked)}
                 tracked.append(_run(step, blocks, True, not apart, devices, here))
                 timed.append(_run(step, blocks, False, True, devices) if apart else tracked[-1])
             for choice, (r, sample) in samples.items():
                 assign(sample, choice)
                 try:
                     alone[choice] = time_alone(blocks[sample], tracked[r].specs[sample], devices)
-                except Exception:  # only a refinement: see NOTE [ Timing under the tracker ]
+                except Exception:  # only a refinement: NOTE [ Timing under the tracker ]
                     alone.clear()
                     break
     finally:
