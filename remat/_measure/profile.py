@@ -5,26 +5,35 @@ See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling
 NOTE [ Profiling rounds ]
 Blocks of one kind (same class, same parameter shapes) cost the same wherever they sit, up to what lies
 around them. So one tracked step measures many (block, choice) pairs at once: in round r, the m-th block of
-a kind runs under choice (m + r * size of its kind) mod k, and as many rounds run as the smallest kind needs
-to see every choice (one round for a stack of 12 identical layers and 3 choices). In each round, hooks mark
-where every block's forward and backward start and end (a forward pre-hook and hook; gradient hooks on its
-first input and first output tensor), and a tracker records the peak of every window between two marks.
+a kind takes slot p = m + r * (size of its kind) and runs under choice p mod k while p < 2k (two samples of
+each choice), under choice 0 (kept, in remat.apply: the cheapest to run) after that; as many rounds run as
+the smallest kind needs to see every choice (one round for a stack of 12 identical layers and 3 choices: two
+blocks under each of save_matmuls and full remat, eight kept). Two samples rather than a third of the blocks
+each: the rematerialized blocks are what makes the profiled step slower than a plain one (bytes do not
+need more samples; times are scaled by a run alone anyway), at the price of a profiled step that holds more
+memory (on the benchmark's GPT-like stack, by its own figures, about three quarters of no remat's peak rather
+than about half). In each round, hooks mark where every block's forward and backward start and end (a forward
+pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak
+of every window between two marks.
 A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
 what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
 start); the second part is the block's own where it ran under that choice, else the (upper) median over the
 blocks of its kind that did; the first is always the block's own.
-Then one more step under the same choices runs without the tracker and with the clock: times are the median
-over blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`.
+The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows.py): times are the median over
+blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
+planning a stack of identical layers costs one training step with four of its blocks rematerialized, the
+tracker's cost, and k blocks run alone: about 1.9 training steps for the benchmark's GPT-like stack.
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -32,8 +41,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .._engine.rng import RngStash, devices_of
+from .alone import describe, time_alone
 from .costs import BlockCost, ModelCost
-from .track import Tracker, synchronize
+from .track import synchronize
+from .windows import Windows, per_op_overhead
 
 __all__ = ["profile_blocks"]
 
@@ -41,27 +52,13 @@ Step = Callable[[], torch.Tensor]  # runs the forward and returns the scalar los
 Assign = Callable[[int, int], None]  # put block i under choice c
 
 
-class _Windows(Tracker):
-    """A tracker that also keeps the peak since the last `mark`."""
-
-    window_peak = 0
-
-    def mark(self) -> int:
-        peak, self.window_peak = self.window_peak, self.current_bytes
-        return peak
-
-    def _account(self, device: torch.device, delta: int) -> None:
-        super()._account(device, delta)
-        if self.current_bytes > self.window_peak:
-            self.window_peak = self.current_bytes
-
-
 class _Recorder:
     """The marks of one step: forward/backward start and end of each block (see NOTE [ Profiling rounds ])."""
 
-    def __init__(self, n: int, tracker: _Windows | None, devices: tuple[torch.device, ...]) -> None:
+    def __init__(self, n: int, tracker: Windows | None, timing: bool, devices: tuple[torch.device, ...]) -> None:
         self.n = n
         self.tracker = tracker
+        self.timing = timing
         self.devices = devices
         self.owner: tuple[str, int] = ("out", 0)  # the window open now
         self.held_sum = 0  # bytes held by the blocks whose forward ended and backward has not
@@ -72,21 +69,25 @@ class _Recorder:
         self.times: dict[tuple[str, int], float] = defaultdict(float)
         self.clock = time.perf_counter()
         self.grad_events: dict[int, tuple[weakref.ref[torch.Tensor], list[tuple[int, int]]]] = {}
+        self.describe: set[int] = set()  # blocks whose inputs to describe (see alone.py)
+        self.specs: dict[int, tuple[Any, Any]] = {}
 
     def _switch(self, owner: tuple[str, int]) -> int:
-        if self.tracker is None:
+        if self.timing:
             synchronize(self.devices)
             now = time.perf_counter()
-            self.times[self.owner] += now - self.clock
-            self.clock = now
-            self.owner = owner
-            return 0
-        peak = self.tracker.mark()
-        level = self.tracker.current_bytes
-        kind, k = self.owner
-        base = self.held_sum if kind == "out" else self.held_sum - self.held[k]  # S_k: see NOTE [ Budget model ]
-        self.peaks[self.owner] = max(self.peaks.get(self.owner, 0), peak - base)
+            overhead = self.tracker.take_overhead() if self.tracker is not None else 0.0
+            self.times[self.owner] += max(0.0, now - self.clock - overhead)
+        level = 0
+        if self.tracker is not None:
+            peak = self.tracker.mark()
+            level = self.tracker.current_bytes
+            kind, k = self.owner
+            base = self.held_sum if kind == "out" else self.held_sum - self.held[k]  # S_k: NOTE [ Budget model ]
+            self.peaks[self.owner] = max(self.peaks.get(self.owner, 0), peak - base)
         self.owner = owner
+        if self.timing:
+            self.clock = time.perf_counter()  # what the recorder does between windows counts in none
         return level
 
     def forward_start(self, i: int) -> None:
@@ -147,6 +148,8 @@ def _hooks(blocks: Sequence[nn.Module], recorder: _Recorder) -> list[Any]:
     for i, block in enumerate(blocks):
 
         def pre(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
+            if i in recorder.describe:
+                recorder.specs[i] = describe(args, kwargs)
             recorder.forward_start(i)
             first = _first_grad_tensor((args, kwargs))
             if first is not None and torch.is_grad_enabled():
@@ -163,36 +166,44 @@ def _hooks(blocks: Sequence[nn.Module], recorder: _Recorder) -> list[Any]:
     return handles
 
 
-def _run(step: Step, blocks: Sequence[nn.Module], tracked: bool, devices: tuple[torch.device, ...]) -> _Recorder:
-    handles: list[Any] = []
-    if tracked:
-        tracker = _Windows()
-        with tracker:
-            recorder = _Recorder(len(blocks), tracker, devices)
-            handles = _hooks(blocks, recorder)
-            try:
-                torch.autograd.backward(step())
-                recorder.finish()
-            finally:
-                for handle in handles:
-                    handle.remove()
-        return recorder
-    recorder = _Recorder(len(blocks), None, devices)
-    handles = _hooks(blocks, recorder)
-    try:
-        synchronize(devices)
-        recorder.clock = time.perf_counter()
-        torch.autograd.backward(step())
-        recorder.finish()
-    finally:
-        for handle in handles:
-            handle.remove()
+def _run(
+    step: Step,
+    blocks: Sequence[nn.Module],
+    tracked: bool,
+    timing: bool,
+    devices: tuple[torch.device, ...],
+    describe: Collection[int] = (),
+) -> _Recorder:
+    """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ])."""
+    with contextlib.ExitStack() as stack:
+        tracker: Windows | None = None
+        if tracked:
+            tracker = Windows()
+            stack.enter_context(tracker)
+            tracker.per_op = per_op_overhead() if timing else 0.0
+        recorder = _Recorder(len(blocks), tracker, timing, devices)
+        recorder.describe = set(describe)
+        handles = _hooks(blocks, recorder)
+        try:
+            if timing:
+                synchronize(devices)
+                if tracker is not None:
+                    tracker.take_overhead()
+                recorder.clock = time.perf_counter()
+            torch.autograd.backward(step())
+            recorder.finish()
+        finally:
+            for handle in handles:
+                handle.remove()
     return recorder
 
 
 def _kind(block: nn.Module) -> tuple[Any, ...]:
     params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
     return (type(block), repr(block), params)
+
+
+_SAMPLES = 2  # blocks of a kind that run each choice in the profiled step, at most; see NOTE [ Profiling rounds ]
 
 
 def _rounds(blocks: Sequence[nn.Module], k: int) -> list[list[int]]:
@@ -203,7 +214,8 @@ def _rounds(blocks: Sequence[nn.Module], k: int) -> list[list[int]]:
     rank = {i: m for group in members.values() for m, i in enumerate(group)}
     size = {i: len(members[kind]) for i, kind in enumerate(kinds)}
     count = max(-(-k // len(group)) for group in members.values())
-    return [[(rank[i] + r * size[i]) % k for i in range(len(blocks))] for r in range(count)]
+    slot = [[rank[i] + r * size[i] for i in range(len(blocks))] for r in range(count)]
+    return [[p % k if p < _SAMPLES * k else 0 for p in row] for row in slot]
 
 
 def profile_blocks(
@@ -233,23 +245,49 @@ def profile_blocks(
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = devices_of(params, module=model)
+    apart = any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
+    samples = {} if apart else _samples(blocks, rounds, k)
+    alone: dict[int, tuple[float, float]] = {}
     try:
         for p in params:
             p.grad = torch.zeros_like(p)  # accumulate in place: gradients are outside the budget
         with RngStash.capture(devices).restore():
-            tracked, timed = [], []
+            tracked: list[_Recorder] = []
+            timed: list[_Recorder] = []
             for assignment in rounds:
                 for i, c in enumerate(assignment):
                     assign(i, c)
-                tracked.append(_run(step, blocks, True, devices))
-                timed.append(_run(step, blocks, False, devices))
+                here = {b for r, b in samples.values() if r == len(tracked)}
+                tracked.append(_run(step, blocks, True, not apart, devices, here))
+                timed.append(_run(step, blocks, False, True, devices) if apart else tracked[-1])
+            for choice, (r, sample) in samples.items():
+                assign(sample, choice)
+                try:
+                    alone[choice] = time_alone(blocks[sample], tracked[r].specs[sample], devices)
+                except Exception:  # only a refinement: NOTE [ Timing under the tracker ]
+                    alone.clear()
+                    break
     finally:
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
-    return _costs(names, blocks, choices, rounds, tracked, timed)
+    sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None
+    return _costs(names, blocks, choices, rounds, tracked, timed, alone, sample_kind)
+
+
+def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> dict[int, tuple[int, int]]:
+    """Per choice, the first (round, block) in which a block of the largest kind runs it (run alone later)."""
+    members: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for i, block in enumerate(blocks):
+        members[_kind(block)].append(i)
+    largest = max(members.values(), key=len)
+    out: dict[int, tuple[int, int]] = {}
+    for r, assignment in enumerate(rounds):
+        for b in largest:
+            out.setdefault(assignment[b], (r, b))
+    return out if len(out) == k else {}
 
 
 def _median(entries: list[tuple[int, int, int]]) -> tuple[int, int, int]:
@@ -265,6 +303,8 @@ def _costs(
     rounds: list[list[int]],
     tracked: list[_Recorder],
     timed: list[_Recorder],
+    alone: dict[int, tuple[float, float]],
+    sample_kind: tuple[Any, ...] | None,
 ) -> ModelCost:
     n = len(blocks)
     kinds = [_kind(b) for b in blocks]
@@ -286,6 +326,18 @@ def _costs(
         for i, c in enumerate(assignment):
             times[(kinds[i], c)][0].append(rec.times.get(("fwd", i), 0.0))
             times[(kinds[i], c)][1].append(rec.times.get(("bwd", i), 0.0))
+    scale = [(1.0, 1.0)] * len(choices)  # per choice, forward and backward: NOTE [ Timing under the tracker ]
+    outside_scale = 1.0
+    if alone:
+        for choice, (fwd_alone, bwd_alone) in alone.items():
+            fwd_times, bwd_times = times[(sample_kind, choice)]
+            scale[choice] = (
+                _ratio(fwd_alone, statistics.median(fwd_times)), _ratio(bwd_alone, statistics.median(bwd_times))
+            )
+        outside_scale = _ratio(
+            sum(f + b for f, b in alone.values()),
+            sum(sum(map(statistics.median, times[(sample_kind, choice)])) for choice in alone),
+        )
     rows: list[tuple[BlockCost | None, ...]] = []
     for i in range(n):
         row: list[BlockCost | None] = []
@@ -297,8 +349,8 @@ def _costs(
                     held_bytes=h,
                     forward_peak=max(0, base[i] + f),
                     backward_peak=max(0, base[i] + h + b),
-                    forward_time=statistics.median(fwd_times) if fwd_times else 0.0,
-                    backward_time=statistics.median(bwd_times) if bwd_times else 0.0,
+                    forward_time=statistics.median(fwd_times) * scale[c][0] if fwd_times else 0.0,
+                    backward_time=statistics.median(bwd_times) * scale[c][1] if bwd_times else 0.0,
                 )
             )
         rows.append(tuple(row))
@@ -306,4 +358,9 @@ def _costs(
     outside_time = statistics.median(
         sum(v for key, v in rec.times.items() if key[0] == "out") for rec in timed
     )
-    return ModelCost(tuple(names), tuple(choices), tuple(rows), tuple(outside), max(0.0, outside_time))
+    return ModelCost(tuple(names), tuple(choices), tuple(rows), tuple(outside), max(0.0, outside_time * outside_scale))
+
+
+def _ratio(alone: float, tracked: float) -> float:
+    """How much faster a run alone was than under the tracker, between 0.5 and 1."""
+    return 1.0 if tracked <= 0 else min(1.0, max(0.5, alone / tracked))

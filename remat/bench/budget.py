@@ -4,20 +4,18 @@
 On the GPT-like stack, for each budget fraction f of no remat's measured activation peak: our plan's predicted
 and measured peak, its predicted and measured step time, the fastest uniform configuration (every-N full remat,
 save_matmuls on every N blocks, no remat) that fits the same budget, all measured in this run with the same
-weights and batch, and the planning time in training steps. Beside it, `torch.compile` (inductor) with
+weights and batch, and the planning time in training steps. The convnet runs at a few budgets. Step times are
+medians of interleaved repeats. Then, in a second table, `torch.compile` (inductor, each block compiled) with
 `torch._functorch.config.activation_memory_budget = f`, each fraction in a fresh process: its peak (the rise of
-the process's resident memory over one step, with `MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back
-to the system, on CPU) and its step time, both relative to compiled code without a budget. The convnet runs at a
-few budgets. Step times are medians of interleaved repeats.
+the process's resident memory over one step) and its step time, both relative to compiled code without a budget
+(see remat/bench/budget_compile.py). `--plot` draws peak against step time for all of them (`plot`).
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
+import importlib.util
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +27,9 @@ import torch.nn.functional as F
 
 import remat
 
+from .budget_compile import compile_column
 from .models import CONVNET_SIZES, GPT, GPT_SIZES, BenchModel, ConvNet
+from .table import PLOT_MISSING
 
 __all__ = ["FRACTIONS", "main", "run"]
 
@@ -144,53 +144,6 @@ def _short(label: str) -> str:
     return {"kept": "K", "save_matmuls": "M", "full": "F"}.get(label, "P")
 
 
-_COMPILED = r"""
-import json, os, statistics, sys, time
-import torch
-import torch._functorch.config
-from remat.bench.models import GPT, GPT_SIZES
-fraction, size, repeats = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-torch._functorch.config.activation_memory_budget = fraction
-torch.manual_seed(1234)
-model = GPT(GPT_SIZES[size]).train()
-batch = model.sample(torch.device("cpu"), seed=1234)
-step = torch.compile(lambda a, b: model.loss(a, b))
-def rss(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-for p in model.parameters():
-    p.grad = torch.zeros_like(p)
-for _ in range(2):
-    step(*batch).backward()
-before = rss("VmRSS:")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset the high-water mark
-step(*batch).backward()
-peak = rss("VmHWM:") - before
-times = []
-for _ in range(repeats):
-    start = time.perf_counter()
-    step(*batch).backward()
-    times.append(time.perf_counter() - start)
-print(json.dumps({"peak": peak, "step": statistics.median(times)}))
-"""
-
-
-def _compiled(fraction: float, size: str, repeats: int) -> dict[str, Any]:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILED, str(fraction), size, str(repeats)],
-        env=env, capture_output=True, text=True, timeout=900, check=False,
-    )
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": tail[:100]}
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
 def run(
     size: str = "small",
     repeats: int = 3,
@@ -203,11 +156,7 @@ def run(
     rows = _bench("gpt", GPT(GPT_SIZES[size]), fractions, repeats, progress)
     torch.manual_seed(SEED)
     rows += _bench("convnet", ConvNet(CONVNET_SIZES[size]), CONVNET_FRACTIONS, repeats, progress)
-    theirs: dict[float, dict[str, Any]] = {}
-    if compiled:
-        for fraction in sorted({*fractions, 1.0}, reverse=True):
-            progress(f"torch.compile, activation_memory_budget={fraction}")
-            theirs[fraction] = _compiled(fraction, size, repeats)
+    theirs = compile_column(fractions, size, repeats, progress=progress) if compiled else {}
     return rows, theirs
 
 
@@ -235,78 +184,120 @@ def format_table(rows: Sequence[Row], theirs: dict[float, dict[str, Any]]) -> st
             lines.append(f"  {r.name:<24} peak {_mib(r.peak):>8}  ({_ratio(r.peak, none.peak)} of none)  step "
                          f"{_ms(r.step):>6}  ({_ratio(r.step, none.step)} of none)")
         head = ("budget", "MiB", "peak/budget", "pred/meas peak", "step ms", "pred/meas time", "time/none",
-                "best uniform that fits", "ours/uniform", "plan (steps)", "compile peak", "compile time", "choices")
+                "best uniform that fits", "ours/uniform", "plan (steps)", "choices")
         table = [head]
         for r in (r for r in mine if r.fraction is not None):
             fits = [u for u in uniform if u.peak is not None and r.budget is not None and u.peak <= r.budget
                     and u.step is not None]
             best = min(fits, key=lambda u: u.step or 0.0) if fits else None
-            other = theirs.get(r.fraction or 0.0, {}) if model == "gpt" else {}
-            base = theirs.get(1.0, {})
-            if "error" in other:
-                peak_c, time_c = "failed", other["error"][:40]
-            elif other and base and "peak" in base:
-                peak_c, time_c = _ratio(other["peak"], base["peak"]), _ratio(other["step"], base["step"])
-            else:
-                peak_c = time_c = "-"
             table.append((
                 f"{r.fraction:.0%}", _mib(r.budget), _ratio(r.peak, r.budget), _ratio(r.predicted_peak, r.peak),
                 _ms(r.step), _ratio(r.predicted_time, r.step), _ratio(r.step, none.step),
                 f"{best.name} ({_ms(best.step)})" if best else "none fits", _ratio(r.step, best.step if best else None),
-                _ratio(r.plan_seconds, none.step), peak_c, time_c, r.choices or r.note,
+                _ratio(r.plan_seconds, none.step), r.choices or r.note,
             ))
-        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-        lines.append(f"{model}: remat.apply(model, budget=f * no remat's peak); compile columns: torch.compile "
-                     "with activation_memory_budget=f, peak (RSS rise) and time relative to its budget 1.0")
-        for row in table:
-            lines.append("  " + "  ".join(c.rjust(w) for c, w in zip(row[:-1], widths, strict=False)) + "  " + row[-1])
+        lines.append(f"{model}: remat.apply(model, budget=f * no remat's peak); plan (steps): planning seconds / "
+                     "no remat's step")
+        lines += _aligned(table)
         lines.append("")
     lines.append("choices per block: K kept, M save_matmuls, F full remat")
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[Row], theirs: dict[float, dict[str, Any]], path: str) -> None:
-    """Peak against step time, both relative to each side's own no-budget run (needs matplotlib)."""
-    import importlib
+def _aligned(table: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    return ["  " + "  ".join(c.rjust(w) for c, w in zip(row[:-1], widths, strict=False)) + "  " + row[-1]
+            for row in table]
 
-    matplotlib: Any = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    plt: Any = importlib.import_module("matplotlib.pyplot")
-    fig, ax = plt.subplots(figsize=(7, 5))
-    gpt = [r for r in rows if r.model == "gpt" and r.step is not None and r.peak is not None]
-    t0, p0 = float(gpt[0].step or 1.0), float(gpt[0].peak or 1)
-    uni = [(r.name, (r.step or 0.0) / t0, (r.peak or 0) / p0) for r in gpt if r.fraction is None]
-    ours = [((r.step or 0.0) / t0, (r.peak or 0) / p0) for r in gpt if r.fraction is not None]
-    ax.scatter([x for _, x, _ in uni], [y for _, _, y in uni], label="uniform", marker="s")
-    for label, x, y in uni:
-        ax.annotate(label, (x, y), fontsize=7)
-    ax.plot([x for x, _ in ours], [y for _, y in ours], "o-", label="remat budget")
+
+def format_compile(rows: Sequence[Row], theirs: dict[float, dict[str, Any]]) -> str:
+    """torch.compile's column beside ours on the GPT-like stack, each relative to its own run without a budget."""
     base = theirs.get(1.0, {})
-    pts = sorted((f, v) for f, v in theirs.items() if "peak" in v and "peak" in base)
-    if pts:
-        ax.plot([v["step"] / base["step"] for _, v in pts], [v["peak"] / base["peak"] for _, v in pts], "^--",
-                label="torch.compile activation_memory_budget")
-    ax.set_xlabel("step time / own no-budget step time")
-    ax.set_ylabel("peak / own no-budget peak")
-    ax.legend()
+    if "error" in base:
+        return f"torch.compile column not available: {base['error']}"
+    gpt = [r for r in rows if r.model == "gpt"]
+    none = next((r for r in gpt if r.fraction is None), None)
+    ours = {r.fraction: r for r in gpt if r.fraction is not None}
+    table: list[tuple[str, ...]] = [("budget", "compile peak MiB", "peak/own 1.0", "step ms", "time/own 1.0",
+                                     "remat peak/none", "remat time/none", "")]
+    for fraction in sorted(theirs):
+        other, mine = theirs[fraction], ours.get(fraction)
+        mine_peak = _ratio(mine.peak, none.peak) if mine and none else "-"
+        mine_time = _ratio(mine.step, none.step) if mine and none else "-"
+        if "error" in other:
+            table.append((f"{fraction:.0%}", "-", "-", "-", "-", mine_peak, mine_time, f"failed: {other['error']}"))
+            continue
+        table.append((
+            f"{fraction:.0%}", _mib(other["peak"]), _ratio(other["peak"], base.get("peak")), _ms(other["step"]),
+            _ratio(other["step"], base.get("step")), mine_peak, mine_time, "",
+        ))
+    seconds = [v["compile_seconds"] for v in theirs.values() if "compile_seconds" in v]
+    head = ("gpt: torch.compile (inductor, each block compiled) with torch._functorch.config.activation_memory_budget"
+            "=f, one process per f; peak = resident memory's rise over one step (MALLOC_MMAP_THRESHOLD_=131072); "
+            "beside it remat.apply(budget=f) from the table above")
+    tail = f"compiling took {min(seconds):.0f}-{max(seconds):.0f} s per fraction" if seconds else ""
+    return "\n".join([head, *_aligned(table), tail]).rstrip()
+
+
+def plot(rows: Sequence[Row], theirs: dict[float, dict[str, Any]], path: str) -> None:
+    """Write a PNG of peak against step time, one panel per model, each relative to its own run without a budget.
+
+    Uniform configurations are squares, `remat.apply(budget=f)` a line through its budgets, torch.compile's
+    `activation_memory_budget` (GPT-like stack only) a dashed line: the lower left is better.
+
+    Raises:
+        RuntimeError: matplotlib is not installed (the message says how to get it).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError(PLOT_MISSING) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        done = [r for r in rows if r.model == model and r.step is not None and r.peak is not None]
+        none = next(r for r in done if r.fraction is None)
+        t0, p0 = float(none.step or 1.0), float(none.peak or 1)
+        uniform = [(r.name, (r.step or 0.0) / t0, (r.peak or 0) / p0) for r in done if r.fraction is None]
+        ours = [((r.step or 0.0) / t0, (r.peak or 0) / p0) for r in done if r.fraction is not None]
+        ax.scatter([x for _, x, _ in uniform], [y for _, _, y in uniform], marker="s", color="gray",
+                   label="uniform (no remat, every-N full remat, save_matmuls every N)")
+        for label, x, y in uniform:
+            ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        fractions = [r.fraction for r in done if r.fraction is not None]
+        span = f"f = {min(fractions):.1f} ... {max(fractions):.1f}" if fractions else "no budget fitted"
+        ax.plot([x for x, _ in ours], [y for _, y in ours], "o-", label=f"remat.apply(budget=f), {span}")
+        base = theirs.get(1.0, {})
+        points = [v for _, v in sorted(theirs.items()) if "peak" in v and "peak" in base]
+        if model == "gpt" and points:
+            ax.plot([v["step"] / base["step"] for v in points], [v["peak"] / base["peak"] for v in points], "^--",
+                    label="torch.compile, activation_memory_budget=f")
+        ax.set_title(f"{model}: activation peak against step time")
+        ax.set_xlabel("step time / own step time without a budget")
+        ax.set_ylabel("peak / own peak without a budget")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(size: str, repeats: int, plot_path: str | None, progress: Callable[[str], None], out: TextIO,
          compiled: bool = True) -> int:
-    """Run and print the budget benchmark (`python -m remat --model budget`)."""
+    """Run and print the budget benchmark (`python -m remat --model budget`); 2 when `--plot` cannot be drawn."""
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        print(PLOT_MISSING, file=sys.stderr)
+        return 2
     rows, _ = run(size, repeats, compiled=False, progress=progress)
-    print(format_table(rows, {}), file=out, flush=True)  # ours first: compiling takes minutes per fraction
-    if not compiled:
-        return 0
-    rows, theirs = rows, {}
-    for fraction in sorted({*FRACTIONS, 1.0}, reverse=True):
-        progress(f"torch.compile, activation_memory_budget={fraction}")
-        theirs[fraction] = _compiled(fraction, size, repeats)
-    print("\nwith torch.compile (inductor):", file=out)
-    print(format_table([r for r in rows if r.model == "gpt"], theirs), file=out)
+    print(format_table(rows, {}), file=out, flush=True)  # ours first: compiling takes a few minutes
+    theirs: dict[float, dict[str, Any]] = {}
+    if compiled:
+        theirs = compile_column(FRACTIONS, size, repeats, progress=progress)
+        print("\n" + format_compile(rows, theirs), file=out, flush=True)
     if plot_path:
         plot(rows, theirs, plot_path)
+        print(f"\nwrote {plot_path}", file=out)
     return 0
