@@ -16,18 +16,8 @@ from torch import nn
 from remat.bench import cli as _bench
 from remat.bench.chain import CHAIN, bench_chain
 from remat.bench.cli import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
-from remat.bench.models import (
-    CHAIN_SIZES,
-    GPT,
-    BenchModel,
-    ChainNet,
-    ChainNetConfig,
-    ConvNet,
-    ConvNetConfig,
-    GPTConfig,
-    human_count,
-    tiny,
-)
+from remat.bench.convnets import CHAIN_SIZES, ChainNet, ChainNetConfig, ConvNet, ConvNetConfig
+from remat.bench.models import GPT, BenchModel, GPTConfig, human_count, tiny
 from remat.bench.runner import bench_model
 from remat.bench.tiny import bench_replay
 

@@ -9,8 +9,9 @@ from torch import nn
 import remat
 from remat._estimate import budget_planner
 from remat._measure.fake import FakeTracker, allocator_bytes, fake_mode, storage_bytes
+from remat.bench.convnets import ConvNetConfig
 from remat.bench.estimate import Case, bench_case, check, hf_case, measure_step
-from remat.bench.models import ConvNetConfig, GPTConfig
+from remat.bench.models import GPTConfig
 
 TINY_GPT = GPTConfig(blocks=3, d=32, heads=2, seq=16, batch=2, vocab=64)
 TINY_CONVNET = ConvNetConfig(width=4, blocks_per_stage=1, image=8, batch=4)

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 import remat
 
 from .budget_compile import compile_column
-from .models import CONVNET_SIZES, GPT, GPT_SIZES, BenchModel, ConvNet
+from .convnets import CONVNET_SIZES, ConvNet
+from .models import GPT, GPT_SIZES, BenchModel
 from .table import PLOT_MISSING
 
 __all__ = ["FRACTIONS", "main", "run"]

@@ -12,7 +12,8 @@ import remat
 
 from .._measure.measure import format_bytes
 from .configs import NO_REMAT, SEED, Config, Sequential
-from .models import BenchModel, ChainNet, human_count, parameter_count
+from .convnets import ChainNet
+from .models import BenchModel, human_count, parameter_count
 from .runner import Result, bench_model
 
 __all__ = ["CHAIN", "CHAIN_BUDGET", "bench_chain"]

@@ -30,7 +30,8 @@ import torch
 
 from .chain import bench_chain
 from .configs import CONFIGS, NO_REMAT, TORCH, Config, register
-from .models import CHAIN_SIZES, ChainNet, human_count, parameter_count
+from .convnets import CHAIN_SIZES, ChainNet
+from .models import human_count, parameter_count
 from .runner import MODELS, Progress, Result, bench_model, bench_tiny, note
 from .table import PLOT_MISSING, format_table, plot
 from .targets import check_targets, format_checks

@@ -31,7 +31,8 @@ import remat
 
 from .._estimate import DEFAULT_CONFIGS
 from .._measure.measure import format_bytes
-from .models import CONVNET_SIZES, GPT, GPT_SIZES, ConvNet, ConvNetConfig, GPTConfig, human_count, parameter_count
+from .convnets import CONVNET_SIZES, ConvNet, ConvNetConfig
+from .models import GPT, GPT_SIZES, GPTConfig, human_count, parameter_count
 
 __all__ = ["Case", "Checked", "bench_case", "check", "hf_case", "main", "measure_step", "run_checks"]
 

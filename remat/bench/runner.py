@@ -14,7 +14,8 @@ import torch
 from .._measure.track import synchronize as _sync
 from .._measure.track import track
 from .configs import NO_REMAT, SEED, TORCH, Config
-from .models import CONVNET_SIZES, GPT, GPT_SIZES, BenchModel, ConvNet, tiny, tiny_input
+from .convnets import CONVNET_SIZES, ConvNet
+from .models import GPT, GPT_SIZES, BenchModel, tiny, tiny_input
 
 __all__ = ["MODELS", "Progress", "Result", "bench_model", "bench_tiny", "note", "sync"]
 
