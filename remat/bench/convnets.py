@@ -54,7 +54,24 @@ class BasicBlock(nn.Module):
         return F.relu(h + self.shortcut(x))
 
 
-class ConvNet(BenchModel):
+class _Classifier(BenchModel):
+    """An image classifier: a batch is (images, labels), the loss their cross-entropy."""
+
+    config: ConvNetConfig | ChainNetConfig
+
+    def sample(self, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        c = self.config
+        images = torch.randn(c.batch, 3, c.image, c.image, generator=g).to(device)
+        labels = torch.randint(0, c.classes, (c.batch,), generator=g).to(device)
+        return images, labels
+
+    def loss(self, *batch: torch.Tensor) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(self(images), labels)
+
+
+class ConvNet(_Classifier):
     """A ResNet-style image classifier with BatchNorm (torchvision has no CPU build here).
 
     Example:
@@ -64,6 +81,8 @@ class ConvNet(BenchModel):
         >>> model.loss(*model.sample(torch.device("cpu"))).shape
         torch.Size([])
     """
+
+    config: ConvNetConfig
 
     def __init__(self, config: ConvNetConfig) -> None:
         super().__init__()
@@ -88,17 +107,6 @@ class ConvNet(BenchModel):
     def embed(self, *batch: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.stem(batch[0])
         return out
-
-    def sample(self, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
-        g = torch.Generator().manual_seed(seed)
-        c = self.config
-        images = torch.randn(c.batch, 3, c.image, c.image, generator=g).to(device)
-        labels = torch.randint(0, c.classes, (c.batch,), generator=g).to(device)
-        return images, labels
-
-    def loss(self, *batch: torch.Tensor) -> torch.Tensor:
-        images, labels = batch
-        return F.cross_entropy(self(images), labels)
 
     def describe(self) -> str:
         c = self.config
@@ -148,7 +156,7 @@ class PoolHead(nn.Module):
         return out
 
 
-class ChainNet(BenchModel):
+class ChainNet(_Classifier):
     """A residual-free convnet whose every layer is a stage in ``blocks`` (stem, conv stages, head).
 
     The blocks form a chain of single-tensor stages of different widths and resolutions: what
@@ -162,6 +170,8 @@ class ChainNet(BenchModel):
         >>> len(model.blocks), model.loss(*model.sample(torch.device("cpu"))).shape
         (5, torch.Size([]))
     """
+
+    config: ChainNetConfig
 
     def __init__(self, config: ChainNetConfig) -> None:
         super().__init__()
@@ -182,17 +192,6 @@ class ChainNet(BenchModel):
 
     def embed(self, *batch: torch.Tensor) -> torch.Tensor:
         return batch[0]
-
-    def sample(self, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
-        g = torch.Generator().manual_seed(seed)
-        c = self.config
-        images = torch.randn(c.batch, 3, c.image, c.image, generator=g).to(device)
-        labels = torch.randint(0, c.classes, (c.batch,), generator=g).to(device)
-        return images, labels
-
-    def loss(self, *batch: torch.Tensor) -> torch.Tensor:
-        images, labels = batch
-        return F.cross_entropy(self(images), labels)
 
     def describe(self) -> str:
         c = self.config
