@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
@@ -171,18 +170,9 @@ class Offload:
         """The unpack hook: the tensor back on its device."""
         return packed.get()
 
-    def pack_all(self, values: Iterable[Any]) -> list[Any]:
-        """Pack every tensor in a list of op outputs (a tensor, or a tuple/list of them)."""
-        return [
-            self.pack(value) if isinstance(value, torch.Tensor)
-            else type(value)(self.pack(t) if isinstance(t, torch.Tensor) else t for t in value)
-            if isinstance(value, (tuple, list)) else value
-            for value in values
-        ]
-
     @staticmethod
     def unpack_one(value: Any) -> Any:
-        """The inverse of one item of `pack_all`."""
+        """An op output a policy kept, packed tensor by tensor (a tensor or a tuple/list of them), on its device."""
         if isinstance(value, (Parcel, Stay)):
             return value.get()
         if isinstance(value, (tuple, list)):
