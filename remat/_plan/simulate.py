@@ -11,9 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .._measure.costs import ModelCost
-
-__all__ = ["OpKind", "StageCost", "check_bytes", "check_stages", "evaluate_blocks", "simulate"]
+__all__ = ["OpKind", "StageCost", "check_bytes", "check_stages", "simulate"]
 
 OpKind = Literal["forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"]
 _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"))
@@ -228,7 +226,6 @@ def simulate(
     return tuple(out_ops), tuple(rows)
 
 
-
 def check_bytes(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"remat: `{name}` must be an int >= 0 (bytes), but got {value!r}.")
@@ -242,16 +239,3 @@ def check_stages(stages: Sequence[StageCost]) -> tuple[StageCost, ...]:
         if not isinstance(s, StageCost):
             raise TypeError(f"remat: stage {n} must be a remat.StageCost, but got {type(s).__name__}.")
     return stages
-
-
-def evaluate_blocks(cost: ModelCost, choice: Sequence[int]) -> tuple[int, float]:
-    """The predicted peak bytes and step time of one choice per block (NOTE [ Budget model ])."""
-    held, peak, time = 0, 0, cost.outside_time
-    for i, (row, c) in enumerate(zip(cost.blocks, choice, strict=True)):
-        block = row[c]
-        if block is None:
-            raise ValueError(f"remat: choice {cost.choices[c]!r} is not open to block {cost.names[i]!r}.")
-        peak = max(peak, held + cost.outside_peaks[i], held + block.need)
-        held += block.held_bytes
-        time += block.time
-    return max(peak, held + cost.outside_peaks[-1]), time
