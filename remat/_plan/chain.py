@@ -1,10 +1,10 @@
 """`remat.chain`: a sequence of stages run under the fastest schedule that fits a memory budget.
 
-`chain` profiles each stage on a sample (forward and backward time, bytes of its output, of what it
-saves for backward, and of its temporaries), asks `remat._plan.solver.solve` for a plan, and runs that plan
-through one custom autograd function, rotor-style: forward runs the operations up to the loss, and the
-function's backward runs the rest, recomputing stages from kept activations (see NOTE [ Chain
-execution ]). Stages take and return a single tensor.
+`chain` profiles each stage on a sample (`remat._plan.chain_profile`: forward and backward time, bytes
+of its output, of what it saves for backward, and of its temporaries), asks `remat._plan.solver.solve`
+for a plan, and runs that plan through one custom autograd function, rotor-style: forward runs the
+operations up to the loss, and the function's backward runs the rest, recomputing stages from kept
+activations (see NOTE [ Chain execution ]). Stages take and return a single tensor.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ __all__ = ["Chain", "chain", "parse_budget"]
 # runs the first part in its forward: forward_nosave / forward_checkpoint run the stage without grad,
 # forward_save runs it with grad on a detached input that requires grad, keeping (input, output) and
 # the small graph between them. The function returns a_L. Its backward receives delta_L and runs the
-# rest: recomputations, and backward(i) = torch.autograd.grad of stage i's kept output with respect to
-# its input and its parameters. Parameters are inputs of the function, so their gradients are
-# returned to autograd (hooks, torch.autograd.grad and DDP see them as usual). Activations are dropped
-# exactly when the model drops them, so the memory follows the plan.
+# rest: recomputations, and backward(i) = the gradients of stage i's input and parameters from its kept
+# output and delta_{i+1}, through `backward_stage`, which lets autograd free both as it consumes them
+# (NOTE [ Backward frees as it goes ]; no reference to them is left here). Parameters are inputs of
+# the function, so their gradients are returned to autograd (hooks, torch.autograd.grad and DDP see
+# them as usual). Activations are dropped exactly when the model drops them, so the memory follows the
+# plan.
 # RNG: each stage's first run (always in forward, in order) draws from the caller's generators as a
 # plain nn.Sequential would; the state before it is stashed, and every recomputation runs inside a
 # fork set to that state, so dropout masks match and the caller's stream is untouched.

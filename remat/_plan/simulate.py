@@ -38,6 +38,18 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # An operation's peak is the live bytes before it plus what it creates: x_{i+1} (+ forward_temp) for a
 # forward without grad, xbar_{i+1} (+ forward_temp) with grad, x_i (+ backward_temp) for a backward,
 # x_L for the loss. A plan's peak is the largest operation peak; its makespan the sum of the times.
+# How real runs meet this (remat.chain; tests/test_chain_memory.py checks the tracked peak against it):
+# a stage's backward frees abar_{i+1} and delta_{i+1} as autograd consumes them, node by node, as plain
+# autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in chain_profile.py), and
+# backward_temp is measured that way: the peak of the stage's backward above "abar_{i+1} and delta_{i+1}
+# live", less x_i. A multi-node stage (conv, BatchNorm, ReLU) thus costs about x_i, not x_i + x_{i+1}
+# more: counting its output and gradient as held to the end over-counted by up to x_{i+1} per backward.
+# forward_temp is the larger of the two forwards' temporaries (with and without grad), so one of the two
+# forwards may be over-counted, never under-counted. Not modelled: autograd holds delta_L, the gradient of
+# the chain's output, until the chain's backward returns (it is the argument of that backward), while the
+# model releases it after backward(L-1): a run may exceed the prediction by x_L after that (chains
+# usually end in a small head; tests/test_chain_memory.py allows it). Parameters and their gradients are
+# outside the model (remat.chain returns parameter gradients to autograd when its backward ends).
 
 
 @dataclass(frozen=True)
