@@ -14,9 +14,8 @@ from torch import nn
 
 import remat
 from remat._measure.costs import BlockCost, ModelCost
+from remat._plan.blocks_dp import evaluate_blocks, least_budget_blocks, solve_blocks
 from remat._plan.budget import solve_budget
-from remat._plan.simulate import evaluate_blocks
-from remat._plan.solver import least_budget_blocks, solve_blocks
 from tests.conftest import assert_same_grads, randn
 from tests.models import ConvBN, TransformerBlock
 

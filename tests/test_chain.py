@@ -173,7 +173,7 @@ def test_plan_renders() -> None:
 
 def test_profiled_time_is_not_one_slow_run() -> None:
     # A stage whose first timed run stalls (a cold kernel, a busy machine) must not be costed at the
-    # stall: profiling times each stage several times and keeps the median.
+    # stall: profiling times each stage in several passes over the chain and keeps the median.
     class Stalls(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -182,7 +182,7 @@ def test_profiled_time_is_not_one_slow_run() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             self.calls += 1
-            if self.calls == 2:  # call 1 is the memory profile; call 2 the first timed run
+            if self.calls == 3:  # calls 1 and 2 measure memory (without and with grad); 3 is the first timed run
                 time.sleep(0.2)
             out: torch.Tensor = self.linear(x)
             return out

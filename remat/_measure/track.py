@@ -212,6 +212,12 @@ class Tracker:
         """
         return self._current.get(self._resolve(device), 0)
 
+    def _restart_peak(self) -> None:
+        """Start the peak over from the bytes live now, to measure one phase of a tracked block on its own."""
+        with self._lock:
+            self._peak = dict(self._current)
+            self.peak_bytes = self.current_bytes
+
     def __repr__(self) -> str:
         per_device = ", ".join(f"{d}: current={self._current.get(d, 0)} peak={self._peak[d]}" for d in self.devices)
         return f"Tracker(current_bytes={self.current_bytes}, peak_bytes={self.peak_bytes}, per_device={{{per_device}}})"

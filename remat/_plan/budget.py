@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 from .._errors import BudgetError
 from .._measure.costs import BlockCost, ModelCost
-from .simulate import evaluate_blocks
-from .solver import least_budget_blocks, solve_blocks
+from .blocks_dp import evaluate_blocks, least_budget_blocks, solve_blocks
 from .units import Budget, format_bytes, parse_budget
 
 __all__ = ["BudgetPlan", "resolve_budget", "solve_budget"]

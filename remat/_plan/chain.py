@@ -1,17 +1,15 @@
 """`remat.chain`: a sequence of stages run under the fastest schedule that fits a memory budget.
 
-`chain` profiles each stage on a sample (forward and backward time, bytes of its output, of what it
-saves for backward, and of its temporaries), asks `remat._plan.solver.solve` for a plan, and runs that plan
-through one custom autograd function, rotor-style: forward runs the operations up to the loss, and the
-function's backward runs the rest, recomputing stages from kept activations (see NOTE [ Chain
-execution ]). Stages take and return a single tensor.
+`chain` profiles each stage on a sample (`remat._plan.chain_profile`: forward and backward time, bytes
+of its output, of what it saves for backward, and of its temporaries), asks `remat._plan.solver.solve`
+for a plan, and runs that plan through one custom autograd function, rotor-style: forward runs the
+operations up to the loss, and the function's backward runs the rest, recomputing stages from kept
+activations (see NOTE [ Chain execution ]). Stages take and return a single tensor.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,8 +22,8 @@ from .._engine.autocast import AutocastState
 from .._engine.guard import keep_buffers
 from .._engine.rng import RngStash, devices_of
 from .._errors import RematError
-from .._measure.track import synchronize, track
-from .solver import Plan, StageCost, solve
+from .chain_profile import backward_stage, check_tensor, grad_input, profile, stage_params
+from .solver import Plan, solve
 from .units import Budget, parse_budget
 
 __all__ = ["Chain", "chain", "parse_budget"]
@@ -35,10 +33,12 @@ __all__ = ["Chain", "chain", "parse_budget"]
 # runs the first part in its forward: forward_nosave / forward_checkpoint run the stage without grad,
 # forward_save runs it with grad on a detached input that requires grad, keeping (input, output) and
 # the small graph between them. The function returns a_L. Its backward receives delta_L and runs the
-# rest: recomputations, and backward(i) = torch.autograd.grad of stage i's kept output with respect to
-# its input and its parameters. Parameters are inputs of the function, so their gradients are
-# returned to autograd (hooks, torch.autograd.grad and DDP see them as usual). Activations are dropped
-# exactly when the model drops them, so the memory follows the plan.
+# rest: recomputations, and backward(i) = the gradients of stage i's input and parameters from its kept
+# output and delta_{i+1}, through `backward_stage`, which lets autograd free both as it consumes them
+# (NOTE [ Backward frees as it goes ]; no reference to them is left here). Parameters are inputs of
+# the function, so their gradients are returned to autograd (hooks, torch.autograd.grad and DDP see
+# them as usual). Activations are dropped exactly when the model drops them, so the memory follows the
+# plan.
 # RNG: each stage's first run (always in forward, in order) draws from the caller's generators as a
 # plain nn.Sequential would; the state before it is stashed, and every recomputation runs inside a
 # fork set to that state, so dropout masks match and the caller's stream is untouched.
@@ -62,92 +62,6 @@ class _Call(nn.Module):
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().nbytes())
-
-
-def _check_tensor(value: object, where: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"remat: chain stages take and return a single tensor, but {where} is "
-            f"{type(value).__name__}. Tuples and other structures are not supported by remat.chain; "
-            "pack them into one tensor, or use @remat on the stages instead."
-        )
-    return value
-
-
-def _params(module: nn.Module) -> tuple[torch.Tensor, ...]:
-    return tuple(p for p in module.parameters() if p.requires_grad)
-
-
-def _grad_input(a: torch.Tensor, want: bool) -> torch.Tensor:
-    inp = a.detach()
-    return inp.requires_grad_() if want and inp.is_floating_point() else inp
-
-
-_TIMINGS = 3  # timed runs per stage when profiling; the median is the stage's cost
-
-
-def _profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCost], int]:
-    """Measure every stage on `x` in turn: times, output and saved bytes, temporaries."""
-    costs: list[StageCost] = []
-    a = x.detach()
-    input_bytes = _nbytes(a)
-    device = a.device
-    for n, stage in enumerate(stages):
-        params = _params(stage)
-        inp = _grad_input(a, True)
-        with track() as fwd:
-            with torch.enable_grad():
-                out = _check_tensor(stage(inp), f"the output of stage {n}")
-        # What the forward made and is still alive is the output and what autograd saved: x̄.
-        saved = fwd.current_bytes
-        out_bytes = _nbytes(out)
-        forward_temp = max(0, fwd.peak_bytes - fwd.current_bytes)
-        wrt = ([inp] if inp.requires_grad else []) + list(params)
-        backward_temp = 0
-        if out.requires_grad and wrt:
-            grad = torch.ones_like(out)
-            with track() as bwd:
-                grads = torch.autograd.grad(out, wrt, grad, allow_unused=True)
-            kept = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
-            backward_temp = max(0, bwd.peak_bytes - kept)
-            del grads
-        # Timing, outside the tracker and the hooks: the median of _TIMINGS runs. One run is often
-        # far off (measured: the first profile of a convnet chain summed to 1.2-1.3x its training
-        # step, while a second one matched it), and a plan is only as good as its times.
-        forward_times: list[float] = []
-        backward_times: list[float] = []
-        for _ in range(_TIMINGS):
-            inp = _grad_input(a, True)
-            synchronize((device,))
-            start = time.perf_counter()
-            with torch.enable_grad():
-                out = stage(inp)
-            synchronize((device,))
-            forward_times.append(time.perf_counter() - start)
-            wrt = ([inp] if inp.requires_grad else []) + list(params)
-            if out.requires_grad and wrt:
-                grad = torch.ones_like(out)
-                synchronize((device,))
-                start = time.perf_counter()
-                torch.autograd.grad(out, wrt, grad, allow_unused=True)
-                synchronize((device,))
-                backward_times.append(time.perf_counter() - start)
-        costs.append(
-            StageCost(
-                forward_time=statistics.median(forward_times),
-                backward_time=statistics.median(backward_times) if backward_times else 0.0,
-                output_bytes=out_bytes,
-                saved_bytes=max(saved, out_bytes),
-                forward_temp=forward_temp,
-                backward_temp=backward_temp,
-            )
-        )
-        a = out.detach()
-    return costs, input_bytes
-
-
 class _Run:
     """One forward and backward of a chain under a plan (see NOTE [ Chain execution ])."""
 
@@ -164,7 +78,7 @@ class _Run:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.x_requires_grad = x.requires_grad
         self.position = {id(p): k for k, p in enumerate(params)}
-        self.stage_params = [_params(s) for s in self.stages]
+        self.stage_params = [stage_params(s) for s in self.stages]
         self.grads: list[torch.Tensor | None] = [None] * len(params)
         self.grad: torch.Tensor | None = None  # the current delta_{i+1}
         self.autocast = AutocastState.capture(self.devices)
@@ -192,7 +106,7 @@ class _Run:
                 "stage inputs to recompute from them. Make that operation out of place "
                 "(for example inplace=False)."
             )
-        return _check_tensor(out, f"the output of stage {i}")
+        return check_tensor(out, f"the output of stage {i}")
 
     def apply(self, kind: str, i: int) -> None:
         if kind == "loss":
@@ -203,7 +117,7 @@ class _Run:
             return
         a = self._input(i)
         if kind == "forward_save":
-            inp = _grad_input(a, i > 0 or self.x_requires_grad)
+            inp = grad_input(a, i > 0 or self.x_requires_grad)
             with torch.enable_grad():
                 out = self._run(i, inp)
             self.saved[i] = (inp, out)
@@ -231,7 +145,9 @@ class _Run:
         wrt = ([inp] if inp.requires_grad else []) + list(params)
         if not wrt:
             return
-        grads = torch.autograd.grad(out, wrt, grad, allow_unused=True)
+        held = [out, grad]  # see NOTE [ Backward frees as it goes ]
+        del out, grad
+        grads = backward_stage(held, wrt)
         if inp.requires_grad:
             self.grad, grads = grads[0], grads[1:]
         for p, g in zip(params, grads, strict=True):
@@ -346,7 +262,7 @@ class Chain(nn.Sequential):
         if plan is None:
             stages = list(self)
             with RngStash.capture(devices_of([x], module=self)).restore(), keep_buffers():
-                costs, input_bytes = _profile(stages, x)
+                costs, input_bytes = profile(stages, x)
             if self._segments is not None:
                 plan = Plan.segments(costs, self._segments, input_bytes=input_bytes)
             else:
@@ -361,7 +277,7 @@ class Chain(nn.Sequential):
         return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_tensor(x, "the chain's input")
+        check_tensor(x, "the chain's input")
         params = tuple(dict.fromkeys(p for p in self.parameters() if p.requires_grad))
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             for stage in self:
@@ -415,7 +331,7 @@ def chain(
     """
     built = Chain(stages, budget=budget, segments=segments)
     if sample is not None:
-        _check_tensor(sample, "`sample`")
+        check_tensor(sample, "`sample`")
         probe = sample.detach().requires_grad_(sample.is_floating_point())
         built.plan_for(probe)
     return built

@@ -11,9 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .._measure.costs import ModelCost
-
-__all__ = ["OpKind", "StageCost", "check_bytes", "check_stages", "evaluate_blocks", "simulate"]
+__all__ = ["OpKind", "StageCost", "check_bytes", "check_stages", "simulate"]
 
 OpKind = Literal["forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"]
 _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"))
@@ -40,6 +38,18 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # An operation's peak is the live bytes before it plus what it creates: x_{i+1} (+ forward_temp) for a
 # forward without grad, xbar_{i+1} (+ forward_temp) with grad, x_i (+ backward_temp) for a backward,
 # x_L for the loss. A plan's peak is the largest operation peak; its makespan the sum of the times.
+# How real runs meet this (remat.chain; tests/test_chain_memory.py checks the tracked peak against it):
+# a stage's backward frees abar_{i+1} and delta_{i+1} as autograd consumes them, node by node, as plain
+# autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in chain_profile.py), and
+# backward_temp is measured that way: the peak of the stage's backward above "abar_{i+1} and delta_{i+1}
+# live", less x_i. A multi-node stage (conv, BatchNorm, ReLU) thus costs about x_i, not x_i + x_{i+1}
+# more: counting its output and gradient as held to the end over-counted by up to x_{i+1} per backward.
+# forward_temp is the larger of the two forwards' temporaries (with and without grad), so one of the two
+# forwards may be over-counted, never under-counted. Not modelled: autograd holds delta_L, the gradient of
+# the chain's output, until the chain's backward returns (it is the argument of that backward), while the
+# model releases it after backward(L-1): a run may exceed the prediction by x_L after that (chains
+# usually end in a small head; tests/test_chain_memory.py allows it). Parameters and their gradients are
+# outside the model (remat.chain returns parameter gradients to autograd when its backward ends).
 
 
 @dataclass(frozen=True)
@@ -228,7 +238,6 @@ def simulate(
     return tuple(out_ops), tuple(rows)
 
 
-
 def check_bytes(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"remat: `{name}` must be an int >= 0 (bytes), but got {value!r}.")
@@ -242,16 +251,3 @@ def check_stages(stages: Sequence[StageCost]) -> tuple[StageCost, ...]:
         if not isinstance(s, StageCost):
             raise TypeError(f"remat: stage {n} must be a remat.StageCost, but got {type(s).__name__}.")
     return stages
-
-
-def evaluate_blocks(cost: ModelCost, choice: Sequence[int]) -> tuple[int, float]:
-    """The predicted peak bytes and step time of one choice per block (NOTE [ Budget model ])."""
-    held, peak, time = 0, 0, cost.outside_time
-    for i, (row, c) in enumerate(zip(cost.blocks, choice, strict=True)):
-        block = row[c]
-        if block is None:
-            raise ValueError(f"remat: choice {cost.choices[c]!r} is not open to block {cost.names[i]!r}.")
-        peak = max(peak, held + cost.outside_peaks[i], held + block.need)
-        held += block.held_bytes
-        time += block.time
-    return max(peak, held + cost.outside_peaks[-1]), time
