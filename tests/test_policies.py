@@ -164,6 +164,7 @@ def _encoder(dropout: float) -> Callable[[], tuple[nn.Module, Callable[[nn.Modul
 
 
 def _bench(kind: str) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]:
+    from remat.bench import convnets
     from remat.bench import models as bench
 
     def make() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
@@ -171,9 +172,9 @@ def _bench(kind: str) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], tor
         if kind == "gpt":
             model = bench.GPT(bench.GPTConfig(blocks=3, d=32, heads=2, seq=32, batch=2, vocab=64))
         elif kind == "convnet":
-            model = bench.ConvNet(bench.ConvNetConfig(width=4, blocks_per_stage=1, image=16, batch=2))
+            model = convnets.ConvNet(convnets.ConvNetConfig(width=4, blocks_per_stage=1, image=16, batch=2))
         else:
-            model = bench.ChainNet(bench.ChainNetConfig(width=8, levels=(2, 2), image=16, batch=4))
+            model = convnets.ChainNet(convnets.ChainNetConfig(width=8, levels=(2, 2), image=16, batch=4))
         batch = model.sample(torch.device("cpu"))
         return model, lambda m: m.loss(*batch)  # type: ignore[operator]
 
