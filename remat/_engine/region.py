@@ -102,8 +102,8 @@ class RegionFrame(Frame):
                         key: int | None = _storage_id(tensor)
                     except (RuntimeError, NotImplementedError, TypeError):
                         key = None
-                    if key is not None:
-                        self._count_freed(key, tensor)
+                    if key is not None and ((seen := self.freed.get(key)) is None or seen() is None):
+                        self._count_freed(key, tensor)  # a storage not seen yet: the rare case
                     self.captures.append((index, slot, len(recorder.ops), key))
                     return handle
                 if base is None or (
@@ -150,6 +150,7 @@ class RegionFrame(Frame):
         return handle
 
     def _count_freed(self, key: int, tensor: torch.Tensor) -> None:
+        """Count the storage under `key` unless it was counted (a key is reused once its storage dies)."""
         seen = self.freed.get(key)
         if seen is None or seen() is None:
             storage = tensor.untyped_storage()
