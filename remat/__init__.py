@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import policies as policies
 from ._api import Remat as Remat
+from ._api import lazy as _lazy
 from ._api import remat as remat
 from ._checkpoint import checkpoint as checkpoint
 from ._checkpoint import checkpoint_sequential as checkpoint_sequential
@@ -19,28 +20,30 @@ from ._engine.region import Region as Region
 from ._errors import BudgetError as BudgetError
 from ._errors import RecomputeMismatchError as RecomputeMismatchError
 from ._errors import RematError as RematError
-from ._measure.measure import Measurement as Measurement
-from ._measure.measure import Report as Report
-from ._measure.measure import measure as measure
-from ._measure.track import Tracker as Tracker
-from ._measure.track import track as track
-from ._plan.chain import Chain as Chain
-from ._plan.chain import chain as chain
-from ._plan.estimate_report import ConfigEstimate as ConfigEstimate
-from ._plan.estimate_report import EstimateReport as EstimateReport
 from ._plan.sites import ModelPlan as ModelPlan
-from ._plan.solver import Plan as Plan
-from ._plan.solver import StageCost as StageCost
-from ._plan.solver import solve as solve
 from ._policies import tag as tag
 from ._switch import enabled as enabled
 from ._switch import is_enabled as is_enabled
 from ._switch import set_enabled as set_enabled
 
+if TYPE_CHECKING:  # loaded on first use (`__getattr__` below), so that `import remat` stays cheap (spec §5.6)
+    from ._estimate import estimate as estimate
+    from ._measure.measure import Measurement as Measurement
+    from ._measure.measure import Report as Report
+    from ._measure.measure import measure as measure
+    from ._measure.track import Tracker as Tracker
+    from ._measure.track import track as track
+    from ._plan.chain import Chain as Chain
+    from ._plan.chain import chain as chain
+    from ._plan.estimate_report import ConfigEstimate as ConfigEstimate
+    from ._plan.estimate_report import EstimateReport as EstimateReport
+    from ._plan.solver import Plan as Plan
+    from ._plan.solver import StageCost as StageCost
+    from ._plan.solver import solve as solve
+
 __version__ = "0.1.0"
 
 apply = remat.apply
-estimate = remat.estimate
 offload = remat.offload
 plan = remat.plan
 region = remat.region
@@ -81,6 +84,15 @@ __all__ = [
     "track",
     "undo",
 ]
+
+
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:
+        """The names of `_api.LAZY` (the measuring and planning wings), imported on first use."""
+        value = _lazy(name)
+        globals()[name] = value
+        return value
 
 
 class _CallableModule(types.ModuleType):

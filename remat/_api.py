@@ -6,26 +6,57 @@ calls to it), so every spelling takes the same options, validated when decoratin
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from . import _checkpoint, _errors, _estimate, _fit, _policies, _switch, _targets
+from . import _checkpoint, _errors, _policies, _switch, _targets
 from . import policies as _policies_module
 from ._engine import offload as _offload
 from ._engine.region import Region
-from ._measure import measure as _measure
-from ._measure import track as _track
 from ._options import Options, Strategy
-from ._plan import chain as _chain
-from ._plan import estimate_report as _estimate_report
-from ._plan import solver as _solver
 from ._plan.sites import ModelPlan
 from ._plan.units import Budget
 from ._policies import PolicyLike
 
-__all__ = ["Decorator", "Remat", "remat"]
+if TYPE_CHECKING:
+    from . import _estimate
+    from ._measure import measure as _measure
+    from ._measure import track as _track
+    from ._plan import chain as _chain
+    from ._plan import estimate_report as _estimate_report
+    from ._plan import solver as _solver
+
+__all__ = ["LAZY", "Decorator", "Remat", "lazy", "remat"]
+
+# The measuring and planning wings load on first use of one of their names, not with `import remat` (spec §5.6:
+# their dataclasses and tables cost more to import than the engine). Name -> (module, attribute).
+LAZY: dict[str, tuple[str, str]] = {
+    "estimate": ("._estimate", "estimate"),
+    "EstimateReport": ("._plan.estimate_report", "EstimateReport"),
+    "ConfigEstimate": ("._plan.estimate_report", "ConfigEstimate"),
+    "chain": ("._plan.chain", "chain"),
+    "Chain": ("._plan.chain", "Chain"),
+    "solve": ("._plan.solver", "solve"),
+    "Plan": ("._plan.solver", "Plan"),
+    "StageCost": ("._plan.solver", "StageCost"),
+    "measure": ("._measure.measure", "measure"),
+    "Measurement": ("._measure.measure", "Measurement"),
+    "Report": ("._measure.measure", "Report"),
+    "track": ("._measure.track", "track"),
+    "Tracker": ("._measure.track", "Tracker"),
+}
+
+
+def lazy(name: str) -> Any:
+    """The object `LAZY[name]` names, importing its module (`AttributeError` for any other name)."""
+    try:
+        module, attribute = LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}") from None
+    return getattr(importlib.import_module(module, __package__), attribute)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -175,6 +206,8 @@ class Remat:
                     "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
                     "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
                 )
+            from . import _fit  # the profiler and planner load with the first budget
+
             return _fit.apply_budget(
                 model, budget, sample, where, loss=loss, choices=choices, replan=replan,
                 preserve_rng=preserve_rng, strategy=strategy, check=check,
@@ -249,9 +282,6 @@ class Remat:
 
     # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__` (spec §2).
     offload = staticmethod(_offload.offload)
-    estimate = staticmethod(_estimate.estimate)
-    EstimateReport = _estimate_report.EstimateReport
-    ConfigEstimate = _estimate_report.ConfigEstimate
     checkpoint = staticmethod(_checkpoint.checkpoint)
     checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
     is_enabled = staticmethod(_switch.is_enabled)
@@ -259,22 +289,34 @@ class Remat:
     enabled = staticmethod(_switch.enabled)
     policies: _PoliciesModule = _policies_module
     tag = staticmethod(_policies.tag)
-    chain = staticmethod(_chain.chain)
-    solve = staticmethod(_solver.solve)
-    measure = staticmethod(_measure.measure)
-    track = staticmethod(_track.track)
-    Chain = _chain.Chain
-    Plan = _solver.Plan
-    StageCost = _solver.StageCost
-    Measurement = _measure.Measurement
-    Report = _measure.Report
-    Tracker = _track.Tracker
     Offload = _offload.Offload
     ModelPlan = ModelPlan
     Region = Region
     RematError = _errors.RematError
     RecomputeMismatchError = _errors.RecomputeMismatchError
     BudgetError = _errors.BudgetError
+
+    if TYPE_CHECKING:  # `LAZY`: what the checker sees; at run time `__getattr__` imports them on first use
+        estimate = staticmethod(_estimate.estimate)
+        EstimateReport = _estimate_report.EstimateReport
+        ConfigEstimate = _estimate_report.ConfigEstimate
+        chain = staticmethod(_chain.chain)
+        solve = staticmethod(_solver.solve)
+        measure = staticmethod(_measure.measure)
+        track = staticmethod(_track.track)
+        Chain = _chain.Chain
+        Plan = _solver.Plan
+        StageCost = _solver.StageCost
+        Measurement = _measure.Measurement
+        Report = _measure.Report
+        Tracker = _track.Tracker
+    else:
+
+        def __getattr__(self, name: str) -> Any:
+            value = lazy(name)
+            function = callable(value) and not isinstance(value, type)
+            setattr(type(self), name, staticmethod(value) if function else value)  # once: later lookups are plain
+            return value
 
     @property
     def remat(self) -> Remat:

@@ -404,3 +404,27 @@ def test_the_decorator_object_carries_the_whole_api() -> None:
     assert not missing, f"missing on the decorator object: {missing}"
     for name in remat.__all__:
         assert getattr(decorator, name) is getattr(remat, name), name
+
+
+_IMPORT_PROBE = """
+import sys
+import remat
+loaded = sorted(m for m in sys.modules if m.startswith(("remat.", "transformers", "peft")))
+print(" ".join(loaded))
+print(remat.chain.__module__, remat.Tracker.__module__, remat.estimate.__module__)
+"""
+
+
+def test_import_remat_loads_the_engine_not_the_planner_the_tools_or_the_benchmark() -> None:
+    """Spec §5.6: the measuring and planning wings, the benchmark and transformers load on first use only."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-800:]
+    loaded, used = done.stdout.splitlines()
+    assert "remat._engine.region" in loaded.split()  # the probe sees what is imported
+    late = ("remat.bench", "remat._estimate", "remat._fit", "remat._plan.chain", "remat._plan.solver",
+            "remat._measure", "transformers", "peft")
+    assert not [m for m in loaded.split() if m.startswith(late)], loaded
+    assert used.split() == ["remat._plan.chain", "remat._measure.track", "remat._estimate"]

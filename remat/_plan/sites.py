@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .budget import BudgetPlan
 from .units import format_bytes
+
+if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`
+    from .budget import BudgetPlan
 
 __all__ = ["ModelPlan", "Site"]
 
