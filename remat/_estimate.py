@@ -7,7 +7,6 @@ a configuration for a while ]); `_plan.estimate` runs the step on fake tensors a
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 from . import _targets
-from ._errors import RematError
+from ._api import remat
 from ._options import Options
 from ._plan.chain import parse_budget
 from ._plan.estimate import OPTIMIZERS, Configured, OptimizerLike, predict, resolve_device
@@ -23,27 +22,12 @@ from ._plan.estimate_report import EstimateReport
 from ._policies import Policy, save_matmuls
 from ._switch import enabled
 
-__all__ = ["DEFAULT_CONFIGS", "budget_planner", "estimate"]
+__all__ = ["DEFAULT_CONFIGS", "estimate"]
 
 DEFAULT_CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls", 0.3)
-"""The configurations `estimate` compares by default (the budget one only where the budget planner exists)."""
+"""The configurations `estimate` compares by default."""
 
 _Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
-
-NO_PLANNER = (
-    "remat: estimate's configuration {config!r} is a memory budget, and budgets in estimate need the budget "
-    "planner (`remat.apply(model, budget=..., sample=...)`, spec §2.8), which this build of remat does not have "
-    "yet. Estimate 'none', 'full', 'save_matmuls' or a policy instead."
-)
-
-
-def budget_planner() -> Callable[..., Any] | None:
-    """`remat.apply` when it takes a `budget` (the planner of spec §2.8), else None."""
-    from ._api import remat  # the face that owns apply; imported here, as _api imports this module
-
-    apply: Callable[..., Any] = remat.apply
-    return apply if "budget" in inspect.signature(apply).parameters else None
-
 
 # NOTE [ Applying a configuration for a while ]
 # "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
@@ -104,14 +88,11 @@ def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configur
                 raise
             raise ValueError(f"remat: estimate does not know the configuration {config!r}: give 'none', 'full', "
                              "'save_matmuls', a policy, or a budget (bytes, '6GiB', a fraction).") from None
-        planner = budget_planner()
-        if planner is None:
-            raise RematError(NO_PLANNER.format(config=config))
 
         @contextlib.contextmanager
         def planned(sample: Any) -> Iterator[None]:
             with _restoring(model):
-                planner(model, where, budget=config, sample=sample)
+                remat.apply(model, where, budget=config, sample=sample)  # spec §2.8's planner, on fake tensors
                 with enabled(True):
                     yield
 
@@ -196,7 +177,7 @@ def estimate(
         raise TypeError(f"remat: estimate's `optimizer` must be a name, an optimizer class or a factory, but got "
                         f"`{type(optimizer).__name__}`.")
     if configs is None:
-        configs = DEFAULT_CONFIGS if budget_planner() is not None else DEFAULT_CONFIGS[:3]
+        configs = DEFAULT_CONFIGS
     if isinstance(configs, (str, Policy)) or not isinstance(configs, Sequence):
         configs = (configs,)
     resolved = [_configured(model, config, where) for config in configs]
