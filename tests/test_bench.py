@@ -267,8 +267,13 @@ def test_targets_take_ratios_per_repeat_and_judge_the_median() -> None:
         Result("gpt", TORCH, peak_bytes=300, step_seconds=[2.0, 2.0]),
         Result("gpt", "@remat", peak_bytes=310, step_seconds=[1.9, 2.1]),
         Result("gpt", "@remat(policy=save_matmuls)", peak_bytes=950, step_seconds=[1.2, 1.2]),
+        Result("convnet", NO_REMAT, peak_bytes=900, step_seconds=[1.0]),
+        Result("convnet", TORCH, peak_bytes=600, step_seconds=[2.0]),
+        Result("convnet", "@remat", peak_bytes=600, step_seconds=[2.0]),
     ]
     checks = {check.what: check for check in check_targets(rows)}
+    assert checks["convnet: @remat peak / torch's"].ok
+    assert "convnet: @remat peak / no remat's" not in checks  # §5.3's third is for the GPT stack
     overhead = checks["@remat per-call overhead / torch.utils.checkpoint's"]
     assert (overhead.median, overhead.low, overhead.high) == pytest.approx((0.2, 0.2, 0.5)) and overhead.ok
     assert not checks["gpt: @remat peak / torch's"].ok  # 310 / 300 > 1.02

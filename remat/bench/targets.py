@@ -96,8 +96,9 @@ def check_targets(rows: Sequence[Result], summary: dict[str, object] | None = No
         if decorator and torch_row and none and decorator.peak_bytes and torch_row.peak_bytes and none.peak_bytes:
             c.add_value("5.3", f"{model}: @remat peak / torch's", decorator.peak_bytes / torch_row.peak_bytes,
                         1.02, "≤ 1.02x")  # fmt: skip
-            c.add_value("5.3", f"{model}: @remat peak / no remat's", decorator.peak_bytes / none.peak_bytes,
-                        1 / 3, "≤ 0.33x")  # fmt: skip
+            if model == "gpt":  # §5.3's third is the GPT stack's: a convnet's block inputs are much of its peak
+                c.add_value("5.3", f"{model}: @remat peak / no remat's", decorator.peak_bytes / none.peak_bytes,
+                            1 / 3, "≤ 0.33x")  # fmt: skip
             c.add("5.3", f"{model}: @remat step / torch's", _per_repeat(lambda a, b: a / b, decorator, torch_row),
                   1.0, "≤ 1.00x")  # fmt: skip
         matmuls = c.row(model, "@remat(policy=save_matmuls)")
