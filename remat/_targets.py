@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -186,6 +187,18 @@ def _remove_hooks(module: nn.Module) -> None:
             table.pop(key, None)
 
 
+_RULES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def model_rules(model: nn.Module) -> list[Any]:
+    """The `shared` list of `model`'s layers, the same on every `apply` to it (and every round of a budget's
+    profile), so that a model logs its one line once in its life."""
+    rules = _RULES.get(model)
+    if rules is None:
+        rules = _RULES[model] = []
+    return rules
+
+
 def _cache_rule(kind: type, options: Options, shared: list[Any]) -> Any:
     """The KV-cache rule for a transformers layer class under rerun, else None; see NOTE [ Caches of transformers
     layers ] in _integrations/transformers.py. `shared` holds one rule for a model's layers (one log line)."""
@@ -250,7 +263,7 @@ def apply(
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
     chosen = _select(model, where)
-    shared: list[Any] = []
+    shared = model_rules(model)
     for index, (_, module) in enumerate(chosen):
         if index % every == 0:
             wrap_module(module, options, shared)

@@ -197,6 +197,42 @@ def test_one_log_line_per_model(caplog: pytest.LogCaptureFixture) -> None:
     assert "LlamaDecoderLayer" in lines[0] and "`use_cache=False`" in lines[0] and "`past_key_values=None`" in lines[0]
 
 
+def test_one_log_line_per_model_across_applies_and_a_budget_profile(caplog: pytest.LogCaptureFixture) -> None:
+    """Re-applying to a model, and the profiling rounds of a budget, log the model's line once."""
+    model = llama().double().train()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        remat.apply(model)
+        model(**batch())
+        remat.apply(remat.undo(model))
+        model(**batch())
+        remat.apply(remat.undo(model), budget=0.9, sample=batch())
+        model(**batch())
+    assert len([record for record in caplog.records if record.name == "remat"]) == 1
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_budget_on_a_padded_batch_keeps_gradients_and_peaks_below_no_remat(name: str) -> None:
+    """Spec §2.8 on transformers models with their default arguments: `remat.apply(model, budget=...)`."""
+    make, _ = MODELS[name]
+    none = _step(make, name, "none")
+    torch.manual_seed(0)
+    model = make().double().train()
+    remat.apply(model, budget=0.8, sample=batch(name))
+    plan = remat.plan(model)
+    assert plan.budget is not None and len(plan.budget.cost) == 2 * (2 if name == "t5" else 1)
+    torch.manual_seed(1)
+    with remat.track() as tracker:
+        out = model(**batch(name))
+        cache = out.get("past_key_values")
+        before = _cache_state(cache)
+        out.loss.backward()
+    got = {"out": out, "grads": {key: p.grad for key, p in model.named_parameters()}, "rng": torch.get_rng_state()}
+    _assert_same(none, got)
+    assert tracker.peak_bytes < none["peak"]
+    after = _cache_state(cache)  # backward leaves the cache the model returned as it was
+    assert len(before) == len(after) and all(map(torch.equal, sum(before, ()), sum(after, ())))
+
+
 class StandIn(nn.Module):
     """A layer with transformers' argument names (CacheOff reads names, not types)."""
 
