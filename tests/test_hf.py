@@ -290,3 +290,27 @@ def test_import_remat_imports_neither_transformers_nor_the_integration() -> None
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # from peft
+def test_a_budget_on_a_peft_lora_model_keeps_its_gradients_and_lowers_its_peak() -> None:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = llama().double()
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    runs = []
+    for budget in (None, 0.8):
+        torch.manual_seed(1)
+        model = peft.get_peft_model(copy.deepcopy(base), lora).train()
+        if budget is not None:
+            remat.apply(model, budget=budget, sample=batch())
+            plan = remat.plan(model).budget
+            assert plan is not None and len(plan.cost) == 2  # both layers planned
+        with remat.track() as tracker:
+            model(**batch()).loss.backward()
+        runs.append(({name: p.grad for name, p in model.named_parameters() if p.requires_grad}, tracker.peak_bytes))
+    (expected, none_peak), (got, peak) = runs
+    assert expected.keys() == got.keys() and len(got) == 8
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, msg=lambda m, k=name: f"gradient of {k}: {m}")
+    assert peak < none_peak
