@@ -257,16 +257,26 @@ def test_a_layer_that_may_checkpoint_with_its_cache_keeps_it() -> None:
     assert CacheOff()(layer, (1, "cache"), {"use_cache": True}) == ((1, "cache"), {"use_cache": False})
 
 
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # from peft
-def test_peft_lora_trains_without_enable_input_require_grads() -> None:
+def lora_models() -> Callable[[], nn.Module]:
+    """Fresh LoRA models (PEFT) on copies of one tiny float64 Llama, each built from the same seed."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     base = llama().double()
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+
+    def make() -> nn.Module:
+        torch.manual_seed(1)
+        return peft.get_peft_model(copy.deepcopy(base), lora).train()  # type: ignore[no-any-return]
+
+    return make
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # from peft
+def test_peft_lora_trains_without_enable_input_require_grads() -> None:
+    make = lora_models()
     grads = []
     for use_remat in (False, True):
-        torch.manual_seed(1)
-        model = peft.get_peft_model(copy.deepcopy(base), lora).train()
+        model = make()
         if use_remat:
             remat.apply(model)
             assert len(remat.plan(model)) == 2
@@ -294,14 +304,10 @@ def test_import_remat_imports_neither_transformers_nor_the_integration() -> None
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # from peft
 def test_a_budget_on_a_peft_lora_model_keeps_its_gradients_and_lowers_its_peak() -> None:
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(0)
-    base = llama().double()
-    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+    make = lora_models()
     runs = []
     for budget in (None, 0.8):
-        torch.manual_seed(1)
-        model = peft.get_peft_model(copy.deepcopy(base), lora).train()
+        model = make()
         if budget is not None:
             remat.apply(model, budget=budget, sample=batch())
             plan = remat.plan(model).budget
