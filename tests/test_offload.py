@@ -394,15 +394,17 @@ def test_sites_offload_their_inputs_and_never_what_they_recompute(
     assert len(copies.back) == len(copies.out), "each copy comes back once"
 
 
-def test_save_matmuls_with_offload_copies_the_kept_matmul_outputs(copies: Copies) -> None:
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_save_matmuls_with_offload_copies_the_kept_matmul_outputs(strategy: str, copies: Copies) -> None:
     assert_same_grads(
         Blocks, (randn(4, 8, requires_grad=True),),
-        lambda m: remat.apply(m, offload=CPU, policy=policies.save_matmuls),
+        lambda m: remat.apply(m, offload=CPU, policy=policies.save_matmuls, strategy=strategy),  # type: ignore[arg-type]
     )
     # per block: fc1's and fc2's outputs (4, 16) and fc3's (4, 8), which is also the next block's input
-    # (one copy for both); the tanh and relu outputs are recomputed
+    # (one copy for both); the tanh and relu outputs are recomputed. Replay keeps only what a replay reads:
+    # the last block's fc3 output is the model's, read by no replay, so it is not copied.
     shapes = [shape for shape, _ in copies.out]
-    assert shapes.count((4, 16)) == 6 and shapes.count((4, 8)) == 3
+    assert shapes.count((4, 16)) == 6 and shapes.count((4, 8)) == (3 if strategy == "rerun" else 2)
 
 
 def test_decorator_module_and_region_sites(copies: Copies) -> None:
@@ -441,16 +443,17 @@ def _frames() -> list[weakref.ref[object]]:
     return [weakref.ref(obj) for obj in gc.get_objects() if type(obj).__name__ in ("RerunFrame", "RegionFrame")]
 
 
+@pytest.mark.parametrize("policy", [None, policies.save_matmuls], ids=["all", "save_matmuls"])
 @pytest.mark.parametrize("strategy", ["rerun", "replay"])
 @pytest.mark.parametrize("backward", ["backward", "retain_graph_twice", "create_graph", "none"])
-def test_offloading_sites_leave_nothing_behind(strategy: str, backward: str) -> None:
+def test_offloading_sites_leave_nothing_behind(strategy: str, backward: str, policy: Any) -> None:
     before = {id(ref()) for ref in _frames()}
     model = Doubled(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Softplus()).double())
-    remat.remat(model.inner, offload=CPU, strategy=strategy)  # type: ignore[call-overload]
+    remat.remat(model.inner, offload=CPU, strategy=strategy, policy=policy)  # type: ignore[call-overload]
     x = randn(4, 8, requires_grad=True)
     y = model(x).sum()
     refs = [ref for ref in _frames() if id(ref()) not in before]
-    assert len(refs) == 1 and _transfer.live_parcels() == 1
+    assert len(refs) == 1 and _transfer.live_parcels() == (1 if policy is None else 3)  # input, 2 matmul outputs
     params = list(model.parameters())
     if backward == "backward":
         y.backward()
@@ -504,6 +507,19 @@ def test_policy_offload_keeps_matmul_outputs_on_the_host(
     assert_same_grads(MLP, (randn(4, 8, requires_grad=True),), lambda m: remat.remat(m, policy=policy))
     # fc1, fc2, fc3 outputs; not the input (the site itself does not offload)
     assert sorted(shape for shape, _ in copies.out) == [(4, 8), (4, 16), (4, 16)]
+    copies.out.clear()
+
+    def region(m: nn.Module) -> Callable[..., torch.Tensor]:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            with remat.region(policy=policy):
+                out: torch.Tensor = m(x)
+            return out
+
+        return call
+
+    assert_same_grads(MLP, (randn(4, 8, requires_grad=True),), region)
+    # in a region, fc1's and fc2's outputs; fc3's is the region's output, which no replay reads
+    assert sorted(shape for shape, _ in copies.out) == [(4, 16), (4, 16)]
 
 
 def test_policy_offload_with_tags(copies: Copies, monkeypatch: pytest.MonkeyPatch) -> None:

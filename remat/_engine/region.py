@@ -27,6 +27,7 @@ from .hooks import Frame, Handle, Kept
 from .offload import Offload, resolve
 from .recorder import Recorder, op_info
 from .tape import Tape
+from .transfer import Parcel, Stay
 
 __all__ = ["Region", "RegionFrame", "begin", "call", "end"]
 
@@ -58,7 +59,7 @@ class RegionFrame(Frame):
     """One forward run of a region: its tape, and the saved tensors autograd holds handles for."""
 
     __slots__ = (
-        "captures", "claimed", "copies", "freed", "freed_bytes", "kept", "ops", "recorder", "tape",
+        "captures", "claimed", "copies", "freed", "freed_bytes", "kept", "offload", "ops", "recorder", "tape",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class RegionFrame(Frame):
         self.tape: Tape | None = None
         self.ops = 0
         self.freed_bytes = 0
+        self.offload: Offload | None = None  # where what the policy keeps goes: NOTE [ Offloaded sites ]
 
     # -- forward -------------------------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -129,11 +131,15 @@ class RegionFrame(Frame):
         finally:
             recorder.paused = False
 
-    def _keep_claimed(self, recorder: Recorder, tensor: torch.Tensor, slot: int) -> Kept:
+    def _keep_claimed(self, recorder: Recorder, tensor: torch.Tensor, slot: int) -> Kept | Parcel | Stay:
         """A saved tensor that is (a view of) an output the policy keeps: kept by reference, not rebuilt."""
         self.claimed.add(slot)
         recorder.paused = True
         try:
+            if self.offload is not None:
+                # The kept output itself is the object the tape keeps: one host copy serves both.
+                kept = recorder.kept.get(slot) if tensor._base is None else None
+                return self.offload.pack(kept[0] if kept is not None else tensor.detach())
             return self.keep(tensor.detach())  # detached: an op may save its own output
         finally:
             recorder.paused = False
@@ -182,6 +188,8 @@ class RegionFrame(Frame):
         if not alive:
             return
         self.tape = Tape(recorder, alive, self.site, frozenset(self.claimed))
+        if self.offload is not None:
+            self.tape.offload_kept(self.offload.pack)
         if self.outer is not None:
             self.tape.hand_to(self.outer[0])
 
@@ -262,6 +270,8 @@ def begin(
     frame = RegionFrame(site, check, preserve_rng, debug, policy)
     if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
         frame.outer = offload.hooks
+    if policy is not None:
+        frame.offload = offload if offload is not None or not policy.offloads else resolve(True)
     recorder = frame.recorder
     assert recorder is not None
     recorder.__enter__()  # type: ignore[no-untyped-call]

@@ -17,6 +17,7 @@ from .._errors import RematError
 from .autocast import AutocastState
 from .debug import describe
 from .recorder import Outside, Recorder, op_info
+from .transfer import Parcel, Stay
 
 __all__ = ["Tape"]
 
@@ -139,7 +140,7 @@ class Tape:
         self.lock = threading.Lock()
         # See NOTE [ Policies on the tape ]: a kept output written in place after it was kept is not kept.
         end = self.ops[-1][3] + max(self.ops[-1][4], 1) if self.ops else 0
-        self.kept = {
+        self.kept: dict[int, torch.Tensor | Parcel | Stay] = {
             slot: tensor for slot, (tensor, version) in recorder.kept.items()
             if slot < end and tensor._version == version
         }
@@ -151,6 +152,11 @@ class Tape:
             if o.tensor is not None:
                 o.packed, o.tensor = pack(o.tensor), None
                 o.version = -1
+
+    def offload_kept(self, pack: Callable[[torch.Tensor], Parcel | Stay]) -> None:
+        """Hold the outputs the policy keeps through an offload's `pack` (NOTE [ Offloaded sites ])."""
+        self.kept = {slot: pack(tensor) if isinstance(tensor, torch.Tensor) else tensor
+                     for slot, tensor in self.kept.items()}
 
     # -- plan ----------------------------------------------------------------------------------------------
     def _make_plan(self) -> _Plan:
@@ -302,7 +308,8 @@ class Tape:
                         retrace.append(describe(func, out))
                 elif fills is not None and (filled := fills[index]) is not None:
                     for slot in filled:
-                        values[slot] = self.kept[slot].detach()
+                        kept = self.kept[slot]
+                        values[slot] = kept.detach() if isinstance(kept, torch.Tensor) else kept.get()
                 taken = captures[index]
                 if taken is not None:
                     for handle, slot, clone in taken:
