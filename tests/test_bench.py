@@ -283,3 +283,15 @@ def test_targets_take_ratios_per_repeat_and_judge_the_median() -> None:
     text = format_checks(list(checks.values()))
     assert "✓" in text and "✗" in text and "0.2 [0.2..0.5]" in text
     assert text.splitlines()[-1] == f"{sum(c.ok for c in checks.values())} of {len(checks)} targets hold in this run."
+
+
+def test_a_repeat_keeps_the_fastest_of_its_consecutive_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of load on one step does not become the repeat's time (runner.STEPS_PER_REPEAT)."""
+    from remat.bench import runner
+
+    times = iter([9.0, 9.0, 5.0, 1.0, 2.0, 7.0, 3.0])  # two warm-ups (NO_REMAT, TORCH), then 2 per repeat...
+    monkeypatch.setattr(runner, "_timed_step", lambda model, batch, device: next(times))
+    monkeypatch.setattr(runner, "STEPS_PER_REPEAT", 2)
+    configs = [c for c in CONFIGS if c.name in (NO_REMAT, TORCH)]
+    rows = {r.config: r for r in bench_model("m", GPT(TINY_GPT), CPU, 1, configs, lambda message: None)}
+    assert rows[NO_REMAT].step_seconds == [1.0] and rows[TORCH].step_seconds == [2.0]

@@ -17,7 +17,7 @@ from .configs import NO_REMAT, SEED, TORCH, Config
 from .convnets import CONVNET_SIZES, ConvNet
 from .models import GPT, GPT_SIZES, BenchModel, tiny, tiny_input
 
-__all__ = ["MODELS", "Progress", "Result", "bench_model", "bench_tiny", "note", "sync"]
+__all__ = ["MODELS", "STEPS_PER_REPEAT", "Progress", "Result", "bench_model", "bench_tiny", "note", "sync"]
 
 sync = _sync
 
@@ -124,6 +124,11 @@ MODELS: dict[str, Callable[[str], BenchModel]] = {
 }
 
 
+STEPS_PER_REPEAT = 2
+"""A repeat times this many consecutive steps of one configuration and keeps the fastest: what another process
+does to one step (a burst of load on a shared machine) does not become that repeat's time."""
+
+
 def bench_model(
     name: str,
     base: BenchModel,
@@ -167,7 +172,8 @@ def bench_model(
         for result, model in running:
             progress(f"{name}: repeat {r + 1}/{repeats}, {result.config}")
             torch.manual_seed(SEED + r)
-            result.step_seconds.append(_timed_step(model, batch, device))
+            steps = [_timed_step(model, batch, device) for _ in range(STEPS_PER_REPEAT)]
+            result.step_seconds.append(min(steps))
     return results
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._measure.measure import format_bytes, format_seconds
 from .configs import NO_REMAT, TORCH
-from .runner import Result
+from .runner import STEPS_PER_REPEAT, Result
 
 __all__ = ["PLOT_MISSING", "format_table", "plot"]
 
@@ -36,7 +36,8 @@ def format_table(meta: dict[str, Any], rows: Sequence[Result]) -> str:
         *(f"  {name}: {text}" for name, text in meta["models"].items()),
         "  peak: highest live tensor bytes a training step adds beyond parameters and gradients;",
         "  held: bytes kept for backward at the end of forward (both counted by remat.track)",
-        "  step: median over interleaved repeats; spread: half their range, relative to the median",
+        f"  step: median over interleaved repeats (each the fastest of {STEPS_PER_REPEAT} consecutive steps); spread: "
+        "half their range, relative to the median",
         "",
     ]
     head = (
