@@ -21,6 +21,16 @@ def test_example_runs(name: str, capsys: pytest.CaptureFixture[str]) -> None:
         assert out.count("gradients equal") == 3
 
 
+def test_fit_budget_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(EXAMPLES / "fit_budget.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "budget 0.5" in out and "6 blocks under a budget" in out
+    words = out.split("tracked peak of a step: ")[1].split()  # "<a> MiB with the budget, <b> MiB without"
+    fitted, none = float(words[0]), float(words[5])
+    assert fitted < none
+    assert out.count("step ") >= 3
+
+
 def test_hf_finetune_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     runpy.run_path(str(EXAMPLES / "hf_finetune.py"), run_name="__main__")
