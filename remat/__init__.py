@@ -94,6 +94,9 @@ if not TYPE_CHECKING:
         globals()[name] = value
         return value
 
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})
+
 
 class _CallableModule(types.ModuleType):
     """Lets `import remat; @remat` work: calling the package calls the decorator."""

@@ -318,6 +318,9 @@ class Remat:
             setattr(type(self), name, staticmethod(value) if function else value)  # once: later lookups are plain
             return value
 
+        def __dir__(self) -> list[str]:
+            return sorted({*super().__dir__(), *LAZY})
+
     @property
     def remat(self) -> Remat:
         """The decorator itself (`remat.remat`), as the package has it."""

@@ -411,6 +411,7 @@ import sys
 import remat
 loaded = sorted(m for m in sys.modules if m.startswith(("remat.", "transformers", "peft")))
 print(" ".join(loaded))
+assert {"chain", "Tracker", "estimate"} <= set(dir(remat)) & set(dir(remat.remat))  # listed before they load
 print(remat.chain.__module__, remat.Tracker.__module__, remat.estimate.__module__)
 """
 
