@@ -48,15 +48,16 @@ def test_prediction_within_five_percent_of_a_real_step_per_config(name: str) -> 
     assert full.activation_bytes < none.activation_bytes / 2  # the configurations differ, as they should
 
 
-def test_prediction_for_a_transformers_model() -> None:
+@pytest.mark.parametrize("kind", ["gpt2", "t5", "bert"])
+def test_prediction_for_a_transformers_model(kind: str) -> None:
     pytest.importorskip("transformers")
 
     def build() -> Case:
-        return hf_case("gpt2", tiny=True, seq=16, batch=2, device="cpu")
+        return hf_case(kind, tiny=True, seq=16, batch=2, device="cpu")
 
     for row in check(build(), build, configs=("none", "full"), optimizer="sgd"):
         assert row.predicted.optimizer_bytes == row.measured.optimizer_bytes
-        _assert_close(row.predicted.peak_bytes, row.measured.peak_bytes, f"gpt2 {row.config} peak")
+        _assert_close(row.predicted.peak_bytes, row.measured.peak_bytes, f"{kind} {row.config} peak")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -298,15 +299,18 @@ def test_report_table_lookup_and_dict() -> None:
     assert remat.remat.estimate is remat.estimate
 
 
-def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5", "bert"])
+def test_cli_prints_the_table(kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     from remat.bench.cli import main
+    from remat.bench.estimate import HF_KINDS
 
-    assert main(["estimate", "--hf", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
+    assert kind in HF_KINDS
+    assert main(["estimate", "--hf", kind, "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
                  "--dtype", "bfloat16", "--optimizer", "sgd"]) == 0
     out = capsys.readouterr().out
-    assert "LlamaForCausalLM (1 layers" in out and "predicted for cpu" in out
-    assert out.count("MiB") >= 10
+    assert "(1 layers" in out and "predicted for cpu" in out
+    assert out.count("iB") >= 10
 
 
 def test_loss_default_uses_the_outputs_loss_or_sums_floats() -> None:

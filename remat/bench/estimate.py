@@ -113,8 +113,11 @@ def hf_case(kind: str, *, layers: int | None = None, hidden: int | None = None, 
     if heads is not None:
         for name in names[2]:
             setattr(config, name, heads)
-    if kind == "t5" and layers is not None:
-        config.num_decoder_layers = layers
+    if kind == "t5":
+        if layers is not None:
+            config.num_decoder_layers = layers
+        if getattr(config, "decoder_start_token_id", None) is None:  # T5Config() leaves it to the checkpoints
+            config.decoder_start_token_id = config.pad_token_id or 0
     for name in ("n_positions", "max_position_embeddings"):  # room for --seq
         if getattr(config, name, None) is not None and getattr(config, name) < seq:
             setattr(config, name, seq)
@@ -253,8 +256,7 @@ def _cases() -> list[tuple[str, Callable[[], Case]]]:
     except ImportError:
         return cases
     return [*cases,
-            ("gpt2", lambda: hf_case("gpt2", tiny=True, seq=64, batch=2, device="cpu")),
-            ("llama", lambda: hf_case("llama", tiny=True, seq=64, batch=2, device="cpu"))]
+            *((kind, lambda kind=kind: hf_case(kind, tiny=True, seq=64, batch=2, device="cpu")) for kind in HF_KINDS)]
 
 
 def run_checks(progress: Callable[[str], None] = lambda message: None) -> list[Checked]:
