@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         default="small",
         help="small (default): a quick CPU run; medium: GPT of 12 blocks, d=512, seq 256, batch 8 and a 64px ResNet",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration (median shown)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved timed repeats per configuration, each "
+                        "the fastest of 2 consecutive steps (median shown)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG of memory vs step time (matplotlib)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
