@@ -48,6 +48,20 @@ def test_prediction_within_five_percent_of_a_real_step_per_config(name: str) -> 
     assert full.activation_bytes < none.activation_bytes / 2  # the configurations differ, as they should
 
 
+def test_a_budget_configuration_predicted_against_its_real_step() -> None:
+    """The real step plans on its own (timed) profile and may pick other blocks; both fit, peaks agree."""
+
+    def build() -> Case:
+        return bench_case("gpt", config=TINY_GPT)
+
+    none, full, budget = check(build(), build, configs=("none", "full", 0.7), optimizer="sgd")
+    assert budget.config == "budget 0.7"
+    for side in ("predicted", "measured"):  # whichever blocks each plan picked (their times may differ)
+        peaks = [getattr(row, side).peak_bytes for row in (full, budget, none)]
+        assert peaks == sorted(peaks), f"{side}: full, budget, none peaks {peaks}"
+    assert budget.measured.activation_bytes < none.measured.activation_bytes
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "t5", "bert"])
 def test_prediction_for_a_transformers_model(kind: str) -> None:
     pytest.importorskip("transformers")
