@@ -1,5 +1,5 @@
-"""Peak memory of one training step of Hugging Face models: no remat, `remat.apply(model)`, and transformers'
-own `model.activation_checkpointing_enable()` (issue 11), measured in one run.
+"""Peak memory of one training step of Hugging Face models: no remat, `remat.apply(model)`, a budget of half of no
+remat's activation peak, and transformers' own `model.activation_checkpointing_enable()`, measured in one run.
 
 Run: `python -m remat.bench.hf` (needs the `hf` extra). Each model is built from a small config in float32 on
 CPU, in training mode, with its default arguments (so `use_cache` is on), and trained one step on a padded batch.
@@ -70,14 +70,17 @@ def _batch(name: str) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _hf_checkpointing(model: nn.Module) -> nn.Module:
+def _hf_checkpointing(model: nn.Module, batch: dict[str, torch.Tensor]) -> nn.Module:
     model.activation_checkpointing_enable()  # type: ignore[operator]
     return model
 
 
-CONFIGS: dict[str, Callable[[nn.Module], nn.Module]] = {
-    "no remat": lambda model: model,
-    "remat.apply(model)": lambda model: remat.apply(model),
+BUDGET = 0.5
+
+CONFIGS: dict[str, Callable[[nn.Module, dict[str, torch.Tensor]], nn.Module]] = {
+    "no remat": lambda model, batch: model,
+    "remat.apply(model)": lambda model, batch: remat.apply(model),
+    f"remat.apply(model, budget={BUDGET})": lambda model, batch: remat.apply(model, budget=BUDGET, sample=batch),
     "activation_checkpointing_enable()": _hf_checkpointing,
 }
 
@@ -93,7 +96,7 @@ def measure_model(name: str, make: Callable[[], nn.Module]) -> list[tuple[str, i
     batch = _batch(name)
     rows = []
     for label, configure in CONFIGS.items():
-        model = configure(copy.deepcopy(base))
+        model = configure(copy.deepcopy(base), batch)
         torch.manual_seed(1)
         _step(model, batch)  # warm-up; makes every .grad
         for parameter in model.parameters():
@@ -110,12 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = list(argv if argv is not None else sys.argv[1:]) or list(_models())
     models = _models()
     print(f"one training step, float32, CPU, batch {BATCH} x seq {SEQ}, {LAYERS} layers, hidden 256, vocab {VOCAB}")
-    print(f"{'model':11s} {'configuration':34s} {'peak MiB':>9s} {'vs none':>8s}")
+    print(f"{'model':11s} {'configuration':36s} {'peak MiB':>9s} {'vs none':>8s}")
     for name in names:
         rows = measure_model(name, models[name])
         none = rows[0][1]
         for label, peak in rows:
-            print(f"{name:11s} {label:34s} {peak / 2**20:9.2f} {peak / none:7.2f}x")
+            print(f"{name:11s} {label:36s} {peak / 2**20:9.2f} {peak / none:7.2f}x")
     return 0
 
 
