@@ -2,7 +2,7 @@
 
 See NOTE [ Timing under the tracker ] in windows.py for why: the tracked step's clock, with the tracker's own
 time taken out, still runs a little slow (by 5-20% on CPU, most in backward), and one untracked run of a block
-per choice tells by how much.
+per choice that was run (derived choices take kept's) tells by how much.
 
 The block's inputs are not kept from the step (holding them would change what the tracker measures): only
 their description is (`describe`), and `time_alone` makes fresh ones: random values of the same shape, dtype

@@ -112,7 +112,8 @@ def combine(
         for choice, (fwd_alone, bwd_alone) in alone.items():
             fwd_times, bwd_times = times[(sample_kind, choice)]
             scale[choice] = (
-                _ratio(fwd_alone, statistics.median(fwd_times)), _ratio(bwd_alone, statistics.median(bwd_times))
+                _ratio(fwd_alone, statistics.median(fwd_times)),
+                _ratio(bwd_alone, statistics.median(bwd_times)),
             )
         outside_scale = _ratio(
             sum(f + b for f, b in alone.values()),
@@ -133,7 +134,7 @@ def combine(
     for i in range(n):
         row: list[BlockCost | None] = []
         for c in range(len(choices)):
-            entry = own.get((i, c))
+            entry: Entry | None = own.get((i, c))
             if entry is None and samples.get((kinds[i], c)):
                 entry = _median(samples[(kinds[i], c)])
             if entry is None:
@@ -141,10 +142,15 @@ def combine(
                 continue
             h, f, b = entry
             forward, backward = seconds.get((kinds[i], c), (0.0, 0.0))
-            row.append(BlockCost(
-                held_bytes=h, forward_peak=max(0, base[i] + f), backward_peak=max(0, base[i] + h + b),
-                forward_time=forward, backward_time=backward,
-            ))
+            row.append(
+                BlockCost(
+                    held_bytes=h,
+                    forward_peak=max(0, base[i] + f),
+                    backward_peak=max(0, base[i] + h + b),
+                    forward_time=forward,
+                    backward_time=backward,
+                )
+            )
         rows.append(tuple(row))
     outside = [max(rnd.peaks.get(("out", k), 0) for rnd in tracked) for k in range(n + 1)]
     outside_time = statistics.median(sum(v for key, v in rnd.times.items() if key[0] == "out") for rnd in timed)

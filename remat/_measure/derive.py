@@ -9,21 +9,31 @@ Under choice c (full remat, or `save_matmuls`), with "born" the storages its for
 * Held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
   storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]).
   Its inputs are held by whoever made them, whatever this block does.
-* Forward peak: the forward's allocation log replayed, with what kept's autograd saves and c does not hold
-  (storages born and never released in the window, outputs and c's matmul outputs aside) released as the next
-  storage is allocated, as an operand dies after the op that reads it; and under `save_matmuls` with the
-  matmul outputs never released. Exact on the benchmark's convnet; it misses what the block's Python holds
-  longer (on the GPT-like stack's blocks about a fifth of their forward peak under full remat), which matters
-  only where the forward is a block's larger peak, and there backward's recompute peaks higher anyway.
+* Forward peak: under full remat, kept's: an upper bound (rerun frees what kept's autograd saves as soon as the
+  block's Python drops it, which the log cannot tell), and not what binds, since backward (below) starts above
+  the forward's start (the output's gradient at least) and replays the same log. Under `save_matmuls` the
+  matmul outputs never die before recompute, and recompute hands them back and drops them, so the forward can
+  peak above the recompute and kept's peak is no bound: the forward's log is replayed with the matmul outputs
+  never released and what kept's autograd saved (born, never released, neither output nor matmul) released at
+  the next allocation, as an operand dies after the op that reads it. That is exact on the benchmark's
+  convnet and low by a seventh on the GPT-like stack's blocks (locals of the block's Python live longer), where
+  backward peaks higher anyway.
 * Backward peak: backward starts at what kept started at (`at_backward`, above S_i), less the born storages
-  kept still held then, plus those that c holds (`alive_out`, and the matmul outputs). Recompute then replays
-  the forward's allocation log on top (a matmul output under `save_matmuls` is handed back, not allocated
-  again); after it, what recompute built that backward does not need is gone as it was in kept's run, and
-  backward runs as kept's did. The peak is the larger of the two phases.
+  kept still held then (`alive`), plus those that c holds then: the matmul outputs under `save_matmuls`, and
+  the outputs that something outside the block still holds (`live_out`). An output can be live at backward
+  only through the block's own saved tensors (an op that saves its result, such as a final ReLU: rerun drops
+  that) or through a reference from outside (kept whatever the block does). Autograd saves a result as a new
+  tensor on the same storage, so the two differ in whether the output's own tensor object is still alive,
+  which a weak reference tells. Recompute then replays the forward's allocation log on top (a matmul output
+  under `save_matmuls` is handed back, not allocated again); after it, what recompute built that backward does
+  not need is gone as it was in kept's run, and backward runs as kept's did (its peak is an upper bound: rerun's
+  backward may hold a little less). The peak is the larger of the two phases.
 * Times: the forward is kept's; the backward is kept's plus a recompute, which is kept's forward less its
   matmul-class ops under `save_matmuls` (each op's time is measured from the end of the op before, so the
   Python between ops counts in the non-matmul part). `save_matmuls` runs a dispatch mode over every op in
   forward and in recompute: `ops` times its cost per op (`mode_overhead`, calibrated once per process).
+  Where a device runs asynchronously (CUDA) the tracked step is not timed and its matmul times are only the
+  launches: recompute under `save_matmuls` then counts as much as a whole forward (an overestimate).
 The forward peak is an upper bound and the rest a model; tests/test_budget_derive.py checks derived against
 measured costs on small models, and the benchmark prints predicted against measured peaks and times.
 """
@@ -72,16 +82,15 @@ class Kept:
     detail: Detail
 
 
-def _replay(detail: Detail, handed: bool, keep: bool, drop: frozenset[int] | None = None) -> int:
+def _replay(detail: Detail, handed: bool, keep: bool, drop: frozenset[int] = frozenset()) -> int:
     """The peak of the forward's allocation log, from 0 (see NOTE [ Deriving choices ]).
 
     handed: matmul outputs are not allocated (recompute under save_matmuls gets them back).
     keep: matmul outputs are never released (forward under save_matmuls keeps them).
-    drop: storages never released in the log that die once the next storage is allocated (rerun's forward).
+    drop: storages never released in the log that are released once the next storage is allocated.
     """
-    level = peak = 0
+    level = peak = pending = 0
     matmul = detail.matmul
-    pending = 0
     for number, delta in detail.events:
         if number in matmul and ((handed and delta > 0) or (keep and delta < 0)):
             continue
@@ -89,7 +98,7 @@ def _replay(detail: Detail, handed: bool, keep: bool, drop: frozenset[int] | Non
         peak = max(peak, level)
         if delta > 0:
             level -= pending
-            pending = detail.born[number] if drop is not None and number in drop else 0
+            pending = detail.born[number] if number in drop else 0
     return peak
 
 
@@ -112,9 +121,11 @@ def derive_bytes(choice: str, kept: Kept) -> tuple[int, int, int]:
         raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")
     handed = choice == "save_matmuls"
     held = sum(born[key] for key in holds)
-    released = {number for number, delta in detail.events if delta < 0}
-    dropped = frozenset(n for n in born if n not in released and n not in holds)  # what kept saves, rerun drops
-    forward_peak = kept.base + _replay(detail, handed=False, keep=handed, drop=dropped)
+    forward_peak = kept.forward_peak
+    if handed:
+        released = {number for number, delta in detail.events if delta < 0}
+        dropped = frozenset(n for n in born if n not in released and n not in holds)  # saved by kept's autograd
+        forward_peak = kept.base + _replay(detail, handed=False, keep=True, drop=dropped)
     live = kept.live_out | detail.matmul if handed else kept.live_out  # born storages live at backward under c
     start = kept.at_backward - kept.alive + sum(born[key] for key in live)
     rise = _replay(detail, handed=handed, keep=False)

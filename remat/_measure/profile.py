@@ -3,26 +3,28 @@
 See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ] for how.
 
 NOTE [ Profiling rounds ]
-Blocks of one kind (same class, same parameter shapes) cost the same wherever they sit, up to what lies
-around them. So one tracked step measures many (block, choice) pairs at once: in round r, the m-th block of
-a kind takes slot p = m + r * (size of its kind) and runs under choice p mod k while p < 2k (two samples of
-each choice), under choice 0 (kept, in remat.apply: the cheapest to run) after that; as many rounds run as
-the smallest kind needs to see every choice (one round for a stack of 12 identical layers and 3 choices: two
-blocks under each of save_matmuls and full remat, eight kept). Two samples rather than a third of the blocks
-each: the rematerialized blocks are what makes the profiled step slower than a plain one (bytes do not
-need more samples; times are scaled by a run alone anyway), at the price of a profiled step that holds more
-memory (on the benchmark's GPT-like stack, by its own figures, about three quarters of no remat's peak rather
-than about half). In each round, hooks mark where every block's forward and backward start and end (a forward
-pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak
-of every window between two marks.
+Full remat and `save_matmuls` (under the rerun strategy) are not run: they are derived from each block's run
+kept (NOTE [ Deriving choices ] in derive.py), so the choices that run are kept and those that cannot be
+derived (policies passed as `choices=`, and full remat under the replay strategy). Blocks of one kind (same
+class, same parameter shapes) cost the same wherever they sit, up to what lies around them. So one tracked step
+measures many (block, choice) pairs at once: with k choices to run, in round r the m-th block of a kind takes
+slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each), kept
+after that; as many rounds run as the smallest kind needs to see every choice. With only kept to run, that is
+one round whatever the kinds: one tracked step, every block kept, each recorded in detail for the derivations
+(windows.py's `Detail`). Otherwise two samples of each run choice rather than a third of the blocks each: the
+rematerialized blocks are what makes the profiled step slower than a plain one, at the price of a profiled
+step that holds more memory. In each round, hooks mark where every block's forward and backward start and end
+(a forward pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records
+the peak of every window between two marks.
 A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
 what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
-start); the second part is the block's own where it ran under that choice, else the (upper) median over the
-blocks of its kind that did; the first is always the block's own.
+start); the second part is the block's own where it ran (or was derived) under that choice, else the (upper)
+median over the blocks of its kind that did; the first is always the block's own (combine.py).
 The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows.py): times are the median over
 blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
-planning a stack of identical layers costs one training step with four of its blocks rematerialized, the
-tracker's cost, and k blocks run alone: about 1.9 training steps for the benchmark's GPT-like stack.
+planning costs one tracked step with every block kept, and one block run alone to correct the clock: on the
+benchmark's GPT-like stack and on its convnet (six blocks of five kinds) about 1.5 training steps each
+(measured on a loaded machine: `python -m remat --model budget --threads 1`, column "plan (steps)").
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
 """
 
