@@ -98,9 +98,9 @@ def combine(
                 for d, label in derived.items():
                     hd, fd, bd = derive_bytes(label, kept)
                     entries[d] = (hd, fd - b, bd - b - hd)
-            for choice, entry in entries.items():
-                own[(i, choice)] = entry
-                samples[(kinds[i], choice)].append(entry)
+            for choice, measured in entries.items():
+                own[(i, choice)] = measured
+                samples[(kinds[i], choice)].append(measured)
     times: dict[tuple[Any, int], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for rnd in timed:
         for i, c in enumerate(rnd.assignment):
