@@ -11,7 +11,9 @@ measures many (block, choice) pairs at once: with k choices to run, in round r t
 slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each), kept
 after that; as many rounds run as the smallest kind needs to see every choice. With only kept to run, that is
 one round whatever the kinds: one tracked step, every block kept, each recorded in detail for the derivations
-(windows.py's `Detail`). Otherwise two samples of each run choice rather than a third of the blocks each: the
+(windows.py's `Detail`). That step peaks at no remat's activation peak (running two blocks of each kind under
+save_matmuls and full remat kept it near three quarters of that on the GPT-like stack): profiling needs the
+memory of a plain training step. Otherwise two samples of each run choice rather than a third of the blocks each: the
 rematerialized blocks are what makes the profiled step slower than a plain one, at the price of a profiled
 step that holds more memory. In each round, hooks mark where every block's forward and backward start and end
 (a forward pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records
