@@ -1,23 +1,21 @@
 """Profile a model's blocks under each choice in one or a few real training steps: a `ModelCost`.
 
-See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ] for how.
-
-NOTE [ Profiling rounds ]
+See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ]
 Full remat and `save_matmuls` (under the rerun strategy) are not run: they are derived from each block's run
 kept (NOTE [ Deriving choices ] in derive.py), so the choices that run are kept and those that cannot be
 derived (policies passed as `choices=`, and full remat under the replay strategy). Blocks of one kind (same
-class, same parameter shapes) cost the same wherever they sit, up to what lies around them. So one tracked step
-measures many (block, choice) pairs at once: with k choices to run, in round r the m-th block of a kind takes
-slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each), kept
-after that; as many rounds run as the smallest kind needs to see every choice. With only kept to run, that is
-one round whatever the kinds: one tracked step, every block kept, each recorded in detail for the derivations
-(windows.py's `Detail`). That step peaks at no remat's activation peak (running two blocks of each kind under
-save_matmuls and full remat kept it near three quarters of that on the GPT-like stack): profiling needs the
-memory of a plain training step. Otherwise two samples of each run choice rather than a third of the blocks each: the
-rematerialized blocks are what makes the profiled step slower than a plain one, at the price of a profiled
-step that holds more memory. In each round, hooks mark where every block's forward and backward start and end
-(a forward pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records
-the peak of every window between two marks.
+class, same parameter shapes) cost the same wherever they sit, up to what lies around them. So one tracked
+step measures many (block, choice) pairs at once: with k choices to run, in round r the m-th block of a kind
+takes slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each),
+kept after that; as many rounds run as the smallest kind needs to see every choice. With only kept to run,
+that is one round whatever the kinds: one tracked step, every block kept, each recorded in detail for the
+derivations (windows.py's `Detail`). That step peaks at no remat's activation peak (running two blocks of
+each kind under save_matmuls and full remat kept it near three quarters of that on the GPT-like stack):
+profiling needs the memory of a plain training step. With more choices to run, two samples of each rather
+than a third of the blocks each: the rematerialized blocks are what makes the profiled step slower than a
+plain one. In each round, hooks mark where every block's forward and backward start and end (a forward
+pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak
+of every window between two marks.
 A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
 what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
 start); the second part is the block's own where it ran (or was derived) under that choice, else the (upper)
@@ -48,7 +46,7 @@ from .alone import describe, time_alone
 from .combine import Round, combine
 from .costs import ModelCost
 from .derive import Kept, mode_overhead
-from .track import synchronize
+from .track import _storage, synchronize
 from .windows import Detail, Windows, per_op_overhead
 
 __all__ = ["profile_blocks"]
@@ -160,11 +158,13 @@ class _Recorder:
 
 
 def _storage_keys(value: Any) -> list[tuple[int, weakref.ref[torch.Tensor]]]:
-    return [
-        (t.untyped_storage()._cdata, weakref.ref(t))
-        for t in tree_leaves(value)
-        if isinstance(t, torch.Tensor) and not t.is_meta
-    ]
+    """The storage key of every tensor in `value` that has a storage, with a weak reference to the tensor."""
+    out = []
+    for t in tree_leaves(value):
+        storage = _storage(t) if isinstance(t, torch.Tensor) else None
+        if storage is not None:
+            out.append((storage._cdata, weakref.ref(t)))
+    return out
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
