@@ -34,6 +34,12 @@ Under choice c (full remat, or `save_matmuls`), with "born" the storages its for
   forward and in recompute: `ops` times its cost per op (`mode_overhead`, calibrated once per process).
   Where a device runs asynchronously (CUDA) the tracked step is not timed and its matmul times are only the
   launches: recompute under `save_matmuls` then counts as much as a whole forward (an overestimate).
+All of this rests on NOTE [ Budget model ]'s premise that a block holds what its forward left alive until its
+own backward. Where that fails, blocks' numbers depend on the choices around them: on a tiny Llama (Hugging
+Face), a tenth of the bytes the decoder layers' forwards left alive died before the first backward started,
+and the derived plans' peaks came out up to 14% low. So the profiled step checks it when backward starts
+(profile.py, `_early_deaths`), and where more than 5% died early, the derivable choices are run instead
+(NOTE [ Profiling rounds ]): one more tracked step or more, and measured numbers.
 The forward peak is an upper bound and the rest a model; tests/test_budget_derive.py checks derived against
 measured costs on small models, and the benchmark prints predicted against measured peaks and times.
 """

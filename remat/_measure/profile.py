@@ -78,6 +78,7 @@ class _Recorder:
         # their forward, and its outputs' storages (weakly: NOTE [ Deriving choices ] in derive.py)
         self.details: dict[int, tuple[Detail, list[tuple[int, weakref.ref[torch.Tensor]]]]] = {}
         self.at_backward: dict[int, tuple[int, int, frozenset[int]]] = {}  # live, own live, outputs live
+        self.early: tuple[int, int] | None = None  # at the first backward: bytes the others held, and lost since
 
     def _switch(self, owner: tuple[str, int]) -> int:
         if self.timing:
@@ -118,6 +119,8 @@ class _Recorder:
         if self.owner[0] == "bwd" and self.owner[1] > i:  # a block after i never marked its end
             self.backward_end(self.owner[1])
         level = self._switch(("bwd", i))
+        if self.tracker is not None and self.early is None and self.details:
+            self.early = _early_deaths(self.tracker, [d for j, (d, _) in self.details.items() if j != i])
         if self.tracker is not None and i in self.details:
             detail, out = self.details[i]
             live = frozenset(self.tracker.still_live(detail, [n for n, ref in out if ref() is not None]))
@@ -155,6 +158,24 @@ class _Recorder:
             self.backward_end(self.owner[1])
         self._switch(("out", 0))
         self.grad_events.clear()
+
+
+def _early_deaths(tracker: Windows, details: list[Detail]) -> tuple[int, int]:
+    """Bytes these blocks' forwards left alive, and how many of them died before the first backward started.
+
+    NOTE [ Budget model ] has a block hold what its forward left alive until its own backward; where the
+    blocks' storages die sooner (something outside or a later block frees them), the bytes measured above
+    S_i depend on the choices around the block, and NOTE [ Deriving choices ] cannot hold.
+    """
+    held = lost = 0
+    for detail in details:
+        numbers = list(detail.refs)
+        alive = set(tracker.still_live(detail, numbers))
+        for number in numbers:
+            held += detail.born[number]
+            if number not in alive:
+                lost += detail.born[number]
+    return held, lost
 
 
 def _storage_keys(value: Any) -> list[tuple[int, weakref.ref[torch.Tensor]]]:
@@ -236,6 +257,8 @@ def _kind(block: nn.Module) -> tuple[Any, ...]:
     return (type(block), repr(block), params)
 
 
+_EARLY = 0.05  # of the bytes blocks hold, dying before the first backward: then derived choices are run instead
+
 _SAMPLES = 2  # blocks of a kind that run each choice in the profiled step, at most; see NOTE [ Profiling rounds ]
 
 
@@ -314,6 +337,8 @@ def profile_blocks(
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+    if derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked):
+        return profile_blocks(model, names, blocks, choices, step, assign)  # NOTE [ Deriving choices ]: run them
     sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None
     kinds = [_kind(b) for b in blocks]
     measured = [_round(a, rec, _kept(rec)) for a, rec in zip(rounds, tracked, strict=True)]
