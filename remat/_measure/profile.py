@@ -23,7 +23,7 @@ median over the blocks of its kind that did; the first is always the block's own
 The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows.py): times are the median over
 blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
 planning costs one tracked step with every block kept, and one block run alone to correct the clock: on the
-benchmark's GPT-like stack and on its convnet (six blocks of five kinds) about 1.5 training steps each
+benchmark's GPT-like stack and on its convnet (six blocks of five kinds) 1.4-1.8 training steps each
 (measured on a loaded machine: `python -m remat --model budget --threads 1`, column "plan (steps)").
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
 """
