@@ -20,7 +20,7 @@ Under choice c (full remat, or `save_matmuls`), with "born" the storages its for
   backward peaks higher anyway.
 * Backward peak: backward starts at what kept started at (`at_backward`, above S_i), less the born storages
   kept still held then (`alive`), plus those that c holds then: the matmul outputs under `save_matmuls`, and
-  the outputs that something outside the block still holds (`live_out`). An output can be live at backward
+  the outputs that something outside the block still holds (`live_outputs`). An output can be live at backward
   only through the block's own saved tensors (an op that saves its result, such as a final ReLU: rerun drops
   that) or through a reference from outside (kept whatever the block does). Autograd saves a result as a new
   tensor on the same storage, so the two differ in whether the output's own tensor object is still alive,
@@ -72,8 +72,8 @@ class Kept:
         backward_peak: the peak while its backward ran.
         at_backward: bytes live when its backward started.
         alive: bytes of its born storages still live when its backward started.
-        out_keys: its outputs' born storages.
-        live_out: those of them still live when its backward started.
+        outputs: its outputs' born storages (numbered as in `detail`).
+        live_outputs: those of them that something outside the block still held when its backward started.
         detail: its forward window's allocations, op by op.
     """
 
@@ -83,8 +83,8 @@ class Kept:
     backward_peak: int
     at_backward: int
     alive: int
-    out_keys: frozenset[int]
-    live_out: frozenset[int]
+    outputs: frozenset[int]
+    live_outputs: frozenset[int]
     detail: Detail
 
 
@@ -120,9 +120,9 @@ def derive_bytes(choice: str, kept: Kept) -> tuple[int, int, int]:
     detail = kept.detail
     born = detail.born
     if choice == "full":
-        holds = kept.out_keys
+        holds = kept.outputs
     elif choice == "save_matmuls":
-        holds = kept.out_keys | detail.matmul
+        holds = kept.outputs | detail.matmul
     else:
         raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")
     handed = choice == "save_matmuls"
@@ -132,7 +132,7 @@ def derive_bytes(choice: str, kept: Kept) -> tuple[int, int, int]:
         released = {number for number, delta in detail.events if delta < 0}
         dropped = frozenset(n for n in born if n not in released and n not in holds)  # saved by kept's autograd
         forward_peak = kept.base + _replay(detail, handed=False, keep=True, drop=dropped)
-    live = kept.live_out | detail.matmul if handed else kept.live_out  # born storages live at backward under c
+    live = kept.live_outputs | detail.matmul if handed else kept.live_outputs  # born storages live at backward under c
     start = kept.at_backward - kept.alive + sum(born[key] for key in live)
     rise = _replay(detail, handed=handed, keep=False)
     backward_peak = max(start + rise, kept.backward_peak)
