@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ._measure.costs import ModelCost
+from ._measure.derive import DERIVABLE
 from ._measure.profile import profile_blocks
 from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, solve_budget
@@ -143,8 +144,10 @@ class _Budget:
         self.busy = True
         try:
             with torch.enable_grad():
+                rerun = self.options["strategy"] == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
+                derived = [c for c, label in enumerate(self.labels) if rerun and label in DERIVABLE]
                 cost: ModelCost = profile_blocks(
-                    model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c)
+                    model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c), derived
                 )
             plan = solve_budget(cost, self.budget)
         except BaseException:

@@ -1,35 +1,36 @@
 """Profile a model's blocks under each choice in one or a few real training steps: a `ModelCost`.
 
-See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ] for how.
-
-NOTE [ Profiling rounds ]
-Blocks of one kind (same class, same parameter shapes) cost the same wherever they sit, up to what lies
-around them. So one tracked step measures many (block, choice) pairs at once: in round r, the m-th block of
-a kind takes slot p = m + r * (size of its kind) and runs under choice p mod k while p < 2k (two samples of
-each choice), under choice 0 (kept, in remat.apply: the cheapest to run) after that; as many rounds run as
-the smallest kind needs to see every choice (one round for a stack of 12 identical layers and 3 choices: two
-blocks under each of save_matmuls and full remat, eight kept). Two samples rather than a third of the blocks
-each: the rematerialized blocks are what makes the profiled step slower than a plain one (bytes do not
-need more samples; times are scaled by a run alone anyway), at the price of a profiled step that holds more
-memory (on the benchmark's GPT-like stack, by its own figures, about three quarters of no remat's peak rather
-than about half). In each round, hooks mark where every block's forward and backward start and end (a forward
+See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ]
+Full remat and `save_matmuls` (under the rerun strategy) are not run: they are derived from each block's run
+kept (NOTE [ Deriving choices ] in derive.py), so the choices that run are kept and those that cannot be
+derived (policies passed as `choices=`, and full remat under the replay strategy). Blocks of one kind (same
+class, same parameter shapes) cost the same wherever they sit, up to what lies around them. So one tracked
+step measures many (block, choice) pairs at once: with k choices to run, in round r the m-th block of a kind
+takes slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each),
+kept after that; as many rounds run as the smallest kind needs to see every choice. With only kept to run,
+that is one round whatever the kinds: one tracked step, every block kept, each recorded in detail for the
+derivations (windows.py's `Detail`). That step peaks at no remat's activation peak (running two blocks of
+each kind under save_matmuls and full remat kept it near three quarters of that on the GPT-like stack):
+profiling needs the memory of a plain training step. With more choices to run, two samples of each rather
+than a third of the blocks each: the rematerialized blocks are what makes the profiled step slower than a
+plain one. In each round, hooks mark where every block's forward and backward start and end (a forward
 pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak
 of every window between two marks.
 A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
 what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
-start); the second part is the block's own where it ran under that choice, else the (upper) median over the
-blocks of its kind that did; the first is always the block's own.
+start); the second part is the block's own where it ran (or was derived) under that choice, else the (upper)
+median over the blocks of its kind that did; the first is always the block's own (combine.py).
 The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows.py): times are the median over
 blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
-planning a stack of identical layers costs one training step with four of its blocks rematerialized, the
-tracker's cost, and k blocks run alone: about 1.9 training steps for the benchmark's GPT-like stack.
+planning costs one tracked step with every block kept, and one block run alone to correct the clock: on the
+benchmark's GPT-like stack and on its convnet (six blocks of five kinds) 1.4-1.8 training steps each
+(measured on a loaded machine: `python -m remat --model budget --threads 1`, column "plan (steps)").
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 import weakref
 from collections import defaultdict
@@ -42,9 +43,11 @@ from torch.utils._pytree import tree_leaves
 
 from .._engine.rng import RngStash, devices_of
 from .alone import describe, time_alone
-from .costs import BlockCost, ModelCost
-from .track import synchronize
-from .windows import Windows, per_op_overhead
+from .combine import Round, combine
+from .costs import ModelCost
+from .derive import Kept, mode_overhead
+from .track import _storage, synchronize
+from .windows import Detail, Windows, per_op_overhead
 
 __all__ = ["profile_blocks"]
 
@@ -71,6 +74,11 @@ class _Recorder:
         self.grad_events: dict[int, tuple[weakref.ref[torch.Tensor], list[tuple[int, int]]]] = {}
         self.describe: set[int] = set()  # blocks whose inputs to describe (see alone.py)
         self.specs: dict[int, tuple[Any, Any]] = {}
+        self.detailed: set[int] = set()  # blocks to record in detail (NOTE [ Deriving choices ] in derive.py)
+        # their forward, and its outputs' storages (weakly: NOTE [ Deriving choices ] in derive.py)
+        self.details: dict[int, tuple[Detail, list[tuple[int, weakref.ref[torch.Tensor]]]]] = {}
+        self.at_backward: dict[int, tuple[int, int, frozenset[int]]] = {}  # live, own live, outputs live
+        self.early: tuple[int, int] | None = None  # at the first backward: bytes the others held, and lost since
 
     def _switch(self, owner: tuple[str, int]) -> int:
         if self.timing:
@@ -93,17 +101,33 @@ class _Recorder:
     def forward_start(self, i: int) -> None:
         self.start_level[i] = self._switch(("fwd", i))
         self.base[i] = self.start_level[i] - self.held_sum
+        if self.tracker is not None and i in self.detailed:
+            self.tracker.detail = Detail()
 
-    def forward_end(self, i: int) -> None:
-        if self.tracker is not None:
-            self.held[i] = max(0, self.tracker.current_bytes - self.start_level[i])
+    def forward_end(self, i: int, output: Any) -> None:
+        tracker = self.tracker
+        if tracker is not None:
+            detail = tracker.close()
+            self.held[i] = max(0, tracker.current_bytes - self.start_level[i])
             self.held_sum += self.held[i]
+            if detail is not None:
+                outputs = [(detail.live[k], ref) for k, ref in _storage_keys(output) if k in detail.live]
+                self.details[i] = (detail, outputs)
         self._switch(("out", i + 1))
 
     def backward_start(self, i: int) -> None:
         if self.owner[0] == "bwd" and self.owner[1] > i:  # a block after i never marked its end
             self.backward_end(self.owner[1])
-        self._switch(("bwd", i))
+        level = self._switch(("bwd", i))
+        if self.tracker is not None and self.early is None and self.details:
+            self.early = _early_deaths(self.tracker, [d for j, (d, _) in self.details.items() if j != i])
+        if self.tracker is not None and i in self.details:
+            detail, out = self.details[i]
+            live = frozenset(self.tracker.still_live(detail, [n for n, ref in out if ref() is not None]))
+            alive = sum(detail.born[n] for n in self.tracker.still_live(detail, detail.refs))
+            self.at_backward[i] = (level - (self.held_sum - self.held[i]), alive, live)
+            if self.timing:
+                self.clock = time.perf_counter()
 
     def backward_end(self, i: int) -> None:
         if self.owner != ("bwd", i):
@@ -136,6 +160,34 @@ class _Recorder:
         self.grad_events.clear()
 
 
+def _early_deaths(tracker: Windows, details: list[Detail]) -> tuple[int, int]:
+    """Bytes these blocks' forwards left alive, and how many of them died before the first backward started.
+
+    NOTE [ Budget model ] has a block hold what its forward left alive until its own backward; where the
+    blocks' storages die sooner (something outside or a later block frees them), the bytes measured above
+    S_i depend on the choices around the block, and NOTE [ Deriving choices ] cannot hold.
+    """
+    held = lost = 0
+    for detail in details:
+        numbers = list(detail.refs)
+        alive = set(tracker.still_live(detail, numbers))
+        for number in numbers:
+            held += detail.born[number]
+            if number not in alive:
+                lost += detail.born[number]
+    return held, lost
+
+
+def _storage_keys(value: Any) -> list[tuple[int, weakref.ref[torch.Tensor]]]:
+    """The storage key of every tensor in `value` that has a storage, with a weak reference to the tensor."""
+    out = []
+    for t in tree_leaves(value):
+        storage = _storage(t) if isinstance(t, torch.Tensor) else None
+        if storage is not None:
+            out.append((storage._cdata, weakref.ref(t)))
+    return out
+
+
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
@@ -156,7 +208,7 @@ def _hooks(blocks: Sequence[nn.Module], recorder: _Recorder) -> list[Any]:
                 recorder.on_grad(first, 0, i)
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None, i: int = i) -> None:
-            recorder.forward_end(i)
+            recorder.forward_end(i, output)
             first = _first_grad_tensor(output)
             if first is not None:
                 recorder.on_grad(first, 1, i)
@@ -173,6 +225,7 @@ def _run(
     timing: bool,
     devices: tuple[torch.device, ...],
     describe: Collection[int] = (),
+    detailed: Collection[int] = (),
 ) -> _Recorder:
     """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ])."""
     with contextlib.ExitStack() as stack:
@@ -183,6 +236,7 @@ def _run(
             tracker.per_op = per_op_overhead() if timing else 0.0
         recorder = _Recorder(len(blocks), tracker, timing, devices)
         recorder.describe = set(describe)
+        recorder.detailed = set(detailed)
         handles = _hooks(blocks, recorder)
         try:
             if timing:
@@ -203,10 +257,14 @@ def _kind(block: nn.Module) -> tuple[Any, ...]:
     return (type(block), repr(block), params)
 
 
+_EARLY = 0.05  # of the bytes blocks hold, dying before the first backward: then derived choices are run instead
+
 _SAMPLES = 2  # blocks of a kind that run each choice in the profiled step, at most; see NOTE [ Profiling rounds ]
 
 
-def _rounds(blocks: Sequence[nn.Module], k: int) -> list[list[int]]:
+def _rounds(blocks: Sequence[nn.Module], run: Sequence[int]) -> list[list[int]]:
+    """Per round, the choice of each block: the choices in `run` (indices), in turn over the blocks of a kind."""
+    k = len(run)
     kinds = [_kind(b) for b in blocks]
     members: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, kind in enumerate(kinds):
@@ -215,7 +273,7 @@ def _rounds(blocks: Sequence[nn.Module], k: int) -> list[list[int]]:
     size = {i: len(members[kind]) for i, kind in enumerate(kinds)}
     count = max(-(-k // len(group)) for group in members.values())
     slot = [[rank[i] + r * size[i] for i in range(len(blocks))] for r in range(count)]
-    return [[p % k if p < _SAMPLES * k else 0 for p in row] for row in slot]
+    return [[run[p % k] if p < _SAMPLES * k else run[0] for p in row] for row in slot]
 
 
 def profile_blocks(
@@ -225,6 +283,7 @@ def profile_blocks(
     choices: Sequence[str],
     step: Step,
     assign: Assign,
+    derived: Collection[int] = (),
 ) -> ModelCost:
     """Profile `blocks` of `model` under every choice on the training step `step` (NOTE [ Profiling rounds ]).
 
@@ -232,21 +291,25 @@ def profile_blocks(
         model: the model that `step` runs (its RNG devices, buffers and gradients are left as they were).
         names: the blocks' qualified names, in forward order.
         blocks: the blocks themselves, in forward order.
-        choices: labels of the choices, in the order `assign` numbers them.
+        choices: labels of the choices, in the order `assign` numbers them; choice 0 keeps the block as it is.
         step: runs the model's forward on the sample and returns the scalar loss.
         assign: `assign(i, c)` puts block i under choice c (the caller applies or removes the hooks).
+        derived: choices derived from the blocks' runs kept instead of run (labelled "full" or "save_matmuls",
+            with the rerun strategy: NOTE [ Deriving choices ] in derive.py).
 
     Returns:
         The `ModelCost` of every block under every choice.
     """
-    k = len(choices)
-    rounds = _rounds(blocks, k)
+    run = [c for c in range(len(choices)) if c not in derived]
+    if derived and run[:1] != [0]:
+        raise ValueError("remat: derived choices need choice 0 (kept) to be run.")
+    rounds = _rounds(blocks, run)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = devices_of(params, module=model)
     apart = any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
-    samples = {} if apart else _samples(blocks, rounds, k)
+    samples = {} if apart else _samples(blocks, rounds, len(run))
     alone: dict[int, tuple[float, float]] = {}
     try:
         for p in params:
@@ -258,7 +321,8 @@ def profile_blocks(
                 for i, c in enumerate(assignment):
                     assign(i, c)
                 here = {b for r, b in samples.values() if r == len(tracked)}
-                tracked.append(_run(step, blocks, True, not apart, devices, here))
+                kept = [i for i, c in enumerate(assignment) if c == 0] if derived else []
+                tracked.append(_run(step, blocks, True, not apart, devices, here, kept))
                 timed.append(_run(step, blocks, False, True, devices) if apart else tracked[-1])
             for choice, (r, sample) in samples.items():
                 assign(sample, choice)
@@ -273,12 +337,36 @@ def profile_blocks(
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+    if derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked):
+        return profile_blocks(model, names, blocks, choices, step, assign)  # NOTE [ Deriving choices ]: run them
     sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None
-    return _costs(names, blocks, choices, rounds, tracked, timed, alone, sample_kind)
+    kinds = [_kind(b) for b in blocks]
+    measured = [_round(a, rec, _kept(rec)) for a, rec in zip(rounds, tracked, strict=True)]
+    clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
+    labels = {c: choices[c] for c in derived}
+    per_op = mode_overhead() if "save_matmuls" in labels.values() else 0.0
+    return combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op)
+
+
+def _round(assignment: list[int], rec: _Recorder, kept: dict[int, Kept]) -> Round:
+    return Round(assignment, rec.held, rec.base, rec.peaks, rec.times, kept)
+
+
+def _kept(rec: _Recorder) -> dict[int, Kept]:
+    out: dict[int, Kept] = {}
+    for i, (detail, outputs) in rec.details.items():
+        if i not in rec.at_backward:
+            continue  # its backward never ran: nothing to derive from
+        at, alive, live = rec.at_backward[i]
+        h = rec.held[i]
+        fwd = rec.peaks.get(("fwd", i), rec.base[i] + h)
+        bwd = rec.peaks.get(("bwd", i), rec.base[i] + h)
+        out[i] = Kept(rec.base[i], h, fwd, bwd, at, alive, frozenset(k for k, _ in outputs), live, detail)
+    return out
 
 
 def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> dict[int, tuple[int, int]]:
-    """Per choice, the first (round, block) in which a block of the largest kind runs it (run alone later)."""
+    """Per choice run, the first (round, block) in which a block of the largest kind runs it (run alone later)."""
     members: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, block in enumerate(blocks):
         members[_kind(block)].append(i)
@@ -288,79 +376,3 @@ def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> di
         for b in largest:
             out.setdefault(assignment[b], (r, b))
     return out if len(out) == k else {}
-
-
-def _median(entries: list[tuple[int, int, int]]) -> tuple[int, int, int]:
-    ordered = [sorted(column) for column in zip(*entries, strict=True)]
-    middle = len(entries) // 2
-    return (ordered[0][middle], ordered[1][middle], ordered[2][middle])
-
-
-def _costs(
-    names: Sequence[str],
-    blocks: Sequence[nn.Module],
-    choices: Sequence[str],
-    rounds: list[list[int]],
-    tracked: list[_Recorder],
-    timed: list[_Recorder],
-    alone: dict[int, tuple[float, float]],
-    sample_kind: tuple[Any, ...] | None,
-) -> ModelCost:
-    n = len(blocks)
-    kinds = [_kind(b) for b in blocks]
-    # What a block adds itself under a choice: its own measurement, else the median over its kind; its base.
-    own: dict[tuple[int, int], tuple[int, int, int]] = {}
-    samples: dict[tuple[Any, int], list[tuple[int, int, int]]] = defaultdict(list)
-    base = [0] * n
-    for assignment, rec in zip(rounds, tracked, strict=True):
-        for i, c in enumerate(assignment):
-            base[i] = max(base[i], rec.base[i])
-            h = rec.held[i]
-            fwd = rec.peaks.get(("fwd", i), rec.base[i] + h)
-            bwd = rec.peaks.get(("bwd", i), rec.base[i] + h)
-            entry = (h, fwd - rec.base[i], bwd - rec.base[i] - h)
-            own[(i, c)] = entry
-            samples[(kinds[i], c)].append(entry)
-    times: dict[tuple[Any, int], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-    for assignment, rec in zip(rounds, timed, strict=True):
-        for i, c in enumerate(assignment):
-            times[(kinds[i], c)][0].append(rec.times.get(("fwd", i), 0.0))
-            times[(kinds[i], c)][1].append(rec.times.get(("bwd", i), 0.0))
-    scale = [(1.0, 1.0)] * len(choices)  # per choice, forward and backward: NOTE [ Timing under the tracker ]
-    outside_scale = 1.0
-    if alone:
-        for choice, (fwd_alone, bwd_alone) in alone.items():
-            fwd_times, bwd_times = times[(sample_kind, choice)]
-            scale[choice] = (
-                _ratio(fwd_alone, statistics.median(fwd_times)), _ratio(bwd_alone, statistics.median(bwd_times))
-            )
-        outside_scale = _ratio(
-            sum(f + b for f, b in alone.values()),
-            sum(sum(map(statistics.median, times[(sample_kind, choice)])) for choice in alone),
-        )
-    rows: list[tuple[BlockCost | None, ...]] = []
-    for i in range(n):
-        row: list[BlockCost | None] = []
-        for c in range(len(choices)):
-            h, f, b = own.get((i, c)) or _median(samples[(kinds[i], c)])
-            fwd_times, bwd_times = times.get((kinds[i], c), ([], []))
-            row.append(
-                BlockCost(
-                    held_bytes=h,
-                    forward_peak=max(0, base[i] + f),
-                    backward_peak=max(0, base[i] + h + b),
-                    forward_time=statistics.median(fwd_times) * scale[c][0] if fwd_times else 0.0,
-                    backward_time=statistics.median(bwd_times) * scale[c][1] if bwd_times else 0.0,
-                )
-            )
-        rows.append(tuple(row))
-    outside = [max(rec.peaks.get(("out", k), 0) for rec in tracked) for k in range(n + 1)]
-    outside_time = statistics.median(
-        sum(v for key, v in rec.times.items() if key[0] == "out") for rec in timed
-    )
-    return ModelCost(tuple(names), tuple(choices), tuple(rows), tuple(outside), max(0.0, outside_time * outside_scale))
-
-
-def _ratio(alone: float, tracked: float) -> float:
-    """How much faster a run alone was than under the tracker, between 0.5 and 1."""
-    return 1.0 if tracked <= 0 else min(1.0, max(0.5, alone / tracked))

@@ -9,12 +9,13 @@ see; that constant is calibrated once per process on a few hundred small ops, in
 (`per_op_overhead`). The recorder's own work between windows is kept out of every window.
 What is left still runs slow, by 5-20% on CPU (measured on the benchmark's GPT-like stack; most in backward,
 more for blocks under remat): the tracked ops themselves run slower than bare ones, by more than small ops
-show. So after the rounds, profile.py runs one block of the largest kind alone and untracked once per choice,
-on fresh inputs shaped like the ones it saw (alone.py), and scales each choice's forward and backward times,
-for every kind, by the ratio of that run to the tracked median (never up, never below half), and the outside
-time by the ratio over all choices. For a stack of identical layers this costs k blocks' forward and backward
-(a third of a step for 12 blocks and 3 choices). If the block cannot run alone (any exception), the tracked
-times stay as they are: the ratio only refines them.
+show. So after the rounds, profile.py runs one block of the largest kind alone and untracked once per choice
+that ran (once in all when only kept ran: the derived choices' times are made of kept's, NOTE [ Deriving
+choices ] in derive.py), on fresh inputs shaped like the ones it saw (alone.py), and scales each choice's
+forward and backward times, for every kind, by the ratio of that run to the tracked median (never up, never
+below half), and the outside time by the ratio over all choices run. For a stack of identical layers this
+costs one block's forward and backward (a twelfth of a step for 12 blocks). If the block cannot run alone
+(any exception), the tracked times stay as they are: the ratio only refines them.
 This holds on CPU, where everything runs in the calling thread. Where a device runs asynchronously (CUDA), the
 tracker's Python may hide under the kernels or not, so there each round runs a second, untracked step for the
 clock, and no block runs alone.
@@ -24,24 +25,61 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from .._policies import matmuls
 from .track import Tracker
 
-__all__ = ["Windows", "per_op_overhead"]
+__all__ = ["Detail", "Windows", "per_op_overhead"]
+
+
+class Detail:
+    """What one window saw, op by op, for deriving other choices from it (NOTE [ Deriving choices ] in derive.py).
+
+    Storages are numbered in the order the window allocated them (a storage key, its address, may be reused
+    once it is freed).
+
+    Attributes:
+        born: bytes of every storage the window allocated, by number.
+        matmul: the numbers among `born` that a matmul-class op made (`remat.policies.save_matmuls`'s ops).
+        events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released.
+        ops: aten ops the window ran.
+        matmul_time: seconds of the matmul-class ops among them (each op's time from the end of the one before).
+        live: the storages of `born` live now (while the window is open) or when it closed: key -> number.
+        refs: when the window closed, the tracker's weak reference to each storage of `live`, by number.
+    """
+
+    __slots__ = ("born", "events", "live", "matmul", "matmul_time", "ops", "refs")
+
+    def __init__(self) -> None:
+        self.born: dict[int, int] = {}
+        self.matmul: set[int] = set()
+        self.events: list[tuple[int, int]] = []
+        self.ops = 0
+        self.matmul_time = 0.0
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, tuple[int, object]] = {}
 
 
 class Windows(Tracker):
-    """A tracker that keeps the peak since the last `mark` and its own time (NOTE [ Timing under the tracker ])."""
+    """A tracker that keeps the peak since the last `mark` and its own time (NOTE [ Timing under the tracker ]).
+
+    While `detail` is set, it also records what the window allocates and releases, op by op (`Detail`).
+    """
 
     window_peak = 0
     overhead = 0.0  # seconds of this tracker's own work since the last `take_overhead`
     per_op = 0.0  # seconds per op that the clocks in `_see` cannot see
+    detail: Detail | None = None
+    _last = 0.0  # when the last `_see` ended: an op's time is from there to the start of the next one's
+    _in_matmul = False
 
     def mark(self) -> int:
         peak, self.window_peak = self.window_peak, self.current_bytes
+        self._last = time.perf_counter()
         return peak
 
     def take_overhead(self) -> float:
@@ -50,11 +88,42 @@ class Windows(Tracker):
 
     def _see(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         start = time.perf_counter()
-        super()._see(func, args, kwargs, out)
-        self.overhead += time.perf_counter() - start + self.per_op
+        detail = self.detail
+        if detail is None:
+            super()._see(func, args, kwargs, out)
+        else:
+            detail.ops += 1
+            if matmuls(func):
+                detail.matmul_time += max(0.0, start - self._last - self.per_op)
+                self._in_matmul = True
+                try:
+                    super()._see(func, args, kwargs, out)
+                finally:
+                    self._in_matmul = False
+            else:
+                super()._see(func, args, kwargs, out)
+        self._last = end = time.perf_counter()
+        self.overhead += end - start + self.per_op
+
+    def _add(self, key: int, t: torch.Tensor, st: torch.UntypedStorage) -> None:
+        super()._add(key, t, st)
+        detail = self.detail
+        if detail is not None:
+            number = len(detail.born)
+            nbytes = self._live[key][1]
+            detail.live[key] = number
+            detail.born[number] = nbytes
+            detail.events.append((number, nbytes))
+            if self._in_matmul:
+                detail.matmul.add(number)
 
     def _release(self, key: int, ref: object = None) -> None:
         start = time.perf_counter()
+        detail = self.detail
+        if detail is not None:
+            number = detail.live.pop(key, None)
+            if number is not None:
+                detail.events.append((number, -detail.born[number]))
         super()._release(key, ref)
         self.overhead += time.perf_counter() - start
 
@@ -62,6 +131,23 @@ class Windows(Tracker):
         super()._account(device, delta)
         if self.current_bytes > self.window_peak:
             self.window_peak = self.current_bytes
+
+    def close(self) -> Detail | None:
+        """Stop recording in detail; the detail recorded, with a weak reference to each storage still live."""
+        detail, self.detail = self.detail, None
+        if detail is not None:
+            detail.refs = {number: (key, self._live[key][2]) for key, number in detail.live.items()}
+        return detail
+
+    def still_live(self, detail: Detail, numbers: Iterable[int]) -> list[int]:
+        """The storages among `numbers` (of `detail`, live when it closed) that are live still."""
+        out = []
+        for number in numbers:
+            key, ref = detail.refs.get(number, (0, None))
+            entry = self._live.get(key)
+            if entry is not None and entry[2] is ref:
+                out.append(number)
+        return out
 
 
 _PER_OP: list[float] = []  # the calibrated constant of NOTE [ Timing under the tracker ], once per process

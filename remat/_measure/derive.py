@@ -1,0 +1,183 @@
+"""Derive what a block costs under full remat and under `save_matmuls` from one tracked run of it kept.
+
+NOTE [ Deriving choices ]
+Running every choice for real takes tracked rounds: a kind of block with one member needs one round per choice,
+each slower than a plain step. But what a rematerialized block does is a replay of what it does kept, and the
+tracker sees every op of that: so one tracked run of a block kept (`Kept`, filled by profile.py from the
+window's `Detail` in windows.py) gives its other choices, in the terms of NOTE [ Budget model ] in costs.py.
+Under choice c (full remat, or `save_matmuls`), with "born" the storages its forward allocated:
+* Held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
+  storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]).
+  Its inputs are held by whoever made them, whatever this block does.
+* Forward peak: under full remat, kept's: an upper bound (rerun frees what kept's autograd saves as soon as the
+  block's Python drops it, which the log cannot tell), and not what binds, since backward (below) starts above
+  the forward's start (the output's gradient at least) and replays the same log. Under `save_matmuls` the
+  matmul outputs never die before recompute, and recompute hands them back and drops them, so the forward can
+  peak above the recompute and kept's peak is no bound: the forward's log is replayed with the matmul outputs
+  never released and what kept's autograd saved (born, never released, neither output nor matmul) released at
+  the next allocation, as an operand dies after the op that reads it. That is exact on the benchmark's
+  convnet and low by a seventh on the GPT-like stack's blocks (locals of the block's Python live longer), where
+  backward peaks higher anyway.
+* Backward peak: backward starts at what kept started at (`at_backward`, above S_i), less the born storages
+  kept still held then (`alive`), plus those that c holds then: the matmul outputs under `save_matmuls`, and
+  the outputs that something outside the block still holds (`live_outputs`). An output can be live at backward
+  only through the block's own saved tensors (an op that saves its result, such as a final ReLU: rerun drops
+  that) or through a reference from outside (kept whatever the block does). Autograd saves a result as a new
+  tensor on the same storage, so the two differ in whether the output's own tensor object is still alive,
+  which a weak reference tells. Recompute then replays the forward's allocation log on top (a matmul output
+  under `save_matmuls` is handed back, not allocated again); after it, what recompute built that backward does
+  not need is gone as it was in kept's run, and backward runs as kept's did (its peak is an upper bound: rerun's
+  backward may hold a little less). The peak is the larger of the two phases.
+* Times: the forward is kept's; the backward is kept's plus a recompute, which is kept's forward less its
+  matmul-class ops under `save_matmuls` (each op's time is measured from the end of the op before, so the
+  Python between ops counts in the non-matmul part). `save_matmuls` runs a dispatch mode over every op in
+  forward and in recompute: `ops` times its cost per op (`mode_overhead`, calibrated once per process).
+  Where a device runs asynchronously (CUDA) the tracked step is not timed and its matmul times are only the
+  launches: recompute under `save_matmuls` then counts as much as a whole forward (an overestimate).
+All of this rests on NOTE [ Budget model ]'s premise that a block holds what its forward left alive until its
+own backward. Where that fails, blocks' numbers depend on the choices around them: on a tiny Llama (Hugging
+Face), a tenth of the bytes the decoder layers' forwards left alive died before the first backward started,
+and the derived plans' peaks came out up to 14% low. So the profiled step checks it when backward starts
+(profile.py, `_early_deaths`), and where more than 5% died early, the derivable choices are run instead
+(NOTE [ Profiling rounds ]): one more tracked step or more, and measured numbers.
+Forward peaks are a bound (full remat) or an estimate (`save_matmuls`), the rest a model: tests/
+test_budget_derive.py checks derived against measured costs on small models, and the benchmark prints
+predicted against measured peaks and times. Measured against running each choice on the benchmark's blocks
+(untracked, fastest of 15): derived backward times of full remat and `save_matmuls` come out 6-10% low (a
+recompute runs slower than the forward it repeats, and rerun's hooks cost some 0.1 ms per call and 7-9 us
+per saved tensor, none of which is modelled).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .._engine.selective import SaveOps
+from .._policies import save_matmuls
+from .windows import Detail
+
+__all__ = ["DERIVABLE", "Kept", "derive_bytes", "derive_times", "mode_overhead"]
+
+DERIVABLE = ("full", "save_matmuls")
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One block's tracked run kept: the numbers a derivation starts from (bytes above S_i: NOTE [ Budget model ]).
+
+    Args:
+        base: bytes live at its forward start.
+        held: bytes its forward left alive.
+        forward_peak: the peak while its forward ran.
+        backward_peak: the peak while its backward ran.
+        at_backward: bytes live when its backward started.
+        alive: bytes of its born storages still live when its backward started.
+        outputs: its outputs' born storages (numbered as in `detail`).
+        live_outputs: those of them that something outside the block still held when its backward started.
+        detail: its forward window's allocations, op by op.
+    """
+
+    base: int
+    held: int
+    forward_peak: int
+    backward_peak: int
+    at_backward: int
+    alive: int
+    outputs: frozenset[int]
+    live_outputs: frozenset[int]
+    detail: Detail
+
+
+def _replay(detail: Detail, handed: bool, keep: bool, drop: frozenset[int] = frozenset()) -> int:
+    """The peak of the forward's allocation log, from 0 (see NOTE [ Deriving choices ]).
+
+    handed: matmul outputs are not allocated (recompute under save_matmuls gets them back).
+    keep: matmul outputs are never released (forward under save_matmuls keeps them).
+    drop: storages never released in the log that are released once the next storage is allocated.
+    """
+    level = peak = pending = 0
+    matmul = detail.matmul
+    for number, delta in detail.events:
+        if number in matmul and ((handed and delta > 0) or (keep and delta < 0)):
+            continue
+        level += delta
+        peak = max(peak, level)
+        if delta > 0:
+            level -= pending
+            pending = detail.born[number] if number in drop else 0
+    return peak
+
+
+def derive_bytes(choice: str, kept: Kept) -> tuple[int, int, int]:
+    """Held bytes, forward peak and backward peak (above S_i) of a block under `choice`, from its run kept.
+
+    >>> d = Detail()
+    >>> d.born, d.matmul, d.events = {1: 8, 2: 4}, {1}, [(1, 8), (2, 4)]  # a matmul output, then the output
+    >>> kept = Kept(0, 12, 12, 20, 16, 12, frozenset({2}), frozenset({2}), d)
+    >>> derive_bytes("full", kept), derive_bytes("save_matmuls", kept)
+    ((4, 12, 20), (12, 12, 20))
+    """
+    detail = kept.detail
+    born = detail.born
+    if choice == "full":
+        holds = kept.outputs
+    elif choice == "save_matmuls":
+        holds = kept.outputs | detail.matmul
+    else:
+        raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")
+    handed = choice == "save_matmuls"
+    held = sum(born[key] for key in holds)
+    forward_peak = kept.forward_peak
+    if handed:
+        released = {number for number, delta in detail.events if delta < 0}
+        dropped = frozenset(n for n in born if n not in released and n not in holds)  # saved by kept's autograd
+        forward_peak = kept.base + _replay(detail, handed=False, keep=True, drop=dropped)
+    live = kept.live_outputs | detail.matmul if handed else kept.live_outputs  # born storages live at backward under c
+    start = kept.at_backward - kept.alive + sum(born[key] for key in live)
+    rise = _replay(detail, handed=handed, keep=False)
+    backward_peak = max(start + rise, kept.backward_peak)
+    return held, forward_peak, backward_peak
+
+
+def derive_times(
+    choice: str, forward: float, backward: float, matmul: float, ops: float, per_op: float
+) -> tuple[float, float]:
+    """Forward and backward seconds of a block under `choice`, from its times kept (NOTE [ Deriving choices ]).
+
+    >>> derive_times("full", 1.0, 2.0, 0.5, 10, 0.01), derive_times("save_matmuls", 1.0, 2.0, 0.5, 10, 0.01)
+    ((1.0, 3.0), (1.1, 2.6))
+    """
+    if choice == "full":
+        return forward, backward + forward
+    if choice == "save_matmuls":
+        mode = ops * per_op
+        return forward + mode, backward + max(0.0, forward - matmul) + mode
+    raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")
+
+
+_MODE: list[float] = []  # seconds per op of `save_matmuls`' dispatch mode, once per process
+
+
+def mode_overhead(ops: int = 128, tries: int = 3) -> float:
+    """Seconds per op that `save_matmuls`' dispatch mode adds to a small op (the least over a few tries)."""
+    if _MODE:
+        return _MODE[0]
+    x = torch.zeros(8)
+    best = math.inf
+    for _ in range(tries):
+        start = time.perf_counter()
+        for _ in range(ops):
+            x.add(1)
+        bare = time.perf_counter() - start
+        with SaveOps(save_matmuls):
+            start = time.perf_counter()
+            for _ in range(ops):
+                x.add(1)
+            moded = time.perf_counter() - start
+        best = min(best, (moded - bare) / ops)
+    _MODE.append(max(0.0, best))
+    return _MODE[0]
