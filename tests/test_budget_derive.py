@@ -11,6 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_grads, randn
+from test_budget import Stack
 from torch import nn
 
 import remat
@@ -18,8 +20,6 @@ from remat._fit import _Budget
 from remat._measure.costs import ModelCost
 from remat._measure.profile import profile_blocks
 from remat._plan.blocks_dp import evaluate_blocks
-from tests.conftest import assert_same_grads, randn
-from tests.models import TransformerBlock
 
 LABELS = ("kept", "save_matmuls", "full")
 OPTIONS = {"preserve_rng": True, "strategy": "rerun", "check": False}
@@ -55,21 +55,6 @@ class ConvNet(nn.Module):
         for block in self.blocks:
             h = block(h)
         out: torch.Tensor = self.head(h.mean(dim=(2, 3)))
-        return out
-
-
-class Stack(nn.Module):
-    def __init__(self, n: int = 4, width: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(TransformerBlock(width, 2, dropout=0.1) for _ in range(n))
-        self.head = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.head(h)
         return out
 
 

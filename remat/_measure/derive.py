@@ -50,15 +50,11 @@ per saved tensor, none of which is modelled).
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
-
-import torch
 
 from .._engine.selective import SaveOps
 from .._policies import save_matmuls
-from .windows import Detail
+from .windows import Detail, mode_cost
 
 __all__ = ["DERIVABLE", "Kept", "derive_bytes", "derive_times", "mode_overhead"]
 
@@ -162,22 +158,8 @@ def derive_times(
 _MODE: list[float] = []  # seconds per op of `save_matmuls`' dispatch mode, once per process
 
 
-def mode_overhead(ops: int = 128, tries: int = 3) -> float:
-    """Seconds per op that `save_matmuls`' dispatch mode adds to a small op (the least over a few tries)."""
-    if _MODE:
-        return _MODE[0]
-    x = torch.zeros(8)
-    best = math.inf
-    for _ in range(tries):
-        start = time.perf_counter()
-        for _ in range(ops):
-            x.add(1)
-        bare = time.perf_counter() - start
-        with SaveOps(save_matmuls):
-            start = time.perf_counter()
-            for _ in range(ops):
-                x.add(1)
-            moded = time.perf_counter() - start
-        best = min(best, (moded - bare) / ops)
-    _MODE.append(max(0.0, best))
+def mode_overhead() -> float:
+    """Seconds per op that `save_matmuls`' dispatch mode adds to a small op."""
+    if not _MODE:
+        _MODE.append(mode_cost(lambda: SaveOps(save_matmuls)))
     return _MODE[0]

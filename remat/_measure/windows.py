@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from .._policies import matmuls
 from .track import Tracker
 
-__all__ = ["Detail", "Windows", "per_op_overhead"]
+__all__ = ["Detail", "Windows", "mode_cost", "per_op_overhead"]
 
 
 class Detail:
@@ -150,13 +150,10 @@ class Windows(Tracker):
         return out
 
 
-_PER_OP: list[float] = []  # the calibrated constant of NOTE [ Timing under the tracker ], once per process
-
-
-def per_op_overhead(ops: int = 128, tries: int = 3) -> float:
-    """Seconds per op that a tracker costs beyond what its own clocks measure (the least over a few tries)."""
-    if _PER_OP:
-        return _PER_OP[0]
+def mode_cost(mode: Callable[[], Any], seen: Callable[[Any], float] = lambda mode: 0.0, ops: int = 128,
+              tries: int = 3) -> float:
+    """Seconds per small op that running under `mode()` adds, less what `seen(mode)` says its own clocks saw
+    (the least over a few tries, never below zero)."""
     x = torch.zeros(8)
     best = math.inf
     for _ in range(tries):
@@ -164,12 +161,20 @@ def per_op_overhead(ops: int = 128, tries: int = 3) -> float:
         for _ in range(ops):
             x.add(1)
         bare = time.perf_counter() - start
-        tracker = Windows()
-        with tracker:
+        with mode() as entered:
             start = time.perf_counter()
             for _ in range(ops):
                 x.add(1)
-            tracked = time.perf_counter() - start
-        best = min(best, (tracked - bare - tracker.overhead) / ops)
-    _PER_OP.append(max(0.0, best))
+            under = time.perf_counter() - start
+        best = min(best, (under - bare - seen(entered)) / ops)
+    return max(0.0, best)
+
+
+_PER_OP: list[float] = []  # the calibrated constant of NOTE [ Timing under the tracker ], once per process
+
+
+def per_op_overhead() -> float:
+    """Seconds per op that a tracker costs beyond what its own clocks measure."""
+    if not _PER_OP:
+        _PER_OP.append(mode_cost(Windows, lambda tracker: float(tracker.overhead)))
     return _PER_OP[0]
