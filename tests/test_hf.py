@@ -84,6 +84,8 @@ def _step(make: Callable[[], nn.Module], name: str, how: str) -> dict[str, Any]:
     model = make().double().train()
     if how == "named":
         remat.apply(model, next(type(m) for m in model.modules() if type(m).__name__ == MODELS[name][1]))
+    elif how == "budget":
+        remat.apply(model, budget=0.8, sample=batch(name))
     elif how != "none":
         remat.apply(model, strategy=how)  # type: ignore[arg-type]
     torch.manual_seed(1)
@@ -94,7 +96,7 @@ def _step(make: Callable[[], nn.Module], name: str, how: str) -> dict[str, Any]:
         out.loss.backward()
     grads = {key: p.grad for key, p in model.named_parameters()}
     return {"peak": tracker.peak_bytes, "out": out, "grads": grads, "rng": torch.get_rng_state(),
-            "cache": cache, "before": before, "after": _cache_state(cache)}
+            "cache": cache, "before": before, "after": _cache_state(cache), "plan": remat.plan(model)}
 
 
 def _cache_state(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -214,22 +216,12 @@ def test_one_log_line_per_model_across_applies_and_a_budget_profile(caplog: pyte
 def test_a_budget_on_a_padded_batch_keeps_gradients_and_peaks_below_no_remat(name: str) -> None:
     """Spec §2.8 on transformers models with their default arguments: `remat.apply(model, budget=...)`."""
     make, _ = MODELS[name]
-    none = _step(make, name, "none")
-    torch.manual_seed(0)
-    model = make().double().train()
-    remat.apply(model, budget=0.8, sample=batch(name))
-    plan = remat.plan(model)
-    assert plan.budget is not None and len(plan.budget.cost) == 2 * (2 if name == "t5" else 1)
-    torch.manual_seed(1)
-    with remat.track() as tracker:
-        out = model(**batch(name))
-        cache = out.get("past_key_values")
-        before = _cache_state(cache)
-        out.loss.backward()
-    got = {"out": out, "grads": {key: p.grad for key, p in model.named_parameters()}, "rng": torch.get_rng_state()}
+    none, got = _step(make, name, "none"), _step(make, name, "budget")
+    plan = got["plan"].budget
+    assert plan is not None and len(plan.cost) == 2 * (2 if name == "t5" else 1)
     _assert_same(none, got)
-    assert tracker.peak_bytes < none["peak"]
-    after = _cache_state(cache)  # backward leaves the cache the model returned as it was
+    assert got["peak"] < none["peak"]
+    before, after = got["before"], got["after"]  # backward leaves the cache the model returned as it was
     assert len(before) == len(after) and all(map(torch.equal, sum(before, ()), sum(after, ())))
 
 
