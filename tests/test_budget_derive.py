@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_grads, randn
-from test_budget import Stack
+from test_budget import Stack, _peak
 from torch import nn
 
 import remat
@@ -123,14 +123,6 @@ def test_choices_that_cannot_be_derived_still_run() -> None:
     replayed = ConvNet().double()
     # replay's recompute is not rerun's: its full remat runs for real
     assert _forward_calls(replayed, lambda: remat.apply(replayed, budget=0.7, sample=IMAGES, strategy="replay")) == 2
-
-
-def _peak(model: nn.Module, x: torch.Tensor) -> int:
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    with remat.track() as t:
-        model(x).sum().backward()
-    return t.peak_bytes
 
 
 @pytest.mark.parametrize("fraction", [0.7, 0.85])
