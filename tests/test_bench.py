@@ -281,7 +281,7 @@ def test_targets_take_ratios_per_repeat_and_judge_the_median() -> None:
     assert checks["gpt: save_matmuls time overhead / full remat's"].ok  # 0.2 / 1.0
     assert not checks["gpt: save_matmuls peak between full remat and none"].ok  # 950 > 900
     text = format_checks(list(checks.values()))
-    assert "✓" in text and "✗" in text and "0.2 [0.2..0.5]" in text
+    assert "✓" in text and "✗" in text and "0.2000 [0.2..0.5]" in text
     assert text.splitlines()[-1] == f"{sum(c.ok for c in checks.values())} of {len(checks)} targets hold in this run."
 
 

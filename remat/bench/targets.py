@@ -137,7 +137,9 @@ def format_checks(checks: Sequence[Check]) -> str:
     table = [("§", "target", "measured (median [low..high] over repeats)", "bound", "")]
     for check in checks:
         spread = "" if check.low == check.high else f" [{check.low:.3g}..{check.high:.3g}]"
-        table.append((check.section, check.what, f"{check.median:.3g}{spread}", check.target, "✓" if check.ok else "✗"))
+        # 4 decimals: a ratio of 1.0005 against a bound of 1.00 must not read "1"
+        median = f"{check.median:.4f}" if abs(check.median) >= 0.01 else f"{check.median:.3g}"
+        table.append((check.section, check.what, median + spread, check.target, "✓" if check.ok else "✗"))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["Targets of spec §5 (this run):"]
     for i, row in enumerate(table):
