@@ -29,7 +29,7 @@ from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, solve_budget
 from ._plan.units import Budget, parse_budget
 from ._policies import PolicyLike, as_policy, save_matmuls
-from ._targets import _remove_hooks, _select, model_rules, wrap_module
+from ._targets import _remove_hooks, _select, wrap_module
 
 __all__ = ["apply_budget", "default_loss"]
 
@@ -122,8 +122,7 @@ class _Budget:
         _remove_hooks(block)
         policy = self.policies[c]
         if policy != _KEPT:
-            options = Options(policy=policy, **self.options)  # type: ignore[arg-type]
-            wrap_module(block, options, model_rules(model))
+            wrap_module(block, Options(policy=policy, **self.options), model)  # type: ignore[arg-type]
 
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BudgetPlan:
         """Profile one step on these inputs, solve, and put the chosen options on the blocks."""

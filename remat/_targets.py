@@ -96,7 +96,7 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
     """Rematerialize every instance's `forward`; the class stays itself (isinstance, pickling hold)."""
     forward = cls.forward
     forward = getattr(forward, "__wrapped__", forward) if hasattr(forward, _MARK) else forward
-    cls.forward = wrap_function(forward, options, site=cls.__qualname__, adapt=_cache_rule(cls, options, []))
+    cls.forward = wrap_function(forward, options, site=cls.__qualname__, adapt=_cache_rule(cls, options, cls))
     return cls
 
 
@@ -187,37 +187,31 @@ def _remove_hooks(module: nn.Module) -> None:
             table.pop(key, None)
 
 
-_RULES: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+_RULES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # owner -> its one cache rule
 
 
-def model_rules(model: nn.Module) -> list[Any]:
-    """The `shared` list of `model`'s layers, the same on every `apply` to it (and every round of a budget's
-    profile), so that a model logs its one line once in its life."""
-    rules = _RULES.get(model)
-    if rules is None:
-        rules = _RULES[model] = []
-    return rules
-
-
-def _cache_rule(kind: type, options: Options, shared: list[Any]) -> Any:
+def _cache_rule(kind: type, options: Options, owner: Any) -> Any:
     """The KV-cache rule for a transformers layer class under rerun, else None; see NOTE [ Caches of transformers
-    layers ] in _integrations/transformers.py. `shared` holds one rule for a model's layers (one log line)."""
+    layers ] in _integrations/transformers.py. One rule per `owner` (a model, a module, a class) for its life, so
+    that it logs its one line once, however often it is applied (and through every round of a budget's profile)."""
     if options.strategy == "replay" or not comes_from(kind, "transformers"):
         return None
-    if not shared:
+    rule = _RULES.get(owner)
+    if rule is None:
         from ._integrations.transformers import CacheOff
 
-        shared.append(CacheOff())
-    return shared[0]
+        rule = _RULES[owner] = CacheOff()
+    return rule
 
 
-def wrap_module(module: _M, options: Options, shared: list[Any] | None = None) -> _M:
-    """Rematerialize `module`'s forward in place and return the same object."""
+def wrap_module(module: _M, options: Options, owner: nn.Module | None = None) -> _M:
+    """Rematerialize `module`'s forward in place and return the same object (`owner`: the model whose layers
+    share one cache rule; the module itself by default)."""
     if hasattr(type(module).forward, _MARK):
         return module  # the class is rematerialized already
     _remove_hooks(module)
     site = options.name or type(module).__qualname__
-    adapt = _cache_rule(type(module), options, [] if shared is None else shared)
+    adapt = _cache_rule(type(module), options, module if owner is None else owner)
     module.register_forward_pre_hook(_Open(options, site, adapt), with_kwargs=True)
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module
@@ -263,10 +257,9 @@ def apply(
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
     chosen = _select(model, where)
-    shared = model_rules(model)
     for index, (_, module) in enumerate(chosen):
         if index % every == 0:
-            wrap_module(module, options, shared)
+            wrap_module(module, options, model)
     return model
 
 
