@@ -19,7 +19,7 @@ from .._errors import RematError
 from .guard import storage_key
 from .transfer import Parcel, Stay, reap
 
-__all__ = ["Offload", "offload", "resolve"]
+__all__ = ["Offload", "for_kept", "offload", "resolve"]
 
 # NOTE [ What is offloaded ]
 # A saved tensor is offloaded when it is on an accelerator (or on CPU with `include_cpu`), holds at least
@@ -250,6 +250,18 @@ def resolve(setting: Any) -> Offload | None:
     raise TypeError(
         f"remat: `offload` must be True, False or remat.offload(...), but got `{type(setting).__name__}`."
     )
+
+
+def for_kept(offload: Offload | None, policy: Any) -> Offload | None:
+    """Where a site puts what its `policy` keeps: its own `offload`, else the default one for a policy that
+    offloads (`policies.offload(...)`), else nowhere (None: kept on the device). See NOTE [ Offloaded sites ].
+
+    >>> for_kept(None, None) is None
+    True
+    """
+    if offload is not None or policy is None or not policy.offloads:
+        return offload
+    return resolve(True)
 
 
 # NOTE [ Offloaded sites ]

@@ -24,7 +24,7 @@ from .._options import Options
 from .._policies import Policy, as_policy, tags
 from .guard import storage_key
 from .hooks import Frame, Handle, Kept
-from .offload import Offload, resolve
+from .offload import Offload, for_kept, resolve
 from .recorder import Recorder, op_info
 from .tape import Tape
 from .transfer import Parcel, Stay
@@ -270,8 +270,7 @@ def begin(
     frame = RegionFrame(site, check, preserve_rng, debug, policy)
     if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
         frame.outer = offload.hooks
-    if policy is not None:
-        frame.offload = offload if offload is not None or not policy.offloads else resolve(True)
+    frame.offload = for_kept(offload, policy)
     recorder = frame.recorder
     assert recorder is not None
     recorder.__enter__()  # type: ignore[no-untyped-call]

@@ -20,7 +20,7 @@ from .debug import OpTrace
 from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
-from .offload import Offload, resolve
+from .offload import Offload, for_kept
 from .rng import RngStash, devices_of
 from .selective import ReuseOps, SaveOps
 from .transfer import Parcel, Stay
@@ -323,7 +323,7 @@ def begin(
     frame.module = module
     if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
         frame.outer = offload.hooks
-    frame.offload = offload if offload is not None or policy is None or not policy.offloads else resolve(True)
+    frame.offload = for_kept(offload, policy)
     if frame.outer is None:
         frame.args, frame.kwargs = args, kwargs
         frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
