@@ -16,7 +16,7 @@ from ._api import remat as remat
 from ._checkpoint import checkpoint as checkpoint
 from ._checkpoint import checkpoint_sequential as checkpoint_sequential
 from ._engine.offload import Offload as Offload
-from ._engine.region import Region as Region
+from ._engine.region_site import Region as Region
 from ._errors import BudgetError as BudgetError
 from ._errors import RecomputeMismatchError as RecomputeMismatchError
 from ._errors import RematError as RematError

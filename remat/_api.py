@@ -15,7 +15,7 @@ from torch import nn
 from . import _checkpoint, _errors, _policies, _switch, _targets
 from . import policies as _policies_module
 from ._engine import offload as _offload
-from ._engine.region import Region
+from ._engine.region_site import Region
 from ._options import Options, Strategy
 from ._plan.sites import ModelPlan
 from ._plan.units import Budget

@@ -17,7 +17,8 @@ from torch import nn
 from remat import _switch
 from remat._engine import rerun as _rerun
 from remat._engine import stats as _stats
-from remat._engine.region import Region, RegionFrame, begin, call, end
+from remat._engine.region import RegionFrame, begin, call, end
+from remat._engine.region_site import Region
 from remat._errors import RecomputeMismatchError, RematError
 from remat._options import Options
 

@@ -1,4 +1,5 @@
-"""The replay strategy: `with remat.region():`, `@remat.region()` and `@remat(strategy="replay")`.
+"""The replay strategy's frame and entry points (`begin`, `end`, `call`), behind `with remat.region():`
+(region_site.py), `@remat.region()` and `@remat(strategy="replay")`.
 
 A region records the aten ops its block runs (`_tape.Recorder`) and gives autograd handles instead of the
 activations made inside; backward replays the tape (`_tape.Tape.replay`). See NOTE [ What the tape holds ] in
@@ -7,31 +8,23 @@ _tape.py, NOTE [ Handle lifetime ] in _hooks.py, and NOTE [ Region entry ] and N
 
 from __future__ import annotations
 
-import functools
-import sys
-import threading
 import weakref
 from collections.abc import Callable
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from .. import _switch
 from .._errors import BUG, RecomputeMismatchError, RematError
-from .._options import Options
-from .._policies import Policy, as_policy, tags
+from .._policies import Policy, tags
 from .guard import storage_key
 from .hooks import Frame, Handle, Kept
-from .offload import Offload, for_kept, resolve
+from .offload import Offload, for_kept
 from .recorder import Recorder, op_info
 from .tape import Tape
 from .transfer import Parcel, Stay
 
-__all__ = ["Region", "RegionFrame", "begin", "call", "end"]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
+__all__ = ["RegionFrame", "begin", "call", "end"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _storage_id: Callable[[torch.Tensor], int] = torch._C._storage_id  # type: ignore[attr-defined]
@@ -230,10 +223,8 @@ class RegionFrame(Frame):
 # NOTE [ Region entry ]
 # `begin` pushes the recording mode and then the saved-tensor hooks; `end` pops them in reverse order and
 # finishes the tape, also when the block raised (then the recording is dropped). A region records only when
-# grad mode is on: without it autograd saves nothing, so there is nothing to free. A `Region` object keeps the
-# recordings it has open in a thread-local stack, so one object may be entered again while it is open (a
-# recursive decorated function: each level is a nested region) and from several threads at once; `ops` and
-# `freed_bytes` describe the recording that ended last.
+# grad mode is on: without it autograd saves nothing, so there is nothing to free. The `Region` object of
+# `remat.region()` (region_site.py) calls them.
 
 
 def begin(
@@ -321,90 +312,3 @@ def call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], 
         raise
     end(token)
     return out
-
-
-class Region:
-    """Rematerialize every activation of a block by replaying the aten ops it ran (spec §2.2).
-
-    Used as `with remat.region() as r:` or as a decorator, `@remat.region()`. Inside, autograd keeps handles
-    instead of the activations made in the block; backward replays the recorded ops to rebuild them. Tensors
-    created before the block are kept by reference. The block runs untouched when the site is off
-    (`enabled=False`, or `REMAT=0`) or when grad mode is off.
-
-    Attributes:
-        ops: number of aten ops recorded by the recording that ended last.
-        freed_bytes: bytes of saved activations that it does not keep (rebuilt in backward).
-
-    Args:
-        options: the site's options; `strategy` is ignored (a region always replays).
-
-    >>> import torch
-    >>> from remat._options import Options
-    >>> x = torch.randn(4, 4, requires_grad=True)
-    >>> with Region(Options()) as r:
-    ...     y = x.tanh().exp()
-    >>> y.sum().backward()
-    >>> r.ops, r.freed_bytes
-    (2, 128)
-    """
-
-    def __init__(self, options: Options) -> None:
-        self.options = options
-        self.ops = 0
-        self.freed_bytes = 0
-        self._local = threading.local()
-
-    def _stack(self) -> list[object]:
-        stack: list[object] | None = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def _begin(self, site: str | None) -> None:
-        options = self.options
-        token = None
-        if options.active(_switch.is_enabled()):
-            if site is None:
-                caller = sys._getframe(2)
-                site = f"region at {caller.f_code.co_filename}:{caller.f_lineno}"
-            token = begin(
-                site=site, check=options.check, preserve_rng=options.preserve_rng,
-                debug=options.debug or _switch.debug(), offload=resolve(options.offload),
-                policy=as_policy(options.policy),
-            )
-        self._stack().append(token)
-
-    def _end(self, ok: bool) -> None:
-        token = self._stack().pop()
-        end(token, ok=ok)
-        if ok and isinstance(token, RegionFrame):
-            self.ops, self.freed_bytes = token.ops, token.freed_bytes
-
-    def __enter__(self) -> Region:
-        self._begin(self.options.name)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._end(exc_type is None)
-
-    def __call__(self, fn: _F) -> _F:
-        """Decorate a function or method: each call runs as a fresh region."""
-        site = self.options.name or getattr(fn, "__qualname__", None) or repr(fn)
-
-        @functools.wraps(fn)
-        def region(*args: Any, **kwargs: Any) -> Any:
-            self._begin(site)
-            try:
-                out = fn(*args, **kwargs)
-            except BaseException:
-                self._end(False)
-                raise
-            self._end(True)
-            return out
-
-        return region  # type: ignore[return-value]
