@@ -50,6 +50,7 @@ per saved tensor, none of which is modelled).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .._engine.selective import SaveOps
@@ -155,11 +156,7 @@ def derive_times(
     raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")
 
 
-_MODE: list[float] = []  # seconds per op of `save_matmuls`' dispatch mode, once per process
-
-
+@functools.cache  # calibrated once per process
 def mode_overhead() -> float:
     """Seconds per op that `save_matmuls`' dispatch mode adds to a small op."""
-    if not _MODE:
-        _MODE.append(mode_cost(lambda: SaveOps(save_matmuls)))
-    return _MODE[0]
+    return mode_cost(lambda: SaveOps(save_matmuls))

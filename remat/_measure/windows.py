@@ -23,6 +23,7 @@ clock, and no block runs alone.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -170,11 +171,7 @@ def mode_cost(mode: Callable[[], Any], seen: Callable[[Any], float] = lambda mod
     return max(0.0, best)
 
 
-_PER_OP: list[float] = []  # the calibrated constant of NOTE [ Timing under the tracker ], once per process
-
-
+@functools.cache  # calibrated once per process: NOTE [ Timing under the tracker ]
 def per_op_overhead() -> float:
     """Seconds per op that a tracker costs beyond what its own clocks measure."""
-    if not _PER_OP:
-        _PER_OP.append(mode_cost(Windows, lambda tracker: float(tracker.overhead)))
-    return _PER_OP[0]
+    return mode_cost(Windows, lambda tracker: float(tracker.overhead))
