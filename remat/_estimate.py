@@ -22,7 +22,7 @@ from ._plan.estimate_report import EstimateReport
 from ._policies import Policy, save_matmuls
 from ._switch import enabled
 
-__all__ = ["DEFAULT_CONFIGS", "estimate"]
+__all__ = ["DEFAULT_CONFIGS", "estimate", "is_budget"]
 
 DEFAULT_CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls", 0.3)
 """The configurations `estimate` compares by default."""
@@ -64,7 +64,8 @@ def _label(config: Any) -> str:
     return str(getattr(config, "__name__", None) or repr(config))
 
 
-def _is_budget(config: Any) -> bool:
+def is_budget(config: Any) -> bool:
+    """Whether an estimate configuration is a memory budget (bytes, a string with units, a fraction)."""
     if isinstance(config, bool):
         return False
     return isinstance(config, (int, float)) or (isinstance(config, str) and config not in _NAMED)
@@ -80,7 +81,7 @@ def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configur
                         f"budget, but got {config!r}.")
     if config == "none":
         return Configured(config, "none", lambda sample: enabled(False))
-    if _is_budget(config):
+    if is_budget(config):
         try:
             parse_budget(config)
         except ValueError:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 import remat
 
-from .._estimate import DEFAULT_CONFIGS
+from .._estimate import DEFAULT_CONFIGS, is_budget
 from .._measure.measure import format_bytes
 from .convnets import CONVNET_SIZES, ConvNet, ConvNetConfig
 from .models import GPT, GPT_SIZES, GPTConfig, human_count, parameter_count
@@ -195,7 +195,7 @@ def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed:
     base = _storage_bytes([*params, *model.buffers(), *inputs, *state])
     if config == "none":
         switch = remat.enabled(False)
-    elif isinstance(config, (int, float, str)) and config not in ("full", "save_matmuls"):  # a budget
+    elif is_budget(config):
         remat.apply(model, case.where, budget=config, sample=case.sample, loss=case.loss)
         switch = remat.enabled(True)
     else:
