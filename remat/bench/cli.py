@@ -32,7 +32,7 @@ from .chain import bench_chain
 from .configs import CONFIGS, NO_REMAT, TORCH, Config, register
 from .convnets import CHAIN_SIZES, ChainNet
 from .models import human_count, parameter_count
-from .runner import MODELS, Progress, Result, bench_model, bench_tiny, note
+from .runner import MODELS, STEPS_PER_REPEAT, Progress, Result, bench_model, bench_tiny, note
 from .table import PLOT_MISSING, format_table, plot
 from .targets import check_targets, format_checks
 from .tiny import REPLAY_OPS, bench_replay, bench_startup
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         help="small (default): a quick CPU run; medium: GPT of 12 blocks, d=512, seq 256, batch 8 and a 64px ResNet",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed repeats per configuration, each "
-                        "the fastest of 2 consecutive steps (median shown)")
+                        f"the fastest of {STEPS_PER_REPEAT} consecutive steps (median shown)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG of memory vs step time (matplotlib)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
