@@ -90,6 +90,9 @@ class FakeGenerator:
         self.state[index] = int(state[0])
         self.calls.append(("set", index, int(state[0])))
 
+    def is_initialized(self) -> bool:
+        return False  # never the current accelerator: only the devices a test names are used
+
     def draw(self, index: int) -> int:
         value = self.state.setdefault(index, 100 * index)
         self.state[index] = value + 1
@@ -121,6 +124,7 @@ def fake_devices(monkeypatch: pytest.MonkeyPatch) -> dict[str, FakeGenerator]:
         return real(device)
 
     monkeypatch.setattr(torch, "get_device_module", get_device_module)
+    monkeypatch.setattr(_rng, "_built_accelerator", lambda: torch.device("xpu"))  # a build with an accelerator
     return fakes
 
 
@@ -130,6 +134,15 @@ def test_devices_come_from_positional_keyword_and_module_tensors(fake_devices: d
     found = _rng.devices_of([randn(2), OnDevice("xpu:1"), OnDevice("xpu:1")], module)
     assert found == (torch.device("hpu", 0), torch.device("xpu", 1))
     assert _rng.devices_of([randn(2)]) == ()
+
+
+def test_without_an_accelerator_module_tensors_are_not_walked(fake_devices: dict[str, FakeGenerator],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without an accelerator has no parameter on a device with a generator: the walk is skipped."""
+    module = nn.Linear(2, 2)
+    module.register_buffer("on_hpu", OnDevice("hpu"))
+    monkeypatch.setattr(_rng, "_built_accelerator", lambda: None)
+    assert _rng.devices_of([randn(2), OnDevice("xpu:1")], module) == (torch.device("xpu", 1),)
 
 
 def test_rng_of_every_fake_device_is_stashed_and_restored_in_a_fork(

@@ -16,33 +16,25 @@ __all__ = ["Attributes", "attributes", "explain"]
 # changed state that it reads. Two causes are common and visible from the site, so the error names them with
 # the fix: a cache object among the arguments (a KV cache that each call appends to; transformers' caches are
 # classes named `...Cache` with an `update` method) or `use_cache=True`, and a module whose Python attributes
-# change when it runs (a counter, a flag, a list it appends to). The second is seen by comparing the module's
-# attributes (identity, and length of containers) before recompute with those when the mismatch is found:
-# recompute runs the same Python as forward, so it repeats forward's writes. The snapshot is taken in backward
-# only, so forward pays nothing for the hints.
+# change when it runs (a counter, a flag, a tensor it caches). The second is seen by comparing the identity of
+# each of the module's attributes before recompute with that when the mismatch is found: recompute runs the
+# same Python as forward, so it repeats forward's writes. The snapshot is taken in backward only, so forward
+# pays nothing for the hints, and it is cheap (the attribute tables' values, held only until recompute ends
+# well), since every recompute of a module site takes it: a container grown in place (a list appended to) keeps
+# its identity and is not named.
 
 _MODULE_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping: hooks, parameters, buffers, `training`
-Attributes = list[tuple[nn.Module, dict[str, tuple[int, int]]]]
-_SIZED = frozenset((list, dict, set))
-
-
-def _state(value: Any) -> tuple[int, int]:
-    # `type`, not `isinstance`: the latter reads `__class__` through objects' own `__getattribute__` (slow on
-    # transformers' configs).
-    return id(value), len(value) if type(value) in _SIZED else -1
-
-
-def _own(sub: nn.Module) -> dict[str, Any]:
-    return {key: value for key, value in sub.__dict__.items() if key not in _MODULE_OWN}
+Attributes = list[tuple[nn.Module, tuple[str, ...], list[Any]]]
 
 
 def attributes(module: nn.Module) -> Attributes:
-    """The Python attributes of `module` and its submodules, as (identity, container length) per name."""
+    """The Python attributes of `module` and its submodules: per module, its names and their values."""
     found: Attributes = []
     stack = [module]
     while stack:  # a plain walk: `named_modules` builds every qualified name, which costs more than the rest
         sub = stack.pop()
-        found.append((sub, {key: _state(value) for key, value in _own(sub).items()}))
+        own = sub.__dict__
+        found.append((sub, tuple(own), list(own.values())))
         stack.extend(child for child in sub._modules.values() if child is not None)
     return found
 
@@ -50,11 +42,12 @@ def attributes(module: nn.Module) -> Attributes:
 def _changed(module: nn.Module, before: Attributes) -> list[str]:
     names = {id(sub): name for name, sub in module.named_modules(remove_duplicate=False)}
     found = []
-    for sub, states in before:
-        now = _own(sub)
+    for sub, keys, values in before:
+        then = {key: value for key, value in zip(keys, values, strict=True) if key not in _MODULE_OWN}
+        now = {key: value for key, value in sub.__dict__.items() if key not in _MODULE_OWN}
         prefix = names.get(id(sub), "")
-        for key in sorted(states.keys() | now.keys()):
-            if key not in now or key not in states or _state(now[key]) != states[key]:
+        for key in sorted(then.keys() | now.keys()):
+            if key not in now or key not in then or now[key] is not then[key]:
                 found.append(f"{prefix}.{key}" if prefix else key)
     return sorted(found)
 

@@ -31,8 +31,9 @@ __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_messag
 # The first unpack in a backward rebuilds every handle that is still alive and not yet rebuilt, and stops as
 # soon as the highest of them is back (early stop). Rebuilt tensors wait in a store keyed by the graph task, so
 # two backwards over one graph (`retain_graph=True`, or two threads) never share tensors; each tensor is popped
-# on its unpack, so it lives only until the node that needs it has run. A callback queued on the autograd engine
-# drops whatever is left in the store when that backward ends (nodes that `autograd.grad(inputs=...)` skipped).
+# on its unpack, so it lives only until the node that needs it has run, and a store emptied goes at once. When
+# more than one tensor was rebuilt, a callback queued on the autograd engine drops whatever is left in the store
+# when that backward ends (nodes that `autograd.grad(inputs=...)` skipped).
 # Under torch's `torch.utils.checkpoint.GraphExecGroup`, the group is the key instead: the backwards of one group
 # share one recompute, and what is left stays until the frame goes (as in torch).
 
@@ -185,7 +186,10 @@ class Frame:
         store = self._stores.get(gid)
         if store is None or packed.index not in store:
             store = self._rebuild(gid, store)
-        return store.pop(packed.index)
+        tensor = store.pop(packed.index)
+        if not store:  # all taken: nothing for the end-of-backward callback to drop
+            self._stores.pop(gid, None)
+        return tensor
 
     def _unpack_kept(self, kept: Kept) -> torch.Tensor:
         tensor, version = self._kept[kept.index]
@@ -198,15 +202,9 @@ class Frame:
         return tensor
 
     def _rebuild(self, gid: Any, store: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+        fresh = store is None
         if store is None:
             store = self._stores[gid] = {}
-            if type(gid) is int and gid != -1:
-                stores = self._stores
-
-                def drop() -> None:
-                    stores.pop(gid, None)
-
-                torch.autograd.Variable._execution_engine.queue_callback(drop)
         wanted = {
             index
             for index, ref in enumerate(self._handles)
@@ -214,6 +212,15 @@ class Frame:
         }
         if not wanted:
             raise RecomputeMismatchError(f"remat: `{self.site}` was asked for a tensor twice; {BUG}.")
+        if fresh and len(wanted) > 1 and type(gid) is int and gid != -1:
+            # One tensor is taken at once by the unpack that asked (and its store dropped); more may outlive
+            # this backward if some nodes never run, so a callback drops what is left when it ends.
+            stores = self._stores
+
+            def drop() -> None:
+                stores.pop(gid, None)
+
+            torch.autograd.Variable._execution_engine.queue_callback(drop)
         start = time.perf_counter()
         self.recompute(wanted, store)
         _stats.add_recompute(time.perf_counter() - start)

@@ -230,7 +230,7 @@ class RerunFrame(Frame):
                     raise
             if parted:
                 raise self.mismatch(*parted)
-            if limit < 0 and self.check and count < self.saved:
+            if (limit < 0 and self.check and count < self.saved) or count <= limit:
                 raise self.mismatch(count, None, "recompute saved fewer tensors than forward did")
         except StopRecompute:
             pass
@@ -243,6 +243,7 @@ class RerunFrame(Frame):
             torch._C._set_grad_enabled(grad_was)
             if caller_rng is not None:
                 caller_rng.apply()
+        self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
 
     def _needs_contexts(self) -> bool:
         return (

@@ -1,14 +1,14 @@
 """RNG state of every device a region touches, stashed in forward and restored inside a fork (spec §3.3).
 
 Devices are found from the tensors themselves (positional and keyword inputs, a module's parameters and
-buffers), the current accelerator and an active `torch.device(...)` context, and each one's generator is
-reached through `torch.get_device_module(device.type)`: no device type is hard-coded, so CUDA, XPU, MPS, HPU
-and privateuse1 backends all work. The CPU generator is always included.
+buffers where torch has an accelerator), the current accelerator and an active `torch.device(...)` context,
+and each one's generator is reached through `torch.get_device_module(device.type)`: no device type is
+hard-coded, so CUDA, XPU, MPS, HPU and privateuse1 backends all work. The CPU generator is always included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -41,18 +41,42 @@ def with_index(device: torch.device) -> torch.device | None:
     return torch.device(device.type, int(current()) if callable(current) else 0)
 
 
-def _current_accelerator() -> torch.device | None:
+def _built_accelerator() -> torch.device | None:
+    """The accelerator this torch was built for (or registered), initialized or not; None for none.
+
+    Where `torch.accelerator` does not exist (torch < 2.6), CUDA stands for any.
+    """
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is None:
-        return None
+        return torch.device("cuda")
     device: torch.device | None = accelerator.current_accelerator()
-    if device is None:
+    return device
+
+
+def _current_accelerator(built: torch.device | None) -> torch.device | None:
+    if built is None:
         return None
-    module = _device_module(device.type)
+    module = _device_module(built.type)
     initialized = getattr(module, "is_initialized", None)
     if module is None or (callable(initialized) and not initialized()):
         return None
-    return device
+    return built
+
+
+def _module_devices(module: nn.Module, kinds: set[torch.device]) -> None:
+    """Add the devices of the parameters and buffers of `module` and its submodules to `kinds`.
+
+    On the path of every call of a module site: a walk over the modules' own tables, about fifteen times
+    cheaper than `parameters()` and `buffers()`, which build every qualified name.
+    """
+    todo = [module]
+    while todo:
+        current = todo.pop()
+        for table in (current._parameters, current._buffers):
+            for tensor in table.values():
+                if tensor is not None and not tensor.is_cpu and not tensor.is_meta:
+                    kinds.add(tensor.device)
+        todo.extend(child for child in current._modules.values() if child is not None)
 
 
 def devices_of(
@@ -68,11 +92,12 @@ def devices_of(
     ()
     """
     kinds: set[torch.device] = {t.device for t in tensors if not t.is_cpu and not t.is_meta}
-    if module is not None:
-        for tensor in (*module.parameters(), *module.buffers()):
-            if not tensor.is_cpu and not tensor.is_meta:
-                kinds.add(tensor.device)
-    accelerator = _current_accelerator()
+    built = _built_accelerator()
+    # Without an accelerator no parameter can sit on a device with a generator of its own: the walk over the
+    # module's parameters is skipped (it costs more than the rest of a small site's call).
+    if module is not None and built is not None:
+        _module_devices(module, kinds)
+    accelerator = _current_accelerator(built)
     if accelerator is not None:
         kinds.add(accelerator)
     if torch._C._is_torch_function_mode_enabled():
@@ -103,8 +128,10 @@ class RngStash:
         self.devices = devices
 
     @classmethod
-    def capture(cls, devices: Iterable[torch.device]) -> RngStash:
+    def capture(cls, devices: Collection[torch.device]) -> RngStash:
         """Read the generator state of the CPU and of every device in `devices`."""
+        if not devices:  # the common case, on the path of every call: no generator expression
+            return cls(_cpu.get_state(), ())
         states = tuple(
             (device, torch.get_device_module(device.type).get_rng_state(device)) for device in devices
         )
@@ -118,7 +145,11 @@ class RngStash:
 
     def swap_in(self) -> RngStash:
         """Set this stash's states and return the states the caller had, to `apply` afterwards."""
-        caller = RngStash.capture(device for device, _ in self.devices)
+        if not self.devices:
+            caller = RngStash(_cpu.get_state(), ())
+            _cpu.set_state(self.cpu)
+            return caller
+        caller = RngStash.capture(tuple(device for device, _ in self.devices))
         self.apply()
         return caller
 
