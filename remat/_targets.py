@@ -33,29 +33,38 @@ _MARK = "__remat_options__"
 
 
 class _Engine:
-    """The strategy's entry points, resolved once when a site is made."""
+    """The strategy's entry points, resolved once when a site is made.
 
-    __slots__ = ("begin", "call", "end", "extra", "passthrough")
+    `open(fn, args, kwargs, module=...)` starts a site's forward with its options bound (a `functools.partial`,
+    so a call pays no keyword expansion in Python: it is on the path of every call) and returns the token
+    for `end(token, ok=...)`.
+    """
+
+    __slots__ = ("end", "open", "passthrough")
 
     def __init__(self, options: Options, site: str) -> None:
         policy = as_policy(options.policy)
         self.passthrough = policy.everything
+        extra: dict[str, Any] = {
+            "policy": None if policy.saves_nothing else policy,
+            "offload": resolve_offload(options.offload),
+            "site": site,
+            "check": options.check,
+            "preserve_rng": options.preserve_rng,
+            "debug": options.debug or _switch.debug(),
+        }
         if options.strategy == "replay":
-            engine: Any = _region
-            self.extra: dict[str, Any] = {"policy": None if policy.saves_nothing else policy}
+            self.open: Callable[..., Any] = functools.partial(_open_region, **extra)
+            self.end: Callable[..., None] = _region.end
         else:
-            engine = _rerun
-            self.extra = {"early_stop": True, "policy": None if policy.saves_nothing else policy}
-        self.call = engine.call
-        self.begin = engine.begin
-        self.end = engine.end
-        self.extra.update(
-            offload=resolve_offload(options.offload),
-            site=site,
-            check=options.check,
-            preserve_rng=options.preserve_rng,
-            debug=options.debug or _switch.debug(),
-        )
+            self.open = functools.partial(_rerun.begin, early_stop=True, **extra)
+            self.end = _rerun.end
+
+
+def _open_region(fn: Any, args: Any, kwargs: Any, **options: Any) -> object:
+    """`region.begin` in the shape of `rerun.begin`: a replay site records whatever runs next."""
+    del fn, args, kwargs
+    return _region.begin(**options)
 
 
 def _active(options: Options) -> bool:
@@ -71,7 +80,7 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
         return type(fn)(wrap_function(fn.__func__, options, site))
     name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
     engine = _Engine(options, name)
-    call, extra, enabled, switch = engine.call, engine.extra, options.enabled, _switch._state
+    open_site, end, enabled, switch = engine.open, engine.end, options.enabled, _switch._state
     if engine.passthrough:  # save_all keeps every activation: nothing to rematerialize
         enabled = False
 
@@ -86,7 +95,14 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
             changed = adapt(module, args[1:], kwargs)
             if changed is not None:
                 args, kwargs = (module, *changed[0]), changed[1]
-        return call(fn, args, kwargs, module=module, **extra)
+        token = open_site(fn, args, kwargs, module=module)
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            end(token, ok=False)
+            raise
+        end(token)
+        return out
 
     setattr(remat_wrapper, _MARK, options)
     return remat_wrapper  # type: ignore[return-value]
@@ -128,12 +144,7 @@ class _Open:
         if changed is not None:
             args, kwargs = changed
         engine = self.engine
-        extra = engine.extra
-        if self.options.strategy == "replay":
-            token = engine.begin(module=module, **extra)
-        else:
-            token = engine.begin(module.forward, args, kwargs, module=module, **extra)
-        stack.append((module, engine, token))
+        stack.append((module, engine, engine.open(module.forward, args, kwargs, module=module)))
         return changed
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -30,6 +30,7 @@ __all__ = ["RerunFrame", "begin", "call", "compiling", "end", "torch_checkpoint"
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
@@ -193,6 +194,7 @@ class RerunFrame(Frame):
         # the store holds tensors of that graph: `pack` reaches the frame and the store only through `live`,
         # emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
         live: list[Any] = [self, store]
+        check, metas = self.check, self._metas
 
         def pack(tensor: torch.Tensor) -> None:
             # See NOTE [ Recompute saves nothing ].
@@ -206,8 +208,11 @@ class RerunFrame(Frame):
                 if what is not None:
                     parted.extend((index, tensor.detach(), what))  # detached: no cycle through `pack`
                     return
-            else:
-                frame.expect(index, tensor)
+            elif check and (
+                index >= len(metas) or (meta := metas[index])[0] != tensor.shape or meta[1] != tensor.dtype
+                or meta[2] != tensor.device
+            ):
+                frame.expect(index, tensor)  # `Frame.differs` inlined above (a call per saved tensor); raises
             if index in wanted:
                 found[index] = tensor
             if index == stop:
@@ -217,7 +222,12 @@ class RerunFrame(Frame):
         caller_rng = self.rng.swap_in() if self.rng is not None else None
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
-        extra = self._recompute_contexts() if self._needs_contexts() else None
+        extra = (
+            self._recompute_contexts()
+            if self.autocast is not None or self.contexts is not None or self.policy is not None
+            or self.trace is not None or _any_autocast()
+            else None
+        )
         guard = guard_buffers(self.module)
         _push_hooks(pack, _identity)
         try:
@@ -244,15 +254,6 @@ class RerunFrame(Frame):
             if caller_rng is not None:
                 caller_rng.apply()
         self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
-
-    def _needs_contexts(self) -> bool:
-        return (
-            self.autocast is not None
-            or self.contexts is not None
-            or self.policy is not None
-            or self.trace is not None
-            or torch._C._is_any_autocast_enabled()
-        )
 
     def _recompute_contexts(self) -> ExitStack:
         """The rarer recompute state: autocast, the user's recompute context, the policy, debug traces."""
@@ -316,15 +317,19 @@ def begin(
     offload: Offload | None = None,
 ) -> RerunFrame:
     """Open a rerun region for the call `fn(*args, **kwargs)` that the caller makes next; see `call`."""
+    # On the path of every call: the common case (no enclosing hooks, no offload, no policy) first.
     tensors = tensors_in(args, [])
     if kwargs:
         tensors_in(kwargs, tensors)
     frame = RerunFrame(site, check, early_stop, [] if debug else None)
     frame.fn = fn
     frame.module = module
-    if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
-        frame.outer = offload.hooks
-    frame.offload = for_kept(offload, policy)
+    frame.policy = policy
+    frame.exit = frame.saver = frame.offload = frame.contexts = None
+    if offload is not None or policy is not None:
+        if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
+            frame.outer = offload.hooks
+        frame.offload = for_kept(offload, policy)
     if frame.outer is None:
         frame.args, frame.kwargs = args, kwargs
         frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
@@ -332,13 +337,15 @@ def begin(
         frame.args, frame.kwargs = map_tensors(args, frame.hand_over), map_tensors(kwargs, frame.hand_over)
         frame.tensors, frame.versions = [], []
     frame.ids = {id(tensor) for tensor in tensors}
-    frame.devices = devices_of(tensors, module) if preserve_rng else ()
-    frame.rng = RngStash.capture(frame.devices) if preserve_rng else None
-    frame.autocast = AutocastState.capture(frame.devices)
-    frame.contexts = contexts[1] if contexts is not None else None
-    frame.exit = None
-    frame.policy = policy
-    frame.saver = None
+    if preserve_rng:
+        devices = frame.devices = devices_of(tensors, module)
+        frame.rng = RngStash.capture(devices)
+    else:
+        devices = frame.devices = ()
+        frame.rng = None
+    frame.autocast = AutocastState(devices) if _any_autocast() else None
+    if contexts is not None:
+        frame.contexts = contexts[1]
     if policy is not None:
         frame.kept, frame.claimed, frame.kept_ids, frame.kept_tags = [], set(), {}, []
     if contexts is not None or frame.trace is not None or policy is not None:

@@ -8,7 +8,7 @@ hard-coded, so CUDA, XPU, MPS, HPU and privateuse1 backends all work. The CPU ge
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -41,16 +41,16 @@ def with_index(device: torch.device) -> torch.device | None:
     return torch.device(device.type, int(current()) if callable(current) else 0)
 
 
-def _built_accelerator() -> torch.device | None:
-    """The accelerator this torch was built for (or registered), initialized or not; None for none.
+# `torch.accelerator.current_accelerator()` without its Python wrapper (on the path of every call), where torch
+# has it (2.6 and later); before that, CUDA stands for any accelerator.
+_get_accelerator: Callable[[], torch.device | None] | None = getattr(torch._C, "_accelerator_getAccelerator", None)
 
-    Where `torch.accelerator` does not exist (torch < 2.6), CUDA stands for any.
-    """
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is None:
+
+def _built_accelerator() -> torch.device | None:
+    """The accelerator this torch was built for (or registered), initialized or not; None for none."""
+    if _get_accelerator is None:
         return torch.device("cuda")
-    device: torch.device | None = accelerator.current_accelerator()
-    return device
+    return _get_accelerator()
 
 
 def _current_accelerator(built: torch.device | None) -> torch.device | None:
@@ -93,6 +93,8 @@ def devices_of(
     """
     kinds: set[torch.device] = {t.device for t in tensors if not t.is_cpu and not t.is_meta}
     built = _built_accelerator()
+    if not kinds and built is None and not torch._C._is_torch_function_mode_enabled():
+        return ()  # the common case on a machine without an accelerator
     # Without an accelerator no parameter can sit on a device with a generator of its own: the walk over the
     # module's parameters is skipped (it costs more than the rest of a small site's call).
     if module is not None and built is not None:
