@@ -174,6 +174,16 @@ class Frame:
         """The unpack hook: a handle's tensor rebuilt (see NOTE [ One store ... ]), a kept tensor as it is,
         a handed-over one back through the enclosing unpack hook."""
         kind = type(packed)
+        if kind is Handle:  # the common case first
+            group = _exec_group()
+            gid: Any = torch._C._current_graph_task_id() if group is None else group
+            store = self._stores.get(gid)
+            if store is None or packed.index not in store:
+                store = self._rebuild(gid, store)
+            tensor = store.pop(packed.index)
+            if not store:  # all taken: nothing for the end-of-backward callback to drop
+                self._stores.pop(gid, None)
+            return tensor
         if kind is Kept:
             return self._unpack_kept(packed)
         if kind is Outer:
@@ -181,15 +191,7 @@ class Frame:
             return self.outer[1](packed.packed)
         if kind is Parcel or kind is Stay:  # kept by the site's offload: see NOTE [ Offloaded sites ]
             return packed.get()  # type: ignore[no-any-return]
-        group = _exec_group()
-        gid: Any = torch._C._current_graph_task_id() if group is None else group
-        store = self._stores.get(gid)
-        if store is None or packed.index not in store:
-            store = self._rebuild(gid, store)
-        tensor = store.pop(packed.index)
-        if not store:  # all taken: nothing for the end-of-backward callback to drop
-            self._stores.pop(gid, None)
-        return tensor
+        raise RematError(f"remat: `{self.site}` was handed {kind.__name__} to unpack; {BUG}.")
 
     def _unpack_kept(self, kept: Kept) -> torch.Tensor:
         tensor, version = self._kept[kept.index]

@@ -31,6 +31,7 @@ __all__ = ["RerunFrame", "begin", "call", "compiling", "end", "torch_checkpoint"
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled
+_ref = weakref.ref
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
@@ -133,7 +134,13 @@ class RerunFrame(Frame):
                 return self.keep_outside(tensor)
             if base.requires_grad and base.is_leaf:
                 return self.keep(tensor)
-        return self.handle(tensor)
+        # `Frame.handle` inlined: one call less per saved tensor.
+        handles = self._handles
+        handle = Handle(len(handles))
+        handles.append(_ref(handle))
+        if self.check:
+            self._metas.append((tensor.shape, tensor.dtype, tensor.device))
+        return handle
 
     def _kept_by_policy(self, tensor: torch.Tensor) -> bool:
         ref = self.kept_ids.get(id(tensor))
@@ -173,7 +180,10 @@ class RerunFrame(Frame):
 
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
-        args, kwargs = self._inputs()
+        if self.outer is None and [tensor._version for tensor in self.tensors] == self.versions:
+            args, kwargs = self.args, self.kwargs  # the common case of `_inputs`, inlined
+        else:
+            args, kwargs = self._inputs()
         self.attrs = attributes(self.module) if self.module is not None else None
         # See NOTE [ Early stop ]: tolerate what comes after `limit`; raise out at `stop`.
         limit = stop = -1
