@@ -136,3 +136,44 @@ POLICIES = {
 def test_nothing_stays_alive_with_a_policy(strategy: str, policy: str, mode: str) -> None:
     site = remat.remat(policy=POLICIES[policy], strategy=strategy)  # type: ignore[call-overload]
     assert _alive_after(site, mode) == 0
+
+
+# -- what lives while the graph is retained ----------------------------------------------------------------
+def test_what_a_partial_backward_rebuilt_and_left_is_dropped_when_it_ends() -> None:
+    """`autograd.grad` for `x` alone unpacks `a` but not `b`: the rebuilt `b` must not wait for the graph.
+
+    Rerun, whose recompute runs `fn` again, so the rebuilt `b` is seen (replay's are not Python objects of
+    `fn`; its stores are the same code, `Frame.unpack`).
+    """
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a, b = x.sin().exp(), y.cos().exp()  # each exp saves its output, on its own input's path
+        made.append(weakref.ref(b))
+        return a + b
+
+    x, y = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+    out = remat.remat(fn)(x, y).sum()
+    torch.autograd.grad(out, [x], retain_graph=True)
+    gc.collect()
+    assert all(ref() is None for ref in made), "a rebuilt tensor outlived the backward that rebuilt it"
+    (gy,) = torch.autograd.grad(out, [y])  # the retained graph still works
+    torch.testing.assert_close(gy, -y.detach().sin() * y.detach().cos().exp())
+
+
+def test_a_good_recompute_keeps_no_attribute_value_of_the_module() -> None:
+    """The snapshot of module attributes for mismatch hints is dropped once recompute went well."""
+    seen: list[weakref.ref[torch.Tensor]] = []
+
+    class Caches(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.last = x.sin()  # a module that keeps its last activation (a common pattern for inspection)
+            seen.append(weakref.ref(self.last))
+            return self.last.exp()
+
+    module = remat.remat(Caches())
+    loss = module(torch.randn(4, requires_grad=True)).sum()
+    loss.backward(retain_graph=True)  # the frame lives on with the graph
+    gc.collect()
+    assert seen[0]() is None, "forward's value of `last` is held after recompute"
+    del loss
