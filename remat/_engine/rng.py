@@ -91,7 +91,10 @@ def devices_of(
     >>> devices_of([torch.zeros(2)])
     ()
     """
-    kinds: set[torch.device] = {t.device for t in tensors if not t.is_cpu and not t.is_meta}
+    kinds: set[torch.device] = set()
+    for t in tensors:  # a loop, not a comprehension: no frame of its own (on the path of every call)
+        if not t.is_cpu and not t.is_meta:
+            kinds.add(t.device)
     built = _built_accelerator()
     if not kinds and built is None and not torch._C._is_torch_function_mode_enabled():
         return ()  # the common case on a machine without an accelerator
