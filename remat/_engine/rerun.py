@@ -32,6 +32,8 @@ _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled
 _ref = weakref.ref
+_cpu_rng = torch.default_generator
+_Tensor = torch.Tensor
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
@@ -229,7 +231,15 @@ class RerunFrame(Frame):
                 raise StopRecompute
 
         # See NOTE [ Recompute state ].
-        caller_rng = self.rng.swap_in() if self.rng is not None else None
+        # `RngStash.swap_in`, inlined for a CPU-only site (on the path of every recompute)
+        stash = self.rng
+        caller_rng: RngStash | torch.Tensor | None = None
+        if stash is not None:
+            if stash.devices:
+                caller_rng = stash.swap_in()
+            else:
+                caller_rng = _cpu_rng.get_state()
+                _cpu_rng.set_state(stash.cpu)
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
         extra = (
@@ -261,7 +271,9 @@ class RerunFrame(Frame):
             if extra is not None:
                 extra.close()
             torch._C._set_grad_enabled(grad_was)
-            if caller_rng is not None:
+            if isinstance(caller_rng, torch.Tensor):
+                _cpu_rng.set_state(caller_rng)
+            elif caller_rng is not None:
                 caller_rng.apply()
         self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
 
@@ -328,7 +340,12 @@ def begin(
 ) -> RerunFrame:
     """Open a rerun region for the call `fn(*args, **kwargs)` that the caller makes next; see `call`."""
     # On the path of every call: the common case (no enclosing hooks, no offload, no policy) first.
-    tensors = tensors_in(args, [])
+    tensors: list[torch.Tensor] = []
+    for arg in args:  # `tensors_in`'s first level inlined: most arguments are tensors
+        if isinstance(arg, _Tensor):
+            tensors.append(arg)
+        else:
+            tensors_in(arg, tensors)
     if kwargs:
         tensors_in(kwargs, tensors)
     frame = RerunFrame(site, check, early_stop, [] if debug else None)
@@ -349,7 +366,7 @@ def begin(
     frame.ids = {id(tensor) for tensor in tensors}
     if preserve_rng:
         devices = frame.devices = devices_of(tensors, module)
-        frame.rng = RngStash.capture(devices)
+        frame.rng = RngStash(_cpu_rng.get_state(), ()) if not devices else RngStash.capture(devices)
     else:
         devices = frame.devices = ()
         frame.rng = None
