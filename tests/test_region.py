@@ -17,7 +17,7 @@ from torch import nn
 from remat import _switch
 from remat._engine import rerun as _rerun
 from remat._engine import stats as _stats
-from remat._engine.region import RegionFrame, begin, call, end
+from remat._engine.region import RegionFrame, begin, end
 from remat._engine.region_site import Region
 from remat._errors import RecomputeMismatchError, RematError
 from remat._options import Options
@@ -551,7 +551,7 @@ def test_decorator_on_function_and_method_and_call() -> None:
     compare(lambda: (Net(), (torch.randn(2, 4, requires_grad=True),)))
     compare(
         lambda: ((lambda x: (x.sin() * x).exp()), (torch.randn(4, requires_grad=True),)),
-        lambda f, args: call(f, args, {}, site="fn"),
+        lambda f, args: Region(Options(name="fn"))(f)(*args),
     )
 
 

@@ -1,4 +1,4 @@
-"""The replay strategy's frame and entry points (`begin`, `end`, `call`), behind `with remat.region():`
+"""The replay strategy's frame and entry points (`begin`, `end`), behind `with remat.region():`
 (region_site.py), `@remat.region()` and `@remat(strategy="replay")`.
 
 A region records the aten ops its block runs (`_tape.Recorder`) and gives autograd handles instead of the
@@ -24,7 +24,7 @@ from .recorder import Recorder, op_info
 from .tape import Tape
 from .transfer import Parcel, Stay
 
-__all__ = ["RegionFrame", "begin", "call", "end"]
+__all__ = ["RegionFrame", "begin", "end"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _storage_id: Callable[[torch.Tensor], int] = torch._C._storage_id  # type: ignore[attr-defined]
@@ -296,19 +296,3 @@ def end(token: object, *, ok: bool = True) -> None:
     else:
         token.recorder = None
 
-
-def call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any) -> Any:
-    """Run `fn(*args, **kwargs)` as a replay region and return its output; `options` are those of `begin`.
-
-    >>> x = torch.ones(3, requires_grad=True)
-    >>> y = call(torch.sin, (x,), {}, site="sin")
-    >>> y.sum().backward()
-    """
-    token = begin(**options)
-    try:
-        out = fn(*args, **kwargs)
-    except BaseException:
-        end(token, ok=False)
-        raise
-    end(token)
-    return out
