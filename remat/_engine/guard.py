@@ -93,7 +93,7 @@ class BufferWrites(Mode):
                     args[position] = args[position].clone()
                 elif name in kwargs and self._protected(kwargs[name]):
                     kwargs = {**kwargs, name: kwargs[name].clone()}
-        return func(*args, **kwargs)
+        return func._op(*args, **kwargs)  # `_op`: no Python frame of `OpOverload.__call__`
 
 
 class _Local(threading.local):
