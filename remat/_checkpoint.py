@@ -18,6 +18,7 @@ from torch import nn
 
 from . import _switch
 from ._engine import rerun as _rerun
+from ._engine.compiled import compiling, torch_checkpoint
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -84,11 +85,11 @@ def checkpoint(
         raise TypeError(f"remat: checkpoint expects a callable, but got `{type(function).__name__}`.")
     if not _switch._state[0] or not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    if _rerun.compiling():  # see NOTE [ Under torch.compile ]
+    if compiling():  # see NOTE [ Under torch.compile ]
         keywords = {"determinism_check": determinism_check, "debug": debug, "preserve_rng_state": preserve_rng_state}
         if not _is_noop(context_fn):
             keywords["context_fn"] = context_fn
-        return _rerun.torch_checkpoint(function, args, kwargs, **keywords)
+        return torch_checkpoint(function, args, kwargs, **keywords)
     # torch's global switches win over the keywords, as in torch.utils.checkpoint.
     if _torch_checkpoint._enable_checkpoint_early_stop is not None:
         early_stop = _torch_checkpoint._enable_checkpoint_early_stop

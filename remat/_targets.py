@@ -17,8 +17,8 @@ from torch import nn
 from . import _switch
 from ._engine import region as _region
 from ._engine import rerun as _rerun
+from ._engine.compiled import compiling, torch_checkpoint
 from ._engine.offload import resolve as resolve_offload
-from ._engine.rerun import compiling, torch_checkpoint
 from ._integrations import comes_from
 from ._options import Options
 from ._plan.blocks import describe_search, find_blocks

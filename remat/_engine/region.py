@@ -97,8 +97,8 @@ class RegionFrame(Frame):
                         key: int | None = _storage_id(tensor)
                     except (RuntimeError, NotImplementedError, TypeError):
                         key = None
-                    if key is not None and ((seen := self.freed.get(key)) is None or seen() is None):
-                        self._count_freed(key, tensor)  # a storage not seen yet: the rare case
+                    if key is not None:
+                        self._count_freed(key, tensor)
                     self.captures.append((index, slot, len(recorder.ops), key))
                     return handle
                 if base is None or (

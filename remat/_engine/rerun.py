@@ -26,14 +26,11 @@ from .selective import ReuseOps, SaveOps
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
-__all__ = ["RerunFrame", "begin", "call", "compiling", "end", "torch_checkpoint"]
+__all__ = ["RerunFrame", "begin", "call", "end"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled
-_ref = weakref.ref
-_cpu_rng = torch.default_generator
-_Tensor = torch.Tensor
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
@@ -58,24 +55,6 @@ _Tensor = torch.Tensor
 # goes through forward's graph. Returning the tensor itself made a cycle through C++ for every op that saves
 # its own output (exp, tanh, sigmoid: tensor -> grad_fn -> saved variable -> tensor) that held the recompute
 # graph, and through it the site's inputs and their AccumulateGrad nodes, forever.
-
-# NOTE [ Under torch.compile ]
-# Saved-tensor hooks and dispatch modes are graph breaks for dynamo, and a compiled graph saves other tensors
-# than the eager function that rerun calls again, so remat's engine cannot run inside a compiled frame. There
-# a rematerialized function becomes `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, which dynamo
-# turns into its activation-checkpoint operator and the compiler partitions for memory (RNG is functionalised
-# by the compiler itself); the `remat.checkpoint` drop-in hands its own keywords on to torch's there. A module
-# instance's hooks step aside: its forward is traced as it is, so under compile `remat(module)` keeps
-# gradients right but leaves memory to the compiler.
-compiling = torch.compiler.is_compiling
-
-
-def torch_checkpoint(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **keywords: Any) -> Any:
-    """`torch.utils.checkpoint.checkpoint`, non-reentrant: what a site is inside a compiled frame."""
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint(fn, *args, use_reentrant=False, **keywords, **kwargs)
-
 
 _INPLACE_INPUT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
@@ -136,13 +115,7 @@ class RerunFrame(Frame):
                 return self.keep_outside(tensor)
             if base.requires_grad and base.is_leaf:
                 return self.keep(tensor)
-        # `Frame.handle` inlined: one call less per saved tensor.
-        handles = self._handles
-        handle = Handle(len(handles))
-        handles.append(_ref(handle))
-        if self.check:
-            self._metas.append((tensor.shape, tensor.dtype, tensor.device))
-        return handle
+        return self.handle(tensor)
 
     def _kept_by_policy(self, tensor: torch.Tensor) -> bool:
         ref = self.kept_ids.get(id(tensor))
@@ -182,10 +155,7 @@ class RerunFrame(Frame):
 
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
-        if self.outer is None and [tensor._version for tensor in self.tensors] == self.versions:
-            args, kwargs = self.args, self.kwargs  # the common case of `_inputs`, inlined
-        else:
-            args, kwargs = self._inputs()
+        args, kwargs = self._inputs()
         self.attrs = attributes(self.module) if self.module is not None else None
         # See NOTE [ Early stop ]: tolerate what comes after `limit`; raise out at `stop`.
         limit = stop = -1
@@ -206,7 +176,6 @@ class RerunFrame(Frame):
         # the store holds tensors of that graph: `pack` reaches the frame and the store only through `live`,
         # emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
         live: list[Any] = [self, store]
-        check, metas = self.check, self._metas
 
         def pack(tensor: torch.Tensor) -> None:
             # See NOTE [ Recompute saves nothing ].
@@ -220,26 +189,15 @@ class RerunFrame(Frame):
                 if what is not None:
                     parted.extend((index, tensor.detach(), what))  # detached: no cycle through `pack`
                     return
-            elif check and (
-                index >= len(metas) or (meta := metas[index])[0] != tensor.shape or meta[1] != tensor.dtype
-                or meta[2] != tensor.device
-            ):
-                frame.expect(index, tensor)  # `Frame.differs` inlined above (a call per saved tensor); raises
+            else:
+                frame.expect(index, tensor)
             if index in wanted:
                 found[index] = tensor
             if index == stop:
                 raise StopRecompute
 
         # See NOTE [ Recompute state ].
-        # `RngStash.swap_in`, inlined for a CPU-only site (on the path of every recompute)
-        stash = self.rng
-        caller_rng: RngStash | torch.Tensor | None = None
-        if stash is not None:
-            if stash.devices:
-                caller_rng = stash.swap_in()
-            else:
-                caller_rng = _cpu_rng.get_state()
-                _cpu_rng.set_state(stash.cpu)
+        caller_rng = self.rng.swap_in() if self.rng is not None else None
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
         extra = (
@@ -271,9 +229,7 @@ class RerunFrame(Frame):
             if extra is not None:
                 extra.close()
             torch._C._set_grad_enabled(grad_was)
-            if isinstance(caller_rng, torch.Tensor):
-                _cpu_rng.set_state(caller_rng)
-            elif caller_rng is not None:
+            if caller_rng is not None:
                 caller_rng.apply()
         self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
 
@@ -340,12 +296,7 @@ def begin(
 ) -> RerunFrame:
     """Open a rerun region for the call `fn(*args, **kwargs)` that the caller makes next; see `call`."""
     # On the path of every call: the common case (no enclosing hooks, no offload, no policy) first.
-    tensors: list[torch.Tensor] = []
-    for arg in args:  # `tensors_in`'s first level inlined: most arguments are tensors
-        if isinstance(arg, _Tensor):
-            tensors.append(arg)
-        else:
-            tensors_in(arg, tensors)
+    tensors = tensors_in(args, [])
     if kwargs:
         tensors_in(kwargs, tensors)
     frame = RerunFrame(site, check, early_stop, [] if debug else None)
@@ -366,7 +317,7 @@ def begin(
     frame.ids = {id(tensor) for tensor in tensors}
     if preserve_rng:
         devices = frame.devices = devices_of(tensors, module)
-        frame.rng = RngStash(_cpu_rng.get_state(), ()) if not devices else RngStash.capture(devices)
+        frame.rng = RngStash.capture(devices)
     else:
         devices = frame.devices = ()
         frame.rng = None

@@ -91,13 +91,8 @@ def devices_of(
     >>> devices_of([torch.zeros(2)])
     ()
     """
-    kinds: set[torch.device] = set()
-    for t in tensors:  # a loop, not a comprehension: no frame of its own (on the path of every call)
-        if not t.is_cpu and not t.is_meta:
-            kinds.add(t.device)
+    kinds: set[torch.device] = {t.device for t in tensors if not t.is_cpu and not t.is_meta}
     built = _built_accelerator()
-    if not kinds and built is None and not torch._C._is_torch_function_mode_enabled():
-        return ()  # the common case on a machine without an accelerator
     # Without an accelerator no parameter can sit on a device with a generator of its own: the walk over the
     # module's parameters is skipped (it costs more than the rest of a small site's call).
     if module is not None and built is not None:

@@ -19,7 +19,10 @@ def tensors_in(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(obj)
     elif isinstance(obj, (tuple, list)):
         for item in obj:
-            tensors_in(item, out)
+            if isinstance(item, _Tensor):  # the common leaf, without a call (a site's arguments, every call)
+                out.append(item)
+            else:
+                tensors_in(item, out)
     elif isinstance(obj, dict):
         for item in obj.values():
             tensors_in(item, out)
