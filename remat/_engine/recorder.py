@@ -51,6 +51,13 @@ Marker = tuple["weakref.ReferenceType[torch.Tensor]", int]
 Entry = tuple[Any, list[Any], "dict[str, Any] | None", int, int, bool]
 
 
+def _tensor_list(kind: Any) -> bool:
+    """Whether a schema argument type is a list of tensors (`Tensor[]`, `Tensor?[]`, optional or not)."""
+    if isinstance(kind, torch.OptionalType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.ListType) and "Tensor" in str(kind.getElementType())
+
+
 class OpInfo:
     """What the recorder needs to know about one op overload, read once from its schema."""
 
@@ -60,8 +67,7 @@ class OpInfo:
         schema = func._schema
         self.name = str(func)
         self.writes = written_arguments(func)
-        self.lists = any("Tensor" in str(argument.type) and "[]" in str(argument.type)
-                         for argument in schema.arguments)
+        self.lists = any(_tensor_list(argument.type) for argument in schema.arguments)
         self.seeded = torch.Tag.nondeterministic_seeded in func.tags
         self.slow = bool(self.lists or self.writes or self.seeded)
 
