@@ -18,17 +18,19 @@ from .guard import storage_key, written_arguments
 from .modes import Mode
 from .rng import RngStash, with_index
 
-__all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "op_info"]
+__all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info"]
 
 # NOTE [ What the tape holds ]
 # While the block runs, `Recorder.__torch_dispatch__` appends one entry per aten op: the op, its arguments with
-# every tensor replaced by a marker, its first output slot and its output count, and the grad mode. A marker is
-# the pair `(weakref, slot)`: `slot` numbers every op output (one slot per returned element) and every tensor
-# from outside the tape. Tensors made by the tape are known only through weak references, so the tape never keeps
-# an activation alive; tensors from outside (inputs, parameters, constants) are held strongly, because replay
-# needs them, exactly as a checkpoint keeps its inputs. Identity is the Python object: the objects an op returns
-# inside the mode are the ones that autograd later shows to the pack hook, and an in-place op returns its input
-# object, whose marker then moves to the in-place op's output slot (its new value).
+# every tensor replaced by its `Slot`, its first output slot and its output count, and the grad mode. Slots
+# number every op output (one per returned element) and every tensor from outside the tape. The recorder finds a
+# tensor's slot through its marker, the pair `(weakref, slot)`: tensors made by the tape are known only through
+# weak references, so the tape never keeps an activation alive; tensors from outside (inputs, parameters,
+# constants) are held strongly, because replay needs them, exactly as a checkpoint keeps its inputs. Identity is
+# the Python object: the objects an op returns inside the mode are the ones that autograd later shows to the pack
+# hook, and an in-place op returns its input object, whose marker then moves to the in-place op's output slot
+# (its new value). Entries hold no tensor, only ops, slots and plain values, so that two tapes compare in C
+# (NOTE [ Shared plans ] in tape.py).
 #
 # NOTE [ Writes to outside memory ]
 # An op that writes (in-place or `out=`) into memory of a tensor from outside the tape — BatchNorm's running
@@ -43,11 +45,25 @@ __all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "op_info"]
 
 _Tensor = torch.Tensor
 _ref = weakref.ref
-_Ref = weakref.ReferenceType
 _grad_enabled = torch._C.is_grad_enabled
 
-Marker = tuple["weakref.ReferenceType[torch.Tensor]", int]
-# (op, marked args, marked kwargs or None, first output slot, output count (-1: one tensor), grad mode)
+
+class Slot(int):
+    """A tensor's place on the tape, standing for the tensor in a recorded op's arguments.
+
+    An `int`, so that replay indexes its values with it and tapes compare in C; its own type, so that replay tells
+    it from a plain number argument. For one op overload the two never share a position: the schema types every
+    argument as tensor or not.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"Slot({int(self)})"
+
+
+Marker = tuple["weakref.ReferenceType[torch.Tensor]", Slot]
+# (op, args with Slots, kwargs with Slots or None, first output slot, output count (-1: one tensor), grad mode)
 Entry = tuple[Any, list[Any], "dict[str, Any] | None", int, int, bool]
 
 
@@ -137,7 +153,10 @@ class Recorder(Mode):
         self.outside_storages: set[int] = set()
         self.scanned = 0  # how many of `outside` have their storage in `outside_storages`
         self.snapshots: dict[int, torch.UntypedStorage] = {}
-        self.writes: list[tuple[int, int]] = []
+        # Writes into the storage of a tensor the region already saved: (op index, that storage's weak reference,
+        # as the region's `captured` holds it). Only these can change a saved tensor before replay takes it.
+        self.writes: list[tuple[int, weakref.ref[torch.UntypedStorage]]] = []
+        self.captured: dict[int, weakref.ref[torch.UntypedStorage]] = {}  # storage key -> the storage, weakly
         self.preserve_rng = preserve_rng
         self.cpu_rng: torch.Tensor | None = None
         self.device_rng: dict[torch.device, Any] = {}
@@ -168,7 +187,7 @@ class Recorder(Mode):
         for arg in args:
             found = refs.get(id(arg))
             if found is not None and found[0]() is arg:
-                put(found)
+                put(found[1])
             elif isinstance(arg, _Tensor):
                 put(self._outside(arg))
             else:
@@ -181,14 +200,14 @@ class Recorder(Mode):
             marked_kwargs = None
         first = self.slots
         if isinstance(out, _Tensor):
-            refs[id(out)] = (_ref(out), first)
+            refs[id(out)] = (_ref(out), Slot(first))
             self.slots = first + 1
             self.ops.append((func, marked, marked_kwargs, first, -1, _grad_enabled()))
         elif type(out) is tuple or type(out) is list:
             count = len(out)
             for index, item in enumerate(out):
                 if isinstance(item, _Tensor):
-                    refs[id(item)] = (_ref(item), first + index)
+                    refs[id(item)] = (_ref(item), Slot(first + index))
             self.slots = first + count
             self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
         return out  # a Python number (`item()`) or nothing: no tensor to replay
@@ -207,14 +226,14 @@ class Recorder(Mode):
         out = func(*args, **kwargs) if kwargs else func(*args)
         first = self.slots
         if isinstance(out, _Tensor):
-            self.refs[id(out)] = (_ref(out), first)
+            self.refs[id(out)] = (_ref(out), Slot(first))
             self.slots = first + 1
             count = -1
         elif type(out) is tuple or type(out) is list:
             count = len(out)
             for index, item in enumerate(out):
                 if isinstance(item, _Tensor):
-                    self.refs[id(item)] = (_ref(item), first + index)
+                    self.refs[id(item)] = (_ref(item), Slot(first + index))
             self.slots = first + count
         elif info.writes:
             count = 0
@@ -235,20 +254,19 @@ class Recorder(Mode):
     def _mark(self, value: Any) -> Any:
         found = self.refs.get(id(value))
         if found is not None and found[0]() is value:
-            return found
+            return found[1]
         if isinstance(value, _Tensor):
             return self._outside(value)
         if type(value) is list or type(value) is tuple:
             return type(value)(self._mark(item) for item in value)
         return value
 
-    def _outside(self, tensor: torch.Tensor) -> Marker:
-        slot = self.slots
+    def _outside(self, tensor: torch.Tensor) -> Slot:
+        slot = Slot(self.slots)
         self.slots = slot + 1
         self.outside[slot] = Outside(tensor, len(self.ops))
-        marker = (_ref(tensor), slot)
-        self.refs[id(tensor)] = marker
-        return marker
+        self.refs[id(tensor)] = (_ref(tensor), slot)
+        return slot
 
     def _outside_storages(self) -> set[int]:
         """The storages of every outside tensor seen so far (read lazily: only writes need them)."""
@@ -273,7 +291,11 @@ class Recorder(Mode):
                 key = storage_key(tensor)
                 if key is None:
                     continue
-                self.writes.append((len(self.ops), key))
+                # A key is an address, reused once its storage dies: the weak reference tells the saved storage
+                # from a new one at the same address.
+                saved = self.captured.get(key)
+                if saved is not None and saved() is tensor.untyped_storage():
+                    self.writes.append((len(self.ops), saved))
                 if key in outside and key not in self.snapshots:
                     self.snapshots[key] = tensor.untyped_storage().clone()  # type: ignore[no-untyped-call]
 

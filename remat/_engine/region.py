@@ -61,10 +61,12 @@ class RegionFrame(Frame):
         super().__init__(site, check, True, [] if debug else None)
         self.recorder: Recorder | None = Recorder(preserve_rng, self.trace, policy)
         self.claimed: set[int] = set()  # kept slots (policy) that autograd saves: NOTE [ Policies on the tape ]
-        self.captures: list[tuple[int, int, int, int | None]] = []
+        # (handle index, tape slot, op count when saved, the storage's weak reference or None)
+        self.captures: list[tuple[int, int, int, weakref.ref[torch.UntypedStorage] | None]] = []
         # Storages of the tensors handles stand for: key (`storage_key`) -> the storage, weakly. A key is an
         # address, reused once its storage is freed; the weak reference tells a new storage from a seen one.
         self.freed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.recorder.captured = self.freed  # the recorder notes writes into these (NOTE [ Replay plan ])
         self.kept: dict[int, tuple[Kept, int]] = {}  # tape slot of an outside tensor -> its token, its version
         self.copies: dict[int, torch.Tensor] | None = {} if debug else None
         self.tape: Tape | None = None
@@ -86,7 +88,7 @@ class RegionFrame(Frame):
                 base = tensor._base
                 if base is None and not recorder.kept and self.copies is None:
                     # The common case, `_capture` inlined: one Python call per saved tensor is a tenth of the
-                    # hook's cost (see NOTE [ Recording cost ] in tape.py).
+                    # hook's cost.
                     handles = self._handles
                     index = len(handles)
                     handle = Handle(index)
@@ -97,9 +99,8 @@ class RegionFrame(Frame):
                         key: int | None = _storage_id(tensor)
                     except (RuntimeError, NotImplementedError, TypeError):
                         key = None
-                    if key is not None:
-                        self._count_freed(key, tensor)
-                    self.captures.append((index, slot, len(recorder.ops), key))
+                    storage = self._count_freed(key, tensor) if key is not None else None
+                    self.captures.append((index, slot, len(recorder.ops), storage))
                     return handle
                 if base is None or (
                     (made := refs.get(id(base))) is not None and made[0]() is base and made[1] not in outside
@@ -141,20 +142,24 @@ class RegionFrame(Frame):
         """A handle for a tensor the tape made (tape slot `slot`), rebuilt by replay."""
         handle = self.handle(tensor)
         key = storage_key(tensor)
-        if key is not None:
-            self._count_freed(key, tensor)
-        self.captures.append((handle.index, slot, len(recorder.ops), key))
+        storage = self._count_freed(key, tensor) if key is not None else None
+        self.captures.append((handle.index, slot, len(recorder.ops), storage))
         if self.copies is not None:
             self._copy(recorder, handle.index, tensor)
         return handle
 
-    def _count_freed(self, key: int, tensor: torch.Tensor) -> None:
-        """Count the storage under `key` unless it was counted (a key is reused once its storage dies)."""
+    def _count_freed(self, key: int, tensor: torch.Tensor) -> weakref.ref[torch.UntypedStorage]:
+        """Count the storage under `key` unless it was counted (a key is reused once its storage dies).
+
+        Returns the storage's weak reference: one object per storage, so that it also identifies a storage that
+        has died (NOTE [ Replay plan ]).
+        """
         seen = self.freed.get(key)
         if seen is None or seen() is None:
             storage = tensor.untyped_storage()
-            self.freed[key] = weakref.ref(storage)
+            seen = self.freed[key] = weakref.ref(storage)
             self.freed_bytes += storage.nbytes()
+        return seen
 
     def _copy(self, recorder: Recorder, index: int, tensor: torch.Tensor) -> None:
         assert self.copies is not None

@@ -16,7 +16,7 @@ import torch
 from .._errors import RematError
 from .autocast import AutocastState
 from .debug import describe
-from .recorder import Outside, Recorder, op_info
+from .recorder import Outside, Recorder, Slot, op_info
 from .transfer import Parcel, Stay
 
 __all__ = ["Tape"]
@@ -35,55 +35,58 @@ __all__ = ["Tape"]
 # skipped unless it writes memory or draws random numbers), which argument slots each op reads, after which op
 # every slot is dropped, and after which op every saved tensor is complete — is built on the first replay and
 # reused by later ones (`retain_graph`). A saved tensor is taken after the op count it was saved at; if a later
-# replayed op writes into its memory (in-place on it or on a view), it is cloned when taken.
+# replayed op writes into its memory (in-place on it or on a view), it is cloned when taken. Forward notes such
+# writes by the storage's identity (the one weak reference the region holds to it), not by its address: an
+# address is reused once a storage dies, and a write into a new tensor there must not clone an old one.
+#
+# NOTE [ Shared plans ]
+# A model runs the same block many times with the same shapes; each forward records a tape of its own, and each
+# tape would build the same plan (half a millisecond for a transformer block). A plan depends only on the tape's
+# structure — its ops, where slots are read and written, the captures — and holds no values: replay reads every
+# op and argument from its own tape. So tapes share plans: the plans of recent structures are cached, found by
+# the tape's op count, slot count and captures, and taken only if the tape's entries equal the cached
+# structure's (one comparison in C; entries hold ops, slots and plain values, never tensors). Two tapes whose
+# values differ but compare equal (`1` and `1.0`, `0.0` and `-0.0`) share a plan and each replays its own values.
+# A tape with outputs kept by a policy builds its own: which of them stay differs from run to run.
 
-_Ref = weakref.ReferenceType
-
-
-class _Slot:
-    __slots__ = ("slot",)
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
+_Replayed = list[tuple[int, int, int, bool]]  # per capture: (handle, slot, op count at save, clone when taken)
 
 
 class _Plan:
     """What replay runs; see NOTE [ Replay plan ]."""
 
-    __slots__ = ("captures", "fills", "frees", "steps")
+    __slots__ = ("captures", "fills", "frees", "live")
 
     def __init__(
         self,
-        steps: list[tuple[Any, list[Any], dict[str, Any] | None, int, int, bool] | None],
+        live: list[bool],
         captures: list[list[tuple[int, int, bool]] | None],
         frees: list[list[int] | None],
         fills: list[list[int] | None] | None,
     ) -> None:
-        self.steps = steps
+        self.live = live  # per op, whether replay runs it
         self.captures = captures
         self.frees = frees
         self.fills = fills  # per op, the kept output slots that stand for running it (None: no policy)
 
 
+# See NOTE [ Shared plans ]: (op count, slot count, captures) -> (the entries the plan was made from, the plan).
+_PLANS: dict[tuple[int, int, tuple[tuple[int, int, int, bool], ...]], tuple[list[Any], _Plan]] = {}
+_PLANS_LOCK = threading.Lock()
+_PLANS_KEPT = 64
+
+
 def _slots_in(value: Any, out: list[int]) -> None:
-    if type(value) is tuple and len(value) == 2 and type(value[0]) is _Ref:
-        out.append(value[1])
+    if type(value) is Slot:
+        out.append(value)
     elif type(value) is list or type(value) is tuple:
         for item in value:
             _slots_in(item, out)
 
 
-def _template(value: Any) -> Any:
-    if type(value) is tuple and len(value) == 2 and type(value[0]) is _Ref:
-        return _Slot(value[1])
-    if type(value) is list or type(value) is tuple:
-        return type(value)(_template(item) for item in value)
-    return value
-
-
 def _fill(value: Any, values: list[Any]) -> Any:
-    if type(value) is _Slot:
-        return values[value.slot]
+    if type(value) is Slot:
+        return values[value]
     if type(value) is list or type(value) is tuple:
         return type(value)(_fill(item, values) for item in value)
     return value
@@ -110,7 +113,8 @@ class Tape:
     )
 
     def __init__(
-        self, recorder: Recorder, captures: list[tuple[int, int, int, int | None]], site: str,
+        self, recorder: Recorder, captures: list[tuple[int, int, int, weakref.ref[torch.UntypedStorage] | None]],
+        site: str,
         claimed: frozenset[int] = frozenset(),
     ) -> None:
         self.site = site
@@ -130,7 +134,7 @@ class Tape:
                 o.shape, o.stride = tuple(o.tensor.shape), tuple(o.tensor.stride())
                 o.offset = int(o.tensor.storage_offset())
                 o.tensor = None  # replay uses the snapshot; keeping the original could make a cycle
-        self.writes = [(op, key) for op, key in recorder.writes if op < stop]
+        self.writes = [(op, storage) for op, storage in recorder.writes if op < stop]
         self.captures = captures
         self.points = {index: point for index, _, point, _ in captures}
         self.rng = recorder.rng() if recorder.preserve_rng else None
@@ -159,10 +163,38 @@ class Tape:
                      for slot, tensor in self.kept.items()}
 
     # -- plan ----------------------------------------------------------------------------------------------
-    def _make_plan(self) -> _Plan:
+    def _replayed(self) -> _Replayed:
+        """The captures as the plan sees them: a saved storage becomes whether a later op writes into it."""
+        if not self.writes:
+            return [(handle, slot, point, False) for handle, slot, point, _ in self.captures]
+        last: dict[int, int] = {}  # the id of a saved storage's weak reference -> the last op that writes into it
+        for op, storage in self.writes:
+            last[id(storage)] = op
+        return [
+            (handle, slot, point, storage is not None and last.get(id(storage), -1) >= point)
+            for handle, slot, point, storage in self.captures
+        ]
+
+    def _plan(self) -> _Plan:
+        """The plan of this tape's structure: shared with earlier tapes of the same (NOTE [ Shared plans ])."""
+        replayed = self._replayed()
+        if self.kept:
+            return self._make_plan(replayed)
+        key = (len(self.ops), self.slots, tuple(replayed))
+        found = _PLANS.get(key)
+        if found is not None and found[0] == self.ops:
+            return found[1]
+        plan = self._make_plan(replayed)
+        with _PLANS_LOCK:
+            while len(_PLANS) >= _PLANS_KEPT:
+                del _PLANS[next(iter(_PLANS))]
+            _PLANS[key] = (self.ops, plan)
+        return plan
+
+    def _make_plan(self, replayed: _Replayed) -> _Plan:
         ops = self.ops
         count = len(ops)
-        needed: set[int] = {slot for _, slot, _, _ in self.captures}
+        needed: set[int] = {slot for _, slot, _, _ in replayed}
         live = [False] * count
         reads: list[list[int]] = [[] for _ in range(count)]
         kept = self.kept
@@ -194,11 +226,8 @@ class Tape:
             for slot in reads[index]:
                 last[slot] = index
         captures: list[list[tuple[int, int, bool]] | None] = [None] * count
-        for handle, slot, point, key in self.captures:
+        for handle, slot, point, clone in replayed:
             at = point - 1
-            clone = key is not None and any(
-                op >= point and written == key for op, written in self.writes
-            )
             if captures[at] is None:
                 captures[at] = []
             captures[at].append((handle, slot, clone))  # type: ignore[union-attr]
@@ -208,18 +237,9 @@ class Tape:
             if frees[index] is None:
                 frees[index] = []
             frees[index].append(slot)  # type: ignore[union-attr]
-        steps: list[tuple[Any, list[Any], dict[str, Any] | None, int, int, bool] | None] = [
-            (
-                func,
-                [_template(arg) for arg in args],
-                {key: _template(value) for key, value in kwargs.items()} if kwargs else None,
-                first,
-                outputs,
-                grad,
-            ) if live[index] and (fills is None or fills[index] is None) else None
-            for index, (func, args, kwargs, first, outputs, grad) in enumerate(ops)
-        ]
-        return _Plan(steps, captures, frees, fills)
+        if fills is not None:
+            live = [run and fills[index] is None for index, run in enumerate(live)]
+        return _Plan(live, captures, frees, fills)
 
     # -- replay --------------------------------------------------------------------------------------------
     def _outside_value(
@@ -265,7 +285,7 @@ class Tape:
             with self.lock:
                 plan = self.plan
                 if plan is None:
-                    plan = self.plan = self._make_plan()
+                    plan = self.plan = self._plan()
         stop = max(self.points[index] for index in wanted)
         create_graph = torch.is_grad_enabled()
         values: list[Any] = [None] * self.slots
@@ -273,7 +293,7 @@ class Tape:
         for slot, o in self.outside.items():
             if o.first < stop:
                 values[slot] = self._outside_value(o, storages, unpack, o.first)
-        steps, captures, frees, fills = plan.steps, plan.captures, plan.frees, plan.fills
+        ops, live, captures, frees, fills = self.ops, plan.live, plan.captures, plan.frees, plan.fills
         with ExitStack() as stack:
             if self.rng is not None:
                 stack.enter_context(self.rng.restore())
@@ -285,14 +305,13 @@ class Tape:
             if not create_graph:
                 stack.enter_context(torch.no_grad())
             for index in range(stop):
-                step = steps[index]
-                if step is not None:
-                    func, args, kwargs, first, outputs, op_grad = step
+                if live[index]:
+                    func, args, kwargs, first, outputs, op_grad = ops[index]
                     if create_graph and op_grad is not grad:
                         torch._C._set_grad_enabled(op_grad)
                         grad = op_grad
                     call_args = [
-                        values[a.slot] if type(a) is _Slot
+                        values[a] if type(a) is Slot
                         else (_fill(a, values) if type(a) is list or type(a) is tuple else a)
                         for a in args
                     ]
