@@ -34,6 +34,15 @@ def dispatch_modes() -> int:
     return int(torch._C._len_torch_dispatch_stack())
 
 
+@pytest.fixture
+def float64_default() -> Iterator[None]:
+    """float64 as the default dtype for one test (a module opts in: `pytestmark = usefixtures(...)`)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
 @pytest.fixture(autouse=True)
 def _no_state_left_behind() -> Iterator[None]:
     """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch back on."""

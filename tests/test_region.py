@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,13 +22,7 @@ from remat._engine.region_site import Region
 from remat._errors import RecomputeMismatchError, RematError
 from remat._options import Options
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _no_state_left() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,13 +15,7 @@ from remat._engine import region as _region
 from remat._engine import tape as _tape
 from remat._engine.region import RegionFrame, begin, end
 
-
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _recorded(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, RegionFrame]:
