@@ -9,7 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from remat._engine import modes as _modes
 from remat._measure.track import Tracker, track
+from remat._measure.track import _Mode as _TrackMode
 
 F32 = 4
 
@@ -245,13 +247,19 @@ def test_cuda_peak_matches_the_allocator() -> None:
     assert allocator_peak - t.peak("cuda") <= 0.05 * allocator_peak + 8 * 1024 * 1024
 
 
-def test_compiled_code_runs_under_the_tracker() -> None:
+@pytest.mark.parametrize("switch", [True, False], ids=["switch", "torch's guard"])
+def test_compiled_code_runs_under_the_tracker(monkeypatch: pytest.MonkeyPatch, switch: bool) -> None:
     import torch._dynamo
 
+    # See NOTE [ Modes without the dynamo guard ]: guarded while compiled code runs, by the switch, or (a torch
+    # without the switch's parts) by torch's guard on every op.
+    monkeypatch.setattr(_TrackMode, "_twin", None)
+    if not switch:
+        monkeypatch.setattr(_modes, "_switching", lambda raw: None)
     compiled = torch.compile(lambda a: (a * 2).sin(), backend="eager")
     x = torch.ones(100)
     with track() as t:
-        assert t._mode is not None and t._mode._guarded  # see NOTE [ Modes without the dynamo guard ]
+        assert t._mode is not None and t._mode._guarded and t._mode._torch_guard is not switch
         y = compiled(x)
     assert t.current_bytes == y.nbytes == 100 * F32
     assert t.peak_bytes == 2 * 100 * F32

@@ -3,27 +3,56 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Mode"]
 
+_Handler = Callable[..., Any]
+
+
+def _switching(raw: _Handler) -> _Handler | None:
+    """`raw` behind a switch: called directly while dynamo evaluates no frame on this thread, else guarded.
+
+    See NOTE [ Modes without the dynamo guard ]. None where this torch lacks what the switch needs.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return None
+    guarded: _Handler = torch._disable_dynamo(raw, recursive=True)  # type: ignore[attr-defined]
+
+    def __torch_dispatch__(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if get_eval_frame_callback() is None:
+            return raw(self, func, types, args, kwargs)
+        return guarded(self, func, types, args, kwargs)
+
+    skip_code(__torch_dispatch__.__code__)
+    return __torch_dispatch__
+
 
 class Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """A `TorchDispatchMode` that pays for torch's dynamo guard only once dynamo is in use.
+    """A `TorchDispatchMode` that pays for torch's dynamo guard only while dynamo runs.
 
     NOTE [ Modes without the dynamo guard ]
     torch wraps every subclass's `__torch_dispatch__` in `torch._disable_dynamo` unless `_should_skip_dynamo()`
     says otherwise. The wrapper imports torch._dynamo on its first call (about two seconds: the one-off set-up
-    that torch.utils.checkpoint's users pay) and adds about 1.7 µs to every op after that, a third of the replay
-    recording budget. It only matters when compiled code runs under the mode, which needs torch._dynamo
-    imported (without the guard, dynamo can step into the handler and miscount, as the tracker's test of a
-    compiled function shows). So a mode is made unguarded while torch._dynamo is not imported, and as its
-    guarded twin (a subclass made once, on demand) after that.
+    that torch.utils.checkpoint's users pay) and adds 4-9 µs to every op after that (a fifth of a GPT block's
+    recording cost). It only matters while compiled code runs under the mode: dynamo evaluates frames only
+    while its callback is set on the thread, and without the guard it steps into the handler and miscounts,
+    as the tracker's test of a compiled function shows. So a mode is made unguarded while torch._dynamo is not
+    imported, and after that as its guarded twin (a subclass made once, on demand) whose handler is a switch:
+    a frame dynamo always skips, which asks torch whether a dynamo callback is set (one C call) and calls the
+    handler directly when none is, through torch's guard when one is. Where this torch lacks the switch's
+    parts, the twin takes torch's guard on every op.
     """
 
     _guarded: ClassVar[bool] = False
+    _torch_guard: ClassVar[bool] = False  # the twin's handler is torch's guard, not the switch
     _twin: ClassVar[type[Mode] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -34,9 +63,11 @@ class Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if not cls._guarded and "torch._dynamo" in sys.modules:
             twin = cls._twin
             if twin is None:
+                switch = _switching(cls.__torch_dispatch__)
                 body = {
                     "_guarded": True,
-                    "__torch_dispatch__": cls.__torch_dispatch__,
+                    "_torch_guard": switch is None,
+                    "__torch_dispatch__": cls.__torch_dispatch__ if switch is None else switch,
                     "__module__": cls.__module__,
                 }
                 twin = cls._twin = type(f"{cls.__name__}Guarded", (cls,), body)
@@ -48,4 +79,4 @@ class Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return cls._guarded
+        return cls._torch_guard
