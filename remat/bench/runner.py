@@ -127,10 +127,10 @@ MODELS: dict[str, Callable[[str], BenchModel]] = {
 
 
 STEPS_PER_REPEAT = 2
-# Rounds per repeat for the tiny function of §5.1 (see `bench_tiny`).
-TINY_ROUNDS = 5
 """A repeat times this many consecutive steps of one configuration and keeps the fastest: what another process
 does to one step (a burst of load on a shared machine) does not become that repeat's time."""
+TINY_ROUNDS = 5
+"""Rounds per repeat for the tiny function of §5.1, interleaved across configurations (see `bench_tiny`)."""
 
 
 def bench_model(
