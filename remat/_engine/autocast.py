@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
 
-__all__ = ["AutocastState"]
+__all__ = ["AutocastState", "any_autocast"]
+
+any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled  # bound once: asked on every call
 
 
 class AutocastState:
@@ -25,14 +27,14 @@ class AutocastState:
     @staticmethod
     def capture(devices: tuple[torch.device, ...]) -> AutocastState | None:
         """The current autocast state, or None when autocast is off everywhere (the common case)."""
-        return AutocastState(devices) if torch._C._is_any_autocast_enabled() else None
+        return AutocastState(devices) if any_autocast() else None
 
     @staticmethod
     @contextmanager
     def enter(state: AutocastState | None, devices: tuple[torch.device, ...]) -> Iterator[None]:
         """Re-enter `state`; with None, turn off any autocast the backward runs under."""
         if state is None:
-            if not torch._C._is_any_autocast_enabled():
+            if not any_autocast():
                 yield
                 return
             state = AutocastState(devices)

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._errors import RematError
 from .._policies import Policy, tags
-from .autocast import AutocastState
+from .autocast import AutocastState, any_autocast
 from .debug import OpTrace
 from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain
@@ -30,7 +30,6 @@ __all__ = ["RerunFrame", "begin", "call", "end"]
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
@@ -203,7 +202,7 @@ class RerunFrame(Frame):
         extra = (
             self._recompute_contexts()
             if self.autocast is not None or self.contexts is not None or self.policy is not None
-            or self.trace is not None or _any_autocast()
+            or self.trace is not None or any_autocast()
             else None
         )
         guard = guard_buffers(self.module)
@@ -321,7 +320,7 @@ def begin(
     else:
         devices = frame.devices = ()
         frame.rng = None
-    frame.autocast = AutocastState(devices) if _any_autocast() else None
+    frame.autocast = AutocastState.capture(devices)
     if contexts is not None:
         frame.contexts = contexts[1]
     if policy is not None:

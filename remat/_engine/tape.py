@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import RematError
-from .autocast import AutocastState
+from .autocast import AutocastState, any_autocast
 from .debug import describe
 from .recorder import Outside, Recorder, Slot, op_info
 from .transfer import Parcel, Stay
@@ -303,7 +303,7 @@ class Tape:
                 stack.enter_context(self.rng.restore())
             for generator, state in self.generators:
                 stack.enter_context(_generator_fork(generator, state))
-            if torch._C._is_any_autocast_enabled():
+            if any_autocast():
                 stack.enter_context(AutocastState.enter(None, ()))
             grad = create_graph
             if not create_graph:
