@@ -141,7 +141,10 @@ def _seeded_device(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.
 class Recorder(Mode):
     """The dispatch mode that records a region's ops (see NOTE [ What the tape holds ])."""
 
-    def __init__(self, preserve_rng: bool, trace: list[str] | None, policy: Policy | None = None) -> None:
+    def __init__(
+        self, preserve_rng: bool, trace: list[str] | None, policy: Policy | None = None,
+        captured: dict[int, weakref.ref[torch.UntypedStorage]] | None = None,
+    ) -> None:
         super().__init__()
         self.policy = policy
         # Outputs of the ops the policy keeps, detached, with their version (see NOTE [ Policies on the tape ]).
@@ -156,7 +159,8 @@ class Recorder(Mode):
         # Writes into the storage of a tensor the region already saved: (op index, that storage's weak reference,
         # as the region's `captured` holds it). Only these can change a saved tensor before replay takes it.
         self.writes: list[tuple[int, weakref.ref[torch.UntypedStorage]]] = []
-        self.captured: dict[int, weakref.ref[torch.UntypedStorage]] = {}  # storage key -> the storage, weakly
+        # The region's saved storages: storage key -> the storage, weakly (`RegionFrame.freed`).
+        self.captured: dict[int, weakref.ref[torch.UntypedStorage]] = {} if captured is None else captured
         self.preserve_rng = preserve_rng
         self.cpu_rng: torch.Tensor | None = None
         self.device_rng: dict[torch.device, Any] = {}

@@ -59,14 +59,14 @@ class RegionFrame(Frame):
         self, site: str, check: bool, preserve_rng: bool, debug: bool, policy: Policy | None = None
     ) -> None:
         super().__init__(site, check, True, [] if debug else None)
-        self.recorder: Recorder | None = Recorder(preserve_rng, self.trace, policy)
+        # Storages of the tensors handles stand for: key (`storage_key`) -> the storage, weakly. A key is an
+        # address, reused once its storage is freed; the weak reference tells a new storage from a seen one.
+        # The recorder notes writes into these (NOTE [ Replay plan ]).
+        self.freed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.recorder: Recorder | None = Recorder(preserve_rng, self.trace, policy, self.freed)
         self.claimed: set[int] = set()  # kept slots (policy) that autograd saves: NOTE [ Policies on the tape ]
         # (handle index, tape slot, op count when saved, the storage's weak reference or None)
         self.captures: list[tuple[int, int, int, weakref.ref[torch.UntypedStorage] | None]] = []
-        # Storages of the tensors handles stand for: key (`storage_key`) -> the storage, weakly. A key is an
-        # address, reused once its storage is freed; the weak reference tells a new storage from a seen one.
-        self.freed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self.recorder.captured = self.freed  # the recorder notes writes into these (NOTE [ Replay plan ])
         self.kept: dict[int, tuple[Kept, int]] = {}  # tape slot of an outside tensor -> its token, its version
         self.copies: dict[int, torch.Tensor] | None = {} if debug else None
         self.tape: Tape | None = None
