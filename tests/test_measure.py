@@ -157,3 +157,42 @@ def test_compare_restores_rng_and_buffers_between_runs() -> None:
     assert isinstance(norm, nn.BatchNorm1d)
     tracked = norm.num_batches_tracked
     assert tracked is not None and int(tracked) == 1, "BatchNorm statistics updated once"
+
+
+def test_compare_warms_up_both_sides_and_interleaves_them() -> None:
+    from remat import is_enabled
+
+    net = _mlp(32, 2)
+    sides: list[bool] = []
+    net.register_forward_hook(lambda module, args, out: sides.append(is_enabled()))
+    report = measure(net, torch.randn(8, 32), compare=True)
+    # One warm-up run each, then pairs in alternating order: neither side is always first.
+    assert sides == [True, False, True, False, False, True, True, False]
+    assert any("warm-up" in n for n in report.notes)
+    assert any("no remat site" in n for n in report.notes), "a model with no site says so"
+    assert "no remat site" in str(report)
+
+
+def test_compare_does_not_charge_first_call_warm_up_to_one_side() -> None:
+    # A model with no remat site whose first call is slow (lazy set-up): the sides run the same code,
+    # so their forward times must agree, on the first call as on the second. Before warm-up, the first
+    # side's forward took the 50 ms sleep and the ratio was over 10x.
+    import time
+
+    class Lazy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _mlp(256, 4)
+            self.ready = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.ready:
+                time.sleep(0.05)
+                self.ready = True
+            return self.inner(x)
+
+    net = Lazy()
+    x = torch.randn(64, 256)
+    for _ in range(2):  # first and second call
+        ratio = measure(net, x, compare=True).ratios()["forward_seconds"]
+        assert ratio is not None and 0.33 < ratio < 3, ratio

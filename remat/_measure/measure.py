@@ -13,9 +13,9 @@ that activation's storage count as output, so it is left out of the held bytes.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,195 +25,14 @@ from torch.utils._pytree import tree_leaves
 from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
 from .._switch import enabled
+from .report import Measurement as Measurement
+from .report import Report as Report
+from .report import format_bytes as format_bytes
+from .report import format_seconds as format_seconds
 from .track import synchronize as _sync
 from .track import track
 
 __all__ = ["Measurement", "Report", "format_bytes", "format_seconds", "measure"]
-
-
-def format_bytes(n: float) -> str:
-    """Format a byte count with a binary unit: ``format_bytes(1536) == '1.50 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def format_seconds(s: float | None) -> str:
-    """Format a duration in s, ms or µs; ``None`` as a dash."""
-    if s is None:
-        return "-"
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One forward and backward, measured. Bytes are live storage bytes (see `remat.track`).
-
-    Attributes:
-        label: What was measured (``"remat on"``, ``"remat off"``, or ``"as is"``).
-        peak_bytes: Highest live bytes during forward and backward, all devices together.
-        held_bytes: Bytes held for backward at the end of forward (see NOTE [ Held for backward ]).
-        peak_by_device: ``peak_bytes`` per device name.
-        held_by_device: ``held_bytes`` per device name.
-        forward_seconds: Wall time of the forward call (device work synchronised).
-        backward_seconds: Wall time of the backward.
-        recompute_seconds: Time remat spent rebuilding activations during backward, or ``None``
-            when this remat build does not report it.
-    """
-
-    label: str
-    peak_bytes: int
-    held_bytes: int
-    peak_by_device: Mapping[str, int]
-    held_by_device: Mapping[str, int]
-    forward_seconds: float
-    backward_seconds: float
-    recompute_seconds: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the fields as plain JSON-ready values."""
-        return {
-            "label": self.label,
-            "peak_bytes": self.peak_bytes,
-            "held_bytes": self.held_bytes,
-            "peak_by_device": dict(self.peak_by_device),
-            "held_by_device": dict(self.held_by_device),
-            "forward_seconds": self.forward_seconds,
-            "backward_seconds": self.backward_seconds,
-            "recompute_seconds": self.recompute_seconds,
-        }
-
-
-_ROWS: tuple[tuple[str, str], ...] = (
-    ("peak_bytes", "peak memory"),
-    ("held_bytes", "held for backward"),
-    ("forward_seconds", "forward time"),
-    ("backward_seconds", "backward time"),
-    ("recompute_seconds", "recompute time"),
-)
-
-
-@dataclass(frozen=True)
-class Report:
-    """What `measure` found: one `Measurement`, or two side by side with ``compare=True``.
-
-    The attributes of the first run (``remat on`` when comparing) are also available on the report
-    itself: ``report.peak_bytes`` is ``report.runs[0].peak_bytes``.
-
-    Attributes:
-        name: The measured function's or module's name.
-        runs: The measurements; with ``compare=True``, ``(remat on, remat off)``.
-
-    Example:
-        >>> import torch, remat
-        >>> x = torch.randn(1000, requires_grad=True)
-        >>> report = remat.measure(lambda t: t.exp().exp(), x)
-        >>> report.held_bytes, report.to_dict()["runs"][0]["held_bytes"]  # exp saves its output
-        (4000, 4000)
-        >>> print(str(report).splitlines()[0])  # an aligned table follows
-        remat.measure: <lambda>
-    """
-
-    name: str
-    runs: tuple[Measurement, ...] = field(default=())
-
-    def _first(self) -> Measurement:
-        if not self.runs:
-            raise ValueError("remat: this Report holds no measurement.")
-        return self.runs[0]
-
-    @property
-    def peak_bytes(self) -> int:
-        """Peak live bytes of the first run, all devices together."""
-        return self._first().peak_bytes
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes held for backward at the end of the first run's forward."""
-        return self._first().held_bytes
-
-    @property
-    def peak_by_device(self) -> Mapping[str, int]:
-        """Peak live bytes of the first run per device name."""
-        return self._first().peak_by_device
-
-    @property
-    def held_by_device(self) -> Mapping[str, int]:
-        """Held bytes of the first run per device name."""
-        return self._first().held_by_device
-
-    @property
-    def forward_seconds(self) -> float:
-        """Forward time of the first run."""
-        return self._first().forward_seconds
-
-    @property
-    def backward_seconds(self) -> float:
-        """Backward time of the first run."""
-        return self._first().backward_seconds
-
-    @property
-    def recompute_seconds(self) -> float | None:
-        """Recompute time of the first run, or None when remat does not report it."""
-        return self._first().recompute_seconds
-
-    def ratios(self) -> dict[str, float | None]:
-        """Return first run / second run for each number (empty without ``compare=True``).
-
-        Keys are the `Measurement` fields ``peak_bytes``, ``held_bytes``, ``forward_seconds``,
-        ``backward_seconds`` and ``recompute_seconds``.
-
-        A ratio is ``None`` where a number is missing or the denominator is zero.
-        """
-        if len(self.runs) < 2:
-            return {}
-        a, b = self.runs[0], self.runs[1]
-        out: dict[str, float | None] = {}
-        for attr, _ in _ROWS:
-            x, y = getattr(a, attr), getattr(b, attr)
-            out[attr] = None if x is None or not y else x / y
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the report as plain JSON-ready values: name, runs and ratios."""
-        return {
-            "name": self.name,
-            "runs": [r.to_dict() for r in self.runs],
-            "ratios": self.ratios(),
-        }
-
-    def __str__(self) -> str:
-        devices = sorted({d for r in self.runs for d in r.peak_by_device})
-        rows: list[tuple[str, ...]] = []
-        header = ("", *(r.label for r in self.runs))
-        ratios = self.ratios()
-        if ratios:
-            header = (*header, "ratio")
-        for attr, title in _ROWS:
-            fmt: Callable[[Any], str] = format_bytes if attr.endswith("bytes") else format_seconds
-            row = (title, *(fmt(getattr(r, attr)) for r in self.runs))
-            if ratios:
-                ratio = ratios[attr]
-                row = (*row, "-" if ratio is None else f"{ratio:.2f}x")
-            rows.append(row)
-            if attr.endswith("bytes") and len(devices) > 1:
-                by = "peak_by_device" if attr == "peak_bytes" else "held_by_device"
-                for d in devices:
-                    sub = (f"  on {d}", *(format_bytes(getattr(r, by).get(d, 0)) for r in self.runs))
-                    rows.append((*sub, "") if ratios else sub)
-        table = [header, *rows]
-        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-        lines = [f"remat.measure: {self.name}"]
-        for r in table:
-            cells = [r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True))]
-            lines.append("  ".join(cells).rstrip())
-        return "\n".join(lines)
 
 
 def _name(target: object) -> str:
@@ -305,9 +124,10 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
         fn_or_module: A function or module to call.
         *args: Positional arguments for the call.
         compare: Also run with remat switched off (``remat.enabled(False)``) and show both, with
-            their ratios. The first run's RNG state is restored for the second, so dropout masks
-            match, and a module's buffers (BatchNorm statistics) are restored after the first run,
-            so they end up updated once.
+            their ratios. Each side runs once to warm up, then three times, interleaved with the
+            other side; times are medians. Every run starts from the same RNG state, so dropout
+            masks match, and from the same buffers (BatchNorm statistics), which end up updated
+            once. The report says so when no remat site rebuilt anything.
         **kwargs: Keyword arguments for the call.
 
     Returns:
@@ -335,16 +155,77 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
     with _fresh_grads(grad_leaves):
         if not compare:
             return Report(name, (_run(fn_or_module, args, kwargs, "as is", devices),))
-        buffers = [b.detach().clone() for b in fn_or_module.buffers()] if isinstance(fn_or_module, nn.Module) else []
-        with RngStash.capture(devices).restore():  # the second run starts from the same RNG state
-            with enabled(True):
-                on = _run(fn_or_module, args, kwargs, "remat on", devices)
-            for t in grad_leaves:
-                t.grad = None
-        if isinstance(fn_or_module, nn.Module):
+        return _compare(fn_or_module, args, kwargs, name, devices, grad_leaves)
+
+
+COMPARE_REPEATS = 3
+"""Measured runs per side with ``compare=True``, after one warm-up run each."""
+
+
+def _compare(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    name: str,
+    devices: set[torch.device],
+    grad_leaves: list[torch.Tensor],
+) -> Report:
+    """Remat on and off: one warm-up run each, then `COMPARE_REPEATS` of each, interleaved; median times.
+
+    A first call pays for warm-up (allocator growth, lazy initialisation, caches) that later calls do not,
+    so measuring one side once and then the other once charges it all to the first. Every run starts
+    from the same RNG state and the same buffer values; after the last one, buffers are updated once.
+    """
+    module = fn if isinstance(fn, nn.Module) else None
+    buffers = [b.detach().clone() for b in module.buffers()] if module is not None else []
+    stash = RngStash.capture(devices)
+    order = [True, False]  # the warm-up pair, then pairs in alternating order, so neither side is always first
+    for i in range(COMPARE_REPEATS):
+        order += [True, False] if i % 2 == 0 else [False, True]
+    runs: dict[bool, list[Measurement]] = {True: [], False: []}
+    recomputes = 0
+    for i, on in enumerate(order):
+        if module is not None:
             with torch.no_grad():
-                for b, old in zip(fn_or_module.buffers(), buffers, strict=True):
+                for b, old in zip(module.buffers(), buffers, strict=True):
                     b.copy_(old)
-        with enabled(False):
-            off = _run(fn_or_module, args, kwargs, "remat off", devices)
-        return Report(name, (on, off))
+        for t in grad_leaves:
+            t.grad = None
+        before = _stats.recomputes
+        with contextlib.ExitStack() as stack:
+            if i < len(order) - 1:
+                stack.enter_context(stash.restore())  # put the caller's RNG state back after this run
+            else:
+                stash.apply()  # the last run leaves the generators as one step would
+            stack.enter_context(enabled(on))
+            m = _run(fn, args, kwargs, "remat on" if on else "remat off", devices)
+        if on:
+            recomputes += _stats.recomputes - before
+        if i >= 2:  # not a warm-up run
+            runs[on].append(m)
+    notes = [
+        f"times: median of {COMPARE_REPEATS} runs per side, interleaved, after one warm-up run each; "
+        "bytes: the last run."
+    ]
+    if recomputes == 0:
+        notes.append(
+            "remat rebuilt nothing in backward: no remat site ran in this model (or every site kept what it saved), "
+            "so both sides run the same code and differ only by noise."
+        )
+    return Report(name, (_median(runs[True]), _median(runs[False])), tuple(notes))
+
+
+def _median(runs: list[Measurement]) -> Measurement:
+    """The last run's bytes with the median of each time."""
+    last = runs[-1]
+    recompute = [r.recompute_seconds for r in runs if r.recompute_seconds is not None]
+    return Measurement(
+        label=last.label,
+        peak_bytes=last.peak_bytes,
+        held_bytes=last.held_bytes,
+        peak_by_device=last.peak_by_device,
+        held_by_device=last.held_by_device,
+        forward_seconds=statistics.median(r.forward_seconds for r in runs),
+        backward_seconds=statistics.median(r.backward_seconds for r in runs),
+        recompute_seconds=statistics.median(recompute) if recompute else None,
+    )
