@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["BudgetError", "RecomputeMismatchError", "RematError"]
+import inspect
+
+__all__ = ["BudgetError", "RecomputeMismatchError", "RematError", "check_runs_when_called"]
 
 
 class RematError(RuntimeError):
@@ -18,3 +20,27 @@ class BudgetError(RematError):
 
 
 BUG = "this is a bug in remat; please report it"
+
+
+_DEFERRED = {  # inspect's check -> (what the function is, what calling it returns)
+    "isgeneratorfunction": ("a generator function", "a generator"),
+    "isasyncgenfunction": ("an async generator function", "an async generator"),
+    "iscoroutinefunction": ("a coroutine function", "a coroutine"),
+}
+
+
+def check_runs_when_called(fn: object, site: str) -> None:
+    """Raise `TypeError` if calling `fn` returns before its body runs (a generator or a coroutine function).
+
+    Calling such a function only makes a generator or coroutine object; its ops run later, as it is iterated
+    or awaited, outside the site, so there would be nothing to rematerialize and no sign of it.
+    """
+    func = getattr(fn, "__func__", fn)
+    kind = next((what for check, what in _DEFERRED.items() if getattr(inspect, check)(func)), None)
+    if kind is not None:
+        raise TypeError(
+            f"remat: `{site}` is {kind[0]}: calling it returns {kind[1]} before its body runs, so its ops would "
+            "run outside the site and nothing would be rematerialized. Decorate the plain function it calls for "
+            "the computation instead, or put `with remat.region():` around the computation inside its body "
+            "(not across a `yield` or an `await`)."
+        )

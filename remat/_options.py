@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from ._policies import PolicyLike, as_policy
 
-__all__ = ["STRATEGIES", "Options"]
+__all__ = ["STRATEGIES", "Options", "unknown_options"]
 
 Strategy = Literal["rerun", "replay"]
 STRATEGIES: tuple[str, ...] = ("rerun", "replay")
@@ -60,3 +61,35 @@ class Options:
     def active(self, switch: bool) -> bool:
         """Whether this site rematerializes, given the global switch."""
         return switch if self.enabled is None else self.enabled
+
+
+_APPLY_BUDGET = "`remat.apply(model, budget=..., sample=...)`, which fits a whole model into a memory budget"
+_ELSEWHERE = {
+    "budget": _APPLY_BUDGET,
+    "sample": _APPLY_BUDGET,
+    "loss": _APPLY_BUDGET,
+    "choices": _APPLY_BUDGET,
+    "replan": _APPLY_BUDGET,
+    "where": "`remat.apply(model, where, every=...)`, which picks the submodules of a model",
+    "every": "`remat.apply(model, where, every=...)`, which picks the submodules of a model",
+    "segments": "`remat.checkpoint_sequential(functions, segments, input)`",
+    "use_reentrant": "`remat.checkpoint(fn, *args, use_reentrant=False)`",
+}
+
+
+def unknown_options(given: Iterable[str], site: str) -> TypeError | None:
+    """The error for keywords that `@remat` does not take, or None when there are none.
+
+    It names the site and, for a keyword another remat function takes (`budget=`), that function.
+    """
+    known = {f.name for f in fields(Options)}
+    unknown = [k for k in given if k not in known]
+    if not unknown:
+        return None
+    names = ", ".join(f"`{k}=`" for k in unknown)
+    hints = ""
+    for where in dict.fromkeys(_ELSEWHERE[k] for k in unknown if k in _ELSEWHERE):
+        keys = [f"`{k}=`" for k in unknown if _ELSEWHERE.get(k) == where]
+        hints += f" {' and '.join(keys)} {'belong' if len(keys) > 1 else 'belongs'} to {where}."
+    takes = ", ".join(f"`{f.name}`" for f in fields(Options) if f.name != "debug")
+    return TypeError(f"remat: @remat on `{site}` got {names}, which it does not take.{hints} @remat takes {takes}.")

@@ -19,6 +19,7 @@ from ._engine import region as _region
 from ._engine import rerun as _rerun
 from ._engine.compiled import compiling, torch_checkpoint
 from ._engine.offload import resolve as resolve_offload
+from ._errors import check_runs_when_called
 from ._integrations import comes_from
 from ._options import Options
 from ._plan.blocks import describe_search, find_blocks
@@ -79,6 +80,7 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
     if isinstance(fn, (staticmethod, classmethod)):
         return type(fn)(wrap_function(fn.__func__, options, site))
     name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
+    check_runs_when_called(fn, name)
     engine = _Engine(options, name)
     open_site, end, enabled, switch = engine.open, engine.end, options.enabled, _switch._state
     if engine.passthrough:  # save_all keeps every activation: nothing to rematerialize
@@ -340,5 +342,6 @@ def plan(model: nn.Module) -> ModelPlan:
                    and getattr(hook, "budget_plan", None) is not None), None)  # see remat/_fit.py
     if budget is not None:
         classes = tuple(type(model.get_submodule(name)).__qualname__ for name in budget.cost.names)
-        return ModelPlan(type(model).__qualname__, tuple(sites), budget, classes)
-    return ModelPlan(type(model).__qualname__, tuple(sites))
+        off = not _switch.is_enabled()
+        return ModelPlan(type(model).__qualname__, tuple(sites), budget, classes, switched_off=off)
+    return ModelPlan(type(model).__qualname__, tuple(sites), switched_off=not _switch.is_enabled())

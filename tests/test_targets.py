@@ -364,8 +364,8 @@ def test_apply_keeps_state_dict_keys() -> None:
     ],
 )
 def test_bad_options_raise_when_decorating(options: dict[str, object], error: type[Exception], words: str) -> None:
-    with pytest.raises(error, match=words):
-        remat.remat(**options)  # type: ignore[call-overload]
+    with pytest.raises(error, match=words):  # an unknown keyword raises once the site is known, naming it
+        remat.remat(**options)(mlp_fn)  # type: ignore[call-overload]
     with pytest.raises(error, match=words):
         remat(mlp_fn, **options)  # type: ignore[operator]
     with pytest.raises(error, match=words):

@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .. import _switch
+from .._errors import check_runs_when_called
 from .._options import Options
 from .._policies import as_policy
 from .offload import resolve
@@ -98,6 +99,7 @@ class Region:
     def __call__(self, fn: _F) -> _F:
         """Decorate a function or method: each call runs as a fresh region."""
         site = self.options.name or getattr(fn, "__qualname__", None) or repr(fn)
+        check_runs_when_called(fn, site)
 
         @functools.wraps(fn)
         def region(*args: Any, **kwargs: Any) -> Any:

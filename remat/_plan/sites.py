@@ -42,6 +42,8 @@ class ModelPlan:
     sites: tuple[Site, ...]
     budget: BudgetPlan | None = None
     classes: tuple[str, ...] = ()
+    switched_off: bool = False
+    """The `REMAT` switch was off (`REMAT=0`, `remat.set_enabled(False)`) when the plan was made."""
 
     def __iter__(self) -> Iterator[Site]:
         return iter(self.sites)
@@ -50,6 +52,15 @@ class ModelPlan:
         return len(self.sites)
 
     def __str__(self) -> str:
+        table = self._table()
+        if self.switched_off and self.sites:
+            table += (
+                "\nThe REMAT switch is off (REMAT=0 or remat.set_enabled(False)): these sites run as plain code "
+                "and nothing is rematerialized, except at sites made with enabled=True."
+            )
+        return table
+
+    def _table(self) -> str:
         if self.budget is not None:
             return self._budget_table(self.budget)
         if not self.sites:

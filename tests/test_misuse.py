@@ -1,0 +1,98 @@
+"""Misuse that used to pass silently or show remat's internals: generator and coroutine functions, keywords
+that belong to another remat function, and a plan made while the switch is off."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+
+def _generator(x: torch.Tensor) -> Iterator[torch.Tensor]:
+    yield x.exp()
+
+
+async def _coroutine(x: torch.Tensor) -> torch.Tensor:
+    return x.exp()
+
+
+async def _async_generator(x: torch.Tensor) -> AsyncIterator[torch.Tensor]:
+    yield x.exp()
+
+
+@pytest.mark.parametrize(
+    ("fn", "kind"),
+    [(_generator, "a generator function"), (_coroutine, "a coroutine function"),
+     (_async_generator, "an async generator function")],
+)
+@pytest.mark.parametrize("decorate", [remat.remat, remat.remat(strategy="replay"), remat.region()])
+def test_functions_that_return_before_running_are_refused_when_decorated(
+    fn: object, kind: str, decorate: object
+) -> None:
+    with pytest.raises(TypeError) as info:
+        decorate(fn)  # type: ignore[operator]
+    message = str(info.value)
+    assert message.startswith("remat: ") and f"`{fn.__qualname__}` is {kind}" in message  # type: ignore[attr-defined]
+    assert "remat.region()" in message, "it says what to do instead"
+
+
+def test_a_generator_method_and_a_generator_forward_are_refused() -> None:
+    with pytest.raises(TypeError, match="generator function"):
+
+        class Block(nn.Module):
+            @remat.remat
+            def forward(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+                yield x
+
+    class Streamer(nn.Module):
+        def forward(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+            yield x
+
+    with pytest.raises(TypeError, match=r"Streamer` is a generator function"):
+        remat.remat(Streamer)
+
+
+def test_budget_on_the_decorator_names_the_site_and_remat_apply() -> None:
+    with pytest.raises(TypeError) as info:
+
+        @remat.remat(budget=0.5)  # type: ignore[call-overload, untyped-decorator]
+        def block(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    message = str(info.value)
+    assert message.startswith("remat: ") and "block` got `budget=`" in message
+    assert "remat.apply(model, budget=..., sample=...)" in message
+    assert "Options" not in message and "__init__" not in message
+
+
+def test_unknown_keywords_on_an_instance_leave_it_untouched() -> None:
+    layer = nn.Linear(2, 2)
+    with pytest.raises(TypeError) as info:
+        remat.remat(layer, every=2, colour="red")  # type: ignore[call-overload]
+    message = str(info.value)
+    assert "`Linear`" in message and "`every=`" in message and "`colour=`" in message
+    assert "remat.apply(model, where, every=...)" in message
+    assert not layer._forward_pre_hooks and not layer._forward_hooks
+    assert len(remat.plan(layer)) == 0
+
+
+@pytest.mark.parametrize("call", ["apply", "region", "plan", "undo"])
+def test_python_keyword_errors_name_the_public_function(call: str) -> None:
+    fn = getattr(remat, call)
+    args = () if call == "region" else (nn.Linear(2, 2),)
+    with pytest.raises(TypeError) as info:
+        fn(*args, colour="red")
+    assert str(info.value).startswith(f"remat.{call}()"), str(info.value)
+
+
+def test_plan_says_when_the_switch_is_off() -> None:
+    model = remat.apply(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    assert "switch is off" not in str(remat.plan(model))
+    with remat.enabled(False):
+        text = str(remat.plan(model))
+    assert "2 rematerialized sites" in text and "The REMAT switch is off" in text
+    assert "switch is off" not in str(remat.plan(nn.Linear(2, 2))), "no sites, nothing to say about them"
