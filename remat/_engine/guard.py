@@ -1,6 +1,6 @@
-"""Keep recompute from updating module buffers a second time (spec §3.4, side effects once).
+"""Keep recompute from updating module buffers, or module attributes, a second time (side effects once).
 
-See NOTE [ Writes during recompute ].
+See NOTE [ Writes during recompute ] and NOTE [ Attributes during recompute ].
 """
 
 from __future__ import annotations
@@ -31,6 +31,16 @@ __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_
 # Some ops write to arguments that their schema does not mark as written: `native_batch_norm` (and its cuDNN
 # and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`. Those
 # writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.
+
+# NOTE [ Attributes during recompute ]
+# A forward may also change its modules' plain Python attributes: `self.calls += 1`, `self.last_len = n`.
+# Rerun runs that Python again, so without care a counter counts every step twice. The first time a recompute
+# enters a module (the site's own module, and every module the global hooks see), its `__dict__` is copied,
+# one C-level dict copy; when the recompute ends, every entry whose object changed, compared by identity, is
+# put back, unless the old object is a tensor or a module (those have their own rules: buffers above,
+# submodules stay as they are). So assigned attributes end as forward left them. A container changed in place
+# (`self.history.append(x)`) keeps the same identity and is not restored; nor is a tensor a closure captured
+# (replay, `strategy="replay"` or `remat.region()`, redirects those writes).
 
 Writes = tuple[tuple[int, str], ...]
 _BN_STATS = ("running_mean", "running_var")
@@ -96,10 +106,35 @@ class BufferWrites(Mode):
         return func._op(*args, **kwargs)  # `_op`: no Python frame of `OpOverload.__call__`
 
 
+_MISSING = object()
+
+
+class _Attributes:
+    """The `__dict__` of each module one recompute entered, as it was on entry; see NOTE [ Attributes during
+    recompute ]."""
+
+    __slots__ = ("before",)
+
+    def __init__(self) -> None:
+        self.before: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
+
+    def enter(self, module: nn.Module) -> None:
+        if id(module) not in self.before:
+            self.before[id(module)] = (module, module.__dict__.copy())
+
+    def restore(self) -> None:
+        for module, before in self.before.values():
+            now = module.__dict__
+            for key, old in before.items():
+                if now.get(key, _MISSING) is not old and not isinstance(old, (torch.Tensor, nn.Module)):
+                    now[key] = old
+
+
 class _Local(threading.local):
     def __init__(self) -> None:
         self.depth = 0  # recomputes running on this thread
         self.open: list[tuple[nn.Module, BufferWrites]] = []
+        self.attributes: list[_Attributes] = []  # one per recompute running on this thread, innermost last
 
 
 _local = _Local()
@@ -114,7 +149,10 @@ _always_called = _module._global_forward_hooks_always_called
 
 
 def _enter_module(module: nn.Module, args: Any) -> None:
-    if _local.depth and module._buffers:
+    if not _local.depth:
+        return
+    _local.attributes[-1].enter(module)
+    if module._buffers:
         mode = BufferWrites(_buffer_memory(module))
         mode.__enter__()  # type: ignore[no-untyped-call]
         _local.open.append((module, mode))
@@ -127,7 +165,8 @@ def _leave_module(module: nn.Module, args: Any, output: Any) -> None:
 
 
 def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
-    """Start keeping module buffers as forward left them, for a recompute on this thread; see `release`.
+    """Start keeping module buffers and attributes as forward left them, for a recompute on this thread; see
+    `release`.
 
     Returns the mode that guards `root`'s own buffers (its forward is called directly, without the module
     hooks), to hand to `release`.
@@ -143,7 +182,12 @@ def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
     _users += 1
     _lock.release()
     _local.depth += 1
-    if root is None or not root._buffers:
+    attributes = _Attributes()
+    _local.attributes.append(attributes)
+    if root is None:
+        return None
+    attributes.enter(root)
+    if not root._buffers:
         return None
     mode = BufferWrites(_buffer_memory(root))
     mode.__enter__()  # type: ignore[no-untyped-call]
@@ -151,10 +195,11 @@ def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
 
 
 def release(mode: BufferWrites | None) -> None:
-    """End what `guard_buffers` started."""
+    """End what `guard_buffers` started, and put back the module attributes the recompute changed."""
     global _users
     if mode is not None:
         mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    _local.attributes.pop().restore()
     _local.depth -= 1
     _lock.acquire()
     _users -= 1
