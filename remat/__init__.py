@@ -26,7 +26,7 @@ from ._switch import enabled as enabled
 from ._switch import is_enabled as is_enabled
 from ._switch import set_enabled as set_enabled
 
-if TYPE_CHECKING:  # loaded on first use (`__getattr__` below), so that `import remat` stays cheap (spec §5.6)
+if TYPE_CHECKING:  # loaded on first use (`__getattr__` below), so that `import remat` stays cheap
     from ._estimate import estimate as estimate
     from ._measure.measure import Measurement as Measurement
     from ._measure.measure import Report as Report

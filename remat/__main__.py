@@ -1,4 +1,4 @@
-"""``python -m remat``: the built-in benchmark (spec §5); ``--help`` lists the flags."""
+"""``python -m remat``: the built-in benchmark; ``--help`` lists the flags."""
 
 from __future__ import annotations
 

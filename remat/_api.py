@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LAZY", "Decorator", "Remat", "lazy", "remat"]
 
-# The measuring and planning wings load on first use of one of their names, not with `import remat` (spec §5.6:
-# their dataclasses and tables cost more to import than the engine). Name -> (module, attribute).
+# The measuring and planning wings load on first use of one of their names, not with `import remat` (which
+# should stay cheap: their dataclasses and tables cost more to import than the engine). Name -> (module, attribute).
 LAZY: dict[str, tuple[str, str]] = {
     "estimate": ("._estimate", "estimate"),
     "EstimateReport": ("._plan.estimate_report", "EstimateReport"),
@@ -91,7 +91,7 @@ class _PoliciesModule(Protocol):
 
 
 class Remat:
-    """Rematerialize a function, a method, an `nn.Module` class or instance (spec §2.1).
+    """Rematerialize a function, a method, an `nn.Module` class or instance.
 
     The activations autograd saves inside are freed after forward and rebuilt in backward by calling the
     function again (`strategy="rerun"`) or by replaying the aten ops recorded in forward (`"replay"`).
@@ -184,7 +184,7 @@ class Remat:
             where: an `nn.Module` type, a tuple of types, a predicate `(name, module) -> bool`, or None.
             every: keep every `every`-th match, counting from the first (`every=2`: 1st, 3rd, ...).
             policy, preserve_rng, strategy, enabled, check, name, offload: as for `remat`.
-            budget: instead of one `policy` for all, fit a memory budget (spec §2.8): bytes (an int, or a string
+            budget: instead of one `policy` for all, fit a memory budget: bytes (an int, or a string
                 such as "1.5GiB"), or a float in (0, 1], that fraction of the activation peak of a training step
                 without remat. One training step on `sample` is profiled and each block gets the choice — kept,
                 `save_matmuls`, full remat, or one of `choices` — that makes the predicted peak fit at the least
@@ -258,7 +258,7 @@ class Remat:
         name: str | None = None,
         offload: bool | _offload.Offload = False,
     ) -> Region:
-        """Rematerialize a block of code: `with remat.region(): ...` (spec §2.2).
+        """Rematerialize a block of code: `with remat.region(): ...`.
 
         Every activation made inside the block and saved by autograd is dropped at the end of forward and
         rebuilt in backward by replaying the aten ops recorded while the block ran. Tensors created before
@@ -285,7 +285,7 @@ class Remat:
         )
         return Region(settings)
 
-    # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__` (spec §2).
+    # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__`.
     offload = staticmethod(_offload.offload)
     checkpoint = staticmethod(_checkpoint.checkpoint)
     checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)

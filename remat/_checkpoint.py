@@ -1,4 +1,4 @@
-"""Drop-ins for `torch.utils.checkpoint.checkpoint` and `checkpoint_sequential` (spec §2.3).
+"""Drop-ins for `torch.utils.checkpoint.checkpoint` and `checkpoint_sequential`.
 
 Replacing the import is the whole migration: every keyword torch takes is accepted and honoured.
 `use_reentrant` is accepted with either value and both run remat's saved-tensor-hook engine: it gives the

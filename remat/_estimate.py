@@ -1,4 +1,4 @@
-"""`remat.estimate`: the peak memory of a training step per remat configuration, before allocating it (spec §2.9).
+"""`remat.estimate`: the peak memory of a training step per remat configuration, before allocating it.
 
 This face turns each configuration into remat sites on the model for the duration of its step (NOTE [ Applying
 a configuration for a while ]); `_plan.estimate` runs the step on fake tensors and counts its bytes.
@@ -93,7 +93,7 @@ def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configur
         @contextlib.contextmanager
         def planned(sample: Any) -> Iterator[None]:
             with _restoring(model):
-                remat.apply(model, where, budget=config, sample=sample)  # spec §2.8's planner, on fake tensors
+                remat.apply(model, where, budget=config, sample=sample)  # the budget planner, on fake tensors
                 with enabled(True):
                     yield
 

@@ -1,6 +1,6 @@
 """`remat.apply(model, budget=..., sample=...)`: choose per block how it is rematerialized so a step fits a budget.
 
-See spec §2.8 and NOTE [ Budgeted models ].
+See NOTE [ Budgeted models ] and the docs' guide "Fit a memory budget".
 
 NOTE [ Budgeted models ]
 A `_Budget` forward pre-hook on the model holds what the budget needs: the blocks (by qualified name, so that
@@ -40,7 +40,7 @@ _KEPT = "kept"
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """The output's `.loss` if it has one, else the sum of its floating tensors (spec §2.8).
+    """The output's `.loss` if it has one, else the sum of its floating tensors.
 
     >>> default_loss((torch.ones(2), torch.tensor([1, 2])))
     tensor(2.)

@@ -24,7 +24,7 @@ class Offloader(Protocol):
 
 @dataclass(frozen=True)
 class Options:
-    """Keyword options of `@remat`, `remat(module)`, `remat.apply` and `remat.region` (spec §2.1)."""
+    """Keyword options of `@remat`, `remat(module)`, `remat.apply` and `remat.region`."""
 
     policy: PolicyLike = None
     preserve_rng: bool = True

@@ -1,4 +1,4 @@
-"""Selective rematerialization: which activations inside a region are still saved (spec §2.4).
+"""Selective rematerialization: which activations inside a region are still saved.
 
 See NOTE [ Policies ].
 """

@@ -1,4 +1,4 @@
-"""Autocast state of a region's forward, to re-enter it in recompute (spec §3.2)."""
+"""Autocast state of a region's forward, to re-enter it in recompute."""
 
 from __future__ import annotations
 

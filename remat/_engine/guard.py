@@ -32,7 +32,7 @@ __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_
 # and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`. Those
 # writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.
 
-# NOTE [ Attributes during recompute ]
+# NOTE [ Attributes during recompute ]  (for users: the docs' design page, "Side effects")
 # A forward may also change its modules' plain Python attributes: `self.calls += 1`, `self.last_len = n`.
 # Rerun runs that Python again, so without care a counter counts every step twice. The first time a recompute
 # enters a module (the site's own module, and every module the global hooks see), its `__dict__` is copied,

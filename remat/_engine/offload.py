@@ -1,4 +1,4 @@
-"""Offload what autograd keeps to host memory: `remat.offload()`, `offload=True` on sites (spec §2.11).
+"""Offload what autograd keeps to host memory: `remat.offload()`, `offload=True` on sites.
 
 See NOTE [ What is offloaded ] and NOTE [ Offloaded sites ] here, NOTE [ Offload lifecycle ] in transfer.py.
 """
@@ -88,7 +88,7 @@ def _lives_anyway(tensor: torch.Tensor) -> bool:
 
 
 class Offload:
-    """Keep what autograd saves in host memory instead of on the accelerator (spec §2.11).
+    """Keep what autograd saves in host memory instead of on the accelerator.
 
     Made by `remat.offload(...)`. As a context manager, every tensor autograd saves inside the block that
     qualifies (see `remat.offload`) is copied to host memory in forward and brought back in backward. As a
@@ -121,7 +121,7 @@ class Offload:
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Only the settings: a module whose site offloads pickles and deep-copies (spec §2.1).
+        # Only the settings: a module whose site offloads pickles and deep-copies.
         return (Offload, (self.min_bytes, self.pin_memory, self.include_cpu))
 
     @property

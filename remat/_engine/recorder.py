@@ -1,4 +1,6 @@
-"""Record the aten ops a block runs (strategy "replay", spec §3.2); `tape.Tape` replays them in backward.
+"""Record the aten ops a block runs (strategy "replay"); `tape.Tape` replays them in backward.
+
+The design page of the docs explains replay (section "Rerun and replay").
 
 See NOTE [ What the tape holds ] and NOTE [ Writes to outside memory ].
 """

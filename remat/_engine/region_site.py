@@ -1,5 +1,5 @@
 """The object `remat.region()` returns: a block of code, or each call of a decorated function, run as a replay
-region (spec §2.2) through `region.begin` and `region.end`.
+region through `region.begin` and `region.end`.
 
 A `Region` keeps the recordings it has open in a thread-local stack, so one object may be entered again while it
 is open (a recursive decorated function: each level is a nested region) and from several threads at once; `ops`
@@ -28,7 +28,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class Region:
-    """Rematerialize every activation of a block by replaying the aten ops it ran (spec §2.2).
+    """Rematerialize every activation of a block by replaying the aten ops it ran.
 
     Used as `with remat.region() as r:` or as a decorator, `@remat.region()`. Inside, autograd keeps handles
     instead of the activations made in the block; backward replays the recorded ops to rebuild them. Tensors

@@ -38,11 +38,11 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # only when those are in play: the common path sets three things and restores three, with no context-manager
 # machinery, since it runs once per site in every backward.
 #
-# NOTE [ Early stop ]
+# NOTE [ Early stop ]  (for users: the docs' design page, "Early stop")
 # With early stop on (the default), whatever recompute saves after the last needed tensor is tolerated, as torch
 # tolerates it: not checked, not kept. With it off, recompute must save exactly as many tensors as forward did,
 # and a different count is a mismatch. What decides the outcome is only what was saved, never how long anything
-# took (spec §3.1). Stopping early raises out of the pack hook through autograd's C++, which costs some 30 µs,
+# took. Stopping early raises out of the pack hook through autograd's C++, which costs some 30 µs,
 # so it is done only where it skips work that matters: when forward saved a tensor to rebuild after the last
 # needed one (part of the graph was freed or is not needed). Otherwise everything after the last needed tensor
 # saved nothing in forward, and the function runs to its end: the same tensors, no error either way.

@@ -1,4 +1,4 @@
-"""RNG state of every device a region touches, stashed in forward and restored inside a fork (spec §3.3).
+"""RNG state of every device a region touches, stashed in forward and restored inside a fork.
 
 Devices are found from the tensors themselves (positional and keyword inputs, a module's parameters and
 buffers where torch has an accelerator), the current accelerator and an active `torch.device(...)` context,

@@ -1,4 +1,4 @@
-"""Replay a recorded block's aten ops in backward (strategy "replay", spec §3.2).
+"""Replay a recorded block's aten ops in backward (strategy "replay"; see the design page, "Rerun and replay").
 
 `recorder.Recorder` records them in forward. See NOTE [ Policies on the tape ] and NOTE [ Replay plan ].
 """
@@ -22,7 +22,7 @@ from .transfer import Parcel, Stay
 __all__ = ["Tape"]
 
 # NOTE [ Policies on the tape ]
-# With a policy (spec §2.2), the recorder keeps the outputs of the ops it chooses (and tensors named by
+# With a policy, the recorder keeps the outputs of the ops it chooses (and tensors named by
 # `remat.tag` for a saved name), detached, by slot. Replay puts a kept output into its slot instead of running
 # its op (the op's inputs are then not needed either), so a kept op never runs again. A saved tensor that is a
 # kept output, or a view of one, is kept by reference instead of being rebuilt ("claimed"). As in rerun

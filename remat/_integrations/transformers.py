@@ -1,4 +1,4 @@
-"""Hugging Face transformers layers under rerun: the KV-cache rule (spec §2.10).
+"""Hugging Face transformers layers under rerun: the KV-cache rule.
 
 Imported only when a rematerialized module comes from transformers (see `remat._integrations.comes_from`);
 it reads arguments and class attributes by name and never imports transformers itself.

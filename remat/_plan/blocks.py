@@ -1,4 +1,4 @@
-"""Which blocks of a model `remat.apply(model)` rematerializes when no `where` is given (spec §2.1).
+"""Which blocks of a model `remat.apply(model)` rematerializes when no `where` is given.
 
 See NOTE [ Picking blocks ].
 """

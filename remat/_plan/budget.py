@@ -1,4 +1,4 @@
-"""The whole-model budget front end of the solver: one choice per block under a memory budget (spec §2.8).
+"""The whole-model budget front end of the solver: one choice per block under a memory budget.
 
 Two steps joined by plain data (remat/_measure/costs.py): a profile fills a `ModelCost` (bytes and times of
 every block under every choice), and `solve_budget` chooses one choice per block so that the predicted peak

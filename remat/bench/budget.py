@@ -1,5 +1,5 @@
 """`python -m remat --model budget`: `remat.apply(model, budget=...)` against uniform configurations and
-`torch.compile`'s `activation_memory_budget` (spec §5.7).
+`torch.compile`'s `activation_memory_budget`.
 
 On the GPT-like stack, for each budget fraction f of no remat's measured activation peak: our plan's predicted
 and measured peak, its predicted and measured step time, the fastest uniform configuration (every-N full remat,

@@ -1,4 +1,4 @@
-"""Spec §5.5: `remat.chain` at 50% of a chain's activation memory against every `checkpoint_sequential`."""
+"""`remat.chain` at 50% of a chain's activation memory against every `checkpoint_sequential`."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _sequential_name(k: int) -> str:
 def bench_chain(
     base: ChainNet, device: torch.device, repeats: int, progress: Callable[[str], None]
 ) -> tuple[str, dict[str, Any], list[Result]]:
-    """Spec §5.5 on `ChainNet`: `remat.chain` at 50% of the chain's activation memory, against
+    """On `ChainNet`: `remat.chain` at 50% of the chain's activation memory, against
     torch's `checkpoint_sequential` (``use_reentrant=False``) with every segment count 1..n.
 
     Every configuration is a row of `bench_model` (same peak definition, interleaved repeats). The
@@ -115,8 +115,8 @@ def bench_chain(
     ours.note = "; ".join(
         filter(None, [
             ours.note,
-            f"peak+input/budget {counted / budget:.3f} (budget {format_bytes(budget)}, §5.5 ≤ 1.05)",
-            f"predicted/measured time {plan.makespan / ours.step:.2f} (§5.5 within 15%)",
+            f"peak+input/budget {counted / budget:.3f} (budget {format_bytes(budget)}, target ≤ 1.05)",
+            f"predicted/measured time {plan.makespan / ours.step:.2f} (target: within 15%)",
         ])
     )  # fmt: skip
     if none.step is not None:
@@ -130,6 +130,7 @@ def bench_chain(
     _, k, best = min(fits, key=lambda fit: fit[0])
     assert best.step is not None
     best.config = f"{_sequential_name(k)} (best fitting)"
-    best.note = f"fastest k of 1..{n} with peak ≤ the chain's; chain time/this {ours.step / best.step:.2f}x (§5.5 ≤ 1)"
+    best.note = f"fastest k of 1..{n} with peak ≤ the chain's; chain time/this "
+    best.note += f"{ours.step / best.step:.2f}x (target ≤ 1)"
     summary.update(best_sequential=k, best_sequential_seconds=best.step, chain_over_sequential=ours.step / best.step)
     return description, summary, [*shown, best]

@@ -1,10 +1,10 @@
-"""The built-in benchmark behind ``python -m remat`` (spec §5).
+"""The built-in benchmark behind ``python -m remat``.
 
 For each model, every configuration runs on its own copy of the same weights and the same batch:
 one warm-up step, one step under `remat.track` for memory and gradients, then ``repeats`` timed
 steps, interleaved across configurations (``a b c a b c ...``) so that a machine's drift affects
 them alike; the step time shown is the median. The tiny-function rows measure the per-call
-overhead of spec §5.1 the same way.
+overhead the same way.
 
 NOTE [ What the memory columns count ]
 Parameters and their ``.grad`` exist before the tracked step (the gradients are zero-filled
@@ -53,7 +53,7 @@ def run(
 
     Args:
         models: Any of ``"gpt"``, ``"convnet"``, ``"chain"``, ``"tiny"``, ``"offload"`` (an accelerator only).
-        size: ``"small"`` (a quick CPU run) or ``"medium"`` (the sizes of spec §5).
+        size: ``"small"`` (a quick CPU run) or ``"medium"`` (the larger sizes: GPT of 12 blocks, d=512).
         device: Where to run.
         repeats: Timed steps per configuration; the median is reported.
         progress: Called with a status message as the run goes.
@@ -81,7 +81,7 @@ def run(
     }
     rows: list[Result] = []
     for name in models:
-        if name == "offload":  # spec §5.9: its own rows and model (remat/bench/offload.py)
+        if name == "offload":  # its own rows and model (remat/bench/offload.py)
             from .offload import bench_offload
 
             meta["models"]["offload"], found = bench_offload(dev, repeats, progress)
@@ -129,10 +129,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "estimate", "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
-        "against checkpoint_sequential (spec §5.5); tiny: per-call overhead, replay overhead and start-up; "
-        "offload: offloading to host memory on the GPT-like stack (spec §5.9; needs --device cuda); "
-        "budget: remat.apply(model, budget=...) against uniform configurations and torch.compile (spec §5.7); "
-        "estimate: remat.estimate against real steps (spec §5.8; `python -m remat estimate --help`)",
+        "against checkpoint_sequential; tiny: per-call overhead, replay overhead and start-up; "
+        "offload: offloading to host memory on the GPT-like stack (needs --device cuda); "
+        "budget: remat.apply(model, budget=...) against uniform configurations and torch.compile; "
+        "estimate: remat.estimate against real steps (`python -m remat estimate --help` estimates a model of "
+        "your own)",
     )
     parser.add_argument(
         "--size",

@@ -36,7 +36,7 @@ class Config:
         prepare: Changes the copy in place: replaces ``model.call``, ``model.stack`` or the blocks,
             and returns a note for the table or None. It may raise ImportError/AttributeError when
             the feature is not available yet; the row then says so.
-        wrap_tiny: How the tiny function of spec §5.1 is wrapped for the overhead rows, or None to
+        wrap_tiny: How the tiny function is wrapped for the overhead rows, or None to
             leave this configuration out of them.
         models: Model names the row applies to; None for all.
     """

@@ -1,5 +1,5 @@
 """Convnets for the benchmark (`python -m remat`): a ResNet-style convnet, and a plain convnet chain for
-`remat.chain` (spec §5.5). Both are `BenchModel`s (see `models.py`).
+`remat.chain`. Both are `BenchModel`s (see `models.py`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class ConvNet(_Classifier):
         return f"{n} blocks, width {c.width}-{4 * c.width}, {c.image}x{c.image} images, batch {c.batch}"
 
 
-# -- a heterogeneous convnet chain (remat.chain, spec §5.5) ------------------------------------------
+# -- a heterogeneous convnet chain (remat.chain) ------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -202,4 +202,4 @@ class ChainNet(_Classifier):
         )
 
 
-# -- the tiny function of spec §5.1 ----------------------------------------------------------------
+# -- the tiny function of the overhead rows ----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`python -m remat estimate` (spec §2.9) and `python -m remat --model estimate` (spec §5.8).
+"""`python -m remat estimate` and `python -m remat --model estimate`.
 
 ``python -m remat estimate`` prints `remat.estimate`'s table for a benchmark model or a Hugging Face config built
 on the meta device (``--hf llama`` with no size flags is the 7B Llama). ``python -m remat --model estimate``
@@ -288,7 +288,7 @@ def format_checks(rows: Sequence[Checked]) -> str:
                         f"{r.peak_ratio:.4f}", fmt(r.predicted.activation_bytes),
                         fmt(r.measured.activation_bytes), f"{r.activation_ratio:.4f}") for r in rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["remat.estimate against a real CPU step (remat.track), AdamW, float32, spec §5.8: ratios within "
+    lines = ["remat.estimate against a real CPU step (remat.track), AdamW, float32; target: ratios within "
              "0.95-1.05"]
     for row in table:
         cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1]),

@@ -97,7 +97,7 @@ class GPTConfig:
 
 GPT_SIZES = {
     "small": GPTConfig(blocks=12, d=128, heads=4, seq=128, batch=4),
-    "medium": GPTConfig(),  # the size of spec §5.2 and §5.3
+    "medium": GPTConfig(),  # the larger size of the benchmark (--size medium)
 }
 
 
@@ -187,7 +187,7 @@ class GPT(BenchModel):
 
 
 def tiny(x: torch.Tensor) -> torch.Tensor:
-    """Two cheap elementwise ops: what per-call overhead is measured on (spec §5.1).
+    """Two cheap elementwise ops: what per-call overhead is measured on.
 
     Example:
         >>> import torch

@@ -1,6 +1,6 @@
-"""`python -m remat --model offload --device cuda`: offloading to host memory (spec §5.9).
+"""`python -m remat --model offload --device cuda`: offloading to host memory.
 
-The GPT-like stack of spec §5.9 (12 blocks, d=768, seq 1024, batch 16) trains one forward+backward step under
+The GPT-like stack (12 blocks, d=768, seq 1024, batch 16) trains one forward+backward step under
 bf16 autocast in six configurations, each on its own copy of the same weights and batch: no remat; per-block
 remat; `torch.autograd.graph.save_on_cpu(pin_memory=True)`; `remat.offload()` alone; per-block remat with
 `offload=True`; per-block remat with `policies.offload(save_matmuls)`. Per row: the device peak of the step

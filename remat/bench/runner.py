@@ -130,7 +130,7 @@ STEPS_PER_REPEAT = 2
 """A repeat times this many consecutive steps of one configuration and keeps the fastest: what another process
 does to one step (a burst of load on a shared machine) does not become that repeat's time."""
 TINY_ROUNDS = 5
-"""Rounds per repeat for the tiny function of §5.1, interleaved across configurations (see `bench_tiny`)."""
+"""Rounds per repeat for the tiny function, interleaved across configurations (see `bench_tiny`)."""
 
 
 def bench_model(
@@ -188,7 +188,7 @@ def bench_tiny(
     progress: Callable[[str], None],
     calls: int = 100,
 ) -> list[Result]:
-    """Spec §5.1: forward+backward of the tiny function per call, every configuration interleaved.
+    """Per-call overhead: forward+backward of the tiny function per call, every configuration interleaved.
 
     A call takes microseconds, so a repeat is cheap and a burst of load on the machine is large against it:
     each of `repeats` repeats is split into `TINY_ROUNDS` interleaved rounds of `calls` calls, each timed alone,
@@ -241,6 +241,6 @@ def bench_tiny(
         assert ours is not None and plain is not None and theirs is not None
         if theirs > plain:
             ratio = (ours - plain) / (theirs - plain)
-            target = "§5.1 target ≤ 0.33" if res.config == "@remat" else "§5.1's target is @remat's"
+            target = "target ≤ 0.33" if res.config == "@remat" else "the target is @remat's"
             res.note = f"overhead {ratio:.2f} of torch's ({target})"
     return results

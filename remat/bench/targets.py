@@ -1,4 +1,4 @@
-"""Spec §5's targets checked against one run's rows: each with its measurement, its target and ✓ or ✗.
+"""The benchmark's performance targets checked against one run's rows: each with its measurement, its target and ✓ or ✗.
 
 NOTE [ Ratios per repeat ]
 Repeats interleave the configurations (``a b c a b c ...``), so the i-th repeat of every row ran at about the
@@ -23,7 +23,7 @@ __all__ = ["Check", "check_targets", "format_checks"]
 
 @dataclass(frozen=True)
 class Check:
-    """One target of spec §5: what was measured (median and spread), the bound, and whether it holds."""
+    """One performance target: what was measured (median and spread), the bound, and whether it holds."""
 
     section: str
     what: str
@@ -76,7 +76,7 @@ def _overhead(ours: float, plain: float, theirs: float) -> float:
 
 
 def check_targets(rows: Sequence[Result], summary: dict[str, object] | None = None) -> list[Check]:
-    """The §5 targets this run's rows can check (rows that did not run are left out)."""
+    """The targets this run's rows can check (rows that did not run are left out)."""
     c = _Checks(rows)
     plain, theirs, ours = c.row("tiny", NO_REMAT), c.row("tiny", TORCH), c.row("tiny", "@remat")
     if plain and theirs and ours:
@@ -96,7 +96,7 @@ def check_targets(rows: Sequence[Result], summary: dict[str, object] | None = No
         if decorator and torch_row and none and decorator.peak_bytes and torch_row.peak_bytes and none.peak_bytes:
             c.add_value("5.3", f"{model}: @remat peak / torch's", decorator.peak_bytes / torch_row.peak_bytes,
                         1.02, "≤ 1.02x")  # fmt: skip
-            if model == "gpt":  # §5.3's third is the GPT stack's: a convnet's block inputs are much of its peak
+            if model == "gpt":  # the step-time target is the GPT stack's: a convnet's block inputs are much of its peak
                 c.add_value("5.3", f"{model}: @remat peak / no remat's", decorator.peak_bytes / none.peak_bytes,
                             1 / 3, "≤ 0.33x")  # fmt: skip
             c.add("5.3", f"{model}: @remat step / torch's", _per_repeat(lambda a, b: a / b, decorator, torch_row),
@@ -131,17 +131,18 @@ def check_targets(rows: Sequence[Result], summary: dict[str, object] | None = No
 
 
 def format_checks(checks: Sequence[Check]) -> str:
-    """The targets as an aligned table: §, what, median [spread], target, ✓/✗."""
+    """The targets as an aligned table: what, median [spread], target, ✓/✗."""
     if not checks:
         return ""
-    table = [("§", "target", "measured (median [low..high] over repeats)", "bound", "")]
+    table = [("target", "measured (median [low..high] over repeats)", "bound", "")]
     for check in checks:
         spread = "" if check.low == check.high else f" [{check.low:.3g}..{check.high:.3g}]"
         # 4 decimals: a ratio of 1.0005 against a bound of 1.00 must not read "1"
         median = f"{check.median:.4f}" if abs(check.median) >= 0.01 else f"{check.median:.3g}"
-        table.append((check.section, check.what, median + spread, check.target, "✓" if check.ok else "✗"))
+        table.append((check.what, median + spread, check.target, "✓" if check.ok else "✗"))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["Targets of spec §5 (this run):"]
+    lines = ["Performance targets the project sets itself, checked on this run (timing rows are noisy on a small "
+             "shared machine):"]
     for i, row in enumerate(table):
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
         if i == 0:

@@ -1,4 +1,4 @@
-"""Spec §5.2 and §5.6 on tiny functions: replay's overhead per recorded op, start-up cost in a fresh process."""
+"""Tiny functions: replay's overhead per recorded op, start-up cost in a fresh process."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _many_ops(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Empty(Mode):
-    """An empty dispatch mode: the floor for recording ops in Python (spec §5.2).
+    """An empty dispatch mode: the floor for recording ops in Python.
 
     remat's own `Mode` base, so it skips torch's dynamo guard as remat's recorder does (NOTE [ Modes without the
     dynamo guard ]): the floor is the cheapest Python mode, not one slowed by the guard.
@@ -58,7 +58,7 @@ def _best_of_three(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
 
 
 def bench_replay(device: torch.device, repeats: int, progress: Callable[[str], None], calls: int = 30) -> list[Result]:
-    """Forward-only overhead per op of `remat.region` and of an empty dispatch mode (spec §5.2).
+    """Forward-only overhead per op of `remat.region` and of an empty dispatch mode.
 
     Per grad setting, three functions run interleaved in every repeat: the plain ops, the ops under an empty
     `TorchDispatchMode`, and the ops in a region; a row holds (its time - plain time) / ops per repeat. Without
@@ -89,7 +89,7 @@ def bench_replay(device: torch.device, repeats: int, progress: Callable[[str], N
             ours.step_seconds.append((in_region - plain) / REPLAY_OPS)
         op = format_seconds(statistics.median(plain_times) / REPLAY_OPS)
         floor.note = f"the floor for recording in Python; an op itself takes {op}"
-        ours.note = "overhead per recorded op (§5.2: ≤ 1.5x the empty mode's, same run)"
+        ours.note = "overhead per recorded op (target ≤ 1.5x the empty mode's, same run)"
         rows += [floor, ours]
     return rows
 
@@ -109,7 +109,7 @@ print(t1 - t0, t3 - t2)
 
 
 def bench_startup(progress: Callable[[str], None]) -> list[Result]:
-    """Cost of ``import remat`` after ``import torch``, and of the first @remat call (spec §5.6), in a fresh process."""
+    """Cost of ``import remat`` after ``import torch``, and of the first @remat call, in a fresh process."""
     import os
     import subprocess
     from pathlib import Path
@@ -134,6 +134,6 @@ def bench_startup(progress: Callable[[str], None]) -> list[Result]:
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         imported.note = first.note = f"failed: {note(e)}"
         return [imported, first]
-    imported.note = "§5.6 target ≤ 50 ms (cached bytecode)"
-    first.note = "§5.6: no one-off second of set-up"
+    imported.note = "target ≤ 50 ms (cached bytecode)"
+    first.note = "target: no one-off second of set-up"
     return [imported, first]
