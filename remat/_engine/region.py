@@ -177,10 +177,8 @@ class RegionFrame(Frame):
         self.ops = len(recorder.ops)
         self.freed = {}
         self.kept = {}
-        alive = [
-            capture for capture in self.captures
-            if (ref := self._handles[capture[0]]) is not None and ref() is not None
-        ]
+        self.close()
+        alive = self._alive()
         self.captures = []
         recorder.refs = {}
         if not alive:
@@ -191,23 +189,39 @@ class RegionFrame(Frame):
         if self.outer is not None:
             self.tape.hand_to(self.outer[0])
 
+    def _alive(self) -> list[tuple[int, int, int, weakref.ref[torch.UntypedStorage] | None]]:
+        """The captures whose handle autograd still holds."""
+        return [
+            capture for capture in self.captures
+            if (ref := self._handles[capture[0]]) is not None and ref() is not None
+        ]
+
     # -- backward ------------------------------------------------------------------------------------------
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Replay the tape up to the last op that `wanted` needs and put those tensors into `store`."""
         tape = self.tape
+        recorder = self.recorder
+        if tape is None and recorder is not None:  # forward still runs: NOTE [ Backward inside a site ]
+            tape = Tape(recorder, self._alive(), self.site, frozenset(self.claimed), final=False)
         if tape is None:
             raise RecomputeMismatchError(f"remat: region `{self.site}` has no tape to replay; {BUG}.")
-        create_graph = torch.is_grad_enabled()
         copies = self.copies
 
         def emit(index: int, tensor: torch.Tensor) -> None:
             self.expect(index, tensor)
             if copies is not None:
                 self._compare(tape, index, tensor, copies[index])
-            store[index] = tensor if create_graph or not tensor.requires_grad else tensor.detach()
+            store[index] = tensor.detach() if tensor.requires_grad else tensor
 
         self.retrace = [] if self.trace is not None else None
-        tape.replay(wanted, emit, None if self.outer is None else self.outer[1], self.retrace)
+        if recorder is None:
+            tape.replay(wanted, emit, None if self.outer is None else self.outer[1], self.retrace)
+            return
+        paused, recorder.paused = recorder.paused, True  # replayed ops are not forward's: unrecorded
+        try:
+            tape.replay(wanted, emit, None, self.retrace)
+        finally:
+            recorder.paused = paused
 
     def _compare(self, tape: Tape, index: int, tensor: torch.Tensor, forward: torch.Tensor) -> None:
         try:
@@ -300,4 +314,5 @@ def end(token: object, *, ok: bool = True) -> None:
         token.finish()
     else:
         token.recorder = None
+        token.close()
 
