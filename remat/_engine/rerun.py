@@ -222,19 +222,18 @@ class RerunFrame(Frame):
         guard = guard_buffers(self.module)
         _push_hooks(pack, _identity)
         try:
+            stopped = False
             try:
                 self.fn(*args, **kwargs)
             except StopRecompute:
-                raise
+                stopped = True  # never with `parted`: the hook stops checking once it parted
             except Exception:
                 if not parted:
                     raise
             if parted:
                 raise self.mismatch(*parted)
-            if (limit < 0 and self.check and count < self.saved) or count <= limit:
+            if not stopped and ((limit < 0 and self.check and count < self.saved) or count <= limit):
                 raise self.mismatch(count, None, "recompute saved fewer tensors than forward did")
-        except StopRecompute:
-            pass
         finally:
             _pop_hooks()
             live.clear()
