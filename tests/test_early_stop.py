@@ -79,6 +79,59 @@ def test_trailing_code_runs_once(site: str, tail: str, caplog: pytest.LogCapture
     torch.testing.assert_close(actual, torch.autograd.grad(Trailing(tail)(x).sum(), x)[0])
 
 
+class Counting:
+    """A context manager whose exit is user code that runs after the block's last op."""
+
+    def __init__(self) -> None:
+        self.exits = 0
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        self.exits += 1
+
+
+def _exp(t: torch.Tensor) -> torch.Tensor:
+    return t.exp()
+
+
+@pytest.mark.parametrize(("shape", "runs"), [("with", 2), ("finally", 2), ("helper", 1), ("return", 0)])
+def test_code_after_the_op_a_return_hands_back_runs_as_under_torch(shape: str, runs: int) -> None:
+    """The last needed tensor is saved by the op whose result a `return` hands back. What follows it in the
+    function (the caller of a helper) does not run again; a `with` block's exit and a `finally` body run while
+    the stop unwinds, under torch's checkpoint as under remat's; with nothing after it, nothing runs at all."""
+    counter = Counting()
+
+    def with_block(x: torch.Tensor) -> torch.Tensor:
+        with counter:
+            return x.sin().exp()
+
+    def with_finally(x: torch.Tensor) -> torch.Tensor:
+        try:
+            return x.sin().exp()
+        finally:
+            counter.exits += 1
+
+    def with_helper(x: torch.Tensor) -> torch.Tensor:
+        out = _exp(x.sin())
+        counter.exits += 1
+        return out
+
+    def just_return(x: torch.Tensor) -> torch.Tensor:
+        return _exp(x.sin())
+
+    fn = {"with": with_block, "finally": with_finally, "helper": with_helper, "return": just_return}[shape]
+    x = randn(5, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert counter.exits == runs
+    counter.exits = 0
+    with recomputed():
+        (actual,) = torch.autograd.grad(remat.remat(fn)(x).sum(), x)
+    assert counter.exits == runs
+    torch.testing.assert_close(actual, torch.autograd.grad(fn(x).sum(), x)[0])
+
+
 def test_trailing_code_of_a_module_runs_once() -> None:
     class Layer(nn.Module):
         def __init__(self) -> None:

@@ -5,6 +5,7 @@ See NOTE [ Handle lifetime ] and NOTE [ Inputs of nested sites ] in _hooks.py fo
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -23,11 +24,13 @@ from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .offload import Offload, for_kept
 from .rng import RngStash, devices_of
 from .selective import ReuseOps, SaveOps
+from .tail import returns_at_once
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
 __all__ = ["RerunFrame", "begin", "call", "end"]
 
+_frame = sys._getframe
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
@@ -42,10 +45,11 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # With early stop on (the default), recompute stops right after the last tensor that backward wants has been
 # packed: the pack hook raises `StopRecompute`, so none of the user's code after that point runs again — also
 # when forward saved nothing after it (a trailing `clone`, a log call, a counter), as torch's checkpoint stops.
-# Whatever comes after is never checked nor kept. With it off, the function runs to its end and recompute must
-# save exactly as many tensors as forward did: a different count is a mismatch, except while forward is still
-# running (NOTE [ Backward inside a site ] in hooks.py), where only the part that has run can be compared. What
-# decides the outcome is only what was saved, never how long anything took.
+# Whatever comes after is never checked nor kept. Where the function has nothing left to do but return, the raise
+# (which unwinds through autograd's C++) is skipped: NOTE [ Stopping without raising ] in tail.py. With it off, the
+# function runs to its end and recompute must save exactly as many tensors as forward did: a different count is a
+# mismatch, except while forward is still running (NOTE [ Backward inside a site ] in hooks.py), where only the
+# part that has run can be compared. What decides the outcome is only what was saved, never how long anything took.
 
 # NOTE [ Recompute saves nothing ]
 # The recompute pack hook collects the tensors forward's graph needs and gives autograd nothing to keep (None),
@@ -205,7 +209,7 @@ class RerunFrame(Frame):
                 frame.expect(index, tensor)
             if index in wanted:
                 found[index] = tensor if kept is None else kept
-            if index == stop:
+            if index == stop and not returns_at_once(_frame(1), _RECOMPUTE):  # NOTE [ Stopping without raising ]
                 raise StopRecompute
             return kept
 
@@ -276,6 +280,9 @@ class RerunFrame(Frame):
             self.retrace = []
             stack.enter_context(OpTrace(self.retrace))
         return stack
+
+
+_RECOMPUTE = RerunFrame.recompute.__code__  # the frame the function is called from: see `returns_at_once`
 
 
 def _identity(packed: Any) -> Any:
