@@ -47,13 +47,12 @@ __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_messag
 # far), as torch does; the site's live inputs are used, not the copies handed to enclosing hooks. (2) The frame
 # notes that a backward read its saved tensors while it was open (`inner`): its recompute then runs that same
 # backward over the graph recompute builds, so the recompute pack hook gives autograd a tensor to keep instead of
-# nothing (rerun.py, NOTE [ Recompute saves nothing ]). (3) What such a backward unpacks must be the same object
-# in forward and in recompute whenever it is in one and a new object in the other, because sites nested inside
-# tell their inputs and a tape tells its own tensors by identity, and the count of what they hand to this frame
-# depends on it: a tensor kept or handed over (an input, a parameter, a view of one) comes back as itself — in
-# forward the handed-over tensor is given back while the frame is open and unmodified, in recompute the pack hook
-# keeps it as is — and a rebuilt tensor comes back as a new object in both. Sites without a backward inside pay
-# nothing for any of this.
+# nothing (rerun.py, NOTE [ Recompute saves nothing ]). (3) Sites nested inside tell their inputs, and a tape its
+# own tensors, by identity, and how many tensors they hand to this frame depends on it; so what such a backward
+# unpacks must be the very tensor it stands for in recompute exactly when it is in forward. A tensor kept or handed
+# over (an input, a parameter, a view of one) comes back as itself in both (in forward the handed-over tensor is
+# given back while the frame is open and unmodified; in recompute the pack hook keeps it as is), a rebuilt tensor
+# as a new object in both. Sites without a backward inside pay nothing for any of this.
 
 
 # NOTE [ Freeing long chains ]
