@@ -349,6 +349,39 @@ def test_a_gradient_inside_a_site_with_a_policy(strategy: str, options: dict[str
     torch.testing.assert_close(actual, derivatives(fn, x))
 
 
+@pytest.mark.parametrize("inner", ["@remat", "@remat replay"])
+@pytest.mark.parametrize("shape", ["site inside the region", "gradient through an earlier site"])
+def test_random_ops_rebuilt_while_a_region_records(shape: str, inner: str) -> None:
+    """A recompute that a region's forward causes runs under its own RNG state: the region's replay must not run
+    it again under the region's (it would draw other dropout masks)."""
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.dropout(x.sin(), 0.5, training=True).exp()
+        (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return gx.cos() * y
+
+    def through_earlier(site: Fn) -> Fn:
+        def block(x: torch.Tensor) -> torch.Tensor:
+            y = site(x.cos())
+            (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+            return (gx * y).sin()
+
+        return block
+
+    def build(site: Fn) -> Fn:
+        if shape == "site inside the region":
+            return lambda x: site(x.cos()).sin()
+        return through_earlier(site)
+
+    x = randn(6, requires_grad=True, seed=15)
+    torch.manual_seed(0)
+    expected = torch.autograd.grad(build(noisy)(x).sum(), x)[0]
+    torch.manual_seed(0)
+    with recomputed():
+        actual = torch.autograd.grad(_block(build(SITES[inner](noisy)))(x).sum(), x)[0]
+    torch.testing.assert_close(actual, expected)
+
+
 # -- leaks ----------------------------------------------------------------------------------------------------
 MODES: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
     "backward": lambda loss, x: loss.backward(),

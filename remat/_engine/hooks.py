@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import BUG, RecomputeMismatchError, RematError
+from . import recording as _recording
 from . import stats as _stats
 from .debug import side_by_side
 from .transfer import Parcel, Stay
@@ -268,7 +269,11 @@ class Frame:
 
             torch.autograd.Variable._execution_engine.queue_callback(drop)
         start = time.perf_counter()
-        self.recompute(wanted, store)
+        paused = _recording.pause()  # see NOTE [ Recompute is not recorded ] in recording.py
+        try:
+            self.recompute(wanted, store)
+        finally:
+            _recording.resume(paused)
         _stats.add_recompute(time.perf_counter() - start)
         missing = wanted.difference(store)
         if missing:

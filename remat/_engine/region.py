@@ -21,6 +21,7 @@ from .guard import storage_key
 from .hooks import Frame, Handle, Kept
 from .offload import Offload, for_kept
 from .recorder import Recorder, op_info
+from .recording import recording
 from .tape import Tape
 from .transfer import Parcel, Stay
 
@@ -214,14 +215,8 @@ class RegionFrame(Frame):
             store[index] = tensor.detach() if tensor.requires_grad else tensor
 
         self.retrace = [] if self.trace is not None else None
-        if recorder is None:
-            tape.replay(wanted, emit, None if self.outer is None else self.outer[1], self.retrace)
-            return
-        paused, recorder.paused = recorder.paused, True  # replayed ops are not forward's: unrecorded
-        try:
-            tape.replay(wanted, emit, None, self.retrace)
-        finally:
-            recorder.paused = paused
+        # While forward runs, its recorder is paused like every other (NOTE [ Recompute is not recorded ]).
+        tape.replay(wanted, emit, None if self.outer is None or recorder is not None else self.outer[1], self.retrace)
 
     def _compare(self, tape: Tape, index: int, tensor: torch.Tensor, forward: torch.Tensor) -> None:
         try:
@@ -289,6 +284,7 @@ def begin(
     except BaseException:
         recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         raise
+    recording().append(recorder)
     if policy is not None and policy.names:
         tags.sinks.append(recorder.keep_tagged)
     return frame
@@ -306,6 +302,11 @@ def end(token: object, *, ok: bool = True) -> None:
     recorder = token.recorder
     if recorder.policy is not None and recorder.policy.names:
         tags.sinks.pop()
+    stack = recording()
+    for index in range(len(stack) - 1, -1, -1):  # the last one but for regions left out of order
+        if stack[index] is recorder:
+            del stack[index]
+            break
     try:
         _pop_hooks()
     finally:
