@@ -59,8 +59,10 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # (exp, tanh, sigmoid: tensor -> grad_fn -> saved variable -> tensor) that held the recompute graph, and through
 # it the site's inputs and their AccumulateGrad nodes, forever. The one exception is a site whose function runs
 # backward itself (`Frame.inner`, NOTE [ Backward inside a site ]): recompute runs that backward over the graph
-# it builds, which needs its saved tensors, so the hook gives autograd each one detached (no grad_fn, so no
-# cycle), and the store keeps the same detached tensor (so no entry holds the recompute graph), as torch does.
+# it builds, which needs its saved tensors, so the hook gives autograd each one, as torch does: the tensor itself
+# where forward kept or handed it over (an input, a parameter, a view of one: its grad_fn, if any, is not of this
+# graph), else detached (no grad_fn, so no cycle), and the store keeps that same detached tensor (so no entry
+# holds the recompute graph).
 
 _INPLACE_INPUT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
