@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import BUG, RecomputeMismatchError, RematError
+from . import recording as _recording
 from . import stats as _stats
 from .debug import side_by_side
 from .transfer import Parcel, Stay
@@ -36,6 +37,23 @@ __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_messag
 # when that backward ends (nodes that `autograd.grad(inputs=...)` skipped).
 # Under torch's `torch.utils.checkpoint.GraphExecGroup`, the group is the key instead: the backwards of one group
 # share one recompute, and what is left stays until the frame goes (as in torch).
+#
+# NOTE [ Backward inside a site ]
+# The function of a site may itself run backward (`autograd.grad`, `.backward()`, with or without
+# `create_graph=True`: a gradient penalty, a MAML inner step). Autograd runs that backward under the saved-tensor
+# hooks that were on top when it started, so the graph it reads was packed by this frame while its forward is
+# still open (`open`), and what it saves under `create_graph` is packed by this frame too, counted like any other
+# saved tensor. So: (1) an unpack while the frame is open rebuilds from the part of forward that has run (rerun
+# calls the function again and stops right after the last tensor wanted; replay replays the ops recorded so
+# far), as torch does; the site's live inputs are used, not the copies handed to enclosing hooks. (2) The frame
+# notes that a backward read its saved tensors while it was open (`inner`): its recompute then runs that same
+# backward over the graph recompute builds, so the recompute pack hook gives autograd a tensor to keep instead of
+# nothing (rerun.py, NOTE [ Recompute saves nothing ]). (3) Sites nested inside tell their inputs, and a tape its
+# own tensors, by identity, and how many tensors they hand to this frame depends on it; so what such a backward
+# unpacks must be the very tensor it stands for in recompute exactly when it is in forward. A tensor kept or handed
+# over (an input, a parameter, a view of one) comes back as itself in both (in forward the handed-over tensor is
+# given back while the frame is open and unmodified; in recompute the pack hook keeps it as is), a rebuilt tensor
+# as a new object in both. Sites without a backward inside pay nothing for any of this.
 
 
 # NOTE [ Freeing long chains ]
@@ -82,11 +100,13 @@ class Kept:
 class Outer:
     """What the enclosing saved-tensor hooks packed for a frame (see NOTE [ Inputs of nested sites ])."""
 
-    __slots__ = ("packed", "requires_grad")
+    __slots__ = ("given", "packed", "requires_grad")
 
     def __init__(self, packed: Any, requires_grad: bool) -> None:
         self.packed = packed
         self.requires_grad = requires_grad
+        # While the frame is open: the tensor itself and its version (NOTE [ Backward inside a site ]).
+        self.given: tuple[torch.Tensor, int] | None = None
 
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -109,8 +129,8 @@ class Frame:
     """
 
     __slots__ = (
-        "__weakref__", "_handles", "_kept", "_metas", "_stores", "check", "early_stop", "outer", "retrace",
-        "site", "trace",
+        "__weakref__", "_given", "_handles", "_kept", "_metas", "_stores", "check", "early_stop", "inner", "open",
+        "outer", "retrace", "site", "trace",
     )
 
     def __init__(self, site: str, check: bool, early_stop: bool, trace: list[str] | None) -> None:
@@ -123,6 +143,10 @@ class Frame:
         self._metas: list[_Meta] = []
         self._stores: dict[Any, dict[int, torch.Tensor]] = {}  # graph task id or GraphExecGroup -> store
         self._kept: dict[int, tuple[torch.Tensor, int]] = {}
+        # See NOTE [ Backward inside a site ]: forward is running; a backward read saved tensors while it ran.
+        self.open = True
+        self.inner = False
+        self._given: list[Outer] | None = None  # handed over while open, still holding the tensor
         # The saved-tensor hooks this frame runs inside (an enclosing site, `save_on_cpu`), or None.
         self.outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = _top_hooks(False)
 
@@ -147,7 +171,21 @@ class Frame:
     def hand_over(self, tensor: torch.Tensor) -> Outer:
         """Give a tensor from outside the frame to the enclosing pack hook (see NOTE [ Inputs of nested sites ])."""
         assert self.outer is not None
-        return Outer(self.outer[0](tensor), tensor.requires_grad)
+        outer = Outer(self.outer[0](tensor), tensor.requires_grad)
+        if self.open:
+            outer.given = (tensor, tensor._version)
+            if self._given is None:
+                self._given = []
+            self._given.append(outer)
+        return outer
+
+    def close(self) -> None:
+        """Forward has ended: hold none of the tensors handed over any more."""
+        self.open = False
+        if self._given is not None:
+            for outer in self._given:
+                outer.given = None
+            self._given = None
 
     def keep_outside(self, tensor: torch.Tensor) -> Kept | Outer:
         """A saved tensor from outside the frame: held here, or inside other hooks handed over to them."""
@@ -184,9 +222,14 @@ class Frame:
             if not store:  # all taken: nothing for the end-of-backward callback to drop
                 self._stores.pop(gid, None)
             return tensor
+        if self.open:  # see NOTE [ Backward inside a site ]
+            self.inner = True
         if kind is Kept:
             return self._unpack_kept(packed)
         if kind is Outer:
+            given: tuple[torch.Tensor, int] | None = packed.given
+            if given is not None and given[0]._version == given[1]:  # forward still runs: the tensor itself
+                return given[0]
             assert self.outer is not None
             return self.outer[1](packed.packed)
         if kind is Parcel or kind is Stay:  # kept by the site's offload: see NOTE [ Offloaded sites ]
@@ -204,6 +247,8 @@ class Frame:
         return tensor
 
     def _rebuild(self, gid: Any, store: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+        if self.open:  # see NOTE [ Backward inside a site ]
+            self.inner = True
         fresh = store is None
         if store is None:
             store = self._stores[gid] = {}
@@ -224,7 +269,11 @@ class Frame:
 
             torch.autograd.Variable._execution_engine.queue_callback(drop)
         start = time.perf_counter()
-        self.recompute(wanted, store)
+        paused = _recording.pause()  # see NOTE [ Recompute is not recorded ] in recording.py
+        try:
+            self.recompute(wanted, store)
+        finally:
+            _recording.resume(paused)
         _stats.add_recompute(time.perf_counter() - start)
         missing = wanted.difference(store)
         if missing:

@@ -21,6 +21,7 @@ from .guard import storage_key
 from .hooks import Frame, Handle, Kept
 from .offload import Offload, for_kept
 from .recorder import Recorder, op_info
+from .recording import recording
 from .tape import Tape
 from .transfer import Parcel, Stay
 
@@ -177,10 +178,8 @@ class RegionFrame(Frame):
         self.ops = len(recorder.ops)
         self.freed = {}
         self.kept = {}
-        alive = [
-            capture for capture in self.captures
-            if (ref := self._handles[capture[0]]) is not None and ref() is not None
-        ]
+        self.close()
+        alive = self._alive()
         self.captures = []
         recorder.refs = {}
         if not alive:
@@ -191,23 +190,33 @@ class RegionFrame(Frame):
         if self.outer is not None:
             self.tape.hand_to(self.outer[0])
 
+    def _alive(self) -> list[tuple[int, int, int, weakref.ref[torch.UntypedStorage] | None]]:
+        """The captures whose handle autograd still holds."""
+        return [
+            capture for capture in self.captures
+            if (ref := self._handles[capture[0]]) is not None and ref() is not None
+        ]
+
     # -- backward ------------------------------------------------------------------------------------------
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Replay the tape up to the last op that `wanted` needs and put those tensors into `store`."""
         tape = self.tape
+        recorder = self.recorder
+        if tape is None and recorder is not None:  # forward still runs: NOTE [ Backward inside a site ]
+            tape = Tape(recorder, self._alive(), self.site, frozenset(self.claimed), final=False)
         if tape is None:
             raise RecomputeMismatchError(f"remat: region `{self.site}` has no tape to replay; {BUG}.")
-        create_graph = torch.is_grad_enabled()
         copies = self.copies
 
         def emit(index: int, tensor: torch.Tensor) -> None:
             self.expect(index, tensor)
             if copies is not None:
                 self._compare(tape, index, tensor, copies[index])
-            store[index] = tensor if create_graph or not tensor.requires_grad else tensor.detach()
+            store[index] = tensor.detach() if tensor.requires_grad else tensor
 
         self.retrace = [] if self.trace is not None else None
-        tape.replay(wanted, emit, None if self.outer is None else self.outer[1], self.retrace)
+        # While forward runs, its recorder is paused like every other (NOTE [ Recompute is not recorded ]).
+        tape.replay(wanted, emit, None if self.outer is None or recorder is not None else self.outer[1], self.retrace)
 
     def _compare(self, tape: Tape, index: int, tensor: torch.Tensor, forward: torch.Tensor) -> None:
         try:
@@ -275,6 +284,7 @@ def begin(
     except BaseException:
         recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         raise
+    recording().append(recorder)
     if policy is not None and policy.names:
         tags.sinks.append(recorder.keep_tagged)
     return frame
@@ -292,6 +302,11 @@ def end(token: object, *, ok: bool = True) -> None:
     recorder = token.recorder
     if recorder.policy is not None and recorder.policy.names:
         tags.sinks.pop()
+    stack = recording()
+    for index in range(len(stack) - 1, -1, -1):  # the last one but for regions left out of order
+        if stack[index] is recorder:
+            del stack[index]
+            break
     try:
         _pop_hooks()
     finally:
@@ -300,4 +315,5 @@ def end(token: object, *, ok: bool = True) -> None:
         token.finish()
     else:
         token.recorder = None
+        token.close()
 

@@ -5,6 +5,7 @@ See NOTE [ Handle lifetime ] and NOTE [ Inputs of nested sites ] in _hooks.py fo
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -23,11 +24,13 @@ from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .offload import Offload, for_kept
 from .rng import RngStash, devices_of
 from .selective import ReuseOps, SaveOps
+from .tail import returns_at_once
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
 __all__ = ["RerunFrame", "begin", "call", "end"]
 
+_frame = sys._getframe
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
@@ -39,21 +42,27 @@ _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # machinery, since it runs once per site in every backward.
 #
 # NOTE [ Early stop ]  (for users: the docs' design page, "Early stop")
-# With early stop on (the default), whatever recompute saves after the last needed tensor is tolerated, as torch
-# tolerates it: not checked, not kept. With it off, recompute must save exactly as many tensors as forward did,
-# and a different count is a mismatch. What decides the outcome is only what was saved, never how long anything
-# took. Stopping early raises out of the pack hook through autograd's C++, which costs some 30 µs,
-# so it is done only where it skips work that matters: when forward saved a tensor to rebuild after the last
-# needed one (part of the graph was freed or is not needed). Otherwise everything after the last needed tensor
-# saved nothing in forward, and the function runs to its end: the same tensors, no error either way.
+# With early stop on (the default), recompute stops right after the last tensor that backward wants has been
+# packed: the pack hook raises `StopRecompute`, so none of the user's code after that point runs again — also
+# when forward saved nothing after it (a trailing `clone`, a log call, a counter), as torch's checkpoint stops.
+# Whatever comes after is never checked nor kept. Where the function has nothing left to do but return, the raise
+# (which unwinds through autograd's C++) is skipped: NOTE [ Stopping without raising ] in tail.py. With it off, the
+# function runs to its end and recompute must save exactly as many tensors as forward did: a different count is a
+# mismatch, except while forward is still running (NOTE [ Backward inside a site ] in hooks.py), where only the
+# part that has run can be compared. What decides the outcome is only what was saved, never how long anything took.
 
 # NOTE [ Recompute saves nothing ]
 # The recompute pack hook collects the tensors forward's graph needs and gives autograd nothing to keep (None),
-# also under `create_graph=True`: the graph recompute builds is never run backward. What the unpack hook
-# returns is only the data of a saved tensor; autograd attaches forward's grad_fn to it, so a double backward
-# goes through forward's graph. Returning the tensor itself made a cycle through C++ for every op that saves
-# its own output (exp, tanh, sigmoid: tensor -> grad_fn -> saved variable -> tensor) that held the recompute
-# graph, and through it the site's inputs and their AccumulateGrad nodes, forever.
+# also under `create_graph=True`: the graph recompute builds is not run backward. What the unpack hook returns is
+# only the data of a saved tensor; autograd attaches forward's grad_fn to it, so a double backward goes through
+# forward's graph. Returning the tensor itself made a cycle through C++ for every op that saves its own output
+# (exp, tanh, sigmoid: tensor -> grad_fn -> saved variable -> tensor) that held the recompute graph, and through
+# it the site's inputs and their AccumulateGrad nodes, forever. The one exception is a site whose function runs
+# backward itself (`Frame.inner`, NOTE [ Backward inside a site ]): recompute runs that backward over the graph
+# it builds, which needs its saved tensors, so the hook gives autograd each one, as torch does: the tensor itself
+# where forward kept or handed it over (an input, a parameter, a view of one: its grad_fn, if any, is not of this
+# graph), else detached (no grad_fn, so no cycle), and the store keeps that same detached tensor (so no entry
+# holds the recompute graph).
 
 _INPLACE_INPUT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
@@ -69,12 +78,13 @@ class RerunFrame(Frame):
 
     __slots__ = (
         "args", "attrs", "autocast", "claimed", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids",
-        "kept_tags", "kwargs", "module", "offload", "policy", "rng", "saver", "tensors", "versions",
+        "kept_tags", "kwargs", "live", "module", "offload", "policy", "rng", "saver", "tensors", "versions",
     )
 
     fn: Callable[..., Any]
     args: Any
     kwargs: Any
+    live: tuple[Any, Any] | None  # the call's own arguments while forward runs, when `args` were handed over
     tensors: list[torch.Tensor]
     versions: list[int]
     ids: set[int]
@@ -131,7 +141,7 @@ class RerunFrame(Frame):
         return tensor
 
     def _inputs(self) -> tuple[Any, Any]:
-        if self.outer is not None:
+        if self.outer is not None and self.live is None:
             unpack = self.outer[1]
 
             def fetch(outer: Outer) -> torch.Tensor:
@@ -150,7 +160,7 @@ class RerunFrame(Frame):
                     raise RematError(
                         _INPLACE_INPUT.format(index=index, site=self.site, before=before, after=tensor._version)
                     )
-        return self.args, self.kwargs
+        return self.live or (self.args, self.kwargs)
 
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
@@ -158,42 +168,52 @@ class RerunFrame(Frame):
         self.attrs = attributes(self.module) if self.module is not None else None
         # See NOTE [ Early stop ]: tolerate what comes after `limit`; raise out at `stop`.
         limit = stop = -1
-        if self.early_stop:
+        if self.early_stop or self.open:
             limit = max(wanted)
-            handles = self._handles
-            top = len(handles) - 1
-            while handles[top] is None:
-                top -= 1
-            if limit < top:
+            if self.early_stop:
                 stop = limit
         count = 0
         # Under debug traces a mismatch is raised once the function has run to its end, so that the trace shows
         # every op recompute ran, also those after the point where it parted from forward.
         parted: list[Any] = []
         defer = self.trace is not None
+        # The function runs backward over what recompute saves: NOTE [ Recompute saves nothing ] and NOTE
+        # [ Backward inside a site ] in hooks.py (what forward keeps or hands over is kept as itself).
+        inner = self.inner
+        given = set(map(id, tensors_in(kwargs, tensors_in(args, [])))) if inner else set()
         # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and
         # the store holds tensors of that graph: `pack` reaches the frame and the store only through `live`,
         # emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
         live: list[Any] = [self, store]
 
-        def pack(tensor: torch.Tensor) -> None:
+        def pack(tensor: torch.Tensor) -> torch.Tensor | None:
             # See NOTE [ Recompute saves nothing ].
             nonlocal count
             frame, found = live
             index, count = count, count + 1
+            kept = None
+            if inner:
+                kept = tensor if id(tensor) in given or (tensor.requires_grad and tensor.is_leaf) else None
+                if kept is None and (base := tensor._base) is not None and (
+                    id(base) in given or (base.requires_grad and base.is_leaf)
+                ):
+                    kept = tensor
+                if kept is None:
+                    kept = tensor.detach()
             if index > limit >= 0 or parted:
-                return
+                return kept
             if defer:
                 what = frame.differs(index, tensor)
                 if what is not None:
                     parted.extend((index, tensor.detach(), what))  # detached: no cycle through `pack`
-                    return
+                    return kept
             else:
                 frame.expect(index, tensor)
             if index in wanted:
-                found[index] = tensor
-            if index == stop:
+                found[index] = tensor if kept is None else kept
+            if index == stop and not returns_at_once(_frame(1), _RECOMPUTE):  # NOTE [ Stopping without raising ]
                 raise StopRecompute
+            return kept
 
         # See NOTE [ Recompute state ].
         caller_rng = self.rng.swap_in() if self.rng is not None else None
@@ -202,25 +222,24 @@ class RerunFrame(Frame):
         extra = (
             self._recompute_contexts()
             if self.autocast is not None or self.contexts is not None or self.policy is not None
-            or self.trace is not None or any_autocast()
+            or self.trace is not None or self.saver is not None or any_autocast()
             else None
         )
         guard = guard_buffers(self.module)
         _push_hooks(pack, _identity)
         try:
+            stopped = False
             try:
                 self.fn(*args, **kwargs)
             except StopRecompute:
-                raise
+                stopped = True  # never with `parted`: the hook stops checking once it parted
             except Exception:
                 if not parted:
                     raise
             if parted:
                 raise self.mismatch(*parted)
-            if (limit < 0 and self.check and count < self.saved) or count <= limit:
+            if not stopped and ((limit < 0 and self.check and count < self.saved) or count <= limit):
                 raise self.mismatch(count, None, "recompute saved fewer tensors than forward did")
-        except StopRecompute:
-            pass
         finally:
             _pop_hooks()
             live.clear()
@@ -236,13 +255,19 @@ class RerunFrame(Frame):
         """The rarer recompute state: autocast, the user's recompute context, the policy, debug traces."""
         stack = ExitStack()
         stack.enter_context(AutocastState.enter(self.autocast, self.devices))
+        if self.saver is not None:  # forward still runs (NOTE [ Backward inside a site ]): not its policy ops
+            stack.enter_context(_unnoted(self.saver))
         if self.contexts is not None:
             stack.enter_context(self.contexts())
         if self.policy is not None:
             unpack = None if self.offload is None else self.offload.unpack_one
             if self.kept:
                 stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed, unpack))
-            if self.kept_tags:
+            if self.inner and self.policy.names:
+                # The function runs backward through what it tagged: a kept tensor put in its place would cut
+                # that graph, so recompute rebuilds it (and forward's sink, if forward still runs, is not fed).
+                stack.enter_context(_tag_sink(_as_is))
+            elif self.kept_tags:
                 kept_tags = iter(self.kept_tags if unpack is None else map(unpack, self.kept_tags))
                 policy = self.policy
 
@@ -259,8 +284,29 @@ class RerunFrame(Frame):
         return stack
 
 
+_RECOMPUTE = RerunFrame.recompute.__code__  # the frame the function is called from: see `returns_at_once`
+
+
 def _identity(packed: Any) -> Any:
     return packed
+
+
+def _never(func: Any) -> bool:
+    return False
+
+
+def _as_is(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    return tensor
+
+
+@contextmanager
+def _unnoted(saver: SaveOps) -> Iterator[None]:
+    """Keep forward's `saver` from noting the ops of a recompute run while forward is still running."""
+    saves_op, saver.saves_op = saver.saves_op, _never
+    try:
+        yield
+    finally:
+        saver.saves_op = saves_op
 
 
 @contextmanager
@@ -307,12 +353,12 @@ def begin(
         if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
             frame.outer = offload.hooks
         frame.offload = for_kept(offload, policy)
+    frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
     if frame.outer is None:
-        frame.args, frame.kwargs = args, kwargs
-        frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
+        frame.args, frame.kwargs, frame.live = args, kwargs, None
     else:
         frame.args, frame.kwargs = map_tensors(args, frame.hand_over), map_tensors(kwargs, frame.hand_over)
-        frame.tensors, frame.versions = [], []
+        frame.live = (args, kwargs)  # until forward ends: NOTE [ Backward inside a site ] in hooks.py
     frame.ids = {id(tensor) for tensor in tensors}
     if preserve_rng:
         devices = frame.devices = devices_of(tensors, module)
@@ -344,6 +390,10 @@ def begin(
 def end(frame: RerunFrame, *, ok: bool = True) -> None:
     """Close the region `begin` opened; `ok=False` after an exception (nothing differs for rerun)."""
     _pop_hooks()
+    frame.open = False
+    if frame.live is not None:  # handed over to the enclosing hooks: hold none of them any more
+        frame.close()
+        frame.live, frame.tensors, frame.versions = None, [], []
     if frame.exit is not None:
         frame.exit.close()
         frame.exit = None

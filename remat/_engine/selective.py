@@ -38,7 +38,7 @@ class SaveOps(Mode):
     def __init__(self, policy: Policy, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
         super().__init__()
         self.policy = policy
-        self.saves_op = policy.saves_op  # bound once: the per-op path looks up nothing else
+        self.saves_op: Callable[[Any], bool] = policy.saves_op  # bound once: the per-op path looks up nothing else
         # how a kept output is held: detached, or `pack`ed at once (an offloaded site: the same tensor object
         # autograd or the next site saves, so that it is copied once; NOTE [ Offloaded sites ])
         self.pack: Callable[[torch.Tensor], Any] = torch.Tensor.detach if pack is None else pack

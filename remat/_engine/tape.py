@@ -116,7 +116,10 @@ class Tape:
         self, recorder: Recorder, captures: list[tuple[int, int, int, weakref.ref[torch.UntypedStorage] | None]],
         site: str,
         claimed: frozenset[int] = frozenset(),
+        final: bool = True,
     ) -> None:
+        """`final=False`: a tape of the part of forward that has run, while the recorder still records (a
+        backward inside the region); it leaves the recorder's records as they are."""
         self.site = site
         if recorder.snapshots:
             recorder._outside_storages()
@@ -133,7 +136,8 @@ class Tape:
                 assert o.tensor is not None
                 o.shape, o.stride = tuple(o.tensor.shape), tuple(o.tensor.stride())
                 o.offset = int(o.tensor.storage_offset())
-                o.tensor = None  # replay uses the snapshot; keeping the original could make a cycle
+                if final:
+                    o.tensor = None  # replay uses the snapshot; keeping the original could make a cycle
         self.writes = [(op, storage) for op, storage in recorder.writes if op < stop]
         self.captures = captures
         self.points = {index: point for index, _, point, _ in captures}
@@ -291,7 +295,6 @@ class Tape:
                 if plan is None:
                     plan = self.plan = self._plan()
         stop = max(self.points[index] for index in wanted)
-        create_graph = torch.is_grad_enabled()
         values: list[Any] = [None] * self.slots
         storages: dict[int, torch.UntypedStorage] = {}
         for slot, o in self.outside.items():
@@ -305,15 +308,13 @@ class Tape:
                 stack.enter_context(_generator_fork(generator, state))
             if any_autocast():
                 stack.enter_context(AutocastState.enter(None, ()))
-            grad = create_graph
-            if not create_graph:
-                stack.enter_context(torch.no_grad())
+            # Without grad, also under `create_graph=True`: replay rebuilds data, to which autograd attaches
+            # forward's grad_fn. A graph built here would save tensors into whatever saved-tensor hooks are on top
+            # (an enclosing site whose function runs backward), as many as the values it reads require grad.
+            stack.enter_context(torch.no_grad())
             for index in range(stop):
                 if live[index]:
-                    func, args, kwargs, first, outputs, op_grad = ops[index]
-                    if create_graph and op_grad is not grad:
-                        torch._C._set_grad_enabled(op_grad)
-                        grad = op_grad
+                    func, args, kwargs, first, outputs, _ = ops[index]
                     call_args = [
                         values[a] if type(a) is Slot
                         else (_fill(a, values) if type(a) is list or type(a) is tuple else a)
@@ -343,8 +344,6 @@ class Tape:
                 if dropped is not None:
                     for slot in dropped:
                         values[slot] = None
-            if create_graph:
-                torch._C._set_grad_enabled(True)
         if fills is not None:
             self._drop_unclaimed()
 
