@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE
@@ -30,6 +29,7 @@ from ._plan.budget import BudgetPlan, solve_budget
 from ._plan.units import Budget, parse_budget
 from ._policies import PolicyLike, as_policy, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
+from ._torch_compat import tree_leaves, tree_map
 
 __all__ = ["apply_budget", "default_loss"]
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import RematError
+from .._torch_compat import set_grad_enabled as _set_grad_enabled
 from .autocast import AutocastState, any_autocast
 from .debug import describe
 from .recorder import Outside, Recorder, Slot, op_info
@@ -312,7 +313,7 @@ class Tape:
                 if live[index]:
                     func, args, kwargs, first, outputs, op_grad = ops[index]
                     if create_graph and op_grad is not grad:
-                        torch._C._set_grad_enabled(op_grad)
+                        _set_grad_enabled(op_grad)
                         grad = op_grad
                     call_args = [
                         values[a] if type(a) is Slot
@@ -344,7 +345,7 @@ class Tape:
                     for slot in dropped:
                         values[slot] = None
             if create_graph:
-                torch._C._set_grad_enabled(True)
+                _set_grad_enabled(True)
         if fills is not None:
             self._drop_unclaimed()
 

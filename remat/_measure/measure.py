@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
 from .._switch import enabled
+from .._torch_compat import tree_leaves
 from .track import synchronize as _sync
 from .track import track
 

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from .._errors import RematError
 from .._measure.fake import FakeTracker, data_dependent, fake_mode, fake_sample, fake_state, storage_bytes
 from .._measure.measure import _loss as default_loss
+from .._torch_compat import tree_leaves
 from .estimate_report import ConfigEstimate, EstimateReport
 
 __all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "make_optimizer", "predict", "resolve_device"]
