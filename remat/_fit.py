@@ -23,6 +23,7 @@ from torch import nn
 
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE
+from ._measure.loss import default_loss
 from ._measure.profile import profile_blocks
 from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, solve_budget
@@ -31,33 +32,12 @@ from ._policies import PolicyLike, as_policy, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
 from ._torch_compat import tree_leaves, tree_map
 
-__all__ = ["apply_budget", "default_loss"]
+__all__ = ["apply_budget"]
 
 _M = TypeVar("_M", bound=nn.Module)
 _Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 Loss = Callable[[Any], torch.Tensor]
 _KEPT = "kept"
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The output's `.loss` if it has one, else the sum of its floating tensors (spec §2.8).
-
-    >>> default_loss((torch.ones(2), torch.tensor([1, 2])))
-    tensor(2.)
-    """
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not floats:
-        raise TypeError(
-            f"remat: the model's output ({type(output).__name__}) has no floating tensor to make a loss from; "
-            "pass `loss=` (a callable from the output to a scalar) to remat.apply."
-        )
-    total = floats[0].sum()
-    for t in floats[1:]:
-        total = total + t.sum()
-    return total
 
 
 def _as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
