@@ -15,6 +15,7 @@ model pass through the hook untouched. A failed re-plan (BudgetError) puts the p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -38,6 +39,7 @@ _M = TypeVar("_M", bound=nn.Module)
 _Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 Loss = Callable[[Any], torch.Tensor]
 _KEPT = "kept"
+_log = logging.getLogger("remat")
 
 
 def _as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -96,6 +98,7 @@ class _Budget:
         self.budget_plan: BudgetPlan | None = None
         self.signature: tuple[Any, ...] | None = None
         self.busy = False
+        self.told = False  # whether re-planning inside a forward was logged (once per model)
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
@@ -148,6 +151,13 @@ class _Budget:
         if self.busy or not self.replan or not model.training or not torch.is_grad_enabled():
             return
         if _signature(args, kwargs) != self.signature:
+            if not getattr(self, "told", False):
+                self.told = True
+                _log.warning(
+                    "remat: the budgeted %s was called with new input shapes: profiling one training step and "
+                    "planning again inside this forward (it will do so for every new shape; pass `replan=False` "
+                    "to remat.apply to keep the first plan). Logged once per model.", type(model).__name__,
+                )
             self.fit(model, args, kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
