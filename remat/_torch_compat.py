@@ -66,13 +66,20 @@ def _no_top_hooks(ignore_is_tracing: bool) -> None:
     return None
 
 
-# torch-compat: `_top_saved_tensors_default_hooks`, newer than 2.4 as far as checked (not relied on at the floor).
-# Without it remat sees no enclosing saved-tensor hooks: a nested site keeps its inputs itself instead of handing
-# them to the enclosing site or offload block (more memory held, same gradients), and `with remat.offload():`
-# inside a rerun function is not refused.
+# torch-compat: `_top_saved_tensors_default_hooks(ignore_is_tracing)`, added after 2.7 (torch 2.6 and 2.7 lack
+# it; an early form took no argument). Without it remat sees no enclosing saved-tensor hooks: a nested site keeps
+# its inputs itself instead of handing them to the enclosing site or offload block (more memory held, same
+# gradients), and `with remat.offload():` inside a rerun function is not refused.
 top_saved_hooks: Callable[[bool], tuple[Any, Any] | None] = getattr(
     _autograd, "_top_saved_tensors_default_hooks", _no_top_hooks
 )
+try:
+    top_saved_hooks(False)  # no hooks are pushed while remat imports: None, or a TypeError for the early form
+except TypeError:
+    _top_without_argument: Callable[[], tuple[Any, Any] | None] = top_saved_hooks  # type: ignore[assignment]
+
+    def top_saved_hooks(ignore_is_tracing: bool) -> tuple[Any, Any] | None:
+        return _top_without_argument()
 
 # -- autograd graph tasks -------------------------------------------------------------------------------------
 # Present in 2.4 (torch.utils.checkpoint keys its recomputed tensors by it since 2.0).
