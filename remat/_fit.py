@@ -15,49 +15,31 @@ model pass through the hook untouched. A failed re-plan (BudgetError) puts the p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE
+from ._measure.loss import default_loss
 from ._measure.profile import profile_blocks
 from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, solve_budget
 from ._plan.units import Budget, parse_budget
 from ._policies import PolicyLike, as_policy, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
+from ._torch_compat import tree_leaves, tree_map
 
-__all__ = ["apply_budget", "default_loss"]
+__all__ = ["apply_budget"]
 
 _M = TypeVar("_M", bound=nn.Module)
 _Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 Loss = Callable[[Any], torch.Tensor]
 _KEPT = "kept"
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The output's `.loss` if it has one, else the sum of its floating tensors.
-
-    >>> default_loss((torch.ones(2), torch.tensor([1, 2])))
-    tensor(2.)
-    """
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not floats:
-        raise TypeError(
-            f"remat: the model's output ({type(output).__name__}) has no floating tensor to make a loss from; "
-            "pass `loss=` (a callable from the output to a scalar) to remat.apply."
-        )
-    total = floats[0].sum()
-    for t in floats[1:]:
-        total = total + t.sum()
-    return total
+_log = logging.getLogger("remat")
 
 
 def _as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -116,6 +98,7 @@ class _Budget:
         self.budget_plan: BudgetPlan | None = None
         self.signature: tuple[Any, ...] | None = None
         self.busy = False
+        self.told = False  # whether re-planning inside a forward was logged (once per model)
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
@@ -168,6 +151,13 @@ class _Budget:
         if self.busy or not self.replan or not model.training or not torch.is_grad_enabled():
             return
         if _signature(args, kwargs) != self.signature:
+            if not getattr(self, "told", False):
+                self.told = True
+                _log.warning(
+                    "remat: the budgeted %s was called with new input shapes: profiling one training step and "
+                    "planning again inside this forward (it will do so for every new shape; pass `replan=False` "
+                    "to remat.apply to keep the first plan). Logged once per model.", type(model).__name__,
+                )
             self.fit(model, args, kwargs)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,14 +58,12 @@ def test_every_configuration_matches_no_remat(model: BenchModel) -> None:
     assert none.peak_bytes is not None and none.held_bytes is not None
     assert theirs.held_bytes is not None and theirs.held_bytes < none.held_bytes
     for row in rows.values():
-        if row.note.startswith("not available"):
-            continue
-        assert not row.note.startswith("failed"), row.note
+        assert not row.error, row.note
         assert len(row.step_seconds) == 1 and row.step is not None
         assert row.grad_diff is not None and row.grad_diff < 1e-5, row.config
 
 
-def test_a_configuration_that_is_not_available_says_so() -> None:
+def test_a_configuration_that_raises_is_a_failed_row() -> None:
     def missing(model: BenchModel) -> str | None:
         raise ImportError("no module named remat._future")
 
@@ -82,9 +81,11 @@ def test_a_configuration_that_is_not_available_says_so() -> None:
         Config("gpt only", lambda m: None, models=("gpt",)),
     ]
     rows = _rows(ConvNet(TINY_CONVNET), "convnet", configs)
-    assert rows["future"].note.startswith("not available (ImportError: no module named remat._future")
-    assert rows["broken"].note == "failed: RuntimeError: boom"
-    assert rows["broken"].step is None
+    assert rows["future"].error.startswith("ImportError: no module named remat._future")
+    assert rows["future"].note == "FAILED: " + rows["future"].error
+    assert rows["broken"].error == "RuntimeError: boom" and rows["broken"].note == "FAILED: RuntimeError: boom"
+    assert rows["broken"].step is None and rows["future"].step is None
+    assert not rows[NO_REMAT].error
     assert "gpt only" not in rows
 
 
@@ -104,7 +105,8 @@ def test_tiny_overhead_rows() -> None:
     by_name = {r.config: r for r in rows}
     assert {NO_REMAT, TORCH} <= set(by_name)
     for row in rows:
-        if row.note.startswith("not available") or not row.compare:
+        assert not row.error, row.note
+        if not row.compare:
             continue
         assert row.step is not None and row.step > 0
         assert row.grad_diff == 0.0
@@ -127,14 +129,14 @@ def test_table_is_aligned_and_has_ratios() -> None:
         Result("m", NO_REMAT, 4096, 2048, [0.010], 0.0),
         Result("m", TORCH, 1024, 512, [0.020], 0.0),
         Result("m", "@remat", 1024, 512, [0.015], 1e-7, "a note"),
-        Result("m", "remat.region", note="not available (ImportError: x)"),
+        Result("m", "remat.region", note="FAILED: ImportError: x", error="ImportError: x"),
     ]
     text = format_table(meta, rows)
     lines = text.splitlines()
     table = lines[lines.index(next(line for line in lines if line.startswith("model"))) :]
     assert len({line.index("configuration") for line in table[:1]}) == 1
     assert "0.25x" in text and "1.50x" in text and "0.75x" in text and "1.0e-07" in text
-    assert table[-1].rstrip().endswith("not available (ImportError: x)")
+    assert table[-1].rstrip().endswith("FAILED: ImportError: x")
     assert "warning" not in text
     noisy = format_table(meta, [Result("m", NO_REMAT, step_seconds=[0.1, 0.1, 0.9])])
     assert "warning: the step times of 1 row varied more than 2x" in noisy
@@ -161,7 +163,7 @@ def test_startup_rows_time_a_fresh_process() -> None:
     meta, rows = run([], startup=True)
     assert [r.model for r in rows] == ["startup", "startup"]
     for row in rows:
-        assert not row.note.startswith("failed"), row.note
+        assert not row.error, row.note
         assert row.step is not None and 0 < row.step < 60
     assert "startup" in meta["models"]
 
@@ -221,7 +223,7 @@ def test_chain_mode_measures_the_chain_against_checkpoint_sequential() -> None:
     by_name = {r.config: r for r in rows}
     none, ours = by_name[NO_REMAT], by_name[CHAIN]
     for row in rows:
-        assert not row.note.startswith(("failed", "not available")), row.note
+        assert not row.error, row.note
         assert row.step is not None and row.peak_bytes is not None
         assert row.grad_diff is not None and row.grad_diff < 1e-5, row.config
     assert ours.peak_bytes is not None and none.peak_bytes is not None and ours.peak_bytes < none.peak_bytes
@@ -282,7 +284,7 @@ def test_targets_take_ratios_per_repeat_and_judge_the_median() -> None:
     assert not checks["gpt: save_matmuls peak between full remat and none"].ok  # 950 > 900
     text = format_checks(list(checks.values()))
     assert "✓" in text and "✗" in text and "0.2000 [0.2..0.5]" in text
-    assert text.splitlines()[-1] == f"{sum(c.ok for c in checks.values())} of {len(checks)} targets hold in this run."
+    assert text.splitlines()[-1].startswith(f"{sum(c.ok for c in checks.values())} of {len(checks)} targets hold")
 
 
 def test_a_repeat_keeps_the_fastest_of_its_consecutive_steps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -295,3 +297,48 @@ def test_a_repeat_keeps_the_fastest_of_its_consecutive_steps(monkeypatch: pytest
     configs = [c for c in CONFIGS if c.name in (NO_REMAT, TORCH)]
     rows = {r.config: r for r in bench_model("m", GPT(TINY_GPT), CPU, 1, configs, lambda message: None)}
     assert rows[NO_REMAT].step_seconds == [1.0] and rows[TORCH].step_seconds == [2.0]
+
+
+def _tiny_main(monkeypatch: pytest.MonkeyPatch, *argv: str) -> tuple[int, str]:
+    monkeypatch.setattr(_bench, "bench_startup", lambda progress: [])
+    out = io.StringIO()
+    status = main(["--model", "tiny", "--repeats", "1", "--quiet", *argv], stdout=out)
+    return status, out.getvalue()
+
+
+def test_a_row_whose_remat_call_raises_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("remat: made to fail")
+
+        return call
+
+    configs = [dataclasses.replace(c, wrap_tiny=broken) if c.name == "@remat" else c for c in CONFIGS]
+    monkeypatch.setattr(_bench, "CONFIGS", configs)
+    status, text = _tiny_main(monkeypatch)
+    assert status == 1
+    assert "FAILED: RuntimeError: remat: made to fail" in text
+    assert "1 row(s) failed:\n  tiny: @remat: RuntimeError: remat: made to fail" in text
+
+
+def test_a_row_whose_gradients_are_off_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    def off(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: fn(x) * 1.01
+
+    configs = [dataclasses.replace(c, wrap_tiny=off) if c.name == "@remat" else c for c in CONFIGS]
+    monkeypatch.setattr(_bench, "CONFIGS", configs)
+    status, text = _tiny_main(monkeypatch)
+    assert status == 1 and "gradients differ from no remat's by" in text
+
+
+def test_targets_are_a_developer_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.bench import targets
+
+    def failing(rows: object, summary: object = None) -> list[targets.Check]:
+        return [targets.Check("1", "a ratio", 2.0, 2.0, 2.0, "≤ 1", False)]
+
+    monkeypatch.setattr(_bench, "check_targets", failing)
+    status, text = _tiny_main(monkeypatch)
+    assert status == 0 and "a check for its developers" in text and "noisy" in text
+    status, _ = _tiny_main(monkeypatch, "--check")
+    assert status == 1

@@ -7,9 +7,11 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from .._torch_compat import any_autocast as _any_autocast
+
 __all__ = ["AutocastState", "any_autocast"]
 
-any_autocast: Callable[[], bool] = torch._C._is_any_autocast_enabled  # bound once: asked on every call
+any_autocast: Callable[[], bool] = _any_autocast  # bound once: asked on every call
 
 
 class AutocastState:

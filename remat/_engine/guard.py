@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
+from .._torch_compat import GlobalModuleHooks, storage_id
 from .modes import Mode
 
 __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_key", "written_arguments"]
@@ -63,7 +63,7 @@ def written_arguments(func: Any) -> Writes:
     )
 
 
-_storage_id: Callable[[torch.Tensor], int] = torch._C._storage_id  # type: ignore[attr-defined]
+_storage_id: Callable[[torch.Tensor], int] = storage_id
 
 
 def storage_key(tensor: torch.Tensor) -> int | None:
@@ -141,11 +141,8 @@ _local = _Local()
 _lock = threading.Lock()
 _users = 0
 # The global hooks go straight into torch's tables under a key of their own, no `RemovableHandle`: installing
-# and removing them is on the path of every recompute.
+# and removing them is on the path of every recompute (see `GlobalModuleHooks` for the cost of each way).
 _KEY = -0x5E3A7
-_pre_hooks = _module._global_forward_pre_hooks
-_post_hooks = _module._global_forward_hooks
-_always_called = _module._global_forward_hooks_always_called
 
 
 def _enter_module(module: nn.Module, args: Any) -> None:
@@ -164,6 +161,9 @@ def _leave_module(module: nn.Module, args: Any, output: Any) -> None:
         opened.pop()[1].__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
+_global_hooks = GlobalModuleHooks(_KEY, _enter_module, _leave_module)
+
+
 def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
     """Start keeping module buffers and attributes as forward left them, for a recompute on this thread; see
     `release`.
@@ -176,9 +176,7 @@ def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
     # that cannot raise.
     _lock.acquire()
     if not _users:
-        _pre_hooks[_KEY] = _enter_module
-        _post_hooks[_KEY] = _leave_module
-        _always_called[_KEY] = True
+        _global_hooks.install()
     _users += 1
     _lock.release()
     _local.depth += 1
@@ -204,9 +202,7 @@ def release(mode: BufferWrites | None) -> None:
     _lock.acquire()
     _users -= 1
     if not _users:
-        _pre_hooks.pop(_KEY, None)
-        _post_hooks.pop(_KEY, None)
-        _always_called.pop(_KEY, None)
+        _global_hooks.remove()
     _lock.release()
 
 

@@ -14,6 +14,7 @@ import torch
 
 from .._errors import BUG, RecomputeMismatchError, RematError
 from . import recording as _recording
+from .._torch_compat import graph_exec_group, graph_task_id, top_saved_hooks
 from . import stats as _stats
 from .debug import side_by_side
 from .transfer import Parcel, Stay
@@ -109,8 +110,8 @@ class Outer:
         self.given: tuple[torch.Tensor, int] | None = None
 
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_exec_group: Callable[[], Any] = torch._C._get_graph_exec_group
+_top_hooks = top_saved_hooks
+_exec_group: Callable[[], Any] = graph_exec_group
 
 _INPLACE_KEPT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
@@ -214,7 +215,7 @@ class Frame:
         kind = type(packed)
         if kind is Handle:  # the common case first
             group = _exec_group()
-            gid: Any = torch._C._current_graph_task_id() if group is None else group
+            gid: Any = graph_task_id() if group is None else group
             store = self._stores.get(gid)
             if store is None or packed.index not in store:
                 store = self._rebuild(gid, store)

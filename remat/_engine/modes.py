@@ -6,8 +6,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from .._torch_compat import TorchDispatchMode, dynamo_guarded
 
 __all__ = ["Mode"]
 
@@ -19,12 +18,10 @@ def _switching(raw: _Handler) -> _Handler | None:
 
     See NOTE [ Modes without the dynamo guard ]. None where this torch lacks what the switch needs.
     """
-    try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-        from torch._dynamo.eval_frame import skip_code
-    except ImportError:
+    found = dynamo_guarded(raw)
+    if found is None:
         return None
-    guarded: _Handler = torch._disable_dynamo(raw, recursive=True)  # type: ignore[attr-defined]
+    guarded, get_eval_frame_callback, skip_code = found
 
     def __torch_dispatch__(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if get_eval_frame_callback() is None:

@@ -12,28 +12,28 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.hooks import RemovableHandle
 
 from .._errors import RematError
+from .._torch_compat import disable_current_modes, dispatch_modes_on, pop_saved_hooks, push_saved_hooks, top_saved_hooks
 from .guard import storage_key
 from .transfer import Parcel, Stay, reap
 
-__all__ = ["Offload", "for_kept", "offload", "resolve"]
+__all__ = ["Offload", "for_kept", "no_offload_inside", "offload", "resolve"]
 
 # NOTE [ What is offloaded ]
 # A saved tensor is offloaded when it is on an accelerator (or on CPU with `include_cpu`), holds at least
 # `min_bytes`, is a plain strided tensor, and is not memory that lives anyway: not an `nn.Parameter`, not a
 # leaf that requires grad (a user's input), not a view of one of those, and not a module buffer. Buffers are
-# recognised by storage: once an `Offload` exists, a global forward pre-hook notes the buffers of every module
-# called (a lookup of `module._buffers`; weak references, so nothing is kept alive). A tensor saved twice
-# (the output of `tanh`, saved by `tanh` and by the matmul that reads it) is the same Python object both
-# times: it is copied once and both saved variables share the parcel. Everything else is handed back as it
-# is (`Stay`), with its version, so an in-place change before backward still raises.
+# recognised by storage: while an offload block is open, a global forward pre-hook (torch's public
+# `register_module_forward_pre_hook`, removed when the last block exits) notes the buffers of every module called
+# (a lookup of `module._buffers`; weak references, so nothing is kept alive). A buffer that reaches a site's
+# `offload=` outside any offload block is not recognised and is copied like an activation: correct, one copy
+# more. A tensor saved twice (the output of `tanh`, saved by `tanh` and by the matmul that reads it) is the same
+# Python object both times: it is copied once and both saved variables share the parcel. Everything else is
+# handed back as it is (`Stay`), with its version, so an in-place change before backward still raises.
 # Offload's own copies run with the dispatch modes set aside, so a site's recorder or policy, or
 # `remat.track`, never sees them: the tracker counts device memory, `host_bytes()` counts host copies.
-
-_modes_on = torch._C._len_torch_dispatch_stack
 
 _INSIDE_RERUN = (
     "remat: `with remat.offload():` inside the rematerialized function `{site}`: rerun calls the function again "
@@ -45,9 +45,9 @@ _INSIDE_RERUN = (
 # -- buffers (NOTE [ What is offloaded ]) ------------------------------------------------------------------
 
 _buffers: dict[int, weakref.ref[torch.Tensor]] = {}
-_KEY = -0x0FF10AD
-_watching = False
 _watch_lock = threading.Lock()
+_watchers = 0  # open offload blocks, all threads: the hook is installed while there is one
+_watch_handle: RemovableHandle | None = None
 
 
 def _note_buffers(module: nn.Module, args: Any) -> None:
@@ -60,11 +60,30 @@ def _note_buffers(module: nn.Module, args: Any) -> None:
 
 
 def _watch_buffers() -> None:
-    global _watching
+    global _watchers, _watch_handle
     with _watch_lock:
-        if not _watching:
-            _module._global_forward_pre_hooks[_KEY] = _note_buffers
-            _watching = True
+        _watchers += 1
+        if _watch_handle is None:
+            _watch_handle = nn.modules.module.register_module_forward_pre_hook(_note_buffers)
+
+
+def _unwatch_buffers() -> None:
+    global _watchers, _watch_handle
+    with _watch_lock:
+        _watchers -= 1
+        if _watchers == 0 and _watch_handle is not None:
+            _watch_handle.remove()
+            _watch_handle = None
+
+
+# The engine's seam for sites that push saved-tensor hooks of their own: a frame class registered here (rerun's)
+# makes `with remat.offload():` raise when its pack hook is the innermost one (see `_INSIDE_RERUN`).
+_no_offload_inside: list[type] = []
+
+
+def no_offload_inside(frame_type: type) -> None:
+    """Refuse an offload block whose innermost saved-tensor pack hook is a bound method of a `frame_type`."""
+    _no_offload_inside.append(frame_type)
 
 
 def _is_buffer(tensor: torch.Tensor) -> bool:
@@ -112,7 +131,6 @@ class Offload:
         self.pin_memory = pin_memory
         self.include_cpu = include_cpu
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, weakref.ref[Parcel]]] = {}
-        _watch_buffers()
 
     def __repr__(self) -> str:
         return (
@@ -152,8 +170,8 @@ class Offload:
             if parcel is not None:
                 parcel.users += 1
                 return parcel
-        if _modes_on():
-            with _disable_current_modes():
+        if dispatch_modes_on():
+            with disable_current_modes():
                 parcel = Parcel(tensor, self.pin_memory)
         else:
             parcel = Parcel(tensor, self.pin_memory)
@@ -181,20 +199,20 @@ class Offload:
 
     # -- the context manager -------------------------------------------------------------------------------
     def __enter__(self) -> Offload:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top = top_saved_hooks(False)
         if top is not None:
-            from .rerun import RerunFrame  # here: rerun imports this module
-
             frame = getattr(top[0], "__self__", None)
-            if isinstance(frame, RerunFrame):
-                raise RematError(_INSIDE_RERUN.format(site=frame.site))
-        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+            if isinstance(frame, tuple(_no_offload_inside)):
+                raise RematError(_INSIDE_RERUN.format(site=getattr(frame, "site", "?")))
+        push_saved_hooks(self.pack, self.unpack)
+        _watch_buffers()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        torch._C._autograd._pop_saved_tensors_default_hooks()
+        pop_saved_hooks()
+        _unwatch_buffers()
         reap()
 
 

@@ -47,7 +47,7 @@ __all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info"
 
 _Tensor = torch.Tensor
 _ref = weakref.ref
-_grad_enabled = torch._C.is_grad_enabled
+_grad_enabled = torch.is_grad_enabled
 
 
 class Slot(int):

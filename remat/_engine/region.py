@@ -17,6 +17,7 @@ from torch import nn
 
 from .._errors import BUG, RecomputeMismatchError, RematError
 from .._policies import Policy, tags
+from .._torch_compat import pop_saved_hooks, push_saved_hooks, storage_id
 from .guard import storage_key
 from .hooks import Frame, Handle, Kept
 from .offload import Offload, for_kept
@@ -27,10 +28,10 @@ from .transfer import Parcel, Stay
 
 __all__ = ["RegionFrame", "begin", "end"]
 
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_storage_id: Callable[[torch.Tensor], int] = torch._C._storage_id  # type: ignore[attr-defined]
+_push_hooks = push_saved_hooks
+_storage_id: Callable[[torch.Tensor], int] = storage_id
 _ref = weakref.ref
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_pop_hooks = pop_saved_hooks
 
 # NOTE [ Kept tensors ]
 # Saved tensors that the region does not rebuild — tensors from outside, views of them, tensors the tape never

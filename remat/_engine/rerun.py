@@ -16,12 +16,14 @@ from torch import nn
 
 from .._errors import RematError
 from .._policies import Policy, tags
+from .._torch_compat import pop_saved_hooks, push_saved_hooks
+from .._torch_compat import set_grad_enabled as _set_grad_enabled
 from .autocast import AutocastState, any_autocast
 from .debug import OpTrace
 from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
-from .offload import Offload, for_kept
+from .offload import Offload, for_kept, no_offload_inside
 from .rng import RngStash, devices_of
 from .selective import ReuseOps, SaveOps
 from .tail import returns_at_once
@@ -31,8 +33,8 @@ from .tree import map_tensors, tensors_in
 __all__ = ["RerunFrame", "begin", "call", "end"]
 
 _frame = sys._getframe
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_push_hooks = push_saved_hooks
+_pop_hooks = pop_saved_hooks
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
@@ -218,7 +220,7 @@ class RerunFrame(Frame):
         # See NOTE [ Recompute state ].
         caller_rng = self.rng.swap_in() if self.rng is not None else None
         grad_was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(True)
+        _set_grad_enabled(True)
         extra = (
             self._recompute_contexts()
             if self.autocast is not None or self.contexts is not None or self.policy is not None
@@ -246,7 +248,7 @@ class RerunFrame(Frame):
             release(guard)
             if extra is not None:
                 extra.close()
-            torch._C._set_grad_enabled(grad_was)
+            _set_grad_enabled(grad_was)
             if caller_rng is not None:
                 caller_rng.apply()
         self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
@@ -285,6 +287,7 @@ class RerunFrame(Frame):
 
 
 _RECOMPUTE = RerunFrame.recompute.__code__  # the frame the function is called from: see `returns_at_once`
+no_offload_inside(RerunFrame)  # an offload block inside the function would take what recompute rebuilds
 
 
 def _identity(packed: Any) -> Any:

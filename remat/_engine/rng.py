@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._torch_compat import current_accelerator, torch_function_mode_on
+
 __all__ = ["RngStash", "devices_of", "with_index"]
 
 _NO_RNG = frozenset({"cpu", "meta"})
@@ -43,7 +45,7 @@ def with_index(device: torch.device) -> torch.device | None:
 
 # `torch.accelerator.current_accelerator()` without its Python wrapper (on the path of every call), where torch
 # has it (2.6 and later); before that, CUDA stands for any accelerator.
-_get_accelerator: Callable[[], torch.device | None] | None = getattr(torch._C, "_accelerator_getAccelerator", None)
+_get_accelerator: Callable[[], torch.device | None] | None = current_accelerator
 
 
 def _built_accelerator() -> torch.device | None:
@@ -100,7 +102,7 @@ def devices_of(
     accelerator = _current_accelerator(built)
     if accelerator is not None:
         kinds.add(accelerator)
-    if torch._C._is_torch_function_mode_enabled():
+    if torch_function_mode_on():
         default = torch.get_default_device()
         if default.type not in _NO_RNG:
             kinds.add(default)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import RematError
+from .._torch_compat import graph_task_id
 
 __all__ = ["Parcel", "Stay", "host_bytes", "live_parcels", "reap"]
 
@@ -48,7 +49,7 @@ _AHEAD = 1  # parcels copied back ahead of the one being unpacked
 _WALK = 8  # at most this many links followed when looking for them
 _PENDING_BYTES = 64 << 20  # bytes of device tensors held per device while their copies to host run
 
-_graph_task_id = torch._C._current_graph_task_id
+_graph_task_id = graph_task_id
 
 _INPLACE = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "

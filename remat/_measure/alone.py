@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
+from .._torch_compat import tree_leaves, tree_map
 from .track import synchronize
 
 __all__ = ["describe", "time_alone"]

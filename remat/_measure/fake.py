@@ -25,14 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
-from torch.utils._pytree import tree_map
 
 from .._errors import RematError
+from .._torch_compat import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode, tree_map
 from .track import Tracker
 
 __all__ = [

@@ -20,15 +20,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
+from .._format import format_bytes
 from .._switch import enabled
 from .report import Measurement as Measurement
 from .report import Report as Report
-from .report import format_bytes as format_bytes
 from .report import format_seconds as format_seconds
+from .._torch_compat import tree_leaves
+from .loss import default_loss
 from .track import synchronize as _sync
 from .track import track
 
@@ -42,18 +43,17 @@ def _name(target: object) -> str:
 
 
 def _loss(out: object) -> torch.Tensor:
-    """The scalar to back-propagate: the output if it is a scalar, else the sum of its float leaves."""
-    if isinstance(out, torch.Tensor) and out.dim() == 0 and out.requires_grad:
-        return out
-    parts = [
-        t.sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
-    ]
-    if not parts:
+    """The scalar to back-propagate: `default_loss` (the output's `.loss`, else the sum of its floating tensors)."""
+    try:
+        value: torch.Tensor | None = default_loss(out)
+    except TypeError:
+        value = None
+    if value is None or not value.requires_grad:
         raise ValueError(
             "remat: measure needs an output with a floating-point tensor that requires grad, "
             f"but got `{type(out).__name__}` with none; pass inputs or parameters that require grad."
         )
-    return parts[0] if len(parts) == 1 else torch.stack([p.float() for p in parts]).sum()
+    return value
 
 
 def _leaves(obj: object) -> list[torch.Tensor]:

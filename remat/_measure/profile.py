@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from .._engine.rng import RngStash, devices_of
+from .._torch_compat import tree_leaves
 from .alone import describe, time_alone
 from .combine import Round, combine
 from .costs import ModelCost

@@ -7,16 +7,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._format import format_bytes
+
 __all__ = ["Measurement", "Report", "format_bytes", "format_seconds"]
-
-
-def format_bytes(n: float) -> str:
-    """Format a byte count with a binary unit: ``format_bytes(1536) == '1.50 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def format_seconds(s: float | None) -> str:

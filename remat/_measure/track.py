@@ -41,15 +41,16 @@ from typing import Any
 import torch
 
 from .._engine.modes import Mode
+from .._torch_compat import OpOverload
 
 __all__ = ["Tracker", "synchronize", "track"]
 
 # Per op overload: for each return, whether its schema says that it aliases an input.
 # See NOTE [ New or old storage ].
-_ALIASING: dict[torch._ops.OpOverload, tuple[bool, ...]] = {}
+_ALIASING: dict[OpOverload, tuple[bool, ...]] = {}
 
 
-def _aliasing(func: torch._ops.OpOverload) -> tuple[bool, ...]:
+def _aliasing(func: OpOverload) -> tuple[bool, ...]:
     flags = _ALIASING.get(func)
     if flags is None:
         if func is torch.ops.aten.lift_fresh.default:
@@ -88,7 +89,7 @@ class _Mode(Mode):
 
     def __torch_dispatch__(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         types: Sequence[type],
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
@@ -254,7 +255,7 @@ class Tracker:
     # -- bookkeeping -------------------------------------------------------------------------
     def _see(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         args: Sequence[Any],
         kwargs: dict[str, Any] | None,
         out: Any,

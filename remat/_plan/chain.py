@@ -9,6 +9,7 @@ activations (see NOTE [ Chain execution ]). Stages take and return a single tens
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -25,6 +26,8 @@ from .._errors import RematError
 from .chain_profile import backward_stage, check_tensor, grad_input, profile, stage_params
 from .solver import Plan, solve
 from .units import Budget, parse_budget
+
+_log = logging.getLogger("remat")
 
 __all__ = ["Chain", "chain", "parse_budget"]
 
@@ -243,6 +246,7 @@ class Chain(nn.Sequential):
         self._segments = segments
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self.plan: Plan | None = None
+        self._told = False  # whether profiling a new shape inside a forward was logged (once per chain)
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple[Any, ...]:
@@ -260,6 +264,13 @@ class Chain(nn.Sequential):
         key = self._key(x)
         plan = self._plans.get(key)
         if plan is None:
+            if self._plans and not getattr(self, "_told", False):
+                self._told = True
+                _log.warning(
+                    "remat: the chain was called with a new input shape %s: profiling its stages and planning again "
+                    "inside this forward (once per new shape; a chain plans for each shape it sees). Logged once "
+                    "per chain.", tuple(x.shape),
+                )
             stages = list(self)
             with RngStash.capture(devices_of([x], module=self)).restore(), keep_buffers():
                 costs, input_bytes = profile(stages, x)

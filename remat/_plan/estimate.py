@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from .._errors import RematError
 from .._measure.fake import FakeTracker, data_dependent, fake_mode, fake_sample, fake_state, storage_bytes
-from .._measure.measure import _loss as default_loss
+from .._measure.loss import call as _call
+from .._measure.loss import default_loss
+from .._torch_compat import tree_leaves
 from .estimate_report import ConfigEstimate, EstimateReport
 
 __all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "make_optimizer", "predict", "resolve_device"]
@@ -132,22 +133,9 @@ def _state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor
     return [t for state in optimizer.state.values() for t in _tensors(state)]
 
 
-def _call(model: nn.Module, sample: Any) -> Any:
-    if isinstance(sample, dict):
-        return model(**sample)
-    if isinstance(sample, (tuple, list)):
-        return model(*sample)
-    return model(sample)
-
-
 def _scalar(out: Any, loss: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
     value: Any
-    if loss is not None:
-        value = loss(out)
-    else:
-        value = getattr(out, "loss", None)
-        if not isinstance(value, torch.Tensor):
-            value = default_loss(dict(out) if isinstance(out, Mapping) else out)
+    value = loss(out) if loss is not None else default_loss(out)
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
         raise ValueError(
             "remat: estimate needs a loss that is a one-element tensor requiring grad, but got "

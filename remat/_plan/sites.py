@@ -7,10 +7,11 @@ of no remat and of full remat.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._format import aligned as _aligned
 from .units import format_bytes
 
 if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`
@@ -82,8 +83,3 @@ class ModelPlan:
         lines += _aligned(rows)
         lines += plan.summary()
         return "\n".join(lines)
-
-
-def _aligned(rows: Sequence[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]

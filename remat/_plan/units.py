@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from .._format import format_bytes
+
 __all__ = ["Budget", "format_bytes", "parse_budget"]
 
 Budget = int | str | float
@@ -57,16 +59,3 @@ def parse_budget(budget: Budget) -> int | float:
             raise ValueError(f"remat: `budget` must be > 0 bytes, but got {budget!r}.")
         return nbytes
     raise TypeError(f"remat: `budget` must be an int, str or float, but got {type(budget).__name__}.")
-
-
-def format_bytes(n: float) -> str:
-    """Format a byte count with a binary unit.
-
-    >>> format_bytes(512), format_bytes(1536)
-    ('512 B', '1.50 KiB')
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover

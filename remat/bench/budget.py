@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 import remat
 
+from .._format import aligned
+from .._format import ratio as _ratio
 from .budget_compile import compile_column
 from .convnets import CONVNET_SIZES, ConvNet
 from .models import GPT, GPT_SIZES, BenchModel
@@ -169,10 +171,6 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.0f}"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}"
-
-
 def format_table(rows: Sequence[Row], theirs: dict[float, dict[str, Any]]) -> str:
     """The budget benchmark as aligned text."""
     lines: list[str] = []
@@ -199,16 +197,10 @@ def format_table(rows: Sequence[Row], theirs: dict[float, dict[str, Any]]) -> st
             ))
         lines.append(f"{model}: remat.apply(model, budget=f * no remat's peak); plan (steps): planning seconds / "
                      "no remat's step")
-        lines += _aligned(table)
+        lines += aligned(table, right=True)
         lines.append("")
     lines.append("choices per block: K kept, M save_matmuls, F full remat")
     return "\n".join(lines)
-
-
-def _aligned(table: Sequence[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    return ["  " + "  ".join(c.rjust(w) for c, w in zip(row[:-1], widths, strict=False)) + "  " + row[-1]
-            for row in table]
 
 
 def format_compile(rows: Sequence[Row], theirs: dict[float, dict[str, Any]]) -> str:
@@ -237,7 +229,7 @@ def format_compile(rows: Sequence[Row], theirs: dict[float, dict[str, Any]]) -> 
             "=f, one process per f; peak = resident memory's rise over one step (MALLOC_MMAP_THRESHOLD_=131072); "
             "beside it remat.apply(budget=f) from the table above")
     tail = f"compiling took {min(seconds):.0f}-{max(seconds):.0f} s per fraction" if seconds else ""
-    return "\n".join([head, *_aligned(table), tail]).rstrip()
+    return "\n".join([head, *aligned(table, right=True), tail]).rstrip()
 
 
 def plot(rows: Sequence[Row], theirs: dict[float, dict[str, Any]], path: str) -> None:

@@ -51,7 +51,8 @@ def bench_chain(
             if smallest is None:
                 raise
             built = remat.chain(list(model.blocks), budget=int(smallest.group(1)), sample=sample)
-            note = f"{CHAIN_BUDGET:.0%} is below the smallest budget; ran at that"
+            note = (f"BUDGET MOVED: {CHAIN_BUDGET:.0%} is below the smallest feasible budget; ran at "
+                    f"{format_bytes(int(smallest.group(1)))}")
         model.stack = built
         chains.append(built)
         return note

@@ -147,6 +147,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG of memory vs step time (matplotlib)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    parser.add_argument("--check", action="store_true", help="for remat's developers: exit with status 1 when a "
+                        "target does not hold in this run (a row that fails exits with status 1 in any case)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -179,10 +181,15 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     checks = check_targets(rows, meta.get("chain"))
     if checks:
         print("\n" + format_checks(checks), file=out)
+    failed = [row for row in rows if row.error]
+    if failed:
+        print(f"\n{len(failed)} row(s) failed:", file=out)
+        for row in failed:
+            print(f"  {row.model}: {row.config}: {row.error}", file=out)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             data = {"meta": meta, "rows": [r.to_dict() for r in rows], "targets": [c.to_dict() for c in checks]}
             json.dump(data, f, indent=2)
     if args.plot:
         plot(meta, rows, args.plot)
-    return 0
+    return 1 if failed or (args.check and not all(check.ok for check in checks)) else 0

@@ -25,12 +25,14 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 import remat
 
 from .._estimate import DEFAULT_CONFIGS, is_budget
-from .._measure.measure import format_bytes
+from .._format import format_bytes
+from .._measure.loss import call as _call
+from .._measure.loss import default_loss
+from .._torch_compat import tree_leaves
 from .convnets import CONVNET_SIZES, ConvNet, ConvNetConfig
 from .models import GPT, GPT_SIZES, GPTConfig, human_count, parameter_count
 
@@ -171,12 +173,6 @@ def _optimizer(kind: str | None, params: list[nn.Parameter]) -> torch.optim.Opti
     return made
 
 
-def _call(model: nn.Module, sample: Any) -> Any:
-    if isinstance(sample, dict):
-        return model(**sample)
-    return model(*sample) if isinstance(sample, (tuple, list)) else model(sample)
-
-
 def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed: int = SEED) -> Measured:
     """Run one real training step of ``case`` under ``config`` ("none", "full", "save_matmuls", a policy, a budget).
 
@@ -206,9 +202,9 @@ def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed:
         torch.manual_seed(seed)
         with switch, remat.track() as t:
             out = _call(model, case.sample)
-            value = case.loss(out) if case.loss is not None else out.loss
+            value = case.loss(out) if case.loss is not None else default_loss(out)
             held = t.current_bytes - sum(t._bytes_of([value]).values())
-            value.backward()
+            torch.autograd.backward(value)
             grads = _storage_bytes([p.grad for p in params if p.grad is not None])
             del out, value
             if opt is not None:

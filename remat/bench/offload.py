@@ -29,6 +29,7 @@ from .._measure.track import track
 from .._policies import offload as offload_policy
 from .._policies import save_matmuls
 from .models import GPT, GPTConfig, human_count, parameter_count
+from .runner import GRAD_BOUND, note
 
 __all__ = ["NEEDS_ACCELERATOR", "OFFLOAD_SIZE", "bench_offload"]
 
@@ -155,15 +156,16 @@ def bench_offload(
     running: list[tuple[dict[str, Any], GPT, Context]] = []
     for name, prepare in _rows(offload):
         row: dict[str, Any] = {"config": name, "peak_bytes": None, "host_bytes": None, "step_seconds": [],
-                               "grad_diff": None, "note": ""}
+                               "grad_diff": None, "note": "", "error": ""}
         rows.append(row)
         model = copy.deepcopy(base)
-        context = prepare(model)
         try:
+            context = prepare(model)
             torch.manual_seed(SEED)
             _step(model, batch, context, device)  # warm-up
-        except Exception as error:  # a row that cannot run says why; the others go on
-            row["note"] = f"failed: {type(error).__name__}: {error}".splitlines()[0][:80]
+        except Exception as error:  # a row that cannot run fails with why; the others go on
+            row["error"] = note(error)
+            row["note"] = f"FAILED: {row['error']}"
             continue
         running.append((row, model, context))
     reference: list[torch.Tensor] | None = None
@@ -172,10 +174,14 @@ def bench_offload(
         row["peak_bytes"], row["host_bytes"], grads = _measure(model, batch, context, device)
         if reference is None:
             reference = grads
-        row["grad_diff"] = max(
+        row["grad_diff"] = diff = max(
             (float((g.float() - r.float()).abs().max()) for g, r in zip(grads, reference, strict=True) if g.numel()),
             default=0.0,
         )
+        bound = GRAD_BOUND * max([1.0, *(float(r.float().abs().max()) for r in reference if r.numel())])
+        if not diff <= bound:
+            row["error"] = f"gradients differ from no remat's by {diff:.1e} (bound {bound:.1e})"
+            row["note"] = f"FAILED: {row['error']}"
     for r in range(repeats):
         for row, model, context in running:
             progress(f"offload: repeat {r + 1}/{repeats}, {row['config']}")

@@ -18,7 +18,8 @@ from .convnets import CONVNET_SIZES, ConvNet
 from .models import GPT, GPT_SIZES, BenchModel, tiny, tiny_input
 
 __all__ = [
-    "MODELS", "STEPS_PER_REPEAT", "TINY_ROUNDS", "Progress", "Result", "bench_model", "bench_tiny", "note", "sync",
+    "GRAD_BOUND", "MODELS", "STEPS_PER_REPEAT", "TINY_ROUNDS", "Progress", "Result", "bench_model", "bench_tiny",
+    "check_grads", "fail", "note", "sync",
 ]
 
 sync = _sync
@@ -42,6 +43,7 @@ class Result:
     grad_diff: float | None = None
     note: str = ""
     compare: bool = True  # whether ratios to the no-remat and torch rows make sense
+    error: str = ""  # why the row failed (its call raised, or its gradients are off): `python -m remat` exits 1
 
     @property
     def step(self) -> float | None:
@@ -120,6 +122,26 @@ def _max_diff(grads: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) 
     return max((float((g - r).abs().max()) for g, r in zip(grads, reference, strict=True) if g.numel()), default=0.0)
 
 
+GRAD_BOUND = 1e-4
+"""The largest difference from no remat's gradients a row may show, as a fraction of the largest of them (at
+least 1): remat recomputes with the same kernels and RNG, so in float32 only summation order may differ."""
+
+
+def fail(result: Result, why: str) -> None:
+    """Mark `result` failed: the table shows `why`, and `python -m remat` exits with status 1."""
+    result.error = why
+    result.note = f"FAILED: {why}"
+
+
+def check_grads(result: Result, diff: float, reference: Sequence[torch.Tensor]) -> None:
+    """Record `diff` (the largest gradient difference from no remat) and fail the row past `GRAD_BOUND`."""
+    result.grad_diff = diff
+    scale = max((float(r.abs().max()) for r in reference if r.numel()), default=0.0)
+    bound = GRAD_BOUND * max(1.0, scale)
+    if not diff <= bound:  # also NaN
+        fail(result, f"gradients differ from no remat's by {diff:.1e} (bound {bound:.1e})")
+
+
 MODELS: dict[str, Callable[[str], BenchModel]] = {
     "gpt": lambda size: GPT(GPT_SIZES[size]),
     "convnet": lambda size: ConvNet(CONVNET_SIZES[size]),
@@ -154,14 +176,10 @@ def bench_model(
         model = copy.deepcopy(base)
         try:
             result.note = config.prepare(model) or ""
-        except (ImportError, AttributeError) as e:
-            result.note = f"not available ({note(e)})"
-            continue
-        try:
             torch.manual_seed(SEED)
             _timed_step(model, batch, device)  # warm-up: lazy imports, allocator, caches
         except Exception as e:
-            result.note = f"failed: {note(e)}"
+            fail(result, note(e))
             continue
         running.append((result, model))
     reference: list[torch.Tensor] | None = None
@@ -171,7 +189,7 @@ def bench_model(
         if reference is None and result.config == NO_REMAT:
             reference = grads
         if reference is not None:
-            result.grad_diff = _max_diff(grads, reference)
+            check_grads(result, _max_diff(grads, reference), reference)
     for r in range(repeats):
         for result, model in running:
             progress(f"{name}: repeat {r + 1}/{repeats}, {result.config}")
@@ -207,21 +225,17 @@ def bench_tiny(
         progress(f"tiny: preparing {config.name}")
         try:
             fn = config.wrap_tiny(tiny)
-        except (ImportError, AttributeError) as e:
-            result.note = f"not available ({note(e)})"
-            continue
-        try:
             for _ in range(20):  # warm-up
                 x.grad = None
                 torch.autograd.backward(fn(x), seed_grad)
         except Exception as e:
-            result.note = f"failed: {note(e)}"
+            fail(result, note(e))
             continue
         assert x.grad is not None
         if reference is None and config.name == NO_REMAT:
             reference = x.grad.clone()
         if reference is not None:
-            result.grad_diff = float((x.grad - reference).abs().max())
+            check_grads(result, float((x.grad - reference).abs().max()), [reference])
         running.append((result, fn))
     for r in range(repeats * TINY_ROUNDS):
         for result, fn in running:

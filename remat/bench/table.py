@@ -6,7 +6,8 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from .._measure.measure import format_bytes, format_seconds
+from .._format import format_bytes, ratio
+from .._measure.measure import format_seconds
 from .configs import NO_REMAT, TORCH
 from .runner import STEPS_PER_REPEAT, Result
 
@@ -15,7 +16,7 @@ __all__ = ["PLOT_MISSING", "format_table", "plot"]
 
 
 def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
+    return ratio(a, b, "x")
 
 
 def _spread(seconds: Sequence[float]) -> str:

@@ -141,12 +141,16 @@ def format_checks(checks: Sequence[Check]) -> str:
         median = f"{check.median:.4f}" if abs(check.median) >= 0.01 else f"{check.median:.3g}"
         table.append((check.what, median + spread, check.target, "✓" if check.ok else "✗"))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["Performance targets the project sets itself, checked on this run (timing rows are noisy on a small "
-             "shared machine):"]
+    lines = [
+        "Targets: remat's own goals, a check for its developers (`python -m remat --check` exits with status 1",
+        "when one does not hold). Each is a ratio of two rows measured in this run; timing rows on a small or busy",
+        "shared CPU are noisy and may miss a target from one run to the next. Nothing here needs your attention:",
+        "a row that fails (its call raised, or its gradients differ from no remat's) is listed separately.",
+    ]
     for i, row in enumerate(table):
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
         if i == 0:
             lines.append("-" * len(lines[-1]))
     held = sum(check.ok for check in checks)
-    lines.append(f"{held} of {len(checks)} targets hold in this run.")
+    lines.append(f"{held} of {len(checks)} targets hold in this run (see above for what that means).")
     return "\n".join(lines)

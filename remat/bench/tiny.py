@@ -16,7 +16,7 @@ import remat
 from .._engine.modes import Mode
 from .._measure.measure import format_seconds
 from .models import tiny_input
-from .runner import Result, note, sync
+from .runner import Result, fail, note, sync
 
 __all__ = ["EMPTY_MODE", "REGION", "REPLAY_OPS", "bench_replay", "bench_startup"]
 
@@ -132,7 +132,8 @@ def bench_startup(progress: Callable[[str], None]) -> list[Result]:
                 imported.step_seconds.append(import_s)
                 first.step_seconds.append(first_s)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
-        imported.note = first.note = f"failed: {note(e)}"
+        fail(imported, note(e))
+        fail(first, note(e))
         return [imported, first]
     imported.note = "target ≤ 50 ms (cached bytecode)"
     first.note = "target: no one-off second of set-up"

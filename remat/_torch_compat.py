@@ -1,0 +1,205 @@
+"""Every private torch name remat uses, bound in one place, each with what happens on a torch without it.
+
+remat declares `torch>=2.4` (the oldest torch with the public APIs it needs: `torch.get_autocast_dtype(device_type)`
+and `torch.is_autocast_enabled(device_type)` came in 2.4; `torch.get_device_module`, `torch.get_default_device`,
+`torch.compiler.is_compiling` in 2.3; `always_call=` on forward hooks in 2.1). Private names change between
+versions, so each one is bound here once. "Present in 2.4" marks a name torch has had since that version or
+earlier, used by torch's own public APIs of that time (its absence would be a broken torch, not an old one):
+those are bound directly. Every other name is looked up with `getattr` and has a fallback that keeps remat
+correct and says in a comment what degrades; `import remat` and a rematerialized forward and backward work
+without any of them (tests/test_torch_compat.py deletes each one before `import remat`).
+
+Nothing else in the package reads `torch._C`, `torch._dynamo`, `torch._subclasses`, `torch.utils._python_dispatch`
+or torch's private module-hook tables; `torch.utils._pytree` (stable in practice, used by every tree walker) is
+re-exported from here as well, as are the fake-tensor names the estimator uses (`torch._subclasses.fake_tensor`,
+present in 2.4; torch imports it itself) and `torch._ops.OpOverload` (an aten overload's type, present in 2.4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.nn.modules import module as _module
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = [
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensorMode",
+    "GlobalModuleHooks",
+    "OpOverload",
+    "TorchDispatchMode",
+    "any_autocast",
+    "current_accelerator",
+    "disable_current_modes",
+    "dispatch_modes_on",
+    "dynamo_guarded",
+    "graph_exec_group",
+    "graph_task_id",
+    "pop_saved_hooks",
+    "push_saved_hooks",
+    "set_grad_enabled",
+    "storage_id",
+    "top_saved_hooks",
+    "torch_function_mode_on",
+    "tree_leaves",
+    "tree_map",
+]
+
+_C: Any = torch._C
+_autograd: Any = torch._C._autograd
+
+# -- the saved-tensor default-hook stack ----------------------------------------------------------------------
+# push/pop: present in 2.4 (torch.autograd.graph.saved_tensors_hooks is built on them, since 1.10).
+push_saved_hooks: Callable[[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]], None] = (
+    _autograd._push_saved_tensors_default_hooks
+)
+pop_saved_hooks: Callable[[], None] = _autograd._pop_saved_tensors_default_hooks
+
+
+def _no_top_hooks(ignore_is_tracing: bool) -> None:
+    return None
+
+
+# torch-compat: `_top_saved_tensors_default_hooks(ignore_is_tracing)`, added after 2.7 (torch 2.6 and 2.7 lack
+# it; an early form took no argument). Without it remat sees no enclosing saved-tensor hooks: a nested site keeps
+# its inputs itself instead of handing them to the enclosing site or offload block (more memory held, same
+# gradients), and `with remat.offload():` inside a rerun function is not refused.
+top_saved_hooks: Callable[[bool], tuple[Any, Any] | None] = getattr(
+    _autograd, "_top_saved_tensors_default_hooks", _no_top_hooks
+)
+try:
+    top_saved_hooks(False)  # no hooks are pushed while remat imports: None, or a TypeError for the early form
+except TypeError:
+    _top_without_argument: Callable[[], tuple[Any, Any] | None] = top_saved_hooks  # type: ignore[assignment]
+
+    def top_saved_hooks(ignore_is_tracing: bool) -> tuple[Any, Any] | None:
+        return _top_without_argument()
+
+# -- autograd graph tasks -------------------------------------------------------------------------------------
+# Present in 2.4 (torch.utils.checkpoint keys its recomputed tensors by it since 2.0).
+graph_task_id: Callable[[], int] = _C._current_graph_task_id
+
+
+def _no_exec_group() -> None:
+    return None
+
+
+# torch-compat: `_get_graph_exec_group` (torch.utils.checkpoint.GraphExecGroup), newer than 2.4. Without it
+# each backward is its own group (the graph task id keys the store): what `GraphExecGroup` would share between
+# the backwards of one group is recomputed per backward instead.
+graph_exec_group: Callable[[], Any] = getattr(_C, "_get_graph_exec_group", _no_exec_group)
+
+# Present in 2.4: `torch.set_grad_enabled` calls it; the raw form skips the context manager object.
+set_grad_enabled: Callable[[bool], None] = _C._set_grad_enabled
+
+# -- autocast -------------------------------------------------------------------------------------------------
+
+
+def _autocast_maybe_on() -> bool:
+    return True
+
+
+# torch-compat: `_is_any_autocast_enabled`, not relied on at 2.4. Without it every call captures the
+# autocast state of its devices (a few microseconds more per call), as if autocast might be on.
+any_autocast: Callable[[], bool] = getattr(_C, "_is_any_autocast_enabled", _autocast_maybe_on)
+
+# -- storages -------------------------------------------------------------------------------------------------
+
+
+def _storage_cdata(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage()._cdata)
+
+
+# torch-compat: `_storage_id`, not relied on at 2.4. Without it the identity of a storage is read from
+# `untyped_storage()._cdata` (the same storage pointer, through a Python storage object: slower per call).
+storage_id: Callable[[torch.Tensor], int] = getattr(_C, "_storage_id", _storage_cdata)
+
+# -- dispatch and function modes ------------------------------------------------------------------------------
+# Present in 2.4: the length of the dispatch-mode stack (`torch.utils._python_dispatch` reads it since 2.0).
+dispatch_modes_on: Callable[[], int] = _C._len_torch_dispatch_stack
+# Present in 2.4 (since 2.0): set every dispatch mode aside for a block.
+disable_current_modes: Callable[[], Any] = _disable_current_modes
+# Present in 2.4 (since 2.0): whether a torch function mode (such as `torch.device(...)` as a context) is on.
+torch_function_mode_on: Callable[[], bool] = _C._is_torch_function_mode_enabled
+
+
+def _no_accelerator() -> None:
+    return None
+
+
+# torch-compat: `_accelerator_getAccelerator` (`torch.accelerator`), 2.6. Without it the accelerator this torch was
+# built for is found by asking CUDA (CUDA stands for any accelerator).
+current_accelerator: Callable[[], torch.device | None] | None = getattr(_C, "_accelerator_getAccelerator", None)
+
+
+_Guarded = tuple[Callable[..., Any], Callable[[], Any], Callable[[Any], None]]
+
+
+def dynamo_guarded(raw: Callable[..., Any]) -> _Guarded | None:
+    """`(guarded, eval_frame_callback, skip_code)` for a dispatch handler `raw`, or None where torch lacks them.
+
+    `guarded` is `raw` behind `torch._disable_dynamo` (2.1), `eval_frame_callback()` is dynamo's callback on this
+    thread (None when dynamo evaluates no frame) and `skip_code(code)` tells dynamo never to trace `code`. Without
+    them remat's modes keep torch's own guard on every op (slower under a dispatch mode, same results).
+    """
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return None
+    disable = getattr(torch, "_disable_dynamo", None)
+    if disable is None:
+        return None
+    return disable(raw, recursive=True), get_eval_frame_callback, skip_code
+
+
+# -- torch's global module-hook tables ------------------------------------------------------------------------
+
+
+class GlobalModuleHooks:
+    """A forward pre-hook and an always-called forward hook on every module, installed and removed often.
+
+    Through torch's private tables (present in 2.4; `_global_forward_hooks_always_called` since 2.1) under a key
+    of remat's own: measured about 8x cheaper than the public `register_module_forward_pre_hook` and
+    `register_module_forward_hook(always_call=True)` with their handles (0.35 us against 2.7 us per install
+    and removal, CPU, torch 2.13). Where the tables are missing it falls back to the public registration.
+    """
+
+    def __init__(self, key: int, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
+        self.key, self.pre, self.post = key, pre, post
+        self._handles: tuple[Any, Any] | None = None
+        tables: list[Any] = [getattr(_module, name, None) for name in _TABLES]
+        self._tables: list[dict[int, Any]] | None = tables if all(isinstance(t, dict) for t in tables) else None
+
+    def install(self) -> None:
+        """Put both hooks in (called under the caller's lock)."""
+        tables = self._tables
+        if tables is not None:
+            tables[0][self.key] = self.pre
+            tables[1][self.key] = self.post
+            tables[2][self.key] = True
+        else:
+            self._handles = (
+                _module.register_module_forward_pre_hook(self.pre),
+                _module.register_module_forward_hook(self.post, always_call=True),
+            )
+
+    def remove(self) -> None:
+        """Take both hooks out; the tables are as before `install`."""
+        tables = self._tables
+        if tables is not None:
+            for table in tables:
+                table.pop(self.key, None)
+        elif self._handles is not None:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = None
+
+
+_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called")
