@@ -78,11 +78,24 @@ class FakeTracker(Tracker):
     (4096, (device(type='cuda', index=0),))
     """
 
+    _claimed: torch.device | None = None
+
     def _place(self, t: torch.Tensor, st: torch.UntypedStorage) -> tuple[torch.device, int]:
         device = t.device
         if device.type == "cpu":
             device = torch.device("cpu")
+        self._claimed = device
         return device, allocator_bytes(st.nbytes(), device)
+
+    def _storage_device(self, st: torch.UntypedStorage) -> torch.device:
+        # A resized fake storage (FSDP's unsharded parameters) has no tensor at hand: it counts on the device
+        # the fake tensors seen so far claim.
+        if st.device.type == "meta" and self._claimed is not None:
+            return self._claimed
+        return super()._storage_device(st)
+
+    def _storage_bytes(self, st: torch.UntypedStorage) -> int:
+        return allocator_bytes(st.nbytes(), self._storage_device(st))
 
 
 def fake_mode() -> FakeTensorMode:

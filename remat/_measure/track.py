@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .._engine.modes import Mode
+from . import resize
 
 __all__ = ["Tracker", "synchronize", "track"]
 
@@ -146,6 +147,7 @@ class Tracker:
             raise RuntimeError("remat: a Tracker can be entered only once; call remat.track() again instead.")
         self._mode = _Mode(self)  # guarded once dynamo is in use: NOTE [ Modes without the dynamo guard ]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
+        resize.watch(self)  # NOTE [ Resized storages ] in resize.py
         return self
 
     def __exit__(
@@ -156,6 +158,7 @@ class Tracker:
     ) -> None:
         mode, self._mode = self._mode, None
         self._done = True
+        resize.unwatch(self)
         try:
             if mode is not None:
                 mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
@@ -310,6 +313,32 @@ class Tracker:
             if entry is not None:
                 self._live[key] = (entry[0], nbytes, entry[2])
                 self._account(entry[0], nbytes - entry[1])
+
+    def _resized(self, st: torch.UntypedStorage, old: int, new: int) -> None:
+        """A storage changed size outside the dispatcher (``untyped_storage().resize_``): NOTE [ Resized storages ].
+
+        A counted storage is re-counted at its new size; one not counted that grows from nothing (FSDP's
+        unsharded parameters, freed before the block) is counted from now on, as a new allocation.
+        """
+        key = st._cdata
+        if key in self._live:
+            self._resize(key, self._storage_bytes(st))
+        elif old == 0:
+            device = self._storage_device(st)
+            ref = weakref.ref(st, functools.partial(self._release, key))
+            with self._lock:
+                nbytes = self._storage_bytes(st)
+                self._live[key] = (device, nbytes, ref)
+                self._account(device, nbytes)
+
+    def _storage_device(self, st: torch.UntypedStorage) -> torch.device:
+        """The device a storage met without a tensor counts on."""
+        device = st.device
+        return torch.device("cpu") if device.type == "cpu" else device
+
+    def _storage_bytes(self, st: torch.UntypedStorage) -> int:
+        """The bytes a storage counts for (a subclass may round up to allocator blocks)."""
+        return st.nbytes()
 
     def _release(self, key: int, ref: object = None) -> None:
         with self._lock:
