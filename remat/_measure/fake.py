@@ -44,6 +44,7 @@ __all__ = [
     "fake_mode",
     "fake_sample",
     "fake_state",
+    "local",
     "storage_bytes",
 ]
 
@@ -98,6 +99,12 @@ class FakeTracker(Tracker):
         return allocator_bytes(st.nbytes(), self._storage_device(st))
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this rank: a `DTensor`'s local shard, else ``t``."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 def fake_mode() -> FakeTensorMode:
     """A fake tensor mode that turns real tensors it meets (constants, closures) into fake ones."""
     return FakeTensorMode(allow_non_fake_inputs=True)
@@ -122,6 +129,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None =
     for t in tensors:
         if device is not None and t.device != device:
             continue
+        t = local(t)
         st = t.untyped_storage()
         if st._cdata not in seen:
             seen.add(st._cdata)

@@ -72,6 +72,9 @@ def _tensors(obj: object) -> Iterator[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    inner = getattr(t, "_local_tensor", None)  # a DTensor: its bytes are its local shard's
+    if isinstance(inner, torch.Tensor):
+        t = inner
     if t.is_meta:
         return None
     try:
