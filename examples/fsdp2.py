@@ -2,8 +2,9 @@
 
 Run on CPU: `torchrun --nproc-per-node 2 examples/fsdp2.py` (add `--config full` or `--config 0.7`,
 `--meta` to build the model on the meta device). Every rank estimates its own peak first, on fake tensors and
-torch's fake process group, before `init_process_group`; then remat is applied, each block and the root are
-`fully_shard`-ed, and AdamW trains a few steps while `remat.track()` counts the rank's live bytes.
+torch's fake process group, before `init_process_group`; then each block and the root are `fully_shard`-ed,
+remat is applied (a budget is then one rank's: the plan is made on the sharded model, the same on every rank),
+and AdamW trains a few steps while `remat.track()` counts the rank's live bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import remat
 
@@ -85,21 +87,29 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     model = build(args.meta)
-    if config != "none":
-        remat.apply(model, budget=config, sample=idx) if isinstance(config, float) else remat.apply(model)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     if args.meta:
         model.to_empty(device="cpu")
         for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    # After fully_shard, a budget is per rank: the planner profiles this rank's sharded step. Every rank
+    # profiles (the step's collectives need them all) and takes rank 0's plan.
+    if isinstance(config, float):
+        remat.apply(model, budget=config, sample=idx)
+    elif config == "full":
+        remat.apply(model)
+    plan = " ".join(f"{site.name}={site.choice}" for site in remat.plan(model)) or "no sites"
+    fitted = remat.plan(model).budget
+    if fitted is not None:
+        plan += f" (budget {fitted.budget / MiB:.2f} MiB, planned peak {fitted.peak_bytes / MiB:.2f} MiB)"
     optimizer = torch.optim.AdamW(model.parameters())
     # What lives before tracking starts: this rank's parameter shards and its batch.
-    held = {p.to_local().untyped_storage()._cdata: p.to_local().untyped_storage().nbytes()  # type: ignore[operator]
-            for p in model.parameters()}
-    before = sum(held.values()) + idx.untyped_storage().nbytes()
+    shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    before = sum(t.untyped_storage().nbytes() for t in shards) + idx.untyped_storage().nbytes()
     with remat.track() as tracker:
         for step in range(args.steps):
             out = model(idx)
@@ -114,7 +124,7 @@ def main() -> None:
     for r in range(world):
         if r == rank:
             print(f"rank {rank}/{world} config {args.config}: estimated peak {estimated / MiB:.2f} MiB, "
-                  f"measured {measured / MiB:.2f} MiB ({measured / estimated - 1:+.1%})", flush=True)
+                  f"measured {measured / MiB:.2f} MiB ({measured / estimated - 1:+.1%}); plan: {plan}", flush=True)
         dist.barrier()
     dist.destroy_process_group()
 
