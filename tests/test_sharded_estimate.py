@@ -142,3 +142,21 @@ def test_example_runs_on_two_processes() -> None:
         assert abs(change) <= 5.0, line
     assert lines[0].split("plan: ")[1] == lines[1].split("plan: ")[1], "the same plan on every rank"
     assert "full" in lines[0].split("plan: ")[1], "remat was active"
+
+
+def test_cli_estimates_one_rank_of_a_sharded_hf_model() -> None:
+    pytest.importorskip("transformers")
+    import io
+
+    from remat.bench.estimate import main
+
+    out: dict[int, str] = {}
+    for world in (1, 4):
+        text = io.StringIO()
+        flags = ["--world-size", str(world), "--shard", "fsdp2"] if world > 1 else []
+        assert main(["--hf", "llama", "--layers", "2", "--hidden", "64", "--heads", "2", "--seq", "16", *flags],
+                    text) == 0
+        out[world] = text.getvalue()
+    params = {w: float(next(line for line in out[w].splitlines() if line.startswith("none")).split()[1])
+              for w in out}
+    assert params[4] == pytest.approx(params[1] / 4, rel=0.05), out
