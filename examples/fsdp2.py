@@ -105,22 +105,25 @@ def main() -> None:
     plan = " ".join(f"{site.name}={site.choice}" for site in remat.plan(model)) or "no sites"
     fitted = remat.plan(model).budget
     if fitted is not None:
-        plan += f" (budget {fitted.budget / MiB:.2f} MiB, planned peak {fitted.peak_bytes / MiB:.2f} MiB)"
+        plan += f" (budget {fitted.budget / MiB:.2f} MiB, planned {fitted.peak_bytes / MiB:.2f} MiB"
     optimizer = torch.optim.AdamW(model.parameters())
     # What lives before tracking starts: this rank's parameter shards and its batch.
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     before = sum(t.untyped_storage().nbytes() for t in shards) + idx.untyped_storage().nbytes()
     with remat.track() as tracker:
         for step in range(args.steps):
-            out = model(idx)
-            loss = out.sum()
-            loss.backward()
-            del out, loss
+            with remat.track() as forward_backward:  # what the step itself adds, as the budget counts it
+                out = model(idx)
+                loss = out.sum()
+                loss.backward()
+                del out, loss
             optimizer.step()
             optimizer.zero_grad()
             if rank == 0:
                 print(f"step {step} done", flush=True)
     measured = before + tracker.peak_bytes
+    if fitted is not None:
+        plan += f", forward+backward took {forward_backward.peak_bytes / MiB:.2f} MiB)"
     for r in range(world):
         if r == rank:
             print(f"rank {rank}/{world} config {args.config}: estimated peak {estimated / MiB:.2f} MiB, "
