@@ -77,13 +77,15 @@ def mesh_size(model: nn.Module) -> int | None:
 
 
 def _settings(module: nn.Module) -> Sharding:
+    # torch-compat: FSDP2's private state (fully_shard.state(m)._fsdp_param_group.post_forward_mesh_info,
+    # ._auto_reshard_after_forward, .mp_policy); without them the module is re-sharded with fully_shard's defaults.
     from torch.distributed.fsdp import fully_shard
 
     state = fully_shard.state(module)  # type: ignore[attr-defined]
     group = getattr(state, "_fsdp_param_group", None)
     reshard: bool | None = None
     if group is not None and not getattr(state, "_auto_reshard_after_forward", False):
-        reshard = group.post_forward_mesh_info is not None
+        reshard = getattr(group, "post_forward_mesh_info", None) is not None
     policy = getattr(group, "mp_policy", None) if group is not None else getattr(state, "_mp_policy", None)
     return Sharding(reshard, policy)
 
@@ -105,6 +107,8 @@ def shadow(model: nn.Module) -> tuple[nn.Module, dict[nn.Module, Sharding]]:
     Returns the shadow root and, for each shadow module the user had ``fully_shard``-ed, its settings.
     """
     fsdp = _fsdp_module()
+    # torch-compat: torch.distributed._composable.contract's STATE_KEY/REGISTRY_KEY, the module attributes where
+    # fully_shard keeps its state; needed to take FSDP out of the copy.
     _contract = importlib.import_module("torch.distributed._composable.contract")
 
     private = {_contract.STATE_KEY, _contract.REGISTRY_KEY}
@@ -169,6 +173,8 @@ def fake_world(world_size: int, device: torch.device) -> Iterator[Any]:
             "the estimate needs no other rank."
         )
     from torch.distributed.device_mesh import init_device_mesh
+
+    # torch-compat: torch.testing._internal.distributed.fake_pg registers the "fake" backend and its FakeStore.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

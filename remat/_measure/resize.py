@@ -30,7 +30,9 @@ class Watcher(Protocol):
 
 _LOCK = threading.Lock()
 _WATCHERS: list[Watcher] = []
-_ORIGINAL = torch._C.StorageBase.resize_  # type: ignore[attr-defined]  # the C method UntypedStorage inherits
+# torch-compat: torch._C.StorageBase.resize_, the C method UntypedStorage inherits; torch has had it since storages
+# were untyped (1.13). Without it this module would fail to import, not silently miscount.
+_ORIGINAL = torch._C.StorageBase.resize_  # type: ignore[attr-defined]
 
 
 def _resize(self: torch.UntypedStorage, size: int) -> Any:

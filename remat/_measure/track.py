@@ -72,7 +72,7 @@ def _tensors(obj: object) -> Iterator[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    inner = getattr(t, "_local_tensor", None)  # a DTensor: its bytes are its local shard's
+    inner = getattr(t, "_local_tensor", None)  # a DTensor (torch-compat: its private _local_tensor): the local shard
     if isinstance(inner, torch.Tensor):
         t = inner
     if t.is_meta:
