@@ -7,13 +7,14 @@ a configuration for a while ]); `_plan.estimate` runs the step on fake tensors a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _targets
+from . import _sharded, _targets
 from ._fit import apply_budget
 from ._options import Options
 from ._plan.chain import parse_budget
@@ -126,6 +127,8 @@ def estimate(
     configs: Sequence[Any] | None = None,
     where: _Where | None = None,
     device: str | torch.device | None = None,
+    world_size: int | None = None,
+    shard: str | None = None,
 ) -> EstimateReport:
     """Predict the memory of one training step of `model` on `sample`, per remat configuration, without running it.
 
@@ -152,6 +155,11 @@ def estimate(
         where: which blocks the configurations rematerialize, as for `remat.apply`.
         device: the device to predict for; default: the model's, else the sample's, else the CPU. On CUDA the
             peak predicts `torch.cuda.max_memory_allocated` (tensors rounded up to 512-byte blocks).
+        world_size: predict one rank of a data-parallel run of this many ranks: for a model the user
+            `fully_shard`-ed (default: its mesh's size), or with `shard="fsdp2"`. Runs in this process on torch's
+            fake process group; the sample is one rank's batch. See "Many GPUs" in the README.
+        shard: "fsdp2": estimate a plain model as if `fully_shard` were applied to each block `remat.apply`
+            picks (or `where`) and to the root, on `world_size` ranks.
 
     Returns:
         An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
@@ -183,6 +191,34 @@ def estimate(
         configs = DEFAULT_CONFIGS
     if isinstance(configs, (str, Policy)) or not isinstance(configs, Sequence):
         configs = (configs,)
-    resolved = [_configured(model, config, where) for config in configs]
     target = resolve_device(model, sample, device)
+    if world_size is not None or shard is not None or _sharded.is_sharded(model):
+        return _per_rank(model, sample, loss, optimizer, configs, where, target, world_size, shard)
+    resolved = [_configured(model, config, where) for config in configs]
     return predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target)
+
+
+def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None, optimizer: OptimizerLike,
+              configs: Sequence[Any], where: _Where | None, target: torch.device, world_size: int | None,
+              shard: str | None) -> EstimateReport:
+    """One rank's estimate, on a sharded shadow of the model: NOTE [ Estimating one rank of FSDP2 ]."""
+    if shard not in (None, "fsdp2"):
+        raise ValueError(f"remat: estimate's `shard` must be None or 'fsdp2', but got {shard!r}.")
+    size = world_size if world_size is not None else _sharded.mesh_size(model)
+    if size is None or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"remat: estimate's `world_size` must be a positive int, but got {size!r}.")
+    copy, settings = _sharded.shadow(model)
+    if shard == "fsdp2":
+        for _, block in _targets._select(copy, where):
+            settings.setdefault(block, _sharded.Sharding(None, None))
+        settings.setdefault(copy, _sharded.Sharding(None, None))
+    resolved = [_configured(copy, config, where) for config in configs]
+    with _sharded.fake_world(size, target) as mesh:
+
+        def prepare() -> list[torch.Tensor]:
+            _sharded.shard(copy, settings, mesh)
+            return list(copy.parameters())
+
+        report = predict(copy, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
+                         prepare=prepare)
+    return dataclasses.replace(report, model=type(model).__qualname__)

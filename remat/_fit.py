@@ -28,6 +28,7 @@ from ._measure.loss import default_loss
 from ._measure.profile import profile_blocks
 from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, solve_budget
+from ._plan.ranks import from_rank_zero
 from ._plan.units import Budget, parse_budget
 from ._policies import PolicyLike, as_policy, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
@@ -131,7 +132,7 @@ class _Budget:
                 cost: ModelCost = profile_blocks(
                     model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c), derived
                 )
-            plan = solve_budget(cost, self.budget)
+            plan = from_rank_zero(solve_budget(cost, self.budget))  # NOTE [ The same plan on every rank ]
         except BaseException:
             for i in range(len(blocks)):  # back to the previous choices, or to none
                 if previous is None:

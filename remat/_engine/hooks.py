@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from .._errors import BUG, RecomputeMismatchError, RematError
-from . import recording as _recording
 from .._torch_compat import graph_exec_group, graph_task_id, top_saved_hooks
+from . import recording as _recording
 from . import stats as _stats
 from .debug import side_by_side
 from .transfer import Parcel, Stay

@@ -39,6 +39,7 @@ __all__ = [
     "fake_mode",
     "fake_sample",
     "fake_state",
+    "local",
     "storage_bytes",
 ]
 
@@ -73,11 +74,30 @@ class FakeTracker(Tracker):
     (4096, (device(type='cuda', index=0),))
     """
 
+    _claimed: torch.device | None = None
+
     def _place(self, t: torch.Tensor, st: torch.UntypedStorage) -> tuple[torch.device, int]:
         device = t.device
         if device.type == "cpu":
             device = torch.device("cpu")
+        self._claimed = device
         return device, allocator_bytes(st.nbytes(), device)
+
+    def _storage_device(self, st: torch.UntypedStorage) -> torch.device:
+        # A resized fake storage (FSDP's unsharded parameters) has no tensor at hand: it counts on the device
+        # the fake tensors seen so far claim.
+        if st.device.type == "meta" and self._claimed is not None:
+            return self._claimed
+        return super()._storage_device(st)
+
+    def _storage_bytes(self, st: torch.UntypedStorage) -> int:
+        return allocator_bytes(st.nbytes(), self._storage_device(st))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this rank: a `DTensor`'s local shard, else ``t``."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
 
 
 def fake_mode() -> FakeTensorMode:
@@ -104,6 +124,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None =
     for t in tensors:
         if device is not None and t.device != device:
             continue
+        t = local(t)
         st = t.untyped_storage()
         if st._cdata not in seen:
             seen.add(st._cdata)

@@ -25,11 +25,11 @@ from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
 from .._format import format_bytes
 from .._switch import enabled
+from .._torch_compat import tree_leaves
+from .loss import default_loss
 from .report import Measurement as Measurement
 from .report import Report as Report
 from .report import format_seconds as format_seconds
-from .._torch_compat import tree_leaves
-from .loss import default_loss
 from .track import synchronize as _sync
 from .track import track
 

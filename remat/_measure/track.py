@@ -42,6 +42,7 @@ import torch
 
 from .._engine.modes import Mode
 from .._torch_compat import OpOverload
+from . import resize
 
 __all__ = ["Tracker", "synchronize", "track"]
 
@@ -72,6 +73,9 @@ def _tensors(obj: object) -> Iterator[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    inner = getattr(t, "_local_tensor", None)  # a DTensor (torch-compat: its private _local_tensor): the local shard
+    if isinstance(inner, torch.Tensor):
+        t = inner
     if t.is_meta:
         return None
     try:
@@ -147,6 +151,7 @@ class Tracker:
             raise RuntimeError("remat: a Tracker can be entered only once; call remat.track() again instead.")
         self._mode = _Mode(self)  # guarded once dynamo is in use: NOTE [ Modes without the dynamo guard ]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
+        resize.watch(self)  # NOTE [ Resized storages ] in resize.py
         return self
 
     def __exit__(
@@ -157,6 +162,7 @@ class Tracker:
     ) -> None:
         mode, self._mode = self._mode, None
         self._done = True
+        resize.unwatch(self)
         try:
             if mode is not None:
                 mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
@@ -311,6 +317,32 @@ class Tracker:
             if entry is not None:
                 self._live[key] = (entry[0], nbytes, entry[2])
                 self._account(entry[0], nbytes - entry[1])
+
+    def _resized(self, st: torch.UntypedStorage, old: int, new: int) -> None:
+        """A storage changed size outside the dispatcher (``untyped_storage().resize_``): NOTE [ Resized storages ].
+
+        A counted storage is re-counted at its new size; one not counted that grows from nothing (FSDP's
+        unsharded parameters, freed before the block) is counted from now on, as a new allocation.
+        """
+        key = st._cdata
+        if key in self._live:
+            self._resize(key, self._storage_bytes(st))
+        elif old == 0:
+            device = self._storage_device(st)
+            ref = weakref.ref(st, functools.partial(self._release, key))
+            with self._lock:
+                nbytes = self._storage_bytes(st)
+                self._live[key] = (device, nbytes, ref)
+                self._account(device, nbytes)
+
+    def _storage_device(self, st: torch.UntypedStorage) -> torch.device:
+        """The device a storage met without a tensor counts on."""
+        device = st.device
+        return torch.device("cpu") if device.type == "cpu" else device
+
+    def _storage_bytes(self, st: torch.UntypedStorage) -> int:
+        """The bytes a storage counts for (a subclass may round up to allocator blocks)."""
+        return st.nbytes()
 
     def _release(self, key: int, ref: object = None) -> None:
         with self._lock:

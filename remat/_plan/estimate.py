@@ -187,13 +187,20 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
 
 
 def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
-            optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device) -> EstimateReport:
-    """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes."""
+            optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
+            prepare: Callable[[], list[torch.Tensor]] | None = None) -> EstimateReport:
+    """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes.
+
+    ``prepare``, if given, runs once the model holds fake parameters (``fully_shard`` for a per-rank estimate)
+    and returns the parameters the step trains.
+    """
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
     made: torch.optim.Optimizer | None = None
     try:
         with fake_mode(), fake_state(model, device) as params, torch.enable_grad():
+            if prepare is not None:
+                params = prepare()
             buffers = list(model.buffers())
             args = fake_sample(sample, device)
             inputs = _tensors(args)

@@ -321,8 +321,14 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="device to predict for (default cpu; cuda works "
                         "without a GPU: it predicts torch.cuda.max_memory_allocated)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
+    parser.add_argument("--world-size", type=int, help="predict one rank of this many data-parallel ranks")
+    parser.add_argument("--shard", choices=["fsdp2"], help="with --world-size: as if fully_shard were applied to "
+                        "each block and the root (FSDP2)")
     args = parser.parse_args(list(argv))
     optimizer = None if args.optimizer == "none" else args.optimizer
+    ranks: dict[str, Any] = {"world_size": args.world_size, "shard": args.shard} if args.world_size else {}
+    if args.shard and not args.world_size:
+        parser.error("--shard goes with --world-size")
     if args.hf:
         cases = [hf_case(args.hf, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                          batch=args.batch, dtype=DTYPES[args.dtype])]
@@ -335,12 +341,12 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
         configs: tuple[Any, ...] = tuple(DEFAULT_CONFIGS)
         try:
             report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
-                                    configs=configs, device=args.device)
+                                    configs=configs, device=args.device, **ranks)
             unfit = ""
         except remat.BudgetError as e:  # the budget row does not fit this model: the other rows still tell
             configs = tuple(config for config in configs if isinstance(config, str))
             report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
-                                    configs=configs, device=args.device)
+                                    configs=configs, device=args.device, **ranks)
             unfit = str(e)
         print(f"{case.name}: estimated in {time.perf_counter() - start:.1f} s", file=out)
         print(report, file=out)
