@@ -122,7 +122,8 @@ def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Budge
         raise BudgetError(
             f"remat: no choice per block of these {len(cost)} blocks fits a budget of {asked} "
             f"({format_bytes(nbytes)}) under the profile; the smallest feasible budget is {least} bytes "
-            f"({format_bytes(least)}). Raise the budget to at least that, or add choices that keep less."
+            f"({format_bytes(least)}). Raise the budget to at least that, or add choices that keep less.",
+            least_bytes=least,
         )
     found = solve_blocks(cost, nbytes, slots=slots)
     candidates = [found[0]] if found is not None else []

@@ -122,7 +122,8 @@ def _bench(
         try:
             remat.apply(model, budget=row.budget, sample=batch[0], loss=_loss_fn(model, batch))
         except remat.BudgetError as e:
-            row.note = str(e).split(";")[1].strip().split(".")[0] if ";" in str(e) else "infeasible"
+            least = e.least_bytes
+            row.note = "infeasible" if least is None else f"smallest feasible budget is {_mib(least)} MiB"
             continue
         row.plan_seconds = time.perf_counter() - start
         plan = remat.plan(model).budget
