@@ -11,9 +11,9 @@ over the budget, the plan is solved again on the same profile for the budget les
 (measured minus predicted, taken as bytes the model does not see), and checked again, at most `CHECKS` steps in
 all. A budget below the least predicted peak is not refused on the prediction alone: the choice that holds least
 is checked, and kept if it measures within the budget. Where nothing the profile offers fits the corrected
-budget, the choice that holds least is checked, and if even that measures over the slack, `BudgetError` names
-its measured peak as the least budget. Planning is then the profile's tracked step (one, where choices are
-derived) and usually one checked step.
+budget, full remat of every block (where the profile has it; else the choice predicted to hold least) is checked,
+and if even that measures over the slack, `BudgetError` names its measured peak as the least budget. Planning is
+then the profile's tracked step (one, where choices are derived) and usually one checked step.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 from ._engine.rng import RngStash, devices_of
 from ._errors import BudgetError
 from ._measure.track import Tracker
+from ._plan.blocks_dp import evaluate_blocks
 from ._plan.budget import BudgetPlan, least_plan, solve_budget
 from ._plan.units import format_bytes
 
@@ -71,7 +72,14 @@ def _corrected(plan: BudgetPlan, measured: int) -> BudgetPlan | None:
 
 
 def _least(plan: BudgetPlan) -> BudgetPlan:
-    return least_plan(plan.cost, plan.budget)
+    """Full remat of every block where the profile has it (what the promise is measured against), else the
+    choice per block the profile predicts to hold least."""
+    least = least_plan(plan.cost, plan.budget)
+    if "full" in plan.cost.choices and all(row[plan.cost.choices.index("full")] for row in plan.cost.blocks):
+        full = plan.cost.choices.index("full")
+        peak, time = evaluate_blocks(plan.cost, [full] * len(plan.cost))
+        return dataclasses.replace(least, choice=(full,) * len(plan.cost), peak_bytes=peak, step_time=time)
+    return least
 
 
 def check_plan(

