@@ -26,6 +26,7 @@ from torch import nn
 
 from ._engine.rng import RngStash, devices_of
 from ._errors import BudgetError
+from ._measure.state import step_state
 from ._measure.track import Tracker
 from ._plan.blocks_dp import evaluate_blocks
 from ._plan.budget import BudgetPlan, least_plan, solve_budget
@@ -40,21 +41,10 @@ SLACK = 1.05
 def measure_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> int:
     """The tracked peak of one training step (forward and backward), the model left as it was found."""
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)  # accumulate in place: gradients are outside the budget
-        with RngStash.capture(devices_of(params, module=model)).restore(), Tracker() as tracker:
-            loss = step()
-            torch.autograd.backward(loss)
-            del loss
-    finally:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+    with step_state(model), RngStash.capture(devices_of(params, module=model)).restore(), Tracker() as tracker:
+        loss = step()
+        torch.autograd.backward(loss)
+        del loss
     return tracker.peak_bytes
 
 
