@@ -10,7 +10,8 @@ choice is put on it with the same hooks `remat(module)` uses (none for "kept"), 
 `state_dict` (no key changes) and `deepcopy` treat a budgeted model like any other. When the model is called in
 training with gradients on and a new input signature (and `replan=True`), the hook profiles one step on
 (detached copies of) those inputs and re-plans before the forward goes on; the profile's own calls of the
-model pass through the hook untouched. A failed re-plan (BudgetError) puts the previous choices back.
+model pass through the hook untouched. A plan is checked on one more real tracked step before it is kept
+(NOTE [ Checking the plan ] in remat/_fit_check.py). A failed re-plan (BudgetError) puts the previous choices back.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ._errors import BudgetError
+from ._fit_check import check_plan, measure_step
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE
 from ._measure.loss import default_loss
 from ._measure.profile import profile_blocks
 from ._options import Options, Strategy
-from ._plan.budget import BudgetPlan, solve_budget
-from ._plan.ranks import from_rank_zero
+from ._plan.budget import BudgetPlan, least_plan, solve_budget
+from ._plan.ranks import from_rank_zero, max_over_ranks
 from ._plan.units import Budget, parse_budget
 from ._policies import PolicyLike, as_policy, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
@@ -108,6 +111,11 @@ class _Budget:
         if policy != _KEPT:
             wrap_module(block, Options(policy=policy, **self.options), model)  # type: ignore[arg-type]
 
+    def place(self, model: nn.Module, plan: BudgetPlan) -> None:
+        """Put `plan`'s choices on the blocks."""
+        for i, c in enumerate(plan.choice):
+            self.assign(model, i, c)
+
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BudgetPlan:
         """Profile one step on these inputs, solve, and put the chosen options on the blocks."""
         args, kwargs = _detached(args), _detached(kwargs)
@@ -132,7 +140,14 @@ class _Budget:
                 cost: ModelCost = profile_blocks(
                     model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c), derived
                 )
-            plan = from_rank_zero(solve_budget(cost, self.budget))  # NOTE [ The same plan on every rank ]
+            try:
+                plan = solve_budget(cost, self.budget)
+            except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
+                plan = least_plan(cost, self.budget)
+            plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
+            self.place(model, plan)
+            with torch.enable_grad():
+                plan = check_plan(plan, lambda: max_over_ranks(measure_step(model, step)), lambda p: self.place(model, p))
         except BaseException:
             for i in range(len(blocks)):  # back to the previous choices, or to none
                 if previous is None:
@@ -142,8 +157,6 @@ class _Budget:
             raise
         finally:
             self.busy = False
-        for i, c in enumerate(plan.choice):
-            self.assign(model, i, c)
         self.budget_plan = plan
         self.signature = _signature(args, kwargs)
         return plan

@@ -120,8 +120,9 @@ def test_toy_chain_matches_rotor_reference(memory: int, makespan: float) -> None
 def test_toy_chain_below_smallest_budget_raises_budget_error() -> None:
     assert smallest_budget(TOY, input_bytes=1) == 6
     for memory in (4, 5):
-        with pytest.raises(BudgetError, match=r"^remat: .*smallest feasible budget is 6 bytes"):
+        with pytest.raises(BudgetError, match=r"^remat: .*smallest feasible budget is 6 bytes") as info:
             solve(TOY, memory, input_bytes=1)
+        assert info.value.least_bytes == 6
     assert _solve_dp(TOY, 4, 1, 4) is None
 
 

@@ -46,6 +46,7 @@ from .alone import describe, time_alone
 from .combine import Round, combine
 from .costs import ModelCost
 from .derive import Kept, mode_overhead
+from .state import step_state
 from .track import _storage, synchronize
 from .windows import Detail, Windows, per_op_overhead
 
@@ -305,38 +306,27 @@ def profile_blocks(
         raise ValueError("remat: derived choices need choice 0 (kept) to be run.")
     rounds = _rounds(blocks, run)
     params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     devices = devices_of(params, module=model)
     apart = any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
     samples = {} if apart else _samples(blocks, rounds, len(run))
     alone: dict[int, tuple[float, float]] = {}
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)  # accumulate in place: gradients are outside the budget
-        with RngStash.capture(devices).restore():
-            tracked: list[_Recorder] = []
-            timed: list[_Recorder] = []
-            for assignment in rounds:
-                for i, c in enumerate(assignment):
-                    assign(i, c)
-                here = {b for r, b in samples.values() if r == len(tracked)}
-                kept = [i for i, c in enumerate(assignment) if c == 0] if derived else []
-                tracked.append(_run(step, blocks, True, not apart, devices, here, kept))
-                timed.append(_run(step, blocks, False, True, devices) if apart else tracked[-1])
-            for choice, (r, sample) in samples.items():
-                assign(sample, choice)
-                try:
-                    alone[choice] = time_alone(blocks[sample], tracked[r].specs[sample], devices)
-                except Exception:  # only a refinement: NOTE [ Timing under the tracker ]
-                    alone.clear()
-                    break
-    finally:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+    with step_state(model), RngStash.capture(devices).restore():  # gradients are outside the budget
+        tracked: list[_Recorder] = []
+        timed: list[_Recorder] = []
+        for assignment in rounds:
+            for i, c in enumerate(assignment):
+                assign(i, c)
+            here = {b for r, b in samples.values() if r == len(tracked)}
+            kept = [i for i, c in enumerate(assignment) if c == 0] if derived else []
+            tracked.append(_run(step, blocks, True, not apart, devices, here, kept))
+            timed.append(_run(step, blocks, False, True, devices) if apart else tracked[-1])
+        for choice, (r, sample) in samples.items():
+            assign(sample, choice)
+            try:
+                alone[choice] = time_alone(blocks[sample], tracked[r].specs[sample], devices)
+            except Exception:  # only a refinement: NOTE [ Timing under the tracker ]
+                alone.clear()
+                break
     if derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked):
         return profile_blocks(model, names, blocks, choices, step, assign)  # NOTE [ Deriving choices ]: run them
     sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None

@@ -23,7 +23,7 @@ from .._measure.costs import BlockCost, ModelCost
 from .blocks_dp import evaluate_blocks, least_budget_blocks, solve_blocks
 from .units import Budget, format_bytes, parse_budget
 
-__all__ = ["BudgetPlan", "resolve_budget", "solve_budget"]
+__all__ = ["BudgetPlan", "least_plan", "resolve_budget", "solve_budget"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class BudgetPlan:
         peak_bytes, step_time: the plan's predicted peak (bytes) and step time (seconds).
         no_remat, full_remat: `(peak_bytes, step_time)` of every block kept, and of every block fully
             rematerialized (None when a choice is missing from the profile).
+        measured: the tracked peak of one real training step with this plan (None where none ran; see
+            NOTE [ Checking the plan ] in remat/_fit_check.py).
+        missed: bytes a measured step of an earlier plan held beyond its prediction, which `peak_bytes` includes
+            (0 unless the plan corrects one that went over its budget).
     """
 
     cost: ModelCost
@@ -46,6 +50,8 @@ class BudgetPlan:
     step_time: float
     no_remat: tuple[int, float] | None
     full_remat: tuple[int, float] | None
+    measured: int | None = None
+    missed: int = 0
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -67,6 +73,12 @@ class BudgetPlan:
             f"predicted peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget)}), "
             f"step {self.step_time * 1e3:.1f} ms"
         ]
+        if self.measured is not None:
+            lines.append(f"measured peak of one real step {format_bytes(self.measured)} "
+                         f"({self.measured / self.budget:.2f} of the budget)")
+        if self.missed:
+            lines.append(f"re-planned after a measured step went over the budget: the prediction counts "
+                         f"{format_bytes(self.missed)} it had missed")
         for label, figures in (("no remat", self.no_remat), ("full remat", self.full_remat)):
             if figures is not None:
                 lines.append(f"{label}: peak {format_bytes(figures[0])}, step {figures[1] * 1e3:.1f} ms")
@@ -122,7 +134,8 @@ def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Budge
         raise BudgetError(
             f"remat: no choice per block of these {len(cost)} blocks fits a budget of {asked} "
             f"({format_bytes(nbytes)}) under the profile; the smallest feasible budget is {least} bytes "
-            f"({format_bytes(least)}). Raise the budget to at least that, or add choices that keep less."
+            f"({format_bytes(least)}). Raise the budget to at least that, or add choices that keep less.",
+            least_bytes=least,
         )
     found = solve_blocks(cost, nbytes, slots=slots)
     candidates = [found[0]] if found is not None else []
@@ -134,3 +147,11 @@ def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Budge
     fits = [(time, peak, ch) for (peak, time), ch in scored if peak <= nbytes]
     time, peak, choice = min(fits, key=lambda item: item[0])  # min keeps the first of equals: the DP's
     return BudgetPlan(cost, tuple(choice), nbytes, peak, time, _uniform(cost, "kept"), _uniform(cost, "full"))
+
+
+def least_plan(cost: ModelCost, budget: Budget) -> BudgetPlan:
+    """The choice per block with the least predicted peak, under `budget` (which it may not fit)."""
+    choice = least_budget_blocks(cost)[1]
+    peak, time = evaluate_blocks(cost, choice)
+    return BudgetPlan(cost, choice, resolve_budget(budget, cost), peak, time, _uniform(cost, "kept"),
+                      _uniform(cost, "full"))

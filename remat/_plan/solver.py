@@ -274,7 +274,8 @@ def solve(stages: Sequence[StageCost], budget: int, *, input_bytes: int, slots: 
         raise BudgetError(
             f"remat: no schedule of this chain of {len(stages)} stages fits a budget of {budget} "
             f"bytes ({format_bytes(budget)}); the smallest feasible budget is {least} bytes "
-            f"({format_bytes(least)}). Raise the budget to at least that."
+            f"({format_bytes(least)}). Raise the budget to at least that.",
+            least_bytes=least,
         )
     found = _solve_dp(stages, budget, input_bytes, slots) if budget > 0 else None
     candidates: list[Plan] = []

@@ -1,6 +1,8 @@
 """`python -m remat --model budget`: `remat.apply(model, budget=...)` against uniform configurations and
 `torch.compile`'s `activation_memory_budget`.
 
+First the sweep of remat/bench/budget_sweep.py over seven workloads (`--quick`: two of them, three fractions).
+
 On the GPT-like stack, for each budget fraction f of no remat's measured activation peak: our plan's predicted
 and measured peak, its predicted and measured step time, the fastest uniform configuration (every-N full remat,
 save_matmuls on every N blocks, no remat) that fits the same budget, all measured in this run with the same
@@ -30,9 +32,12 @@ import remat
 from .._format import aligned
 from .._format import ratio as _ratio
 from .budget_compile import compile_column
+from .budget_sweep import FRACTIONS as SWEEP_FRACTIONS
+from .budget_sweep import QUICK, QUICK_FRACTIONS, format_sweep, sweep
 from .convnets import CONVNET_SIZES, ConvNet
 from .models import GPT, GPT_SIZES, BenchModel
 from .table import PLOT_MISSING
+from .workloads import WORKLOADS
 
 __all__ = ["FRACTIONS", "main", "run"]
 
@@ -124,7 +129,8 @@ def _bench(
         try:
             remat.apply(model, budget=row.budget, sample=batch[0], loss=_loss_fn(model, batch))
         except remat.BudgetError as e:
-            row.note = str(e).split(";")[1].strip().split(".")[0] if ";" in str(e) else "infeasible"
+            least = e.least_bytes
+            row.note = "infeasible" if least is None else f"smallest feasible budget is {_mib(least)} MiB"
             continue
         row.plan_seconds = time.perf_counter() - start
         plan = remat.plan(model).budget
@@ -279,11 +285,20 @@ def plot(rows: Sequence[Row], theirs: dict[float, dict[str, Any]], path: str) ->
 
 
 def main(size: str, repeats: int, plot_path: str | None, progress: Callable[[str], None], out: TextIO,
-         compiled: bool = True) -> int:
-    """Run and print the budget benchmark (`python -m remat --model budget`); 2 when `--plot` cannot be drawn."""
+         compiled: bool = True, quick: bool = False) -> int:
+    """Run and print the budget benchmark (`python -m remat --model budget`): the seven workloads' sweep, then the
+    GPT-like stack and convnet against uniform configurations and torch.compile (not with `quick`: a subset of
+    the sweep only). 2 when `--plot` cannot be drawn; 1 when a plan went over its budget or was refused falsely."""
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         print(PLOT_MISSING, file=sys.stderr)
         return 2
+    names, fractions = (QUICK, QUICK_FRACTIONS) if quick else (tuple(WORKLOADS), SWEEP_FRACTIONS)
+    text, kept = format_sweep(sweep(names, fractions, 1 if quick else repeats, progress))
+    print("remat.apply(model, budget=f * no remat's measured peak, sample=...): one real tracked step per plan; "
+          "vs uniform: step time over the fastest uniform configuration whose measured peak fits", file=out)
+    print(text, file=out, flush=True)
+    if quick:
+        return 0 if kept else 1
     rows, _ = run(size, repeats, compiled=False, progress=progress)
     print(format_table(rows, {}), file=out, flush=True)  # ours first: compiling takes a few minutes
     theirs: dict[float, dict[str, Any]] = {}
@@ -293,4 +308,4 @@ def main(size: str, repeats: int, plot_path: str | None, progress: Callable[[str
     if plot_path:
         plot(rows, theirs, plot_path)
         print(f"\nwrote {plot_path}", file=out)
-    return 0
+    return 0 if kept else 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -47,12 +46,12 @@ def bench_chain(
         try:
             built = remat.chain(list(model.blocks), budget=CHAIN_BUDGET, sample=sample)
         except remat.BudgetError as e:
-            smallest = re.search(r"smallest feasible budget is (\d+) bytes", str(e))
+            smallest = e.least_bytes
             if smallest is None:
                 raise
-            built = remat.chain(list(model.blocks), budget=int(smallest.group(1)), sample=sample)
+            built = remat.chain(list(model.blocks), budget=smallest, sample=sample)
             note = (f"BUDGET MOVED: {CHAIN_BUDGET:.0%} is below the smallest feasible budget; ran at "
-                    f"{format_bytes(int(smallest.group(1)))}")
+                    f"{format_bytes(smallest)}")
         model.stack = built
         chains.append(built)
         return note

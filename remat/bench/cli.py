@@ -149,6 +149,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     parser.add_argument("--check", action="store_true", help="for remat's developers: exit with status 1 when a "
                         "target does not hold in this run (a row that fails exits with status 1 in any case)")
+    parser.add_argument("--quick", action="store_true", help="with --model budget: a two-model subset of the sweep")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -170,7 +171,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     if args.model == "budget":  # its own table: see remat/bench/budget.py
         from . import budget
 
-        return budget.main(args.size, args.repeats, args.plot, progress, out)
+        return budget.main(args.size, args.repeats, args.plot, progress, out, quick=args.quick)
     if args.model == "estimate":
         from .estimate import compare_main
 

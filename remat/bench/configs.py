@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -122,10 +121,10 @@ def _chain_blocks(model: BenchModel) -> str | None:
     try:
         model.stack = remat.chain(list(model.blocks), budget=0.5, sample=sample)
     except remat.BudgetError as e:
-        smallest = re.search(r"smallest feasible budget is (\d+) bytes", str(e))
+        smallest = e.least_bytes
         if smallest is None:
             raise
-        budget = int(smallest.group(1))
+        budget = smallest
         model.stack = remat.chain(list(model.blocks), budget=budget, sample=sample)
         return f"50% is below the smallest budget; ran at that, {format_bytes(budget)}"
     return None

@@ -1,0 +1,118 @@
+"""A budget's plan is checked on one real tracked step before it is returned, and corrected if it went over.
+
+NOTE [ Checking the plan ]
+A plan's peak is a prediction (NOTE [ Budget model ] in remat/_measure/costs.py); the promise is about the real
+step: a returned plan's measured peak is at most the budget (with 5% of slack), or `BudgetError` says the least
+budget that can be met. So once the plan is on the blocks, `remat.apply(model, budget=...)` (and every re-plan)
+runs one more training step on the sample under `remat.track()`, leaving the model as it found it (gradients,
+buffers, RNG streams), as the profile does. Its peak, above what was live before the step with the gradients
+already there, is the quantity the budget refers to; `remat.plan(model)` shows it beside the prediction. If it is
+over the budget, the plan is solved again on the same profile for the budget less what the prediction missed
+(measured minus predicted, taken as bytes the model does not see), and checked again, at most `CHECKS` steps in
+all. A budget below the least predicted peak is not refused on the prediction alone: the choice that holds least
+is checked, and kept if it measures within the budget. Where nothing the profile offers fits the corrected
+budget, full remat of every block (where the profile has it; else the choice predicted to hold least) is checked,
+and if even that measures over the slack, `BudgetError` names its measured peak as the least budget. Planning is
+then the profile's tracked step (one, where choices are derived) and usually one checked step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ._engine.rng import RngStash, devices_of
+from ._errors import BudgetError
+from ._measure.state import step_state
+from ._measure.track import Tracker
+from ._plan.blocks_dp import evaluate_blocks
+from ._plan.budget import BudgetPlan, least_plan, solve_budget
+from ._plan.units import format_bytes
+
+__all__ = ["CHECKS", "SLACK", "check_plan"]
+
+CHECKS = 3
+SLACK = 1.05
+
+
+def measure_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> int:
+    """The tracked peak of one training step (forward and backward), the model left as it was found."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with step_state(model), RngStash.capture(devices_of(params, module=model)).restore(), Tracker() as tracker:
+        loss = step()
+        torch.autograd.backward(loss)
+        del loss
+    return tracker.peak_bytes
+
+
+def _corrected(plan: BudgetPlan, measured: int) -> BudgetPlan | None:
+    """The plan for the budget less what `plan`'s prediction missed, or None where none fits that."""
+    missed = plan.missed + max(0, measured - plan.peak_bytes)
+    target = plan.budget - missed
+    try:
+        found = solve_budget(plan.cost, target) if target > 0 else None
+    except BudgetError:
+        found = None
+    if found is None or found.choice == plan.choice:
+        return None
+    return dataclasses.replace(found, budget=plan.budget, peak_bytes=found.peak_bytes + missed, missed=missed)
+
+
+def _least(plan: BudgetPlan) -> BudgetPlan:
+    """Full remat of every block where the profile has it (what the promise is measured against), else the
+    choice per block the profile predicts to hold least."""
+    least = least_plan(plan.cost, plan.budget)
+    if "full" in plan.cost.choices and all(row[plan.cost.choices.index("full")] for row in plan.cost.blocks):
+        full = plan.cost.choices.index("full")
+        peak, time = evaluate_blocks(plan.cost, [full] * len(plan.cost))
+        return dataclasses.replace(least, choice=(full,) * len(plan.cost), peak_bytes=peak, step_time=time)
+    return least
+
+
+def check_plan(
+    plan: BudgetPlan, measure: Callable[[], int], assign: Callable[[BudgetPlan], None]
+) -> BudgetPlan:
+    """Measure `plan` (already assigned) and correct it until a step fits (NOTE [ Checking the plan ]).
+
+    Args:
+        plan: the solved plan, on the blocks.
+        measure: runs one tracked step of the model as it now is and returns its peak.
+        assign: puts a plan's choices on the blocks.
+
+    Raises:
+        BudgetError: even the choice that holds least measured over the budget's slack.
+    """
+    tried: set[tuple[int, ...]] = set()
+    for _ in range(CHECKS):
+        measured = measure()
+        plan = dataclasses.replace(plan, measured=measured)
+        tried.add(plan.choice)
+        if measured <= plan.budget:
+            return plan
+        following = _corrected(plan, measured)
+        if following is None or following.choice in tried:
+            least = _least(plan)
+            if least.choice in tried:
+                break
+            following = least
+        assign(following)
+        plan = following
+    if plan.measured is not None and plan.measured <= plan.budget * SLACK:
+        return plan
+    least = _least(plan)
+    if least.choice != plan.choice:
+        assign(least)
+        floor = measure()
+    else:
+        floor = plan.measured if plan.measured is not None else measure()
+    if floor <= plan.budget * SLACK:
+        return dataclasses.replace(least, measured=floor)
+    raise BudgetError(
+        f"remat: no choice per block of these {len(plan.cost)} blocks fits a budget of {plan.budget} bytes "
+        f"({format_bytes(plan.budget)}) in a real step: the one that holds least measured {floor} bytes "
+        f"({format_bytes(floor)}); the smallest feasible budget is {floor} bytes. Raise the budget to at least that.",
+        least_bytes=floor,
+    )

@@ -1,0 +1,176 @@
+"""The budget sweep: `remat.apply(model, budget=f * no remat's peak, sample=...)` on seven workloads, f = 0.2..0.9.
+
+Per workload and fraction f: the budget (f times the measured activation peak without remat), the measured peak
+of one real step of the planned model under `remat.track()` over the budget, whether `remat.apply` refused
+(`BudgetError`, with its `least_bytes` against full remat's measured peak: a refusal is false when full remat of
+every block meets the budget), the step time, and the fastest uniform configuration (no remat, full remat or
+`save_matmuls` on every block or every second block) whose measured peak fits the same budget, with the ratio of
+our step to its step. All measured in one run, with the same weights and sample per workload; step times are
+medians of interleaved repeats. The summary line counts overshoots (measured over 1.05 x budget), false
+refusals, and the mean fill (measured / budget) over the plans returned.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import remat
+
+from .workloads import WORKLOADS, Workload, build
+
+__all__ = ["FRACTIONS", "QUICK", "QUICK_FRACTIONS", "SweepRow", "format_sweep", "sweep"]
+
+FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+QUICK = ("gpt2", "convnet")
+QUICK_FRACTIONS = (0.3, 0.5, 0.8)
+OVER = 1.05
+
+
+@dataclass
+class SweepRow:
+    """One workload at one fraction (or a uniform configuration, `fraction` None)."""
+
+    model: str
+    name: str
+    fraction: float | None = None
+    budget: int | None = None
+    peak: int | None = None
+    predicted: int | None = None
+    least: int | None = None
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def step(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+
+def _copy(base: Workload) -> Workload:
+    return Workload(copy.deepcopy(base.model), base.sample, base.loss)
+
+
+def _peak(work: Workload) -> int:
+    for p in work.model.parameters():
+        p.grad = torch.zeros_like(p)  # gradients are outside the activation peak
+    torch.manual_seed(0)
+    with remat.track() as tracker:
+        loss = work.step()
+        torch.autograd.backward(loss)
+        del loss
+    return tracker.peak_bytes
+
+
+def _time(work: Workload) -> float:
+    for p in work.model.parameters():
+        p.grad = None
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    torch.autograd.backward(work.step())
+    return time.perf_counter() - start
+
+
+def _uniform(base: Workload) -> list[tuple[str, Workload]]:
+    out = [("no remat", _copy(base))]
+    for every in (1, 2):
+        out.append((f"full, every {every}", _copy(base)))
+        remat.apply(out[-1][1].model, every=every)
+        out.append((f"save_matmuls, every {every}", _copy(base)))
+        remat.apply(out[-1][1].model, every=every, policy=remat.policies.save_matmuls)
+    return out
+
+
+def sweep_one(
+    name: str, fractions: Sequence[float], repeats: int, progress: Callable[[str], None]
+) -> list[SweepRow]:
+    """The rows of one workload: its uniform configurations, then one per fraction."""
+    base = build(name)
+    rows: list[SweepRow] = []
+    running: list[tuple[SweepRow, Workload]] = []
+    for label, work in _uniform(base):
+        progress(f"{name}: {label}")
+        _time(work)  # warm-up
+        row = SweepRow(name, label, peak=_peak(work))
+        rows.append(row)
+        running.append((row, work))
+    none = rows[0].peak
+    assert none is not None
+    for fraction in fractions:
+        progress(f"{name}: budget {fraction:.0%}")
+        row = SweepRow(name, f"budget {fraction:.0%}", fraction, budget=int(fraction * none))
+        rows.append(row)
+        work = _copy(base)
+        try:
+            remat.apply(work.model, budget=row.budget, sample=base.sample, loss=base.loss)
+        except remat.BudgetError as e:
+            row.least = e.least_bytes
+            continue
+        plan = remat.plan(work.model).budget
+        row.predicted = plan.peak_bytes if plan is not None else None
+        _time(work)  # the first step (the plan checks itself on it)
+        row.peak = _peak(work)
+        running.append((row, work))
+    for _ in range(repeats):
+        for row, work in running:
+            row.times.append(_time(work))
+    return rows
+
+
+def sweep(
+    names: Sequence[str] = tuple(WORKLOADS),
+    fractions: Sequence[float] = FRACTIONS,
+    repeats: int = 3,
+    progress: Callable[[str], None] = lambda message: None,
+) -> list[SweepRow]:
+    """Every workload in `names` at every fraction."""
+    return [row for name in names for row in sweep_one(name, fractions, repeats, progress)]
+
+
+def _full_peak(rows: Sequence[SweepRow]) -> int | None:
+    return next((r.peak for r in rows if r.name == "full, every 1"), None)
+
+
+def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
+    """The sweep as aligned text, and whether it kept the budget's promise (no overshoot, no false refusal)."""
+    lines = [f"{'model':<9} {'f':>4} {'budget MiB':>10} {'meas/budget':>11} {'pred/meas':>9} {'step ms':>8} "
+             f"{'vs uniform':>10}  fastest uniform that fits"]
+    overshoots = false_refusals = 0
+    fills: list[float] = []
+    slower = 0
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model]
+        uniform = [r for r in mine if r.fraction is None]
+        full = _full_peak(mine)
+        for r in (r for r in mine if r.fraction is not None):
+            assert r.budget is not None
+            fits = [u for u in uniform if u.peak is not None and u.peak <= r.budget and u.step is not None]
+            best = min(fits, key=lambda u: u.step or 0.0) if fits else None
+            if r.peak is None:
+                false = full is not None and full <= r.budget
+                false_refusals += false
+                least = "-" if r.least is None else f"{r.least / 2**20:.2f}"
+                note = f"BudgetError, least {least} MiB{' (FALSE REFUSAL)' if false else ''}"
+                lines.append(f"{model:<9} {r.fraction:>4.1f} {r.budget / 2**20:>10.2f} {note}")
+                continue
+            fill = r.peak / r.budget
+            fills.append(fill)
+            overshoots += fill > OVER
+            ratio = (r.step or 0.0) / best.step if best is not None and best.step else None
+            slower += ratio is not None and ratio > 1.0
+            lines.append(
+                f"{model:<9} {r.fraction:>4.1f} {r.budget / 2**20:>10.2f} {fill:>11.3f} "
+                f"{(r.predicted or 0) / r.peak:>9.3f} {(r.step or 0.0) * 1e3:>8.1f} "
+                f"{'-' if ratio is None else f'{ratio:.2f}':>10}  "
+                f"{'none fits' if best is None else f'{best.name} ({(best.step or 0.0) * 1e3:.1f} ms)'}"
+            )
+    mean = statistics.fmean(fills) if fills else 0.0
+    lines.append(
+        f"{len(fills)} plans: {overshoots} over {OVER:.2f} x budget, {false_refusals} false refusals, "
+        f"mean measured/budget {mean:.3f} (target 0.95: {'met' if mean >= 0.95 else 'MISSED'}); {slower} slower "
+        "than the fastest uniform that fits (timing noise included)"
+    )
+    return "\n".join(lines), overshoots == 0 and false_refusals == 0
