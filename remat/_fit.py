@@ -147,7 +147,9 @@ class _Budget:
             plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
             self.place(model, plan)
             with torch.enable_grad():
-                plan = check_plan(plan, lambda: max_over_ranks(measure_step(model, step)), lambda p: self.place(model, p))
+                plan = check_plan(
+                    plan, lambda: max_over_ranks(measure_step(model, step)), lambda p: self.place(model, p)
+                )
         except BaseException:
             for i in range(len(blocks)):  # back to the previous choices, or to none
                 if previous is None:
