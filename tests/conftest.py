@@ -16,7 +16,11 @@ from torch import nn
 
 import remat
 from remat import _targets
+from remat._engine import stats as _stats
 from remat._engine.tree import map_tensors, tensors_in
+
+# The switch as the environment set it (`REMAT=0` runs the whole suite with remat off: see `equivalence` below).
+_SWITCH_AT_START = remat.is_enabled()
 
 
 def randn(*shape: int, requires_grad: bool = False, seed: int = 0) -> torch.Tensor:
@@ -45,7 +49,7 @@ def float64_default() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _no_state_left_behind() -> Iterator[None]:
-    """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch back on."""
+    """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch as it was."""
     assert not hooks_installed(), "a previous test left saved-tensor hooks installed"
     yield
     left_hooks = hooks_installed()
@@ -54,7 +58,7 @@ def _no_state_left_behind() -> Iterator[None]:
     while hooks_installed():
         torch._C._autograd._pop_saved_tensors_default_hooks()
     _targets._open_sites.stack.clear()
-    remat.set_enabled(True)
+    remat.set_enabled(_SWITCH_AT_START)
     assert not left_hooks, "the test left saved-tensor hooks installed"
     assert left_modes == 0, "the test left a dispatch mode on the stack"
     assert not left_sites, "the test left a module site open"
@@ -128,6 +132,7 @@ def assert_same_grads(
     kwargs: dict[str, Any] | None = None,
     seed: int = 0,
     backward: Callable[[torch.Tensor, list[torch.Tensor]], None] | None = None,
+    expect_recompute: bool = True,
 ) -> tuple[Run, Run]:
     """Compare a no-remat run with a remat run of the same model or function, from the same seeds.
 
@@ -141,6 +146,9 @@ def assert_same_grads(
         kwargs: keyword arguments, cloned the same way.
         seed: the seed of the parameters; the call itself runs after `torch.manual_seed(seed + 1)`.
         backward: how to run backward given `(loss, leaves)`; default `loss.backward()`.
+        expect_recompute: the remat run must have recomputed at least once (counted by the engine), so that
+            the comparison proves remat was active; `False` for the few cases where nothing may recompute
+            (nothing saved inside the site, the site switched off, no backward).
 
     Returns:
         The baseline run and the remat run, for further checks.
@@ -149,7 +157,13 @@ def assert_same_grads(
     the CPU RNG state after backward, with `torch.testing.assert_close` at default tolerances.
     """
     base = run_once(make, inputs, lambda target: target, kwargs=kwargs, seed=seed, backward=backward)
+    before = _stats.recomputes
     ours = run_once(make, inputs, variant, kwargs=kwargs, seed=seed, backward=backward)
+    if expect_recompute:
+        assert _stats.recomputes > before, (
+            "remat recomputed nothing: the comparison would pass without remat (pass expect_recompute=False "
+            "where nothing should recompute)"
+        )
     base_out, our_out = tensors_in(base.out, []), tensors_in(ours.out, [])
     assert len(base_out) == len(our_out), "remat changed the number of output tensors"
     for index, (expected, got) in enumerate(zip(base_out, our_out, strict=True)):
