@@ -43,6 +43,7 @@ def test_bare_decorator_on_a_function_matches_baseline() -> None:
     assert_same_grads(lambda: mlp_fn, inputs, remat.remat, kwargs={"scale": 0.5})
 
 
+@pytest.mark.ignores_switch  # enabled=True
 def test_decorator_with_options_on_a_function_matches_baseline() -> None:
     inputs = (X, randn(8, 16, requires_grad=True, seed=1), randn(16, 8, requires_grad=True, seed=2))
     with_options = remat.remat(preserve_rng=False, check=False, name="mlp", enabled=True)
