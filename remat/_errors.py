@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+from torch.utils.checkpoint import CheckpointError
+
 __all__ = ["BudgetError", "RecomputeMismatchError", "RematError", "check_runs_when_called"]
 
 
@@ -11,8 +13,16 @@ class RematError(RuntimeError):
     """Base class of the errors remat raises while running (argument errors are `TypeError`/`ValueError`)."""
 
 
-class RecomputeMismatchError(RematError):
-    """Recompute in backward produced different saved tensors than forward did."""
+class RecomputeMismatchError(RematError, CheckpointError):
+    """Recompute in backward produced different saved tensors than forward did.
+
+    Also a `torch.utils.checkpoint.CheckpointError`, so code written for torch's checkpoint
+    (`except CheckpointError`) catches it; the message opens with torch's words for the same condition.
+
+    >>> import remat, torch.utils.checkpoint
+    >>> issubclass(remat.RecomputeMismatchError, torch.utils.checkpoint.CheckpointError)
+    True
+    """
 
 
 class BudgetError(RematError):

@@ -205,7 +205,7 @@ _RULES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # own
 
 def _cache_rule(kind: type, options: Options, owner: Any) -> Any:
     """The KV-cache rule for a transformers layer class under rerun, else None; see NOTE [ Caches of transformers
-    layers ] in _integrations/transformers.py. One rule per `owner` (a model, a module, a class) for its life, so
+    layers ] in _integrations/transformers.py. One rule per `owner` (a model, a layer class) for its life, so
     that it logs its one line once, however often it is applied (and through every round of a budget's profile)."""
     if options.strategy == "replay" or not comes_from(kind, "transformers"):
         return None
@@ -224,7 +224,9 @@ def wrap_module(module: _M, options: Options, owner: nn.Module | None = None) ->
         return module  # the class is rematerialized already
     _remove_hooks(module)
     site = options.name or type(module).__qualname__
-    adapt = _cache_rule(type(module), options, module if owner is None else owner)
+    # A layer rematerialized alone (`remat(layer)` in a loop over a model's layers) shares its class's rule, so
+    # the loop logs one line, not one per layer.
+    adapt = _cache_rule(type(module), options, type(module) if owner is None else owner)
     module.register_forward_pre_hook(_Open(options, site, adapt), with_kwargs=True)
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module

@@ -7,6 +7,8 @@ gradients of every input and parameter, buffers (BatchNorm statistics) and the R
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +18,55 @@ from torch import nn
 
 import remat
 from remat import _targets
+from remat._engine import stats as _stats
 from remat._engine.tree import map_tensors, tensors_in
+
+# The switch as the environment set it (`REMAT=0` runs the whole suite with remat off: see `equivalence` below).
+_SWITCH_AT_START = remat.is_enabled()
+
+# NOTE [ Equivalence tests must fail without remat ]
+# A test that compares remat with a run without remat proves something only if it fails when remat does nothing.
+# Every test that calls a comparison helper (`assert_same_grads`, or the names a module lists in
+# `EQUIVALENCE_HELPERS`) is marked `equivalence` at collection (others opt in with `@pytest.mark.equivalence`),
+# and the helpers assert that remat recomputed. `.ci/run` runs them with `REMAT=0 REMAT_CHECK_EQUIVALENCE=1`:
+# then each is a strict xfail, so one that passes with remat off fails the run, and a helper told
+# `expect_recompute=False` (nothing should recompute there: the switch itself, a site with nothing to rebuild)
+# skips its test. Tests that turn remat on whatever the switch says (`enabled=True`, the engine's own entry
+# points) are marked `ignores_switch` and left out, as are Hypothesis tests (their examples vary).
+_CHECK_EQUIVALENCE = os.environ.get("REMAT_CHECK_EQUIVALENCE", "") == "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _CHECK_EQUIVALENCE and _SWITCH_AT_START:
+        raise pytest.UsageError("REMAT_CHECK_EQUIVALENCE=1 checks that tests fail with remat off: set REMAT=0 too.")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None or hasattr(function, "hypothesis") or item.get_closest_marker("ignores_switch"):
+            continue
+        helpers = ("assert_same_grads(", *getattr(getattr(item, "module", None), "EQUIVALENCE_HELPERS", ()))
+        if item.get_closest_marker("equivalence") is None:
+            try:
+                source = inspect.getsource(function)
+            except (OSError, TypeError):
+                continue
+            if any(helper in source for helper in helpers):
+                item.add_marker(pytest.mark.equivalence)
+        if _CHECK_EQUIVALENCE and item.get_closest_marker("equivalence") is not None:
+            item.add_marker(pytest.mark.xfail(strict=True, reason="remat is off: an equivalence test must fail"))
+
+
+def expect_recompute_or_skip(expect_recompute: bool) -> None:
+    """Under the check that equivalence tests fail without remat, skip a comparison told nothing recomputes."""
+    if _CHECK_EQUIVALENCE and not expect_recompute:
+        pytest.skip("nothing should recompute here, so this comparison cannot fail with remat off")
+
+
+def recomputes() -> int:
+    """How many recomputes (rerun or replay) the engine has run in this process so far."""
+    return _stats.recomputes
 
 
 def randn(*shape: int, requires_grad: bool = False, seed: int = 0) -> torch.Tensor:
@@ -45,7 +95,7 @@ def float64_default() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _no_state_left_behind() -> Iterator[None]:
-    """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch back on."""
+    """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch as it was."""
     assert not hooks_installed(), "a previous test left saved-tensor hooks installed"
     yield
     left_hooks = hooks_installed()
@@ -54,7 +104,7 @@ def _no_state_left_behind() -> Iterator[None]:
     while hooks_installed():
         torch._C._autograd._pop_saved_tensors_default_hooks()
     _targets._open_sites.stack.clear()
-    remat.set_enabled(True)
+    remat.set_enabled(_SWITCH_AT_START)
     assert not left_hooks, "the test left saved-tensor hooks installed"
     assert left_modes == 0, "the test left a dispatch mode on the stack"
     assert not left_sites, "the test left a module site open"
@@ -128,6 +178,7 @@ def assert_same_grads(
     kwargs: dict[str, Any] | None = None,
     seed: int = 0,
     backward: Callable[[torch.Tensor, list[torch.Tensor]], None] | None = None,
+    expect_recompute: bool = True,
 ) -> tuple[Run, Run]:
     """Compare a no-remat run with a remat run of the same model or function, from the same seeds.
 
@@ -141,6 +192,9 @@ def assert_same_grads(
         kwargs: keyword arguments, cloned the same way.
         seed: the seed of the parameters; the call itself runs after `torch.manual_seed(seed + 1)`.
         backward: how to run backward given `(loss, leaves)`; default `loss.backward()`.
+        expect_recompute: the remat run must have recomputed at least once (counted by the engine), so that
+            the comparison proves remat was active; `False` for the few cases where nothing may recompute
+            (nothing saved inside the site, the site switched off, no backward).
 
     Returns:
         The baseline run and the remat run, for further checks.
@@ -148,8 +202,15 @@ def assert_same_grads(
     Compares outputs (values and `requires_grad`), every input and parameter gradient, every buffer, and
     the CPU RNG state after backward, with `torch.testing.assert_close` at default tolerances.
     """
+    expect_recompute_or_skip(expect_recompute)
     base = run_once(make, inputs, lambda target: target, kwargs=kwargs, seed=seed, backward=backward)
+    before = _stats.recomputes
     ours = run_once(make, inputs, variant, kwargs=kwargs, seed=seed, backward=backward)
+    if expect_recompute:
+        assert _stats.recomputes > before, (
+            "remat recomputed nothing: the comparison would pass without remat (pass expect_recompute=False "
+            "where nothing should recompute)"
+        )
     base_out, our_out = tensors_in(base.out, []), tensors_in(ours.out, [])
     assert len(base_out) == len(our_out), "remat changed the number of output tensors"
     for index, (expected, got) in enumerate(zip(base_out, our_out, strict=True)):

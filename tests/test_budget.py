@@ -133,7 +133,7 @@ def test_gradients_equal_no_remat_under_any_plan(fraction: float) -> None:
     def variant(model: nn.Module) -> nn.Module:
         return remat.apply(model, budget=fraction, sample=X)
 
-    _, ours = assert_same_grads(_stack, (X,), variant)
+    _, ours = assert_same_grads(_stack, (X,), variant, expect_recompute=fraction < 1.0)
     plan = remat.plan(ours.target).budget
     assert plan is not None
     if fraction < 0.5:
@@ -230,7 +230,9 @@ def test_undo_restores_the_model() -> None:
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert len(remat.plan(model)) == 0 and remat.plan(model).budget is None
     assert list(model.state_dict()) == keys
-    assert_same_grads(_stack, (X,), lambda m: remat.undo(remat.apply(m, budget=0.4, sample=X)))
+    assert_same_grads(
+        _stack, (X,), lambda m: remat.undo(remat.apply(m, budget=0.4, sample=X)), expect_recompute=False
+    )
 
 
 def test_plan_survives_deepcopy_and_state_dict() -> None:
@@ -350,6 +352,8 @@ def test_a_block_that_cannot_run_alone_is_still_planned() -> None:
         return nn.Sequential(*(_Picky() for _ in range(3))).double()
 
     x = -randn(4, 16, seed=2).abs() - 1
-    _, ours = assert_same_grads(make, (x,), lambda m: remat.apply(m, budget=1.0, sample=x))
+    _, ours = assert_same_grads(
+        make, (x,), lambda m: remat.apply(m, budget=1.0, sample=x), expect_recompute=False
+    )
     plan = remat.plan(ours.target).budget
     assert plan is not None and plan.peak_bytes <= plan.budget

@@ -44,8 +44,10 @@ def test_prediction_within_five_percent_of_a_real_step_per_config(name: str) -> 
         assert row.predicted.optimizer_bytes == row.measured.optimizer_bytes
         _assert_close(row.predicted.peak_bytes, row.measured.peak_bytes, f"{name} {row.config} peak")
         _assert_close(row.predicted.activation_bytes, row.measured.activation_bytes, f"{name} {row.config} held")
-    none, full = rows[0].predicted, rows[1].predicted
-    assert full.activation_bytes < none.activation_bytes / 2  # the configurations differ, as they should
+    # The configurations differ in the real tracked steps, as they should (remat was on where it should be), so
+    # the predictions above were checked against steps that differ too.
+    none, full = rows[0].measured, rows[1].measured
+    assert full.activation_bytes < none.activation_bytes / 2
 
 
 def test_a_budget_configuration_predicted_against_its_real_step() -> None:

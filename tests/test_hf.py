@@ -212,6 +212,22 @@ def test_one_log_line_per_model_across_applies_and_a_budget_profile(caplog: pyte
     assert len([record for record in caplog.records if record.name == "remat"]) == 1
 
 
+def test_one_log_line_for_layers_rematerialized_one_by_one(caplog: pytest.LogCaptureFixture) -> None:
+    """`remat(layer)` in a loop over a model's layers logs the model's line once, not once per layer."""
+    model = llama().double().train()
+    layers = list(model.model.layers)
+    assert len(layers) == 2
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        for layer in layers:
+            remat.remat(layer)
+        for _ in range(2):
+            out = model(**batch())
+            out.loss.backward()
+            assert out.past_key_values.get_seq_length() == 0  # the rule ran in every layer
+    lines = [record.getMessage() for record in caplog.records if record.name == "remat"]
+    assert len(lines) == 1 and "LlamaDecoderLayer" in lines[0]
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_budget_on_a_padded_batch_keeps_gradients_and_peaks_below_no_remat(name: str) -> None:
     """Spec §2.8 on transformers models with their default arguments: `remat.apply(model, budget=...)`."""

@@ -66,7 +66,10 @@ STRATEGIES = ["rerun", "replay", "region"]
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_every_policy_gives_the_gradients_of_no_remat(name: str, strategy: str) -> None:
     """Every policy works with every strategy: the tape keeps a kept op's outputs too (spec §2.2)."""
-    assert_same_grads(TaggedMLP, (randn(4, 8, requires_grad=True),), _site(strategy, POLICIES[name]))
+    assert_same_grads(
+        TaggedMLP, (randn(4, 8, requires_grad=True),), _site(strategy, POLICIES[name]),
+        expect_recompute=name != "save_all",
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

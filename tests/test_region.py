@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import expect_recompute_or_skip
 from torch import nn
 
 from remat import _switch
@@ -23,6 +24,7 @@ from remat._errors import RecomputeMismatchError, RematError
 from remat._options import Options
 
 pytestmark = pytest.mark.usefixtures("float64_default")
+EQUIVALENCE_HELPERS = ("compare(",)  # see NOTE [ Equivalence tests must fail without remat ] in conftest.py
 
 
 def _no_state_left() -> None:
@@ -44,13 +46,17 @@ def compare(
     setup: Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]],
     wrap: Callable[[Callable[..., Any], tuple[Any, ...]], Any] | None = None,
     seed: int = 0,
+    expect_recompute: bool = True,
 ) -> list[Region]:
     """Run `fn(*args)` from a fresh `setup()` without remat and inside a region; compare everything.
 
     Outputs, gradients of every leaf that requires grad (inputs and module parameters), module buffers and the
-    RNG state after backward must all be equal.
+    RNG state after backward must all be equal, and the remat run must have recomputed (the engine's counter)
+    unless `expect_recompute=False`: a comparison that would pass without remat proves nothing.
     """
+    expect_recompute_or_skip(expect_recompute)
     results = []
+    recomputed = 0
     regions: list[Region] = []
     for use in (False, True):
         torch.manual_seed(seed)
@@ -72,7 +78,9 @@ def compare(
                 out = fn(*args)
             regions.append(region)
         _no_state_left()
+        before = _stats.recomputes
         grads = _grads(out, leaves)
+        recomputed += _stats.recomputes - before if use else 0
         buffers = [b.clone() for m in modules for b in m.buffers()]
         results.append((out, grads, buffers, torch.get_rng_state()))
     (out0, g0, b0, rng0), (out1, g1, b1, rng1) = results
@@ -82,6 +90,8 @@ def compare(
         torch.testing.assert_close(b, a)
     torch.testing.assert_close(b1, b0)
     assert torch.equal(rng0, rng1)
+    if expect_recompute:
+        assert recomputed > 0, "remat recomputed nothing: the comparison would pass without remat"
     return regions
 
 
@@ -258,6 +268,7 @@ def test_nested_regions() -> None:
     compare(lambda: (fn, (torch.randn(6, requires_grad=True),)), wrap)
 
 
+@pytest.mark.ignores_switch  # the engine's entry points, called directly
 def test_region_inside_rerun_and_rerun_inside_region() -> None:
     def inner(h: torch.Tensor) -> torch.Tensor:
         return F.dropout(h.exp(), 0.3) * h
@@ -567,6 +578,7 @@ def test_region_can_be_entered_again_and_recursively() -> None:
     compare(lambda: ((lambda t: rec(t, 3)), (torch.randn(3, requires_grad=True),)))
 
 
+@pytest.mark.ignores_switch  # the engine's entry points, called directly
 def test_begin_end_around_code() -> None:
     def wrap(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         token = begin(site="block", check=True, preserve_rng=True, debug=False)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_grads, randn
+from conftest import assert_same_grads, randn, recomputes
 from models import ConvBN
 from torch import nn
 
@@ -89,8 +89,10 @@ def test_buffers_once_when_backward_runs_twice() -> None:
     assert int(ours.target.calls) == 1 and int(ours.target.bn.num_batches_tracked) == 1
 
 
+@pytest.mark.equivalence
 def test_conv_batchnorm_over_several_steps() -> None:
     """Three training steps: statistics and gradients track the baseline step by step."""
+    before = recomputes()
     torch.manual_seed(0)
     plain = ConvBN().double()
     ours = remat.apply(ConvBN().double(), nn.BatchNorm2d)
@@ -105,6 +107,7 @@ def test_conv_batchnorm_over_several_steps() -> None:
     assert int(ours.bn1.num_batches_tracked) == 3
     for (name, p), q in zip(plain.named_parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert recomputes() > before, "remat recomputed nothing"
 
 
 def test_checkpoint_sequential_updates_batchnorm_once() -> None:

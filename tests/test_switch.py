@@ -140,7 +140,7 @@ def test_switched_off_module_sites_are_pass_throughs() -> None:
 @pytest.mark.parametrize("variant", [remat.remat, lambda m: remat.apply(m, nn.Linear)])
 def test_gradients_with_the_switch_off_equal_baseline(variant: Callable[[Any], Any]) -> None:
     with remat.enabled(False):
-        assert_same_grads(MLP, (randn(4, 8, requires_grad=True),), variant)
+        assert_same_grads(MLP, (randn(4, 8, requires_grad=True),), variant, expect_recompute=False)
 
 
 def test_per_site_enabled_overrides_the_switch() -> None:

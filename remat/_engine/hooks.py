@@ -16,7 +16,8 @@ from .._errors import BUG, RecomputeMismatchError, RematError
 from .._torch_compat import graph_exec_group, graph_task_id, top_saved_hooks
 from . import recording as _recording
 from . import stats as _stats
-from .debug import side_by_side
+from .mismatch import Meta as _Meta
+from .mismatch import mismatch_message
 from .transfer import Parcel, Stay
 
 __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_message"]
@@ -118,9 +119,6 @@ _INPLACE_KEPT = (
     "operation: a tensor of shape {shape} saved in `{site}` was at version {before} when saved and is at "
     "version {after} now. Don't modify it in place between forward and backward (clone it first)."
 )
-
-
-_Meta = tuple[torch.Size, torch.dtype, torch.device]
 
 
 class Frame:
@@ -327,49 +325,3 @@ class Frame:
         got = None if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
         traces = (self.trace, self.retrace) if self.trace is not None and self.retrace is not None else None
         return RecomputeMismatchError(mismatch_message(self.site, index, what, expected, got, traces) + self.hint())
-
-
-# torch.utils.checkpoint's words for a count mismatch, which users search for (kept verbatim).
-_TORCH_COUNT_PHRASE = "A different number of tensors was saved during the original forward and recomputation."
-
-
-def mismatch_message(
-    site: str,
-    index: int,
-    what: str,
-    expected: _Meta | None,
-    got: _Meta | None,
-    traces: tuple[list[str], list[str]] | None,
-) -> str:
-    """The text of a `RecomputeMismatchError`: where forward and recompute parted, why, and what to do.
-
-    Args:
-        site: the site's name.
-        index: the saved tensor at which they parted.
-        what: one clause saying what differed ("recompute saved more tensors than forward did").
-        expected, got: (shape, dtype, device) of forward's and recompute's tensor there, None for none.
-        traces: forward's and recompute's op traces under debug mode, or None.
-
-    >>> print(mismatch_message("f", 2, "recompute saved fewer tensors than forward did", None, None, None)[:60])
-    remat: recompute saved fewer tensors than forward did in `f`
-    """
-
-    def describe(meta: _Meta | None) -> str:
-        return "no tensor" if meta is None else f"shape {tuple(meta[0])}, dtype {meta[1]}, device {meta[2]}"
-
-    message = (
-        f"remat: {what} in `{site}`: at saved tensor #{index} forward saved {describe(expected)}, "
-        f"recompute saved {describe(got)}. "
-    )
-    if expected is None or got is None:
-        message += _TORCH_COUNT_PHRASE + " "
-    message += (
-        "The function must run the same ops in backward as in forward: "
-        "look for global state, Python side effects or data-dependent control flow, or use "
-        "strategy='replay', which replays the recorded ops."
-    )
-    if traces is not None:
-        message += "\nOp traces (REMAT_DEBUG=1):\n" + side_by_side(*traces)
-    else:
-        message += " Set REMAT_DEBUG=1 to see the op traces of forward and recompute side by side."
-    return message

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from typing import Any
 
 from torch import nn
@@ -30,11 +31,13 @@ logger = logging.getLogger("remat")
 # training, and remat does the same for the layers it reruns: the forward pre-hook that opens a rerun site on a
 # transformers layer in training passes `use_cache=False` and None for every cache argument (by keyword or by
 # position: GPT-2 passes its cache positionally), unless the class declares `_can_checkpoint_with_cache = True`
-# (layers that only read the cache), and logs one line per model. Forward and recompute then see the same
-# arguments, and the cache the model returns is the one it had before the layers ran (empty, for a fresh one).
-# `@remat` on a layer class applies the same rule in its wrapper. Layers in eval mode, sites that are off (the
-# switch, `no_grad`) and `strategy="replay"` keep the cache: replay runs the recorded ops again, not the Python
-# that updates it.
+# (layers that only read the cache), and logs one line per model: the layers of a model share one rule (so do a
+# layer class's layers rematerialized one by one, as `remat(layer)` in a loop), which logs for the first layer
+# handed a cache it has not seen, and the layers of one model's forward are handed the one cache the model made.
+# Forward and recompute then see the same arguments, and the cache the model returns is the one it had before the
+# layers ran (empty, for a fresh one). `@remat` on a layer class applies the same rule in its wrapper. Layers in
+# eval mode, sites that are off (the switch, `no_grad`) and `strategy="replay"` keep the cache: replay runs the
+# recorded ops again, not the Python that updates it.
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -59,8 +62,8 @@ class CacheOff:
     """Switch the KV cache off for a rematerialized transformers layer in training; see the NOTE above.
 
     Called by the site's forward pre-hook with the call's `(module, args, kwargs)`; returns the arguments to
-    use instead, or None when nothing changes. One instance is shared by the layers of one model, so the log
-    line appears once per model.
+    use instead, or None when nothing changes. One instance is shared by the layers of one model (or of one class,
+    for layers rematerialized one by one), and it logs one line per model.
 
     >>> import torch
     >>> class Layer(torch.nn.Module):
@@ -70,10 +73,36 @@ class CacheOff:
     ((1, None), {'use_cache': False})
     """
 
-    __slots__ = ("logged",)
+    __slots__ = ("caches", "done", "logged")
 
     def __init__(self) -> None:
         self.logged = False
+        self.done: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # layers whose model's line is settled
+        self.caches: weakref.WeakSet[Any] = weakref.WeakSet()  # caches of the calls that logged
+
+    def __reduce__(self) -> tuple[type[CacheOff], tuple[()]]:
+        return CacheOff, ()  # a copied or unpickled model is a new model: it logs its own line
+
+    def _first_of_its_model(self, module: nn.Module, cache: Any) -> bool:
+        """Whether this layer's call is the first of its model to lose its cache (then the rule logs).
+
+        The layers of one model's forward share the cache object the model made, so the first layer that is
+        handed an unseen cache logs, and later layers of that call and of later calls stay quiet (also when
+        the rule is shared by a layer class: `remat(layer)` in a loop). Without a cache object (or one that
+        cannot be held weakly) the rule logs once.
+        """
+        if module in self.done:
+            return False
+        self.done.add(module)
+        first = not self.logged
+        if cache is not None:
+            try:
+                first = cache not in self.caches
+                self.caches.add(cache)
+            except TypeError:
+                pass
+        self.logged = True
+        return first
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -85,6 +114,7 @@ class CacheOff:
         new_args: list[Any] | None = None
         new_kwargs: dict[str, Any] | None = None
         changed: list[str] = []
+        cache: Any = None
         for name in ("use_cache", *CACHE_ARGUMENTS):
             if name != "use_cache" and keep_cache:
                 break
@@ -95,6 +125,7 @@ class CacheOff:
                     new_kwargs = dict(kwargs) if new_kwargs is None else new_kwargs
                     new_kwargs[name] = off
                     changed.append(f"`{name}={off}`")
+                    cache = value if cache is None and name != "use_cache" else cache
             elif positions.get(name, len(args)) < len(args):
                 index = positions[name]
                 value = args[index]
@@ -102,10 +133,10 @@ class CacheOff:
                     new_args = list(args) if new_args is None else new_args
                     new_args[index] = off
                     changed.append(f"`{name}={off}`")
+                    cache = value if cache is None and name != "use_cache" else cache
         if not changed:
             return None
-        if not self.logged:
-            self.logged = True
+        if self._first_of_its_model(module, cache):
             logger.warning(
                 "remat: caching is off in the rematerialized %s layers in training (%s), as transformers' own "
                 "gradient checkpointing does: rerun calls a layer again in backward and would update its cache "
