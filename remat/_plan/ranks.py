@@ -45,4 +45,4 @@ def max_over_ranks(value: int) -> int:
         return value
     values: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
-    return max(int(v) for v in values)  # type: ignore[call-overload]
+    return max(v for v in values if isinstance(v, int))
