@@ -29,6 +29,9 @@ from remat._engine import stats as _stats
 # `.backward(create_graph=True)` into a non-leaf: the warning is about parameters' `.grad`, which none here is.
 pytestmark = pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 
+# The comparison every scenario goes through (see NOTE [ Equivalence tests must fail without remat ] in conftest.py).
+EQUIVALENCE_HELPERS = ("_compare(",)
+
 Fn = Callable[..., Any]
 Site = Callable[[Fn], Fn]
 
