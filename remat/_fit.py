@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ._engine.compiled import compiling
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE
 from ._measure.profile import profile_blocks
@@ -165,7 +166,7 @@ class _Budget:
         return plan
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.busy or not self.replan or not model.training or not torch.is_grad_enabled():
+        if self.busy or not self.replan or not model.training or not torch.is_grad_enabled() or compiling():
             return
         if _signature(args, kwargs) != self.signature:
             self.fit(model, args, kwargs)

@@ -17,7 +17,7 @@ from torch import nn
 from . import _switch
 from ._engine import region as _region
 from ._engine import rerun as _rerun
-from ._engine.compiled import compiling, torch_checkpoint
+from ._engine.compiled import compiling, context_for, route_module_class, torch_checkpoint
 from ._engine.offload import resolve as resolve_offload
 from ._integrations import comes_from
 from ._options import Options
@@ -40,7 +40,7 @@ class _Engine:
     for `end(token, ok=...)`.
     """
 
-    __slots__ = ("end", "open", "passthrough")
+    __slots__ = ("end", "keywords", "open", "passthrough")
 
     def __init__(self, options: Options, site: str) -> None:
         policy = as_policy(options.policy)
@@ -52,6 +52,11 @@ class _Engine:
             "check": options.check,
             "preserve_rng": options.preserve_rng,
             "debug": options.debug or _switch.debug(),
+        }
+        # Inside a compiled frame: torch's checkpoint with the policy's context (NOTE [ Under torch.compile ]).
+        self.keywords = {
+            "context_fn": context_for(policy, site, options.offload is not False),
+            "preserve_rng_state": options.preserve_rng,
         }
         if options.strategy == "replay":
             self.open: Callable[..., Any] = functools.partial(_open_region, **extra)
@@ -81,6 +86,7 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
     name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
     engine = _Engine(options, name)
     open_site, end, enabled, switch = engine.open, engine.end, options.enabled, _switch._state
+    keywords = engine.keywords
     if engine.passthrough:  # save_all keeps every activation: nothing to rematerialize
         enabled = False
 
@@ -89,7 +95,7 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
         if not (switch[0] if enabled is None else enabled) or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         if compiling():  # see NOTE [ Under torch.compile ]
-            return torch_checkpoint(fn, args, kwargs)
+            return torch_checkpoint(fn, args, kwargs, **keywords)
         module = args[0] if args and isinstance(args[0], nn.Module) else None
         if adapt is not None and module is not None:
             changed = adapt(module, args[1:], kwargs)
@@ -146,6 +152,14 @@ class _Open:
         engine = self.engine
         stack.append((module, engine, engine.open(module.forward, args, kwargs, module=module)))
         return changed
+
+    def compiled_call(
+        self, forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`forward(module, ...)` inside a compiled frame: torch's checkpoint (NOTE [ Under torch.compile ])."""
+        if self.engine.passthrough or not _active(self.options):
+            return forward(module, *args, **kwargs)
+        return torch_checkpoint(forward, (module, *args), kwargs, **self.engine.keywords)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Open, (self.options, self.site, self.adapt))
@@ -223,6 +237,7 @@ def wrap_module(module: _M, options: Options, owner: nn.Module | None = None) ->
     _remove_hooks(module)
     site = options.name or type(module).__qualname__
     adapt = _cache_rule(type(module), options, module if owner is None else owner)
+    route_module_class(type(module))  # hooks cannot wrap a compiled call: NOTE [ Under torch.compile ]
     module.register_forward_pre_hook(_Open(options, site, adapt), with_kwargs=True)
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module
