@@ -8,6 +8,7 @@ test also checks that the compiled gradients equal eager code without remat (flo
 from __future__ import annotations
 
 import functools
+import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -245,3 +246,15 @@ def test_a_region_block_in_compiled_code_warns_once_and_keeps_eager_gradients() 
     messages = [str(w.message) for w in caught if str(w.message).startswith("remat:")]
     assert len(messages) <= 1 and all("@remat" in m for m in messages), messages
     torch.testing.assert_close(got[-1], expected)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own imports
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_inductor_compiles_rematerialized_instances_with_eager_gradients() -> None:
+    """The one inductor test (about 20 s on 2 cores): blocks marked by `remat.apply`, with a matmul policy."""
+    model = remat.apply(Stack(), Block, policy=remat.policies.save_matmuls)
+    params = list(model.parameters())
+    x = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    got = torch.autograd.grad(torch.compile(model, backend="inductor")(x).sum(), [x, *params])
+    torch.testing.assert_close(got, eager_grads(params))
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
