@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _line(label: str, row: dict[str, Any], base: dict[str, Any]) -> str:
     if "error" in row:
         return f"{label:<28} {row['error']}"
-    ratio = f"{row['peak'] / base['peak']:.2f}" if "peak" in base and base["peak"] else "-"
+    ratio = f"{row['peak'] / base['peak']:.2f}" if base.get("peak") else "-"
     return (f"{label:<28} held {row['held'] / 2**20:7.1f} MiB  peak {row['peak'] / 2**20:7.1f} MiB ({ratio} of none)"
             f"  step {row['step'] * 1e3:6.0f} ms  grads {'equal eager' if row['grads'] else 'DIFFER'}")
 
