@@ -17,7 +17,7 @@ from torch import nn
 from . import _switch
 from ._engine import region as _region
 from ._engine import rerun as _rerun
-from ._engine.compiled import compiling, context_for, route_module_class, torch_checkpoint
+from ._engine.compiled import SITE, compiling, context_for, route_module_class, torch_checkpoint
 from ._engine.offload import resolve as resolve_offload
 from ._integrations import comes_from
 from ._options import Options
@@ -123,10 +123,11 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 
 
 # NOTE [ Module instances ]
-# `remat(module)` must leave the object itself untouched: same type, same attributes, no wrapper in
-# `named_modules()` or `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is
-# proxied and no attribute is set: a forward pre-hook opens the region and a forward hook (prepended, so it
-# runs before any other forward hook, and `always_call`, so it runs when forward raises) closes it. The hooks
+# `remat(module)` must leave the object itself untouched: same type, no wrapper in `named_modules()` or
+# `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is proxied: a forward pre-hook
+# opens the region and a forward hook (prepended, so it runs before any other forward hook, and `always_call`, so
+# it runs when forward raises) closes it; the one attribute set is the pre-hook object again, for compiled code
+# (`_remat_site`, see NOTE [ Under torch.compile ]). The hooks
 # are small picklable objects that carry the options; `undo` finds them by type. Recompute calls
 # `module.forward` itself, not `module(...)`, so other hooks are not run twice.
 
@@ -210,6 +211,7 @@ def _remove_hooks(module: nn.Module) -> None:
         table = getattr(module, name)
         for key in ids:
             table.pop(key, None)
+    module.__dict__.pop(SITE, None)
 
 
 _RULES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # owner -> its one cache rule
@@ -238,7 +240,9 @@ def wrap_module(module: _M, options: Options, owner: nn.Module | None = None) ->
     site = options.name or type(module).__qualname__
     adapt = _cache_rule(type(module), options, module if owner is None else owner)
     route_module_class(type(module))  # hooks cannot wrap a compiled call: NOTE [ Under torch.compile ]
-    module.register_forward_pre_hook(_Open(options, site, adapt), with_kwargs=True)
+    opener = _Open(options, site, adapt)
+    module.register_forward_pre_hook(opener, with_kwargs=True)
+    module.__dict__[SITE] = opener
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module
 

@@ -258,3 +258,35 @@ def test_inductor_compiles_rematerialized_instances_with_eager_gradients() -> No
     got = torch.autograd.grad(torch.compile(model, backend="inductor")(x).sum(), [x, *params])
     torch.testing.assert_close(got, eager_grads(params))
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
+
+
+def test_blocks_compiled_one_by_one_each_run_their_own_choice() -> None:
+    """`block.compile()` shares one compiled forward among identical blocks: each must still get its own graph."""
+    saved: dict[int, int] = {}
+    ran: list[int] = []
+
+    def partition(joint: Any, inputs: Any, **kwargs: Any) -> Any:
+        forward, backward = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        outputs = next(node for node in forward.graph.nodes if node.op == "output").args[0]
+        values = [node.meta.get("val") for node in outputs[kwargs["num_fwd_outputs"] :]]
+        saved[id(forward)] = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+        return forward, backward
+
+    def compiler(graph: Any, _: Any) -> Any:
+        def run(*args: Any) -> Any:
+            if id(graph) in saved:
+                ran.append(saved[id(graph)])
+            return graph(*args)
+
+        return run
+
+    model = Stack()
+    remat(model.blocks[0])
+    remat(model.blocks[1], policy=remat.policies.save_matmuls)
+    for block in model.blocks:
+        block.compile(backend=aot_autograd(fw_compiler=compiler, partition_fn=partition))
+    x = torch.randn(32, 16, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        ran.clear()
+        model(x).sum().backward()
+    assert len(ran) == 3 and ran[0] < ran[1] < ran[2], ran  # full, matmuls, kept: in the second call too

@@ -11,7 +11,9 @@ import torch
 
 from .._policies import Policy
 
-__all__ = ["compiling", "context_for", "in_compiled_call", "route_module_class", "torch_checkpoint", "warn_once"]
+__all__ = [
+    "SITE", "compiling", "context_for", "in_compiled_call", "route_module_class", "torch_checkpoint", "warn_once",
+]
 
 # NOTE [ Under torch.compile ]
 # Saved-tensor hooks and dispatch modes are graph breaks for dynamo, and a compiled graph saves other tensors
@@ -25,8 +27,11 @@ __all__ = ["compiling", "context_for", "in_compiled_call", "route_module_class",
 #
 # A module instance (`remat(module)`, `remat.apply`) is marked by forward hooks, which cannot wrap a call; so
 # the first `remat(module)` of a class routes that class's `forward` through `route_module_class`'s function,
-# which, only while dynamo traces, asks the instance's hooks for the checkpointed call. In eager code it calls
-# the original forward and nothing else (one `is_compiling` check).
+# which, only while dynamo traces, asks the instance's site for the checkpointed call. The site is found through
+# an instance attribute (`SITE`: the pre-hook object itself), not through the hook table: dynamo does not guard on
+# hook tables (`skip_nnmodule_hook_guards`), so where identical blocks share one compiled forward
+# (`block.compile()`) every block ran the graph traced last, whatever its own choice; an attribute is guarded.
+# In eager code the routed forward calls the original and nothing else (one `is_compiling` check).
 compiling = torch.compiler.is_compiling
 
 # torch-compat: torch._C._dynamo.eval_frame.get_eval_frame_callback; without it a region that a compiled call
@@ -42,6 +47,7 @@ def in_compiled_call() -> bool:
     """Whether a torch.compile'd call is running on this thread (traced, or run in eager code after a break)."""
     return compiling() or (_eval_frame_callback is not None and _eval_frame_callback() is not None)
 _ROUTED = "__remat_routed__"
+SITE = "_remat_site"  # the instance's site (its forward pre-hook object), read while dynamo traces
 _warned: set[str] = set()
 
 
@@ -105,10 +111,9 @@ def route_module_class(cls: type[torch.nn.Module]) -> None:
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if compiling():
-            for hook in self._forward_pre_hooks.values():
-                call = getattr(hook, "compiled_call", None)
-                if call is not None:
-                    return call(original, self, args, kwargs)
+            site = getattr(self, SITE, None)
+            if site is not None:
+                return site.compiled_call(original, self, args, kwargs)
         return original(self, *args, **kwargs)
 
     setattr(forward, _ROUTED, True)

@@ -3,7 +3,8 @@
     python -m remat.bench.compile_sites [--batch 1024] [--blocks 6] [--repeats 2] [--fractions 0.3,0.5,0.8]
 
 A stack of MLP blocks (Linear(512->2048), GELU, Linear(2048->512), GELU) is marked one way per row, each block is
-compiled with inductor (`block.compile()`, one graph reused by the identical blocks), and after two warm-up
+compiled with inductor (`block.compile()`, one graph reused by the identical blocks; `--whole`: the stack as
+one graph, which blocks with different choices need), and after two warm-up
 steps one step is measured: the bytes held after the compiled forward (the rise of the process's resident memory
 from before forward to after it) and the step's peak (the rise of its high-water mark), with
 `MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back to the system; then the median step time. Every
@@ -27,7 +28,7 @@ __all__ = ["KINDS", "SCRIPT", "main", "run_row"]
 
 KINDS = (
     "none", "torch checkpoint", "torch SAC matmuls", "@remat function", "remat.checkpoint", "@remat class",
-    "remat(block)", "remat.apply", "remat(block, save_matmuls)",
+    "remat(block)", "remat.apply", "remat(block)+save_matmuls",
 )
 
 SCRIPT = r"""
@@ -77,16 +78,21 @@ try:
     eager = torch.autograd.grad(stack(x).sum(), list(stack.parameters()))
     if kind == "remat(block)":
         for block in stack: remat(block)
-    elif kind == "remat(block, save_matmuls)":
+    elif kind == "remat(block)+save_matmuls":
         for block in stack: remat(block, policy=remat.policies.save_matmuls)
     elif kind == "remat.apply":
         remat.apply(stack, Block)
     elif kind == "remat budget":
         remat.apply(stack, Block, budget=fraction, sample=x)
+        print(remat.plan(stack), file=sys.stderr)
     elif kind == "compile budget":
         functorch_config.activation_memory_budget = fraction
-    for block in stack:
-        block.compile()
+    params = list(stack.parameters())
+    if sys.argv[7] == "whole":
+        stack = torch.compile(stack)
+    else:
+        for block in stack:
+            block.compile()  # one graph per block, reused by the identical blocks
 
     def rss(field):
         with open("/proc/self/status") as f:
@@ -94,7 +100,6 @@ try:
                 if line.startswith(field):
                     return int(line.split()[1]) * 1024
 
-    params = list(stack.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
     start = time.perf_counter()
@@ -124,10 +129,11 @@ except Exception as e:
 
 
 def run_row(kind: str, fraction: float, batch: int, blocks: int, repeats: int, threads: int,
-            timeout: float = 600) -> dict[str, Any]:
+            whole: bool = False, timeout: float = 600) -> dict[str, Any]:
     """One row in a fresh process: `{"held", "peak", "step", "grads", "compile_seconds"}` or `{"error"}`."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    argv = [sys.executable, "-c", SCRIPT, kind, str(fraction), str(batch), str(blocks), str(repeats), str(threads)]
+    argv = [sys.executable, "-c", SCRIPT, kind, str(fraction), str(batch), str(blocks), str(repeats), str(threads),
+            "whole" if whole else "blocks"]
     try:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -149,15 +155,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fractions", default="0.3,0.5,0.8")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated rows of the site table")
+    parser.add_argument("--whole", action="store_true",
+                        help="compile the whole stack as one graph instead of each block (blocks that differ in "
+                        "their remat choice need it: dynamo does not guard on module hooks)")
     args = parser.parse_args(argv)
     rows: list[tuple[str, dict[str, Any]]] = []
     for kind in filter(None, args.kinds.split(",")):
-        rows.append((kind, run_row(kind, 1.0, args.batch, args.blocks, args.repeats, args.threads)))
+        rows.append((kind, run_row(kind, 1.0, args.batch, args.blocks, args.repeats, args.threads, args.whole)))
         print(_line(*rows[-1], rows[0][1]), flush=True)
     for fraction in (float(f) for f in filter(None, args.fractions.split(","))):
         for kind in ("remat budget", "compile budget"):
             rows.append((f"{kind} {fraction:g}", run_row(kind, fraction, args.batch, args.blocks, args.repeats,
-                                                         args.threads)))
+                                                         args.threads, args.whole)))
             print(_line(*rows[-1], rows[0][1]), flush=True)
     return 0
 
