@@ -84,7 +84,6 @@ try:
         remat.apply(stack, Block)
     elif kind == "remat budget":
         remat.apply(stack, Block, budget=fraction, sample=x)
-        print(remat.plan(stack), file=sys.stderr)
     elif kind == "compile budget":
         functorch_config.activation_memory_budget = fraction
     params = list(stack.parameters())
@@ -159,22 +158,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compile the whole stack as one graph instead of each block (blocks that differ in "
                         "their remat choice need it: dynamo does not guard on module hooks)")
     args = parser.parse_args(argv)
+    kinds = [kind for kind in args.kinds.split(",") if kind]
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {', '.join(KINDS)}")
     rows: list[tuple[str, dict[str, Any]]] = []
-    for kind in filter(None, args.kinds.split(",")):
+    for kind in kinds:
         rows.append((kind, run_row(kind, 1.0, args.batch, args.blocks, args.repeats, args.threads, args.whole)))
-        print(_line(*rows[-1], rows[0][1]), flush=True)
+        print(_line(*rows[-1], dict(rows).get("none", {})), flush=True)
     for fraction in (float(f) for f in filter(None, args.fractions.split(","))):
         for kind in ("remat budget", "compile budget"):
             rows.append((f"{kind} {fraction:g}", run_row(kind, fraction, args.batch, args.blocks, args.repeats,
                                                          args.threads, args.whole)))
-            print(_line(*rows[-1], rows[0][1]), flush=True)
+            print(_line(*rows[-1], dict(rows).get("none", {})), flush=True)
     return 0
 
 
 def _line(label: str, row: dict[str, Any], base: dict[str, Any]) -> str:
     if "error" in row:
         return f"{label:<28} {row['error']}"
-    ratio = f"{row['peak'] / base['peak']:.2f}" if base.get("peak") else "-"
+    ratio = f"{row['peak'] / base['peak']:.2f}" if base.get("peak") else "-"  # against the "none" row, if run
     return (f"{label:<28} held {row['held'] / 2**20:7.1f} MiB  peak {row['peak'] / 2**20:7.1f} MiB ({ratio} of none)"
             f"  step {row['step'] * 1e3:6.0f} ms  grads {'equal eager' if row['grads'] else 'DIFFER'}")
 
