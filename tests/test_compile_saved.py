@@ -283,8 +283,9 @@ def test_blocks_compiled_one_by_one_each_run_their_own_choice() -> None:
     model = Stack()
     remat(model.blocks[0])
     remat(model.blocks[1], policy=remat.policies.save_matmuls)
+    backend = aot_autograd(fw_compiler=compiler, partition_fn=partition)  # one backend: one cache for all blocks
     for block in model.blocks:
-        block.compile(backend=aot_autograd(fw_compiler=compiler, partition_fn=partition))
+        block.compile(backend=backend)
     x = torch.randn(32, 16, dtype=torch.float64, requires_grad=True)
     for _ in range(2):
         ran.clear()
