@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ._engine.compiled import compiling
 from ._errors import BudgetError
 from ._fit_check import check_plan, measure_step
 from ._measure.costs import ModelCost
@@ -164,7 +165,7 @@ class _Budget:
         return plan
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.busy or not self.replan or not model.training or not torch.is_grad_enabled():
+        if self.busy or not self.replan or not model.training or not torch.is_grad_enabled() or compiling():
             return
         if _signature(args, kwargs) != self.signature:
             if not getattr(self, "told", False):

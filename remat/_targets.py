@@ -17,7 +17,7 @@ from torch import nn
 from . import _switch
 from ._engine import region as _region
 from ._engine import rerun as _rerun
-from ._engine.compiled import compiling, torch_checkpoint
+from ._engine.compiled import SITE, compiling, context_for, route_module_class, torch_checkpoint
 from ._engine.offload import resolve as resolve_offload
 from ._errors import check_runs_when_called
 from ._integrations import comes_from
@@ -41,7 +41,7 @@ class _Engine:
     for `end(token, ok=...)`.
     """
 
-    __slots__ = ("end", "open", "passthrough")
+    __slots__ = ("end", "keywords", "open", "passthrough")
 
     def __init__(self, options: Options, site: str) -> None:
         policy = as_policy(options.policy)
@@ -53,6 +53,11 @@ class _Engine:
             "check": options.check,
             "preserve_rng": options.preserve_rng,
             "debug": options.debug or _switch.debug(),
+        }
+        # Inside a compiled frame: torch's checkpoint with the policy's context (NOTE [ Under torch.compile ]).
+        self.keywords = {
+            "context_fn": context_for(policy, site, options.offload is not False),
+            "preserve_rng_state": options.preserve_rng,
         }
         if options.strategy == "replay":
             self.open: Callable[..., Any] = functools.partial(_open_region, **extra)
@@ -83,6 +88,7 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
     check_runs_when_called(fn, name)
     engine = _Engine(options, name)
     open_site, end, enabled, switch = engine.open, engine.end, options.enabled, _switch._state
+    keywords = engine.keywords
     if engine.passthrough:  # save_all keeps every activation: nothing to rematerialize
         enabled = False
 
@@ -91,7 +97,7 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
         if not (switch[0] if enabled is None else enabled) or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         if compiling():  # see NOTE [ Under torch.compile ]
-            return torch_checkpoint(fn, args, kwargs)
+            return torch_checkpoint(fn, args, kwargs, **keywords)
         module = args[0] if args and isinstance(args[0], nn.Module) else None
         if adapt is not None and module is not None:
             changed = adapt(module, args[1:], kwargs)
@@ -119,10 +125,11 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 
 
 # NOTE [ Module instances ]
-# `remat(module)` must leave the object itself untouched: same type, same attributes, no wrapper in
-# `named_modules()` or `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is
-# proxied and no attribute is set: a forward pre-hook opens the region and a forward hook (prepended, so it
-# runs before any other forward hook, and `always_call`, so it runs when forward raises) closes it. The hooks
+# `remat(module)` must leave the object itself untouched: same type, no wrapper in `named_modules()` or
+# `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is proxied: a forward pre-hook
+# opens the region and a forward hook (prepended, so it runs before any other forward hook, and `always_call`, so
+# it runs when forward raises) closes it; the one attribute set is the pre-hook object again, for compiled code
+# (`_remat_site`, see NOTE [ Under torch.compile ]). The hooks
 # are small picklable objects that carry the options; `undo` finds them by type. Recompute calls
 # `module.forward` itself, not `module(...)`, so other hooks are not run twice.
 
@@ -148,6 +155,14 @@ class _Open:
         engine = self.engine
         stack.append((module, engine, engine.open(module.forward, args, kwargs, module=module)))
         return changed
+
+    def compiled_call(
+        self, forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`forward(module, ...)` inside a compiled frame: torch's checkpoint (NOTE [ Under torch.compile ])."""
+        if self.engine.passthrough or not _active(self.options):
+            return forward(module, *args, **kwargs)
+        return torch_checkpoint(forward, (module, *args), kwargs, **self.engine.keywords)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Open, (self.options, self.site, self.adapt))
@@ -198,6 +213,7 @@ def _remove_hooks(module: nn.Module) -> None:
         table = getattr(module, name)
         for key in ids:
             table.pop(key, None)
+    module.__dict__.pop(SITE, None)
 
 
 _RULES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # owner -> its one cache rule
@@ -227,7 +243,10 @@ def wrap_module(module: _M, options: Options, owner: nn.Module | None = None) ->
     # A layer rematerialized alone (`remat(layer)` in a loop over a model's layers) shares its class's rule, so
     # the loop logs one line, not one per layer.
     adapt = _cache_rule(type(module), options, type(module) if owner is None else owner)
-    module.register_forward_pre_hook(_Open(options, site, adapt), with_kwargs=True)
+    route_module_class(type(module))  # hooks cannot wrap a compiled call: NOTE [ Under torch.compile ]
+    opener = _Open(options, site, adapt)
+    module.register_forward_pre_hook(opener, with_kwargs=True)
+    module.__dict__[SITE] = opener
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module
 

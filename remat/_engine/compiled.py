@@ -1,27 +1,120 @@
-"""What a site is inside a compiled frame: `torch.utils.checkpoint` (see NOTE [ Under torch.compile ])."""
+"""What a site is inside a compiled frame: torch's checkpoint operator (see NOTE [ Under torch.compile ])."""
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["compiling", "torch_checkpoint"]
+from .._policies import Policy
+
+__all__ = [
+    "SITE", "compiling", "context_for", "in_compiled_call", "route_module_class", "torch_checkpoint", "warn_once",
+]
 
 # NOTE [ Under torch.compile ]
 # Saved-tensor hooks and dispatch modes are graph breaks for dynamo, and a compiled graph saves other tensors
 # than the eager function that rerun calls again, so remat's engine cannot run inside a compiled frame. There
-# a rematerialized function becomes `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, which dynamo
-# turns into its activation-checkpoint operator and the compiler partitions for memory (RNG is functionalised
-# by the compiler itself); the `remat.checkpoint` drop-in hands its own keywords on to torch's there. A module
-# instance's hooks step aside: its forward is traced as it is, so under compile `remat(module)` keeps
-# gradients right but leaves memory to the compiler.
+# every site becomes `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, which dynamo turns into its
+# activation-checkpoint operator and the compiler's partitioner honours; the site's policy goes with it as a
+# selective-checkpoint context (`context_for`): the ops the policy saves are MUST_SAVE, every other op
+# PREFER_RECOMPUTE. The compiler functionalises RNG itself, so a recompute sees forward's random numbers
+# whatever `preserve_rng` says. What has no counterpart there is warned about once per site, at compile time,
+# and recomputed rather than kept: tag names (`save_tagged`), offloading.
+#
+# A module instance (`remat(module)`, `remat.apply`) is marked by forward hooks, which cannot wrap a call; so
+# the first `remat(module)` of a class routes that class's `forward` through `route_module_class`'s function,
+# which, only while dynamo traces, asks the instance's site for the checkpointed call. The site is found through
+# an instance attribute (`SITE`: the pre-hook object itself), not through the hook table: dynamo does not guard on
+# hook tables (`skip_nnmodule_hook_guards`), so where identical blocks share one compiled forward
+# (`block.compile()`) every block ran the graph traced last, whatever its own choice; an attribute is guarded.
+# In eager code the routed forward calls the original and nothing else (one `is_compiling` check).
 compiling = torch.compiler.is_compiling
 
+# torch-compat: torch._C._dynamo.eval_frame.get_eval_frame_callback; without it a region that a compiled call
+# runs in eager code is not warned about.
+_eval_frame_callback: Callable[[], Any] | None
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:  # pragma: no cover - a torch without dynamo
+    _eval_frame_callback = None
 
-def torch_checkpoint(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **keywords: Any) -> Any:
+
+def in_compiled_call() -> bool:
+    """Whether a torch.compile'd call is running on this thread (traced, or run in eager code after a break)."""
+    return compiling() or (_eval_frame_callback is not None and _eval_frame_callback() is not None)
+_ROUTED = "__remat_routed__"
+SITE = "_remat_site"  # the instance's site (its forward pre-hook object), read while dynamo traces
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """Warn with `message` once per process for `key` (a site and what it lacks under compile)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+
+
+def context_for(policy: Policy | None, site: str, offload: bool = False) -> Callable[[], Any] | None:
+    """The selective-checkpoint `context_fn` that keeps what `policy` keeps, or None to recompute everything.
+
+    What cannot be kept in compiled code is warned about when the compiler first traces the site (the context is
+    made then, outside dynamo), once per site: tag names, offloading.
+    """
+    lacks = []
+    if offload or (policy is not None and policy.offloads):
+        lacks.append("offloads what it keeps in eager code; under torch.compile nothing is offloaded (what the "
+                     "policy keeps stays on the device)")
+    if policy is not None and policy.names:
+        lacks.append(f"keeps tensors tagged {sorted(policy.names)}; under torch.compile tags are not seen, so "
+                     "they are recomputed (an op policy, a callable `op -> bool` or `save_matmuls`, is kept there)")
+    ops = policy is not None and bool(policy.ops)
+    if not ops and not lacks:
+        return None
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    saves_op = policy.saves_op if policy is not None and ops else None
+    message = f"remat: `{site}` " + "; it also ".join(lacks) + "." if lacks else ""
+
+    def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return save if saves_op is not None and saves_op(op) else recompute
+
+    def contexts() -> Any:
+        if message:
+            warn_once(site, message)
+        return create_selective_checkpoint_contexts(choose)  # type: ignore[no-untyped-call]
+
+    return contexts
+
+
+def torch_checkpoint(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **keywords: Any
+) -> Any:
     """`torch.utils.checkpoint.checkpoint`, non-reentrant: what a site is inside a compiled frame."""
     from torch.utils.checkpoint import checkpoint
 
+    if keywords.get("context_fn", 0) is None:
+        del keywords["context_fn"]
     return checkpoint(fn, *args, use_reentrant=False, **keywords, **kwargs)
+
+
+def route_module_class(cls: type[torch.nn.Module]) -> None:
+    """Route `cls.forward` through the instance's remat hook while dynamo traces (idempotent)."""
+    original = cls.forward
+    if getattr(original, _ROUTED, False):
+        return
+
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if compiling():
+            site = getattr(self, SITE, None)
+            if site is not None:
+                return site.compiled_call(original, self, args, kwargs)
+        return original(self, *args, **kwargs)
+
+    setattr(forward, _ROUTED, True)
+    cls.forward = forward

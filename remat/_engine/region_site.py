@@ -15,10 +15,13 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
+import torch
+
 from .. import _switch
 from .._errors import check_runs_when_called
 from .._options import Options
 from .._policies import as_policy
+from .compiled import compiling, context_for, in_compiled_call, torch_checkpoint, warn_once
 from .offload import resolve
 from .region import RegionFrame, begin, end
 
@@ -68,6 +71,8 @@ class Region:
         options = self.options
         token = None
         if options.active(_switch.is_enabled()):
+            if in_compiled_call():
+                _warn_compiled_block()
             if site is None:
                 caller = sys._getframe(2)
                 site = f"region at {caller.f_code.co_filename}:{caller.f_lineno}"
@@ -101,8 +106,13 @@ class Region:
         site = self.options.name or getattr(fn, "__qualname__", None) or repr(fn)
         check_runs_when_called(fn, site)
 
+        options = self.options
+        context_fn = context_for(as_policy(options.policy), site, options.offload is not False)
+
         @functools.wraps(fn)
         def region(*args: Any, **kwargs: Any) -> Any:
+            if compiling() and options.active(_switch.is_enabled()) and torch.is_grad_enabled():
+                return torch_checkpoint(fn, args, kwargs, context_fn=context_fn)  # NOTE [ Under torch.compile ]
             self._begin(site)
             try:
                 out = fn(*args, **kwargs)
@@ -113,3 +123,12 @@ class Region:
             return out
 
         return region  # type: ignore[return-value]
+
+
+def _warn_compiled_block() -> None:
+    """Say once that a region in compiled code is not compiled (dynamo's graph break)."""
+    warn_once("region block", (
+        "remat: a `with remat.region():` block inside torch.compile'd code breaks the graph: dynamo runs the "
+        "function holding it in eager code (rematerialized there, not compiled). To compile the block with its "
+        "activations recomputed, move it into a function decorated with `@remat` or `@remat.region()`."
+    ), stacklevel=5)

@@ -20,9 +20,11 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .._engine.autocast import AutocastState
+from .._engine.compiled import compiling
 from .._engine.guard import keep_buffers
 from .._engine.rng import RngStash, devices_of
 from .._errors import RematError
+from .chain_compiled import lower, run_lowered
 from .chain_profile import backward_stage, check_tensor, grad_input, profile, stage_params
 from .solver import Plan, solve
 from .units import Budget, parse_budget
@@ -247,6 +249,7 @@ class Chain(nn.Sequential):
         self._plans: dict[tuple[Any, ...], Plan] = {}
         self.plan: Plan | None = None
         self._told = False  # whether profiling a new shape inside a forward was logged (once per chain)
+        self._lowered = lower(None, len(self))  # the plan inside compiled frames: NOTE [ Chains under compile ]
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple[Any, ...]:
@@ -285,6 +288,7 @@ class Chain(nn.Sequential):
                 plan = solve(costs, budget, input_bytes=input_bytes)
             self._plans[key] = plan
         self.plan = plan
+        self._lowered = lower(plan, len(self))
         return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -294,6 +298,8 @@ class Chain(nn.Sequential):
             for stage in self:
                 x = stage(x)
             return x
+        if compiling():  # see NOTE [ Chains under compile ] in chain_compiled.py
+            return run_lowered(list(self), self._lowered, x)
         plan = self.plan_for(x)
         run = _Run(self, plan, x, params)
         out: torch.Tensor = _ChainFunction.apply(run, x, *params)  # type: ignore[no-untyped-call]
