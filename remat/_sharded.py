@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._errors import RematError
+from ._torch_compat import fake_store, fsdp_state_keys
 
 __all__ = ["Sharding", "fake_world", "is_sharded", "mesh_size", "shadow", "shard"]
 
@@ -107,11 +107,7 @@ def shadow(model: nn.Module) -> tuple[nn.Module, dict[nn.Module, Sharding]]:
     Returns the shadow root and, for each shadow module the user had ``fully_shard``-ed, its settings.
     """
     fsdp = _fsdp_module()
-    # torch-compat: torch.distributed._composable.contract's STATE_KEY/REGISTRY_KEY, the module attributes where
-    # fully_shard keeps its state; needed to take FSDP out of the copy.
-    _contract = importlib.import_module("torch.distributed._composable.contract")
-
-    private = {_contract.STATE_KEY, _contract.REGISTRY_KEY}
+    private = fsdp_state_keys()  # where fully_shard keeps its state: taken out of the copy
     copies: dict[int, nn.Module] = {}
     tensors: dict[int, torch.Tensor] = {}
     settings: dict[nn.Module, Sharding] = {}
@@ -174,10 +170,7 @@ def fake_world(world_size: int, device: torch.device) -> Iterator[Any]:
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    # torch-compat: torch.testing._internal.distributed.fake_pg registers the "fake" backend and its FakeStore.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh(device.type, (world_size,))  # outside any fake mode: the mesh reads real ranks
     finally:

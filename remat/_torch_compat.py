@@ -39,11 +39,16 @@ __all__ = [
     "disable_current_modes",
     "dispatch_modes_on",
     "dynamo_guarded",
+    "eval_frame_callback",
+    "fake_store",
+    "fsdp_state_keys",
+    "local_tensor",
     "graph_exec_group",
     "graph_task_id",
     "pop_saved_hooks",
     "push_saved_hooks",
     "set_grad_enabled",
+    "storage_resize",
     "storage_id",
     "top_saved_hooks",
     "torch_function_mode_on",
@@ -203,3 +208,40 @@ class GlobalModuleHooks:
 
 
 _TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called")
+
+
+# -- torch.compile, storages, DTensor and FSDP2 -------------------------------------------------------------------
+# get_eval_frame_callback: dynamo's callback on this thread (torch 2.1). Without it a region that a compiled call
+# runs in eager code is not warned about.
+eval_frame_callback: Callable[[], Any] | None
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
+except ImportError:  # pragma: no cover - a torch without dynamo
+    eval_frame_callback = None
+
+# StorageBase.resize_: the C method `torch.UntypedStorage` inherits (present in 2.4; storages have been untyped
+# since 1.13). The byte trackers wrap the Python class's attribute while they are open (NOTE [ Resized storages ]).
+storage_resize: Callable[[torch.UntypedStorage, int], Any] = _C.StorageBase.resize_
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its private `_local_tensor`, present in 2.4), or the tensor itself."""
+    inner = getattr(tensor, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else tensor
+
+
+def fsdp_state_keys() -> set[str]:
+    """The module attributes where `fully_shard` keeps its state (`torch.distributed._composable.contract`'s
+    STATE_KEY and REGISTRY_KEY, present in 2.4); an estimate removes them from its copy of a sharded model."""
+    import importlib
+
+    contract = importlib.import_module("torch.distributed._composable.contract")
+    return {contract.STATE_KEY, contract.REGISTRY_KEY}
+
+
+def fake_store() -> Any:
+    """A `FakeStore` for torch's fake process group (`torch.testing._internal.distributed.fake_pg`, which also
+    registers the "fake" backend; present in 2.4)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .._policies import Policy
+from .._torch_compat import eval_frame_callback
 
 __all__ = [
     "SITE", "compiling", "context_for", "in_compiled_call", "route_module_class", "torch_checkpoint", "warn_once",
@@ -34,13 +35,7 @@ __all__ = [
 # In eager code the routed forward calls the original and nothing else (one `is_compiling` check).
 compiling = torch.compiler.is_compiling
 
-# torch-compat: torch._C._dynamo.eval_frame.get_eval_frame_callback; without it a region that a compiled call
-# runs in eager code is not warned about.
-_eval_frame_callback: Callable[[], Any] | None
-try:
-    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
-except ImportError:  # pragma: no cover - a torch without dynamo
-    _eval_frame_callback = None
+_eval_frame_callback = eval_frame_callback  # None on a torch without dynamo
 
 
 def in_compiled_call() -> bool:

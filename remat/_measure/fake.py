@@ -27,7 +27,13 @@ import torch
 from torch import nn
 
 from .._errors import RematError
-from .._torch_compat import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode, tree_map
+from .._torch_compat import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    local_tensor,
+    tree_map,
+)
 from .track import Tracker
 
 __all__ = [
@@ -96,8 +102,7 @@ class FakeTracker(Tracker):
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds ``t``'s bytes on this rank: a `DTensor`'s local shard, else ``t``."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
+    return local_tensor(t)
 
 
 def fake_mode() -> FakeTensorMode:

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .._torch_compat import storage_resize
+
 __all__ = ["Watcher", "unwatch", "watch"]
 
 
@@ -30,9 +32,7 @@ class Watcher(Protocol):
 
 _LOCK = threading.Lock()
 _WATCHERS: list[Watcher] = []
-# torch-compat: torch._C.StorageBase.resize_, the C method UntypedStorage inherits; torch has had it since storages
-# were untyped (1.13). Without it this module would fail to import, not silently miscount.
-_ORIGINAL = torch._C.StorageBase.resize_  # type: ignore[attr-defined]
+_ORIGINAL = storage_resize  # the C method `torch.UntypedStorage` inherits
 
 
 def _resize(self: torch.UntypedStorage, size: int) -> Any:

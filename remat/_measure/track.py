@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .._engine.modes import Mode
-from .._torch_compat import OpOverload
+from .._torch_compat import OpOverload, local_tensor
 from . import resize
 
 __all__ = ["Tracker", "synchronize", "track"]
@@ -73,9 +73,7 @@ def _tensors(obj: object) -> Iterator[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    inner = getattr(t, "_local_tensor", None)  # a DTensor (torch-compat: its private _local_tensor): the local shard
-    if isinstance(inner, torch.Tensor):
-        t = inner
+    t = local_tensor(t)  # a DTensor's local shard
     if t.is_meta:
         return None
     try:
