@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._errors import RematError
-from .._policies import Policy, tags
+from .._policies import Policy
 from .._torch_compat import pop_saved_hooks, push_saved_hooks
 from .._torch_compat import set_grad_enabled as _set_grad_enabled
 from .autocast import AutocastState, any_autocast
@@ -24,8 +24,9 @@ from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .offload import Offload, for_kept, no_offload_inside
+from .rerun_contexts import recompute_contexts, tag_sink
 from .rng import RngStash, devices_of
-from .selective import ReuseOps, SaveOps
+from .selective import SaveOps
 from .tail import returns_at_once
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
@@ -222,7 +223,7 @@ class RerunFrame(Frame):
         grad_was = torch.is_grad_enabled()
         _set_grad_enabled(True)
         extra = (
-            self._recompute_contexts()
+            recompute_contexts(self)
             if self.autocast is not None or self.contexts is not None or self.policy is not None
             or self.trace is not None or self.saver is not None or any_autocast()
             else None
@@ -253,38 +254,6 @@ class RerunFrame(Frame):
                 caller_rng.apply()
         self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
 
-    def _recompute_contexts(self) -> ExitStack:
-        """The rarer recompute state: autocast, the user's recompute context, the policy, debug traces."""
-        stack = ExitStack()
-        stack.enter_context(AutocastState.enter(self.autocast, self.devices))
-        if self.saver is not None:  # forward still runs (NOTE [ Backward inside a site ]): not its policy ops
-            stack.enter_context(_unnoted(self.saver))
-        if self.contexts is not None:
-            stack.enter_context(self.contexts())
-        if self.policy is not None:
-            unpack = None if self.offload is None else self.offload.unpack_one
-            if self.kept:
-                stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed, unpack))
-            if self.inner and self.policy.names:
-                # The function runs backward through what it tagged: a kept tensor put in its place would cut
-                # that graph, so recompute rebuilds it (and forward's sink, if forward still runs, is not fed).
-                stack.enter_context(_tag_sink(_as_is))
-            elif self.kept_tags:
-                kept_tags = iter(self.kept_tags if unpack is None else map(unpack, self.kept_tags))
-                policy = self.policy
-
-                def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
-                    if not policy.saves_name(name):
-                        return tensor
-                    kept: torch.Tensor = next(kept_tags)
-                    return kept.detach().requires_grad_(tensor.requires_grad)
-
-                stack.enter_context(_tag_sink(hand_back))
-        if self.trace is not None:
-            self.retrace = []
-            stack.enter_context(OpTrace(self.retrace))
-        return stack
-
 
 _RECOMPUTE = RerunFrame.recompute.__code__  # the frame the function is called from: see `returns_at_once`
 no_offload_inside(RerunFrame)  # an offload block inside the function would take what recompute rebuilds
@@ -292,34 +261,6 @@ no_offload_inside(RerunFrame)  # an offload block inside the function would take
 
 def _identity(packed: Any) -> Any:
     return packed
-
-
-def _never(func: Any) -> bool:
-    return False
-
-
-def _as_is(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    return tensor
-
-
-@contextmanager
-def _unnoted(saver: SaveOps) -> Iterator[None]:
-    """Keep forward's `saver` from noting the ops of a recompute run while forward is still running."""
-    saves_op, saver.saves_op = saver.saves_op, _never
-    try:
-        yield
-    finally:
-        saver.saves_op = saves_op
-
-
-@contextmanager
-def _tag_sink(sink: Callable[[torch.Tensor, str], torch.Tensor]) -> Iterator[None]:
-    """Route `remat.tag` calls to `sink` while the block runs (see NOTE [ Policies ])."""
-    tags.sinks.append(sink)
-    try:
-        yield
-    finally:
-        tags.sinks.pop()
 
 
 _Contexts = tuple[
@@ -385,7 +326,7 @@ def begin(
                 pack = None if frame.offload is None else frame.offload.pack
                 frame.saver = frame.exit.enter_context(SaveOps(policy, pack))
             if policy.names:
-                frame.exit.enter_context(_tag_sink(frame.keep_tagged))
+                frame.exit.enter_context(tag_sink(frame.keep_tagged))
     _push_hooks(frame.pack, frame.unpack)
     return frame
 
