@@ -181,6 +181,19 @@ class _Budget:
         return {**self.__dict__, "busy": False}
 
 
+def _no_meta(model: nn.Module) -> None:
+    """A budget is planned on a real step: refuse a model whose weights are on the meta device (no bytes to
+    count, so every plan would look free). Fake tensors (the estimator's) report the device they stand for."""
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"remat: apply with a `budget` profiles one real training step, but {type(model).__name__}'s "
+                f"`{name}` is on the meta device, where no memory is counted. Materialise the model first "
+                "(`model.to_empty(device=...)` and initialise it), or use `remat.estimate(model, sample, ...)`, "
+                "which takes a meta model."
+            )
+
+
 def apply_budget(
     model: _M,
     budget: Budget,
@@ -207,6 +220,7 @@ def apply_budget(
         raise TypeError(f"remat: `loss` must be a callable from the output to a scalar, but got {loss!r}.")
     if not isinstance(replan, bool):
         raise TypeError(f"remat: `replan` must be a bool, but got `{type(replan).__name__}`.")
+    _no_meta(model)
     policies: list[PolicyLike | str] = [_KEPT]
     labels = [_KEPT]
     if strategy == "rerun":

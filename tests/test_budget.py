@@ -357,3 +357,12 @@ def test_a_block_that_cannot_run_alone_is_still_planned() -> None:
     )
     plan = remat.plan(ours.target).budget
     assert plan is not None and plan.peak_bytes <= plan.budget
+
+
+def test_a_budget_on_a_meta_model_is_refused_when_applied() -> None:
+    # A meta model has no bytes to count: a plan made on it would keep every block, silently.
+    with torch.device("meta"):
+        model = nn.Sequential(*(TransformerBlock(16) for _ in range(3)))
+    with pytest.raises(ValueError, match=r"`0\.\S+` is on the meta device.*remat\.estimate"):
+        remat.apply(model, budget=0.5, sample=torch.randn(2, 8, 16))
+    assert "no rematerialized sites" in str(remat.plan(model))  # nothing was left on the blocks
