@@ -104,8 +104,9 @@ def main() -> None:
         remat.apply(model)
     plan = " ".join(f"{site.name}={site.choice}" for site in remat.plan(model)) or "no sites"
     fitted = remat.plan(model).budget
+    fit = ""  # this rank's own numbers: the choices are rank 0's, the bytes each rank's
     if fitted is not None:
-        plan += f" (budget {fitted.budget / MiB:.2f} MiB, planned {fitted.peak_bytes / MiB:.2f} MiB"
+        fit = f"budget {fitted.budget / MiB:.2f} MiB, planned {fitted.peak_bytes / MiB:.2f} MiB"
     optimizer = torch.optim.AdamW(model.parameters())
     # What lives before tracking starts: this rank's parameter shards and its batch.
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
@@ -123,11 +124,11 @@ def main() -> None:
                 print(f"step {step} done", flush=True)
     measured = before + tracker.peak_bytes
     if fitted is not None:
-        plan += f", forward+backward took {forward_backward.peak_bytes / MiB:.2f} MiB)"
+        fit = f" ({fit}, forward+backward took {forward_backward.peak_bytes / MiB:.2f} MiB)"
     for r in range(world):
         if r == rank:
             print(f"rank {rank}/{world} config {args.config}: estimated peak {estimated / MiB:.2f} MiB, "
-                  f"measured {measured / MiB:.2f} MiB ({measured / estimated - 1:+.1%}); plan: {plan}", flush=True)
+                  f"measured {measured / MiB:.2f} MiB ({measured / estimated - 1:+.1%}); plan: {plan}{fit}", flush=True)
         dist.barrier()
     dist.destroy_process_group()
 

@@ -140,7 +140,8 @@ def test_example_runs_on_two_processes() -> None:
     for line in lines:
         change = float(line.split("(")[1].split("%")[0])
         assert abs(change) <= 5.0, line
-    assert lines[0].split("plan: ")[1] == lines[1].split("plan: ")[1], "the same plan on every rank"
+    choices = [line.split("plan: ")[1].split(" (")[0] for line in lines]  # bytes after " (" are each rank's own
+    assert choices[0] == choices[1], "the same plan on every rank"
     assert "full" in lines[0].split("plan: ")[1], "remat was active"
     for line in lines:  # the rank's forward and backward fit its budget
         budget = float(line.split("(budget ")[1].split()[0])
