@@ -119,3 +119,43 @@ def test_fewer_tensors_uses_torchs_words_then_the_site_and_advice() -> None:
     assert message.startswith("remat: " + COUNT)
     assert message.index(COUNT) < message.index("fn`") < message.index(ADVICE)
 
+
+
+DEBUG = "You are seeing this error because you passed `debug=True` to checkpoint"
+
+
+def _torch_debug_error(fn: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """torch's message for `fn` when its checkpoint runs with `debug=True`."""
+    with pytest.raises(CheckpointError) as info:
+        out = torch.utils.checkpoint.checkpoint(fn, randn(4, requires_grad=True), use_reentrant=False, debug=True)
+        out.sum().backward()
+    return str(info.value)
+
+
+def test_torchs_checkpoint_says_the_debug_sentence() -> None:  # the baseline for the test below
+    assert DEBUG in _torch_debug_error(_counted(_narrow, _wide))
+
+
+@pytest.mark.parametrize("turned_on", ["keyword", "torch switch"])
+def test_a_mismatch_under_debug_says_torchs_debug_sentence_above_the_traces(turned_on: str) -> None:
+    fn = _counted(_narrow, _wide)
+    x = randn(4, requires_grad=True)
+
+    def run() -> None:
+        if turned_on == "keyword":
+            out = remat.checkpoint(fn, x, use_reentrant=False, debug=True)
+        else:
+            with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+                out = remat.checkpoint(fn, x, use_reentrant=False)
+        out.sum().backward()
+
+    message = _remat_error(run)
+    assert message.startswith("remat: " + METADATA)
+    assert message.index(ADVICE) < message.index(DEBUG) < message.index("Op traces (REMAT_DEBUG=1):")
+
+
+def test_torchs_debug_sentence_is_left_out_without_debug() -> None:
+    fn = _counted(_narrow, _wide)
+    x = randn(4, requires_grad=True)
+    message = _remat_error(lambda: remat.checkpoint(fn, x, use_reentrant=False).sum().backward())
+    assert DEBUG not in message and "Op traces" not in message

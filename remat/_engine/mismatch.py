@@ -29,6 +29,13 @@ _TORCH_METADATA = (
     "torch.utils.checkpoint: Recomputed values for the following tensors have different metadata than during the "
     "forward pass."
 )
+# Under debug traces torch replaces its message with a log of both runs that ends in these words; remat keeps its
+# own shorter traces and says the same sentence above them.
+_TORCH_DEBUG = (
+    "torch.utils.checkpoint: Detected non-determinism while running activation checkpointing. You are seeing this "
+    "error because you passed `debug=True` to checkpoint (or turned on remat's debug mode, REMAT_DEBUG=1), and the "
+    "tensors saved during the original forward differ from those saved during recomputation."
+)
 _ADVICE = (
     "The function must run the same ops in backward as in forward: look for global state, Python side effects or "
     "data-dependent control flow, or use strategy='replay', which replays the recorded ops."
@@ -82,7 +89,7 @@ def mismatch_message(
         f"recompute saved {describe(got)}. {_ADVICE}"
     )
     if traces is not None:
-        message += "\nOp traces (REMAT_DEBUG=1):\n" + side_by_side(*traces)
+        message += f"\n{_TORCH_DEBUG}\nOp traces (REMAT_DEBUG=1):\n" + side_by_side(*traces)
     else:
         message += " Set REMAT_DEBUG=1 to see the op traces of forward and recompute side by side."
     return message
