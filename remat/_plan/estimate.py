@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._errors import RematError
 from .._measure.fake import FakeTracker, data_dependent, fake_mode, fake_sample, fake_state, storage_bytes
+from .._measure.hf_fake import real_masks
 from .._measure.measure import _loss as default_loss
 from .estimate_report import ConfigEstimate, EstimateReport
 
@@ -205,7 +206,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     rows: list[ConfigEstimate] = []
     made: torch.optim.Optimizer | None = None
     try:
-        with fake_mode(), fake_state(model, device) as params, torch.enable_grad():
+        with fake_mode(), fake_state(model, device) as params, torch.enable_grad(), real_masks(sample):
             buffers = list(model.buffers())
             args = fake_sample(sample, device)
             inputs = _tensors(args)
