@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ def test_transformers_activations_match_a_real_step(kind: str, kv_heads: int | N
         if kv_heads is not None:
             import transformers
 
-            config = case.model.config
+            config: Any = case.model.config
             config.num_key_value_heads = kv_heads
             torch.manual_seed(0)
             case.model = transformers.LlamaForCausalLM(config).train()
@@ -49,7 +50,8 @@ def test_a_tensor_passed_twice_counts_once() -> None:
             self.inner = model
 
         def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            return self.inner(a) + 0 * b.sum()
+            out: torch.Tensor = self.inner(a) + 0 * b.sum()
+            return out
 
     twice = remat.estimate(Twice(), (x, x), loss=loss, configs=("none",))["none"]
     assert once.input_bytes == twice.input_bytes == x.untyped_storage().nbytes()
