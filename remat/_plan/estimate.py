@@ -37,6 +37,7 @@ from .._measure.fake import FakeTracker, data_dependent, fake_mode, fake_sample,
 from .._measure.hf_fake import real_masks
 from .._measure.measure import _loss as default_loss
 from .estimate_report import ConfigEstimate, EstimateReport
+from .step_phases import BACKWARD, OPTIMIZER, StepTracker, where_it_peaks
 
 __all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "make_optimizer", "predict", "resolve_device"]
 
@@ -170,24 +171,27 @@ def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor
 
 def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
           optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
-          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int]:
-    """Run one counted step; return (gradient bytes, activation bytes, peak bytes the step adds on ``device``).
+          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int, StepTracker]:
+    """Run one counted step; return (gradient bytes, activation bytes, peak bytes the step adds on ``device``,
+    the tracker with the forward and backward peaks and their holders: NOTE [ Who holds the peak ]).
 
     ``step_bytes`` holds what the optimizer step adds at its peak once it has been counted (see NOTE [ One
-    optimizer step ]); it is filled by the first call.
+    optimizer step ]); it is filled by the first call, with the bytes alive when the step starts.
     """
     for p in params:
         p.grad = None
-    with FakeTracker() as tracker:
+    with StepTracker(model, device) as tracker, tracker.modules():
         out = _call(model, sample)
         value = _scalar(out, loss)
         own = tracker._bytes_of([value]).get(device, 0)
         held = tracker.current(device) - own
+        tracker.enter(BACKWARD)
         torch.autograd.backward(value)
         grads = [p.grad for p in params if p.grad is not None]
         grad_bytes = storage_bytes(grads)
         del out, value, grads
         before = tracker.current(device)
+        tracker.enter(OPTIMIZER)
         if optimizer is not None:
             if not step_bytes:
                 with FakeTracker() as inner:
@@ -196,7 +200,8 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
             optimizer.zero_grad(set_to_none=True)
     for p in params:
         p.grad = None
-    return grad_bytes, held, max(tracker.peak(device), before + sum(step_bytes))
+    tracker.phase_peaks[OPTIMIZER] = before + sum(step_bytes) if optimizer is not None else 0
+    return grad_bytes, held, max(tracker.peak(device), before + sum(step_bytes)), tracker
 
 
 def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
@@ -219,7 +224,8 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             step_bytes: list[int] = []
             for configured in configs:
                 with configured.apply(args):
-                    grads, held, peak = _step(model, args, loss, made, params, device, step_bytes)
+                    grads, held, peak, tracker = _step(model, args, loss, made, params, device, step_bytes)
+                phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
                 rows.append(ConfigEstimate(
                     config=configured.config,
                     label=configured.label,
@@ -230,6 +236,9 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                     optimizer_bytes=storage_bytes(state),
                     activation_bytes=held,
                     peak_bytes=base + peak,
+                    peak_phase=phase,
+                    phase_bytes=phases,
+                    holders=holders,
                 ))
     except RematError:
         raise
