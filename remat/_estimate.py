@@ -7,6 +7,7 @@ a configuration for a while ]); `_plan.estimate` runs the step on fake tensors a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from ._options import Options
 from ._plan.chain import parse_budget
 from ._plan.estimate import OPTIMIZERS, Configured, OptimizerLike, predict, resolve_device
 from ._plan.estimate_report import EstimateReport
+from ._plan.largest_batch import parse_memory, searches
 from ._policies import Policy, save_matmuls
 from ._switch import enabled
 
@@ -124,6 +126,9 @@ def estimate(
     configs: Sequence[Any] | None = None,
     where: _Where | None = None,
     device: str | torch.device | None = None,
+    memory: int | str | None = None,
+    batch_dim: int | None = None,
+    seq_dim: int | None = None,
 ) -> EstimateReport:
     """Predict the memory of one training step of `model` on `sample`, per remat configuration, without running it.
 
@@ -150,6 +155,11 @@ def estimate(
         where: which blocks the configurations rematerialize, as for `remat.apply`.
         device: the device to predict for; default: the model's, else the sample's, else the CPU. On CUDA the
             peak predicts `torch.cuda.max_memory_allocated` (tensors rounded up to 512-byte blocks).
+        memory: with `batch_dim` and/or `seq_dim`, the device memory (bytes, or a string such as "80GiB") to
+            fit: each configuration also gets the largest batch size (`largest_batch`, along `batch_dim` of the
+            sample's tensors) and sequence length (`largest_seq`, along `seq_dim`, at the sample's batch size)
+            whose whole step peaks within it, found by bisection on fake tensors.
+        batch_dim, seq_dim: the dimension of the sample's tensors that is the batch, the sequence.
 
     Returns:
         An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
@@ -183,4 +193,6 @@ def estimate(
         configs = (configs,)
     resolved = [_configured(model, config, where) for config in configs]
     target = resolve_device(model, sample, device)
-    return predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target)
+    refine = searches(sample, memory, batch_dim, seq_dim)
+    report = predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target, refine=refine)
+    return report if refine is None else dataclasses.replace(report, memory=parse_memory(memory, "estimate"))

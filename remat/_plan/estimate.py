@@ -22,6 +22,7 @@ running the step again, at a fraction of the time (a 7B model's AdamW step is th
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -39,7 +40,7 @@ from .._measure.measure import _loss as default_loss
 from .estimate_report import ConfigEstimate, EstimateReport
 from .step_phases import BACKWARD, OPTIMIZER, StepTracker, where_it_peaks
 
-__all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "make_optimizer", "predict", "resolve_device"]
+__all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict", "resolve_device"]
 
 OptimizerLike = str | Callable[..., torch.optim.Optimizer] | None
 
@@ -204,8 +205,14 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
     return grad_bytes, held, max(tracker.peak(device), before + sum(step_bytes)), tracker
 
 
+Refine = Callable[[Configured, ConfigEstimate, Callable[[Any], ConfigEstimate]], ConfigEstimate]
+"""A second look at each configuration (the largest batch): given its row and a function that estimates the same
+configuration on another sample (real or meta tensors) in the same fake session, return the row to report."""
+
+
 def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
-            optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device) -> EstimateReport:
+            optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
+            refine: Refine | None = None) -> EstimateReport:
     """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes."""
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
@@ -213,20 +220,22 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     try:
         with fake_mode(), fake_state(model, device) as params, torch.enable_grad(), real_masks(sample):
             buffers = list(model.buffers())
-            args = fake_sample(sample, device)
-            inputs = _tensors(args)
             made = make_optimizer(optimizer, params, device)
             _warm(made, params)
             state = _state_tensors(made)
             param_keys = {p.untyped_storage()._cdata for p in params}
             state = [t for t in state if t.untyped_storage()._cdata not in param_keys]
-            base = storage_bytes([*params, *buffers, *inputs, *state], device)
+            kept = storage_bytes([*params, *buffers, *state], device)
             step_bytes: list[int] = []
-            for configured in configs:
+
+            def one(configured: Configured, given: Any) -> ConfigEstimate:
+                args = fake_sample(given, device)
+                inputs = _tensors(args)
+                base = kept + storage_bytes(inputs, device)
                 with configured.apply(args):
                     grads, held, peak, tracker = _step(model, args, loss, made, params, device, step_bytes)
                 phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
-                rows.append(ConfigEstimate(
+                return ConfigEstimate(
                     config=configured.config,
                     label=configured.label,
                     params_bytes=storage_bytes(params),
@@ -239,7 +248,13 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                     peak_phase=phase,
                     phase_bytes=phases,
                     holders=holders,
-                ))
+                )
+
+            for configured in configs:
+                row = one(configured, sample)
+                if refine is not None:
+                    row = refine(configured, row, functools.partial(one, configured))
+                rows.append(row)
     except RematError:
         raise
     except Exception as error:

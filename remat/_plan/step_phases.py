@@ -170,13 +170,16 @@ def peak_lines(rows: Sequence[Any], memory: int | None) -> list[str]:
     remat frees when the optimizer step sets the peak, and the largest batches that fit in ``memory``."""
     lines: list[str] = []
     if rows and all(row.peak_phase == OPTIMIZER for row in rows):
-        frees = ", ".join(f"{row.label} {format_bytes(row.step_peak_bytes)}" for row in rows)
-        lines.append(f"the optimizer step sets the peak under every configuration ({format_bytes(rows[0].peak_bytes)}"
-                     f"): remat frees activations only, which lower forward/backward's peak: {frees}")
-    for row in rows:
+        frees = ", ".join(f"{row.label} {format_bytes(row.activation_bytes)}" for row in rows)
+        lines.append(f"the optimizer step sets the peak under every configuration ({format_bytes(rows[0].peak_bytes)})"
+                     f", and remat does not lower it: remat frees activations, the bytes held for backward ({frees}); "
+                     "the memory they free goes to a larger batch (memory=, batch_dim=)")
+    same = len({(row.peak_phase, row.holders) for row in rows}) == 1
+    for row in rows[:1] if same else rows:
         if row.holders:
             held = ", ".join(f"{name} {format_bytes(n)}" for name, n in row.holders)
-            lines.append(f"{row.label}: peaks in {row.peak_phase or '?'}; largest holders there: {held}")
+            label = "every configuration" if same and len(rows) > 1 else row.label
+            lines.append(f"{label}: peaks in {row.peak_phase or '?'}; largest holders there: {held}")
     if memory is not None:
         for row in rows:
             if row.largest_batch is not None:
