@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import _targets
-from ._api import remat
+from ._fit import apply_budget
 from ._options import Options
 from ._plan.chain import parse_budget
 from ._plan.estimate import OPTIMIZERS, Configured, OptimizerLike, predict, resolve_device
@@ -95,7 +95,8 @@ def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configur
         @contextlib.contextmanager
         def planned(sample: Any) -> Iterator[None]:
             with _restoring(model):
-                remat.apply(model, where, budget=config, sample=sample)  # spec §2.8's planner, on fake tensors
+                apply_budget(model, config, sample, where, loss=None, choices=None, replan=True, preserve_rng=True,
+                             strategy="rerun", check=True)  # the planner of remat.apply(budget=), on fake tensors
                 with enabled(True):
                     yield
 
