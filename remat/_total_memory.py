@@ -13,6 +13,7 @@ remainder, when the least total is the state plus the least budget it names.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +32,12 @@ __all__ = ["apply_memory", "as_optimizer"]
 
 def as_optimizer(optimizer: Any) -> OptimizerLike:
     """What `estimate` takes for ``optimizer``: a name, a class or factory as they are; an optimizer object as a
-    factory of the same class with the same settings (its ``defaults``)."""
+    factory of the same class with the same settings (its ``defaults`` that its constructor takes)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer  # type: ignore[no-any-return]
-    kind, defaults = type(optimizer), dict(optimizer.defaults)
+    kind = type(optimizer)
+    accepted = inspect.signature(kind).parameters
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
 
     def same(params: Any) -> torch.optim.Optimizer:
         return kind(params, **defaults)
