@@ -195,3 +195,15 @@ def test_phase_and_holders_when_activations_dominate() -> None:
     _, measured = _real_step(_model(), x)
     assert max(measured, key=lambda phase: measured[phase]) == row.peak_phase != "optimizer step"
     assert row.holders[0][0].startswith("*.")  # activations of the blocks, folded
+
+
+def test_cli_prints_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from remat.bench.cli import main
+
+    assert main(["estimate", "--hf", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
+                 "--optimizer", "sgd", "--memory", "64MiB", "--largest-seq"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("largest batch that fits in 64.00 MiB") == 4 and "sequence length" in out
+    with pytest.raises(SystemExit):
+        main(["estimate", "--memory", "64MiB"])  # the benchmark's models: --hf only
