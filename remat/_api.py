@@ -171,6 +171,8 @@ class Remat:
         loss: Callable[[Any], Any] | None = None,
         choices: Sequence[PolicyLike] | None = None,
         replan: bool = True,
+        memory: Budget | None = None,
+        optimizer: Any = None,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -194,17 +196,28 @@ class Remat:
                 `.loss` if it has one, else the sum of its floating tensors).
             choices: with `budget`, more policies a block may get besides kept, save_matmuls and full remat.
             replan: with `budget`, profile and plan again when the model is called with a new input shape.
+            memory: instead of `budget`, the device memory a whole training step must fit in (bytes, or a string
+                such as "22GiB"): what the parameters, buffers, `sample` and the optimizer's state take is
+                counted exactly (as `remat.estimate` does) and the rest is the activation budget.
+            optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",
+                "adam" or "adamw" (None: no optimizer step).
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
                 or `every` is not a positive int.
             BudgetError: with `budget`, no choice per block fits; the message names the smallest budget that does.
+                With `memory`, the step does not fit even with full remat; `least_bytes` is the least total.
 
         >>> import torch, remat
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
         >>> model = remat.apply(model, torch.nn.Linear)
         >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
         """
+        if memory is not None or optimizer is not None:
+            if memory is None or budget is not None:
+                raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
+                                 "with `optimizer`), not both; `optimizer` goes with `memory`.")
+            budget = memory  # the same checks of the other arguments, below
         if budget is not None:
             if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
                 raise ValueError(
@@ -213,6 +226,13 @@ class Remat:
                 )
             from . import _fit  # the profiler and planner load with the first budget
 
+            if memory is not None:
+                from ._total_memory import apply_memory
+
+                options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
+                           "check": check}
+                return apply_memory(model, memory, sample, where, optimizer=optimizer, loss=loss,  # type: ignore
+                                    options=options)
             return _fit.apply_budget(
                 model, budget, sample, where, loss=loss, choices=choices, replan=replan,
                 preserve_rng=preserve_rng, strategy=strategy, check=check,

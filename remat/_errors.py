@@ -26,11 +26,12 @@ class RecomputeMismatchError(RematError, CheckpointError):
 
 
 class BudgetError(RematError):
-    """No schedule fits the memory budget given to `remat.solve`, `remat.chain` or `remat.apply(budget=...)`.
+    """No schedule fits the memory given to `remat.solve`, `remat.chain` or `remat.apply(budget=... | memory=...)`.
 
     Attributes:
-        least_bytes: the smallest budget, in bytes, that remat can meet for this model and input (also named in
-            the message), or None where it is not known.
+        least_bytes: the smallest budget, in bytes, that remat can meet for this model and input (for
+            `remat.apply(memory=...)`, the smallest total memory), also named in the message; None where it is
+            not known.
 
     >>> BudgetError("remat: too small", least_bytes=1024).least_bytes
     1024

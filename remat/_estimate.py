@@ -18,8 +18,9 @@ from . import _sharded, _targets
 from ._fit import apply_budget
 from ._options import Options
 from ._plan.chain import parse_budget
-from ._plan.estimate import OPTIMIZERS, Configured, OptimizerLike, predict, resolve_device
+from ._plan.estimate import OPTIMIZERS, Configured, OptimizerLike, Refine, predict, resolve_device
 from ._plan.estimate_report import EstimateReport
+from ._plan.largest_batch import parse_memory, searches
 from ._policies import Policy, save_matmuls
 from ._switch import enabled
 
@@ -94,9 +95,8 @@ def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configur
         @contextlib.contextmanager
         def planned(sample: Any) -> Iterator[None]:
             with _restoring(model):
-                # the planner of `remat.apply(model, budget=...)`, on fake tensors
-                apply_budget(model, config, sample, where, loss=None, choices=None, replan=True,
-                             preserve_rng=True, strategy="rerun", check=True)
+                apply_budget(model, config, sample, where, loss=None, choices=None, replan=True, preserve_rng=True,
+                             strategy="rerun", check=True)  # the planner of remat.apply(budget=), on fake tensors
                 with enabled(True):
                     yield
 
@@ -129,6 +129,9 @@ def estimate(
     device: str | torch.device | None = None,
     world_size: int | None = None,
     shard: str | None = None,
+    memory: int | str | None = None,
+    batch_dim: int | None = None,
+    seq_dim: int | None = None,
 ) -> EstimateReport:
     """Predict the memory of one training step of `model` on `sample`, per remat configuration, without running it.
 
@@ -160,6 +163,11 @@ def estimate(
             fake process group; the sample is one rank's batch. See "Many GPUs" in the README.
         shard: "fsdp2": estimate a plain model as if `fully_shard` were applied to each block `remat.apply`
             picks (or `where`) and to the root, on `world_size` ranks.
+        memory: with `batch_dim` and/or `seq_dim`, the device memory (bytes, or a string such as "80GiB") to
+            fit: each configuration also gets the largest batch size (`largest_batch`, along `batch_dim` of the
+            sample's tensors) and sequence length (`largest_seq`, along `seq_dim`, at the sample's batch size)
+            whose whole step peaks within it, found by bisection on fake tensors.
+        batch_dim, seq_dim: the dimension of the sample's tensors that is the batch, the sequence.
 
     Returns:
         An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
@@ -192,15 +200,19 @@ def estimate(
     if isinstance(configs, (str, Policy)) or not isinstance(configs, Sequence):
         configs = (configs,)
     target = resolve_device(model, sample, device)
+    refine = searches(sample, memory, batch_dim, seq_dim)
     if world_size is not None or shard is not None or _sharded.is_sharded(model):
-        return _per_rank(model, sample, loss, optimizer, configs, where, target, world_size, shard)
-    resolved = [_configured(model, config, where) for config in configs]
-    return predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target)
+        report = _per_rank(model, sample, loss, optimizer, configs, where, target, world_size, shard, refine)
+    else:
+        resolved = [_configured(model, config, where) for config in configs]
+        report = predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
+                         refine=refine)
+    return report if refine is None else dataclasses.replace(report, memory=parse_memory(memory, "estimate"))
 
 
 def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None, optimizer: OptimizerLike,
               configs: Sequence[Any], where: _Where | None, target: torch.device, world_size: int | None,
-              shard: str | None) -> EstimateReport:
+              shard: str | None, refine: Refine | None) -> EstimateReport:
     """One rank's estimate, on a sharded shadow of the model: NOTE [ Estimating one rank of FSDP2 ]."""
     if shard not in (None, "fsdp2"):
         raise ValueError(f"remat: estimate's `shard` must be None or 'fsdp2', but got {shard!r}.")
@@ -220,5 +232,5 @@ def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor]
             return list(copy.parameters())
 
         report = predict(copy, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
-                         prepare=prepare)
+                         prepare=prepare, refine=refine)
     return dataclasses.replace(report, model=type(model).__qualname__)

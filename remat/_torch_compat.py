@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 from torch._ops import OpOverload
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
@@ -30,6 +35,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 __all__ = [
     "DataDependentOutputException",
     "DynamicOutputShapeException",
+    "FakeTensor",
     "FakeTensorMode",
     "GlobalModuleHooks",
     "OpOverload",

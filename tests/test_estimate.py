@@ -304,8 +304,10 @@ def test_report_table_lookup_and_dict() -> None:
                             configs=("none", remat.policies.save_matmuls))
     lines = str(report).splitlines()
     assert lines[0] == "remat.estimate: Sequential, one training step (optimizer step AdamW), predicted for cpu"
-    assert lines[1].split() == ["config", "params", "grads", "optimizer", "activations", "peak"]
-    assert len({len(line) for line in lines[1:]}) == 1  # aligned
+    assert lines[1].split() == ["config", "params", "grads", "optimizer", "activations", "fwd/bwd", "peak", "peak",
+                                "peaks", "in"]
+    phases = ["peaks in", *(row.peak_phase for row in report)]
+    assert len({len(line) - len(phase) for line, phase in zip(lines[1:4], phases, strict=True)}) == 1  # aligned
     assert report[remat.policies.save_matmuls] is report["matmuls"] is report.rows[1]
     assert report.to_dict()["configs"][0]["config"] == "none"
     assert set(report.to_dict()["configs"][1]) >= {"params_bytes", "grads_bytes", "optimizer_bytes",

@@ -170,10 +170,20 @@ def fake_sample(sample: Any, device: torch.device) -> Any:
     """``sample`` (a tensor, a tuple/list, or a dict of keyword arguments) with every tensor made fake on ``device``.
 
     Floating-point tensors keep ``requires_grad``; nothing else of their values survives (fake tensors have none).
+    One tensor object met twice becomes one fake tensor, so its bytes count once.
     """
     if isinstance(sample, Mapping) and not isinstance(sample, dict):
         sample = dict(sample)  # a BatchEncoding and the like
-    return tree_map(lambda x: fake_like(x, device) if isinstance(x, torch.Tensor) else x, sample)
+    made: dict[int, torch.Tensor] = {}  # one tensor passed twice (`input_ids` that is also `labels`) stays one
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in made:
+            made[id(x)] = fake_like(x, device)
+        return made[id(x)]
+
+    return tree_map(one, sample)
 
 
 DATA_DEPENDENT = (

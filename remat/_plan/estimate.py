@@ -22,6 +22,7 @@ running the step again, at a fraction of the time (a 7B model's AdamW step is th
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -33,12 +34,14 @@ from torch import nn
 
 from .._errors import RematError
 from .._measure.fake import FakeTracker, data_dependent, fake_mode, fake_sample, fake_state, storage_bytes
+from .._measure.hf_fake import real_masks
 from .._measure.loss import call as _call
 from .._measure.loss import default_loss
 from .._torch_compat import tree_leaves
 from .estimate_report import ConfigEstimate, EstimateReport
+from .step_phases import BACKWARD, OPTIMIZER, StepTracker, where_it_peaks
 
-__all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "make_optimizer", "predict", "resolve_device"]
+__all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict", "resolve_device"]
 
 OptimizerLike = str | Callable[..., torch.optim.Optimizer] | None
 
@@ -157,24 +160,27 @@ def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor
 
 def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
           optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
-          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int]:
-    """Run one counted step; return (gradient bytes, activation bytes, peak bytes the step adds on ``device``).
+          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int, StepTracker]:
+    """Run one counted step; return (gradient bytes, activation bytes, peak bytes the step adds on ``device``,
+    the tracker with the forward and backward peaks and their holders: NOTE [ Who holds the peak ]).
 
     ``step_bytes`` holds what the optimizer step adds at its peak once it has been counted (see NOTE [ One
-    optimizer step ]); it is filled by the first call.
+    optimizer step ]); it is filled by the first call, with the bytes alive when the step starts.
     """
     for p in params:
         p.grad = None
-    with FakeTracker() as tracker:
+    with StepTracker(model, device) as tracker, tracker.modules():
         out = _call(model, sample)
         value = _scalar(out, loss)
         own = tracker._bytes_of([value]).get(device, 0)
         held = tracker.current(device) - own
+        tracker.enter(BACKWARD)
         torch.autograd.backward(value)
         grads = [p.grad for p in params if p.grad is not None]
         grad_bytes = storage_bytes(grads)
         del out, value, grads
         before = tracker.current(device)
+        tracker.enter(OPTIMIZER)
         if optimizer is not None:
             if not step_bytes:
                 with FakeTracker() as inner:
@@ -183,38 +189,48 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
             optimizer.zero_grad(set_to_none=True)
     for p in params:
         p.grad = None
-    return grad_bytes, held, max(tracker.peak(device), before + sum(step_bytes))
+    tracker.phase_peaks[OPTIMIZER] = before + sum(step_bytes) if optimizer is not None else 0
+    return grad_bytes, held, max(tracker.peak(device), before + sum(step_bytes)), tracker
+
+
+Refine = Callable[[Configured, ConfigEstimate, Callable[[Any], ConfigEstimate]], ConfigEstimate]
+"""A second look at each configuration (the largest batch): given its row and a function that estimates the same
+configuration on another sample (real or meta tensors) in the same fake session, return the row to report."""
 
 
 def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
             optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
-            prepare: Callable[[], list[torch.Tensor]] | None = None) -> EstimateReport:
+            prepare: Callable[[], list[torch.Tensor]] | None = None, refine: Refine | None = None) -> EstimateReport:
     """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes.
 
     ``prepare``, if given, runs once the model holds fake parameters (``fully_shard`` for a per-rank estimate)
-    and returns the parameters the step trains.
+    and returns the parameters the step trains. ``refine``, if given, takes a second look at each row (the
+    largest batch that fits).
     """
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
     made: torch.optim.Optimizer | None = None
     try:
-        with fake_mode(), fake_state(model, device) as params, torch.enable_grad():
+        with fake_mode(), fake_state(model, device) as params, torch.enable_grad(), real_masks(sample):
             if prepare is not None:
                 params = prepare()
             buffers = list(model.buffers())
-            args = fake_sample(sample, device)
-            inputs = _tensors(args)
             made = make_optimizer(optimizer, params, device)
             _warm(made, params)
             state = _state_tensors(made)
             param_keys = {p.untyped_storage()._cdata for p in params}
             state = [t for t in state if t.untyped_storage()._cdata not in param_keys]
-            base = storage_bytes([*params, *buffers, *inputs, *state], device)
+            kept = storage_bytes([*params, *buffers, *state], device)
             step_bytes: list[int] = []
-            for configured in configs:
+
+            def one(configured: Configured, given: Any) -> ConfigEstimate:
+                args = fake_sample(given, device)
+                inputs = _tensors(args)
+                base = kept + storage_bytes(inputs, device)
                 with configured.apply(args):
-                    grads, held, peak = _step(model, args, loss, made, params, device, step_bytes)
-                rows.append(ConfigEstimate(
+                    grads, held, peak, tracker = _step(model, args, loss, made, params, device, step_bytes)
+                phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
+                return ConfigEstimate(
                     config=configured.config,
                     label=configured.label,
                     params_bytes=storage_bytes(params),
@@ -224,7 +240,16 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                     optimizer_bytes=storage_bytes(state),
                     activation_bytes=held,
                     peak_bytes=base + peak,
-                ))
+                    peak_phase=phase,
+                    phase_bytes=phases,
+                    holders=holders,
+                )
+
+            for configured in configs:
+                row = one(configured, sample)
+                if refine is not None:
+                    row = refine(configured, row, functools.partial(one, configured))
+                rows.append(row)
     except RematError:
         raise
     except Exception as error:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._measure.measure import format_bytes
+from .step_phases import peak_lines
 
 __all__ = ["ConfigEstimate", "EstimateReport"]
 
@@ -27,6 +28,13 @@ class ConfigEstimate:
             the loss itself left out: what is held for backward.
         peak_bytes: The highest live bytes of the whole step (forward, backward, optimizer step), the state
             above included; on CUDA, what ``torch.cuda.max_memory_allocated`` would show.
+        peak_phase: Where the step peaks: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
+        phase_bytes: The peak of each phase, the state above included (``peak_bytes`` is the largest).
+        holders: The largest holders at the peak, ``(module, bytes)``: in forward or backward what the step
+            made (activations, gradients), at the optimizer step each module's parameters, gradients and
+            state; repeated blocks folded into one line (``layers.*.mlp (32x)``).
+        largest_batch, largest_seq: With ``memory=``: the largest batch size (and sequence length, with
+            ``seq_dim=``) whose step fits in it; 0 when none does; None without ``memory=``.
     """
 
     config: Any
@@ -38,6 +46,16 @@ class ConfigEstimate:
     optimizer_bytes: int
     activation_bytes: int
     peak_bytes: int
+    peak_phase: str = ""
+    phase_bytes: Mapping[str, int] = field(default_factory=dict)
+    holders: tuple[tuple[str, int], ...] = ()
+    largest_batch: int | None = None
+    largest_seq: int | None = None
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The peak of forward and backward, the state included: what remat's configurations change."""
+        return max((n for phase, n in self.phase_bytes.items() if phase != "optimizer step"), default=self.peak_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the numbers as plain JSON-ready values (the configuration as its label)."""
@@ -50,6 +68,11 @@ class ConfigEstimate:
             "optimizer_bytes": self.optimizer_bytes,
             "activation_bytes": self.activation_bytes,
             "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "phase_bytes": dict(self.phase_bytes),
+            "holders": [list(holder) for holder in self.holders],
+            "largest_batch": self.largest_batch,
+            "largest_seq": self.largest_seq,
         }
 
 
@@ -58,6 +81,7 @@ _COLUMNS = (
     ("grads_bytes", "grads"),
     ("optimizer_bytes", "optimizer"),
     ("activation_bytes", "activations"),
+    ("step_peak_bytes", "fwd/bwd peak"),
     ("peak_bytes", "peak"),
 )
 
@@ -71,6 +95,7 @@ class EstimateReport:
         device: The device predicted for (``"cpu"``, ``"cuda:0"``).
         optimizer: The optimizer's class name, or ``None`` when the step has no optimizer step.
         rows: One `ConfigEstimate` per configuration, in the order given.
+        memory: The memory the largest batch sizes were searched for, in bytes (None without ``memory=``).
 
     Example:
         >>> import torch, remat
@@ -87,6 +112,7 @@ class EstimateReport:
     device: str
     optimizer: str | None
     rows: tuple[ConfigEstimate, ...]
+    memory: int | None = None
 
     def __getitem__(self, config: Any) -> ConfigEstimate:
         for row in self.rows:
@@ -110,6 +136,7 @@ class EstimateReport:
             "device": self.device,
             "optimizer": self.optimizer,
             "configs": [row.to_dict() for row in self.rows],
+            "memory": self.memory,
         }
 
     def __str__(self) -> str:
@@ -117,13 +144,15 @@ class EstimateReport:
         lines = [f"remat.estimate: {self.model}, one training step ({step}), predicted for {self.device}"]
         if self.device.startswith("cuda"):
             lines.append("peak = torch.cuda.max_memory_allocated (every tensor rounded up to a 512-byte block)")
-        header = ("config", *(title for _, title in _COLUMNS))
-        rows = [header, *((r.label, *(format_bytes(getattr(r, attr)) for attr, _ in _COLUMNS)) for r in self.rows)]
+        header = ("config", *(title for _, title in _COLUMNS), "peaks in")
+        rows = [header, *((r.label, *(format_bytes(getattr(r, attr)) for attr, _ in _COLUMNS), r.peak_phase)
+                          for r in self.rows)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         for row in rows:
-            cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))]
+            cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)),
+                     row[-1]]
             lines.append("  ".join(cells).rstrip())
-        return "\n".join(lines)
+        return "\n".join([*lines, *peak_lines(self.rows, self.memory)])
 
 
 def _same(a: Any, b: Any) -> bool:

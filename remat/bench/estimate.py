@@ -320,11 +320,20 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
                         help="optimizer step to include (default adamw)")
     parser.add_argument("--device", default="cpu", help="device to predict for (default cpu; cuda works "
                         "without a GPU: it predicts torch.cuda.max_memory_allocated)")
+    parser.add_argument("--memory", help="device memory (e.g. 80GiB, --hf): also print the largest batch whose "
+                        "step fits in it per configuration")
+    parser.add_argument("--largest-seq", action="store_true", help="with --memory: also the largest sequence length")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
     parser.add_argument("--world-size", type=int, help="predict one rank of this many data-parallel ranks")
     parser.add_argument("--shard", choices=["fsdp2"], help="with --world-size: as if fully_shard were applied to "
                         "each block and the root (FSDP2)")
     args = parser.parse_args(list(argv))
+    if args.memory is not None and not args.hf:
+        parser.error("--memory needs --hf: the benchmark's models take a loss with fixed target shapes")
+    if args.largest_seq and args.memory is None:
+        parser.error("--largest-seq goes with --memory")
+    search: dict[str, Any] = {} if args.memory is None else {
+        "memory": args.memory, "batch_dim": 0, "seq_dim": 1 if args.largest_seq else None}
     optimizer = None if args.optimizer == "none" else args.optimizer
     ranks: dict[str, Any] = {"world_size": args.world_size, "shard": args.shard} if args.world_size else {}
     if args.shard and not args.world_size:
@@ -341,12 +350,12 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
         configs: tuple[Any, ...] = tuple(DEFAULT_CONFIGS)
         try:
             report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
-                                    configs=configs, device=args.device, **ranks)
+                                    configs=configs, device=args.device, **ranks, **search)
             unfit = ""
         except remat.BudgetError as e:  # the budget row does not fit this model: the other rows still tell
             configs = tuple(config for config in configs if isinstance(config, str))
             report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
-                                    configs=configs, device=args.device, **ranks)
+                                    configs=configs, device=args.device, **ranks, **search)
             unfit = str(e)
         print(f"{case.name}: estimated in {time.perf_counter() - start:.1f} s", file=out)
         print(report, file=out)

@@ -1,0 +1,209 @@
+"""`remat.apply(memory=...)`, the largest batch of `remat.estimate(memory=...)` and where a step peaks, each
+checked against a real training step tracked with `remat.track()`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import remat
+
+WIDTH = 32
+
+
+def _model(depth: int = 6, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)) for _ in range(depth)]
+    return nn.Sequential(*blocks).to(dtype)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _real_step(model: nn.Module, x: torch.Tensor, optimizer: str | None = "adamw") -> tuple[int, dict[str, int]]:
+    """One warm real step (state made by a step on zero gradients first): (total peak, peak per phase)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[optimizer](params) if optimizer else None
+    if opt is not None:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state = [t for s in (opt.state.values() if opt else ()) for t in tree_leaves(s) if isinstance(t, torch.Tensor)]
+    base = _bytes([*params, *model.buffers(), x, *state])
+    phases: dict[str, int] = {}
+    with remat.track() as t:  # the output stays alive through backward, as in a usual training loop
+        out = model(x)
+        value = _loss(out)
+        phases["forward"] = t.peak_bytes
+        t._restart_peak()
+        torch.autograd.backward(value)
+        del out, value
+        phases["backward"] = t.peak_bytes
+        t._restart_peak()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            phases["optimizer step"] = t.peak_bytes
+    peaks = {phase: base + n for phase, n in phases.items()}
+    return max(peaks.values()), peaks
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.autograd.backward(_loss(model(x)))
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+# -- apply(memory=...) ---------------------------------------------------------------------------
+
+
+def test_memory_plan_runs_within_memory_and_matches_no_remat_gradients() -> None:
+    x = torch.randn(512, WIDTH)
+    none, _ = _real_step(_model(), x)
+    full_model = remat.apply(_model(), policy=None)
+    full, _ = _real_step(full_model, x)
+    assert full < 0.7 * none  # room between the two for a plan
+    memory = (none + full) // 2
+    model = remat.apply(_model(), memory=memory, sample=x, loss=_loss, optimizer="adamw")
+    sites = remat.plan(model)
+    assert len(sites) > 0  # something is rematerialized: the plan is active
+    measured, _ = _real_step(model, x)
+    assert measured <= memory * 1.05, (measured, memory)
+
+    model64 = remat.apply(_model(dtype=torch.float64), memory=memory * 2, sample=x.double(), loss=_loss,
+                          optimizer=torch.optim.AdamW)
+    assert len(remat.plan(model64)) > 0
+    x64 = x.double()
+    with remat.enabled(False):
+        expected = _grads(model64, x64)
+    torch.testing.assert_close(_grads(model64, x64), expected)
+
+
+def test_memory_below_full_remat_names_the_least_total() -> None:
+    x = torch.randn(256, WIDTH)
+    model = _model()
+    with pytest.raises(remat.BudgetError, match="at least") as info:
+        remat.apply(model, memory=100_000, sample=x, loss=_loss, optimizer=torch.optim.AdamW(model.parameters()))
+    least = info.value.least_bytes
+    assert least is not None and least > 100_000
+    assert len(remat.plan(model)) == 0  # nothing left behind
+    full, _ = _real_step(remat.apply(_model(), policy=None), x)
+    assert full <= least * 1.05 and least <= full * 1.05  # the least total is what full remat measures
+    planned = remat.apply(_model(), memory=int(least * 1.02), sample=x, loss=_loss, optimizer="adamw")
+    assert _real_step(planned, x)[0] <= least * 1.02 * 1.05
+
+
+def test_memory_argument_errors() -> None:
+    x = torch.randn(8, WIDTH)
+    with pytest.raises(ValueError, match="not both"):
+        remat.apply(_model(), memory="1GiB", budget=0.5, sample=x)
+    with pytest.raises(ValueError, match="goes with `memory`"):
+        remat.apply(_model(), optimizer="adamw")
+    with pytest.raises(ValueError, match="needs `sample=`"):
+        remat.apply(_model(), memory="1GiB")
+    with pytest.raises(TypeError, match="memory"):
+        remat.apply(_model(), memory=0.5, sample=x)
+
+
+# -- the largest batch -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["none", "full"])
+def test_largest_batch_runs_within_memory_and_the_next_does_not(config: str) -> None:
+    memory = 1_500_000
+    report = remat.estimate(_model(), torch.randn(4, WIDTH), loss=_loss, optimizer="adamw", configs=(config,),
+                            memory=memory, batch_dim=0)
+    batch = report[config].largest_batch
+    assert batch is not None and batch > 4
+    assert report.memory == memory and "largest batch" in str(report)
+
+    def measured(n: int) -> int:
+        model = _model() if config == "none" else remat.apply(_model(), policy=None)
+        with remat.enabled(config != "none"):
+            return _real_step(model, torch.randn(n, WIDTH))[0]
+
+    assert measured(batch) <= memory < measured(batch + 1)
+
+
+def test_largest_sequence_along_seq_dim() -> None:
+    memory = 1_500_000
+    report = remat.estimate(_model(), torch.randn(2, 8, WIDTH), loss=_loss, optimizer="adamw", configs=("none",),
+                            memory=memory, batch_dim=0, seq_dim=1)
+    row = report["none"]
+    assert row.largest_batch is not None and row.largest_seq is not None
+    seq = row.largest_seq
+    assert _real_step(_model(), torch.randn(2, seq, WIDTH))[0] <= memory < _real_step(
+        _model(), torch.randn(2, seq + 1, WIDTH))[0]
+
+
+def test_search_arguments() -> None:
+    x = torch.randn(4, WIDTH)
+    with pytest.raises(ValueError, match="batch_dim"):
+        remat.estimate(_model(), x, loss=_loss, configs=("none",), memory="1MiB")
+    with pytest.raises(ValueError, match="go with `memory=`"):
+        remat.estimate(_model(), x, loss=_loss, configs=("none",), batch_dim=0)
+    with pytest.raises(ValueError, match="dimension"):
+        remat.estimate(_model(), x, loss=_loss, configs=("none",), memory="1MiB", batch_dim=3)
+
+
+# -- where the step peaks ------------------------------------------------------------------------
+
+
+class _Wide(nn.Module):
+    """One big layer among small ones: its parameters, gradients and Adam state dominate the optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Linear(WIDTH, WIDTH)
+        self.big = nn.Linear(WIDTH, 64 * WIDTH)
+        self.out = nn.Linear(64 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.out(self.big(self.small(x)).relu())
+
+
+def test_phase_and_holders_when_the_optimizer_step_dominates() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, WIDTH)
+    report = remat.estimate(_Wide(), x, loss=_loss, optimizer="adam", configs=("none",))
+    row = report["none"]
+    _, measured = _real_step(_Wide(), x, optimizer="adam")
+    assert max(measured, key=lambda phase: measured[phase]) == "optimizer step" == row.peak_phase
+    assert [name for name, _ in row.holders[:2]] in (["big", "out"], ["out", "big"])
+    assert row.holders[0][1] > 10 * dict(row.holders).get("small", 0)
+    assert "optimizer step sets the peak under every configuration" in str(report)
+    for phase, n in measured.items():
+        assert abs(row.phase_bytes[phase] / n - 1) < 0.05, (phase, row.phase_bytes[phase], n)
+
+
+def test_phase_and_holders_when_activations_dominate() -> None:
+    x = torch.randn(4096, WIDTH)
+    report = remat.estimate(_model(), x, loss=_loss, optimizer="adamw", configs=("none",))
+    row = report["none"]
+    _, measured = _real_step(_model(), x)
+    assert max(measured, key=lambda phase: measured[phase]) == row.peak_phase != "optimizer step"
+    assert row.holders[0][0].startswith("*.")  # activations of the blocks, folded
+
+
+def test_cli_prints_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from remat.bench.cli import main
+
+    assert main(["estimate", "--hf", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
+                 "--optimizer", "sgd", "--memory", "64MiB", "--largest-seq"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("largest batch that fits in 64.00 MiB") == 4 and "sequence length" in out
+    with pytest.raises(SystemExit):
+        main(["estimate", "--memory", "64MiB"])  # the benchmark's models: --hf only
