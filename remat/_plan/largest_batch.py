@@ -6,9 +6,13 @@ step (forward, backward, optimizer step, the state included) peaks at most at ``
 an estimate of the same configuration on a sample resized along ``batch_dim`` (every tensor of the sample whose
 size there is the sample's batch size), run in the same fake session, so the optimizer's state is made once.
 The search is a bisection: from a first guess it doubles its step until one size fits and the next does not
-bracket the answer, then halves the bracket. The first guess extrapolates forward/backward's peak, which grows
-about linearly with the batch, from the sample's size and twice it; a good guess makes the search a handful of
-estimates (the answer is checked: the size fits and the next one up does not), and a bad one costs a few more.
+bracket the answer, then halves the bracket. The first guess extrapolates each phase's peak on the line through
+the sample's size and twice it, and takes the size where the first of them reaches ``memory``: a step's peak is
+the largest of several lines (early in backward the activations dominate, late in backward the gradients, the
+optimizer step holds no activations), and at small sizes the steep one is often not yet the highest, so
+extrapolating the whole step's peak (flat there) guesses far too high. Forward's peak is one such line, and
+backward's early peak lies just above it, so the guess is near; the answer is then checked (the size fits and
+the next one up does not), and a bad guess costs a few more estimates.
 With ``seq_dim`` the same search runs along the sequence at the sample's batch size. A size whose planner
 refuses its budget (`BudgetError`) does not fit. Sizes are capped at `CAP`.
 """
@@ -109,12 +113,28 @@ def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int,
         return got is not None and got.peak_bytes <= memory
 
     twice = at(2 * size) if row.peak_bytes <= memory else None
-    guess = size
-    if twice is not None:
-        slope = (twice.step_peak_bytes - row.step_peak_bytes) / size
+    return largest(fits, _guess(row, twice, size, memory) if twice is not None else size)
+
+
+def _guess(row: ConfigEstimate, twice: ConfigEstimate, size: int, memory: int) -> int:
+    """The largest size at which every phase's peak, extrapolated on the line through ``size`` and twice it,
+    stays within ``memory`` (NOTE [ Searching the largest batch ]).
+
+    >>> one = ConfigEstimate("full", "full", 0, 0, 0, 0, 0, 0, 60, phase_bytes={"forward": 30, "backward": 60})
+    >>> two = dataclasses.replace(one, phase_bytes={"forward": 40, "backward": 61})
+    >>> _guess(one, two, 1, 100)  # forward's line (20 + 10 a size) reaches 100 first, at 8; backward's at 41
+    8
+    """
+    phases = {phase: (row.phase_bytes[phase], twice.phase_bytes[phase])
+              for phase in row.phase_bytes if phase in twice.phase_bytes} or {
+        "step": (row.step_peak_bytes, twice.step_peak_bytes)}
+    guess = None
+    for first, second in phases.values():
+        slope = (second - first) / size
         if slope > 0:
-            guess = size + int((memory - row.step_peak_bytes) // slope)
-    return largest(fits, guess)
+            at_most = size + int((memory - first) // slope)
+            guess = at_most if guess is None else min(guess, at_most)
+    return size if guess is None else guess
 
 
 def largest_sizes(sample: Any, memory: int, batch_dim: int | None, seq_dim: int | None) -> Refine:
