@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _sharded, _targets
+from . import _ddp, _sharded, _targets
 from ._fit import apply_budget
 from ._options import Options
 from ._plan.chain import parse_budget
@@ -159,7 +159,10 @@ def estimate(
             `fully_shard`-ed (default: its mesh's size), or with `shard="fsdp2"`. Runs in this process on torch's
             fake process group; the sample is one rank's batch. See "Many GPUs" in the README.
         shard: "fsdp2": estimate a plain model as if `fully_shard` were applied to each block `remat.apply`
-            picks (or `where`) and to the root, on `world_size` ranks.
+            picks (or `where`) and to the root, on `world_size` ranks. "ddp": as if wrapped in
+            `DistributedDataParallel` with its defaults: everything whole on every rank, plus its gradient
+            buckets (`world_size` changes nothing then, and no process group is needed). A model already
+            wrapped in `DistributedDataParallel` is estimated so, with its own `gradient_as_bucket_view`.
 
     Returns:
         An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
@@ -192,6 +195,8 @@ def estimate(
     if isinstance(configs, (str, Policy)) or not isinstance(configs, Sequence):
         configs = (configs,)
     target = resolve_device(model, sample, device)
+    if shard == "ddp" or _ddp.unwrap(model) is not None:
+        return _per_rank_ddp(model, sample, loss, optimizer, configs, where, target, world_size, shard)
     if world_size is not None or shard is not None or _sharded.is_sharded(model):
         return _per_rank(model, sample, loss, optimizer, configs, where, target, world_size, shard)
     resolved = [_configured(model, config, where) for config in configs]
@@ -203,10 +208,8 @@ def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor]
               shard: str | None) -> EstimateReport:
     """One rank's estimate, on a sharded shadow of the model: NOTE [ Estimating one rank of FSDP2 ]."""
     if shard not in (None, "fsdp2"):
-        raise ValueError(f"remat: estimate's `shard` must be None or 'fsdp2', but got {shard!r}.")
-    size = world_size if world_size is not None else _sharded.mesh_size(model)
-    if size is None or isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"remat: estimate's `world_size` must be a positive int, but got {size!r}.")
+        raise ValueError(f"remat: estimate's `shard` must be None, 'fsdp2' or 'ddp', but got {shard!r}.")
+    size = _check_size(world_size if world_size is not None else _sharded.mesh_size(model))
     copy, settings = _sharded.shadow(model)
     if shard == "fsdp2":
         for _, block in _targets._select(copy, where):
@@ -221,4 +224,39 @@ def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor]
 
         report = predict(copy, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
                          prepare=prepare)
+    return dataclasses.replace(report, model=type(model).__qualname__)
+
+
+def _check_size(size: object) -> int:
+    if size is None or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"remat: estimate's `world_size` must be a positive int, but got {size!r}.")
+    return size
+
+
+def _per_rank_ddp(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
+                  optimizer: OptimizerLike, configs: Sequence[Any], where: _Where | None, target: torch.device,
+                  world_size: int | None, shard: str | None) -> EstimateReport:
+    """One rank's estimate under DDP: the plain step with the reducer's buckets, NOTE [ Estimating one rank of DDP ]."""
+    if world_size is not None:
+        _check_size(world_size)
+    wrapped = _ddp.unwrap(model)
+    if wrapped is not None and shard not in (None, "ddp"):
+        raise ValueError(f"remat: estimate got a DistributedDataParallel model with shard={shard!r}; pass "
+                         "shard='ddp' (or none) for it, or the unwrapped module for another sharding.")
+    module, views = wrapped if wrapped is not None else (model, False)
+    if _sharded.is_sharded(module):
+        raise ValueError("remat: estimate got shard='ddp' for a model that `fully_shard` was applied to; pass "
+                         "shard='fsdp2' (or none) for it, or the model before `fully_shard` for DDP.")
+    buckets = _ddp.Buckets(views)
+
+    def resident(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        buckets.make(params)
+        return buckets.flats
+
+    resolved = [_configured(module, config, where) for config in configs]
+    try:
+        report = predict(module, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
+                         resident=resident)
+    finally:
+        buckets.close()
     return dataclasses.replace(report, model=type(model).__qualname__)

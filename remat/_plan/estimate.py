@@ -188,11 +188,13 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
 
 def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
             optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
-            prepare: Callable[[], list[torch.Tensor]] | None = None) -> EstimateReport:
+            prepare: Callable[[], list[torch.Tensor]] | None = None,
+            resident: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> EstimateReport:
     """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes.
 
     ``prepare``, if given, runs once the model holds fake parameters (``fully_shard`` for a per-rank estimate)
-    and returns the parameters the step trains.
+    and returns the parameters the step trains; ``resident``, if given, makes from them tensors that live
+    throughout the step besides the model's and the optimizer's (DDP's gradient buckets), counted in the peak.
     """
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
@@ -209,7 +211,8 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             state = _state_tensors(made)
             param_keys = {p.untyped_storage()._cdata for p in params}
             state = [t for t in state if t.untyped_storage()._cdata not in param_keys]
-            base = storage_bytes([*params, *buffers, *inputs, *state], device)
+            extra = resident(params) if resident is not None else []
+            base = storage_bytes([*params, *buffers, *inputs, *state, *extra], device)
             step_bytes: list[int] = []
             for configured in configs:
                 with configured.apply(args):

@@ -322,8 +322,9 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
                         "without a GPU: it predicts torch.cuda.max_memory_allocated)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
     parser.add_argument("--world-size", type=int, help="predict one rank of this many data-parallel ranks")
-    parser.add_argument("--shard", choices=["fsdp2"], help="with --world-size: as if fully_shard were applied to "
-                        "each block and the root (FSDP2)")
+    parser.add_argument("--shard", choices=["fsdp2", "ddp"], help="with --world-size: fsdp2, as if fully_shard "
+                        "were applied to each block and the root; ddp, as if wrapped in DistributedDataParallel "
+                        "(its gradient buckets counted)")
     args = parser.parse_args(list(argv))
     optimizer = None if args.optimizer == "none" else args.optimizer
     ranks: dict[str, Any] = {"world_size": args.world_size, "shard": args.shard} if args.world_size else {}
