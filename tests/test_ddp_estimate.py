@@ -96,11 +96,18 @@ def test_wrapped_model_with_fsdp2_shard_is_refused() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29653")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4)))
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4)), gradient_as_bucket_view=True)
         with pytest.raises(ValueError, match="DistributedDataParallel model with shard='fsdp2'"):
             remat.estimate(ddp, torch.randn(2, 4), configs=("none",), shard="fsdp2")
+        params = {name: (p, p.detach().clone()) for name, p in ddp.named_parameters()}
         report = remat.estimate(ddp, torch.randn(2, 4), configs=("none",))  # with a live process group
         assert report.model == "DistributedDataParallel"
+        assert report["none"].grads_bytes == 20 * 4, "gradients: the parameters' bytes"
+        for name, p in ddp.named_parameters():  # left as it was: same tensors, values, no grads, no hooks
+            assert p is params[name][0] and p.grad is None and not p._post_accumulate_grad_hooks
+            torch.testing.assert_close(p, params[name][1])
+        ddp(torch.randn(2, 4)).sum().backward()  # DDP still trains
+        assert all(p.grad is not None for p in ddp.parameters())
     finally:
         dist.destroy_process_group()
 
