@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _sharded, _targets
+from . import _ddp, _sharded, _targets
 from ._fit import apply_budget
 from ._options import Options
 from ._plan.chain import parse_budget
@@ -162,7 +162,10 @@ def estimate(
             `fully_shard`-ed (default: its mesh's size), or with `shard="fsdp2"`. Runs in this process on torch's
             fake process group; the sample is one rank's batch. See "Many GPUs" in the README.
         shard: "fsdp2": estimate a plain model as if `fully_shard` were applied to each block `remat.apply`
-            picks (or `where`) and to the root, on `world_size` ranks.
+            picks (or `where`) and to the root, on `world_size` ranks. "ddp": as if wrapped in
+            `DistributedDataParallel` with its defaults: everything whole on every rank, plus its gradient
+            buckets (`world_size` changes nothing then, and no process group is needed). A model already
+            wrapped in `DistributedDataParallel` is estimated so, with its own `gradient_as_bucket_view`.
         memory: with `batch_dim` and/or `seq_dim`, the device memory (bytes, or a string such as "80GiB") to
             fit: each configuration also gets the largest batch size (`largest_batch`, along `batch_dim` of the
             sample's tensors) and sequence length (`largest_seq`, along `seq_dim`, at the sample's batch size)
@@ -201,7 +204,10 @@ def estimate(
         configs = (configs,)
     target = resolve_device(model, sample, device)
     refine = searches(sample, memory, batch_dim, seq_dim)
-    if world_size is not None or shard is not None or _sharded.is_sharded(model):
+    if shard == "ddp" or _ddp.unwrap(model) is not None:
+        report = _per_rank_ddp(model, sample, loss, optimizer, configs, where, target, world_size, shard,
+                               refine)
+    elif world_size is not None or shard is not None or _sharded.is_sharded(model):
         report = _per_rank(model, sample, loss, optimizer, configs, where, target, world_size, shard, refine)
     else:
         resolved = [_configured(model, config, where) for config in configs]
@@ -215,10 +221,8 @@ def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor]
               shard: str | None, refine: Refine | None) -> EstimateReport:
     """One rank's estimate, on a sharded shadow of the model: NOTE [ Estimating one rank of FSDP2 ]."""
     if shard not in (None, "fsdp2"):
-        raise ValueError(f"remat: estimate's `shard` must be None or 'fsdp2', but got {shard!r}.")
-    size = world_size if world_size is not None else _sharded.mesh_size(model)
-    if size is None or isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"remat: estimate's `world_size` must be a positive int, but got {size!r}.")
+        raise ValueError(f"remat: estimate's `shard` must be None, 'fsdp2' or 'ddp', but got {shard!r}.")
+    size = _check_size(world_size if world_size is not None else _sharded.mesh_size(model))
     copy, settings = _sharded.shadow(model)
     if shard == "fsdp2":
         for _, block in _targets._select(copy, where):
@@ -233,4 +237,39 @@ def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor]
 
         report = predict(copy, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
                          prepare=prepare, refine=refine)
+    return dataclasses.replace(report, model=type(model).__qualname__)
+
+
+def _check_size(size: object) -> int:
+    if size is None or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"remat: estimate's `world_size` must be a positive int, but got {size!r}.")
+    return size
+
+
+def _per_rank_ddp(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
+                  optimizer: OptimizerLike, configs: Sequence[Any], where: _Where | None, target: torch.device,
+                  world_size: int | None, shard: str | None, refine: Refine | None) -> EstimateReport:
+    """One rank's estimate under DDP: the plain step with the reducer's buckets, NOTE [ Estimating one rank of DDP ]."""
+    if world_size is not None:
+        _check_size(world_size)
+    wrapped = _ddp.unwrap(model)
+    if wrapped is not None and shard not in (None, "ddp"):
+        raise ValueError(f"remat: estimate got a DistributedDataParallel model with shard={shard!r}; pass "
+                         "shard='ddp' (or none) for it, or the unwrapped module for another sharding.")
+    module, views = wrapped if wrapped is not None else (model, False)
+    if _sharded.is_sharded(module):
+        raise ValueError("remat: estimate got shard='ddp' for a model that `fully_shard` was applied to; pass "
+                         "shard='fsdp2' (or none) for it, or the model before `fully_shard` for DDP.")
+    buckets = _ddp.Buckets(views)
+
+    def resident(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        buckets.make(params)
+        return buckets.flats
+
+    resolved = [_configured(module, config, where) for config in configs]
+    try:
+        report = predict(module, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
+                         resident=resident, refine=refine)
+    finally:
+        buckets.close()
     return dataclasses.replace(report, model=type(model).__qualname__)

@@ -17,12 +17,14 @@ model pass through the hook untouched. A plan is checked on one more real tracke
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from . import _sharded
 from ._engine.compiled import compiling
 from ._errors import BudgetError
 from ._fit_check import check_plan, measure_step
@@ -104,6 +106,8 @@ class _Budget:
         self.signature: tuple[Any, ...] | None = None
         self.busy = False
         self.told = False  # whether re-planning inside a forward was logged (once per model)
+        self.sharded = False  # whether the plan was made on a `fully_shard`-ed model: NOTE [ Budgets and FSDP2 ]
+        self.warned = False
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
@@ -162,9 +166,13 @@ class _Budget:
             self.busy = False
         self.budget_plan = plan
         self.signature = _signature(args, kwargs)
+        self.sharded = _sharded.is_sharded(model)
         return plan
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not getattr(self, "sharded", True) and not getattr(self, "warned", True) and self._now_sharded(model):
+            self.warned = True
+            warnings.warn(SHARDED_LATER.format(model=type(model).__name__), UserWarning, stacklevel=2)
         if self.busy or not self.replan or not model.training or not torch.is_grad_enabled() or compiling():
             return
         if _signature(args, kwargs) != self.signature:
@@ -177,8 +185,33 @@ class _Budget:
                 )
             self.fit(model, args, kwargs)
 
+    def _now_sharded(self, model: nn.Module) -> bool:
+        """Whether ``fully_shard`` was applied to the model or a block since the plan (the root and the blocks
+        are checked, not every module: this runs on every forward)."""
+        return _sharded.is_sharded_any([model, *(model.get_submodule(name) for name in self.names)])
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "busy": False}
+
+
+# NOTE [ Budgets and FSDP2 ]
+# A budget bounds what forward and backward allocate on top of what lives before the step. Planned on an
+# unsharded model, that is the activations and the whole gradients; once `fully_shard` is applied, one rank's
+# step allocates differently: gradients at their shard's size, but each block's parameters all-gathered for its
+# forward and again for its backward, the root's kept unsharded throughout, and each block's whole gradients
+# until they are reduce-scattered. Neither the sign nor the size of the difference follows from the unsharded
+# step (tests/test_sharded_budget.py: planned unsharded for 2.20 MiB, the sharded step took 2.59 MiB, +18%;
+# planned after `fully_shard` for the same bytes, 2.09 MiB), and re-planning inside the sharded root's forward
+# would nest a step in FSDP's own. So the plan is
+# kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)` after
+# `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and
+# its gradients are the plain step's (or views into the buckets).
+SHARDED_LATER = (
+    "remat: the budget of `{model}` was planned by remat.apply(model, budget=...) before `fully_shard`, on the "
+    "unsharded step; one rank's sharded step allocates differently (parameters all-gathered per block, gradients "
+    "sharded), so the budget does not hold per rank. Call remat.apply(model, budget=..., sample=...) after "
+    "`fully_shard` (on every rank) to plan on this rank's step."
+)
 
 
 def _no_meta(model: nn.Module) -> None:

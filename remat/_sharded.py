@@ -32,7 +32,7 @@ from torch import nn
 from ._errors import RematError
 from ._torch_compat import fake_store, fsdp_state_keys
 
-__all__ = ["Sharding", "fake_world", "is_sharded", "mesh_size", "shadow", "shard"]
+__all__ = ["Sharding", "fake_world", "is_sharded", "is_sharded_any", "mesh_size", "shadow", "shard"]
 
 _HOOK_TABLES = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -61,6 +61,12 @@ def is_sharded(model: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``model`` or one of its modules."""
     fsdp = _fsdp_module()
     return fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
+
+
+def is_sharded_any(modules: list[nn.Module]) -> bool:
+    """Whether ``fully_shard`` was applied to one of ``modules`` themselves (their children are not looked at)."""
+    fsdp = _fsdp_module()
+    return fsdp is not None and any(isinstance(m, fsdp) for m in modules)
 
 
 def mesh_size(model: nn.Module) -> int | None:

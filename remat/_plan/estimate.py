@@ -200,12 +200,15 @@ configuration on another sample (real or meta tensors) in the same fake session,
 
 def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
             optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
-            prepare: Callable[[], list[torch.Tensor]] | None = None, refine: Refine | None = None) -> EstimateReport:
+            prepare: Callable[[], list[torch.Tensor]] | None = None,
+            resident: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+            refine: Refine | None = None) -> EstimateReport:
     """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes.
 
     ``prepare``, if given, runs once the model holds fake parameters (``fully_shard`` for a per-rank estimate)
-    and returns the parameters the step trains. ``refine``, if given, takes a second look at each row (the
-    largest batch that fits).
+    and returns the parameters the step trains; ``resident``, if given, makes from them tensors that live
+    throughout the step besides the model's and the optimizer's (DDP's gradient buckets), counted in the peak.
+    ``refine``, if given, takes a second look at each row (the largest batch that fits).
     """
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
@@ -220,7 +223,8 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             state = _state_tensors(made)
             param_keys = {p.untyped_storage()._cdata for p in params}
             state = [t for t in state if t.untyped_storage()._cdata not in param_keys]
-            kept = storage_bytes([*params, *buffers, *state], device)
+            extra = resident(params) if resident is not None else []
+            kept = storage_bytes([*params, *buffers, *state, *extra], device)
             step_bytes: list[int] = []
 
             def one(configured: Configured, given: Any) -> ConfigEstimate:

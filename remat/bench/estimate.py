@@ -325,8 +325,9 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
     parser.add_argument("--largest-seq", action="store_true", help="with --memory: also the largest sequence length")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
     parser.add_argument("--world-size", type=int, help="predict one rank of this many data-parallel ranks")
-    parser.add_argument("--shard", choices=["fsdp2"], help="with --world-size: as if fully_shard were applied to "
-                        "each block and the root (FSDP2)")
+    parser.add_argument("--shard", choices=["fsdp2", "ddp"], help="with --world-size: fsdp2, as if fully_shard "
+                        "were applied to each block and the root; ddp, as if wrapped in DistributedDataParallel "
+                        "(its gradient buckets counted)")
     args = parser.parse_args(list(argv))
     if args.memory is not None and not args.hf:
         parser.error("--memory needs --hf: the benchmark's models take a loss with fixed target shapes")

@@ -1,0 +1,80 @@
+"""A budget planned before `fully_shard` does not hold per rank: the first sharded forward warns; planned after
+`fully_shard`, it holds. One gloo process (a mesh of one rank: FSDP2 still all-gathers into buffers of its own)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import remat
+from remat.bench.models import GPT, GPTConfig
+
+CFG = GPTConfig(blocks=4, d=64, heads=2, seq=64, batch=4, vocab=256, dropout=0.0)
+
+
+@pytest.fixture
+def gloo() -> Iterator[None]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29655")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _idx() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab, (CFG.batch, CFG.seq), generator=torch.Generator().manual_seed(0))
+
+
+def _shard(model: GPT) -> None:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _took(model: GPT) -> int:
+    """Bytes the second step's forward and backward allocate (the first one initialises FSDP), as a budget counts
+    them: the gradients exist before the step (zeros; the step accumulates into them), the output is not kept."""
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        with remat.track() as tracker:
+            model(_idx()).sum().backward()
+    return tracker.peak_bytes
+
+
+@pytest.mark.usefixtures("gloo")
+def test_budget_planned_before_fully_shard_warns_once_and_after_holds() -> None:
+    torch.manual_seed(0)
+    before = GPT(CFG)
+    remat.apply(before, budget=0.5, sample=_idx())
+    planned = remat.plan(before).budget
+    assert planned is not None and any(site.choice != "kept" for site in remat.plan(before)), "remat was active"
+    _shard(before)
+    with pytest.warns(UserWarning, match="before `fully_shard`") as caught:
+        took_before = _took(before)
+    assert len([w for w in caught if "fully_shard" in str(w.message)]) == 1, "warned once"
+    assert took_before > 1.05 * planned.budget, "the unsharded plan does not hold on the sharded step"
+
+    torch.manual_seed(0)
+    after = GPT(CFG)
+    _shard(after)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*before `fully_shard`")
+        remat.apply(after, budget=planned.budget, sample=_idx())  # the same bytes, planned per rank
+        took_after = _took(after)
+    assert took_after <= 1.05 * planned.budget
+
+
+def test_unsharded_budgeted_model_does_not_warn() -> None:
+    model = GPT(CFG)
+    remat.apply(model, budget=0.5, sample=_idx())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*before `fully_shard`")
+        model(_idx()).sum().backward()
