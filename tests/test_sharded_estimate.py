@@ -42,8 +42,11 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local()
 
 
-def _torch_peak(world: int, config: str) -> int:
-    """Rank 0's peak of a steady-state step as torch's FSDPMemTracker counts it (fake tensors, fake PG)."""
+def _torch_peak(world: int, config: str | float) -> int:
+    """Rank 0's peak of a steady-state step as torch's FSDPMemTracker counts it (fake tensors, fake PG).
+
+    A budget (a float) is planned by `remat.apply` on the sharded model, as the estimate plans it.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -55,6 +58,9 @@ def _torch_peak(world: int, config: str) -> int:
             if config == "full":
                 remat.apply(model)
             _shard(model, mesh)
+            if isinstance(config, float):
+                remat.apply(model, budget=config, sample=_idx())
+                assert any(site.choice != "kept" for site in remat.plan(model)), "remat was active"
             opt = torch.optim.AdamW(model.parameters())
             idx = _idx()
             tracker = FSDPMemTracker(model, opt)
@@ -88,6 +94,15 @@ def test_plain_model_as_if_sharded_matches_fsdp_mem_tracker(world: int) -> None:
     assert report["none"].params_bytes == pytest.approx(whole / world, rel=0.02), "parameters at their shard size"
     assert report["none"].optimizer_bytes == pytest.approx(2 * whole / world, rel=0.02)
     assert not dist.is_initialized(), "the fake process group is gone"
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_budget_on_a_meta_built_model_matches_fsdp_mem_tracker(world: int) -> None:
+    """The estimate's budget row against torch's tracker running the plan `remat.apply` makes on the sharded model."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    report = remat.estimate(model, _idx(), optimizer="adamw", configs=(0.9,), world_size=world, shard="fsdp2")
+    assert report[0.9].peak_bytes == pytest.approx(_torch_peak(world, 0.9), rel=0.05)
 
 
 @pytest.mark.parametrize("order", ["before", "after"])
