@@ -108,6 +108,7 @@ class _Budget:
         self.told = False  # whether re-planning inside a forward was logged (once per model)
         self.sharded = False  # whether the plan was made on a `fully_shard`-ed model: NOTE [ Budgets and FSDP2 ]
         self.warned = False
+        self.grads = False  # whether the checked step counts new gradients (`memory=`: NOTE [ Total memory ])
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
@@ -152,9 +153,12 @@ class _Budget:
             plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
             self.place(model, plan)
             with torch.enable_grad():
-                plan = check_plan(
-                    plan, lambda: max_over_ranks(measure_step(model, step)), lambda p: self.place(model, p)
-                )
+                grads = getattr(self, "grads", False)  # a hook pickled before it had the attribute
+
+                def measure() -> int:
+                    return max_over_ranks(measure_step(model, step, grads=True) if grads else measure_step(model, step))
+
+                plan = check_plan(plan, measure, lambda p: self.place(model, p))
         except BaseException:
             for i in range(len(blocks)):  # back to the previous choices, or to none
                 if previous is None:
@@ -239,6 +243,7 @@ def apply_budget(
     preserve_rng: bool,
     strategy: Strategy,
     check: bool,
+    grads: bool = False,
 ) -> _M:
     """See `remat.apply`: profile, solve, and keep re-planning on new input shapes (NOTE [ Budgeted models ])."""
     if not isinstance(model, nn.Module):
@@ -278,6 +283,7 @@ def apply_budget(
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
     hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options)
+    hook.grads = grads
     args, kwargs = _as_call(sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

@@ -13,7 +13,9 @@ all. A budget below the least predicted peak is not refused on the prediction al
 is checked, and kept if it measures within the budget. Where nothing the profile offers fits the corrected
 budget, full remat of every block (where the profile has it; else the choice predicted to hold least) is checked,
 and if even that measures over the slack, `BudgetError` names its measured peak as the least budget. Planning is
-then the profile's tracked step (one, where choices are derived) and usually one checked step.
+then the profile's tracked step (one, where choices are derived) and usually one checked step. With
+`remat.apply(model, memory=...)` the budget is what the step's state leaves, and gradients take from it too: its
+checked step starts without gradients (NOTE [ Total memory ] in remat/_total_memory.py).
 """
 
 from __future__ import annotations
@@ -38,13 +40,18 @@ CHECKS = 3
 SLACK = 1.05
 
 
-def measure_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> int:
-    """The tracked peak of one training step (forward and backward), the model left as it was found."""
+def measure_step(model: nn.Module, step: Callable[[], torch.Tensor], *, grads: bool = False) -> int:
+    """The tracked peak of one training step (forward and backward), the model left as it was found. With
+    ``grads``, the step starts without gradients (as after ``zero_grad()``), so backward's new gradients count."""
     params = [p for p in model.parameters() if p.requires_grad]
-    with step_state(model), RngStash.capture(devices_of(params, module=model)).restore(), Tracker() as tracker:
-        loss = step()
-        torch.autograd.backward(loss)
-        del loss
+    with step_state(model), RngStash.capture(devices_of(params, module=model)).restore():
+        if grads:
+            for p in params:
+                p.grad = None
+        with Tracker() as tracker:
+            loss = step()
+            torch.autograd.backward(loss)
+            del loss
     return tracker.peak_bytes
 
 

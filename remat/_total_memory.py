@@ -4,8 +4,11 @@ NOTE [ Total memory ]
 A device's memory holds, through a training step, the parameters, buffers, the batch and the optimizer's state
 (alive from one step to the next), the gradients (made in backward, dropped by ``zero_grad``), the step's
 activations, and the optimizer step's temporaries. `remat.estimate` counts the first ones exactly on fake
-tensors; what is left, ``memory`` minus them, is the activation budget handed to `remat.apply(budget=...)`,
-whose planner counts what a step allocates (activations, gradients, temporaries) against it. Two refusals,
+tensors; what is left, ``memory`` minus them, is the budget handed to `remat.apply(budget=...)`'s planner. A
+plain budget leaves gradients out (its checked step runs with them already there); this one counts them, since
+they take the same memory: the plan's checked step (NOTE [ Checking the plan ] in remat/_fit_check.py) starts
+without gradients, as after ``zero_grad()``, so its measured peak is the activations, temporaries and the
+gradients made so far, at backward's highest point, and a plan over it is corrected as for any budget. Two refusals,
 both a `BudgetError` naming the least total that fits: the estimate of full remat of every block (which also
 covers the optimizer step, whatever remat does) does not fit in ``memory``; or the planner finds no plan in the
 remainder, when the least total is the state plus the least budget it names.
@@ -58,7 +61,7 @@ def apply_memory(model: nn.Module, memory: int | str, sample: Any, where: Any, *
     if row.peak_bytes > total:
         raise _refused(total, row.peak_bytes, state, row.peak_phase)
     try:
-        return apply_budget(model, total - state, sample, where, loss=loss, **options)
+        return apply_budget(model, total - state, sample, where, loss=loss, grads=True, **options)
     except BudgetError as error:
         least = getattr(error, "least_bytes", None)
         raise _refused(total, max(row.peak_bytes, state + (least or 0)), state, "") from error

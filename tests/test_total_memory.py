@@ -91,6 +91,26 @@ def test_memory_plan_runs_within_memory_and_matches_no_remat_gradients() -> None
     torch.testing.assert_close(_grads(model64, x64), expected)
 
 
+def test_memory_plan_is_checked_on_a_step_that_makes_its_gradients() -> None:
+    """A step after ``zero_grad()`` makes its gradients in backward, and they take from the same memory: the
+    plan's checked peak is a real step's rise from no gradients, not the (lower) rise with gradients there."""
+    x = torch.randn(32, WIDTH)
+    full, _ = _real_step(remat.apply(_model(), policy=None), x, None)
+    model = remat.apply(_model(), memory=int(full * 1.02), sample=x, loss=_loss, optimizer=None)
+    checked = remat.plan(model).budget
+    assert checked is not None and checked.measured is not None
+
+    def rise(zeroed: bool) -> int:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if zeroed else None
+        with remat.track() as t:
+            torch.autograd.backward(_loss(model(x)))
+        return t.peak_bytes
+
+    assert checked.measured == rise(zeroed=False) > rise(zeroed=True)
+    assert checked.measured <= checked.budget
+
+
 def test_memory_below_full_remat_names_the_least_total() -> None:
     x = torch.randn(256, WIDTH)
     model = _model()

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 
 from .._errors import BudgetError
+from .._torch_compat import tree_leaves, tree_map
 from .estimate import Configured, Refine
 from .estimate_report import ConfigEstimate
 from .units import parse_budget
