@@ -171,6 +171,7 @@ class Remat:
         loss: Callable[[Any], Any] | None = None,
         choices: Sequence[PolicyLike] | None = None,
         replan: bool = True,
+        compile: bool = False,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -194,6 +195,8 @@ class Remat:
                 `.loss` if it has one, else the sum of its floating tensors).
             choices: with `budget`, more policies a block may get besides kept, save_matmuls and full remat.
             replan: with `budget`, profile and plan again when the model is called with a new input shape.
+            compile: with `budget`, plan for a model that `torch.compile` will compile as one graph, whose
+                backward keeps every parameter gradient alive until it returns (not needed block by block).
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
@@ -215,10 +218,12 @@ class Remat:
 
             return _fit.apply_budget(
                 model, budget, sample, where, loss=loss, choices=choices, replan=replan,
-                preserve_rng=preserve_rng, strategy=strategy, check=check,
+                preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile,
             )
-        if sample is not None or loss is not None or choices is not None or replan is not True:
-            raise ValueError("remat: `sample`, `loss`, `choices` and `replan` go with `budget=`; give a budget too.")
+        if sample is not None or loss is not None or choices is not None or replan is not True or compile:
+            raise ValueError(
+                "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
+            )
         settings = Options(
             policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
             check=check, name=name, offload=offload,
