@@ -173,6 +173,7 @@ class Remat:
         replan: bool = True,
         memory: Budget | None = None,
         optimizer: Any = None,
+        compile: bool = False,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -202,6 +203,8 @@ class Remat:
                 (the plan's checked step starts without gradients, so both count).
             optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",
                 "adam" or "adamw" (None: no optimizer step).
+            compile: with `budget` or `memory`, plan for a model that `torch.compile` will compile as one graph,
+                whose backward keeps every parameter gradient alive until it returns (not needed block by block).
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
@@ -231,15 +234,17 @@ class Remat:
                 from ._total_memory import apply_memory
 
                 options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
-                           "check": check}
+                           "check": check, "compile": compile}
                 return apply_memory(model, memory, sample, where, optimizer=optimizer, loss=loss,  # type: ignore
                                     options=options)
             return _fit.apply_budget(
                 model, budget, sample, where, loss=loss, choices=choices, replan=replan,
-                preserve_rng=preserve_rng, strategy=strategy, check=check,
+                preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile,
             )
-        if sample is not None or loss is not None or choices is not None or replan is not True:
-            raise ValueError("remat: `sample`, `loss`, `choices` and `replan` go with `budget=`; give a budget too.")
+        if sample is not None or loss is not None or choices is not None or replan is not True or compile:
+            raise ValueError(
+                "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
+            )
         settings = Options(
             policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
             check=check, name=name, offload=offload,

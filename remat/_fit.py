@@ -36,6 +36,7 @@ from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, least_plan, solve_budget
 from ._plan.ranks import from_rank_zero, max_over_ranks
 from ._plan.units import Budget, parse_budget
+from ._plan.whole_graph import gradient_bytes, graph_extra, with_graph_gradients
 from ._policies import PolicyLike, as_policy, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
 from ._torch_compat import tree_leaves, tree_map
@@ -84,6 +85,8 @@ class _Budget:
     """The model's forward pre-hook that holds its budget plan and re-plans on a new input signature."""
 
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
+    grads = False  # these two for a hook pickled before it had them
+    compile = False
 
     def __init__(
         self,
@@ -94,6 +97,7 @@ class _Budget:
         loss: Loss | None,
         replan: bool,
         options: dict[str, Any],
+        compile: bool = False,
     ) -> None:
         self.budget = budget
         self.names = names
@@ -102,6 +106,7 @@ class _Budget:
         self.loss = loss
         self.replan = replan
         self.options = options
+        self.compile = compile  # plan for one compiled graph: NOTE [ Compiled as one graph ]
         self.budget_plan: BudgetPlan | None = None
         self.signature: tuple[Any, ...] | None = None
         self.busy = False
@@ -146,19 +151,29 @@ class _Budget:
                 cost: ModelCost = profile_blocks(
                     model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c), derived
                 )
+            eager = cost
+            if self.compile:
+                cost = with_graph_gradients(cost, *gradient_bytes(model, blocks))
             try:
                 plan = solve_budget(cost, self.budget)
             except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
                 plan = least_plan(cost, self.budget)
             plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
             self.place(model, plan)
+            placed = [plan.choice]
+
+            def assign(p: BudgetPlan) -> None:
+                self.place(model, p)
+                placed[0] = p.choice
+
+            def measure() -> int:
+                if self.grads:  # from no gradients, eager code keeps each one as a one-graph backward does
+                    return max_over_ranks(measure_step(model, step, grads=True))
+                # an eager step, lifted to one compiled graph: NOTE [ Compiled as one graph ]
+                return max_over_ranks(measure_step(model, step)) + graph_extra(eager, cost, placed[0])
+
             with torch.enable_grad():
-                grads = getattr(self, "grads", False)  # a hook pickled before it had the attribute
-
-                def measure() -> int:
-                    return max_over_ranks(measure_step(model, step, grads=True) if grads else measure_step(model, step))
-
-                plan = check_plan(plan, measure, lambda p: self.place(model, p))
+                plan = check_plan(plan, measure, assign)
         except BaseException:
             for i in range(len(blocks)):  # back to the previous choices, or to none
                 if previous is None:
@@ -244,6 +259,7 @@ def apply_budget(
     strategy: Strategy,
     check: bool,
     grads: bool = False,
+    compile: bool = False,
 ) -> _M:
     """See `remat.apply`: profile, solve, and keep re-planning on new input shapes (NOTE [ Budgeted models ])."""
     if not isinstance(model, nn.Module):
@@ -256,8 +272,9 @@ def apply_budget(
         )
     if loss is not None and not callable(loss):
         raise TypeError(f"remat: `loss` must be a callable from the output to a scalar, but got {loss!r}.")
-    if not isinstance(replan, bool):
-        raise TypeError(f"remat: `replan` must be a bool, but got `{type(replan).__name__}`.")
+    for flag, given in (("replan", replan), ("compile", compile)):
+        if not isinstance(given, bool):
+            raise TypeError(f"remat: `{flag}` must be a bool, but got `{type(given).__name__}`.")
     _no_meta(model)
     policies: list[PolicyLike | str] = [_KEPT]
     labels = [_KEPT]
@@ -282,7 +299,7 @@ def apply_budget(
         if isinstance(hook, _Budget):
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
-    hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options)
+    hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile)
     hook.grads = grads
     args, kwargs = _as_call(sample)
     hook.fit(model, args, kwargs)

@@ -9,8 +9,9 @@ steps one step is measured: the bytes held after the compiled forward (the rise 
 from before forward to after it) and the step's peak (the rise of its high-water mark), with
 `MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back to the system; then the median step time. Every
 row runs in a fresh Python process. Rows: no checkpointing; torch's checkpoint per block and torch's selective
-checkpoint with a matmul policy; each remat site kind; `remat.apply(model, budget=f, sample=...)` and
-`torch._functorch.config.activation_memory_budget = f` at the same fractions. Each row's gradients are compared
+checkpoint with a matmul policy; each remat site kind; `remat.apply(model, budget=f, sample=...)` (planned on
+eager costs, and with `compile=True`) and `torch._functorch.config.activation_memory_budget = f` at the same
+fractions. Each row's gradients are compared
 with eager code without remat (float32, `allclose` at 1e-4); a row that differs says so.
 """
 
@@ -82,8 +83,8 @@ try:
         for block in stack: remat(block, policy=remat.policies.save_matmuls)
     elif kind == "remat.apply":
         remat.apply(stack, Block)
-    elif kind == "remat budget":
-        remat.apply(stack, Block, budget=fraction, sample=x)
+    elif kind in ("remat budget", "remat budget, compile=True"):
+        remat.apply(stack, Block, budget=fraction, sample=x, compile=kind.endswith("True"))
     elif kind == "compile budget":
         functorch_config.activation_memory_budget = fraction
     params = list(stack.parameters())
@@ -167,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append((kind, run_row(kind, 1.0, args.batch, args.blocks, args.repeats, args.threads, args.whole)))
         print(_line(*rows[-1], dict(rows).get("none", {})), flush=True)
     for fraction in (float(f) for f in filter(None, args.fractions.split(","))):
-        for kind in ("remat budget", "compile budget"):
+        for kind in ("remat budget", "remat budget, compile=True", "compile budget"):
             rows.append((f"{kind} {fraction:g}", run_row(kind, fraction, args.batch, args.blocks, args.repeats,
                                                          args.threads, args.whole)))
             print(_line(*rows[-1], dict(rows).get("none", {})), flush=True)
@@ -176,9 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _line(label: str, row: dict[str, Any], base: dict[str, Any]) -> str:
     if "error" in row:
-        return f"{label:<28} {row['error']}"
+        return f"{label:<34} {row['error']}"
     ratio = f"{row['peak'] / base['peak']:.2f}" if base.get("peak") else "-"  # against the "none" row, if run
-    return (f"{label:<28} held {row['held'] / 2**20:7.1f} MiB  peak {row['peak'] / 2**20:7.1f} MiB ({ratio} of none)"
+    return (f"{label:<34} held {row['held'] / 2**20:7.1f} MiB  peak {row['peak'] / 2**20:7.1f} MiB ({ratio} of none)"
             f"  step {row['step'] * 1e3:6.0f} ms  grads {'equal eager' if row['grads'] else 'DIFFER'}")
 
 
