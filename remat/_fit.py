@@ -36,10 +36,10 @@ from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, least_plan, solve_budget
 from ._plan.ranks import from_rank_zero, max_over_ranks
 from ._plan.units import Budget, parse_budget
-from ._plan.whole_graph import gradient_bytes, graph_extra, with_graph_gradients
+from ._plan.whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph_gradients
 from ._policies import PolicyLike, as_policy, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
-from ._torch_compat import tree_leaves, tree_map
+from ._torch_compat import tree_leaves, tree_map, when_traced
 
 __all__ = ["apply_budget"]
 
@@ -192,7 +192,11 @@ class _Budget:
         if not getattr(self, "sharded", True) and not getattr(self, "warned", True) and self._now_sharded(model):
             self.warned = True
             warnings.warn(SHARDED_LATER.format(model=type(model).__name__), UserWarning, stacklevel=2)
-        if self.busy or not self.replan or not model.training or not torch.is_grad_enabled() or compiling():
+        if compiling():  # the model's root is traced: compiled as one graph (NOTE [ Compiled as one graph ])
+            if not self.compile and model.training and torch.is_grad_enabled():
+                when_traced(warn_one_graph)
+            return
+        if self.busy or not self.replan or not model.training or not torch.is_grad_enabled():
             return
         if _signature(args, kwargs) != self.signature:
             if not getattr(self, "told", False):

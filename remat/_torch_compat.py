@@ -17,6 +17,7 @@ present in 2.4; torch imports it itself) and `torch._ops.OpOverload` (an aten ov
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,7 @@ __all__ = [
     "storage_resize",
     "storage_id",
     "top_saved_hooks",
+    "when_traced",
     "torch_function_mode_on",
     "tree_leaves",
     "tree_map",
@@ -224,6 +226,20 @@ try:
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
 except ImportError:  # pragma: no cover - a torch without dynamo
     eval_frame_callback = None
+
+
+
+def when_traced(fn: Callable[[Any], None]) -> None:
+    """Run `fn(ctx)` while dynamo traces the calling frame, with no graph break; at run time do nothing.
+
+    Through `torch._dynamo.comptime.comptime` (present in 2.4, since 2.0), looked up where dynamo has already
+    imported it (it has whenever it traces), so that `import remat` does not import dynamo. `fn` must be a
+    module-level function: dynamo calls it with its own context object. Called outside dynamo, nothing runs.
+    """
+    comptime = getattr(sys.modules.get("torch._dynamo.comptime"), "comptime", None)
+    if comptime is not None:
+        comptime(fn)
+
 
 # StorageBase.resize_: the C method `torch.UntypedStorage` inherits (present in 2.4; storages have been untyped
 # since 1.13). The byte trackers wrap the Python class's attribute while they are open (NOTE [ Resized storages ]).

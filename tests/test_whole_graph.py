@@ -66,3 +66,36 @@ def test_memory_with_compile_checks_a_step_from_no_gradients_once() -> None:
     with remat.track() as t:
         torch.autograd.backward(model(x).square().mean())
     assert checked.measured == t.peak_bytes
+
+
+def _traced_warnings(model: nn.Module, compiled: nn.Module, x: torch.Tensor) -> list[str]:
+    import warnings
+
+    from remat._engine import compiled as compiled_module
+
+    compiled_module._warned.discard("budget compiled as one graph")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compiled(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return [str(w.message) for w in caught if "compiled as one graph" in str(w.message)]
+
+
+def test_a_budget_planned_for_eager_code_warns_once_when_compiled_as_one_graph() -> None:
+    torch._dynamo.reset()
+    x = torch.randn(256, 64)
+    eager = remat.apply(nn.Sequential(*[Block() for _ in range(3)]), Block, budget=0.6, sample=x)
+    messages = _traced_warnings(eager, torch.compile(eager, backend="eager", fullgraph=True), x)
+    assert len(messages) == 1 and "compile=True" in messages[0]  # at trace time only, without a graph break
+
+    torch._dynamo.reset()
+    planned = remat.apply(nn.Sequential(*[Block() for _ in range(3)]), Block, budget=0.6, sample=x, compile=True)
+    assert _traced_warnings(planned, torch.compile(planned, backend="eager", fullgraph=True), x) == []
+
+    torch._dynamo.reset()
+    blockwise = remat.apply(nn.Sequential(*[Block() for _ in range(3)]), Block, budget=0.6, sample=x)
+    for block in blockwise:
+        block.compile(backend="eager")
+    assert _traced_warnings(blockwise, blockwise, x) == []  # each block's backward returns only its own gradients
+    torch._dynamo.reset()

@@ -22,6 +22,10 @@ The plan is checked on a real step as every budget plan is (NOTE [ Checking the 
 but that step runs in eager code; so its tracked peak is lifted by what the gradients add to this plan's
 prediction (`graph_extra`) before it is compared with the budget. Where even full remat does not fit that way
 (six such blocks at a budget of 0.4: 62 MiB measured compiled, against 52), `BudgetError` says so.
+A plan made without `compile=True` that dynamo then traces from the model's root (the budget's forward pre-hook
+runs inside the compiled frame: the model is compiled as one graph) is warned about once, when dynamo traces it
+(`warn_one_graph`, through `when_traced`: a warning in traced code would break the graph). Measured with the
+blocks above, such plans peaked at 1.59 / 1.19 / 1.08 of budgets 0.3 / 0.4 / 0.5.
 """
 
 from __future__ import annotations
@@ -31,10 +35,24 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from .._engine.compiled import warn_once
 from .._measure.costs import ModelCost
 from .blocks_dp import evaluate_blocks
 
-__all__ = ["gradient_bytes", "graph_extra", "with_graph_gradients"]
+__all__ = ["ONE_GRAPH", "gradient_bytes", "graph_extra", "warn_one_graph", "with_graph_gradients"]
+
+ONE_GRAPH = (
+    "remat: a model with a budget planned for eager code (`remat.apply(model, budget=...)`) is being compiled as "
+    "one graph, whose backward keeps every parameter gradient alive until it returns; the plan does not count "
+    "them and can peak well over its budget (1.59x measured). Plan it with `compile=True` "
+    "(`remat.apply(model, budget=..., sample=..., compile=True)`), or compile its blocks one by one "
+    "(`block.compile()`), which needs no flag."
+)
+
+
+def warn_one_graph(ctx: object) -> None:
+    """Warn once per process that a budget planned for eager code is compiled as one graph (dynamo's `ctx` unused)."""
+    warn_once("budget compiled as one graph", ONE_GRAPH, stacklevel=2)
 
 
 def gradient_bytes(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[list[int], int]:
