@@ -9,6 +9,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -342,3 +343,23 @@ def test_targets_are_a_developer_check(monkeypatch: pytest.MonkeyPatch) -> None:
     assert status == 0 and "a check for its developers" in text and "noisy" in text
     status, _ = _tiny_main(monkeypatch, "--check")
     assert status == 1
+
+
+def test_main_accepts_the_compile_mode_and_fails_only_on_real_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.bench import compile_sites
+
+    answers: dict[str, dict[str, Any]] = {}
+
+    def row(kind: str, fraction: float, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return answers.get(kind, {"held": 2**20, "peak": 2**21, "step": 0.1, "grads": True})
+
+    monkeypatch.setattr(compile_sites, "run_row", row)
+    answers["remat budget, compile=True"] = {"error": "BudgetError: remat: no choice per block fits"}
+    out = io.StringIO()
+    assert main(["--model", "compile", "--quiet"], stdout=out) == 0  # a refused budget is an answer
+    text = out.getvalue()
+    assert "remat(block)+save_matmuls" in text and "compile budget 0.3" in text and "BudgetError" in text
+    answers["remat.apply"] = {"held": 1, "peak": 1, "step": 0.1, "grads": False}
+    assert main(["--model", "compile", "--quiet"], stdout=io.StringIO()) == 1
+    answers["remat.apply"] = {"error": "RuntimeError: inductor failed"}
+    assert main(["--model", "compile", "--quiet"], stdout=io.StringIO()) == 1

@@ -126,12 +126,15 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "estimate", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
         "against checkpoint_sequential; tiny: per-call overhead, replay overhead and start-up; "
         "offload: offloading to host memory on the GPT-like stack (needs --device cuda); "
         "budget: remat.apply(model, budget=...) against uniform configurations and torch.compile; "
+        "compile: every remat site kind and budgets 0.3-0.8 under torch.compile (inductor, blocks compiled one by "
+        "one), each row in its own process, against torch's checkpoint and compile's own budget (`python -m "
+        "remat.bench.compile_sites --help`: --whole compiles the model as one graph); "
         "estimate: remat.estimate against real steps (`python -m remat estimate --help` estimates a model of "
         "your own)",
     )
@@ -172,6 +175,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         from . import budget
 
         return budget.main(args.size, args.repeats, args.plot, progress, out, quick=args.quick)
+    if args.model == "compile":  # its own table: see remat/bench/compile_sites.py
+        from . import compile_sites
+
+        argv = ["--threads", str(args.threads or 1), "--fractions", "0.3,0.4,0.5,0.6,0.7,0.8"]
+        return compile_sites.main(argv, out)
     if args.model == "estimate":
         from .estimate import compare_main
 

@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 __all__ = ["KINDS", "SCRIPT", "main", "run_row"]
 
@@ -147,7 +147,10 @@ def run_row(kind: str, fraction: float, batch: int, blocks: int, repeats: int, t
         return {"error": tail[:160]}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Print the rows; exit status 1 when a row's gradients differ from eager code's or it failed (a budget's
+    `BudgetError` is an answer, not a failure)."""
+    out = out or sys.stdout
     parser = argparse.ArgumentParser(prog="python -m remat.bench.compile_sites", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=6)
@@ -166,13 +169,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[tuple[str, dict[str, Any]]] = []
     for kind in kinds:
         rows.append((kind, run_row(kind, 1.0, args.batch, args.blocks, args.repeats, args.threads, args.whole)))
-        print(_line(*rows[-1], dict(rows).get("none", {})), flush=True)
+        print(_line(*rows[-1], dict(rows).get("none", {})), file=out, flush=True)
     for fraction in (float(f) for f in filter(None, args.fractions.split(","))):
         for kind in ("remat budget", "remat budget, compile=True", "compile budget"):
             rows.append((f"{kind} {fraction:g}", run_row(kind, fraction, args.batch, args.blocks, args.repeats,
                                                          args.threads, args.whole)))
-            print(_line(*rows[-1], dict(rows).get("none", {})), flush=True)
-    return 0
+            print(_line(*rows[-1], dict(rows).get("none", {})), file=out, flush=True)
+    failed = [label for label, row in rows
+              if not row.get("grads", True) or not row.get("error", "BudgetError").startswith("BudgetError")]
+    if failed:
+        print(f"{len(failed)} row(s) failed: {', '.join(failed)}", file=out)
+    return 1 if failed else 0
 
 
 def _line(label: str, row: dict[str, Any], base: dict[str, Any]) -> str:
