@@ -157,7 +157,6 @@ class _Budget:
                 cost: ModelCost = profile_blocks(
                     model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c), derived
                 )
-            self.calls = cost.calls
             eager = cost
             if self.compile:
                 cost = with_graph_gradients(cost, *gradient_bytes(model, blocks))
@@ -166,6 +165,7 @@ class _Budget:
             except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
                 plan = least_plan(cost, self.budget)
             plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
+            self.calls = plan.cost.calls  # rank 0's calls too
             self.place(model, plan)
             placed = [plan.choice]
 
