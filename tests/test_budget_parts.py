@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -56,13 +58,18 @@ def _held(block: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     return held, out
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_parts_keep_what_their_derivation_says(name: str) -> None:
+def _derived(name: str) -> tuple[nn.Module, torch.Tensor, _Budget, ModelCost]:
+    """Model `name`, its sample, a budget hook on it and its costs with every choice but kept derived."""
     make, x = MODELS[name]
     torch.manual_seed(0)
     model = make()
     hook = _hook(model)
-    derived = _profile(model, x, hook, (1, 2, 3, 4))
+    return model, x, hook, _profile(model, x, hook, (1, 2, 3, 4))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_parts_keep_what_their_derivation_says(name: str) -> None:
+    model, x, hook, derived = _derived(name)
     parts = [c for c in range(3, len(LABELS)) if any(row[c] is not None for row in derived.blocks)]
     assert parts, "no part was offered"
     # Each part run for real in the profile (not derived) against its derivation; where a part is not offered,
@@ -110,11 +117,8 @@ def test_parts_keep_what_their_derivation_says(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_parts_give_the_gradients_of_no_remat_and_recompute_fewer_matmuls(name: str) -> None:
-    make, x = MODELS[name]
-    torch.manual_seed(0)
-    model = make()
-    hook = _hook(model)
-    cost = _profile(model, x, hook, (1, 2, 3, 4))
+    model, x, hook, cost = _derived(name)
+    make = MODELS[name][0]
     hook.calls = cost.calls
     c = next(c for c in range(len(LABELS) - 1, 2, -1) if any(row[c] is not None for row in cost.blocks))
     choice = [c if row[c] is not None else 2 for row in cost.blocks]
@@ -203,3 +207,20 @@ def test_budget_plans_use_parts_and_keep_the_budget() -> None:
     assert used & set(PARTS), used
     assert_same_grads(lambda: _MLPs().double(), (x,), lambda m: remat.apply(m, budget=0.7, sample=x,
                                                                               loss=lambda out: out.sum()))
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_what_a_part_keeps_dies_with_the_graph(backward: bool) -> None:
+    block = _MLP(16).double()
+    refs: list[weakref.ref[torch.Tensor]] = []
+    block.down.register_forward_hook(lambda module, args, out: refs.append(weakref.ref(out)))
+    step = remat.remat(block, policy=Policy(ops=(matmuls,), calls=frozenset({1})))
+    x = randn(8, 16, requires_grad=True)
+    before = recomputes()
+    loss = step(x).sum()
+    if backward:
+        loss.backward()
+        assert recomputes() > before
+    del loss
+    gc.collect()
+    assert refs and all(ref() is None for ref in refs), "a kept matmul output outlived its graph"

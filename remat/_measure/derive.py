@@ -5,7 +5,8 @@ Running every choice for real takes tracked rounds: a kind of block with one mem
 each slower than a plain step. But what a rematerialized block does is a replay of what it does kept, and the
 tracker sees every op of that: so one tracked run of a block kept (`Kept`, filled by profile.py from the
 window's `Detail` in windows.py) gives its other choices, in the terms of NOTE [ Budget model ] in costs.py.
-Under choice c (full remat, or `save_matmuls`), with "born" the storages its forward allocated:
+Under choice c (full remat, `save_matmuls`, or one that keeps some matmuls: NOTE [ Some matmuls ] below), with
+"born" the storages its forward allocated:
 * Held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
   storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]).
   Its inputs are held by whoever made them, whatever this block does.

@@ -1,9 +1,10 @@
 """Profile a model's blocks under each choice in one or a few real training steps: a `ModelCost`.
 
 See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ]
-Full remat and `save_matmuls` (under the rerun strategy) are not run: they are derived from each block's run
-kept (NOTE [ Deriving choices ] in derive.py), so the choices that run are kept and those that cannot be
-derived (policies passed as `choices=`, and full remat under the replay strategy). Blocks of one kind (same
+Full remat, `save_matmuls` and the choices that keep some matmuls (under the rerun strategy) are not run: they
+are derived from each block's run kept (NOTE [ Deriving choices ] and NOTE [ Some matmuls ] in derive.py), so
+the choices that run are kept and those that cannot be derived (policies passed as `choices=`, and full remat
+under the replay strategy). Blocks of one kind (same
 class, same parameter shapes) cost the same wherever they sit, up to what lies around them. So one tracked
 step measures many (block, choice) pairs at once: with k choices to run, in round r the m-th block of a kind
 takes slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each),
