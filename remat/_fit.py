@@ -123,7 +123,7 @@ class _Budget:
         if self.labels[c] in PARTS:  # derived, never run while profiling: NOTE [ Some matmuls ]
             calls = self.calls[i][c] if getattr(self, "calls", ()) else None
             if calls is None:
-                raise BudgetError(f"remat: choice {self.labels[c]!r} is not open to block {self.names[i]!r}.")
+                raise ValueError(f"remat: choice {self.labels[c]!r} is not open to block {self.names[i]!r}.")
             policy = Policy(ops=(matmuls,), calls=calls)
         if policy != _KEPT:
             wrap_module(block, Options(policy=policy, **self.options), model)  # type: ignore[arg-type]
