@@ -29,7 +29,7 @@ from ._engine.compiled import compiling
 from ._errors import BudgetError
 from ._fit_check import check_plan, measure_step
 from ._measure.costs import ModelCost
-from ._measure.derive import DERIVABLE
+from ._measure.derive import DERIVABLE, PARTS
 from ._measure.loss import default_loss
 from ._measure.profile import profile_blocks
 from ._options import Options, Strategy
@@ -37,7 +37,7 @@ from ._plan.budget import BudgetPlan, least_plan, solve_budget
 from ._plan.ranks import from_rank_zero, max_over_ranks
 from ._plan.units import Budget, parse_budget
 from ._plan.whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph_gradients
-from ._policies import PolicyLike, as_policy, save_matmuls
+from ._policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
 from ._torch_compat import tree_leaves, tree_map, when_traced
 
@@ -114,11 +114,17 @@ class _Budget:
         self.sharded = False  # whether the plan was made on a `fully_shard`-ed model: NOTE [ Budgets and FSDP2 ]
         self.warned = False
         self.grads = False  # whether the checked step counts new gradients (`memory=`: NOTE [ Total memory ])
+        self.calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()  # the parts' calls: NOTE [ Some matmuls ]
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
         _remove_hooks(block)
         policy = self.policies[c]
+        if self.labels[c] in PARTS:  # derived, never run while profiling: NOTE [ Some matmuls ]
+            calls = self.calls[i][c] if getattr(self, "calls", ()) else None
+            if calls is None:
+                raise ValueError(f"remat: choice {self.labels[c]!r} is not open to block {self.names[i]!r}.")
+            policy = Policy(ops=(matmuls,), calls=calls)
         if policy != _KEPT:
             wrap_module(block, Options(policy=policy, **self.options), model)  # type: ignore[arg-type]
 
@@ -132,7 +138,7 @@ class _Budget:
         args, kwargs = _detached(args), _detached(kwargs)
         loss = self.loss or default_loss
         blocks = [model.get_submodule(name) for name in self.names]
-        previous = self.budget_plan
+        previous, previous_calls = self.budget_plan, getattr(self, "calls", ())
 
         def step() -> torch.Tensor:
             out = loss(model(*args, **kwargs))
@@ -159,6 +165,7 @@ class _Budget:
             except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
                 plan = least_plan(cost, self.budget)
             plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
+            self.calls = plan.cost.calls  # rank 0's calls too
             self.place(model, plan)
             placed = [plan.choice]
 
@@ -175,6 +182,7 @@ class _Budget:
             with torch.enable_grad():
                 plan = check_plan(plan, measure, assign)
         except BaseException:
+            self.calls = previous_calls
             for i in range(len(blocks)):  # back to the previous choices, or to none
                 if previous is None:
                     _remove_hooks(blocks[i])
@@ -291,8 +299,11 @@ def apply_budget(
         as_policy(extra)  # a TypeError for anything else
         if strategy != "rerun":
             raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
-        labels.append(_label(extra, set(labels)))
+        labels.append(_label(extra, set(labels) | set(PARTS)))
         policies.append(extra)
+    if strategy == "rerun" and not compile:  # eager code only: NOTE [ Some calls ] in _policies.py
+        policies.extend(PARTS)  # their policies are made per block once profiled: NOTE [ Some matmuls ]
+        labels.extend(PARTS)
     blocks = _select(model, where)
     names = tuple(name for name, _ in blocks)
     options = {"preserve_rng": preserve_rng, "strategy": strategy, "check": check}

@@ -26,6 +26,14 @@ __all__ = ["Policy", "PolicyLike", "as_policy", "offload", "save_all", "save_mat
 # tagged tensor is kept when `tag` is called on it inside a region whose policy saves that name, and `tag`
 # returns the kept tensor in recompute. The pack hook keeps every kept tensor by reference.
 
+# NOTE [ Some calls ]
+# A policy with `calls` keeps only some calls of its ops: the k-th call of a chosen op in a site's forward
+# (counted from 0) is kept when k is in `calls`, and recompute, which makes the same calls in the same order,
+# runs the others again. `remat.apply(model, budget=...)` builds such policies for a block from its profiled
+# run (the matmuls worth the most recompute time per byte: NOTE [ Deriving choices ] in
+# _measure/derive.py); they carry out in eager code under the rerun strategy only, so they are not public and
+# do not combine with `|`.
+
 _Op = Callable[[Any], bool]
 #: What `policy=` takes: a `Policy`, a callable choosing aten overloads, or None (save nothing).
 PolicyLike = Union["Policy", _Op, None]
@@ -40,16 +48,19 @@ class Policy:
     True
     """
 
-    __slots__ = ("_cache", "everything", "names", "offloads", "ops")
+    __slots__ = ("_cache", "calls", "everything", "names", "offloads", "ops")
 
     def __init__(
         self, ops: Iterable[_Op] = (), names: Iterable[str] = (), everything: bool = False,
-        offloads: bool = False,
+        offloads: bool = False, calls: frozenset[int] | None = None,
     ) -> None:
         self.ops = tuple(ops)
         self.names = frozenset(names)
         self.everything = everything
         self.offloads = offloads  # what it keeps goes to host memory: see `offload`
+        # only these calls of the chosen ops, numbered in the order a site's forward makes them (NOTE [ Some
+        # calls ]); None: every call
+        self.calls = calls
         self._cache: dict[int, tuple[Any, bool]] = {}
 
     def saves_op(self, op: Any) -> bool:
@@ -72,6 +83,8 @@ class Policy:
 
     def __or__(self, other: Policy | _Op) -> Policy:
         other = as_policy(other)
+        if self.calls is not None or other.calls is not None:
+            raise ValueError("remat: a policy that keeps some calls of its ops does not combine with `|`.")
         if self.offloads != other.offloads:
             raise ValueError(
                 f"remat: cannot combine `{self!r}` and `{other!r}`: one keeps on the device, the other offloads; "
@@ -90,6 +103,8 @@ class Policy:
         if self.names:
             parts.append(f"save_tagged{tuple(sorted(self.names))}")
         text = " | ".join(parts) or "save_nothing"
+        if self.calls is not None:
+            text += f"[calls {','.join(map(str, sorted(self.calls)))}]"
         return f"offload({text})" if self.offloads else text
 
 

@@ -33,7 +33,8 @@ __all__ = ["ReuseOps", "SaveOps", "reuse"]
 
 
 class SaveOps(Mode):
-    """Forward: keep the outputs of the ops `policy` chooses, in order (see NOTE [ What a policy keeps ])."""
+    """Forward: keep the outputs of the ops `policy` chooses, in order (see NOTE [ What a policy keeps ]); a
+    call the policy's `calls` leave out is kept as None."""
 
     def __init__(self, policy: Policy, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
         super().__init__()
@@ -45,11 +46,15 @@ class SaveOps(Mode):
         self.kept: list[Any] = []  # per chosen op call: its output(s), detached
         self.claimed: set[int] = set()  # calls whose output autograd saves (kept for the graph's lifetime)
         self.notes: dict[int, int] = {}  # storage of a kept output -> its call
+        self.calls = policy.calls  # only these calls (NOTE [ Some calls ] in _policies.py); None: all
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # `_op`: no Python frame of `__call__`
         if self.saves_op(func):
             index = len(self.kept)
+            if self.calls is not None and index not in self.calls:
+                self.kept.append(None)  # recompute runs this call again
+                return out
             keep = self.pack
             if isinstance(out, torch.Tensor):
                 self.kept.append(keep(out))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costs import BlockCost, ModelCost
-from .derive import Kept, derive_bytes, derive_times
+from .derive import PARTS, Kept, derive_bytes, derive_times, part_calls
 
 __all__ = ["Round", "combine"]
 
@@ -82,6 +82,8 @@ def combine(
     own: dict[tuple[int, int], Entry] = {}
     samples: dict[tuple[Any, int], list[Entry]] = defaultdict(list)
     details: dict[Any, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))  # matmul seconds, ops
+    parts: dict[tuple[Any, int], frozenset[int] | None] = {}  # per kind, the calls a part keeps: NOTE [ Some matmuls ]
+    part_times: dict[tuple[Any, int], list[float]] = defaultdict(list)
     base = [0] * n
     for rnd in tracked:
         for i, c in enumerate(rnd.assignment):
@@ -96,7 +98,18 @@ def combine(
                 details[kinds[i]][0].append(kept.detail.matmul_time)
                 details[kinds[i]][1].append(kept.detail.ops)
                 for d, label in derived.items():
-                    hd, fd, bd = derive_bytes(label, kept)
+                    calls = None
+                    if label in PARTS:
+                        if (kinds[i], d) not in parts:
+                            found = _part(PARTS[label], kept)
+                            same = any(parts.get((kinds[i], e)) == found for e in derived if e < d)
+                            parts[(kinds[i], d)] = None if same else found  # a part twice is offered once
+                        calls = parts[(kinds[i], d)]
+                        if calls is None:
+                            continue  # keeps nothing or everything: not offered
+                        part_times[(kinds[i], d)].append(sum(kept.detail.call_time[c] for c in calls
+                                                             if c < len(kept.detail.call_time)))
+                    hd, fd, bd = derive_bytes(label, kept, calls)
                     entries[d] = (hd, fd - b, bd - b - hd)
             for choice, measured in entries.items():
                 own[(i, choice)] = measured
@@ -127,8 +140,11 @@ def combine(
             continue
         forward, backward = seconds[(kind, 0)]
         for d, label in derived.items():
+            kept_time = part_times.get((kind, d), matmul) if label in PARTS else matmul
+            if not kept_time:
+                continue
             seconds[(kind, d)] = derive_times(
-                label, forward, backward, statistics.median(matmul) * scale[0][0], statistics.median(ops), per_op
+                label, forward, backward, statistics.median(kept_time) * scale[0][0], statistics.median(ops), per_op
             )
     rows: list[tuple[BlockCost | None, ...]] = []
     for i in range(n):
@@ -154,4 +170,16 @@ def combine(
         rows.append(tuple(row))
     outside = [max(rnd.peaks.get(("out", k), 0) for rnd in tracked) for k in range(n + 1)]
     outside_time = statistics.median(sum(v for key, v in rnd.times.items() if key[0] == "out") for rnd in timed)
-    return ModelCost(tuple(names), tuple(choices), tuple(rows), tuple(outside), max(0.0, outside_time * outside_scale))
+    kept_calls = tuple(
+        tuple(parts.get((kinds[i], c)) if row[c] is not None else None for c in range(len(choices)))
+        for i, row in enumerate(rows)
+    )
+    return ModelCost(
+        tuple(names), tuple(choices), tuple(rows), tuple(outside), max(0.0, outside_time * outside_scale), kept_calls
+    )
+
+
+def _part(share: float, kept: Kept) -> frozenset[int] | None:
+    """The calls a part keeps, or None where that is none or all of them (NOTE [ Some matmuls ])."""
+    calls = part_calls(share, kept.detail)
+    return calls if 0 < len(calls) < len(kept.detail.call_time) else None

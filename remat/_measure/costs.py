@@ -81,6 +81,8 @@ class ModelCost:
         blocks: `blocks[i][c]` is block i's cost under choice c, or None where that choice is not open to it.
         outside_peaks: n + 1 numbers; see NOTE [ Budget model ].
         outside_time: seconds of the step spent outside the blocks.
+        calls: `calls[i][c]`, for a choice that keeps some of block i's matmul-class calls (NOTE [ Some matmuls ]
+            in derive.py), which of them; None for every other; empty: none such anywhere.
 
     >>> kept, full = BlockCost(8, 12, 16, 1.0, 2.0), BlockCost(1, 12, 20, 1.0, 3.0)
     >>> cost = ModelCost(("0", "1"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 4), 0.5)
@@ -93,9 +95,12 @@ class ModelCost:
     blocks: tuple[tuple[BlockCost | None, ...], ...]
     outside_peaks: tuple[int, ...]
     outside_time: float = 0.0
+    calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
+        if self.calls and len(self.calls) != n:
+            raise ValueError(f"remat: a ModelCost of {n} blocks needs {n} rows of calls, but got {len(self.calls)}.")
         if len(self.blocks) != n or len(self.outside_peaks) != n + 1:
             raise ValueError(
                 f"remat: a ModelCost of {n} blocks needs {n} rows of costs and {n + 1} outside peaks, but got "

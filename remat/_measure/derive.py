@@ -5,7 +5,8 @@ Running every choice for real takes tracked rounds: a kind of block with one mem
 each slower than a plain step. But what a rematerialized block does is a replay of what it does kept, and the
 tracker sees every op of that: so one tracked run of a block kept (`Kept`, filled by profile.py from the
 window's `Detail` in windows.py) gives its other choices, in the terms of NOTE [ Budget model ] in costs.py.
-Under choice c (full remat, or `save_matmuls`), with "born" the storages its forward allocated:
+Under choice c (full remat, `save_matmuls`, or one that keeps some matmuls: NOTE [ Some matmuls ] below), with
+"born" the storages its forward allocated:
 * Held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
   storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]).
   Its inputs are held by whoever made them, whatever this block does.
@@ -57,9 +58,46 @@ from .._engine.selective import SaveOps
 from .._policies import save_matmuls
 from .windows import Detail, mode_cost
 
-__all__ = ["DERIVABLE", "Kept", "derive_bytes", "derive_times", "mode_overhead"]
+__all__ = ["DERIVABLE", "PARTS", "Kept", "derive_bytes", "derive_times", "mode_overhead", "part_calls"]
 
-DERIVABLE = ("full", "save_matmuls")
+#: Choices that keep some of the matmul outputs `save_matmuls` keeps (NOTE [ Some matmuls ]): label -> the
+#: share of save_matmuls' matmul bytes they may keep.
+PARTS = {"save_matmuls/4": 0.25, "save_matmuls/2": 0.5}
+DERIVABLE = ("full", "save_matmuls", *PARTS)
+
+# NOTE [ Some matmuls ]
+# Between full remat (keep nothing but the output) and `save_matmuls` (keep every matmul-class output) a block
+# may keep some of its matmul outputs, as torch's selective checkpointing planner does op by op: the calls that
+# give back the most recompute time per byte kept (an attention kernel: a small output for a long op; a
+# projection down from a wide MLP), taken in that order while their bytes stay within a share of all the
+# matmul outputs' bytes (`PARTS`: a quarter, a half), a call too large for what is left skipped. The calls are
+# numbered in the order the block's forward makes them, chosen per kind of block from the first of its kind
+# recorded kept (so that blocks of a kind keep the same calls), and carried out by a policy that keeps just
+# those calls (NOTE [ Some calls ] in _policies.py); the derivation is `save_matmuls`' with their storages in
+# place of every matmul output's, and their time in place of every matmul's. A share that picks no call, or
+# every call, is not offered (it would be full remat or `save_matmuls` again). Times per call are those of
+# the tracked step: where a device runs asynchronously they are launches, so the order is by bytes in effect
+# and the recompute is counted as a whole forward, as for `save_matmuls`.
+
+
+def part_calls(share: float, detail: Detail) -> frozenset[int]:
+    """The matmul-class calls (numbered in order) that a part keeps: NOTE [ Some matmuls ].
+
+    >>> d = Detail()
+    >>> d.born, d.calls, d.call_time = {0: 8, 1: 2, 2: 8}, {0: 0, 1: 1, 2: 2}, [1.0, 1.0, 3.0]
+    >>> sorted(part_calls(0.6, d)), sorted(part_calls(0.25, d))  # call 1 gives the most seconds per byte
+    ([1, 2], [1])
+    """
+    size = [0] * len(detail.call_time)
+    for number, call in detail.calls.items():
+        size[call] += detail.born[number]
+    room = share * sum(size)
+    chosen = []
+    for call in sorted(range(len(size)), key=lambda c: (-detail.call_time[c] / max(1, size[c]), c)):
+        if size[call] <= room:
+            chosen.append(call)
+            room -= size[call]
+    return frozenset(chosen)
 
 
 @dataclass(frozen=True)
@@ -89,17 +127,18 @@ class Kept:
     detail: Detail
 
 
-def _replay(detail: Detail, handed: bool, keep: bool, drop: frozenset[int] = frozenset()) -> int:
+def _replay(detail: Detail, saved: frozenset[int] | set[int], handed: bool, keep: bool,
+            drop: frozenset[int] = frozenset()) -> int:
     """The peak of the forward's allocation log, from 0 (see NOTE [ Deriving choices ]).
 
-    handed: matmul outputs are not allocated (recompute under save_matmuls gets them back).
-    keep: matmul outputs are never released (forward under save_matmuls keeps them).
+    saved: the matmul outputs the choice keeps.
+    handed: they are not allocated (recompute gets them back).
+    keep: they are never released (forward keeps them).
     drop: storages never released in the log that are released once the next storage is allocated.
     """
     level = peak = pending = 0
-    matmul = detail.matmul
     for number, delta in detail.events:
-        if number in matmul and ((handed and delta > 0) or (keep and delta < 0)):
+        if number in saved and ((handed and delta > 0) or (keep and delta < 0)):
             continue
         level += delta
         peak = max(peak, level)
@@ -109,33 +148,44 @@ def _replay(detail: Detail, handed: bool, keep: bool, drop: frozenset[int] = fro
     return peak
 
 
-def derive_bytes(choice: str, kept: Kept) -> tuple[int, int, int]:
+def _saved(choice: str, detail: Detail, calls: frozenset[int] | None) -> frozenset[int] | set[int]:
+    """The storages of `detail` that `choice` keeps besides the outputs."""
+    if choice == "full":
+        return frozenset()
+    if choice == "save_matmuls":
+        return detail.matmul
+    if choice in PARTS and calls is not None:
+        return frozenset(n for n, call in detail.calls.items() if call in calls)
+    raise ValueError(
+        f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)} (the parts with their calls)."
+    )
+
+
+def derive_bytes(choice: str, kept: Kept, calls: frozenset[int] | None = None) -> tuple[int, int, int]:
     """Held bytes, forward peak and backward peak (above S_i) of a block under `choice`, from its run kept.
 
+    `calls`: for a part (`PARTS`), the matmul-class calls it keeps (`part_calls`).
+
     >>> d = Detail()
-    >>> d.born, d.matmul, d.events = {1: 8, 2: 4}, {1}, [(1, 8), (2, 4)]  # a matmul output, then the output
+    >>> d.born, d.matmul, d.calls, d.events = {1: 8, 2: 4}, {1}, {1: 0}, [(1, 8), (2, 4)]  # a matmul, the output
     >>> kept = Kept(0, 12, 12, 20, 16, 12, frozenset({2}), frozenset({2}), d)
-    >>> derive_bytes("full", kept), derive_bytes("save_matmuls", kept)
-    ((4, 12, 20), (12, 12, 20))
+    >>> derive_bytes("full", kept), derive_bytes("save_matmuls", kept), derive_bytes("save_matmuls/2", kept, {0})
+    ((4, 12, 20), (12, 12, 20), (12, 12, 20))
     """
     detail = kept.detail
     born = detail.born
-    if choice == "full":
-        holds = kept.outputs
-    elif choice == "save_matmuls":
-        holds = kept.outputs | detail.matmul
-    else:
-        raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")
-    handed = choice == "save_matmuls"
+    saved = _saved(choice, detail, calls)
+    holds = kept.outputs | saved
     held = sum(born[key] for key in holds)
     forward_peak = kept.forward_peak
+    handed = choice != "full"
     if handed:
         released = {number for number, delta in detail.events if delta < 0}
         dropped = frozenset(n for n in born if n not in released and n not in holds)  # saved by kept's autograd
-        forward_peak = kept.base + _replay(detail, handed=False, keep=True, drop=dropped)
-    live = kept.live_outputs | detail.matmul if handed else kept.live_outputs  # born storages live at backward under c
+        forward_peak = kept.base + _replay(detail, saved, handed=False, keep=True, drop=dropped)
+    live = kept.live_outputs | saved  # born storages live at backward under c
     start = kept.at_backward - kept.alive + sum(born[key] for key in live)
-    rise = _replay(detail, handed=handed, keep=False)
+    rise = _replay(detail, saved, handed=handed, keep=False)
     backward_peak = max(start + rise, kept.backward_peak)
     return held, forward_peak, backward_peak
 
@@ -145,12 +195,14 @@ def derive_times(
 ) -> tuple[float, float]:
     """Forward and backward seconds of a block under `choice`, from its times kept (NOTE [ Deriving choices ]).
 
+    `matmul`: the seconds of the matmul-class calls `choice` keeps (all of them for `save_matmuls`).
+
     >>> derive_times("full", 1.0, 2.0, 0.5, 10, 0.01), derive_times("save_matmuls", 1.0, 2.0, 0.5, 10, 0.01)
     ((1.0, 3.0), (1.1, 2.6))
     """
     if choice == "full":
         return forward, backward + forward
-    if choice == "save_matmuls":
+    if choice == "save_matmuls" or choice in PARTS:
         mode = ops * per_op
         return forward + mode, backward + max(0.0, forward - matmul) + mode
     raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")

@@ -1,9 +1,10 @@
 """Profile a model's blocks under each choice in one or a few real training steps: a `ModelCost`.
 
 See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ]
-Full remat and `save_matmuls` (under the rerun strategy) are not run: they are derived from each block's run
-kept (NOTE [ Deriving choices ] in derive.py), so the choices that run are kept and those that cannot be
-derived (policies passed as `choices=`, and full remat under the replay strategy). Blocks of one kind (same
+Full remat, `save_matmuls` and the choices that keep some matmuls (under the rerun strategy) are not run: they
+are derived from each block's run kept (NOTE [ Deriving choices ] and NOTE [ Some matmuls ] in derive.py), so
+the choices that run are kept and those that cannot be derived (policies passed as `choices=`, and full remat
+under the replay strategy). Blocks of one kind (same
 class, same parameter shapes) cost the same wherever they sit, up to what lies around them. So one tracked
 step measures many (block, choice) pairs at once: with k choices to run, in round r the m-th block of a kind
 takes slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each),
@@ -45,7 +46,7 @@ from .._torch_compat import tree_leaves
 from .alone import describe, time_alone
 from .combine import Round, combine
 from .costs import ModelCost
-from .derive import Kept, mode_overhead
+from .derive import PARTS, Kept, mode_overhead
 from .state import step_state
 from .track import _storage, synchronize
 from .windows import Detail, Windows, per_op_overhead
@@ -285,6 +286,7 @@ def profile_blocks(
     step: Step,
     assign: Assign,
     derived: Collection[int] = (),
+    closed: Collection[int] = (),
 ) -> ModelCost:
     """Profile `blocks` of `model` under every choice on the training step `step` (NOTE [ Profiling rounds ]).
 
@@ -296,12 +298,14 @@ def profile_blocks(
         step: runs the model's forward on the sample and returns the scalar loss.
         assign: `assign(i, c)` puts block i under choice c (the caller applies or removes the hooks).
         derived: choices derived from the blocks' runs kept instead of run (labelled "full" or "save_matmuls",
-            with the rerun strategy: NOTE [ Deriving choices ] in derive.py).
+            with the rerun strategy: NOTE [ Deriving choices ] in derive.py). The parts (`PARTS`, NOTE [ Some
+            matmuls ]) can only be derived: where derivations do not hold, they are open to no block.
+        closed: choices neither run nor derived: open to no block.
 
     Returns:
         The `ModelCost` of every block under every choice.
     """
-    run = [c for c in range(len(choices)) if c not in derived]
+    run = [c for c in range(len(choices)) if c not in derived and c not in closed]
     if derived and run[:1] != [0]:
         raise ValueError("remat: derived choices need choice 0 (kept) to be run.")
     rounds = _rounds(blocks, run)
@@ -328,13 +332,14 @@ def profile_blocks(
                 alone.clear()
                 break
     if derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked):
-        return profile_blocks(model, names, blocks, choices, step, assign)  # NOTE [ Deriving choices ]: run them
+        parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
+        return profile_blocks(model, names, blocks, choices, step, assign, closed=parts)
     sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None
     kinds = [_kind(b) for b in blocks]
     measured = [_round(a, rec, _kept(rec)) for a, rec in zip(rounds, tracked, strict=True)]
     clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
     labels = {c: choices[c] for c in derived}
-    per_op = mode_overhead() if "save_matmuls" in labels.values() else 0.0
+    per_op = mode_overhead() if any(label != "full" for label in labels.values()) else 0.0
     return combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op)
 
 

@@ -46,6 +46,8 @@ class Detail:
     Attributes:
         born: bytes of every storage the window allocated, by number.
         matmul: the numbers among `born` that a matmul-class op made (`remat.policies.save_matmuls`'s ops).
+        calls: for each of `matmul`, which matmul-class call made it (counted from 0 in the window's order).
+        call_time: per matmul-class call, its seconds (from the end of the op before).
         events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released.
         ops: aten ops the window ran.
         matmul_time: seconds of the matmul-class ops among them (each op's time from the end of the one before).
@@ -53,11 +55,13 @@ class Detail:
         refs: when the window closed, the tracker's weak reference to each storage of `live`, by number.
     """
 
-    __slots__ = ("born", "events", "live", "matmul", "matmul_time", "ops", "refs")
+    __slots__ = ("born", "call_time", "calls", "events", "live", "matmul", "matmul_time", "ops", "refs")
 
     def __init__(self) -> None:
         self.born: dict[int, int] = {}
         self.matmul: set[int] = set()
+        self.calls: dict[int, int] = {}
+        self.call_time: list[float] = []
         self.events: list[tuple[int, int]] = []
         self.ops = 0
         self.matmul_time = 0.0
@@ -95,7 +99,9 @@ class Windows(Tracker):
         else:
             detail.ops += 1
             if matmuls(func):
-                detail.matmul_time += max(0.0, start - self._last - self.per_op)
+                seconds = max(0.0, start - self._last - self.per_op)
+                detail.matmul_time += seconds
+                detail.call_time.append(seconds)
                 self._in_matmul = True
                 try:
                     super()._see(func, args, kwargs, out)
@@ -117,6 +123,7 @@ class Windows(Tracker):
             detail.events.append((number, nbytes))
             if self._in_matmul:
                 detail.matmul.add(number)
+                detail.calls[number] = len(detail.call_time) - 1
 
     def _release(self, key: int, ref: object = None) -> None:
         start = time.perf_counter()

@@ -150,7 +150,7 @@ def _bench(
 
 
 def _short(label: str) -> str:
-    return {"kept": "K", "save_matmuls": "M", "full": "F"}.get(label, "P")
+    return {"kept": "K", "save_matmuls": "M", "full": "F", "save_matmuls/2": "H", "save_matmuls/4": "Q"}.get(label, "P")
 
 
 def run(
@@ -205,7 +205,8 @@ def format_table(rows: Sequence[Row], theirs: dict[float, dict[str, Any]]) -> st
                      "no remat's step")
         lines += aligned(table, right=True)
         lines.append("")
-    lines.append("choices per block: K kept, M save_matmuls, F full remat")
+    lines.append("choices per block: K kept, M save_matmuls, H / Q the matmuls worth most per byte, up to half / a "
+                 "quarter of save_matmuls' bytes, F full remat, P a policy of your own")
     return "\n".join(lines)
 
 
