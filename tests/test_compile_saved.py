@@ -291,3 +291,21 @@ def test_blocks_compiled_one_by_one_each_run_their_own_choice() -> None:
         ran.clear()
         model(x).sum().backward()
     assert len(ran) == 3 and ran[0] < ran[1] < ran[2], ran  # full, matmuls, kept: in the second call too
+
+
+def _up_only(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keep the up-projection's output only, told apart by its bias (64 wide), not by counting calls."""
+    wide = op is torch.ops.aten.addmm.default and args[0].shape[-1] == 64
+    return CheckpointPolicy.MUST_SAVE if wide else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_a_policy_keeping_some_calls_keeps_those_calls_inside_compile(baselines: dict[str, int]) -> None:
+    """A budget plan's part (the first matmul call of each block, its up-projection) keeps just that call."""
+    from remat._policies import Policy, matmuls
+
+    up_only = _torch_mark(functools.partial(create_selective_checkpoint_contexts, _up_only))
+    reference = Stack(up_only)
+    expected = saved_bytes(reference, list(reference.parameters()))[0]
+    assert baselines["full"] < expected < baselines["matmuls"]
+    got = check(_instances(Policy(ops=(matmuls,), calls=frozenset({0}))), expected, baselines["none"])
+    assert got < baselines["matmuls"]  # every matmul kept would be more

@@ -57,7 +57,8 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
     """The selective-checkpoint `context_fn` that keeps what `policy` keeps, or None to recompute everything.
 
     What cannot be kept in compiled code is warned about when the compiler first traces the site (the context is
-    made then, outside dynamo), once per site: tag names, offloading.
+    made then, outside dynamo), once per site: tag names, offloading. A policy that keeps some calls of its ops
+    (a budget plan's parts) counts the calls in forward and in recompute as eager code does.
     """
     lacks = []
     if offload or (policy is not None and policy.offloads):
@@ -75,12 +76,22 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
     saves_op = policy.saves_op if policy is not None and ops else None
     message = f"remat: `{site}` " + "; it also ".join(lacks) + "." if lacks else ""
 
-    def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return save if saves_op is not None and saves_op(op) else recompute
+    calls = policy.calls if policy is not None else None  # NOTE [ Some calls ] in _policies.py
 
     def contexts() -> Any:
         if message:
             warn_once(site, message)
+        counted = [0, 0]  # the chosen ops' calls so far, in forward and in recompute (the same order)
+
+        def choose(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if saves_op is None or not saves_op(op):
+                return recompute
+            if calls is None:
+                return save
+            phase = 1 if ctx.is_recompute else 0
+            index, counted[phase] = counted[phase], counted[phase] + 1
+            return save if index in calls else recompute
+
         return create_selective_checkpoint_contexts(choose)  # type: ignore[no-untyped-call]
 
     return contexts
