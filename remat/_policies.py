@@ -96,6 +96,15 @@ class Policy:
 
     __ror__ = __or__
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its per-op cache: aten overloads do not pickle, and the cache fills again on use."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != "_cache"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._cache = {}
+
     def __repr__(self) -> str:
         if self.everything:
             return "save_all"

@@ -268,6 +268,15 @@ def test_instance_survives_pickle() -> None:
     _trained_copy_matches(model, pickle.loads(pickle.dumps(model)))
 
 
+def test_an_instance_with_an_op_policy_survives_pickle_and_deepcopy_after_a_step() -> None:
+    """A policy's per-op cache holds aten overloads, which do not pickle: it is left out and fills again."""
+    model = remat.remat(MLP().double(), policy=remat.policies.save_matmuls)
+    model(X.detach().clone().requires_grad_()).sum().backward()
+    model.zero_grad(set_to_none=True)
+    _trained_copy_matches(model, pickle.loads(pickle.dumps(model)))
+    _trained_copy_matches(model, copy.deepcopy(model))
+
+
 def test_instance_survives_torch_save_and_load_of_the_whole_module() -> None:
     model = remat.remat(MLP().double())
     buffer = io.BytesIO()
