@@ -96,9 +96,13 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
     def remat_wrapper(*args: Any, **kwargs: Any) -> Any:
         if not (switch[0] if enabled is None else enabled) or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
-        if compiling():  # see NOTE [ Under torch.compile ]
-            return torch_checkpoint(fn, args, kwargs, **keywords)
         module = args[0] if args and isinstance(args[0], nn.Module) else None
+        if compiling():  # see NOTE [ Under torch.compile ]
+            if adapt is not None and module is not None:  # NOTE [ Caches under torch.compile ]
+                changed = adapt.compiled(module, args[1:], kwargs)
+                if changed is not None:
+                    args, kwargs = (module, *changed[0]), changed[1]
+            return torch_checkpoint(fn, args, kwargs, **keywords)
         if adapt is not None and module is not None:
             changed = adapt(module, args[1:], kwargs)
             if changed is not None:
@@ -162,6 +166,10 @@ class _Open:
         """`forward(module, ...)` inside a compiled frame: torch's checkpoint (NOTE [ Under torch.compile ])."""
         if self.engine.passthrough or not _active(self.options):
             return forward(module, *args, **kwargs)
+        if self.adapt is not None:  # NOTE [ Caches under torch.compile ] in _integrations/transformers.py
+            changed = self.adapt.compiled(module, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
         return torch_checkpoint(forward, (module, *args), kwargs, **self.engine.keywords)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -230,6 +238,7 @@ def _cache_rule(kind: type, options: Options, owner: Any) -> Any:
         from ._integrations.transformers import CacheOff
 
         rule = _RULES[owner] = CacheOff()
+    rule.know(kind)
     return rule
 
 

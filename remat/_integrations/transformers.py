@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from .._torch_compat import when_traced
+
 __all__ = ["CACHE_ARGUMENTS", "CacheOff"]
 
 logger = logging.getLogger("remat")
@@ -38,6 +40,15 @@ logger = logging.getLogger("remat")
 # layers ran (empty, for a fresh one). `@remat` on a layer class applies the same rule in its wrapper. Layers in
 # eval mode, sites that are off (the switch, `no_grad`) and `strategy="replay"` keep the cache: replay runs the
 # recorded ops again, not the Python that updates it.
+#
+# NOTE [ Caches under torch.compile ]
+# Inside a compiled frame a rematerialized layer is torch's checkpoint operator (NOTE [ Under torch.compile ]),
+# and dynamo refuses a cache update inside it ("Mutating a variable from outside the scope of this HOP"): it
+# breaks the graph and runs the layer in eager code, where the site, already past its eager pre-hook, keeps
+# everything. Measured on a 3-layer Llama: the compiled step saved 2.35 MB for backward with remat.apply against
+# 2.32 MB without remat. So the compiled paths take the same rule (`CacheOff.compiled`): the same arguments,
+# rewritten in traced code (the signature is read in eager code beforehand: `know`), and one log line when
+# dynamo traces it, with no state kept (a weak set would break the graph).
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -107,35 +118,10 @@ class CacheOff:
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not module.training:
+        rewritten = _without_cache(module, args, kwargs)
+        if rewritten is None:
             return None
-        positions = _argument_positions(type(module))
-        keep_cache = bool(getattr(module, "_can_checkpoint_with_cache", False))
-        new_args: list[Any] | None = None
-        new_kwargs: dict[str, Any] | None = None
-        changed: list[str] = []
-        cache: Any = None
-        for name in ("use_cache", *CACHE_ARGUMENTS):
-            if name != "use_cache" and keep_cache:
-                break
-            off = False if name == "use_cache" else None
-            if name in kwargs:
-                value = kwargs[name]
-                if (bool(value) if name == "use_cache" else value is not None):
-                    new_kwargs = dict(kwargs) if new_kwargs is None else new_kwargs
-                    new_kwargs[name] = off
-                    changed.append(f"`{name}={off}`")
-                    cache = value if cache is None and name != "use_cache" else cache
-            elif positions.get(name, len(args)) < len(args):
-                index = positions[name]
-                value = args[index]
-                if (bool(value) if name == "use_cache" else value is not None):
-                    new_args = list(args) if new_args is None else new_args
-                    new_args[index] = off
-                    changed.append(f"`{name}={off}`")
-                    cache = value if cache is None and name != "use_cache" else cache
-        if not changed:
-            return None
+        new_args, new_kwargs, changed, cache = rewritten
         if self._first_of_its_model(module, cache):
             logger.warning(
                 "remat: caching is off in the rematerialized %s layers in training (%s), as transformers' own "
@@ -144,7 +130,77 @@ class CacheOff:
                 type(module).__qualname__,
                 ", ".join(changed),
             )
-        return (
-            tuple(new_args) if new_args is not None else args,
-            new_kwargs if new_kwargs is not None else kwargs,
-        )
+        return new_args, new_kwargs
+
+    @staticmethod
+    def compiled(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The same arguments while dynamo traces the layer (NOTE [ Caches under torch.compile ])."""
+        rewritten = _without_cache(module, args, kwargs)
+        if rewritten is None:
+            return None
+        when_traced(_log_compiled)
+        return rewritten[0], rewritten[1]
+
+    @staticmethod
+    def know(kind: type) -> None:
+        """Read `kind.forward`'s signature now, in eager code, so that a traced call finds it in the table."""
+        _argument_positions(kind)
+
+
+def _without_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], list[str], Any] | None:
+    """`(args, kwargs)` with the cache off, what changed and the cache handed in; None when nothing changes."""
+    if not module.training:
+        return None
+    positions = _argument_positions(type(module))
+    keep_cache = bool(getattr(module, "_can_checkpoint_with_cache", False))
+    new_args: list[Any] | None = None
+    new_kwargs: dict[str, Any] | None = None
+    changed: list[str] = []
+    cache: Any = None
+    for name in ("use_cache", *CACHE_ARGUMENTS):
+        if name != "use_cache" and keep_cache:
+            break
+        off = False if name == "use_cache" else None
+        if name in kwargs:
+            value = kwargs[name]
+            if (bool(value) if name == "use_cache" else value is not None):
+                new_kwargs = dict(kwargs) if new_kwargs is None else new_kwargs
+                new_kwargs[name] = off
+                changed.append(f"`{name}={off}`")
+                cache = value if cache is None and name != "use_cache" else cache
+        elif positions.get(name, len(args)) < len(args):
+            index = positions[name]
+            value = args[index]
+            if (bool(value) if name == "use_cache" else value is not None):
+                new_args = list(args) if new_args is None else new_args
+                new_args[index] = off
+                changed.append(f"`{name}={off}`")
+                cache = value if cache is None and name != "use_cache" else cache
+    if not changed:
+        return None
+    return (
+        tuple(new_args) if new_args is not None else args,
+        new_kwargs if new_kwargs is not None else kwargs,
+        changed,
+        cache,
+    )
+
+
+_logged_compiled: list[bool] = []
+
+
+def _log_compiled(ctx: object) -> None:
+    """Log once per process, while dynamo traces a rematerialized layer handed a cache, that its cache is off
+    (this runs in eager code at trace time: it may keep state)."""
+    if _logged_compiled:
+        return
+    _logged_compiled.append(True)
+    logger.warning(
+        "remat: caching is off in rematerialized transformers layers in training under torch.compile, as "
+        "transformers' own gradient checkpointing does (a cache update inside torch's checkpoint breaks the graph "
+        "and would leave the layer unrematerialized). Use strategy='replay' in eager code to keep the cache."
+    )
