@@ -213,6 +213,7 @@ def _sum(out: torch.Tensor) -> torch.Tensor:
     return out.sum()
 
 
+@pytest.mark.equivalence
 def test_a_plan_with_parts_survives_pickle() -> None:
     import pickle
 

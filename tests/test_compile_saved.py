@@ -299,6 +299,7 @@ def _up_only(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if wide else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@pytest.mark.equivalence
 def test_a_policy_keeping_some_calls_keeps_those_calls_inside_compile(baselines: dict[str, int]) -> None:
     """A budget plan's part (the first matmul call of each block, its up-projection) keeps just that call."""
     from remat._policies import Policy, matmuls

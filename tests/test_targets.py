@@ -268,6 +268,7 @@ def test_instance_survives_pickle() -> None:
     _trained_copy_matches(model, pickle.loads(pickle.dumps(model)))
 
 
+@pytest.mark.equivalence
 def test_an_instance_with_an_op_policy_survives_pickle_and_deepcopy_after_a_step() -> None:
     """A policy's per-op cache holds aten overloads, which do not pickle: it is left out and fills again."""
     model = remat.remat(MLP().double(), policy=remat.policies.save_matmuls)
