@@ -167,19 +167,20 @@ def _without_cache(
         off = False if name == "use_cache" else None
         if name in kwargs:
             value = kwargs[name]
-            if (bool(value) if name == "use_cache" else value is not None):
-                new_kwargs = dict(kwargs) if new_kwargs is None else new_kwargs
-                new_kwargs[name] = off
-                changed.append(f"`{name}={off}`")
-                cache = value if cache is None and name != "use_cache" else cache
         elif positions.get(name, len(args)) < len(args):
-            index = positions[name]
-            value = args[index]
-            if (bool(value) if name == "use_cache" else value is not None):
-                new_args = list(args) if new_args is None else new_args
-                new_args[index] = off
-                changed.append(f"`{name}={off}`")
-                cache = value if cache is None and name != "use_cache" else cache
+            value = args[positions[name]]
+        else:
+            continue
+        if not (bool(value) if name == "use_cache" else value is not None):
+            continue
+        if name in kwargs:
+            new_kwargs = dict(kwargs) if new_kwargs is None else new_kwargs
+            new_kwargs[name] = off
+        else:
+            new_args = list(args) if new_args is None else new_args
+            new_args[positions[name]] = off
+        changed.append(f"`{name}={off}`")
+        cache = value if cache is None and name != "use_cache" else cache
     if not changed:
         return None
     return (
