@@ -217,29 +217,18 @@ class Remat:
         >>> model = remat.apply(model, torch.nn.Linear)
         >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
         """
-        if memory is not None or optimizer is not None:
-            if memory is None or budget is not None:
-                raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
-                                 "with `optimizer`), not both; `optimizer` goes with `memory`.")
-            budget = memory  # the same checks of the other arguments, below
-        if budget is not None:
+        if budget is not None or memory is not None or optimizer is not None:
             if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
                 raise ValueError(
                     "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
                     "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
                 )
-            from . import _fit  # the profiler and planner load with the first budget
+            from ._planned import apply_planned  # the profiler and planner load with the first budget
 
-            if memory is not None:
-                from ._total_memory import apply_memory
-
-                options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
-                           "check": check, "compile": compile}
-                return apply_memory(model, memory, sample, where, optimizer=optimizer, loss=loss,  # type: ignore
-                                    options=options)
-            return _fit.apply_budget(
-                model, budget, sample, where, loss=loss, choices=choices, replan=replan,
-                preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile,
+            return apply_planned(  # type: ignore[return-value]
+                model, where, budget=budget, memory=memory, optimizer=optimizer, sample=sample, loss=loss,
+                choices=choices, replan=replan, compile=compile, preserve_rng=preserve_rng, strategy=strategy,
+                check=check,
             )
         if sample is not None or loss is not None or choices is not None or replan is not True or compile:
             raise ValueError(
