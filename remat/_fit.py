@@ -85,8 +85,10 @@ class _Budget:
     """The model's forward pre-hook that holds its budget plan and re-plans on a new input signature."""
 
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
-    grads = False  # these two for a hook pickled before it had them
-    compile = False
+    # What a hook pickled before it had these attributes reads (the instance's own values shadow them):
+    compile = grads = told = False
+    sharded = warned = True  # no warning about `fully_shard` for a plan of unknown origin
+    calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
 
     def __init__(
         self,
@@ -98,6 +100,7 @@ class _Budget:
         replan: bool,
         options: dict[str, Any],
         compile: bool = False,
+        grads: bool = False,
     ) -> None:
         self.budget = budget
         self.names = names
@@ -113,15 +116,15 @@ class _Budget:
         self.told = False  # whether re-planning inside a forward was logged (once per model)
         self.sharded = False  # whether the plan was made on a `fully_shard`-ed model: NOTE [ Budgets and FSDP2 ]
         self.warned = False
-        self.grads = False  # whether the checked step counts new gradients (`memory=`: NOTE [ Total memory ])
-        self.calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()  # the parts' calls: NOTE [ Some matmuls ]
+        self.grads = grads  # whether the checked step counts new gradients (`memory=`: NOTE [ Total memory ])
+        self.calls = ()  # the parts' calls: NOTE [ Some matmuls ]
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
         _remove_hooks(block)
         policy = self.policies[c]
         if self.labels[c] in PARTS:  # derived, never run while profiling: NOTE [ Some matmuls ]
-            calls = self.calls[i][c] if getattr(self, "calls", ()) else None
+            calls = self.calls[i][c] if self.calls else None
             if calls is None:
                 raise ValueError(f"remat: choice {self.labels[c]!r} is not open to block {self.names[i]!r}.")
             policy = Policy(ops=(matmuls,), calls=calls)
@@ -138,7 +141,7 @@ class _Budget:
         args, kwargs = _detached(args), _detached(kwargs)
         loss = self.loss or default_loss
         blocks = [model.get_submodule(name) for name in self.names]
-        previous, previous_calls = self.budget_plan, getattr(self, "calls", ())
+        previous, previous_calls = self.budget_plan, self.calls
 
         def step() -> torch.Tensor:
             out = loss(model(*args, **kwargs))
@@ -176,8 +179,10 @@ class _Budget:
             def measure() -> int:
                 if self.grads:  # from no gradients, eager code keeps each one as a one-graph backward does
                     return max_over_ranks(measure_step(model, step, grads=True))
-                # an eager step, lifted to one compiled graph: NOTE [ Compiled as one graph ]
-                return max_over_ranks(measure_step(model, step)) + graph_extra(eager, cost, placed[0])
+                measured = max_over_ranks(measure_step(model, step))
+                if self.compile:  # an eager step, lifted to one compiled graph: NOTE [ Compiled as one graph ]
+                    measured += graph_extra(eager, cost, placed[0])
+                return measured
 
             with torch.enable_grad():
                 plan = check_plan(plan, measure, assign)
@@ -197,7 +202,7 @@ class _Budget:
         return plan
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not getattr(self, "sharded", True) and not getattr(self, "warned", True) and self._now_sharded(model):
+        if not self.sharded and not self.warned and self._now_sharded(model):
             self.warned = True
             warnings.warn(SHARDED_LATER.format(model=type(model).__name__), UserWarning, stacklevel=2)
         if compiling():  # the model's root is traced: compiled as one graph (NOTE [ Compiled as one graph ])
@@ -207,7 +212,7 @@ class _Budget:
         if self.busy or not self.replan or not model.training or not torch.is_grad_enabled():
             return
         if _signature(args, kwargs) != self.signature:
-            if not getattr(self, "told", False):
+            if not self.told:
                 self.told = True
                 _log.warning(
                     "remat: the budgeted %s was called with new input shapes: profiling one training step and "
@@ -314,8 +319,7 @@ def apply_budget(
         if isinstance(hook, _Budget):
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
-    hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile)
-    hook.grads = grads
+    hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads)
     args, kwargs = _as_call(sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,11 +59,10 @@ def _fsdp_module() -> type | None:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``model`` or one of its modules."""
-    fsdp = _fsdp_module()
-    return fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
+    return is_sharded_any(model.modules())
 
 
-def is_sharded_any(modules: list[nn.Module]) -> bool:
+def is_sharded_any(modules: Iterable[nn.Module]) -> bool:
     """Whether ``fully_shard`` was applied to one of ``modules`` themselves (their children are not looked at)."""
     fsdp = _fsdp_module()
     return fsdp is not None and any(isinstance(m, fsdp) for m in modules)

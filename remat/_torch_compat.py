@@ -228,7 +228,6 @@ except ImportError:  # pragma: no cover - a torch without dynamo
     eval_frame_callback = None
 
 
-
 def when_traced(fn: Callable[[Any], None]) -> None:
     """Run `fn(ctx)` while dynamo traces the calling frame, with no graph break; at run time do nothing.
 

@@ -26,9 +26,10 @@ from torch import nn
 from ._errors import BudgetError
 from ._estimate import estimate
 from ._fit import apply_budget
-from ._measure.measure import format_bytes
+from ._format import format_bytes
 from ._plan.estimate import OptimizerLike
 from ._plan.largest_batch import parse_memory
+from ._plan.units import Budget
 
 __all__ = ["apply_memory", "as_optimizer"]
 
@@ -48,7 +49,7 @@ def as_optimizer(optimizer: Any) -> OptimizerLike:
     return same
 
 
-def apply_memory(model: nn.Module, memory: int | str, sample: Any, where: Any, *, optimizer: Any,
+def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, optimizer: Any,
                  loss: Callable[[Any], Any] | None, options: dict[str, Any]) -> nn.Module:
     """See `remat.apply` and NOTE [ Total memory ]."""
     total = parse_memory(memory, "apply")
@@ -63,8 +64,7 @@ def apply_memory(model: nn.Module, memory: int | str, sample: Any, where: Any, *
     try:
         return apply_budget(model, total - state, sample, where, loss=loss, grads=True, **options)
     except BudgetError as error:
-        least = getattr(error, "least_bytes", None)
-        raise _refused(total, max(row.peak_bytes, state + (least or 0)), state, "") from error
+        raise _refused(total, max(row.peak_bytes, state + (error.least_bytes or 0)), state, "") from error
 
 
 def _refused(total: int, least: int, state: int, phase: str) -> BudgetError:

@@ -6,8 +6,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._measure.measure import format_bytes
-from .step_phases import peak_lines
+from .._format import format_bytes
+from .step_phases import OPTIMIZER, peak_lines
 
 __all__ = ["ConfigEstimate", "EstimateReport"]
 
@@ -55,7 +55,7 @@ class ConfigEstimate:
     @property
     def step_peak_bytes(self) -> int:
         """The peak of forward and backward, the state included: what remat's configurations change."""
-        return max((n for phase, n in self.phase_bytes.items() if phase != "optimizer step"), default=self.peak_bytes)
+        return max((n for phase, n in self.phase_bytes.items() if phase != OPTIMIZER), default=self.peak_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the numbers as plain JSON-ready values (the configuration as its label)."""

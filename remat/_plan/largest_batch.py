@@ -29,7 +29,7 @@ from .._errors import BudgetError
 from .._torch_compat import tree_leaves, tree_map
 from .estimate import Configured, Refine
 from .estimate_report import ConfigEstimate
-from .units import parse_budget
+from .units import Budget, parse_budget
 
 __all__ = ["CAP", "largest", "largest_sizes", "parse_memory", "resized", "searches", "size_along"]
 
@@ -149,7 +149,7 @@ def largest_sizes(sample: Any, memory: int, batch_dim: int | None, seq_dim: int 
     return refine
 
 
-def parse_memory(memory: int | str | None, site: str) -> int:
+def parse_memory(memory: Budget | None, site: str) -> int:
     """Device memory in bytes: an int, or a string with a unit ("80GiB"); not a fraction."""
     if isinstance(memory, float) or memory is None:
         raise TypeError(f"remat: {site}'s `memory` is the device's memory in bytes: an int or a string such as "

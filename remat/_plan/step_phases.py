@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from .._format import format_bytes
 from .._measure.fake import FakeTracker, storage_bytes
-from .._measure.measure import format_bytes
 
 __all__ = [
     "BACKWARD", "FORWARD", "OPTIMIZER", "StepTracker", "fold", "optimizer_holders", "peak_lines", "where_it_peaks",
