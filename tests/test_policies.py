@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_grads, randn
+from conftest import assert_same_grads, randn, recomputes
 from models import MLP, TransformerBlock
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
@@ -215,3 +216,33 @@ def test_save_matmuls_peaks_between_full_remat_and_none(name: str) -> None:
     none, full = _peak(make, None), _peak(make, policies.save_nothing)
     matmuls = _peak(make, policies.save_matmuls)
     assert full <= matmuls <= none, (full, matmuls, none)
+
+
+@pytest.mark.equivalence
+def test_a_kept_output_recompute_never_reaches_is_dropped_when_recompute_ends() -> None:
+    # The last matmul feeds a residual add, so recompute stops once that matmul's input is saved and never
+    # reaches the matmul whose output `save_matmuls` kept: that output must die when recompute ends, not stay
+    # through the rest of the site's backward (full remat never holds it there).
+    w1, w2 = randn(32, 128, requires_grad=True), randn(128, 32, requires_grad=True)
+    last: list[StorageWeakRef] = []
+    dead: list[bool] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w1
+        if not last:  # forward only: once gelu's backward is done, the site's own backward is half-way
+            h.register_hook(lambda grad: dead.append(last[0].expired()))
+        y = torch.nn.functional.gelu(h) @ w2
+        last.append(StorageWeakRef(y.untyped_storage()))
+        return y + x
+
+    x = randn(64, 32, requires_grad=True)
+    expected = torch.autograd.grad(block(x).sum(), (x, w1, w2))
+    assert dead == [True]  # without remat, y died with the forward
+    last.clear()
+    dead.clear()
+    out = remat.remat(block, policy=policies.save_matmuls)(x)
+    before = recomputes()
+    got = torch.autograd.grad(out.sum(), (x, w1, w2))
+    assert recomputes() == before + 1 and len(last) == 1  # recompute ran, and stopped before the last matmul
+    assert dead == [True]
+    torch.testing.assert_close(got, expected)

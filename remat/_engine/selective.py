@@ -27,7 +27,10 @@ __all__ = ["ReuseOps", "SaveOps", "reuse"]
 # recompute once and dropped by the site as it is handed over: it dies as soon as recompute has used it, like
 # the input of the same op in no remat's forward. A kept output that autograd saves (itself, or a view of its
 # memory such as q/k/v split from one projection: `claim`, by storage) stays while the site's graph does, as
-# no remat keeps it. A later recompute of the same graph (`retain_graph=True`) runs the dropped ops again.
+# no remat keeps it. A kept output that recompute never reaches (it stopped early, NOTE [ Early stop ] in
+# rerun.py: the block's last matmul, whose output is the block's own) is dropped when recompute ends, or it
+# would stay through the block's whole backward, which full remat never holds. A later recompute of the same
+# graph (`retain_graph=True`) runs the dropped ops again.
 # Every kept tensor is detached: a kept output with its grad_fn would reach the site's saved-tensor hooks, a
 # cycle through C++ that kept everything alive when the graph was dropped without backward.
 
@@ -123,3 +126,11 @@ class ReuseOps(Mode):
                     self.kept[index] = None
                 return reuse(out if self.unpack is None else self.unpack(out))
         return func._op(*args, **kwargs) if kwargs else func._op(*args)
+
+    def __exit__(self, *exc: Any) -> None:
+        # What recompute did not reach is dropped too (NOTE [ What a policy keeps ]), unless autograd saves it.
+        kept, claimed = self.kept, self.claimed
+        for index in range(self.next, len(kept)):
+            if index not in claimed:
+                kept[index] = None
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]

@@ -181,5 +181,6 @@ def combine(
 
 def _part(share: float, kept: Kept) -> frozenset[int] | None:
     """The calls a part keeps, or None where that is none or all of them (NOTE [ Some matmuls ])."""
-    calls = part_calls(share, kept.detail)
-    return calls if 0 < len(calls) < len(kept.detail.call_time) else None
+    calls = part_calls(share, kept.detail, kept.outputs)
+    ends = {call for number, call in kept.detail.calls.items() if number in kept.outputs}
+    return calls if 0 < len(calls) < len(kept.detail.call_time) - len(ends) else None

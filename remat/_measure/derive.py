@@ -74,27 +74,36 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 # numbered in the order the block's forward makes them, chosen per kind of block from the first of its kind
 # recorded kept (so that blocks of a kind keep the same calls), and carried out by a policy that keeps just
 # those calls (NOTE [ Some calls ] in _policies.py); the derivation is `save_matmuls`' with their storages in
-# place of every matmul output's, and their time in place of every matmul's. A share that picks no call, or
-# every call, is not offered (it would be full remat or `save_matmuls` again). Times per call are those of
-# the tracked step: where a device runs asynchronously they are launches, so the order is by bytes in effect
+# place of every matmul output's, and their time in place of every matmul's. A call that makes one of the
+# block's outputs is never picked: the block holds that output anyway, and recompute, which stops after the
+# last tensor backward wants (NOTE [ Early stop ] in rerun.py), seldom reaches it, so keeping it saves no
+# time (picked by its measured time, it made the choice between such a part and full remat a matter of
+# noise). A share that picks no call, or every call it may, is not offered (it would be full remat or
+# `save_matmuls` again). Times per call are those of the tracked step: where a device runs asynchronously
+# they are launches, so the order is by bytes in effect
 # and the recompute is counted as a whole forward, as for `save_matmuls`.
 
 
-def part_calls(share: float, detail: Detail) -> frozenset[int]:
+def part_calls(share: float, detail: Detail, outputs: frozenset[int] = frozenset()) -> frozenset[int]:
     """The matmul-class calls (numbered in order) that a part keeps: NOTE [ Some matmuls ].
 
     >>> d = Detail()
     >>> d.born, d.calls, d.call_time = {0: 8, 1: 2, 2: 8}, {0: 0, 1: 1, 2: 2}, [1.0, 1.0, 3.0]
     >>> sorted(part_calls(0.6, d)), sorted(part_calls(0.25, d))  # call 1 gives the most seconds per byte
     ([1, 2], [1])
+    >>> sorted(part_calls(0.6, d, outputs=frozenset({1})))  # call 1 makes the block's output: never a choice
+    [2]
     """
     size = [0] * len(detail.call_time)
+    ends: set[int] = set()  # calls that make one of the block's outputs
     for number, call in detail.calls.items():
         size[call] += detail.born[number]
+        if number in outputs:
+            ends.add(call)
     room = share * sum(size)
     chosen = []
     for call in sorted(range(len(size)), key=lambda c: (-detail.call_time[c] / max(1, size[c]), c)):
-        if size[call] <= room:
+        if call not in ends and size[call] <= room:
             chosen.append(call)
             room -= size[call]
     return frozenset(chosen)
