@@ -7,7 +7,10 @@ every block meets the budget), the step time, and the fastest uniform configurat
 `save_matmuls` on every block or every second block) whose measured peak fits the same budget, with the ratio of
 our step to its step. All measured in one run, with the same weights and sample per workload; step times are
 medians of interleaved repeats. The summary line counts overshoots (measured over 1.05 x budget), false
-refusals, and the mean fill (measured / budget) over the plans returned.
+refusals, the mean fill (measured / budget) over the plans returned, and the plans slower than the fastest
+uniform configuration that fits in every repeat: the repeats are interleaved, so each pairs our step with the
+uniform one taken moments apart, and a plan that ties with a uniform one (often the same choices) is slower
+in about half of them, by the machine's noise, not in all.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK = ("gpt2", "convnet")
 QUICK_FRACTIONS = (0.3, 0.5, 0.8)
 OVER = 1.05
+_SHORT = {"kept": "K", "save_matmuls": "M", "full": "F", "save_matmuls/2": "H", "save_matmuls/4": "Q"}
 
 
 @dataclass
@@ -43,6 +47,7 @@ class SweepRow:
     peak: int | None = None
     predicted: int | None = None
     least: int | None = None
+    choices: str = ""
     times: list[float] = field(default_factory=list)
 
     @property
@@ -111,6 +116,7 @@ def sweep_one(
             continue
         plan = remat.plan(work.model).budget
         row.predicted = plan.peak_bytes if plan is not None else None
+        row.choices = " ".join(_SHORT.get(plan.choices[c], "P") for c in plan.choice) if plan is not None else ""
         _time(work)  # the first step (the plan checks itself on it)
         row.peak = _peak(work)
         running.append((row, work))
@@ -160,17 +166,22 @@ def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
             fills.append(fill)
             overshoots += fill > OVER
             ratio = (r.step or 0.0) / best.step if best is not None and best.step else None
-            slower += ratio is not None and ratio > 1.0
+            pairs = list(zip(r.times, best.times, strict=False)) if best is not None else []
+            behind = bool(pairs) and all(ours > theirs for ours, theirs in pairs)
+            slower += behind
             lines.append(
                 f"{model:<9} {r.fraction:>4.1f} {r.budget / 2**20:>10.2f} {fill:>11.3f} "
                 f"{(r.predicted or 0) / r.peak:>9.3f} {(r.step or 0.0) * 1e3:>8.1f} "
-                f"{'-' if ratio is None else f'{ratio:.2f}':>10}  "
+                f"{'-' if ratio is None else f'{ratio:.2f}' + ('*' if behind else ' '):>10}  "
                 f"{'none fits' if best is None else f'{best.name} ({(best.step or 0.0) * 1e3:.1f} ms)'}"
+                f"  [{r.choices}]"
             )
     mean = statistics.fmean(fills) if fills else 0.0
     lines.append(
         f"{len(fills)} plans: {overshoots} over {OVER:.2f} x budget, {false_refusals} false refusals, "
         f"mean measured/budget {mean:.3f} (target 0.95: {'met' if mean >= 0.95 else 'MISSED'}); {slower} slower "
-        "than the fastest uniform that fits (timing noise included)"
+        "than the fastest uniform that fits in every repeat (marked *)"
     )
+    lines.append("[choices per block: K kept, F full remat, M save_matmuls, H / Q the matmuls worth most per byte, up "
+                 "to half / a quarter of save_matmuls' bytes]")
     return "\n".join(lines), overshoots == 0 and false_refusals == 0
