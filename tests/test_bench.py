@@ -363,3 +363,25 @@ def test_main_accepts_the_compile_mode_and_fails_only_on_real_failures(monkeypat
     assert main(["--model", "compile", "--quiet"], stdout=io.StringIO()) == 1
     answers["remat.apply"] = {"error": "RuntimeError: inductor failed"}
     assert main(["--model", "compile", "--quiet"], stdout=io.StringIO()) == 1
+
+
+def test_compile_rows_compare_at_equal_or_lower_peak() -> None:
+    from remat.bench.compile_sites import _against_compile
+
+    mib = 2**20
+    rows = [
+        ("remat budget 0.4", {"peak": 42 * mib, "step": 0.696}),
+        ("remat budget 0.7", {"peak": 80 * mib, "step": 0.640}),
+        ("remat budget, compile=True 0.3", {"error": "BudgetError: remat: no choice per block fits"}),
+        ("compile budget 0.3", {"peak": 30 * mib, "step": 0.700}),
+        ("compile budget 0.5", {"peak": 73.9 * mib, "step": 0.693}),
+        ("compile budget 0.6", {"peak": 85.9 * mib, "step": 0.622}),
+    ]
+    lines = _against_compile(rows)
+    assert "compile budget 0.3: peak 30.0 MiB, no remat budget row peaks as low" in lines
+    # At 73.9 MiB the 80 MiB row is out of reach: the fastest that fits is the 0.4 row, a hair slower.
+    assert any(line.startswith("compile budget 0.5") and "remat budget 0.4" in line and "(1.00 of its step)" in line
+               for line in lines)
+    assert any(line.startswith("compile budget 0.6") and "remat budget 0.7" in line and "(1.03 of its step)" in line
+               for line in lines)
+    assert lines[-1] == "remat slower at 2 of 2"

@@ -80,8 +80,8 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 # time (picked by its measured time, it made the choice between such a part and full remat a matter of
 # noise). A share that picks no call, or every call it may, is not offered (it would be full remat or
 # `save_matmuls` again). Times per call are those of the tracked step: where a device runs asynchronously
-# they are launches, so the order is by bytes in effect
-# and the recompute is counted as a whole forward, as for `save_matmuls`.
+# they are launches, so the order is by bytes in effect and the recompute is counted as a whole forward, as
+# for `save_matmuls`.
 
 
 def part_calls(share: float, detail: Detail, outputs: frozenset[int] = frozenset()) -> frozenset[int]:

@@ -33,7 +33,7 @@ from .._format import aligned
 from .._format import ratio as _ratio
 from .budget_compile import compile_column
 from .budget_sweep import FRACTIONS as SWEEP_FRACTIONS
-from .budget_sweep import QUICK, QUICK_FRACTIONS, format_sweep, sweep
+from .budget_sweep import LEGEND, QUICK, QUICK_FRACTIONS, format_sweep, short, sweep
 from .convnets import CONVNET_SIZES, ConvNet
 from .models import GPT, GPT_SIZES, BenchModel
 from .table import PLOT_MISSING
@@ -136,7 +136,7 @@ def _bench(
         plan = remat.plan(model).budget
         assert plan is not None
         row.predicted_peak, row.predicted_time = plan.peak_bytes, plan.step_time
-        row.choices = " ".join(_short(plan.choices[c]) for c in plan.choice)
+        row.choices = " ".join(short(plan.choices[c]) for c in plan.choice)
         torch.manual_seed(SEED)
         _step(model, batch)
         row.peak = _peak(model, batch)
@@ -147,10 +147,6 @@ def _bench(
             torch.manual_seed(SEED + r)
             row.times.append(_step(model, batch))
     return rows
-
-
-def _short(label: str) -> str:
-    return {"kept": "K", "save_matmuls": "M", "full": "F", "save_matmuls/2": "H", "save_matmuls/4": "Q"}.get(label, "P")
 
 
 def run(
@@ -205,8 +201,7 @@ def format_table(rows: Sequence[Row], theirs: dict[float, dict[str, Any]]) -> st
                      "no remat's step")
         lines += aligned(table, right=True)
         lines.append("")
-    lines.append("choices per block: K kept, M save_matmuls, H / Q the matmuls worth most per byte, up to half / a "
-                 "quarter of save_matmuls' bytes, F full remat, P a policy of your own")
+    lines.append(LEGEND)
     return "\n".join(lines)
 
 

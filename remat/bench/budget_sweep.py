@@ -9,8 +9,8 @@ our step to its step. All measured in one run, with the same weights and sample 
 medians of interleaved repeats. The summary line counts overshoots (measured over 1.05 x budget), false
 refusals, the mean fill (measured / budget) over the plans returned, and the plans slower than the fastest
 uniform configuration that fits in every repeat: the repeats are interleaved, so each pairs our step with the
-uniform one taken moments apart, and a plan that ties with a uniform one (often the same choices) is slower
-in about half of them, by the machine's noise, not in all.
+uniform one taken moments apart, and a plan that ties with a uniform one is slower in about half of them, by
+the machine's noise, not in all.
 """
 
 from __future__ import annotations
@@ -27,13 +27,22 @@ import remat
 
 from .workloads import WORKLOADS, Workload, build
 
-__all__ = ["FRACTIONS", "QUICK", "QUICK_FRACTIONS", "SweepRow", "format_sweep", "sweep"]
+__all__ = ["FRACTIONS", "QUICK", "QUICK_FRACTIONS", "LEGEND", "SweepRow", "format_sweep", "short", "sweep"]
 
 FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK = ("gpt2", "convnet")
 QUICK_FRACTIONS = (0.3, 0.5, 0.8)
 OVER = 1.05
 _SHORT = {"kept": "K", "save_matmuls": "M", "full": "F", "save_matmuls/2": "H", "save_matmuls/4": "Q"}
+
+
+LEGEND = ("choices per block: K kept, M save_matmuls, H / Q the matmuls worth most per byte, up to half / a quarter "
+          "of save_matmuls' bytes, F full remat, P a policy of your own")
+
+
+def short(label: str) -> str:
+    """A choice's one-letter name in the tables (P: a policy of the user's own)."""
+    return _SHORT.get(label, "P")
 
 
 @dataclass
@@ -116,7 +125,7 @@ def sweep_one(
             continue
         plan = remat.plan(work.model).budget
         row.predicted = plan.peak_bytes if plan is not None else None
-        row.choices = " ".join(_SHORT.get(plan.choices[c], "P") for c in plan.choice) if plan is not None else ""
+        row.choices = " ".join(short(plan.choices[c]) for c in plan.choice) if plan is not None else ""
         _time(work)  # the first step (the plan checks itself on it)
         row.peak = _peak(work)
         running.append((row, work))
@@ -182,6 +191,5 @@ def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
         f"mean measured/budget {mean:.3f} (target 0.95: {'met' if mean >= 0.95 else 'MISSED'}); {slower} slower "
         "than the fastest uniform that fits in every repeat (marked *)"
     )
-    lines.append("[choices per block: K kept, F full remat, M save_matmuls, H / Q the matmuls worth most per byte, up "
-                 "to half / a quarter of save_matmuls' bytes]")
+    lines.append(LEGEND)
     return "\n".join(lines), overshoots == 0 and false_refusals == 0

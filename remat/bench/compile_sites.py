@@ -175,11 +175,39 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             rows.append((f"{kind} {fraction:g}", run_row(kind, fraction, args.batch, args.blocks, args.repeats,
                                                          args.threads, args.whole)))
             print(_line(*rows[-1], dict(rows).get("none", {})), file=out, flush=True)
+    for line in _against_compile(rows):
+        print(line, file=out)
     failed = [label for label, row in rows
               if not row.get("grads", True) or not row.get("error", "BudgetError").startswith("BudgetError")]
     if failed:
         print(f"{len(failed)} row(s) failed: {', '.join(failed)}", file=out)
     return 1 if failed else 0
+
+
+def _against_compile(rows: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Each of compile's own budget rows beside the fastest remat budget row whose peak is no higher: at equal or
+    lower peak, is remat's step faster? (Rows compare across fractions: compile's budget may land over its own.)"""
+    ours = [(label, row) for label, row in rows if label.startswith("remat budget") and "error" not in row]
+    lines: list[str] = []
+    behind = compared = 0
+    for label, theirs in rows:
+        if not label.startswith("compile budget") or "error" in theirs:
+            continue
+        fits = [(lbl, row) for lbl, row in ours if row["peak"] <= theirs["peak"]]
+        if not fits:
+            lines.append(f"{label}: peak {theirs['peak'] / 2**20:.1f} MiB, no remat budget row peaks as low")
+            continue
+        best_label, best = min(fits, key=lambda item: float(item[1]["step"]))
+        ratio = best["step"] / theirs["step"]
+        behind += ratio > 1.0
+        compared += 1
+        lines.append(f"{label}: peak {theirs['peak'] / 2**20:.1f} MiB, step {theirs['step'] * 1e3:.0f} ms; fastest "
+                     f"remat row at no more peak: {best_label}, {best['peak'] / 2**20:.1f} MiB, "
+                     f"{best['step'] * 1e3:.0f} ms ({ratio:.2f} of its step)")
+    if lines:
+        lines.insert(0, "at equal or lower peak (remat's fastest budget row against each of compile's own):")
+        lines.append(f"remat slower at {behind} of {compared}")
+    return lines
 
 
 def _line(label: str, row: dict[str, Any], base: dict[str, Any]) -> str:
