@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from torch import nn
 from .._torch_compat import tree_leaves, tree_map
 from .track import synchronize
 
-__all__ = ["describe", "time_alone"]
+__all__ = ["describe", "mode_alone", "time_alone"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,32 @@ def time_alone(block: nn.Module, spec: tuple[Any, Any], devices: Sequence[torch.
         torch.autograd.backward(sums)
     synchronize(devices)
     return forward, time.perf_counter() - start
+
+
+def mode_alone(
+    block: nn.Module, spec: tuple[Any, Any], devices: Sequence[torch.device], mode: Callable[[], Any], tries: int = 2
+) -> float:
+    """Seconds that running under `mode()` adds to one forward of `block` on fresh inputs (the least of `tries`
+    runs each way, never below zero): what a dispatch mode costs on this block's own ops, whose arguments make
+    it dearer than on the small ops `mode_cost` calibrates with (NOTE [ Mode cost in place ] in derive.py).
+
+    >>> from remat._engine.selective import SaveOps
+    >>> from remat.policies import save_matmuls
+    >>> mode_alone(nn.Linear(4, 4), describe((torch.ones(2, 4),), {}), [], lambda: SaveOps(save_matmuls)) >= 0
+    True
+    """
+    args, kwargs = _make(spec)
+
+    def once(under: bool) -> float:
+        synchronize(devices)
+        start = time.perf_counter()
+        if under:
+            with mode():
+                block(*args, **kwargs)
+        else:
+            block(*args, **kwargs)
+        synchronize(devices)
+        return time.perf_counter() - start
+
+    bare = min(once(False) for _ in range(tries))
+    return max(0.0, min(once(True) for _ in range(tries)) - bare)

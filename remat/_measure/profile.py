@@ -42,8 +42,10 @@ import torch
 from torch import nn
 
 from .._engine.rng import RngStash, devices_of
+from .._engine.selective import SaveOps
+from .._policies import save_matmuls
 from .._torch_compat import tree_leaves
-from .alone import describe, time_alone
+from .alone import describe, mode_alone, time_alone
 from .combine import Round, combine
 from .costs import ModelCost
 from .derive import PARTS, Kept, mode_overhead
@@ -331,6 +333,7 @@ def profile_blocks(
             except Exception:  # only a refinement: NOTE [ Timing under the tracker ]
                 alone.clear()
                 break
+        per_op = _per_op(blocks, choices, derived, tracked, samples, assign, devices) if alone else None
     if derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked):
         parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
         return profile_blocks(model, names, blocks, choices, step, assign, closed=parts)
@@ -339,8 +342,29 @@ def profile_blocks(
     measured = [_round(a, rec, _kept(rec)) for a, rec in zip(rounds, tracked, strict=True)]
     clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
     labels = {c: choices[c] for c in derived}
-    per_op = mode_overhead() if any(label != "full" for label in labels.values()) else 0.0
+    if per_op is None:
+        per_op = mode_overhead() if any(label != "full" for label in labels.values()) else 0.0
     return combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op)
+
+
+def _per_op(
+    blocks: Sequence[nn.Module], choices: Sequence[str], derived: Collection[int], tracked: Sequence[_Recorder],
+    samples: dict[int, tuple[int, int]], assign: Callable[[int, int], None], devices: Sequence[torch.device],
+) -> float | None:
+    """Seconds per op of `save_matmuls`' dispatch mode on the sample block kept: NOTE [ Mode cost in place ] in
+    derive.py. None where no derived choice runs the mode, or the block cannot tell."""
+    if 0 not in samples or all(choices[c] == "full" for c in derived):
+        return None
+    r, sample = samples[0]
+    found = tracked[r].details.get(sample)
+    if found is None or not found[0].ops:
+        return None
+    assign(sample, 0)
+    try:
+        added = mode_alone(blocks[sample], tracked[r].specs[sample], devices, lambda: SaveOps(save_matmuls))
+    except Exception:  # only a refinement, as the block's own time alone
+        return None
+    return max(mode_overhead(), added / found[0].ops)
 
 
 def _round(assignment: list[int], rec: _Recorder, kept: dict[int, Kept]) -> Round:
