@@ -260,8 +260,10 @@ def test_inductor_compiles_rematerialized_instances_with_eager_gradients() -> No
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
 
 
-def test_blocks_compiled_one_by_one_each_run_their_own_choice() -> None:
-    """`block.compile()` shares one compiled forward among identical blocks: each must still get its own graph."""
+def _compiled_one_by_one(policies: list[Any]) -> list[int]:
+    """Bytes each block's compiled forward saved, in the order they ran (second step), with the first blocks under
+    `policies` (None: full remat) and the rest kept, each block compiled with `block.compile()`."""
+    torch._dynamo.reset()
     saved: dict[int, int] = {}
     ran: list[int] = []
 
@@ -281,8 +283,8 @@ def test_blocks_compiled_one_by_one_each_run_their_own_choice() -> None:
         return run
 
     model = Stack()
-    remat(model.blocks[0])
-    remat(model.blocks[1], policy=remat.policies.save_matmuls)
+    for block, policy in zip(model.blocks, policies, strict=False):
+        remat(block, policy=policy)
     backend = aot_autograd(fw_compiler=compiler, partition_fn=partition)  # one backend: one cache for all blocks
     for block in model.blocks:
         block.compile(backend=backend)
@@ -290,7 +292,27 @@ def test_blocks_compiled_one_by_one_each_run_their_own_choice() -> None:
     for _ in range(2):
         ran.clear()
         model(x).sum().backward()
+    return ran
+
+
+def test_blocks_compiled_one_by_one_each_run_their_own_choice() -> None:
+    """`block.compile()` shares one compiled forward among identical blocks: each must still get its own graph."""
+    ran = _compiled_one_by_one([None, remat.policies.save_matmuls])
     assert len(ran) == 3 and ran[0] < ran[1] < ran[2], ran  # full, matmuls, kept: in the second call too
+
+
+@pytest.mark.equivalence
+def test_blocks_compiled_one_by_one_keep_their_own_calls() -> None:
+    """Policies that differ only in which calls they keep (a budget plan's parts) are told apart too."""
+    from remat._policies import Policy, matmuls
+
+    first, second = Policy(ops=(matmuls,), calls=frozenset({0})), Policy(ops=(matmuls,), calls=frozenset({1}))
+    alone = [_compiled_one_by_one([policy, policy, policy])[0] for policy in (first, second)]
+    assert alone[0] != alone[1], alone  # the up-projection (64 wide) and the down-projection keep different bytes
+    ran = _compiled_one_by_one([first, second])
+    assert ran[:2] == alone, (ran, alone)
+    ran = _compiled_one_by_one([remat.policies.save_matmuls, first])
+    assert ran[1] == alone[0] and ran[0] > ran[1], ran
 
 
 def _up_only(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

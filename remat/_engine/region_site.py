@@ -21,7 +21,7 @@ from .. import _switch
 from .._errors import check_runs_when_called
 from .._options import Options
 from .._policies import as_policy
-from .compiled import compiling, context_for, in_compiled_call, torch_checkpoint, warn_once
+from .compiled import compiled_key, compiling, context_for, guard_on, in_compiled_call, torch_checkpoint, warn_once
 from .offload import resolve
 from .region import RegionFrame, begin, end
 
@@ -108,10 +108,12 @@ class Region:
 
         options = self.options
         context_fn = context_for(as_policy(options.policy), site, options.offload is not False)
+        key = compiled_key(as_policy(options.policy), True)
 
         @functools.wraps(fn)
         def region(*args: Any, **kwargs: Any) -> Any:
             if compiling() and options.active(_switch.is_enabled()) and torch.is_grad_enabled():
+                guard_on(key)  # NOTE [ Guarding on the policy ]
                 return torch_checkpoint(fn, args, kwargs, context_fn=context_fn)  # NOTE [ Under torch.compile ]
             self._begin(site)
             try:
