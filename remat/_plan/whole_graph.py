@@ -25,7 +25,7 @@ prediction (`graph_extra`) before it is compared with the budget. Where even ful
 A plan made without `compile=True` that dynamo then traces from the model's root (the budget's forward pre-hook
 runs inside the compiled frame: the model is compiled as one graph) is warned about once, when dynamo traces it
 (`warn_one_graph`, through `when_traced`: a warning in traced code would break the graph). Measured with the
-blocks above, such plans peaked at 1.59 / 1.34 / 1.07 of budgets 0.3 / 0.4 / 0.5.
+blocks above, such plans peaked at 1.59 / 1.34 / 1.07-1.17 of budgets 0.3 / 0.4 / 0.5 (two runs).
 """
 
 from __future__ import annotations
