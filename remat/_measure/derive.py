@@ -221,8 +221,8 @@ def derive_times(
 # `save_matmuls` and the parts run a dispatch mode over every op of the block, in forward and in recompute. Its
 # cost per op was calibrated on a small op with two arguments (`mode_overhead`, 3-4 us here), but a mode's
 # Python sees every argument of every op, and a Hugging Face layer's ops carry many: on a tiny Llama decoder
-# layer (84 ops) the mode added 1.4 ms to a 3.2 ms forward, 17 us an op, and the derived recompute of
-# `save_matmuls` came out 2.7 ms cheaper than full remat's where the two measured the same. So where the
+# layer (84 ops) the mode alone added 0.85 ms to a 3.2 ms forward, 10 us an op, and the derived recompute of
+# `save_matmuls` came out about 2.5 ms cheaper than full remat's where the two measured the same. So where the
 # profile times a block alone (NOTE [ Timing under the tracker ] in windows.py), it also times that block's
 # forward under the mode, and the cost per op is the larger of the two.
 
