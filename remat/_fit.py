@@ -16,6 +16,7 @@ model pass through the hook untouched. A plan is checked on one more real tracke
 
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -224,7 +225,8 @@ class _Budget:
     def _now_sharded(self, model: nn.Module) -> bool:
         """Whether ``fully_shard`` was applied to the model or a block since the plan (the root and the blocks
         are checked, not every module: this runs on every forward)."""
-        return _sharded.is_sharded_any([model, *(model.get_submodule(name) for name in self.names)])
+        names = (model.get_submodule(name) for name in self.names)  # looked up only once FSDP is imported
+        return _sharded.is_sharded_any(itertools.chain((model,), names))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "busy": False}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,11 +51,9 @@ class Sharding:
 
 
 def _fsdp_module() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return None
-    return FSDPModule
+    """FSDP2's module class, or None where ``torch.distributed.fsdp`` was never imported: then no module has been
+    ``fully_shard``-ed, and importing it only to ask would cost every budgeted model half a second."""
+    return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # None too on a torch without it
 
 
 def is_sharded(model: nn.Module) -> bool:
