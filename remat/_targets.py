@@ -59,7 +59,7 @@ class _Engine:
             "context_fn": context_for(policy, site, options.offload is not False),
             "preserve_rng_state": options.preserve_rng,
         }
-        self.compiled_key = compiled_key(policy, options.preserve_rng)
+        self.compiled_key = compiled_key(policy)
         if options.strategy == "replay":
             self.open: Callable[..., Any] = functools.partial(_open_region, **extra)
             self.end: Callable[..., None] = _region.end

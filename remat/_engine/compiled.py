@@ -109,16 +109,18 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
 # keep the same share one graph), and dynamo guards on a constant it reads: a block with another key retraces.
 
 
-def compiled_key(policy: Policy, preserve_rng: bool) -> str:
-    """What a site's selective context keeps, by value (NOTE [ Guarding on the policy ]).
+def compiled_key(policy: Policy) -> str:
+    """What a site's selective context keeps, by value (NOTE [ Guarding on the policy ]); `preserve_rng_state`, a
+    plain keyword, is guarded by dynamo itself.
 
-    >>> from remat.policies import save_matmuls
-    >>> compiled_key(save_matmuls, True) == compiled_key(save_matmuls, True) != compiled_key(save_matmuls, False)
+    >>> from remat._policies import Policy, matmuls
+    >>> some = Policy([matmuls], calls=frozenset({0}))
+    >>> compiled_key(Policy([matmuls])) == compiled_key(Policy([matmuls])) != compiled_key(some)
     True
     """
     calls = None if policy.calls is None else sorted(policy.calls)
     ops = [id(op) for op in policy.ops]  # module-level choosers (`matmuls`) or the user's own callables
-    return f"ops={ops} names={sorted(policy.names)} calls={calls} offloads={policy.offloads} rng={preserve_rng}"
+    return f"ops={ops} names={sorted(policy.names)} calls={calls} offloads={policy.offloads}"
 
 
 def guard_on(key: str) -> None:

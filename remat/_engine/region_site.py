@@ -108,7 +108,7 @@ class Region:
 
         options = self.options
         context_fn = context_for(as_policy(options.policy), site, options.offload is not False)
-        key = compiled_key(as_policy(options.policy), True)
+        key = compiled_key(as_policy(options.policy))
 
         @functools.wraps(fn)
         def region(*args: Any, **kwargs: Any) -> Any:
