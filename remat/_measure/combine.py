@@ -95,7 +95,7 @@ def combine(
             entries = {c: (h, fwd - b, bwd - b - h)}
             kept = rnd.kept.get(i)
             if kept is not None:
-                details[kinds[i]][0].append(kept.detail.matmul_time)
+                details[kinds[i]][0].append(sum(kept.detail.call_time))
                 details[kinds[i]][1].append(kept.detail.ops)
                 for d, label in derived.items():
                     calls = None

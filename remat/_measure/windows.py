@@ -50,12 +50,11 @@ class Detail:
         call_time: per matmul-class call, its seconds (from the end of the op before).
         events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released.
         ops: aten ops the window ran.
-        matmul_time: seconds of the matmul-class ops among them (each op's time from the end of the one before).
         live: the storages of `born` live now (while the window is open) or when it closed: key -> number.
         refs: when the window closed, the tracker's weak reference to each storage of `live`, by number.
     """
 
-    __slots__ = ("born", "call_time", "calls", "events", "live", "matmul", "matmul_time", "ops", "refs")
+    __slots__ = ("born", "call_time", "calls", "events", "live", "matmul", "ops", "refs")
 
     def __init__(self) -> None:
         self.born: dict[int, int] = {}
@@ -64,7 +63,6 @@ class Detail:
         self.call_time: list[float] = []
         self.events: list[tuple[int, int]] = []
         self.ops = 0
-        self.matmul_time = 0.0
         self.live: dict[int, int] = {}
         self.refs: dict[int, tuple[int, object]] = {}
 
@@ -99,9 +97,7 @@ class Windows(Tracker):
         else:
             detail.ops += 1
             if matmuls(func):
-                seconds = max(0.0, start - self._last - self.per_op)
-                detail.matmul_time += seconds
-                detail.call_time.append(seconds)
+                detail.call_time.append(max(0.0, start - self._last - self.per_op))
                 self._in_matmul = True
                 try:
                     super()._see(func, args, kwargs, out)
