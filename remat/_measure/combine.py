@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costs import BlockCost, ModelCost
-from .derive import PARTS, Kept, derive_bytes, derive_times, part_calls
+from .derive import PARTS, Kept, derive_bytes, derive_times, output_calls, part_calls
 
 __all__ = ["Round", "combine"]
 
@@ -180,7 +180,7 @@ def combine(
 
 
 def _part(share: float, kept: Kept) -> frozenset[int] | None:
-    """The calls a part keeps, or None where that is none or all of them (NOTE [ Some matmuls ])."""
+    """The calls a part keeps, or None where that is none or all it may (NOTE [ Some matmuls ])."""
     calls = part_calls(share, kept.detail, kept.outputs)
-    ends = {call for number, call in kept.detail.calls.items() if number in kept.outputs}
-    return calls if 0 < len(calls) < len(kept.detail.call_time) - len(ends) else None
+    may = len(kept.detail.call_time) - len(output_calls(kept.detail, kept.outputs))
+    return calls if 0 < len(calls) < may else None

@@ -58,7 +58,9 @@ from .._engine.selective import SaveOps
 from .._policies import save_matmuls
 from .windows import Detail, mode_cost
 
-__all__ = ["DERIVABLE", "PARTS", "Kept", "derive_bytes", "derive_times", "mode_overhead", "part_calls"]
+__all__ = [
+    "DERIVABLE", "PARTS", "Kept", "derive_bytes", "derive_times", "mode_overhead", "output_calls", "part_calls",
+]
 
 #: Choices that keep some of the matmul outputs `save_matmuls` keeps (NOTE [ Some matmuls ]): label -> the
 #: share of save_matmuls' matmul bytes they may keep.
@@ -84,6 +86,12 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 # for `save_matmuls`.
 
 
+def output_calls(detail: Detail, outputs: frozenset[int]) -> set[int]:
+    """The matmul-class calls that made one of `outputs` (storages of `detail`): never a part's (NOTE [ Some
+    matmuls ])."""
+    return {call for number, call in detail.calls.items() if number in outputs}
+
+
 def part_calls(share: float, detail: Detail, outputs: frozenset[int] = frozenset()) -> frozenset[int]:
     """The matmul-class calls (numbered in order) that a part keeps: NOTE [ Some matmuls ].
 
@@ -95,11 +103,9 @@ def part_calls(share: float, detail: Detail, outputs: frozenset[int] = frozenset
     [2]
     """
     size = [0] * len(detail.call_time)
-    ends: set[int] = set()  # calls that make one of the block's outputs
     for number, call in detail.calls.items():
         size[call] += detail.born[number]
-        if number in outputs:
-            ends.add(call)
+    ends = output_calls(detail, outputs)
     room = share * sum(size)
     chosen = []
     for call in sorted(range(len(size)), key=lambda c: (-detail.call_time[c] / max(1, size[c]), c)):
