@@ -326,7 +326,8 @@ def profile_blocks(
             kept = [i for i, c in enumerate(assignment) if c == 0] if derived else []
             tracked.append(_run(step, blocks, True, not apart, devices, here, kept))
             timed.append(_run(step, blocks, False, True, devices) if apart else tracked[-1])
-        for choice, (r, sample) in samples.items():
+        again = derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked)
+        for choice, (r, sample) in ({} if again else samples).items():  # no block timed alone for a profile redone
             assign(sample, choice)
             try:
                 alone[choice] = time_alone(blocks[sample], tracked[r].specs[sample], devices)
@@ -334,7 +335,7 @@ def profile_blocks(
                 alone.clear()
                 break
         per_op = _per_op(blocks, choices, derived, tracked, samples, assign, devices) if alone else None
-    if derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked):
+    if again:
         parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
         return profile_blocks(model, names, blocks, choices, step, assign, closed=parts)
     sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None
