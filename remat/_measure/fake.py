@@ -20,7 +20,7 @@ original objects are put back in ``finally``. Nothing else of the module changes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "fake_sample",
     "fake_state",
     "local",
+    "map_tensors",
     "storage_bytes",
 ]
 
@@ -166,24 +167,31 @@ def fake_state(model: nn.Module, device: torch.device) -> Iterator[list[torch.Te
             table[name] = value
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], sample: Any) -> Any:
+    """``sample`` (a tensor, a tuple/list, or a mapping of keyword arguments, made a dict) with ``fn`` applied to
+    each tensor, once per tensor object: one tensor passed twice (``input_ids`` that is also ``labels``) stays one.
+    """
+    if isinstance(sample, Mapping) and not isinstance(sample, dict):
+        sample = dict(sample)  # a BatchEncoding and the like
+    made: dict[int, Any] = {}
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in made:
+            made[id(x)] = fn(x)
+        return made[id(x)]
+
+    return tree_map(one, sample)
+
+
 def fake_sample(sample: Any, device: torch.device) -> Any:
     """``sample`` (a tensor, a tuple/list, or a dict of keyword arguments) with every tensor made fake on ``device``.
 
     Floating-point tensors keep ``requires_grad``; nothing else of their values survives (fake tensors have none).
     One tensor object met twice becomes one fake tensor, so its bytes count once.
     """
-    if isinstance(sample, Mapping) and not isinstance(sample, dict):
-        sample = dict(sample)  # a BatchEncoding and the like
-    made: dict[int, torch.Tensor] = {}  # one tensor passed twice (`input_ids` that is also `labels`) stays one
-
-    def one(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if id(x) not in made:
-            made[id(x)] = fake_like(x, device)
-        return made[id(x)]
-
-    return tree_map(one, sample)
+    return map_tensors(lambda x: fake_like(x, device), sample)
 
 
 DATA_DEPENDENT = (

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from .._errors import BudgetError
-from .._torch_compat import tree_leaves, tree_map
+from .._measure.fake import map_tensors
+from .._torch_compat import tree_leaves
 from .estimate import Configured, Refine
 from .estimate_report import ConfigEstimate
 from .units import Budget, parse_budget
@@ -39,19 +40,16 @@ CAP = 1 << 20
 
 def resized(sample: Any, dim: int, old: int, new: int) -> Any:
     """``sample`` with every tensor of size ``old`` along ``dim`` made of size ``new`` there (as meta tensors)."""
-    made: dict[int, Any] = {}
 
-    def one(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != old:
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() <= dim or t.shape[dim] != old:
             return t
-        if id(t) not in made:
-            shape = list(t.shape)
-            shape[dim] = new
-            out = torch.empty(shape, dtype=t.dtype, device="meta")
-            made[id(t)] = out.requires_grad_(t.requires_grad and t.is_floating_point())
-        return made[id(t)]
+        shape = list(t.shape)
+        shape[dim] = new
+        out = torch.empty(shape, dtype=t.dtype, device="meta")
+        return out.requires_grad_(t.requires_grad and t.is_floating_point())
 
-    return tree_map(one, dict(sample) if isinstance(sample, dict) else sample)
+    return map_tensors(one, sample)
 
 
 def size_along(sample: Any, dim: int, what: str) -> int:
