@@ -86,7 +86,8 @@ def checkpoint(
     if not _switch._state[0] or not torch.is_grad_enabled():
         return function(*args, **kwargs)
     if compiling():  # see NOTE [ Under torch.compile ]
-        keywords = {"determinism_check": determinism_check, "debug": debug, "preserve_rng_state": preserve_rng_state}
+        keywords: dict[str, Any] = {"determinism_check": determinism_check, "debug": debug,
+                                    "preserve_rng_state": preserve_rng_state}
         if not _is_noop(context_fn):
             keywords["context_fn"] = context_fn
         return torch_checkpoint(function, args, kwargs, **keywords)

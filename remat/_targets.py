@@ -17,7 +17,7 @@ from torch import nn
 from . import _switch
 from ._engine import region as _region
 from ._engine import rerun as _rerun
-from ._engine.compiled import SITE, compiled_key, compiling, context_for, guard_on, route_module_class, torch_checkpoint
+from ._engine.compiled import SITE, compiled_key, compiling, context_for, route_module_class, torch_checkpoint
 from ._engine.offload import resolve as resolve_offload
 from ._errors import check_runs_when_called
 from ._integrations import comes_from
@@ -41,7 +41,7 @@ class _Engine:
     for `end(token, ok=...)`.
     """
 
-    __slots__ = ("compiled_key", "end", "keywords", "open", "passthrough")
+    __slots__ = ("end", "keywords", "open", "passthrough")
 
     def __init__(self, options: Options, site: str) -> None:
         policy = as_policy(options.policy)
@@ -55,11 +55,11 @@ class _Engine:
             "debug": options.debug or _switch.debug(),
         }
         # Inside a compiled frame: torch's checkpoint with the policy's context (NOTE [ Under torch.compile ]).
-        self.keywords = {
+        self.keywords: dict[str, Any] = {
             "context_fn": context_for(policy, site, options.offload is not False),
             "preserve_rng_state": options.preserve_rng,
+            "key": compiled_key(policy),  # NOTE [ Guarding on the policy ]
         }
-        self.compiled_key = compiled_key(policy)
         if options.strategy == "replay":
             self.open: Callable[..., Any] = functools.partial(_open_region, **extra)
             self.end: Callable[..., None] = _region.end
@@ -103,7 +103,6 @@ def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any 
                 changed = adapt.compiled(module, args[1:], kwargs)
                 if changed is not None:
                     args, kwargs = (module, *changed[0]), changed[1]
-            guard_on(engine.compiled_key)
             return torch_checkpoint(fn, args, kwargs, **keywords)
         if adapt is not None and module is not None:
             changed = adapt(module, args[1:], kwargs)
@@ -172,7 +171,6 @@ class _Open:
             changed = self.adapt.compiled(module, args, kwargs)
             if changed is not None:
                 args, kwargs = changed
-        guard_on(self.engine.compiled_key)
         return torch_checkpoint(forward, (module, *args), kwargs, **self.engine.keywords)
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -13,8 +13,8 @@ from .._policies import Policy
 from .._torch_compat import eval_frame_callback
 
 __all__ = [
-    "SITE", "compiled_key", "compiling", "context_for", "guard_on", "in_compiled_call", "route_module_class",
-    "torch_checkpoint", "warn_once",
+    "SITE", "compiled_key", "compiling", "context_for", "in_compiled_call", "route_module_class", "torch_checkpoint",
+    "warn_once",
 ]
 
 # NOTE [ Under torch.compile ]
@@ -105,8 +105,9 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
 # whose policy differed from the one traced first only in what it keeps (`save_matmuls` against a budget plan's
 # part keeping some calls of it, or two parts keeping different calls) ran the graph traced first: a budget plan
 # at 0.6 of no remat's peak measured 42 MiB or 82 MiB compiled, depending on which block came first. So every
-# site reads, while dynamo traces, a string naming what its context keeps (`compiled_key`, by value: blocks that
-# keep the same share one graph), and dynamo guards on a constant it reads: a block with another key retraces.
+# site hands `torch_checkpoint`, which reads it while dynamo traces, a string naming what its context keeps
+# (`compiled_key`, by value: blocks that keep the same share one graph), and dynamo guards on a constant it reads:
+# a block with another key retraces.
 
 
 def compiled_key(policy: Policy) -> str:
@@ -123,21 +124,20 @@ def compiled_key(policy: Policy) -> str:
     return f"ops={ops} names={sorted(policy.names)} calls={calls} offloads={policy.offloads}"
 
 
-def guard_on(key: str) -> None:
-    """Make dynamo, tracing this call, guard on `key` (NOTE [ Guarding on the policy ]).
-
-    Dynamo looks at a value it reads (and installs its guard) only when the value is used: a test of it is a use.
-    """
-    if not key:
-        raise ValueError("remat: a site's compiled key is empty; this is a bug in remat, please report it.")
-
-
 def torch_checkpoint(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **keywords: Any
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, key: str | None = None,
+    **keywords: Any,
 ) -> Any:
-    """`torch.utils.checkpoint.checkpoint`, non-reentrant: what a site is inside a compiled frame."""
+    """`torch.utils.checkpoint.checkpoint`, non-reentrant: what a site is inside a compiled frame.
+
+    `key`: the site's `compiled_key`, which dynamo, tracing this call, then guards on (NOTE [ Guarding on the
+    policy ]). Dynamo looks at a value it reads, and installs its guard, only when the value is used: a test of it
+    is a use.
+    """
     from torch.utils.checkpoint import checkpoint
 
+    if key is not None and not key:
+        raise ValueError("remat: a site's compiled key is empty; this is a bug in remat, please report it.")
     if keywords.get("context_fn", 0) is None:
         del keywords["context_fn"]
     return checkpoint(fn, *args, use_reentrant=False, **keywords, **kwargs)

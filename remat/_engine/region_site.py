@@ -21,7 +21,7 @@ from .. import _switch
 from .._errors import check_runs_when_called
 from .._options import Options
 from .._policies import as_policy
-from .compiled import compiled_key, compiling, context_for, guard_on, in_compiled_call, torch_checkpoint, warn_once
+from .compiled import compiled_key, compiling, context_for, in_compiled_call, torch_checkpoint, warn_once
 from .offload import resolve
 from .region import RegionFrame, begin, end
 
@@ -113,8 +113,8 @@ class Region:
         @functools.wraps(fn)
         def region(*args: Any, **kwargs: Any) -> Any:
             if compiling() and options.active(_switch.is_enabled()) and torch.is_grad_enabled():
-                guard_on(key)  # NOTE [ Guarding on the policy ]
-                return torch_checkpoint(fn, args, kwargs, context_fn=context_fn)  # NOTE [ Under torch.compile ]
+                # NOTE [ Under torch.compile ]
+                return torch_checkpoint(fn, args, kwargs, key=key, context_fn=context_fn)
             self._begin(site)
             try:
                 out = fn(*args, **kwargs)
