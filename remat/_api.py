@@ -191,7 +191,9 @@ class Remat:
                 such as "1.5GiB"), or a float in (0, 1], that fraction of the activation peak of a training step
                 without remat. One training step on `sample` is profiled and each block gets the choice — kept,
                 `save_matmuls`, full remat, or one of `choices` — that makes the predicted peak fit at the least
-                predicted time; `remat.plan(model)` shows the plan.
+                predicted time; `remat.plan(model)` shows the plan. The model's first training step is tracked and
+                checks the plan, which is corrected before the next step if that step went over the budget (or,
+                where the prediction does not fit, one step of `sample` is measured before `apply` returns).
             sample: with `budget`, the model's inputs for one step: a tensor, a tuple, or a dict of keywords.
             loss: with `budget`, a callable from the model's output to the scalar loss (default: the output's
                 `.loss` if it has one, else the sum of its floating tensors).

@@ -10,12 +10,15 @@ choice is put on it with the same hooks `remat(module)` uses (none for "kept"), 
 `state_dict` (no key changes) and `deepcopy` treat a budgeted model like any other. When the model is called in
 training with gradients on and a new input signature (and `replan=True`), the hook profiles one step on
 (detached copies of) those inputs and re-plans before the forward goes on; the profile's own calls of the
-model pass through the hook untouched. A plan is checked on one more real tracked step before it is kept
-(NOTE [ Checking the plan ] in remat/_fit_check.py). A failed re-plan (BudgetError) puts the previous choices back.
+model pass through the hook untouched. A plan is checked on a real tracked step: the model's first training step
+with it (NOTE [ The first step ] in remat/_first_step.py), or one more step of the sample before the plan is
+returned where that cannot stand in (NOTE [ Checking the plan ] in remat/_fit_check.py). A failed re-plan
+(BudgetError) puts the previous choices back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -28,7 +31,8 @@ from torch import nn
 from . import _sharded
 from ._engine.compiled import compiling
 from ._errors import BudgetError
-from ._fit_check import check_plan, measure_step
+from ._first_step import WINDOW, FirstStep, only_ours_on
+from ._fit_check import PlanCheck, check_plan, measure_step
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE, PARTS
 from ._measure.loss import default_loss
@@ -88,6 +92,9 @@ class _Budget:
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
     # What a hook pickled before it had these attributes reads (the instance's own values shadow them):
     compile = grads = told = False
+    check: PlanCheck | None = None
+    step: FirstStep | None = None
+    stale: tuple[FirstStep, ...] = ()
     sharded = warned = True  # no warning about `fully_shard` for a plan of unknown origin
     calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
 
@@ -119,6 +126,9 @@ class _Budget:
         self.warned = False
         self.grads = grads  # whether the checked step counts new gradients (`memory=`: NOTE [ Total memory ])
         self.calls = ()  # the parts' calls: NOTE [ Some matmuls ]
+        self.check: PlanCheck | None = None  # the plan's check, waiting for training steps: NOTE [ The first step ]
+        self.step: FirstStep | None = None  # the training step being tracked for it
+        self.stale: tuple[FirstStep, ...] = ()  # tracked steps whose mode waits to be popped
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
@@ -164,10 +174,13 @@ class _Budget:
             eager = cost
             if self.compile:
                 cost = with_graph_gradients(cost, *gradient_bytes(model, blocks))
+            self.check = None
+            self.close()
+            fits = True
             try:
                 plan = solve_budget(cost, self.budget)
             except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
-                plan = least_plan(cost, self.budget)
+                plan, fits = least_plan(cost, self.budget), False
             plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
             self.calls = plan.cost.calls  # rank 0's calls too
             self.place(model, plan)
@@ -185,8 +198,11 @@ class _Budget:
                     measured += graph_extra(eager, cost, placed[0])
                 return measured
 
-            with torch.enable_grad():
-                plan = check_plan(plan, measure, assign)
+            if fits and not (self.grads or self.compile or _sharded.is_sharded(model)):
+                self.check = PlanCheck(plan)  # on the first training step: NOTE [ The first step ]
+            else:
+                with torch.enable_grad():
+                    plan = check_plan(plan, measure, assign)
         except BaseException:
             self.calls = previous_calls
             for i in range(len(blocks)):  # back to the previous choices, or to none
@@ -210,9 +226,12 @@ class _Budget:
             if not self.compile and model.training and torch.is_grad_enabled():
                 when_traced(warn_one_graph)
             return
-        if self.busy or not self.replan or not model.training or not torch.is_grad_enabled():
+        if self.busy:
             return
-        if _signature(args, kwargs) != self.signature:
+        self.settle(model)
+        if not model.training or not torch.is_grad_enabled():
+            return
+        if self.replan and _signature(args, kwargs) != self.signature:
             if not self.told:
                 self.told = True
                 _log.warning(
@@ -221,6 +240,49 @@ class _Budget:
                     "to remat.apply to keep the first plan). Logged once per model.", type(model).__name__,
                 )
             self.fit(model, args, kwargs)
+        if self.check is not None and self.step is None and only_ours_on():  # NOTE [ The first step ]
+            self.step = FirstStep(model, self.seen)
+
+    def seen(self, peak: int) -> None:
+        """A tracked step's backward ended: its peak shows in `remat.plan(model)` at once (this rank's)."""
+        if self.budget_plan is not None:
+            self.budget_plan = dataclasses.replace(self.budget_plan, measured=peak)
+
+    def settle(self, model: nn.Module) -> None:
+        """At a forward: pop what tracked steps left, and act on a tracked step's peak (NOTE [ The first step ])."""
+        self.stale = tuple(step for step in self.stale if not step.close())
+        step, check = self.step, self.check
+        if step is None or check is None:
+            return
+        if step.dropped:  # a forward alone, its graph gone: the next training forward starts a step
+            self.close()
+            return
+        if step.peak is None:  # no backward through the outputs yet: the step goes on
+            step.forwards += 1
+            if step.forwards > WINDOW:
+                _log.info("remat: no backward through %s's outputs in %d forwards; its plan stays unchecked.",
+                          type(model).__name__, WINDOW)
+                self.check = None
+                self.close()
+            return
+        self.close()
+        measured = max_over_ranks(step.peak)
+        try:
+            following = check.after(measured)
+        except BudgetError as e:  # the least choice is on the blocks: training goes on with it
+            following = None
+            warnings.warn(f"{e} Training goes on with that choice.", UserWarning, stacklevel=4)
+        self.budget_plan = check.plan
+        if following is None:
+            self.check = None
+        else:
+            self.place(model, following)
+
+    def close(self) -> None:
+        """Stop tracking a step (its mode is popped now or at a later forward)."""
+        step, self.step = self.step, None
+        if step is not None and not step.close():
+            self.stale = (*self.stale, step)
 
     def _now_sharded(self, model: nn.Module) -> bool:
         """Whether ``fully_shard`` was applied to the model or a block since the plan (the root and the blocks
@@ -229,7 +291,7 @@ class _Budget:
         return _sharded.is_sharded_any(itertools.chain((model,), names))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "busy": False}
+        return {**self.__dict__, "busy": False, "step": None, "stale": ()}
 
 
 # NOTE [ Budgets and FSDP2 ]
@@ -319,6 +381,7 @@ def apply_budget(
         _remove_hooks(block)
     for key, hook in list(model._forward_pre_hooks.items()):
         if isinstance(hook, _Budget):
+            hook.close()
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
     hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads)

@@ -1,21 +1,24 @@
-"""A budget's plan is checked on one real tracked step before it is returned, and corrected if it went over.
+"""A budget's plan is checked on real tracked steps, and corrected if one went over.
 
 NOTE [ Checking the plan ]
 A plan's peak is a prediction (NOTE [ Budget model ] in remat/_measure/costs.py); the promise is about the real
-step: a returned plan's measured peak is at most the budget (with 5% of slack), or `BudgetError` says the least
-budget that can be met. So once the plan is on the blocks, `remat.apply(model, budget=...)` (and every re-plan)
-runs one more training step on the sample under `remat.track()`, leaving the model as it found it (gradients,
-buffers, RNG streams), as the profile does. Its peak, above what was live before the step with the gradients
-already there, is the quantity the budget refers to; `remat.plan(model)` shows it beside the prediction. If it is
-over the budget, the plan is solved again on the same profile for the budget less what the prediction missed
-(measured minus predicted, taken as bytes the model does not see), and checked again, at most `CHECKS` steps in
-all. A budget below the least predicted peak is not refused on the prediction alone: the choice that holds least
-is checked, and kept if it measures within the budget. Where nothing the profile offers fits the corrected
-budget, full remat of every block (where the profile has it; else the choice predicted to hold least) is checked,
-and if even that measures over the slack, `BudgetError` names its measured peak as the least budget. Planning is
-then the profile's tracked step (one, where choices are derived) and usually one checked step. With
-`remat.apply(model, memory=...)` the budget is what the step's state leaves, and gradients take from it too: its
-checked step starts without gradients (NOTE [ Total memory ] in remat/_total_memory.py).
+step: a plan's measured peak is at most the budget (with 5% of slack), or `BudgetError` says the least budget that
+can be met. So a plan is checked on real tracked steps. Where the prediction fits the budget, the check is the
+model's first training step (NOTE [ The first step ] in remat/_first_step.py), and planning is the profile alone.
+Elsewhere `remat.apply(model, budget=...)` (and every re-plan) runs one more training step on the sample under
+`remat.track()` before it returns, leaving the model as it found it (gradients, buffers, RNG streams), as the
+profile does: where the prediction does not fit (only a measured step may refuse a budget), with `memory=`, for a
+model planned as one compiled graph, and for a model sharded by `fully_shard`. Either way the peak, above what was
+live before the step with the gradients already there, is the quantity the budget refers to; `remat.plan(model)`
+shows it beside the prediction. If it is over the budget, the plan is solved again on the same profile for the
+budget less what the prediction missed (measured minus predicted, taken as bytes the model does not see), and
+checked again on the next step, at most `CHECKS` steps in all (`PlanCheck`). A budget below the least predicted
+peak is not refused on the prediction alone: the choice that holds least is checked, and kept if it measures
+within the budget. Where nothing the profile offers fits the corrected budget, full remat of every block (where
+the profile has it; else the choice predicted to hold least) is checked, and if even that measures over the
+slack, `BudgetError` names its measured peak as the least budget. With `remat.apply(model, memory=...)` the budget
+is what the step's state leaves, and gradients take from it too: its checked step starts without gradients (NOTE
+[ Total memory ] in remat/_total_memory.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ._plan.blocks_dp import evaluate_blocks
 from ._plan.budget import BudgetPlan, least_plan, solve_budget
 from ._plan.units import format_bytes
 
-__all__ = ["CHECKS", "SLACK", "check_plan"]
+__all__ = ["CHECKS", "SLACK", "PlanCheck", "check_plan"]
 
 CHECKS = 3
 SLACK = 1.05
@@ -79,6 +82,60 @@ def _least(plan: BudgetPlan) -> BudgetPlan:
     return least
 
 
+class PlanCheck:
+    """The checks of one plan, one measured step at a time (NOTE [ Checking the plan ]).
+
+    `after(measured)` takes the peak of a step run with `plan` on the blocks and returns the plan to put on them
+    and measure next, or None once `plan` is final: measured within the budget, or within its slack once nothing
+    else is left to try.
+    """
+
+    def __init__(self, plan: BudgetPlan) -> None:
+        self.plan = plan
+        self._tried: set[tuple[int, ...]] = set()
+        self._left = CHECKS
+        self._floor = False  # whether `plan` is the choice that holds least, measured last
+
+    def after(self, measured: int) -> BudgetPlan | None:
+        """Record the peak of a step of `plan`; the plan to measure next, or None when `plan` is final.
+
+        Raises:
+            BudgetError: even the choice that holds least measured over the budget's slack.
+        """
+        plan = self.plan = dataclasses.replace(self.plan, measured=measured)
+        self._tried.add(plan.choice)
+        slack = plan.budget * SLACK
+        if measured <= plan.budget or (self._floor and measured <= slack):
+            return None
+        if self._floor:
+            raise _refused(plan, measured)
+        self._left -= 1
+        least = _least(plan)
+        if self._left > 0:
+            following = _corrected(plan, measured)
+            if following is None or following.choice in self._tried:
+                following = None if least.choice in self._tried else least
+            if following is not None:
+                self.plan = following
+                return following
+        if measured <= slack:
+            return None
+        if least.choice == plan.choice:
+            raise _refused(plan, measured)
+        self._floor = True
+        self.plan = least
+        return least
+
+
+def _refused(plan: BudgetPlan, floor: int) -> BudgetError:
+    return BudgetError(
+        f"remat: no choice per block of these {len(plan.cost)} blocks fits a budget of {plan.budget} bytes "
+        f"({format_bytes(plan.budget)}) in a real step: the one that holds least measured {floor} bytes "
+        f"({format_bytes(floor)}); the smallest feasible budget is {floor} bytes. Raise the budget to at least that.",
+        least_bytes=floor,
+    )
+
+
 def check_plan(
     plan: BudgetPlan, measure: Callable[[], int], assign: Callable[[BudgetPlan], None]
 ) -> BudgetPlan:
@@ -92,34 +149,7 @@ def check_plan(
     Raises:
         BudgetError: even the choice that holds least measured over the budget's slack.
     """
-    tried: set[tuple[int, ...]] = set()
-    for _ in range(CHECKS):
-        measured = measure()
-        plan = dataclasses.replace(plan, measured=measured)
-        tried.add(plan.choice)
-        if measured <= plan.budget:
-            return plan
-        following = _corrected(plan, measured)
-        if following is None or following.choice in tried:
-            least = _least(plan)
-            if least.choice in tried:
-                break
-            following = least
+    check = PlanCheck(plan)
+    while (following := check.after(measure())) is not None:
         assign(following)
-        plan = following
-    if plan.measured is not None and plan.measured <= plan.budget * SLACK:
-        return plan
-    least = _least(plan)
-    if least.choice != plan.choice:
-        assign(least)
-        floor = measure()
-    else:
-        floor = plan.measured if plan.measured is not None else measure()
-    if floor <= plan.budget * SLACK:
-        return dataclasses.replace(least, measured=floor)
-    raise BudgetError(
-        f"remat: no choice per block of these {len(plan.cost)} blocks fits a budget of {plan.budget} bytes "
-        f"({format_bytes(plan.budget)}) in a real step: the one that holds least measured {floor} bytes "
-        f"({format_bytes(floor)}); the smallest feasible budget is {floor} bytes. Raise the budget to at least that.",
-        least_bytes=floor,
-    )
+    return check.plan

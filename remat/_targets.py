@@ -221,7 +221,10 @@ def _remove_hooks(module: nn.Module) -> None:
     for name in _HOOK_DICTS:
         table = getattr(module, name)
         for key in ids:
-            table.pop(key, None)
+            hook = table.pop(key, None)
+            close = getattr(hook, "close", None)
+            if callable(close):  # a budget's tracked step: NOTE [ The first step ] in _first_step.py
+                close()
     module.__dict__.pop(SITE, None)
 
 

@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.nn.modules import module as _module
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "storage_id",
     "top_saved_hooks",
     "when_traced",
+    "top_dispatch_mode",
     "torch_function_mode_on",
     "tree_leaves",
     "tree_map",
@@ -136,6 +137,8 @@ storage_id: Callable[[torch.Tensor], int] = getattr(_C, "_storage_id", _storage_
 # -- dispatch and function modes ------------------------------------------------------------------------------
 # Present in 2.4: the length of the dispatch-mode stack (`torch.utils._python_dispatch` reads it since 2.0).
 dispatch_modes_on: Callable[[], int] = _C._len_torch_dispatch_stack
+# Present in 2.4 (since 2.0): the dispatch mode on top of the stack (None when none is on).
+top_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
 # Present in 2.4 (since 2.0): set every dispatch mode aside for a block.
 disable_current_modes: Callable[[], Any] = _disable_current_modes
 # Present in 2.4 (since 2.0): whether a torch function mode (such as `torch.device(...)` as a context) is on.

@@ -250,8 +250,9 @@ def test_plan_survives_deepcopy_and_state_dict() -> None:
     assert [s.name for s in remat.plan(twin)] == [s.name for s in remat.plan(model)]
     # The copy's hooks act on the copy's blocks: its peak follows the plan, and no re-plan happens.
     before = remat.plan(twin).budget
-    assert _peak(twin, X) <= remat.plan(model).budget.budget * 1.05  # type: ignore[union-attr]
-    assert remat.plan(twin).budget is before
+    assert before is not None
+    assert _peak(twin, X) <= before.budget * 1.05
+    assert remat.plan(twin).budget.cost is before.cost  # type: ignore[union-attr]
     torch.manual_seed(0)
     reference = _stack()
     copied = copy.deepcopy(remat.apply(copy.deepcopy(reference), budget=0.4, sample=X))
@@ -265,8 +266,8 @@ def test_plan_survives_deepcopy_and_state_dict() -> None:
 def test_a_new_input_shape_replans() -> None:
     model = remat.apply(_stack(), budget=0.4, sample=X)
     first = remat.plan(model).budget
-    model(randn(4, 32, 16, seed=5)).sum().backward()  # same shape: same plan
-    assert remat.plan(model).budget is first
+    model(randn(4, 32, 16, seed=5)).sum().backward()  # same shape: same plan (its first step measured it)
+    assert first is not None and remat.plan(model).budget.cost is first.cost  # type: ignore[union-attr]
     bigger = randn(8, 32, 16, seed=6)
     model(bigger).sum().backward()
     second = remat.plan(model).budget
@@ -274,14 +275,14 @@ def test_a_new_input_shape_replans() -> None:
     assert second.budget > first.budget  # a fraction of the new shape's peak
     with torch.no_grad():
         model(randn(2, 32, 16))  # no gradients: no re-plan
-    assert remat.plan(model).budget is second
+    assert remat.plan(model).budget.cost is second.cost  # type: ignore[union-attr]
 
 
 def test_replan_false_keeps_the_plan() -> None:
     model = remat.apply(_stack(), budget=0.4, sample=X, replan=False)
     first = remat.plan(model).budget
     model(randn(8, 32, 16, seed=6)).sum().backward()
-    assert remat.plan(model).budget is first
+    assert first is not None and remat.plan(model).budget.cost is first.cost  # type: ignore[union-attr]
 
 
 def test_profiling_leaves_rng_grads_and_buffers_alone() -> None:
@@ -300,13 +301,13 @@ def test_profiling_leaves_rng_grads_and_buffers_alone() -> None:
 
 def test_planning_identical_blocks_runs_the_model_once_and_times_every_block() -> None:
     # NOTE [ Timing under the tracker ]: on CPU one tracked step gives bytes and times; a stack of 4 identical
-    # blocks with 3 choices needs one round, so the model runs forward exactly once while profiling, and once
-    # more to check the plan on a real step (NOTE [ Checking the plan ]).
+    # blocks with 3 choices needs one round, so the model runs forward exactly once while planning (the plan is
+    # checked on the first training step: NOTE [ The first step ]).
     model = _stack()
     calls = []
     model.register_forward_pre_hook(lambda module, args: calls.append(1))
     remat.apply(model, budget=0.6, sample=X)
-    assert len(calls) == 2
+    assert len(calls) == 1
     plan = remat.plan(model).budget
     assert plan is not None
     for row in plan.cost.blocks:

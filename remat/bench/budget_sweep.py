@@ -6,7 +6,9 @@ of one real step of the planned model under `remat.track()` over the budget, whe
 every block meets the budget), the step time, and the fastest uniform configuration (no remat, full remat or
 `save_matmuls` on every block or every second block) whose measured peak fits the same budget, with the ratio of
 our step to its step. All measured in one run, with the same weights and sample per workload; step times are
-medians of interleaved repeats. The summary line counts overshoots (measured over 1.05 x budget), false
+medians of interleaved repeats. A plan's first training step checks it (NOTE [ The first step ] in
+remat/_first_step.py); the measured peak is the next step's, and the summary says how many first steps went over
+and were corrected. The summary line counts overshoots (measured over 1.05 x budget), false
 refusals, the mean fill (measured / budget) over the plans returned, and the plans slower than the fastest
 uniform configuration that fits in every repeat: the repeats are interleaved, so each pairs our step with the
 uniform one taken moments apart, and a plan that ties with a uniform one is slower in about half of them, by
@@ -56,6 +58,7 @@ class SweepRow:
     peak: int | None = None
     predicted: int | None = None
     least: int | None = None
+    first: int | None = None  # the peak of the plan's first step, tracked by the plan itself
     choices: str = ""
     times: list[float] = field(default_factory=list)
 
@@ -123,11 +126,13 @@ def sweep_one(
         except remat.BudgetError as e:
             row.least = e.least_bytes
             continue
+        _time(work)  # the first step: the plan checks itself on it (NOTE [ The first step ])
+        plan = remat.plan(work.model).budget
+        row.first = plan.measured if plan is not None else None
+        row.peak = _peak(work)  # the next step runs the plan the first one left (corrected, where it went over)
         plan = remat.plan(work.model).budget
         row.predicted = plan.peak_bytes if plan is not None else None
         row.choices = " ".join(short(plan.choices[c]) for c in plan.choice) if plan is not None else ""
-        _time(work)  # the first step (the plan checks itself on it)
-        row.peak = _peak(work)
         running.append((row, work))
     for _ in range(repeats):
         for row, work in running:
@@ -186,6 +191,13 @@ def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
                 f"  [{r.choices}]"
             )
     mean = statistics.fmean(fills) if fills else 0.0
+    planned = [r for r in rows if r.fraction is not None and r.peak is not None and r.budget]
+    corrected = sum(r.first is not None and r.first > (r.budget or 0) for r in planned)
+    first_over = sum(r.first is not None and r.first > OVER * (r.budget or 0) for r in planned)
+    lines.append(
+        f"first steps: {corrected} of {len(planned)} measured over their budget and were corrected before the next "
+        f"step, {first_over} over {OVER:.2f} x budget"
+    )
     lines.append(
         f"{len(fills)} plans: {overshoots} over {OVER:.2f} x budget, {false_refusals} false refusals, "
         f"mean measured/budget {mean:.3f} (target 0.95: {'met' if mean >= 0.95 else 'MISSED'}); {slower} slower "

@@ -1,0 +1,186 @@
+"""A budgeted model's first training step is tracked, and its plan corrected from it before the next step.
+
+NOTE [ The first step ]
+A plan's peak is a prediction; the budget's promise is about real steps (NOTE [ Checking the plan ] in
+remat/_fit_check.py). Checking a plan on one more step of the sample before `remat.apply` returns costs a step of
+the plan itself on top of the profile's step: planning would take about three training steps. So where the
+prediction fits the budget, the plan is returned unchecked, and the model's first training step checks it: from the
+forward that starts it (a call of the model in training mode with gradients on, where no dispatch mode is on: see
+below) to the end of the first backward through its outputs, a `Tracker` counts what the step allocates, as the
+up-front check would. A step whose parameters had no gradients creates them; those are not activations, and the
+up-front check starts with zero gradients that backward adds into in place, so each new gradient is forgotten by the
+tracker once it is accumulated (a post-accumulate-grad hook): until then both count it, as the incoming gradient.
+The peak is known when the backward ends (an autograd final callback, queued by a gradient hook on the model's
+outputs) and shows in `remat.plan(model)` at once; the decision waits for the model's next forward (on every rank:
+the peak is the largest over them), which runs with the corrected plan where the step went over the budget, and is
+tracked in turn, up to the up-front check's number of steps. Where even the choice that holds least measures over
+the budget's slack, a `UserWarning` carries the `BudgetError` text and that choice stays on the blocks: raising in
+the middle of training would not leave the user a model that trains.
+
+The tracker's dispatch mode is pushed when the step starts. It cannot be popped when the backward ends: autograd
+runs final callbacks under the thread-local state it saved when the backward began, mode stack included, and puts
+that state back after them (on an accelerator they may also run on another thread). So the mode stops counting
+there. The first of these pops it: the death of the step's graph outside a backward (a token in the metadata of the
+outputs' autograd nodes dies with them, once the loss is let go of after backward), the next `optimizer.step()` of
+any optimizer (a global pre-hook, there only while a step is tracked), the model's next forward,
+`remat.undo(model)`; on the thread that pushed it and only from the top of the stack (a mode the user pushed since
+stays, and ours waits for a later chance). Until then it passes every op straight through: a loop that steps an
+optimizer after backward has it off the stack before the step's update. A mode pushed in a forward and popped at a
+later one could be popped in its place by the `__exit__` of a mode the user entered before it (torch pops the top of
+the stack, whichever it is), so a step is tracked only if no dispatch mode but another tracked step's is on when its
+forward starts (a step run under `remat.track()`, a FLOP counter or a fake-tensor mode is not, and the check waits
+for a later step). A forward whose graph dies with no backward through it (evaluation with gradients on, a forward
+alone) ends the window untracked, and the next training forward starts another; a window kept open by forwards whose
+graphs live on with no backward through them is dropped after `WINDOW` of them, and with it the check.
+
+The up-front check stays where the first step cannot stand in for it: a budget whose prediction does not fit
+(only a measured step may refuse it: NOTE [ Checking the plan ]), `memory=` (the device's whole memory: going
+over is an out-of-memory error, not a missed promise), a model planned for one compiled graph (its steps run in
+compiled code, which a dispatch mode cannot count), and a model sharded by `fully_shard` (its sharded gradients
+are made outside autograd's accumulation, so a first step could not tell them from activations).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from ._measure.track import Tracker
+from ._torch_compat import dispatch_modes_on, graph_task_id, top_dispatch_mode, tree_leaves
+
+__all__ = ["WINDOW", "FirstStep", "only_ours_on"]
+
+WINDOW = 8  # forwards with no backward through them after which a step window is dropped
+_TOKEN = "remat.first_step"
+_PUSHED: set[int] = set()  # the tracked steps whose mode is on a stack
+
+
+def only_ours_on() -> bool:
+    """Whether every dispatch mode on this thread's stack is a tracked step's (none is the user's)."""
+    return dispatch_modes_on() <= len(_PUSHED)
+
+
+class _Token:
+    """Put in the metadata of an output's autograd node, to learn when the graph dies."""
+
+
+class _Hook:
+    """A hook of a tracked step, on the model or its parameters: a copy of the model (`deepcopy`, pickle) made
+    while the step is tracked gets one that does nothing."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self._fn = fn
+
+    def __call__(self, *args: Any) -> None:
+        self._fn(*args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Hook, (_nothing,))
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+class FirstStep:
+    """Track one training step of `model`, from now to the end of the first backward through its outputs.
+
+    Attributes:
+        peak: the step's tracked peak above what was live when it started, new gradients left out; None until
+            a backward through the model's outputs has ended.
+        forwards: the model's forwards seen in this window.
+    """
+
+    def __init__(self, model: nn.Module, ended: Callable[[int], None]) -> None:
+        self.peak: int | None = None
+        self._ended_with = ended
+        self.forwards = 1
+        self._queued = False
+        self._owner = threading.get_ident()
+        self._tracker = Tracker()
+        accumulated = _Hook(self._accumulated)
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(accumulated)  # type: ignore[no-untyped-call]
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+        self._handles.append(model.register_forward_hook(_Hook(self._outputs)))
+        self._handles.append(register_optimizer_step_pre_hook(_Hook(self._optimizer_step)))
+        self._watched: dict[int, weakref.ref[_Token]] = {}  # the tokens of the outputs' graphs, by id
+        self._tracker.__enter__()
+        self._mode = top_dispatch_mode()
+        self._on = True
+        _PUSHED.add(id(self))
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._tracker._forget(param.grad)  # a gradient is not an activation (NOTE [ The first step ])
+
+    def _outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._reached)  # type: ignore[no-untyped-call]
+                if leaf.grad_fn is not None:  # the node's metadata lives as long as the node
+                    metadata: dict[str, Any] = leaf.grad_fn.metadata  # type: ignore[assignment]
+                    token = metadata.setdefault(_TOKEN, _Token())
+                    key = id(token)
+                    self._watched.setdefault(key, weakref.ref(token, functools.partial(self._dropped, key)))
+
+    def _dropped(self, key: int, ref: object = None) -> None:
+        # A graph the step made died: after its backward, where the user let go of the loss, or with no backward
+        # through it (a forward alone: the step is over, untracked). NOTE [ The first step ]
+        self._watched.pop(key, None)
+        if (self.peak is not None or not self._watched) and graph_task_id() < 0:
+            self._stop()
+
+    @property
+    def dropped(self) -> bool:
+        """Whether the step's graphs died with no backward through them: no step to measure."""
+        return self.peak is None and not self._on
+
+    def _reached(self, grad: torch.Tensor) -> None:
+        if not self._queued and self.peak is None:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _ended(self) -> None:
+        self.peak = self._tracker.peak_bytes
+        self._tracker._pause()  # popped at the next forward: NOTE [ The first step ]
+        self._ended_with(self.peak)
+
+    def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.peak is not None:  # the step's backward has ended: NOTE [ The first step ]
+            self._stop(keep=1)  # torch is iterating over the optimizer hooks: this one goes at `close`
+
+    def _stop(self, keep: int = 0) -> None:
+        """Pop the tracker's mode where this thread pushed it and it is on top (NOTE [ The first step ]), and
+        remove the hooks but the last `keep`."""
+        if self._on and threading.get_ident() == self._owner and top_dispatch_mode() is self._mode:
+            self._on = False
+            _PUSHED.discard(id(self))
+            self._tracker.__exit__(None, None, None)
+            kept = self._handles[len(self._handles) - keep:] if keep else []
+            for handle in self._handles[: len(self._handles) - keep]:
+                handle.remove()
+            self._handles = kept
+            self._watched.clear()
+
+    def close(self) -> bool:
+        """Remove the hooks and stop tracking; whether the tracker's mode is off the stack (else call again)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._watched.clear()
+        self._stop()
+        return not self._on
+

@@ -1,0 +1,193 @@
+"""A budgeted model's first training step checks its plan (NOTE [ The first step ] in remat/_first_step.py):
+measured as an outside tracker measures it, corrected before the next step, and nothing left behind."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat import _first_step
+from remat._measure.costs import ModelCost
+from remat._torch_compat import dispatch_modes_on
+from tests.conftest import randn
+from tests.models import TransformerBlock
+
+X = randn(4, 32, 16, seed=3)
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TransformerBlock(16, 2) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _stack() -> nn.Module:
+    torch.manual_seed(0)
+    return Stack().double()
+
+
+def _outside_peak(model: nn.Module) -> int:
+    """The peak of one step counted by a tracker around it, gradients there already (the budget's quantity)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with remat.track() as t:
+        model(X).sum().backward()
+    return t.peak_bytes
+
+
+def _grads_none_step(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+    model(X).sum().backward()
+
+
+def _hook(model: nn.Module) -> Any:
+    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "check"))
+
+
+def _no_step_hooks(model: nn.Module) -> bool:
+    return not model._forward_hooks and not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_the_first_step_measures_what_a_tracker_around_it_measures() -> None:
+    model = remat.apply(_stack(), budget=0.6, sample=X)
+    plan = remat.plan(model).budget
+    assert plan is not None and plan.measured is None and _hook(model).check is not None  # not checked yet
+    assert any(plan.choices[c] != "kept" for c in plan.choice)  # remat is on some blocks
+    twin = copy.deepcopy(model)  # the same plan, measured from the outside
+    _hook(twin).check = None
+    outside = _outside_peak(twin)
+    _grads_none_step(model)  # new gradients are made and left out, as the outside step's are
+    measured = remat.plan(model).budget.measured  # type: ignore[union-attr]
+    assert measured == outside
+    assert dispatch_modes_on() == 0 and _no_step_hooks(model)  # the graph died: the mode is popped
+    model(X)  # the next forward acts on the check: the step fitted
+    assert _hook(model).check is None and remat.plan(model).budget.measured == measured  # type: ignore[union-attr]
+
+
+def test_an_optimizer_step_pops_the_mode_while_the_loss_lives() -> None:
+    model = remat.apply(_stack(), budget=0.6, sample=X)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(X).sum()
+    loss.backward()
+    assert dispatch_modes_on() == 1  # passes ops through until something pops it
+    opt.step()
+    assert dispatch_modes_on() == 0 and _no_step_hooks(model)
+    del loss
+
+
+def test_a_step_under_a_users_mode_waits_and_leaves_the_users_mode_alone() -> None:
+    model = remat.apply(_stack(), budget=0.6, sample=X)
+    with remat.track() as outer:
+        _grads_none_step(model)
+        assert dispatch_modes_on() == 1  # the user's own
+    assert dispatch_modes_on() == 0 and outer.peak_bytes > 0
+    assert remat.plan(model).budget.measured is None and _hook(model).check is not None  # type: ignore[union-attr]
+    _grads_none_step(model)  # the next plain step checks the plan
+    assert remat.plan(model).budget.measured is not None  # type: ignore[union-attr]
+    assert dispatch_modes_on() == 0
+
+
+def test_a_forward_alone_is_not_a_step() -> None:
+    model = remat.apply(_stack(), budget=0.6, sample=X)
+    model(X)  # its graph dies at once: no step to measure, and nothing left on the stack
+    assert dispatch_modes_on() == 0 and _no_step_hooks(model) and _hook(model).check is not None
+    _grads_none_step(model)  # the next training step is tracked
+    assert remat.plan(model).budget.measured is not None  # type: ignore[union-attr]
+
+
+def test_forwards_without_backward_drop_the_check_after_a_window() -> None:
+    model = remat.apply(_stack(), budget=0.6, sample=X)
+    outs = [model(X) for _ in range(_first_step.WINDOW)]  # graphs kept, never differentiated
+    assert _hook(model).check is not None
+    outs.append(model(X))
+    assert _hook(model).check is None and _hook(model).step is None
+    assert dispatch_modes_on() == 0 and _no_step_hooks(model)
+    del outs
+
+
+def test_undo_and_a_new_plan_stop_a_tracked_step() -> None:
+    model = remat.apply(_stack(), budget=0.6, sample=X)
+    out = model(X)
+    assert dispatch_modes_on() == 1
+    remat.undo(model)
+    assert dispatch_modes_on() == 0 and _no_step_hooks(model)
+    del out
+    again = remat.apply(_stack(), budget=0.6, sample=X)
+    out = again(X)
+    remat.apply(again, budget=0.7, sample=X)  # replaces the plan and its check
+    assert dispatch_modes_on() == 0 and _no_step_hooks(again)
+    del out
+
+
+def test_a_model_copied_while_a_step_is_tracked_copies_no_tracking() -> None:
+    model = remat.apply(_stack(), budget=0.6, sample=X)
+    out = model(X)
+    twin = copy.deepcopy(model)
+    assert _hook(twin).step is None
+    for p in model.parameters():
+        p.grad = None
+    out.sum().backward()
+    del out
+    outside = copy.deepcopy(twin)
+    _hook(outside).check = None
+    _grads_none_step(twin)  # its copied hooks do nothing; its own first step is tracked
+    assert remat.plan(twin).budget.measured == _outside_peak(outside)  # type: ignore[union-attr]
+    assert dispatch_modes_on() == 0
+
+
+def test_a_tracked_step_keeps_nothing_alive() -> None:
+    model = remat.apply(_stack(), budget=0.6, sample=X)
+    _grads_none_step(model)
+    model(X).sum().backward()  # the second forward acted on the check
+    out = model(X)
+    grads = torch.autograd.grad(out.sum(), list(model.parameters()), create_graph=True)
+    ref = weakref.ref(model)
+    del model, out, grads
+    gc.collect()
+    assert ref() is None
+
+
+def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every choice predicted to hold a tenth of what it does: the plan fits on paper, no choice does in a real step.
+    from remat import _fit
+
+    real = _fit.profile_blocks  # type: ignore[attr-defined]
+
+    def optimistic(*args: Any, **kwargs: Any) -> ModelCost:
+        cost = real(*args, **kwargs)
+        rows = tuple(
+            tuple(
+                None if c is None else dataclasses.replace(
+                    c, held_bytes=c.held_bytes // 10, forward_peak=c.forward_peak // 10,
+                    backward_peak=c.backward_peak // 10,
+                )
+                for c in row
+            )
+            for row in cost.blocks
+        )
+        return dataclasses.replace(cost, blocks=rows)
+
+    monkeypatch.setattr(_fit, "profile_blocks", optimistic)
+    none = _outside_peak(_stack())
+    model = remat.apply(_stack(), budget=int(0.25 * none), sample=X)
+    with pytest.warns(UserWarning, match="smallest feasible budget") as caught:
+        for _ in range(6):
+            _grads_none_step(model)
+    assert len(caught) == 1 and "Training goes on with that choice" in str(caught[0].message)
+    plan = remat.plan(model).budget
+    assert plan is not None and all(plan.choices[c] == "full" for c in plan.choice)
+    assert _hook(model).check is None and dispatch_modes_on() == 0
