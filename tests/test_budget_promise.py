@@ -132,3 +132,4 @@ def test_the_quick_sweep_prints_its_rows_and_keeps_the_promise() -> None:
     assert main(["--model", "budget", "--quick", "--quiet"], stdout=out) == 0
     text = out.getvalue()
     assert "gpt2" in text and "convnet" in text and "0 over 1.05 x budget, 0 false refusals" in text
+    assert "first steps: " in text and "re-planned before the next step, 0 over 1.05 x budget" in text

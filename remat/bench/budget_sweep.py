@@ -59,6 +59,7 @@ class SweepRow:
     predicted: int | None = None
     least: int | None = None
     first: int | None = None  # the peak of the plan's first step, tracked by the plan itself
+    replanned: bool = False  # whether the first step went over and the next ran a corrected plan
     choices: str = ""
     times: list[float] = field(default_factory=list)
 
@@ -129,10 +130,12 @@ def sweep_one(
         _time(work)  # the first step: the plan checks itself on it (NOTE [ The first step ])
         plan = remat.plan(work.model).budget
         row.first = plan.measured if plan is not None else None
+        first_choice = plan.choice if plan is not None else None
         row.peak = _peak(work)  # the next step runs the plan the first one left (corrected, where it went over)
         plan = remat.plan(work.model).budget
         row.predicted = plan.peak_bytes if plan is not None else None
         row.choices = " ".join(short(plan.choices[c]) for c in plan.choice) if plan is not None else ""
+        row.replanned = plan is not None and plan.choice != first_choice
         running.append((row, work))
     for _ in range(repeats):
         for row, work in running:
@@ -192,11 +195,11 @@ def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
             )
     mean = statistics.fmean(fills) if fills else 0.0
     planned = [r for r in rows if r.fraction is not None and r.peak is not None and r.budget]
-    corrected = sum(r.first is not None and r.first > (r.budget or 0) for r in planned)
-    first_over = sum(r.first is not None and r.first > OVER * (r.budget or 0) for r in planned)
+    over = [r.first / r.budget for r in planned if r.first is not None and r.budget and r.first > r.budget]
     lines.append(
-        f"first steps: {corrected} of {len(planned)} measured over their budget and were corrected before the next "
-        f"step, {first_over} over {OVER:.2f} x budget"
+        f"first steps: {len(over)} of {len(planned)} measured over their budget"
+        f"{f' (at most {max(over):.3f} x)' if over else ''}, {sum(r.replanned for r in planned)} re-planned before "
+        f"the next step, {sum(o > OVER for o in over)} over {OVER:.2f} x budget"
     )
     lines.append(
         f"{len(fills)} plans: {overshoots} over {OVER:.2f} x budget, {false_refusals} false refusals, "
