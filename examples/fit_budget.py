@@ -33,17 +33,18 @@ def main() -> None:
     # Half of no remat's activation peak: one profiled step, then each block gets its choice.
     none = peak_of_a_step(model, x)
     remat.apply(model, budget=0.5, sample=x)
-    print(remat.plan(model))
-    fitted = peak_of_a_step(model, x)
-    print(f"tracked peak of a step: {fitted / 2**20:.2f} MiB with the budget, {none / 2**20:.2f} MiB without")
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for step in range(3):
+    for step in range(3):  # the first step checks the plan, corrected before the next one if it went over
         loss = model(x).square().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         print(f"step {step}: loss {loss.item():.4f}")
+
+    print(remat.plan(model))  # the predicted peak, and the first step's measured one
+    fitted = peak_of_a_step(model, x)
+    print(f"tracked peak of a step: {fitted / 2**20:.2f} MiB with the budget, {none / 2**20:.2f} MiB without")
 
 
 if __name__ == "__main__":

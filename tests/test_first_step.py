@@ -66,6 +66,7 @@ def test_the_first_step_measures_what_a_tracker_around_it_measures() -> None:
     model = remat.apply(_stack(), budget=0.6, sample=X)
     plan = remat.plan(model).budget
     assert plan is not None and plan.measured is None and _hook(model).check is not None  # not checked yet
+    assert "not measured yet: the model's first training step checks this plan" in str(remat.plan(model))
     assert any(plan.choices[c] != "kept" for c in plan.choice)  # remat is on some blocks
     twin = copy.deepcopy(model)  # the same plan, measured from the outside
     _hook(twin).check = None

@@ -37,7 +37,7 @@ class BudgetPlan:
         peak_bytes, step_time: the plan's predicted peak (bytes) and step time (seconds).
         no_remat, full_remat: `(peak_bytes, step_time)` of every block kept, and of every block fully
             rematerialized (None when a choice is missing from the profile).
-        measured: the tracked peak of one real training step with this plan (None where none ran; see
+        measured: the tracked peak of one real training step with this plan (None until one ran; see
             NOTE [ Checking the plan ] in remat/_fit_check.py).
         missed: bytes a measured step of an earlier plan held beyond its prediction, which `peak_bytes` includes
             (0 unless the plan corrects one that went over its budget).
@@ -76,6 +76,8 @@ class BudgetPlan:
         if self.measured is not None:
             lines.append(f"measured peak of one real step {format_bytes(self.measured)} "
                          f"({self.measured / self.budget:.2f} of the budget)")
+        else:
+            lines.append("not measured yet: the model's first training step checks this plan")
         if self.missed:
             lines.append(f"re-planned after a measured step went over the budget: the prediction counts "
                          f"{format_bytes(self.missed)} it had missed")
