@@ -95,8 +95,10 @@ def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configur
         @contextlib.contextmanager
         def planned(sample: Any) -> Iterator[None]:
             with _restoring(model):
+                # the planner of remat.apply(budget=), on fake tensors; the plan checked at once, as a real model's
+                # first training step would check it (NOTE [ The first step ])
                 apply_budget(model, config, sample, where, loss=None, choices=None, replan=True, preserve_rng=True,
-                             strategy="rerun", check=True)  # the planner of remat.apply(budget=), on fake tensors
+                             strategy="rerun", check=True, upfront=True)
                 with enabled(True):
                     yield
 

@@ -91,7 +91,7 @@ class _Budget:
 
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
     # What a hook pickled before it had these attributes reads (the instance's own values shadow them):
-    compile = grads = told = False
+    compile = grads = told = upfront = False
     check: PlanCheck | None = None
     step: FirstStep | None = None
     stale: tuple[FirstStep, ...] = ()
@@ -109,6 +109,7 @@ class _Budget:
         options: dict[str, Any],
         compile: bool = False,
         grads: bool = False,
+        upfront: bool = False,
     ) -> None:
         self.budget = budget
         self.names = names
@@ -126,6 +127,7 @@ class _Budget:
         self.warned = False
         self.grads = grads  # whether the checked step counts new gradients (`memory=`: NOTE [ Total memory ])
         self.calls = ()  # the parts' calls: NOTE [ Some matmuls ]
+        self.upfront = upfront  # check every plan before it is kept, never on a training step (the estimator)
         self.check: PlanCheck | None = None  # the plan's check, waiting for training steps: NOTE [ The first step ]
         self.step: FirstStep | None = None  # the training step being tracked for it
         self.stale: tuple[FirstStep, ...] = ()  # tracked steps whose mode waits to be popped
@@ -198,7 +200,7 @@ class _Budget:
                     measured += graph_extra(eager, cost, placed[0])
                 return measured
 
-            if fits and not (self.grads or self.compile or _sharded.is_sharded(model)):
+            if fits and not (self.upfront or self.grads or self.compile or _sharded.is_sharded(model)):
                 self.check = PlanCheck(plan)  # on the first training step: NOTE [ The first step ]
             else:
                 with torch.enable_grad():
@@ -341,6 +343,7 @@ def apply_budget(
     check: bool,
     grads: bool = False,
     compile: bool = False,
+    upfront: bool = False,
 ) -> _M:
     """See `remat.apply`: profile, solve, and keep re-planning on new input shapes (NOTE [ Budgeted models ])."""
     if not isinstance(model, nn.Module):
@@ -384,7 +387,7 @@ def apply_budget(
             hook.close()
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
-    hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads)
+    hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads, upfront)
     args, kwargs = _as_call(sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

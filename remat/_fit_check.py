@@ -8,7 +8,8 @@ model's first training step (NOTE [ The first step ] in remat/_first_step.py), a
 Elsewhere `remat.apply(model, budget=...)` (and every re-plan) runs one more training step on the sample under
 `remat.track()` before it returns, leaving the model as it found it (gradients, buffers, RNG streams), as the
 profile does: where the prediction does not fit (only a measured step may refuse a budget), with `memory=`, for a
-model planned as one compiled graph, and for a model sharded by `fully_shard`. Either way the peak, above what was
+model planned as one compiled graph, for a model sharded by `fully_shard`, and in `remat.estimate` (on fake
+tensors, the plan a real model ends with once its first step has checked it). Either way the peak, above what was
 live before the step with the gradients already there, is the quantity the budget refers to; `remat.plan(model)`
 shows it beside the prediction. If it is over the budget, the plan is solved again on the same profile for the
 budget less what the prediction missed (measured minus predicted, taken as bytes the model does not see), and

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -280,6 +282,21 @@ def test_a_budget_configuration_uses_the_planner() -> None:
     assert report["full"].activation_bytes < report[0.6].activation_bytes < report["none"].activation_bytes
     assert report[0.6].label == "budget 0.6"
     assert not remat.plan(model)  # the planned sites are gone again
+    from remat import _fit
+
+    checked: list[int] = []
+    real = _fit.check_plan  # type: ignore[attr-defined]
+
+    def spy(plan: Any, measure: Any, assign: Any) -> Any:
+        checked.append(1)
+        return real(plan, measure, assign)
+
+    _fit.check_plan = spy  # type: ignore[attr-defined]
+    try:  # the plan a real model ends with once its first step checked it: checked at once, on fake tensors
+        remat.estimate(model, torch.randn(8, 32), configs=(0.6,))
+    finally:
+        _fit.check_plan = real  # type: ignore[attr-defined]
+    assert checked
     # the default configurations end with a budget of 0.3, which this small stack cannot meet: apply's error
     with pytest.raises(remat.BudgetError, match="smallest feasible budget"):
         remat.estimate(model, torch.randn(8, 32))
