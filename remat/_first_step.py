@@ -33,6 +33,13 @@ for a later step). A forward whose graph dies with no backward through it (evalu
 alone) ends the window untracked, and the next training forward starts another; a window kept open by forwards whose
 graphs live on with no backward through them is dropped after `WINDOW` of them, and with it the check.
 
+Dynamo does not compile a frame it meets under a dispatch mode: it runs it in eager code, and marks its code to
+run in eager code for good. A block compiled with `block.compile()` whose first call fell in the tracked step
+would never be compiled. So while the step is tracked, compiled code runs in eager code by dynamo's "force_eager"
+stance, which marks nothing (the step measures the blocks' eager code, as the up-front check did on a model not yet
+compiled), and the stance is put back when the mode is popped; the step after it compiles. On a torch without
+stances (before 2.6), no step is tracked once dynamo is in use, and the plan stays unchecked.
+
 The up-front check stays where the first step cannot stand in for it: a budget whose prediction does not fit
 (only a measured step may refuse it: NOTE [ Checking the plan ]), `memory=` (the device's whole memory: going
 over is an out-of-memory error, not a missed promise), a model planned for one compiled graph (its steps run in
@@ -43,6 +50,7 @@ are made outside autograd's accumulation, so a first step could not tell them fr
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -54,18 +62,21 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from ._measure.track import Tracker
-from ._torch_compat import dispatch_modes_on, graph_task_id, top_dispatch_mode, tree_leaves
+from ._torch_compat import dispatch_modes_on, eager_for_now, graph_task_id, top_dispatch_mode, tree_leaves
 
-__all__ = ["WINDOW", "FirstStep", "only_ours_on"]
+__all__ = ["WINDOW", "FirstStep", "can_track"]
 
 WINDOW = 8  # forwards with no backward through them after which a step window is dropped
 _TOKEN = "remat.first_step"
 _PUSHED: set[int] = set()  # the tracked steps whose mode is on a stack
 
 
-def only_ours_on() -> bool:
-    """Whether every dispatch mode on this thread's stack is a tracked step's (none is the user's)."""
-    return dispatch_modes_on() <= len(_PUSHED)
+def can_track() -> bool:
+    """Whether a step may be tracked now: every dispatch mode on this thread's stack is a tracked step's (none is
+    the user's), and compiled code can be made to run in eager code while it is (NOTE [ The first step ])."""
+    if dispatch_modes_on() > len(_PUSHED):
+        return False
+    return "torch._dynamo" not in sys.modules or hasattr(torch.compiler, "set_stance")
 
 
 class _Token:
@@ -117,6 +128,7 @@ class FirstStep:
         self._handles.append(model.register_forward_hook(_Hook(self._outputs)))
         self._handles.append(register_optimizer_step_pre_hook(_Hook(self._optimizer_step)))
         self._watched: dict[int, weakref.ref[_Token]] = {}  # the tokens of the outputs' graphs, by id
+        self._restore = eager_for_now()  # compiled code under the tracker: see NOTE [ The first step ]
         self._tracker.__enter__()
         self._mode = top_dispatch_mode()
         self._on = True
@@ -169,6 +181,8 @@ class FirstStep:
             self._on = False
             _PUSHED.discard(id(self))
             self._tracker.__exit__(None, None, None)
+            if self._restore is not None:
+                self._restore()
             kept = self._handles[len(self._handles) - keep:] if keep else []
             for handle in self._handles[: len(self._handles) - keep]:
                 handle.remove()

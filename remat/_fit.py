@@ -31,7 +31,7 @@ from torch import nn
 from . import _sharded
 from ._engine.compiled import compiling
 from ._errors import BudgetError
-from ._first_step import WINDOW, FirstStep, only_ours_on
+from ._first_step import WINDOW, FirstStep, can_track
 from ._fit_check import PlanCheck, check_plan, measure_step
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE, PARTS
@@ -242,7 +242,7 @@ class _Budget:
                     "to remat.apply to keep the first plan). Logged once per model.", type(model).__name__,
                 )
             self.fit(model, args, kwargs)
-        if self.check is not None and self.step is None and only_ours_on():  # NOTE [ The first step ]
+        if self.check is not None and self.step is None and can_track():  # NOTE [ The first step ]
             self.step = FirstStep(model, self.seen)
 
     def seen(self, peak: int) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "disable_current_modes",
     "dispatch_modes_on",
     "dynamo_guarded",
+    "eager_for_now",
     "eval_frame_callback",
     "fake_store",
     "fsdp_state_keys",
@@ -143,6 +144,27 @@ top_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
 disable_current_modes: Callable[[], Any] = _disable_current_modes
 # Present in 2.4 (since 2.0): whether a torch function mode (such as `torch.device(...)` as a context) is on.
 torch_function_mode_on: Callable[[], bool] = _C._is_torch_function_mode_enabled
+
+
+def eager_for_now() -> Callable[[], None] | None:
+    """Make `torch.compile`d code run in eager code until the returned function is called (dynamo's "force_eager"
+    stance: no frame is compiled, and none is marked to be skipped for good), or None where dynamo is not imported
+    (nothing is compiled) or this torch has no stances (`torch.compiler.set_stance`, 2.6: the caller must then not
+    run compiled code under a dispatch mode, which dynamo answers by running that code in eager code for good)."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return None
+    prior = getattr(set_stance("force_eager"), "prev", None)
+
+    def restore() -> None:
+        if prior is None:
+            set_stance("default")
+        else:
+            set_stance(prior.stance, skip_guard_eval_unsafe=prior.skip_guard_eval_unsafe, force_backend=prior.backend)
+
+    return restore
 
 
 def _no_accelerator() -> None:

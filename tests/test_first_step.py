@@ -192,3 +192,36 @@ def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(m
     plan = remat.plan(model).budget
     assert plan is not None and all(plan.choices[c] == "full" for c in plan.choice)
     assert _hook(model).check is None and dispatch_modes_on() == 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own notes while it traces
+def test_blocks_compiled_one_by_one_still_compile_after_the_tracked_step() -> None:
+    # Dynamo runs a frame it meets under a dispatch mode in eager code for good; the tracked step runs compiled
+    # code in eager code by a stance instead, so the blocks compile on the step after it.
+    graphs: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)))
+    x = randn(64, 16, seed=1)
+    remat.apply(model.double(), budget=0.6, sample=x)
+    for block in model:
+        block.compile(backend=backend)
+    torch._dynamo.reset()
+
+    def step() -> None:
+        for p in model.parameters():
+            p.grad = None
+        model(x).sum().backward()
+
+    try:
+        step()
+        assert remat.plan(model).budget.measured is not None and not graphs  # type: ignore[union-attr]
+        assert dispatch_modes_on() == 0
+        step()
+        assert graphs  # compiled now
+    finally:
+        torch._dynamo.reset()

@@ -29,6 +29,7 @@ NEWER = [
     "torch._C._is_any_autocast_enabled",
     "torch._C._storage_id",
     "torch._C._accelerator_getAccelerator",
+    "torch.compiler.set_stance",
 ]
 
 SCRIPT = r"""
