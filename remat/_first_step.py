@@ -38,7 +38,10 @@ run in eager code for good. A block compiled with `block.compile()` whose first 
 would never be compiled. So while the step is tracked, compiled code runs in eager code by dynamo's "force_eager"
 stance, which marks nothing (the step measures the blocks' eager code, as the up-front check did on a model not yet
 compiled), and the stance is put back when the mode is popped; the step after it compiles. On a torch without
-stances (before 2.6), no step is tracked once dynamo is in use, and the plan stays unchecked.
+stances (before 2.6), no step is tracked once dynamo is in use, and the plan stays unchecked; nor is one that
+starts inside a compiled call (a model called from compiled code after a graph break), where no stance can be
+set. The profile and the up-front check run under the same stance, for the same reason: a model whose blocks
+were compiled before `remat.apply(model, budget=...)`, or that re-plans for a new shape, compiles them after.
 
 The up-front check stays where the first step cannot stand in for it: a budget whose prediction does not fit
 (only a measured step may refuse it: NOTE [ Checking the plan ]), `memory=` (the device's whole memory: going
@@ -61,6 +64,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from ._engine.compiled import in_compiled_call
 from ._measure.track import Tracker
 from ._torch_compat import dispatch_modes_on, eager_for_now, graph_task_id, top_dispatch_mode, tree_leaves
 
@@ -74,7 +78,7 @@ _PUSHED: set[int] = set()  # the tracked steps whose mode is on a stack
 def can_track() -> bool:
     """Whether a step may be tracked now: every dispatch mode on this thread's stack is a tracked step's (none is
     the user's), and compiled code can be made to run in eager code while it is (NOTE [ The first step ])."""
-    if dispatch_modes_on() > len(_PUSHED):
+    if dispatch_modes_on() > len(_PUSHED) or in_compiled_call():
         return False
     return "torch._dynamo" not in sys.modules or hasattr(torch.compiler, "set_stance")
 

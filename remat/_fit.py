@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import _sharded
-from ._engine.compiled import compiling
+from ._engine.compiled import compiling, in_compiled_call
 from ._errors import BudgetError
 from ._first_step import WINDOW, FirstStep, can_track
 from ._fit_check import PlanCheck, check_plan, measure_step
@@ -44,7 +44,7 @@ from ._plan.units import Budget, parse_budget
 from ._plan.whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph_gradients
 from ._policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
-from ._torch_compat import tree_leaves, tree_map, when_traced
+from ._torch_compat import eager_for_now, tree_leaves, tree_map, when_traced
 
 __all__ = ["apply_budget"]
 
@@ -166,6 +166,7 @@ class _Budget:
             return out
 
         self.busy = True
+        restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
         try:
             with torch.enable_grad():
                 rerun = self.options["strategy"] == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
@@ -215,6 +216,8 @@ class _Budget:
             raise
         finally:
             self.busy = False
+            if restore is not None:
+                restore()
         self.budget_plan = plan
         self.signature = _signature(args, kwargs)
         self.sharded = _sharded.is_sharded(model)

@@ -225,3 +225,40 @@ def test_blocks_compiled_one_by_one_still_compile_after_the_tracked_step() -> No
         assert graphs  # compiled now
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own notes while it traces
+def test_blocks_compiled_before_the_plan_or_a_new_shape_still_compile() -> None:
+    # The profile and a re-plan for a new shape run under the tracker too: under the same stance.
+    graphs: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)))
+    model.double()
+    for block in model:
+        block.compile(backend=backend)
+    torch._dynamo.reset()
+
+    def step(x: torch.Tensor) -> int:
+        for p in model.parameters():
+            p.grad = None
+        model(x).sum().backward()
+        return len(graphs)
+
+    try:
+        x = randn(64, 16, seed=1)
+        compiled = step(x)
+        assert compiled > 0
+        remat.apply(model, budget=0.6, sample=x)
+        step(x)  # the plan's first step, tracked, in eager code
+        assert step(x) > compiled  # the blocks' new choices compile
+        compiled = len(graphs)
+        bigger = randn(128, 16, seed=2)
+        step(bigger)  # a new shape: re-planned inside this forward, and tracked
+        assert step(bigger) > compiled
+    finally:
+        torch._dynamo.reset()
