@@ -171,7 +171,7 @@ class FirstStep:
 
     def _ended(self) -> None:
         self.peak = self._tracker.peak_bytes
-        self._tracker._pause()  # popped at the next forward: NOTE [ The first step ]
+        self._tracker._pause()  # popped later, outside the backward: NOTE [ The first step ]
         self._ended_with(self.peak)
 
     def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
