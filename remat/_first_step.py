@@ -158,6 +158,8 @@ class FirstStep:
         self._watched.pop(key, None)
         if (self.peak is not None or not self._watched) and graph_task_id() < 0:
             self._stop()
+            if not self._on:  # the optimizer hook an optimizer step left behind goes too
+                self._remove_handles()
 
     @property
     def dropped(self) -> bool:
@@ -191,13 +193,17 @@ class FirstStep:
             for handle in self._handles[: len(self._handles) - keep]:
                 handle.remove()
             self._handles = kept
-            self._watched.clear()
+            if not kept:  # else the graph's death removes what is kept
+                self._watched.clear()
 
-    def close(self) -> bool:
-        """Remove the hooks and stop tracking; whether the tracker's mode is off the stack (else call again)."""
+    def _remove_handles(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def close(self) -> bool:
+        """Remove the hooks and stop tracking; whether the tracker's mode is off the stack (else call again)."""
+        self._remove_handles()
         self._watched.clear()
         self._stop()
         return not self._on

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import remat
 from remat import _first_step
@@ -87,7 +88,8 @@ def test_an_optimizer_step_pops_the_mode_while_the_loss_lives() -> None:
     assert dispatch_modes_on() == 1  # passes ops through until something pops it
     opt.step()
     assert dispatch_modes_on() == 0 and _no_step_hooks(model)
-    del loss
+    del loss  # the graph dies: the optimizer hook goes too
+    assert not any(isinstance(h, _first_step._Hook) for h in _global_optimizer_pre_hooks.values())
 
 
 def test_a_step_under_a_users_mode_waits_and_leaves_the_users_mode_alone() -> None:
