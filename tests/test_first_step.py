@@ -196,35 +196,44 @@ def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(m
     assert _hook(model).check is None and dispatch_modes_on() == 0
 
 
+class _Compiled:
+    """Four MLP blocks, each compiled by itself with a backend that counts the graphs it is given."""
+
+    def __init__(self) -> None:
+        self.graphs: list[int] = []
+        torch.manual_seed(0)
+        self.model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)))
+        self.model.double()
+
+    def backend(self, gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        self.graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    def compile(self) -> None:
+        for block in self.model:
+            block.compile(backend=self.backend)
+
+    def step(self, x: torch.Tensor) -> int:
+        """One training step from no gradients; how many graphs were compiled so far."""
+        for p in self.model.parameters():
+            p.grad = None
+        self.model(x).sum().backward()
+        return len(self.graphs)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own notes while it traces
 def test_blocks_compiled_one_by_one_still_compile_after_the_tracked_step() -> None:
     # Dynamo runs a frame it meets under a dispatch mode in eager code for good; the tracked step runs compiled
     # code in eager code by a stance instead, so the blocks compile on the step after it.
-    graphs: list[int] = []
-
-    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)))
-    x = randn(64, 16, seed=1)
-    remat.apply(model.double(), budget=0.6, sample=x)
-    for block in model:
-        block.compile(backend=backend)
     torch._dynamo.reset()
-
-    def step() -> None:
-        for p in model.parameters():
-            p.grad = None
-        model(x).sum().backward()
-
+    blocks = _Compiled()
+    x = randn(64, 16, seed=1)
+    remat.apply(blocks.model, budget=0.6, sample=x)
+    blocks.compile()
     try:
-        step()
-        assert remat.plan(model).budget.measured is not None and not graphs  # type: ignore[union-attr]
+        assert blocks.step(x) == 0 and remat.plan(blocks.model).budget.measured is not None  # type: ignore[union-attr]
         assert dispatch_modes_on() == 0
-        step()
-        assert graphs  # compiled now
+        assert blocks.step(x) > 0  # compiled now
     finally:
         torch._dynamo.reset()
 
@@ -232,35 +241,19 @@ def test_blocks_compiled_one_by_one_still_compile_after_the_tracked_step() -> No
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own notes while it traces
 def test_blocks_compiled_before_the_plan_or_a_new_shape_still_compile() -> None:
     # The profile and a re-plan for a new shape run under the tracker too: under the same stance.
-    graphs: list[int] = []
-
-    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)))
-    model.double()
-    for block in model:
-        block.compile(backend=backend)
     torch._dynamo.reset()
-
-    def step(x: torch.Tensor) -> int:
-        for p in model.parameters():
-            p.grad = None
-        model(x).sum().backward()
-        return len(graphs)
-
+    blocks = _Compiled()
+    blocks.compile()
     try:
         x = randn(64, 16, seed=1)
-        compiled = step(x)
+        compiled = blocks.step(x)
         assert compiled > 0
-        remat.apply(model, budget=0.6, sample=x)
-        step(x)  # the plan's first step, tracked, in eager code
-        assert step(x) > compiled  # the blocks' new choices compile
-        compiled = len(graphs)
+        remat.apply(blocks.model, budget=0.6, sample=x)
+        blocks.step(x)  # the plan's first step, tracked, in eager code
+        assert blocks.step(x) > compiled  # the blocks' new choices compile
+        compiled = len(blocks.graphs)
         bigger = randn(128, 16, seed=2)
-        step(bigger)  # a new shape: re-planned inside this forward, and tracked
-        assert step(bigger) > compiled
+        blocks.step(bigger)  # a new shape: re-planned inside this forward, and tracked
+        assert blocks.step(bigger) > compiled
     finally:
         torch._dynamo.reset()
