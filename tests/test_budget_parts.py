@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from typing import Any
@@ -191,8 +192,29 @@ class _MLPs(nn.Module):
         return x
 
 
-def test_budget_plans_use_parts_and_keep_the_budget() -> None:
-    # Blocks whose time is in two matmuls: keeping the down projection's small output saves its recompute.
+def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Blocks whose time is in two matmuls: keeping the down projection's small output saves its recompute. Whether
+    # that beats full remat here is a matter of timing (the parts' dispatch mode is priced per run, and costs more
+    # once dynamo is imported), so the parts are priced as fast as kept blocks: the solver takes them wherever kept
+    # blocks do not fit, and what is tested is that their real step keeps the budget.
+    from remat import _fit
+
+    real = _fit.profile_blocks  # type: ignore[attr-defined]
+
+    def parts_cheap(*args: Any, **kwargs: Any) -> ModelCost:
+        cost = real(*args, **kwargs)
+        parts = {cost.choices.index(label) for label in PARTS if label in cost.choices}
+        rows = tuple(
+            tuple(
+                c if c is None or i not in parts or row[0] is None
+                else dataclasses.replace(c, forward_time=row[0].forward_time, backward_time=row[0].backward_time)
+                for i, c in enumerate(row)
+            )
+            for row in cost.blocks
+        )
+        return dataclasses.replace(cost, blocks=rows)
+
+    monkeypatch.setattr(_fit, "profile_blocks", parts_cheap)
     x = randn(256, 128, seed=3)
     used: set[str] = set()
     for fraction in (0.6, 0.7, 0.8):
