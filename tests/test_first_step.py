@@ -76,8 +76,11 @@ def test_the_first_step_measures_what_a_tracker_around_it_measures() -> None:
     measured = remat.plan(model).budget.measured  # type: ignore[union-attr]
     assert measured == outside
     assert dispatch_modes_on() == 0 and _no_step_hooks(model)  # the graph died: the mode is popped
-    model(X)  # the next forward acts on the check: the step fitted
-    assert _hook(model).check is None and remat.plan(model).budget.measured == measured  # type: ignore[union-attr]
+    fitted = measured <= plan.budget
+    model(X)  # the next forward acts on the check: done if the step fitted, else a corrected plan is placed
+    assert (_hook(model).check is None) == fitted
+    if fitted:
+        assert remat.plan(model).budget.measured == measured  # type: ignore[union-attr]
 
 
 def test_an_optimizer_step_pops_the_mode_while_the_loss_lives() -> None:
