@@ -65,14 +65,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from ._engine.compiled import in_compiled_call
-from ._measure.track import Tracker
+from ._measure.step_tracker import StepTracker
 from ._torch_compat import dispatch_modes_on, eager_for_now, graph_task_id, top_dispatch_mode, tree_leaves
 
-__all__ = ["WINDOW", "FirstStep", "can_track"]
+__all__ = ["WINDOW", "FirstStep", "can_track", "pop_closed"]
 
 WINDOW = 8  # forwards with no backward through them after which a step window is dropped
 _TOKEN = "remat.first_step"
-_PUSHED: set[int] = set()  # the tracked steps whose mode is on a stack
+_PUSHED: dict[int, FirstStep] = {}  # the tracked steps whose mode is on a stack, by id
 
 
 def can_track() -> bool:
@@ -81,6 +81,12 @@ def can_track() -> bool:
     if dispatch_modes_on() > len(_PUSHED) or in_compiled_call():
         return False
     return "torch._dynamo" not in sys.modules or hasattr(torch.compiler, "set_stance")
+
+
+def pop_closed() -> None:
+    """Pop the modes of closed steps that were not on top of the stack when they closed."""
+    for step in [step for step in _PUSHED.values() if step.closed]:
+        step._stop()
 
 
 class _Token:
@@ -114,33 +120,35 @@ class FirstStep:
         peak: the step's tracked peak above what was live when it started, new gradients left out; None until
             a backward through the model's outputs has ended.
         forwards: the model's forwards seen in this window.
+        closed: whether `close` was called (its mode is popped as soon as it is on top: `pop_closed`).
     """
 
     def __init__(self, model: nn.Module, ended: Callable[[int], None]) -> None:
         self.peak: int | None = None
-        self._ended_with = ended
         self.forwards = 1
+        self.closed = False
+        self._ended_with = ended
         self._queued = False
         self._owner = threading.get_ident()
-        self._tracker = Tracker()
+        self._tracker = StepTracker()
         accumulated = _Hook(self._accumulated)
-        self._handles: list[RemovableHandle] = [
+        self._hooks: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(accumulated)  # type: ignore[no-untyped-call]
             for p in model.parameters()
             if p.requires_grad
         ]
-        self._handles.append(model.register_forward_hook(_Hook(self._outputs)))
-        self._handles.append(register_optimizer_step_pre_hook(_Hook(self._optimizer_step)))
+        self._hooks.append(model.register_forward_hook(_Hook(self._outputs)))
+        self._optimizer_hook = register_optimizer_step_pre_hook(_Hook(self._optimizer_step))
         self._watched: dict[int, weakref.ref[_Token]] = {}  # the tokens of the outputs' graphs, by id
         self._restore = eager_for_now()  # compiled code under the tracker: see NOTE [ The first step ]
         self._tracker.__enter__()
         self._mode = top_dispatch_mode()
         self._on = True
-        _PUSHED.add(id(self))
+        _PUSHED[id(self)] = self
 
     def _accumulated(self, param: torch.Tensor) -> None:
         if param.grad is not None:
-            self._tracker._forget(param.grad)  # a gradient is not an activation (NOTE [ The first step ])
+            self._tracker.forget(param.grad)  # a gradient is not an activation (NOTE [ The first step ])
 
     def _outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         for leaf in tree_leaves(output):
@@ -158,8 +166,8 @@ class FirstStep:
         self._watched.pop(key, None)
         if (self.peak is not None or not self._watched) and graph_task_id() < 0:
             self._stop()
-            if not self._on:  # the optimizer hook an optimizer step left behind goes too
-                self._remove_handles()
+            if not self._on:  # the optimizer hook goes too (an optimizer step may have popped the mode already)
+                self._optimizer_hook.remove()
 
     @property
     def dropped(self) -> bool:
@@ -173,38 +181,31 @@ class FirstStep:
 
     def _ended(self) -> None:
         self.peak = self._tracker.peak_bytes
-        self._tracker._pause()  # popped later, outside the backward: NOTE [ The first step ]
+        self._tracker.pause()  # popped later, outside the backward: NOTE [ The first step ]
         self._ended_with(self.peak)
 
     def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.peak is not None:  # the step's backward has ended: NOTE [ The first step ]
-            self._stop(keep=1)  # torch is iterating over the optimizer hooks: this one goes at `close`
+            self._stop()  # this hook stays: torch is iterating over the optimizer hooks
 
-    def _stop(self, keep: int = 0) -> None:
+    def _stop(self) -> None:
         """Pop the tracker's mode where this thread pushed it and it is on top (NOTE [ The first step ]), and
-        remove the hooks but the last `keep`."""
+        remove the hooks on the model and its parameters."""
         if self._on and threading.get_ident() == self._owner and top_dispatch_mode() is self._mode:
             self._on = False
-            _PUSHED.discard(id(self))
+            del _PUSHED[id(self)]
             self._tracker.__exit__(None, None, None)
             if self._restore is not None:
                 self._restore()
-            kept = self._handles[len(self._handles) - keep:] if keep else []
-            for handle in self._handles[: len(self._handles) - keep]:
+            for handle in self._hooks:
                 handle.remove()
-            self._handles = kept
-            if not kept:  # else the graph's death removes what is kept
-                self._watched.clear()
+            self._hooks.clear()
 
-    def _remove_handles(self) -> None:
-        for handle in self._handles:
+    def close(self) -> None:
+        """Remove every hook and stop tracking; the mode is popped now, or by `pop_closed` once it is on top."""
+        self.closed = True
+        for handle in (*self._hooks, self._optimizer_hook):
             handle.remove()
-        self._handles.clear()
-
-    def close(self) -> bool:
-        """Remove the hooks and stop tracking; whether the tracker's mode is off the stack (else call again)."""
-        self._remove_handles()
+        self._hooks.clear()
         self._watched.clear()
         self._stop()
-        return not self._on
-

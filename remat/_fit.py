@@ -31,7 +31,7 @@ from torch import nn
 from . import _sharded
 from ._engine.compiled import compiling, in_compiled_call
 from ._errors import BudgetError
-from ._first_step import WINDOW, FirstStep, can_track
+from ._first_step import WINDOW, FirstStep, can_track, pop_closed
 from ._fit_check import PlanCheck, check_plan, measure_step
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE, PARTS
@@ -94,7 +94,6 @@ class _Budget:
     compile = grads = told = upfront = False
     check: PlanCheck | None = None
     step: FirstStep | None = None
-    stale: tuple[FirstStep, ...] = ()
     sharded = warned = True  # no warning about `fully_shard` for a plan of unknown origin
     calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
 
@@ -130,7 +129,6 @@ class _Budget:
         self.upfront = upfront  # check every plan before it is kept, never on a training step (the estimator)
         self.check: PlanCheck | None = None  # the plan's check, waiting for training steps: NOTE [ The first step ]
         self.step: FirstStep | None = None  # the training step being tracked for it
-        self.stale: tuple[FirstStep, ...] = ()  # tracked steps whose mode waits to be popped
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
@@ -255,7 +253,7 @@ class _Budget:
 
     def settle(self, model: nn.Module) -> None:
         """At a forward: pop what tracked steps left, and act on a tracked step's peak (NOTE [ The first step ])."""
-        self.stale = tuple(step for step in self.stale if not step.close())
+        pop_closed()
         step, check = self.step, self.check
         if step is None or check is None:
             return
@@ -286,8 +284,8 @@ class _Budget:
     def close(self) -> None:
         """Stop tracking a step (its mode is popped now or at a later forward)."""
         step, self.step = self.step, None
-        if step is not None and not step.close():
-            self.stale = (*self.stale, step)
+        if step is not None:
+            step.close()
 
     def _now_sharded(self, model: nn.Module) -> bool:
         """Whether ``fully_shard`` was applied to the model or a block since the plan (the root and the blocks
@@ -296,7 +294,7 @@ class _Budget:
         return _sharded.is_sharded_any(itertools.chain((model,), names))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "busy": False, "step": None, "stale": ()}
+        return {**self.__dict__, "busy": False, "step": None}
 
 
 # NOTE [ Budgets and FSDP2 ]

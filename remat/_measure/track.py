@@ -97,8 +97,7 @@ class _Mode(Mode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self._tracker._counting:
-            self._tracker._see(func, args, kwargs, out)
+        self._tracker._see(func, args, kwargs, out)
         return out
 
 
@@ -143,7 +142,6 @@ class Tracker:
         self.peak_bytes = 0
         self._mode: _Mode | None = None
         self._done = False
-        self._counting = True
 
     # -- context manager ---------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -343,23 +341,6 @@ class Tracker:
     def _storage_bytes(self, st: torch.UntypedStorage) -> int:
         """The bytes a storage counts for (a subclass may round up to allocator blocks)."""
         return st.nbytes()
-
-    def _pause(self) -> None:
-        """Count nothing more (the numbers stay as they are) while the mode waits to be popped on its own thread."""
-        self._counting = False
-        resize.unwatch(self)
-        with self._lock:
-            self._live.clear()
-
-    def _forget(self, tensor: torch.Tensor) -> None:
-        """Count `tensor`'s storage no more, as if it had been live before the block (a step's new gradients)."""
-        st = _storage(tensor)
-        if st is None:
-            return
-        with self._lock:
-            entry = self._live.pop(st._cdata, None)  # dropping the weak reference drops its callback
-            if entry is not None:
-                self._account(entry[0], -entry[1])
 
     def _release(self, key: int, ref: object = None) -> None:
         with self._lock:
