@@ -58,15 +58,11 @@ def test_a_plan_meets_its_budget_in_a_real_step_or_is_refused_rightly(name: str,
 
 
 def _train_step(work: Workload) -> remat.BudgetPlan:
-    """One plain training step, gradients made anew as after `zero_grad()`; the plan it ran, as measured."""
+    """The plan's first training step (`_train_step_after`); the plan it ran, as measured."""
     plan = remat.plan(work.model).budget
     assert plan is not None and plan.measured is None
-    for p in work.model.parameters():
-        p.grad = None
-    torch.manual_seed(0)
-    torch.autograd.backward(work.step())
-    ran = remat.plan(work.model).budget
-    assert ran is not None and ran.choice == plan.choice and ran.measured is not None
+    ran = _train_step_after(work)
+    assert ran.choice == plan.choice and ran.measured is not None
     return ran
 
 
@@ -109,6 +105,7 @@ def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pyt
 
 
 def _train_step_after(work: Workload) -> remat.BudgetPlan:
+    """One plain training step, gradients made anew as after `zero_grad()`; the model's plan after it."""
     for p in work.model.parameters():
         p.grad = None
     torch.manual_seed(0)
