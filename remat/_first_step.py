@@ -53,7 +53,6 @@ are made outside autograd's accumulation, so a first step could not tell them fr
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -66,7 +65,14 @@ from torch.utils.hooks import RemovableHandle
 
 from ._engine.compiled import in_compiled_call
 from ._measure.step_tracker import StepTracker
-from ._torch_compat import dispatch_modes_on, eager_for_now, graph_task_id, top_dispatch_mode, tree_leaves
+from ._torch_compat import (
+    can_run_eager,
+    dispatch_modes_on,
+    eager_for_now,
+    graph_task_id,
+    top_dispatch_mode,
+    tree_leaves,
+)
 
 __all__ = ["WINDOW", "FirstStep", "can_track", "pop_closed"]
 
@@ -78,9 +84,7 @@ _PUSHED: dict[int, FirstStep] = {}  # the tracked steps whose mode is on a stack
 def can_track() -> bool:
     """Whether a step may be tracked now: every dispatch mode on this thread's stack is a tracked step's (none is
     the user's), and compiled code can be made to run in eager code while it is (NOTE [ The first step ])."""
-    if dispatch_modes_on() > len(_PUSHED) or in_compiled_call():
-        return False
-    return "torch._dynamo" not in sys.modules or hasattr(torch.compiler, "set_stance")
+    return dispatch_modes_on() <= len(_PUSHED) and not in_compiled_call() and can_run_eager()
 
 
 def pop_closed() -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "any_autocast",
+    "can_run_eager",
     "current_accelerator",
     "disable_current_modes",
     "dispatch_modes_on",
@@ -144,6 +145,12 @@ top_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
 disable_current_modes: Callable[[], Any] = _disable_current_modes
 # Present in 2.4 (since 2.0): whether a torch function mode (such as `torch.device(...)` as a context) is on.
 torch_function_mode_on: Callable[[], bool] = _C._is_torch_function_mode_enabled
+
+
+def can_run_eager() -> bool:
+    """Whether `eager_for_now` can keep compiled code from being compiled: dynamo is not in use, or this torch has
+    stances (2.6)."""
+    return "torch._dynamo" not in sys.modules or hasattr(torch.compiler, "set_stance")
 
 
 def eager_for_now() -> Callable[[], None] | None:
