@@ -20,6 +20,7 @@ from remat._measure.costs import ModelCost
 from remat._torch_compat import dispatch_modes_on
 from tests.conftest import randn
 from tests.models import TransformerBlock
+from tests.test_budget import _peak  # one step under a tracker around it, gradients there already
 
 X = randn(4, 32, 16, seed=3)
 
@@ -38,15 +39,6 @@ class Stack(nn.Module):
 def _stack() -> nn.Module:
     torch.manual_seed(0)
     return Stack().double()
-
-
-def _outside_peak(model: nn.Module) -> int:
-    """The peak of one step counted by a tracker around it, gradients there already (the budget's quantity)."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    with remat.track() as t:
-        model(X).sum().backward()
-    return t.peak_bytes
 
 
 def _grads_none_step(model: nn.Module) -> None:
@@ -71,7 +63,7 @@ def test_the_first_step_measures_what_a_tracker_around_it_measures() -> None:
     assert any(plan.choices[c] != "kept" for c in plan.choice)  # remat is on some blocks
     twin = copy.deepcopy(model)  # the same plan, measured from the outside
     _hook(twin).check = None
-    outside = _outside_peak(twin)
+    outside = _peak(twin, X)
     _grads_none_step(model)  # new gradients are made and left out, as the outside step's are
     measured = remat.plan(model).budget.measured  # type: ignore[union-attr]
     assert measured == outside
@@ -151,7 +143,7 @@ def test_a_model_copied_while_a_step_is_tracked_copies_no_tracking() -> None:
     outside = copy.deepcopy(twin)
     _hook(outside).check = None
     _grads_none_step(twin)  # its copied hooks do nothing; its own first step is tracked
-    assert remat.plan(twin).budget.measured == _outside_peak(outside)  # type: ignore[union-attr]
+    assert remat.plan(twin).budget.measured == _peak(outside, X)  # type: ignore[union-attr]
     assert dispatch_modes_on() == 0
 
 
@@ -188,7 +180,7 @@ def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(m
         return dataclasses.replace(cost, blocks=rows)
 
     monkeypatch.setattr(_fit, "profile_blocks", optimistic)
-    none = _outside_peak(_stack())
+    none = _peak(_stack(), X)
     model = remat.apply(_stack(), budget=int(0.25 * none), sample=X)
     with pytest.warns(UserWarning, match="smallest feasible budget") as caught:
         for _ in range(6):
