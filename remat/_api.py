@@ -206,7 +206,9 @@ class Remat:
             optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",
                 "adam" or "adamw" (None: no optimizer step).
             compile: with `budget` or `memory`, plan for a model that `torch.compile` will compile as one graph,
-                whose backward keeps every parameter gradient alive until it returns (not needed block by block).
+                whose backward keeps every parameter gradient alive until it returns (not needed block by block):
+                priced with compiled costs and checked on real steps of `torch.compile(model)` (inductor), which
+                `apply` compiles; a fractional budget is then of the compiled step's peak without remat.
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),

@@ -32,7 +32,8 @@ from . import _sharded
 from ._engine.compiled import compiling, in_compiled_call
 from ._errors import BudgetError
 from ._first_step import WINDOW, FirstStep, can_track, pop_closed
-from ._fit_check import PlanCheck, check_plan, measure_step
+from ._fit_check import PlanCheck, check_measured, check_plan, measure_step
+from ._measure.compiled_step import compiled_peak
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE, PARTS
 from ._measure.loss import default_loss
@@ -154,8 +155,8 @@ class _Budget:
         blocks = [model.get_submodule(name) for name in self.names]
         previous, previous_calls = self.budget_plan, self.calls
 
-        def step() -> torch.Tensor:
-            out = loss(model(*args, **kwargs))
+        def step(run: nn.Module = model) -> torch.Tensor:
+            out = loss(run(*args, **kwargs))
             if not isinstance(out, torch.Tensor) or out.numel() != 1:
                 raise TypeError(
                     f"remat: `loss` must return a scalar tensor, but it returned {type(out).__name__}"
@@ -170,7 +171,8 @@ class _Budget:
                 rerun = self.options["strategy"] == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
                 derived = [c for c, label in enumerate(self.labels) if rerun and label in DERIVABLE]
                 cost: ModelCost = profile_blocks(
-                    model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c), derived
+                    model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c), derived,
+                    compiled=self.compile,
                 )
             eager = cost
             if self.compile:
@@ -194,6 +196,10 @@ class _Budget:
             def measure() -> int:
                 if self.grads:  # from no gradients, eager code keeps each one as a one-graph backward does
                     return max_over_ranks(measure_step(model, step, grads=True))
+                if self.compile:  # NOTE [ Measuring a compiled step ]
+                    peak = compiled_peak(model, step)
+                    if peak is not None:
+                        return max_over_ranks(peak)
                 measured = max_over_ranks(measure_step(model, step))
                 if self.compile:  # an eager step, lifted to one compiled graph: NOTE [ Compiled as one graph ]
                     measured += graph_extra(eager, cost, placed[0])
@@ -202,8 +208,8 @@ class _Budget:
             if fits and not (self.upfront or self.grads or self.compile or _sharded.is_sharded(model)):
                 self.check = PlanCheck(plan)  # on the first training step: NOTE [ The first step ]
             else:
-                with torch.enable_grad():
-                    plan = check_plan(plan, measure, assign)
+                with torch.enable_grad():  # NOTE [ Planned on measured steps ]
+                    plan = (check_measured if self.compile else check_plan)(plan, measure, assign)
         except BaseException:
             self.calls = previous_calls
             for i in range(len(blocks)):  # back to the previous choices, or to none

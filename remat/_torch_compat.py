@@ -17,8 +17,9 @@ present in 2.4; torch imports it itself) and `torch._ops.OpOverload` (an aten ov
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "TorchDispatchMode",
     "any_autocast",
     "can_run_eager",
+    "compiling_allowed",
     "current_accelerator",
     "disable_current_modes",
     "dispatch_modes_on",
@@ -54,6 +56,7 @@ __all__ = [
     "local_tensor",
     "graph_exec_group",
     "graph_task_id",
+    "host_bytes",
     "pop_saved_hooks",
     "push_saved_hooks",
     "set_grad_enabled",
@@ -172,6 +175,52 @@ def eager_for_now() -> Callable[[], None] | None:
             set_stance(prior.stance, skip_guard_eval_unsafe=prior.skip_guard_eval_unsafe, force_backend=prior.backend)
 
     return restore
+
+
+@contextlib.contextmanager
+def compiling_allowed() -> Iterator[None]:
+    """Inside: `torch.compile`d code compiles and runs compiled, under an `eager_for_now` (dynamo's "default"
+    stance, put back as it was after); where this torch has no stances, nothing is kept from compiling anyway."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if "torch._dynamo" not in sys.modules or set_stance is None:
+        yield
+        return
+    with set_stance("default"):
+        yield
+
+
+# The legacy autograd profiler with memory records (`torch._C._autograd._enable_profiler_legacy` and its config
+# types in `torch._C._profiler`, present in 2.4 though `ProfilerConfig`'s arguments have changed) sees every
+# allocation of the CPU allocator, the buffers of inductor's compiled code included, which no dispatch mode
+# (remat's tracker) sees. Kineto's `torch.profiler.profile(profile_memory=True)` sees the same but prints to
+# stderr. Without it, `host_bytes` says None: a compiled step's peak is then estimated from an eager one, and a
+# plan for one compiled graph is priced on eager bytes.
+def host_bytes(fn: Callable[[], object]) -> tuple[int, int] | None:
+    """The peak of bytes held by the CPU allocator while `fn()` runs and what it holds after, both above what it
+    held before; None where this torch cannot record allocations."""
+    try:
+        from torch._C._profiler import ProfilerConfig, ProfilerState, _ExperimentalConfig
+
+        config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
+        enable, disable = _autograd._enable_profiler_legacy, _autograd._disable_profiler_legacy
+        options = _autograd._ProfilerDisableOptions(True, True)
+    except (ImportError, AttributeError, TypeError):
+        return None
+    enable(config)
+    try:
+        fn()
+    finally:
+        records = disable(options)
+    events = sorted((e for thread in records for e in thread if e.kind() == "memory_alloc"), key=_start_us)
+    level = peak = 0
+    for event in events:  # in the order they happened (stable: one thread's events keep theirs)
+        level += event.cpu_memory_usage()
+        peak = max(peak, level)
+    return peak, level
+
+
+def _start_us(event: Any) -> int:
+    return int(event.start_us())
 
 
 def _no_accelerator() -> None:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat._errors import BudgetError
 from remat._fit import _Budget
-from remat._plan.budget import BudgetPlan
+from remat._fit_check import check_measured
+from remat._measure.costs import BlockCost, ModelCost
+from remat._plan.budget import BudgetPlan, solve_budget
 
 
 class Block(nn.Module):
@@ -27,19 +33,115 @@ def _plan(model: nn.Module) -> BudgetPlan:
     return hooks[0].budget_plan
 
 
-def test_compile_plans_with_the_gradients_a_graph_keeps() -> None:
+def _compiled_peak_by_kineto(model: nn.Module, x: torch.Tensor) -> int:
+    """The outside measurement: torch's public profiler (kineto) over one compiled step, after one that compiles."""
+    from torch.profiler import ProfilerActivity, profile
+
+    compiled = torch.compile(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    compiled(x).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        compiled(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    level = peak = 0
+    events = prof.profiler.kineto_results.events()  # every allocation, with its signed bytes
+    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        level += event.nbytes()
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own imports
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's notes while it traces
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_compile_plans_are_checked_on_a_compiled_step() -> None:
+    """The plan's measured peak is that of the real compiled step (inductor), read by kineto; gradients equal eager
+    code without remat; remat was active (the step peaks below the compiled model without remat)."""
     torch.manual_seed(0)
     x = torch.randn(256, 64)
-    eager = remat.apply(nn.Sequential(*[Block() for _ in range(6)]), Block, budget=0.7, sample=x)
-    torch.manual_seed(0)
-    whole = remat.apply(nn.Sequential(*[Block() for _ in range(6)]), Block, budget=0.7, sample=x, compile=True)
+    plain = nn.Sequential(*[Block() for _ in range(6)]).double().float()
+    whole = copy.deepcopy(plain)
+    remat.apply(whole, Block, budget=0.7, sample=x, compile=True)
+    plan = _plan(whole)
     grads = sum(p.numel() * p.element_size() for p in whole.parameters())
-    first, second = _plan(eager), _plan(whole)
-    # the compiled prediction counts the gradients of the blocks after block 0 (five of six blocks' worth)
-    assert second.peak_bytes <= second.budget and second.budget == first.budget
-    assert first.full_remat is not None and second.full_remat is not None
-    assert second.full_remat[0] > first.full_remat[0]  # full remat's floor rises by the gradients
-    assert second.cost.outside_peaks[0] >= grads  # after block 0's backward every gradient is alive
+    assert plan.cost.outside_peaks[0] >= grads  # after block 0's backward every gradient is alive
+    assert plan.measured is not None and plan.measured <= plan.budget
+    assert any(plan.choices[c] != "kept" for c in plan.choice)
+    torch._dynamo.reset()
+    assert plan.measured == _compiled_peak_by_kineto(whole, x)
+    assert plan.measured < _compiled_peak_by_kineto(plain, x)
+    got = torch.autograd.grad(torch.compile(whole)(x).sum(), list(whole.parameters()))
+    expected = torch.autograd.grad(plain(x).sum(), list(plain.parameters()))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own imports
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's notes while it traces
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
+def test_compiled_bytes_shift_what_fused_code_does_not_allocate() -> None:
+    """NOTE [ Compiled bytes ]: compiled code fuses GELU's backward temporaries away, so the backward peak under
+    every choice drops (against the same block in eager code, both read from the CPU allocator)."""
+    from remat._measure.alone import describe
+    from remat._measure.compiled_block import compiled_shifts
+
+    torch._dynamo.reset()
+    block = Block()
+
+    def assign(c: int) -> None:  # 0: kept, 1: full remat
+        remat.undo(block)
+        if c == 1:
+            remat(block)
+
+    shifts = compiled_shifts(block, describe((torch.randn(256, 64, requires_grad=True),), {}), [0, 1], assign)
+    torch._dynamo.reset()
+    assert set(shifts) == {0, 1}
+    assert all(backward < 0 for _, _, backward in shifts.values()), shifts
+
+
+@pytest.mark.parametrize(("both_kept", "expected"), [(18, (0, 0)), (24, (1, 0))])
+def test_a_prediction_over_the_measured_step_is_taken_both_ways(both_kept: int, expected: tuple[int, int]) -> None:
+    """NOTE [ Planned on measured steps ]: where the profile predicts more than compiled steps measure, the faster
+    plan the corrected target allows is measured and kept if it fits; one that measures over is not kept."""
+    kept, full = BlockCost(8, 12, 16, 1.0, 2.0), BlockCost(1, 12, 20, 1.0, 3.0)
+    cost = ModelCost(("0", "1"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 4), 0.5)
+    plan = solve_budget(cost, 22)  # predicted: full then kept 20 (7.5 s); both kept 24 (6.5 s)
+    assert plan.choice == (1, 0)
+    measured = {(1, 0): 16, (0, 0): both_kept}  # full then kept measures 4 under its prediction
+    on = [plan.choice]
+    final = check_measured(plan, lambda: measured[on[-1]], lambda p: on.append(p.choice))
+    assert final.choice == expected and final.measured == measured[expected]
+    assert on[-1] == expected  # what is on the blocks is what was kept
+
+
+def test_nothing_measured_within_the_budget_is_refused_with_the_least() -> None:
+    kept, full = BlockCost(8, 12, 16, 1.0, 2.0), BlockCost(1, 12, 20, 1.0, 3.0)
+    cost = ModelCost(("0", "1"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 4), 0.5)
+    plan = solve_budget(cost, 20)  # every choice measures 30: even full remat of both is over the slack
+    with pytest.raises(BudgetError, match="measured 30 bytes"):
+        check_measured(plan, lambda: 30, lambda p: None)
+
+
+def test_without_allocation_records_compile_plans_on_eager_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch cannot record the CPU allocator's events (`host_bytes` is None), nothing is compiled: the plan
+    is checked on an eager step lifted by the gradients a one-graph backward keeps (NOTE [ Compiled as one graph ])."""
+    import types
+
+    from remat import _torch_compat
+    from remat._measure.compiled_block import compiled_shifts
+    from remat._measure.compiled_step import compiled_peak
+
+    monkeypatch.setattr(_torch_compat, "_autograd", types.SimpleNamespace())
+    assert _torch_compat.host_bytes(lambda: None) is None
+    model = nn.Sequential(*[Block() for _ in range(4)])
+    x = torch.randn(256, 64)
+    assert compiled_peak(model, lambda m: m(x).sum()) is None
+    assert compiled_shifts(model[0], ((), {}), [0], lambda c: None) == {}
+    remat.apply(model, Block, budget=0.6, sample=x, compile=True)
+    plan = _plan(model)
+    assert plan.measured is not None and plan.measured <= plan.budget * 1.05
+    assert any(plan.choices[c] != "kept" for c in plan.choice)
 
 
 def test_compile_must_be_a_bool_and_go_with_a_budget() -> None:

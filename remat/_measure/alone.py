@@ -28,7 +28,7 @@ from torch import nn
 from .._torch_compat import tree_leaves, tree_map
 from .track import synchronize
 
-__all__ = ["describe", "mode_alone", "time_alone"]
+__all__ = ["describe", "make_inputs", "mode_alone", "time_alone"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ def describe(args: Any, kwargs: Any) -> tuple[Any, Any]:
     return tree_map(one, (args, kwargs))  # type: ignore[no-any-return]
 
 
-def _make(spec: tuple[Any, Any]) -> tuple[Any, Any]:
+def make_inputs(spec: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Fresh inputs as `spec` (from `describe`) tells: see this module's docstring."""
     def one(x: Any) -> Any:
         if isinstance(x, _Like):
             return torch.randn(x.shape, dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
@@ -89,7 +90,7 @@ def time_alone(block: nn.Module, spec: tuple[Any, Any], devices: Sequence[torch.
     >>> fwd > 0 and bwd > 0
     True
     """
-    args, kwargs = _make(spec)
+    args, kwargs = make_inputs(spec)
     synchronize(devices)
     start = time.perf_counter()
     out = block(*args, **kwargs)
@@ -118,7 +119,7 @@ def mode_alone(
     >>> mode_alone(nn.Linear(4, 4), describe((torch.ones(2, 4),), {}), [], lambda: SaveOps(save_matmuls)) >= 0
     True
     """
-    args, kwargs = _make(spec)
+    args, kwargs = make_inputs(spec)
 
     def once(under: bool) -> float:
         synchronize(devices)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costs import BlockCost, ModelCost
-from .derive import PARTS, Kept, derive_bytes, derive_times, output_calls, part_calls
+from .derive import PARTS, Kept, compiled_times, derive_bytes, derive_times, output_calls, part_calls
 
 __all__ = ["Round", "combine"]
 
@@ -64,6 +64,7 @@ def combine(
     sample_kind: Any,
     derived: Mapping[int, str],
     per_op: float,
+    compiled: bool = False,
 ) -> ModelCost:
     """The `ModelCost` of rounds `tracked` (bytes) and `timed` (times; the same rounds on CPU).
 
@@ -76,6 +77,7 @@ def combine(
         sample_kind: the kind of that block.
         derived: the choices derived rather than run, index to label.
         per_op: seconds per op of `save_matmuls`' dispatch mode.
+        compiled: price derived choices for one compiled graph (NOTE [ Compiled costs ] in derive.py).
     """
     n = len(names)
     # What a block adds itself under a choice: its own measurement, else the median over its kind; its base.
@@ -142,6 +144,11 @@ def combine(
         for d, label in derived.items():
             kept_time = part_times.get((kind, d), matmul) if label in PARTS else matmul
             if not kept_time:
+                continue
+            if compiled:
+                every = statistics.median(matmul) * scale[0][0]
+                keeps = statistics.median(kept_time) * scale[0][0] if label in PARTS else every
+                seconds[(kind, d)] = compiled_times(label, forward, backward, every, keeps)
                 continue
             seconds[(kind, d)] = derive_times(
                 label, forward, backward, statistics.median(kept_time) * scale[0][0], statistics.median(ops), per_op

@@ -47,6 +47,7 @@ from .._policies import save_matmuls
 from .._torch_compat import tree_leaves
 from .alone import describe, mode_alone, time_alone
 from .combine import Round, combine
+from .compiled_block import Shift, compiled_shifts, shifted
 from .costs import ModelCost
 from .derive import PARTS, Kept, mode_overhead
 from .state import step_state
@@ -289,6 +290,7 @@ def profile_blocks(
     assign: Assign,
     derived: Collection[int] = (),
     closed: Collection[int] = (),
+    compiled: bool = False,
 ) -> ModelCost:
     """Profile `blocks` of `model` under every choice on the training step `step` (NOTE [ Profiling rounds ]).
 
@@ -303,6 +305,7 @@ def profile_blocks(
             with the rerun strategy: NOTE [ Deriving choices ] in derive.py). The parts (`PARTS`, NOTE [ Some
             matmuls ]) can only be derived: where derivations do not hold, they are open to no block.
         closed: choices neither run nor derived: open to no block.
+        compiled: price the derived choices for one compiled graph (NOTE [ Compiled costs ] in derive.py).
 
     Returns:
         The `ModelCost` of every block under every choice.
@@ -334,18 +337,25 @@ def profile_blocks(
             except Exception:  # only a refinement: NOTE [ Timing under the tracker ]
                 alone.clear()
                 break
-        per_op = _per_op(blocks, choices, derived, tracked, samples, assign, devices) if alone else None
+        timing = alone and not compiled  # no dispatch mode runs in compiled code
+        per_op = _per_op(blocks, choices, derived, tracked, samples, assign, devices) if timing else None
+        shifts: dict[int, Shift] = {}
+        if compiled and not again and 0 in samples:  # NOTE [ Compiled bytes ] in compiled_block.py
+            r, sample = samples[0]
+            shifts = compiled_shifts(blocks[sample], tracked[r].specs[sample], [0, *derived, *run[1:]],
+                                     lambda c: assign(sample, c))
     if again:
         parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
-        return profile_blocks(model, names, blocks, choices, step, assign, closed=parts)
+        return profile_blocks(model, names, blocks, choices, step, assign, closed=parts, compiled=compiled)
     sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None
     kinds = [_kind(b) for b in blocks]
     measured = [_round(a, rec, _kept(rec)) for a, rec in zip(rounds, tracked, strict=True)]
     clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
     labels = {c: choices[c] for c in derived}
     if per_op is None:
-        per_op = mode_overhead() if any(label != "full" for label in labels.values()) else 0.0
-    return combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op)
+        per_op = mode_overhead() if not compiled and any(label != "full" for label in labels.values()) else 0.0
+    cost = combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op, compiled)
+    return shifted(cost, kinds, _kind(blocks[samples[0][1]]), shifts) if shifts else cost
 
 
 def _per_op(

@@ -18,10 +18,14 @@ the gradients of parameters outside the blocks are counted as alive throughout (
 by block compilation (`block.compile()`) needs none of this: each block's backward graph returns only its own
 gradients, as in eager code, so it is planned on eager costs either way (with `compile=True` the plan is then
 safe but keeps less than it could).
-The plan is checked on a real step as every budget plan is (NOTE [ Checking the plan ] in remat/_fit_check.py),
-but that step runs in eager code; so its tracked peak is lifted by what the gradients add to this plan's
-prediction (`graph_extra`) before it is compared with the budget. Where even full remat does not fit that way
-(six such blocks at a budget of 0.4: 62 MiB measured compiled, against 52), `BudgetError` says so.
+The profile itself is an eager one, so with `compile=True` it is also shifted by what compiling saves in the bytes
+of the sample block (NOTE [ Compiled bytes ] in remat/_measure/compiled_block.py) and its derived choices are
+priced as compiled code runs them (NOTE [ Compiled costs ] in remat/_measure/derive.py). The plan is checked on
+real compiled steps (NOTE [ Measuring a compiled step ] in remat/_measure/compiled_step.py), the prediction's miss
+taken both ways (NOTE [ Planned on measured steps ] in remat/_fit_check.py). Where this torch cannot measure a
+compiled step, the check runs in eager code and its tracked peak is lifted by what the gradients add to the
+plan's prediction (`graph_extra`); that overstates compiled code (full remat of six such blocks measured 70 MiB
+that way, 62 compiled). Where even full remat does not fit, `BudgetError` says so.
 A plan made without `compile=True` that dynamo then traces from the model's root (the budget's forward pre-hook
 runs inside the compiled frame: the model is compiled as one graph) is warned about once, when dynamo traces it
 (`warn_one_graph`, through `when_traced`: a warning in traced code would break the graph). Measured with the
