@@ -229,10 +229,10 @@ def derive_times(
 # selective policy, and the compiler fuses the pointwise ops of a block into the kernels around them: what a
 # recompute repeats at a cost is its matmul-class calls; no dispatch mode runs. So there a derived choice's
 # backward is kept's plus the seconds of the matmul-class calls it does not keep (all of them under full remat,
-# none under `save_matmuls`). Measured on six MLP blocks compiled as one graph (inductor, CPU, one thread, median
-# of five steps): every block kept 1087 ms, under `save_matmuls` 1068 ms, under full remat 1390 ms; eager costs
-# priced `save_matmuls` at 10 ms a block over kept, and the planner took full remat of a block for cheaper than
-# it is. Choices run rather than derived keep their eager times.
+# none under `save_matmuls`). Measured on six MLP blocks compiled as one graph (inductor, CPU, one thread, the
+# fastest of five steps in one process): every block kept 970 ms, under `save_matmuls` 938 ms, under full remat
+# 1364 ms; eager costs priced `save_matmuls` at 10 ms a block over kept. Choices run rather than derived keep
+# their eager times.
 
 
 def compiled_times(choice: str, forward: float, backward: float, every: float, kept: float) -> tuple[float, float]:

@@ -1,13 +1,14 @@
 """remat inside `torch.compile`: what each way of marking blocks holds, beside torch's own (inductor, CPU).
 
-    python -m remat.bench.compile_sites [--batch 1024] [--blocks 6] [--repeats 2] [--fractions 0.3,0.5,0.8]
+    python -m remat.bench.compile_sites [--batch 1024] [--blocks 6] [--repeats 5] [--fractions 0.3,0.5,0.8]
 
 A stack of MLP blocks (Linear(512->2048), GELU, Linear(2048->512), GELU) is marked one way per row, each block is
 compiled with inductor (`block.compile()`, one graph reused by the identical blocks; `--whole`: the stack as
 one graph, which blocks with different choices need), and after two warm-up
 steps one step is measured: the bytes held after the compiled forward (the rise of the process's resident memory
 from before forward to after it) and the step's peak (the rise of its high-water mark), with
-`MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back to the system; then the median step time. Every
+`MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back to the system; then the fastest of `--repeats`
+steps (the least disturbed by a shared machine: the same plan's median moved by 10% between processes). Every
 row runs in a fresh Python process. Rows: no checkpointing; torch's checkpoint per block and torch's selective
 checkpoint with a matmul policy; each remat site kind; `remat.apply(model, budget=f, sample=...)` (planned on
 eager costs, and with `compile=True`) and `torch._functorch.config.activation_memory_budget = f` at the same
@@ -33,7 +34,7 @@ KINDS = (
 )
 
 SCRIPT = r"""
-import functools, json, statistics, sys, time
+import functools, json, sys, time
 try:
     import torch
     import torch.nn.functional as F
@@ -121,7 +122,7 @@ try:
         t = time.perf_counter()
         stack(x).sum().backward()
         times.append(time.perf_counter() - t)
-    print(json.dumps({"held": held, "peak": peak, "step": statistics.median(times), "grads": same,
+    print(json.dumps({"held": held, "peak": peak, "step": min(times), "grads": same,
                       "compile_seconds": compile_seconds}))
 except Exception as e:
     print(json.dumps({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"}))
@@ -154,7 +155,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m remat.bench.compile_sites", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fractions", default="0.3,0.5,0.8")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated rows of the site table")
