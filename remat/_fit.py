@@ -32,12 +32,12 @@ from . import _sharded
 from ._engine.compiled import compiling, in_compiled_call
 from ._errors import BudgetError
 from ._first_step import WINDOW, FirstStep, can_track, pop_closed
-from ._fit_check import PlanCheck, check_measured, check_plan, measure_step
-from ._measure.compiled_step import compiled_peak
+from ._fit_check import PlanCheck, check_measured, check_plan
 from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE, PARTS
 from ._measure.loss import default_loss
 from ._measure.profile import profile_blocks
+from ._measure.step_peak import compiled_peak, measure_step
 from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, least_plan, solve_budget
 from ._plan.ranks import from_rank_zero, max_over_ranks

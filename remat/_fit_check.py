@@ -27,13 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import torch
-from torch import nn
-
-from ._engine.rng import RngStash, devices_of
 from ._errors import BudgetError
-from ._measure.state import step_state
-from ._measure.track import Tracker
 from ._plan.blocks_dp import evaluate_blocks
 from ._plan.budget import BudgetPlan, least_plan, solve_budget
 from ._plan.units import format_bytes
@@ -42,21 +36,6 @@ __all__ = ["CHECKS", "SLACK", "PlanCheck", "check_plan", "check_measured"]
 
 CHECKS = 3
 SLACK = 1.05
-
-
-def measure_step(model: nn.Module, step: Callable[[], torch.Tensor], *, grads: bool = False) -> int:
-    """The tracked peak of one training step (forward and backward), the model left as it was found. With
-    ``grads``, the step starts without gradients (as after ``zero_grad()``), so backward's new gradients count."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    with step_state(model), RngStash.capture(devices_of(params, module=model)).restore():
-        if grads:
-            for p in params:
-                p.grad = None
-        with Tracker() as tracker:
-            loss = step()
-            torch.autograd.backward(loss)
-            del loss
-    return tracker.peak_bytes
 
 
 def _corrected(plan: BudgetPlan, measured: int, *, both: bool = False) -> BudgetPlan | None:
@@ -159,7 +138,7 @@ def check_plan(
 
 # NOTE [ Planned on measured steps ]
 # A plan for one compiled graph is checked on real compiled steps (NOTE [ Measuring a compiled step ] in
-# remat/_measure/compiled_step.py), while its profile is an eager one: eager code's backward allocates what
+# remat/_measure/step_peak.py), while its profile is an eager one: eager code's backward allocates what
 # compiled code fuses away, so the profile predicts more than compiled code holds (on six MLP blocks, 70 MiB for
 # full remat that measured 62, and 90 for `save_matmuls` that measured 76), and a plan solved on it keeps less
 # than the budget allows. So there the model's miss is taken both ways: each measured step moves the target by

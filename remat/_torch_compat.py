@@ -43,6 +43,7 @@ __all__ = [
     "OpOverload",
     "TorchDispatchMode",
     "any_autocast",
+    "can_record_host",
     "can_run_eager",
     "compiling_allowed",
     "current_accelerator",
@@ -195,9 +196,8 @@ def compiling_allowed() -> Iterator[None]:
 # (remat's tracker) sees. Kineto's `torch.profiler.profile(profile_memory=True)` sees the same but prints to
 # stderr. Without it, `host_bytes` says None: a compiled step's peak is then estimated from an eager one, and a
 # plan for one compiled graph is priced on eager bytes.
-def host_bytes(fn: Callable[[], object]) -> tuple[int, int] | None:
-    """The peak of bytes held by the CPU allocator while `fn()` runs and what it holds after, both above what it
-    held before; None where this torch cannot record allocations."""
+def _host_recorder() -> tuple[Callable[[], None], Callable[[], Any]] | None:
+    """Start and stop of the legacy profiler with memory records, or None where this torch lacks them."""
     try:
         from torch._C._profiler import ProfilerConfig, ProfilerState, _ExperimentalConfig
 
@@ -206,11 +206,26 @@ def host_bytes(fn: Callable[[], object]) -> tuple[int, int] | None:
         options = _autograd._ProfilerDisableOptions(True, True)
     except (ImportError, AttributeError, TypeError):
         return None
-    enable(config)
+    return lambda: enable(config), lambda: disable(options)
+
+
+def can_record_host() -> bool:
+    """Whether `host_bytes` can read the CPU allocator on this torch."""
+    return _host_recorder() is not None
+
+
+def host_bytes(fn: Callable[[], object]) -> tuple[int, int] | None:
+    """The peak of bytes held by the CPU allocator while `fn()` runs and what it holds after, both above what it
+    held before; None where this torch cannot record allocations."""
+    recorder = _host_recorder()
+    if recorder is None:
+        return None
+    start, stop = recorder
+    start()
     try:
         fn()
     finally:
-        records = disable(options)
+        records = stop()
     events = sorted((e for thread in records for e in thread if e.kind() == "memory_alloc"), key=_start_us)
     level = peak = 0
     for event in events:  # in the order they happened (stable: one thread's events keep theirs)

@@ -130,7 +130,7 @@ def test_without_allocation_records_compile_plans_on_eager_steps(monkeypatch: py
 
     from remat import _torch_compat
     from remat._measure.compiled_block import compiled_shifts
-    from remat._measure.compiled_step import compiled_peak
+    from remat._measure.step_peak import compiled_peak
 
     monkeypatch.setattr(_torch_compat, "_autograd", types.SimpleNamespace())
     assert _torch_compat.host_bytes(lambda: None) is None

@@ -2,7 +2,8 @@
 
 See NOTE [ Timing under the tracker ] in windows.py for why: the tracked step's clock, with the tracker's own
 time taken out, still runs a little slow (by 5-20% on CPU, most in backward), and one untracked run of a block
-per choice that was run (derived choices take kept's) tells by how much.
+per choice that was run (derived choices take kept's) tells by how much. A block alone also shows what compiling
+it changes in its bytes (`bytes_alone`: NOTE [ Compiled bytes ] in compiled_block.py).
 
 The block's inputs are not kept from the step (holding them would change what the tracker measures): only
 their description is (`describe`), and `time_alone` makes fresh ones: random values of the same shape, dtype
@@ -25,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch_compat import tree_leaves, tree_map
+from .._torch_compat import host_bytes, tree_leaves, tree_map
 from .track import synchronize
 
-__all__ = ["describe", "make_inputs", "mode_alone", "time_alone"]
+__all__ = ["bytes_alone", "describe", "mode_alone", "time_alone"]
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,7 @@ def describe(args: Any, kwargs: Any) -> tuple[Any, Any]:
     return tree_map(one, (args, kwargs))  # type: ignore[no-any-return]
 
 
-def make_inputs(spec: tuple[Any, Any]) -> tuple[Any, Any]:
-    """Fresh inputs as `spec` (from `describe`) tells: see this module's docstring."""
+def _make(spec: tuple[Any, Any]) -> tuple[Any, Any]:
     def one(x: Any) -> Any:
         if isinstance(x, _Like):
             return torch.randn(x.shape, dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
@@ -83,6 +83,13 @@ def make_inputs(spec: tuple[Any, Any]) -> tuple[Any, Any]:
     return tree_map(one, spec, is_leaf=lambda x: isinstance(x, (_Like, _Weak)))  # type: ignore[no-any-return]
 
 
+def _sums(out: Any) -> list[torch.Tensor]:
+    """What backward starts from: the sum of each output that requires grad. Sums rather than explicit gradients:
+    torch.autograd.backward checks explicit ones with a module whose first import (sympy) takes about a second.
+    The gradient of a sum is ones."""
+    return [t.sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def time_alone(block: nn.Module, spec: tuple[Any, Any], devices: Sequence[torch.device]) -> tuple[float, float]:
     """Seconds of `block`'s forward and of its backward (ones as output gradients), run once on fresh inputs.
 
@@ -90,21 +97,33 @@ def time_alone(block: nn.Module, spec: tuple[Any, Any], devices: Sequence[torch.
     >>> fwd > 0 and bwd > 0
     True
     """
-    args, kwargs = make_inputs(spec)
+    args, kwargs = _make(spec)
     synchronize(devices)
     start = time.perf_counter()
     out = block(*args, **kwargs)
     synchronize(devices)
     forward = time.perf_counter() - start
-    # Sums rather than explicit gradients: torch.autograd.backward checks explicit ones with a module whose first
-    # import (sympy) takes about a second. The gradient of a sum is ones, as the docstring says.
-    sums = [t.sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    sums = _sums(out)
     synchronize(devices)
     start = time.perf_counter()
     if sums:
         torch.autograd.backward(sums)
     synchronize(devices)
     return forward, time.perf_counter() - start
+
+
+def bytes_alone(run: Callable[..., Any], spec: tuple[Any, Any]) -> tuple[int, int, int] | None:
+    """Bytes held after forward, forward peak and backward peak (ones as output gradients) of one call of `run` on
+    fresh inputs, above what was live before it, read from the CPU allocator (`host_bytes`: compiled code's
+    buffers included); None where this torch cannot record allocations."""
+    args, kwargs = _make(spec)
+    out: list[Any] = []
+    forward = host_bytes(lambda: out.append(run(*args, **kwargs)))
+    sums = _sums(out)
+    backward = host_bytes(lambda: torch.autograd.backward(sums) if sums else None)
+    if forward is None or backward is None:
+        return None
+    return forward[1], forward[0], forward[1] + backward[0]
 
 
 def mode_alone(
@@ -119,7 +138,7 @@ def mode_alone(
     >>> mode_alone(nn.Linear(4, 4), describe((torch.ones(2, 4),), {}), [], lambda: SaveOps(save_matmuls)) >= 0
     True
     """
-    args, kwargs = make_inputs(spec)
+    args, kwargs = _make(spec)
 
     def once(under: bool) -> float:
         synchronize(devices)

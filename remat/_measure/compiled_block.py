@@ -8,7 +8,7 @@ On six MLP blocks compiled as one graph, eager costs predicted 90 MiB for every 
 which measured 76 (NOTE [ Planned on measured steps ] in remat/_fit_check.py). So with `compile=True` the
 profile's sample block (one of the most common kind) runs alone under each choice twice, in eager code and
 compiled by `torch.compile` (inductor), on fresh inputs shaped like those of the profiled step, and the CPU
-allocator's records of both (`host_bytes`) give, per choice, what compiling adds to the bytes it holds after
+allocator's records of both (`bytes_alone`) give, per choice, what compiling adds to the bytes it holds after
 forward, to its forward peak and to its backward peak (negative where it saves). Every block of that kind has
 its profiled numbers shifted by them, never below zero; blocks of other kinds keep theirs. On an accelerator, or
 where this torch cannot record allocations, nothing is shifted: the plan's compiled check (NOTE [ Measuring a
@@ -24,29 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch_compat import compiling_allowed, host_bytes, tree_leaves
-from .alone import make_inputs
+from .._torch_compat import can_record_host, compiling_allowed
+from .alone import bytes_alone
 from .costs import BlockCost, ModelCost
 
 __all__ = ["Shift", "compiled_shifts", "shifted"]
 
 Shift = tuple[int, int, int]  # bytes compiling adds to a block's held bytes, forward peak and backward peak
-
-
-def _bytes_alone(run: Callable[..., Any], spec: tuple[Any, Any]) -> Shift | None:
-    """Held bytes after forward, forward peak and backward peak (ones as output gradients) of one call of `run`
-    on fresh inputs, above what was live before it; None where allocations cannot be recorded."""
-    args, kwargs = make_inputs(spec)
-    out: list[Any] = []
-    forward = host_bytes(lambda: out.append(run(*args, **kwargs)))
-    if forward is None:
-        return None
-    sums = [t.sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    backward = host_bytes(lambda: torch.autograd.backward(sums) if sums else None)
-    if backward is None:
-        return None
-    held = forward[1]
-    return held, forward[0], held + backward[0]
 
 
 def compiled_shifts(
@@ -58,17 +42,17 @@ def compiled_shifts(
         spec: its inputs in the profiled step (`describe`).
         choices: the choices to measure (each is put on `block` with `assign`; kept is put back after).
     """
-    if any(p.device.type != "cpu" for p in block.parameters()) or host_bytes(lambda: None) is None:
+    if any(p.device.type != "cpu" for p in block.parameters()) or not can_record_host():
         return {}
     compiled = torch.compile(block)
     shifts: dict[int, Shift] = {}
     try:
         for c in choices:
             assign(c)
-            eager = _bytes_alone(block, spec)
+            eager = bytes_alone(block, spec)
             with compiling_allowed():
-                _bytes_alone(compiled, spec)  # compiles: what the compiler allocates is not the block's
-                fused = _bytes_alone(compiled, spec)
+                bytes_alone(compiled, spec)  # compiles: what the compiler allocates is not the block's
+                fused = bytes_alone(compiled, spec)
             if eager is None or fused is None:
                 return {}
             shifts[c] = (fused[0] - eager[0], fused[1] - eager[1], fused[2] - eager[2])

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._engine.rng import RngStash, devices_of
+from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
 from .._policies import save_matmuls
 from .._torch_compat import tree_leaves
@@ -319,7 +319,7 @@ def profile_blocks(
     apart = any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
     samples = {} if apart else _samples(blocks, rounds, len(run))
     alone: dict[int, tuple[float, float]] = {}
-    with step_state(model), RngStash.capture(devices).restore():  # gradients are outside the budget
+    with step_state(model):  # gradients are outside the budget; RNG streams put back
         tracked: list[_Recorder] = []
         timed: list[_Recorder] = []
         for assignment in rounds:

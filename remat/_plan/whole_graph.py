@@ -21,7 +21,7 @@ safe but keeps less than it could).
 The profile itself is an eager one, so with `compile=True` it is also shifted by what compiling saves in the bytes
 of the sample block (NOTE [ Compiled bytes ] in remat/_measure/compiled_block.py) and its derived choices are
 priced as compiled code runs them (NOTE [ Compiled costs ] in remat/_measure/derive.py). The plan is checked on
-real compiled steps (NOTE [ Measuring a compiled step ] in remat/_measure/compiled_step.py), the prediction's miss
+real compiled steps (NOTE [ Measuring a compiled step ] in remat/_measure/step_peak.py), the prediction's miss
 taken both ways (NOTE [ Planned on measured steps ] in remat/_fit_check.py). Where this torch cannot measure a
 compiled step, the check runs in eager code and its tracked peak is lifted by what the gradients add to the
 plan's prediction (`graph_extra`); that overstates compiled code (full remat of six such blocks measured 70 MiB

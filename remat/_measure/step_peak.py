@@ -1,4 +1,4 @@
-"""The peak of one training step of a model compiled as one graph, measured where it runs.
+"""The peak of one training step: tracked in eager code, or read from the allocator where the model is compiled.
 
 NOTE [ Measuring a compiled step ]
 remat's tracker counts bytes through a dispatch mode, and compiled code allocates its buffers where no mode sees
@@ -22,11 +22,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._engine.rng import RngStash, devices_of
-from .._torch_compat import compiling_allowed, host_bytes
+from .._engine.rng import devices_of
+from .._torch_compat import can_record_host, compiling_allowed, host_bytes
 from .state import step_state
+from .track import Tracker
 
-__all__ = ["compiled_peak"]
+__all__ = ["compiled_peak", "measure_step"]
+
+
+def measure_step(model: nn.Module, step: Callable[[], torch.Tensor], *, grads: bool = False) -> int:
+    """The tracked peak of one training step (forward and backward), the model left as it was found. With
+    ``grads``, the step starts without gradients (as after ``zero_grad()``), so backward's new gradients count."""
+    with step_state(model):
+        if grads:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = None
+        with Tracker() as tracker:
+            loss = step()
+            torch.autograd.backward(loss)
+            del loss
+    return tracker.peak_bytes
 
 
 def compiled_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -> int | None:
@@ -36,8 +52,7 @@ def compiled_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -
     Args:
         step: runs the forward of the module it is given (the compiled model) and returns the scalar loss.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    devices = devices_of(params, module=model)
+    devices = devices_of([p for p in model.parameters() if p.requires_grad], module=model)
     compiled: Any = torch.compile(model)  # an nn.Module (dynamo's OptimizedModule)
 
     def run() -> None:
@@ -45,9 +60,9 @@ def compiled_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -
         torch.autograd.backward(loss)
 
     accelerators = [d for d in devices if d.type != "cpu"]
-    if not accelerators and host_bytes(lambda: None) is None:
+    if not accelerators and not can_record_host():
         return None  # nothing to read it with: compile nothing
-    with step_state(model), RngStash.capture(devices).restore(), compiling_allowed():
+    with step_state(model), compiling_allowed():
         run()  # compiles: what the compiler allocates is not the step's
         if not accelerators:
             found = host_bytes(run)
