@@ -205,10 +205,8 @@ class Remat:
                 (the plan's checked step starts without gradients, so both count).
             optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",
                 "adam" or "adamw" (None: no optimizer step).
-            compile: with `budget` or `memory`, plan for a model that `torch.compile` will compile as one graph,
-                whose backward keeps every parameter gradient alive until it returns (not needed block by block):
-                priced with compiled costs and checked on real steps of `torch.compile(model)` (inductor), which
-                `apply` compiles; a fractional budget is then of the compiled step's peak without remat.
+            compile: with `budget` or `memory`, plan for the model compiled as one graph (not block by block):
+                compiled costs, checked on compiled steps `apply` runs; a fraction is of compiled no-remat's peak.
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -37,6 +37,7 @@ from ._measure.costs import ModelCost
 from ._measure.derive import DERIVABLE, PARTS
 from ._measure.loss import default_loss
 from ._measure.profile import profile_blocks
+from ._measure.sample import as_call, detached, signature
 from ._measure.step_peak import compiled_peak, measure_step
 from ._options import Options, Strategy
 from ._plan.budget import BudgetPlan, least_plan, solve_budget
@@ -45,7 +46,7 @@ from ._plan.units import Budget, parse_budget
 from ._plan.whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph_gradients
 from ._policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
 from ._targets import _remove_hooks, _select, wrap_module
-from ._torch_compat import eager_for_now, tree_leaves, tree_map, when_traced
+from ._torch_compat import eager_for_now, when_traced
 
 __all__ = ["apply_budget"]
 
@@ -54,30 +55,6 @@ _Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Modul
 Loss = Callable[[Any], torch.Tensor]
 _KEPT = "kept"
 _log = logging.getLogger("remat")
-
-
-def _as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(sample, Mapping):
-        return (), dict(sample)
-    if isinstance(sample, tuple):
-        return sample, {}
-    return (sample,), {}
-
-
-def _detached(value: Any) -> Any:
-    def one(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
-        return t
-
-    return tree_map(one, value)
-
-
-def _signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
-    return tuple(
-        (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
-        for t in tree_leaves((args, kwargs))
-    )
 
 
 def _label(policy: PolicyLike, taken: set[str]) -> str:
@@ -150,7 +127,7 @@ class _Budget:
 
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BudgetPlan:
         """Profile one step on these inputs, solve, and put the chosen options on the blocks."""
-        args, kwargs = _detached(args), _detached(kwargs)
+        args, kwargs = detached(args), detached(kwargs)
         loss = self.loss or default_loss
         blocks = [model.get_submodule(name) for name in self.names]
         previous, previous_calls = self.budget_plan, self.calls
@@ -223,7 +200,7 @@ class _Budget:
             if restore is not None:
                 restore()
         self.budget_plan = plan
-        self.signature = _signature(args, kwargs)
+        self.signature = signature(args, kwargs)
         self.sharded = _sharded.is_sharded(model)
         return plan
 
@@ -240,7 +217,7 @@ class _Budget:
         self.settle(model)
         if not model.training or not torch.is_grad_enabled():
             return
-        if self.replan and _signature(args, kwargs) != self.signature:
+        if self.replan and signature(args, kwargs) != self.signature:
             if not self.told:
                 self.told = True
                 _log.warning(
@@ -395,7 +372,7 @@ def apply_budget(
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
     hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads, upfront)
-    args, kwargs = _as_call(sample)
+    args, kwargs = as_call(sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     return model

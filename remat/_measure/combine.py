@@ -21,7 +21,7 @@ __all__ = ["Round", "combine"]
 
 @dataclass(frozen=True)
 class Round:
-    """What one profiled step measured (see `_Recorder` in profile.py).
+    """What one profiled step measured (see `Recorder` in marks.py).
 
     Args:
         assignment: the choice each block ran under.

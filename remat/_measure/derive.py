@@ -39,7 +39,7 @@ All of this rests on NOTE [ Budget model ]'s premise that a block holds what its
 own backward. Where that fails, blocks' numbers depend on the choices around them: on a tiny Llama (Hugging
 Face), a tenth of the bytes the decoder layers' forwards left alive died before the first backward started,
 and the derived plans' peaks came out up to 14% low. So the profiled step checks it when backward starts
-(profile.py, `_early_deaths`), and where more than 5% died early, the derivable choices are run instead
+(marks.py, `_early_deaths`), and where more than 5% died early, the derivable choices are run instead
 (NOTE [ Profiling rounds ]): one more tracked step or more, and measured numbers.
 Forward peaks are a bound (full remat) or an estimate (`save_matmuls`), the rest a model: tests/
 test_budget_derive.py checks derived against measured costs on small models, and the benchmark prints

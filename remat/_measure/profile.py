@@ -31,9 +31,6 @@ Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNo
 
 from __future__ import annotations
 
-import contextlib
-import time
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -44,217 +41,17 @@ from torch import nn
 from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
 from .._policies import save_matmuls
-from .._torch_compat import tree_leaves
-from .alone import describe, mode_alone, time_alone
+from .alone import mode_alone, time_alone
 from .combine import Round, combine
 from .compiled_block import Shift, compiled_shifts, shifted
 from .costs import ModelCost
 from .derive import PARTS, Kept, mode_overhead
+from .marks import Recorder, Step, marked_step
 from .state import step_state
-from .track import _storage, synchronize
-from .windows import Detail, Windows, per_op_overhead
 
 __all__ = ["profile_blocks"]
 
-Step = Callable[[], torch.Tensor]  # runs the forward and returns the scalar loss
 Assign = Callable[[int, int], None]  # put block i under choice c
-
-
-class _Recorder:
-    """The marks of one step: forward/backward start and end of each block (see NOTE [ Profiling rounds ])."""
-
-    def __init__(self, n: int, tracker: Windows | None, timing: bool, devices: tuple[torch.device, ...]) -> None:
-        self.n = n
-        self.tracker = tracker
-        self.timing = timing
-        self.devices = devices
-        self.owner: tuple[str, int] = ("out", 0)  # the window open now
-        self.held_sum = 0  # bytes held by the blocks whose forward ended and backward has not
-        self.held = [0] * n
-        self.start_level = [0] * n
-        self.base = [0] * n  # bytes live at block i's forward start beyond what blocks 0..i-1 hold
-        self.peaks: dict[tuple[str, int], int] = {}
-        self.times: dict[tuple[str, int], float] = defaultdict(float)
-        self.clock = time.perf_counter()
-        self.grad_events: dict[int, tuple[weakref.ref[torch.Tensor], list[tuple[int, int]]]] = {}
-        self.describe: set[int] = set()  # blocks whose inputs to describe (see alone.py)
-        self.specs: dict[int, tuple[Any, Any]] = {}
-        self.detailed: set[int] = set()  # blocks to record in detail (NOTE [ Deriving choices ] in derive.py)
-        # their forward, and its outputs' storages (weakly: NOTE [ Deriving choices ] in derive.py)
-        self.details: dict[int, tuple[Detail, list[tuple[int, weakref.ref[torch.Tensor]]]]] = {}
-        self.at_backward: dict[int, tuple[int, int, frozenset[int]]] = {}  # live, own live, outputs live
-        self.early: tuple[int, int] | None = None  # at the first backward: bytes the others held, and lost since
-
-    def _switch(self, owner: tuple[str, int]) -> int:
-        if self.timing:
-            synchronize(self.devices)
-            now = time.perf_counter()
-            overhead = self.tracker.take_overhead() if self.tracker is not None else 0.0
-            self.times[self.owner] += max(0.0, now - self.clock - overhead)
-        level = 0
-        if self.tracker is not None:
-            peak = self.tracker.mark()
-            level = self.tracker.current_bytes
-            kind, k = self.owner
-            base = self.held_sum if kind == "out" else self.held_sum - self.held[k]  # S_k: NOTE [ Budget model ]
-            self.peaks[self.owner] = max(self.peaks.get(self.owner, 0), peak - base)
-        self.owner = owner
-        if self.timing:
-            self.clock = time.perf_counter()  # what the recorder does between windows counts in none
-        return level
-
-    def forward_start(self, i: int) -> None:
-        self.start_level[i] = self._switch(("fwd", i))
-        self.base[i] = self.start_level[i] - self.held_sum
-        if self.tracker is not None and i in self.detailed:
-            self.tracker.detail = Detail()
-
-    def forward_end(self, i: int, output: Any) -> None:
-        tracker = self.tracker
-        if tracker is not None:
-            detail = tracker.close()
-            self.held[i] = max(0, tracker.current_bytes - self.start_level[i])
-            self.held_sum += self.held[i]
-            if detail is not None:
-                outputs = [(detail.live[k], ref) for k, ref in _storage_keys(output) if k in detail.live]
-                self.details[i] = (detail, outputs)
-        self._switch(("out", i + 1))
-
-    def backward_start(self, i: int) -> None:
-        if self.owner[0] == "bwd" and self.owner[1] > i:  # a block after i never marked its end
-            self.backward_end(self.owner[1])
-        level = self._switch(("bwd", i))
-        if self.tracker is not None and self.early is None and self.details:
-            self.early = _early_deaths(self.tracker, [d for j, (d, _) in self.details.items() if j != i])
-        if self.tracker is not None and i in self.details:
-            detail, out = self.details[i]
-            live = frozenset(self.tracker.still_live(detail, [n for n, ref in out if ref() is not None]))
-            alive = sum(detail.born[n] for n in self.tracker.still_live(detail, detail.refs))
-            self.at_backward[i] = (level - (self.held_sum - self.held[i]), alive, live)
-            if self.timing:
-                self.clock = time.perf_counter()
-
-    def backward_end(self, i: int) -> None:
-        if self.owner != ("bwd", i):
-            return
-        self._switch(("out", i))
-        self.held_sum -= self.held[i]
-
-    def on_grad(self, tensor: torch.Tensor, event: int, i: int) -> None:
-        """Call backward_end(i) (event 0) or backward_start(i) (event 1) when `tensor`'s gradient is ready.
-
-        Tensors are held weakly: a strong reference would keep every block's output alive to the end of the step.
-        """
-        entry = self.grad_events.get(id(tensor))
-        if entry is None or entry[0]() is not tensor:
-            events: list[tuple[int, int]] = []
-            entry = (weakref.ref(tensor), events)
-            self.grad_events[id(tensor)] = entry
-
-            def hook(grad: torch.Tensor) -> None:
-                for kind, block in sorted(events):  # ends before starts: the same tensor ends i and starts i-1
-                    (self.backward_end if kind == 0 else self.backward_start)(block)
-
-            tensor.register_hook(hook)  # type: ignore[no-untyped-call]
-        entry[1].append((event, i))
-
-    def finish(self) -> None:
-        if self.owner[0] == "bwd":
-            self.backward_end(self.owner[1])
-        self._switch(("out", 0))
-        self.grad_events.clear()
-
-
-def _early_deaths(tracker: Windows, details: list[Detail]) -> tuple[int, int]:
-    """Bytes these blocks' forwards left alive, and how many of them died before the first backward started.
-
-    NOTE [ Budget model ] has a block hold what its forward left alive until its own backward; where the
-    blocks' storages die sooner (something outside or a later block frees them), the bytes measured above
-    S_i depend on the choices around the block, and NOTE [ Deriving choices ] cannot hold.
-    """
-    held = lost = 0
-    for detail in details:
-        numbers = list(detail.refs)
-        alive = set(tracker.still_live(detail, numbers))
-        for number in numbers:
-            held += detail.born[number]
-            if number not in alive:
-                lost += detail.born[number]
-    return held, lost
-
-
-def _storage_keys(value: Any) -> list[tuple[int, weakref.ref[torch.Tensor]]]:
-    """The storage key of every tensor in `value` that has a storage, with a weak reference to the tensor."""
-    out = []
-    for t in tree_leaves(value):
-        storage = _storage(t) if isinstance(t, torch.Tensor) else None
-        if storage is not None:
-            out.append((storage._cdata, weakref.ref(t)))
-    return out
-
-
-def _first_grad_tensor(value: Any) -> torch.Tensor | None:
-    for leaf in tree_leaves(value):
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            return leaf
-    return None
-
-
-def _hooks(blocks: Sequence[nn.Module], recorder: _Recorder) -> list[Any]:
-    handles: list[Any] = []
-    for i, block in enumerate(blocks):
-
-        def pre(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
-            if i in recorder.describe:
-                recorder.specs[i] = describe(args, kwargs)
-            recorder.forward_start(i)
-            first = _first_grad_tensor((args, kwargs))
-            if first is not None and torch.is_grad_enabled():
-                recorder.on_grad(first, 0, i)
-
-        def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None, i: int = i) -> None:
-            recorder.forward_end(i, output)
-            first = _first_grad_tensor(output)
-            if first is not None:
-                recorder.on_grad(first, 1, i)
-
-        handles.append(block.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
-        handles.append(block.register_forward_hook(post, with_kwargs=True, always_call=True))
-    return handles
-
-
-def _run(
-    step: Step,
-    blocks: Sequence[nn.Module],
-    tracked: bool,
-    timing: bool,
-    devices: tuple[torch.device, ...],
-    describe: Collection[int] = (),
-    detailed: Collection[int] = (),
-) -> _Recorder:
-    """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ])."""
-    with contextlib.ExitStack() as stack:
-        tracker: Windows | None = None
-        if tracked:
-            tracker = Windows()
-            stack.enter_context(tracker)
-            tracker.per_op = per_op_overhead() if timing else 0.0
-        recorder = _Recorder(len(blocks), tracker, timing, devices)
-        recorder.describe = set(describe)
-        recorder.detailed = set(detailed)
-        handles = _hooks(blocks, recorder)
-        try:
-            if timing:
-                synchronize(devices)
-                if tracker is not None:
-                    tracker.take_overhead()
-                recorder.clock = time.perf_counter()
-            torch.autograd.backward(step())
-            recorder.finish()
-        finally:
-            for handle in handles:
-                handle.remove()
-    return recorder
 
 
 def _kind(block: nn.Module) -> tuple[Any, ...]:
@@ -320,15 +117,15 @@ def profile_blocks(
     samples = {} if apart else _samples(blocks, rounds, len(run))
     alone: dict[int, tuple[float, float]] = {}
     with step_state(model):  # gradients are outside the budget; RNG streams put back
-        tracked: list[_Recorder] = []
-        timed: list[_Recorder] = []
+        tracked: list[Recorder] = []
+        timed: list[Recorder] = []
         for assignment in rounds:
             for i, c in enumerate(assignment):
                 assign(i, c)
             here = {b for r, b in samples.values() if r == len(tracked)}
             kept = [i for i, c in enumerate(assignment) if c == 0] if derived else []
-            tracked.append(_run(step, blocks, True, not apart, devices, here, kept))
-            timed.append(_run(step, blocks, False, True, devices) if apart else tracked[-1])
+            tracked.append(marked_step(step, blocks, True, not apart, devices, here, kept))
+            timed.append(marked_step(step, blocks, False, True, devices) if apart else tracked[-1])
         again = derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked)
         for choice, (r, sample) in ({} if again else samples).items():  # no block timed alone for a profile redone
             assign(sample, choice)
@@ -359,7 +156,7 @@ def profile_blocks(
 
 
 def _per_op(
-    blocks: Sequence[nn.Module], choices: Sequence[str], derived: Collection[int], tracked: Sequence[_Recorder],
+    blocks: Sequence[nn.Module], choices: Sequence[str], derived: Collection[int], tracked: Sequence[Recorder],
     samples: dict[int, tuple[int, int]], assign: Callable[[int, int], None], devices: Sequence[torch.device],
 ) -> float | None:
     """Seconds per op of `save_matmuls`' dispatch mode on the sample block kept: NOTE [ Mode cost in place ] in
@@ -378,11 +175,11 @@ def _per_op(
     return max(mode_overhead(), added / found[0].ops)
 
 
-def _round(assignment: list[int], rec: _Recorder, kept: dict[int, Kept]) -> Round:
+def _round(assignment: list[int], rec: Recorder, kept: dict[int, Kept]) -> Round:
     return Round(assignment, rec.held, rec.base, rec.peaks, rec.times, kept)
 
 
-def _kept(rec: _Recorder) -> dict[int, Kept]:
+def _kept(rec: Recorder) -> dict[int, Kept]:
     out: dict[int, Kept] = {}
     for i, (detail, outputs) in rec.details.items():
         if i not in rec.at_backward:
