@@ -18,6 +18,8 @@ present in 2.4; torch imports it itself) and `torch._ops.OpOverload` (an aten ov
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,6 +55,7 @@ __all__ = [
     "eager_for_now",
     "eval_frame_callback",
     "fake_store",
+    "flop_formula",
     "fsdp_state_keys",
     "local_tensor",
     "graph_exec_group",
@@ -350,8 +353,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def fsdp_state_keys() -> set[str]:
     """The module attributes where `fully_shard` keeps its state (`torch.distributed._composable.contract`'s
     STATE_KEY and REGISTRY_KEY, present in 2.4); an estimate removes them from its copy of a sharded model."""
-    import importlib
-
     contract = importlib.import_module("torch.distributed._composable.contract")
     return {contract.STATE_KEY, contract.REGISTRY_KEY}
 
@@ -362,3 +363,31 @@ def fake_store() -> Any:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+# -- FLOP formulas ---------------------------------------------------------------------------------------------
+# `torch.utils.flop_counter.flop_registry`, `sdpa_flop_count` and `sdpa_backward_flop_count` (not documented API,
+# looked up by name): an op's FLOPs from its arguments' shapes. Without them every op is priced by its elements
+# and bytes (NOTE [ Priced time ] in _measure/clock.py), so matmuls cost less against the ops around them.
+@functools.cache
+def _flop_formulas() -> dict[Any, Callable[..., Any]]:
+    counter = importlib.import_module("torch.utils.flop_counter")
+    table: dict[Any, Callable[..., Any]] = dict(getattr(counter, "flop_registry", {}))
+    forward = getattr(counter, "sdpa_flop_count", None)
+    backward = getattr(counter, "sdpa_backward_flop_count", None)
+    aten = torch.ops.aten
+    # CPU attention (what `scaled_dot_product_attention` runs there) has no entry in torch's table
+    if forward is not None and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        table[aten._scaled_dot_product_flash_attention_for_cpu] = (
+            lambda q, k, v, *_, out_val=None, **__: forward(q.shape, k.shape, v.shape)
+        )
+    if backward is not None and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
+            lambda g, q, k, v, *_, out_val=None, **__: backward(g.shape, q.shape, k.shape, v.shape)
+        )
+    return table
+
+
+def flop_formula(func: Any) -> Callable[..., Any] | None:
+    """torch's FLOP formula for an aten op (called as ``formula(*args, **kwargs, out_val=out)``), or None."""
+    return _flop_formulas().get(getattr(func, "overloadpacket", func))

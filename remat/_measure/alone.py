@@ -17,7 +17,6 @@ and counted in every byte the tracker measured after it (on a tiny Llama, some 1
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from .._torch_compat import host_bytes, tree_leaves, tree_map
+from .clock import now
 from .track import synchronize
 
 __all__ = ["bytes_alone", "describe", "mode_alone", "time_alone"]
@@ -99,17 +99,17 @@ def time_alone(block: nn.Module, spec: tuple[Any, Any], devices: Sequence[torch.
     """
     args, kwargs = _make(spec)
     synchronize(devices)
-    start = time.perf_counter()
+    start = now()
     out = block(*args, **kwargs)
     synchronize(devices)
-    forward = time.perf_counter() - start
+    forward = now() - start
     sums = _sums(out)
     synchronize(devices)
-    start = time.perf_counter()
+    start = now()
     if sums:
         torch.autograd.backward(sums)
     synchronize(devices)
-    return forward, time.perf_counter() - start
+    return forward, now() - start
 
 
 def bytes_alone(run: Callable[..., Any], spec: tuple[Any, Any]) -> tuple[int, int, int] | None:
@@ -142,14 +142,14 @@ def mode_alone(
 
     def once(under: bool) -> float:
         synchronize(devices)
-        start = time.perf_counter()
+        start = now()
         if under:
             with mode():
                 block(*args, **kwargs)
         else:
             block(*args, **kwargs)
         synchronize(devices)
-        return time.perf_counter() - start
+        return now() - start
 
     bare = min(once(False) for _ in range(tries))
     return max(0.0, min(once(True) for _ in range(tries)) - bare)

@@ -10,7 +10,6 @@ allocated and which of it was still alive when backward started.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
@@ -21,6 +20,7 @@ from torch import nn
 
 from .._torch_compat import tree_leaves
 from .alone import describe
+from .clock import now
 from .track import _storage, synchronize
 from .windows import Detail, Windows, per_op_overhead
 
@@ -44,7 +44,7 @@ class Recorder:
         self.base = [0] * n  # bytes live at block i's forward start beyond what blocks 0..i-1 hold
         self.peaks: dict[tuple[str, int], int] = {}
         self.times: dict[tuple[str, int], float] = defaultdict(float)
-        self.clock = time.perf_counter()
+        self.clock = now()
         self.grad_events: dict[int, tuple[weakref.ref[torch.Tensor], list[tuple[int, int]]]] = {}
         self.describe: set[int] = set()  # blocks whose inputs to describe (see alone.py)
         self.specs: dict[int, tuple[Any, Any]] = {}
@@ -57,9 +57,9 @@ class Recorder:
     def _switch(self, owner: tuple[str, int]) -> int:
         if self.timing:
             synchronize(self.devices)
-            now = time.perf_counter()
+            tick = now()
             overhead = self.tracker.take_overhead() if self.tracker is not None else 0.0
-            self.times[self.owner] += max(0.0, now - self.clock - overhead)
+            self.times[self.owner] += max(0.0, tick - self.clock - overhead)
         level = 0
         if self.tracker is not None:
             peak = self.tracker.mark()
@@ -69,7 +69,7 @@ class Recorder:
             self.peaks[self.owner] = max(self.peaks.get(self.owner, 0), peak - base)
         self.owner = owner
         if self.timing:
-            self.clock = time.perf_counter()  # what the recorder does between windows counts in none
+            self.clock = now()  # what the recorder does between windows counts in none
         return level
 
     def forward_start(self, i: int) -> None:
@@ -101,7 +101,7 @@ class Recorder:
             alive = sum(detail.born[n] for n in self.tracker.still_live(detail, detail.refs))
             self.at_backward[i] = (level - (self.held_sum - self.held[i]), alive, live)
             if self.timing:
-                self.clock = time.perf_counter()
+                self.clock = now()
 
     def backward_end(self, i: int) -> None:
         if self.owner != ("bwd", i):
@@ -217,7 +217,7 @@ def marked_step(
                 synchronize(devices)
                 if tracker is not None:
                     tracker.take_overhead()
-                recorder.clock = time.perf_counter()
+                recorder.clock = now()
             torch.autograd.backward(step())
             recorder.finish()
         finally:

@@ -42,6 +42,7 @@ from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
 from .._policies import save_matmuls
 from .alone import mode_alone, time_alone
+from .clock import OpClock, clock_for
 from .combine import Round, combine
 from .compiled_block import Shift, compiled_shifts, shifted
 from .costs import ModelCost
@@ -113,10 +114,12 @@ def profile_blocks(
     rounds = _rounds(blocks, run)
     params = [p for p in model.parameters() if p.requires_grad]
     devices = devices_of(params, module=model)
-    apart = any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
-    samples = {} if apart else _samples(blocks, rounds, len(run))
+    clock = clock_for([*model.parameters(), *model.buffers()])  # NOTE [ Priced time ] in clock.py
+    priced = isinstance(clock, OpClock)  # the tracked step's times are exact: nothing to correct them with
+    apart = not priced and any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
+    samples = {} if apart or priced else _samples(blocks, rounds, len(run))
     alone: dict[int, tuple[float, float]] = {}
-    with step_state(model):  # gradients are outside the budget; RNG streams put back
+    with clock, step_state(model):  # gradients are outside the budget; RNG streams put back
         tracked: list[Recorder] = []
         timed: list[Recorder] = []
         for assignment in rounds:
@@ -150,7 +153,8 @@ def profile_blocks(
     clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
     labels = {c: choices[c] for c in derived}
     if per_op is None:
-        per_op = mode_overhead() if not compiled and any(label != "full" for label in labels.values()) else 0.0
+        moded = not (compiled or priced) and any(label != "full" for label in labels.values())
+        per_op = mode_overhead() if moded else 0.0
     cost = combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op, compiled)
     return shifted(cost, kinds, _kind(blocks[samples[0][1]]), shifts) if shifts else cost
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from .._policies import matmuls
+from .clock import now, priced
 from .track import Tracker
 
 __all__ = ["Detail", "Windows", "mode_cost", "per_op_overhead"]
@@ -82,7 +82,7 @@ class Windows(Tracker):
 
     def mark(self) -> int:
         peak, self.window_peak = self.window_peak, self.current_bytes
-        self._last = time.perf_counter()
+        self._last = now()
         return peak
 
     def take_overhead(self) -> float:
@@ -90,7 +90,7 @@ class Windows(Tracker):
         return overhead
 
     def _see(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        start = time.perf_counter()
+        start = now()
         detail = self.detail
         if detail is None:
             super()._see(func, args, kwargs, out)
@@ -105,7 +105,7 @@ class Windows(Tracker):
                     self._in_matmul = False
             else:
                 super()._see(func, args, kwargs, out)
-        self._last = end = time.perf_counter()
+        self._last = end = now()
         self.overhead += end - start + self.per_op
 
     def _add(self, key: int, t: torch.Tensor, st: torch.UntypedStorage) -> None:
@@ -122,14 +122,14 @@ class Windows(Tracker):
                 detail.calls[number] = len(detail.call_time) - 1
 
     def _release(self, key: int, ref: object = None) -> None:
-        start = time.perf_counter()
+        start = now()
         detail = self.detail
         if detail is not None:
             number = detail.live.pop(key, None)
             if number is not None:
                 detail.events.append((number, -detail.born[number]))
         super()._release(key, ref)
-        self.overhead += time.perf_counter() - start
+        self.overhead += now() - start
 
     def _account(self, device: torch.device, delta: int) -> None:
         super()._account(device, delta)
@@ -161,20 +161,25 @@ def mode_cost(mode: Callable[[], Any], seen: Callable[[Any], float] = lambda mod
     x = torch.zeros(8)
     best = math.inf
     for _ in range(tries):
-        start = time.perf_counter()
+        start = now()
         for _ in range(ops):
             x.add(1)
-        bare = time.perf_counter() - start
+        bare = now() - start
         with mode() as entered:
-            start = time.perf_counter()
+            start = now()
             for _ in range(ops):
                 x.add(1)
-            under = time.perf_counter() - start
+            under = now() - start
         best = min(best, (under - bare - seen(entered)) / ops)
     return max(0.0, best)
 
 
-@functools.cache  # calibrated once per process: NOTE [ Timing under the tracker ]
 def per_op_overhead() -> float:
-    """Seconds per op that a tracker costs beyond what its own clocks measure."""
+    """Seconds per op that a tracker costs beyond what its own clocks measure (none on priced time: NOTE [ Priced
+    time ] in clock.py)."""
+    return 0.0 if priced() else _calibrated()
+
+
+@functools.cache  # calibrated once per process: NOTE [ Timing under the tracker ]
+def _calibrated() -> float:
     return mode_cost(Windows, lambda tracker: float(tracker.overhead))

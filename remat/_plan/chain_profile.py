@@ -8,13 +8,13 @@ Both are used by `remat._plan.chain`, which runs the plans.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._measure.clock import OpClock, clock_for, now
 from .._measure.track import synchronize, track
 from .simulate import StageCost
 
@@ -134,30 +134,11 @@ def profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCos
     for n, stage in enumerate(stages):
         a, *size = _memory(stage, n, a)
         sizes.append(size)
-    device = x.device
     forward: list[list[float]] = [[] for _ in stages]
     backward: list[list[float]] = [[] for _ in stages]
-    for _ in range(_TIMINGS):
-        a = x.detach()
-        for n, stage in enumerate(stages):
-            inp = grad_input(a, True)
-            synchronize((device,))
-            start = time.perf_counter()
-            with torch.enable_grad():
-                out = stage(inp)
-            synchronize((device,))
-            forward[n].append(time.perf_counter() - start)
-            a = out.detach()
-            wrt = ([inp] if inp.requires_grad else []) + list(stage_params(stage))
-            if out.requires_grad and wrt:
-                held = [out, torch.ones_like(out)]
-                del out
-                synchronize((device,))
-                start = time.perf_counter()
-                backward_stage(held, wrt)
-                synchronize((device,))
-                backward[n].append(time.perf_counter() - start)
-            del inp
+    clock = clock_for([x, *(p for stage in stages for p in stage.parameters())])  # NOTE [ Priced time ]
+    with clock:
+        _time(stages, x, forward, backward, 1 if isinstance(clock, OpClock) else _TIMINGS)
     costs = [
         StageCost(
             forward_time=statistics.median(forward[n]),
@@ -170,3 +151,30 @@ def profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCos
         for n, (out_bytes, saved, forward_temp, backward_temp) in enumerate(sizes)
     ]
     return costs, input_bytes
+
+
+def _time(stages: Sequence[nn.Module], x: torch.Tensor, forward: list[list[float]], backward: list[list[float]],
+          times: int) -> None:
+    """Append each stage's forward and backward seconds on `x`'s chain of activations, `times` times over."""
+    device = x.device
+    for _ in range(times):
+        a = x.detach()
+        for n, stage in enumerate(stages):
+            inp = grad_input(a, True)
+            synchronize((device,))
+            start = now()
+            with torch.enable_grad():
+                out = stage(inp)
+            synchronize((device,))
+            forward[n].append(now() - start)
+            a = out.detach()
+            wrt = ([inp] if inp.requires_grad else []) + list(stage_params(stage))
+            if out.requires_grad and wrt:
+                held = [out, torch.ones_like(out)]
+                del out
+                synchronize((device,))
+                start = now()
+                backward_stage(held, wrt)
+                synchronize((device,))
+                backward[n].append(now() - start)
+            del inp

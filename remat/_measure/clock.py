@@ -1,0 +1,122 @@
+"""The clock a profile reads: the wall clock, or, on fake tensors, ops priced on a nominal device.
+
+NOTE [ Priced time ]
+On fake tensors (`remat.estimate`, or `remat.apply(model, budget=...)` on a model built under
+``FakeTensorMode``) no kernel runs: the wall clock between two marks reads how long fake dispatch took in
+Python, which depends on the machine and its load and says nothing of what the ops would cost. A plan chosen
+on those times could change from one run to the next wherever two plans came close: on a three-block GPT
+sharded over 8 ranks, `remat.estimate`'s row for a budget of 0.9 read 1.64 MB per rank where `remat.apply` at
+0.9, profiling the same fake model apart, planned a step of 1.80 MB. So while a profile runs on fake
+tensors, `now()` reads an `OpClock` instead: a dispatch mode that advances by a price for every aten op it sees,
+
+    price = LAUNCH + max(flops / FLOPS, bytes / BANDWIDTH)        (0 for an op with no tensor output)
+
+on a nominal device of the op's output's type (`_DEVICES`): flops by torch's FLOP formulas where torch has one
+(matmuls, convolutions, attention) and one per output element otherwise; bytes of the op's tensor arguments and
+outputs; a view costs LAUNCH alone. The numbers are not any real device's and need not be: the planner
+compares times with times, so what matters is that a matmul costs its FLOPs, an elementwise op its bytes, and
+every op its launch, which is how recomputation is paid for on real devices. The same model and sample give
+the same times, and so the same plan, on every machine.
+The clock is entered below every mode the profile enters (the tracker, `save_matmuls`' mode), just above the
+fake mode: an op reaches it from inside the tracker's dispatch, so its price is on the clock before the
+tracker reads the clock for it (as the op's kernel would have run by then). Corrections for the wall clock's
+errors (the tracker's own time, a mode's cost per op, a block timed alone: NOTE [ Timing under the tracker ]
+in windows.py) measure nothing on this clock and are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .._engine.modes import Mode
+from .._torch_compat import FakeTensor, flop_formula, local_tensor, tree_leaves
+
+__all__ = ["OpClock", "clock_for", "now", "price", "priced"]
+
+# per device type: FLOP/s, bytes/s, seconds per op; see NOTE [ Priced time ]. Any other type: "accelerator".
+_DEVICES = {"cpu": (1e11, 2e10, 2e-6), "accelerator": (1e14, 2e12, 5e-6)}
+
+_clocks: list[OpClock] = []  # entered, innermost last; process-wide, as autograd's threads read it too
+
+
+def now() -> float:
+    """Seconds: of the innermost `OpClock` entered, else of the wall clock (``time.perf_counter``)."""
+    return _clocks[-1].seconds if _clocks else time.perf_counter()
+
+
+def priced() -> bool:
+    """Whether `now()` reads an `OpClock` (NOTE [ Priced time ])."""
+    return bool(_clocks)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def price(func: Any, args: Any, kwargs: Any, out: Any) -> float:
+    """Seconds that the op ``func(*args, **kwargs) -> out`` costs on the nominal device (NOTE [ Priced time ]).
+
+    >>> a = torch.ones(64, 64)
+    >>> price(torch.ops.aten.mm.default, (a, a), {}, a @ a) > price(torch.ops.aten.add.Tensor, (a, a), {}, a + a)
+    True
+    """
+    outputs = _tensors(out)
+    if not outputs:
+        return 0.0
+    kind = outputs[0].device.type
+    flops_per_s, bytes_per_s, launch = _DEVICES.get(kind, _DEVICES["accelerator"])
+    if getattr(func, "is_view", False):
+        return launch
+    formula = flop_formula(func)
+    flops = None
+    if formula is not None:
+        try:
+            flops = int(formula(*args, **(kwargs or {}), out_val=out))
+        except Exception:  # a formula that does not take these arguments: count elements as for any other op
+            flops = None
+    if flops is None:
+        flops = sum(t.numel() for t in outputs)
+    moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + outputs)
+    return launch + max(flops / flops_per_s, moved / bytes_per_s)
+
+
+class OpClock(Mode):
+    """A clock that advances by the price of every aten op run under it (NOTE [ Priced time ]).
+
+    >>> with OpClock() as clock:
+    ...     _ = torch.ones(8, 8) @ torch.ones(8, 8)
+    ...     tick = now()
+    >>> tick == clock.seconds > 0
+    True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def __enter__(self) -> OpClock:
+        super().__enter__()  # type: ignore[no-untyped-call]
+        _clocks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _clocks.remove(self)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.seconds += price(func, args, kwargs, out)
+        return out
+
+
+def clock_for(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """An `OpClock` to profile under if any of `tensors` (a model's parameters, a sample; a DTensor by its local
+    shard) is a fake tensor, else nothing: the wall clock (NOTE [ Priced time ])."""
+    if any(isinstance(local_tensor(t), FakeTensor) for t in tensors):
+        return OpClock()
+    return contextlib.nullcontext()
