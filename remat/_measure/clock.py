@@ -9,19 +9,28 @@ sharded over 8 ranks, `remat.estimate`'s row for a budget of 0.9 read 1.64 MB pe
 0.9, profiling the same fake model apart, planned a step of 1.80 MB. So while a profile runs on fake
 tensors, `now()` reads an `OpClock` instead: a dispatch mode that advances by a price for every aten op it sees,
 
-    price = LAUNCH + max(flops / FLOPS, bytes / BANDWIDTH)        (0 for an op with no tensor output)
+    price = LAUNCH + max(flops / FLOPS, elements / ELEMENTS, bytes / BANDWIDTH)   (0: no tensor output)
 
 on a nominal device of the op's output's type (`_DEVICES`): flops by torch's FLOP formulas where torch has one
-(matmuls, convolutions, attention) and one per output element otherwise; bytes of the op's tensor arguments and
-outputs; a view costs LAUNCH alone. The numbers are not any real device's and need not be: the planner
-compares times with times, so what matters is that a matmul costs its FLOPs, an elementwise op its bytes, and
-every op its launch, which is how recomputation is paid for on real devices. The same model and sample give
-the same times, and so the same plan, on every machine.
+(matmuls, convolutions, attention), else elements out at ELEMENTS per second (a GELU, a softmax, a dropout
+mask are compute-bound on a CPU, at about 1 ns an element); bytes of the op's tensor arguments and outputs; a
+view costs LAUNCH alone. The choices that keep matmul outputs run a Python dispatch mode over every op, at
+MODE_PER_OP each (in place of the calibration of NOTE [ Mode cost in place ] in derive.py). The CPU's numbers
+were measured on one core of the CI machine (a 2-core x86 VM, torch 2.13: `mm` at 8e10 FLOP/s from 256 up,
+`add` and `clone` of 1M floats at 5e10 bytes/s, `gelu`/`softmax` about 1e9 elements/s, a small op 5.6 us,
+`save_matmuls`' mode 15-20 us an op on a GPT block), rounded; the accelerator's are a nominal GPU's. They
+need not be any one machine's: the planner compares times with times, so what matters is that a matmul costs
+its FLOPs, an elementwise op its elements or bytes, and every op its launch, as recomputation is paid for on
+real devices. The same model and sample give the same times, and so the same plan, on every machine.
+Against `remat.apply` planning on real CPU steps (`remat.bench.estimate.check`, the benchmark's GPT and convnet
+at budgets 0.6-0.9, one run each on a quiet machine), the estimated peaks were within 3.0% of the real runs'
+with priced time and within 7.8% with fake dispatch timed (the real planner itself flips between plans that
+cost nearly the same, so a few percent stay).
 The clock is entered below every mode the profile enters (the tracker, `save_matmuls`' mode), just above the
 fake mode: an op reaches it from inside the tracker's dispatch, so its price is on the clock before the
-tracker reads the clock for it (as the op's kernel would have run by then). Corrections for the wall clock's
-errors (the tracker's own time, a mode's cost per op, a block timed alone: NOTE [ Timing under the tracker ]
-in windows.py) measure nothing on this clock and are skipped.
+tracker reads the clock for it (as the op's kernel would have run by then). The corrections for the wall
+clock's errors (the tracker's own time, a block timed alone: NOTE [ Timing under the tracker ] in windows.py)
+have nothing to correct on this clock and are skipped.
 """
 
 from __future__ import annotations
@@ -38,8 +47,11 @@ from .._torch_compat import FakeTensor, flop_formula, local_tensor, tree_leaves
 
 __all__ = ["OpClock", "clock_for", "now", "price", "priced"]
 
-# per device type: FLOP/s, bytes/s, seconds per op; see NOTE [ Priced time ]. Any other type: "accelerator".
-_DEVICES = {"cpu": (1e11, 2e10, 2e-6), "accelerator": (1e14, 2e12, 5e-6)}
+# per device type: FLOPS, ELEMENTS (per second, an op without a FLOP formula), BANDWIDTH (bytes per second),
+# LAUNCH (seconds per op); see NOTE [ Priced time ]. Any other type than the CPU: "accelerator".
+_DEVICES = {"cpu": (8e10, 1e9, 5e10, 5e-6), "accelerator": (1e14, 1e12, 2e12, 5e-6)}
+
+MODE_PER_OP = 1e-5  # seconds a Python dispatch mode adds to each op, on any device (NOTE [ Priced time ])
 
 _clocks: list[OpClock] = []  # entered, innermost last; process-wide, as autograd's threads read it too
 
@@ -69,20 +81,20 @@ def price(func: Any, args: Any, kwargs: Any, out: Any) -> float:
     if not outputs:
         return 0.0
     kind = outputs[0].device.type
-    flops_per_s, bytes_per_s, launch = _DEVICES.get(kind, _DEVICES["accelerator"])
+    flops_per_s, elements_per_s, bytes_per_s, launch = _DEVICES.get(kind, _DEVICES["accelerator"])
     if getattr(func, "is_view", False):
         return launch
     formula = flop_formula(func)
-    flops = None
+    seconds = 0.0
     if formula is not None:
         try:
-            flops = int(formula(*args, **(kwargs or {}), out_val=out))
-        except Exception:  # a formula that does not take these arguments: count elements as for any other op
-            flops = None
-    if flops is None:
-        flops = sum(t.numel() for t in outputs)
+            seconds = int(formula(*args, **(kwargs or {}), out_val=out)) / flops_per_s
+        except Exception:  # a formula that does not take these arguments: priced as any other op
+            formula = None
+    if formula is None:
+        seconds = sum(t.numel() for t in outputs) / elements_per_s
     moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + outputs)
-    return launch + max(flops / flops_per_s, moved / bytes_per_s)
+    return launch + max(seconds, moved / bytes_per_s)
 
 
 class OpClock(Mode):

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 
 from .._engine.selective import SaveOps
 from .._policies import save_matmuls
-from .clock import priced
 from .windows import Detail, mode_cost
 
 __all__ = [
@@ -265,12 +264,8 @@ def compiled_times(choice: str, forward: float, backward: float, every: float, k
 # forward under the mode, and the cost per op is the larger of the two.
 
 
+@functools.cache  # calibrated once per process
 def mode_overhead() -> float:
     """Seconds per op that `save_matmuls`' dispatch mode adds to a small op (a floor: NOTE [ Mode cost in
-    place ]); none on priced time (NOTE [ Priced time ] in clock.py)."""
-    return 0.0 if priced() else _mode_calibrated()
-
-
-@functools.cache  # calibrated once per process
-def _mode_calibrated() -> float:
+    place ])."""
     return mode_cost(lambda: SaveOps(save_matmuls))

@@ -42,7 +42,7 @@ from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
 from .._policies import save_matmuls
 from .alone import mode_alone, time_alone
-from .clock import OpClock, clock_for
+from .clock import MODE_PER_OP, OpClock, clock_for
 from .combine import Round, combine
 from .compiled_block import Shift, compiled_shifts, shifted
 from .costs import ModelCost
@@ -153,8 +153,8 @@ def profile_blocks(
     clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
     labels = {c: choices[c] for c in derived}
     if per_op is None:
-        moded = not (compiled or priced) and any(label != "full" for label in labels.values())
-        per_op = mode_overhead() if moded else 0.0
+        moded = not compiled and any(label != "full" for label in labels.values())
+        per_op = (MODE_PER_OP if priced else mode_overhead()) if moded else 0.0
     cost = combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op, compiled)
     return shifted(cost, kinds, _kind(blocks[samples[0][1]]), shifts) if shifts else cost
 
