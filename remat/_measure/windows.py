@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -157,19 +158,19 @@ class Windows(Tracker):
 def mode_cost(mode: Callable[[], Any], seen: Callable[[Any], float] = lambda mode: 0.0, ops: int = 128,
               tries: int = 3) -> float:
     """Seconds per small op that running under `mode()` adds, less what `seen(mode)` says its own clocks saw
-    (the least over a few tries, never below zero)."""
+    (the least over a few tries, never below zero). A wall-clock calibration: never on priced time."""
     x = torch.zeros(8)
     best = math.inf
     for _ in range(tries):
-        start = now()
+        start = time.perf_counter()
         for _ in range(ops):
             x.add(1)
-        bare = now() - start
+        bare = time.perf_counter() - start
         with mode() as entered:
-            start = now()
+            start = time.perf_counter()
             for _ in range(ops):
                 x.add(1)
-            under = now() - start
+            under = time.perf_counter() - start
         best = min(best, (under - bare - seen(entered)) / ops)
     return max(0.0, best)
 
