@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from .._engine.selective import SaveOps
 from .._policies import save_matmuls
+from .clock import MODE_PER_OP, priced
 from .windows import Detail, mode_cost
 
 __all__ = [
@@ -264,8 +265,12 @@ def compiled_times(choice: str, forward: float, backward: float, every: float, k
 # forward under the mode, and the cost per op is the larger of the two.
 
 
-@functools.cache  # calibrated once per process
 def mode_overhead() -> float:
     """Seconds per op that `save_matmuls`' dispatch mode adds to a small op (a floor: NOTE [ Mode cost in
-    place ])."""
+    place ]); on priced time, the nominal device's (NOTE [ Priced time ] in clock.py)."""
+    return MODE_PER_OP if priced() else _calibrated()
+
+
+@functools.cache  # calibrated once per process
+def _calibrated() -> float:
     return mode_cost(lambda: SaveOps(save_matmuls))

@@ -42,7 +42,7 @@ from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
 from .._policies import save_matmuls
 from .alone import mode_alone, time_alone
-from .clock import MODE_PER_OP, OpClock, clock_for
+from .clock import clock_for, priced
 from .combine import Round, combine
 from .compiled_block import Shift, compiled_shifts, shifted
 from .costs import ModelCost
@@ -114,12 +114,12 @@ def profile_blocks(
     rounds = _rounds(blocks, run)
     params = [p for p in model.parameters() if p.requires_grad]
     devices = devices_of(params, module=model)
-    clock = clock_for([*model.parameters(), *model.buffers()])  # NOTE [ Priced time ] in clock.py
-    priced = isinstance(clock, OpClock)  # the tracked step's times are exact: nothing to correct them with
-    apart = not priced and any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
-    samples = {} if apart or priced else _samples(blocks, rounds, len(run))
     alone: dict[int, tuple[float, float]] = {}
-    with clock, step_state(model):  # gradients are outside the budget; RNG streams put back
+    # gradients are outside the budget; RNG streams put back; fake tensors priced: NOTE [ Priced time ] in clock.py
+    with clock_for([*model.parameters(), *model.buffers()]), step_state(model):
+        exact = priced()  # the tracked step's times: nothing to correct them with
+        apart = not exact and any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
+        samples = {} if apart or exact else _samples(blocks, rounds, len(run))
         tracked: list[Recorder] = []
         timed: list[Recorder] = []
         for assignment in rounds:
@@ -139,6 +139,9 @@ def profile_blocks(
                 break
         timing = alone and not compiled  # no dispatch mode runs in compiled code
         per_op = _per_op(blocks, choices, derived, tracked, samples, assign, devices) if timing else None
+        if per_op is None:
+            moded = not compiled and any(choices[c] != "full" for c in derived)
+            per_op = mode_overhead() if moded else 0.0
         shifts: dict[int, Shift] = {}
         if compiled and not again and 0 in samples:  # NOTE [ Compiled bytes ] in compiled_block.py
             r, sample = samples[0]
@@ -152,9 +155,6 @@ def profile_blocks(
     measured = [_round(a, rec, _kept(rec)) for a, rec in zip(rounds, tracked, strict=True)]
     clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
     labels = {c: choices[c] for c in derived}
-    if per_op is None:
-        moded = not compiled and any(label != "full" for label in labels.values())
-        per_op = (MODE_PER_OP if priced else mode_overhead()) if moded else 0.0
     cost = combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op, compiled)
     return shifted(cost, kinds, _kind(blocks[samples[0][1]]), shifts) if shifts else cost
 

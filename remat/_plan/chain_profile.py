@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._measure.clock import OpClock, clock_for, now
+from .._measure.clock import clock_for, now, priced
 from .._measure.track import synchronize, track
 from .simulate import StageCost
 
@@ -136,9 +136,8 @@ def profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCos
         sizes.append(size)
     forward: list[list[float]] = [[] for _ in stages]
     backward: list[list[float]] = [[] for _ in stages]
-    clock = clock_for([x, *(p for stage in stages for p in stage.parameters())])  # NOTE [ Priced time ]
-    with clock:
-        _time(stages, x, forward, backward, 1 if isinstance(clock, OpClock) else _TIMINGS)
+    with clock_for([x, *(p for stage in stages for p in stage.parameters())]):  # NOTE [ Priced time ]
+        _time(stages, x, forward, backward, 1 if priced() else _TIMINGS)  # priced: the same every time
     costs = [
         StageCost(
             forward_time=statistics.median(forward[n]),
