@@ -16,7 +16,8 @@ from . import _checkpoint, _errors, _policies, _switch, _targets
 from . import policies as _policies_module
 from ._engine import offload as _offload
 from ._engine.region_site import Region
-from ._options import Options, Strategy, unknown_options
+from ._options import Options, Strategy
+from ._partial import decorate
 from ._plan.sites import ModelPlan
 from ._plan.units import Budget
 from ._policies import PolicyLike
@@ -143,15 +144,7 @@ class Remat:
     ) -> Decorator: ...
 
     def __call__(self, target: Any = None, /, **options: Any) -> Any:
-        if target is None:
-            if unknown_options(options, "") is not None:
-                return _Unknown(options)  # raises when it gets its target, naming it
-        elif (error := unknown_options(options, _site(target, options))) is not None:
-            raise error
-        settings = Options(**options)
-        if target is None:
-            return _Partial(settings)
-        return _targets.wrap(target, settings)
+        return decorate(target, options)
 
     @staticmethod
     def apply(
@@ -363,40 +356,6 @@ for _name in ("apply", "plan", "undo", "region"):
     _function.__qualname__ = f"remat.{_name}"
     if hasattr(_function.__code__, "co_qualname"):  # Python 3.11+
         _function.__code__ = _function.__code__.replace(co_qualname=f"remat.{_name}")
-
-
-def _site(target: Any, options: dict[str, Any]) -> str:
-    """The site's name for an error: `name=`, else the class's or the function's qualified name."""
-    if isinstance(options.get("name"), str):
-        return str(options["name"])
-    if isinstance(target, nn.Module):
-        return type(target).__qualname__
-    return str(getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target))
-
-
-class _Unknown:
-    """`remat(...)` with a keyword it does not take: raises, naming the site, once it gets its target."""
-
-    def __init__(self, options: dict[str, Any]) -> None:
-        self.options = options
-
-    def __call__(self, target: Any, /) -> Any:
-        error = unknown_options(self.options, _site(target, self.options))
-        assert error is not None
-        raise error
-
-
-class _Partial:
-    """`remat(...)` with options and no target yet."""
-
-    def __init__(self, options: Options) -> None:
-        self.options = options
-
-    def __call__(self, target: Any, /) -> Any:
-        return _targets.wrap(target, self.options)
-
-    def __repr__(self) -> str:
-        return f"remat({self.options})"
 
 
 remat = Remat()
