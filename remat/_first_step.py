@@ -135,13 +135,7 @@ class FirstStep:
         self._queued = False
         self._owner = threading.get_ident()
         self._tracker = StepTracker()
-        accumulated = _Hook(self._accumulated)
-        self._hooks: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(accumulated)  # type: ignore[no-untyped-call]
-            for p in model.parameters()
-            if p.requires_grad
-        ]
-        self._hooks.append(model.register_forward_hook(_Hook(self._outputs)))
+        self._hooks: list[RemovableHandle] = [model.register_forward_hook(_Hook(self._outputs))]
         self._optimizer_hook = register_optimizer_step_pre_hook(_Hook(self._optimizer_step))
         self._watched: dict[int, weakref.ref[_Token]] = {}  # the tokens of the outputs' graphs, by id
         self._restore = eager_for_now()  # compiled code under the tracker: see NOTE [ The first step ]
@@ -149,10 +143,6 @@ class FirstStep:
         self._mode = top_dispatch_mode()
         self._on = True
         _PUSHED[id(self)] = self
-
-    def _accumulated(self, param: torch.Tensor) -> None:
-        if param.grad is not None:
-            self._tracker.forget(param.grad)  # a gradient is not an activation (NOTE [ The first step ])
 
     def _outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         for leaf in tree_leaves(output):

@@ -31,6 +31,8 @@ from torch import nn
 from . import _sharded
 from ._engine.compiled import compiling, in_compiled_call
 from ._errors import BudgetError
+from ._budget.fake_profile import on_fake, profile_fake
+from ._budget.gradients import accumulation_order, gradient_steps, with_step_gradients
 from ._first_step import WINDOW, FirstStep, can_track, pop_closed
 from ._fit_check import PlanCheck, check_measured, check_plan
 from ._measure.costs import ModelCost
@@ -132,14 +134,19 @@ class _Budget:
         blocks = [model.get_submodule(name) for name in self.names]
         previous, previous_calls = self.budget_plan, self.calls
 
-        def step(run: nn.Module = model) -> torch.Tensor:
-            out = loss(run(*args, **kwargs))
-            if not isinstance(out, torch.Tensor) or out.numel() != 1:
-                raise TypeError(
-                    f"remat: `loss` must return a scalar tensor, but it returned {type(out).__name__}"
-                    f"{'' if not isinstance(out, torch.Tensor) else f' of shape {tuple(out.shape)}'}."
-                )
-            return out
+        def step_on(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
+            def step(run: nn.Module = model) -> torch.Tensor:
+                out = loss(run(*args, **kwargs))
+                if not isinstance(out, torch.Tensor) or out.numel() != 1:
+                    raise TypeError(
+                        f"remat: `loss` must return a scalar tensor, but it returned {type(out).__name__}"
+                        f"{'' if not isinstance(out, torch.Tensor) else f' of shape {tuple(out.shape)}'}."
+                    )
+                return out
+
+            return step
+
+        step = step_on(args, kwargs)
 
         self.busy = True
         restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
@@ -147,10 +154,20 @@ class _Budget:
             with torch.enable_grad():
                 rerun = self.options["strategy"] == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
                 derived = [c for c, label in enumerate(self.labels) if rerun and label in DERIVABLE]
-                cost: ModelCost = profile_blocks(
-                    model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c), derived,
-                    compiled=self.compile,
-                )
+
+                def profile(run: Callable[[], torch.Tensor]) -> ModelCost:  # NOTE [ Gradients in the budget ]
+                    with accumulation_order(model) as order:
+                        found = profile_blocks(
+                            model, self.names, blocks, self.labels, run, lambda i, c: self.assign(model, i, c),
+                            derived, compiled=self.compile,
+                        )
+                    if self.compile:  # one graph's backward: NOTE [ Compiled as one graph ]
+                        return found
+                    return with_step_gradients(found, gradient_steps(blocks, order))
+
+                cost = profile_fake(model, args, kwargs, step_on, profile) if on_fake(model, self.compile, self.options["strategy"]) else None
+                if cost is None:
+                    cost = profile(step)
             eager = cost
             if self.compile:
                 cost = with_graph_gradients(cost, *gradient_bytes(model, blocks))
@@ -171,8 +188,6 @@ class _Budget:
                 placed[0] = p.choice
 
             def measure() -> int:
-                if self.grads:  # from no gradients, eager code keeps each one as a one-graph backward does
-                    return max_over_ranks(measure_step(model, step, grads=True))
                 if self.compile:  # NOTE [ Measuring a compiled step ]
                     peak = compiled_peak(model, step)
                     if peak is not None:

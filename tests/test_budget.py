@@ -117,9 +117,11 @@ def _stack() -> Stack:
     return Stack().double()
 
 
-def _peak(model: nn.Module, x: torch.Tensor) -> int:
+def _peak(model: nn.Module, x: torch.Tensor, *, grads: bool = True) -> int:
+    """A step's tracked peak: from no gradients, as `zero_grad()` leaves them, so the new ones count (a budget's
+    quantity); or, without `grads`, from zero gradients that backward adds into (a profile's raw costs)."""
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = None if grads else torch.zeros_like(p)
     with remat.track() as t:
         model(x).sum().backward()
     return t.peak_bytes

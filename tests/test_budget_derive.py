@@ -99,7 +99,7 @@ def test_derived_bytes_match_the_bytes_of_running_each_choice(name: str) -> None
         for i, c in enumerate(choice):
             hook.assign(model, i, c)
         before = recomputes()
-        tracked = _peak(model, x)
+        tracked = _peak(model, x, grads=False)  # the profile's raw costs leave gradients out
         assert (recomputes() > before) == any(c != 0 for c in choice), choice  # the choices were really on
         assert evaluate_blocks(derived, choice)[0] == pytest.approx(tracked, rel=0.05), (where, choice)
     remat.undo(model)
@@ -119,7 +119,7 @@ def test_blocks_of_distinct_kinds_are_planned_in_one_step() -> None:
     # Four blocks of four kinds: running every choice took three tracked steps; deriving them takes one (the plan
     # is checked on the first training step: NOTE [ The first step ]).
     model = ConvNet().double()
-    assert _forward_calls(model, lambda: remat.apply(model, budget=0.7, sample=IMAGES)) == 1
+    assert _forward_calls(model, lambda: remat.apply(model, budget=0.85, sample=IMAGES)) == 1
     plan = remat.plan(model).budget
     assert plan is not None and plan.full_remat is not None
     for row in plan.cost.blocks:
@@ -130,10 +130,10 @@ def test_choices_that_cannot_be_derived_still_run() -> None:
     tagged = remat.policies.save_tagged("mid")
     model = ConvNet().double()
     # kept and the user's policy run (two rounds: each kind has one block); save_matmuls and full are derived
-    assert _forward_calls(model, lambda: remat.apply(model, budget=0.7, sample=IMAGES, choices=[tagged])) == 2
+    assert _forward_calls(model, lambda: remat.apply(model, budget=0.85, sample=IMAGES, choices=[tagged])) == 2
     replayed = ConvNet().double()
     # replay's recompute is not rerun's: its full remat runs for real (kept, then full)
-    assert _forward_calls(replayed, lambda: remat.apply(replayed, budget=0.7, sample=IMAGES, strategy="replay")) == 2
+    assert _forward_calls(replayed, lambda: remat.apply(replayed, budget=0.85, sample=IMAGES, strategy="replay")) == 2
 
 
 @pytest.mark.parametrize("fraction", [0.7, 0.85])

@@ -110,7 +110,7 @@ def test_parts_keep_what_their_derivation_says(name: str) -> None:
         for i, k in enumerate(choice):
             hook.assign(model, i, k)
         before = recomputes()
-        tracked = _peak(model, x)
+        tracked = _peak(model, x, grads=False)  # the profile's raw costs leave gradients out
         assert recomputes() > before
         assert evaluate_blocks(derived, choice)[0] == pytest.approx(tracked, rel=0.05), (name, LABELS[c])
     remat.undo(model)
@@ -215,9 +215,9 @@ def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPa
         return dataclasses.replace(cost, blocks=rows)
 
     monkeypatch.setattr(_fit, "profile_blocks", parts_cheap)
-    x = randn(256, 128, seed=3)
+    x = randn(2048, 128, seed=3)  # activations well above the gradients, which a budget counts
     used: set[str] = set()
-    for fraction in (0.6, 0.7, 0.8):
+    for fraction in (0.7, 0.8, 0.9):
         torch.manual_seed(0)
         model = _MLPs().double()
         remat.apply(model, budget=fraction, sample=x, loss=lambda out: out.sum())
@@ -227,7 +227,7 @@ def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPa
         assert plan.cost.calls[0][len(LABELS) - 1] is None  # both shares keep the same call: offered once
         assert _peak(model, x) <= plan.budget * 1.05
     assert used & set(PARTS), used
-    assert_same_grads(lambda: _MLPs().double(), (x,), lambda m: remat.apply(m, budget=0.7, sample=x,
+    assert_same_grads(lambda: _MLPs().double(), (x,), lambda m: remat.apply(m, budget=0.8, sample=x,
                                                                               loss=lambda out: out.sum()))
 
 
@@ -239,9 +239,9 @@ def _sum(out: torch.Tensor) -> torch.Tensor:
 def test_a_plan_with_parts_survives_pickle() -> None:
     import pickle
 
-    x = randn(256, 128, seed=3)
+    x = randn(2048, 128, seed=3)  # activations well above the gradients, which a budget counts
     torch.manual_seed(0)
-    model = remat.apply(_MLPs().double(), budget=0.7, sample=x, loss=_sum)
+    model = remat.apply(_MLPs().double(), budget=0.8, sample=x, loss=_sum)
     clone = pickle.loads(pickle.dumps(model))
     assert [s.choice for s in remat.plan(clone)] == [s.choice for s in remat.plan(model)]
     plain = _MLPs().double()

@@ -25,7 +25,7 @@ def _copy(base: Workload) -> Workload:
 
 
 @pytest.mark.parametrize(
-    ("name", "fractions"), [("gpt2", (0.3, 0.33, 0.36, 0.4, 0.6)), ("convnet", (0.4, 0.5, 0.58, 0.6, 0.8))]
+    ("name", "fractions"), [("gpt2", (0.4, 0.43, 0.46, 0.5, 0.7)), ("convnet", (0.55, 0.6, 0.63, 0.66, 0.85))]
 )
 def test_a_plan_meets_its_budget_in_a_real_step_or_is_refused_rightly(name: str, fractions: tuple[float, ...]) -> None:
     base = build(name)

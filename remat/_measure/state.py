@@ -15,16 +15,17 @@ __all__ = ["step_state"]
 
 
 @contextlib.contextmanager
-def step_state(model: nn.Module) -> Iterator[None]:
+def step_state(model: nn.Module, zeros: bool = True) -> Iterator[None]:
     """Inside: every parameter that requires grad has a zero `.grad` (a step accumulates in place, so gradients
-    are outside what it measures). After: the parameters' `.grad`, the model's buffers and the RNG streams of the
-    devices it is on are as they were (dropout draws the same masks in the steps that follow)."""
+    are outside what it measures), or none without `zeros`. After: the parameters' `.grad`, the model's buffers and
+    the RNG streams of the devices it is on are as they were (dropout draws the same masks in the steps that
+    follow)."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if zeros else None
         with RngStash.capture(devices_of(params, module=model)).restore():
             yield
     finally:

@@ -30,14 +30,18 @@ from .track import Tracker
 __all__ = ["compiled_peak", "measure_step"]
 
 
-def measure_step(model: nn.Module, step: Callable[[], torch.Tensor], *, grads: bool = False) -> int:
-    """The tracked peak of one training step (forward and backward), the model left as it was found. With
-    ``grads``, the step starts without gradients (as after ``zero_grad()``), so backward's new gradients count."""
-    with step_state(model):
-        if grads:
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.grad = None
+def _no_grads(model: nn.Module) -> None:
+    """Start a step as a default loop's `zero_grad()` leaves it: no gradients, so backward's new ones count
+    (NOTE [ Gradients in the budget ] in remat/_budget/gradients.py)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = None
+
+
+def measure_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> int:
+    """The tracked peak of one training step (forward and backward) above what was live before it, starting
+    without gradients as after ``zero_grad()`` (so backward's new gradients count); the model left as it was found."""
+    with step_state(model, zeros=False):
         with Tracker() as tracker:
             loss = step()
             torch.autograd.backward(loss)
@@ -62,8 +66,9 @@ def compiled_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -
     accelerators = [d for d in devices if d.type != "cpu"]
     if not accelerators and not can_record_host():
         return None  # nothing to read it with: compile nothing
-    with step_state(model), compiling_allowed():
+    with step_state(model, zeros=False), compiling_allowed():
         run()  # compiles: what the compiler allocates is not the step's
+        _no_grads(model)
         if not accelerators:
             found = host_bytes(run)
             return None if found is None else found[0]
@@ -72,6 +77,7 @@ def compiled_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -
         if not hasattr(module, "max_memory_allocated"):
             return None
         module.synchronize(device)
+        _no_grads(model)
         module.reset_peak_memory_stats(device)
         before = module.memory_allocated(device)
         run()

@@ -59,6 +59,7 @@ class SweepRow:
     predicted: int | None = None
     least: int | None = None
     first: int | None = None  # the peak of the plan's first step, tracked by the plan itself
+    planning: int | None = None  # the peak of `remat.apply` itself
     replanned: bool = False  # whether the first step went over and the next ran a corrected plan
     choices: str = ""
     times: list[float] = field(default_factory=list)
@@ -74,7 +75,7 @@ def _copy(base: Workload) -> Workload:
 
 def _peak(work: Workload) -> int:
     for p in work.model.parameters():
-        p.grad = torch.zeros_like(p)  # gradients are outside the activation peak
+        p.grad = None  # as `optimizer.zero_grad()` leaves them: backward's new gradients count
     torch.manual_seed(0)
     with remat.track() as tracker:
         loss = work.step()
@@ -123,16 +124,17 @@ def sweep_one(
         rows.append(row)
         work = _copy(base)
         try:
-            remat.apply(work.model, budget=row.budget, sample=base.sample, loss=base.loss)
+            with remat.track() as planning:
+                remat.apply(work.model, budget=row.budget, sample=base.sample, loss=base.loss)
         except remat.BudgetError as e:
             row.least = e.least_bytes
             continue
-        _time(work)  # the first step: the plan checks itself on it (NOTE [ The first step ])
+        row.planning = max((planning.peak(d) for d in planning.devices if d.type != "meta"), default=0)  # real
+        plan = remat.plan(work.model).budget
+        first_choice = plan.choice if plan is not None else None
+        row.peak = _peak(work)  # the first plain step after apply: the promise holds from it
         plan = remat.plan(work.model).budget
         row.first = plan.measured if plan is not None else None
-        first_choice = plan.choice if plan is not None else None
-        row.peak = _peak(work)  # the next step runs the plan the first one left (corrected, where it went over)
-        plan = remat.plan(work.model).budget
         row.predicted = plan.peak_bytes if plan is not None else None
         row.choices = " ".join(short(plan.choices[c]) for c in plan.choice) if plan is not None else ""
         row.replanned = plan is not None and plan.choice != first_choice

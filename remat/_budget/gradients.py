@@ -1,0 +1,128 @@
+"""The gradients a default training loop's backward allocates, added to a profile's costs.
+
+NOTE [ Gradients in the budget ]
+Rules:
+1. A budget bounds what a step allocates as the device counts it (`remat.track()`, or
+   `torch.cuda.max_memory_allocated()` minus what was allocated before the step): gradients that backward makes
+   count, gradients that already exist do not (an in-place accumulation allocates nothing that lives on).
+2. A plan assumes the loop almost everyone writes: `optimizer.zero_grad()` sets gradients to None, so every
+   backward allocates each parameter's gradient when it reaches that parameter, and it lives to the step's end.
+   A loop that keeps its gradients (`zero_grad(set_to_none=False)`, accumulation) peaks lower, never higher.
+3. The profile itself measures without new gradients (each parameter has a zero `.grad` that backward adds into:
+   `step_state`), so what a block costs does not depend on where it sits; the gradients are added here, by
+   position, from the order in which the profiled backward reached the parameters.
+
+Implementation notes:
+1. `accumulation_order` records the parameters in the order their gradients were first accumulated (a
+   post-accumulate-grad hook); every round of a profile runs the same backward order, so the first-seen order is
+   the first round's.
+2. While block i runs backward, the gradients made so far are those of every parameter accumulated no later than
+   the last of block i's own (its own counted whole: where inside its backward the peak falls is not known).
+   Between block k's backward and block k-1's (`outside_peaks[k]`, which also covers the forward between them,
+   where no gradient exists yet), those accumulated before block k-1's first; window 0 (after block 0's
+   backward) holds them all, window n those made before block n-1's backward starts (the head's, the loss's).
+   A block without parameters takes the bounds of the next block below it that has some.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .._measure.costs import ModelCost
+
+__all__ = ["GradientSteps", "accumulation_order", "gradient_steps", "with_step_gradients"]
+
+
+@contextlib.contextmanager
+def accumulation_order(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Inside: the list of `model`'s parameters in the order backward first accumulated their gradients."""
+    order: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def accumulated(param: torch.Tensor) -> None:
+        if id(param) not in seen:
+            seen.add(id(param))
+            order.append(param)
+
+    handles = [p.register_post_accumulate_grad_hook(accumulated)  # type: ignore[no-untyped-call]
+               for p in model.parameters() if p.requires_grad]
+    try:
+        yield order
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientSteps:
+    """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
+    blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`); NOTE [ Gradients in the budget ]."""
+
+    blocks: tuple[int, ...]
+    outside: tuple[int, ...]
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -> GradientSteps:
+    """Where backward's new gradients are alive, from the order it made them (NOTE [ Gradients in the budget ]).
+
+    >>> import torch
+    >>> blocks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]   # 24 bytes of gradients each
+    >>> head = torch.nn.Parameter(torch.ones(4))                  # 16 bytes, reached first
+    >>> order = [head, *blocks[1].parameters(), *blocks[0].parameters()]
+    >>> steps = gradient_steps(blocks, order)
+    >>> steps.blocks, steps.outside
+    ((64, 40), (64, 40, 16))
+    """
+    n, total = len(blocks), len(order)
+    position = {id(p): q for q, p in enumerate(order)}
+    before = [0]
+    for p in order:
+        before.append(before[-1] + _nbytes(p))  # before[q]: bytes of the first q gradients made
+    first: list[int | None] = []
+    last: list[int | None] = []
+    for block in blocks:
+        found = [position[id(p)] for p in block.parameters() if id(p) in position]
+        first.append(min(found) if found else None)
+        last.append(max(found) if found else None)
+    start = [total] * n  # where block i's backward starts, in gradients made (a block without any: the next below)
+    end = [total] * n
+    below_first = total
+    for i in range(n):  # from block 0 up: a parameterless block takes the bounds of the next one below it
+        if first[i] is not None:
+            below_first = first[i]  # type: ignore[assignment]
+        start[i] = first[i] if first[i] is not None else below_first
+        end[i] = last[i] + 1 if last[i] is not None else below_first  # type: ignore[operator]
+    outside = [before[total]] + [before[start[k - 1]] for k in range(1, n + 1)]
+    return GradientSteps(tuple(before[e] for e in end), tuple(outside))
+
+
+def with_step_gradients(cost: ModelCost, steps: GradientSteps) -> ModelCost:
+    """`cost` with the gradients a default loop's backward allocates added (NOTE [ Gradients in the budget ]).
+
+    >>> from remat._measure.costs import BlockCost
+    >>> block = BlockCost(held_bytes=8, forward_peak=12, backward_peak=16, forward_time=1.0, backward_time=2.0)
+    >>> cost = ModelCost(("0", "1"), ("kept",), ((block,), (block,)), (0, 0, 4))
+    >>> new = with_step_gradients(cost, GradientSteps((64, 40), (64, 40, 16)))
+    >>> [row[0].backward_peak for row in new.blocks], new.outside_peaks
+    ([80, 56], (64, 40, 20))
+    """
+    n = len(cost.names)
+    if len(steps.blocks) != n or len(steps.outside) != n + 1:
+        raise ValueError(f"remat: {n} blocks need {n} and {n + 1} gradient sizes, but got "
+                         f"{len(steps.blocks)} and {len(steps.outside)}.")
+    blocks = tuple(
+        tuple(None if c is None else dataclasses.replace(c, backward_peak=c.backward_peak + steps.blocks[i])
+              for c in row)
+        for i, row in enumerate(cost.blocks)
+    )
+    peaks = tuple(peak + steps.outside[k] for k, peak in enumerate(cost.outside_peaks))
+    return dataclasses.replace(cost, blocks=blocks, outside_peaks=peaks)
