@@ -60,7 +60,8 @@ def test_a_plan_meets_its_budget_in_a_real_step_or_is_refused_rightly(name: str,
 def _train_step(work: Workload) -> remat.BudgetPlan:
     """The plan's first training step (`_train_step_after`); the plan it ran, as measured."""
     plan = remat.plan(work.model).budget
-    assert plan is not None and plan.measured is None
+    # unmeasured, unless its prediction did not fit and a real step checked it before apply returned
+    assert plan is not None and (plan.measured is None or plan.peak_bytes > plan.budget)
     ran = _train_step_after(work)
     assert ran.choice == plan.choice and ran.measured is not None
     return ran
