@@ -283,7 +283,8 @@ def wrap(target: Any, options: Options) -> Any:
 
 
 def undo(module: _M) -> _M:
-    """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules."""
+    """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules (hooks, the instance's
+    own `forward`), leaving each as it was before."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"remat: undo expects an nn.Module, but got `{type(module).__name__}`.")
     for submodule in module.modules():
