@@ -253,6 +253,9 @@ class Remat:
     def undo(module: _M) -> _M:
         """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules.
 
+        Their hooks go, and each gets back the `forward` it had: none of its own (its class's), or the one it had
+        of its own before `remat`. Classes were never changed.
+
         >>> import torch, remat
         >>> layer = remat.undo(remat(torch.nn.Linear(2, 2)))
         """

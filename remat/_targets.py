@@ -17,7 +17,7 @@ from torch import nn
 from . import _switch
 from ._engine import region as _region
 from ._engine import rerun as _rerun
-from ._engine.compiled import SITE, compiled_key, compiling, context_for, route_module_class, torch_checkpoint
+from ._engine.compiled import compiled_key, compiling, context_for, route_module, torch_checkpoint, unroute_module
 from ._engine.offload import resolve as resolve_offload
 from ._errors import check_runs_when_called
 from ._integrations import comes_from
@@ -133,10 +133,10 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 # `remat(module)` must leave the object itself untouched: same type, no wrapper in `named_modules()` or
 # `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is proxied: a forward pre-hook
 # opens the region and a forward hook (prepended, so it runs before any other forward hook, and `always_call`, so
-# it runs when forward raises) closes it; the one attribute set is the pre-hook object again, for compiled code
-# (`_remat_site`, see NOTE [ Under torch.compile ]). The hooks
-# are small picklable objects that carry the options; `undo` finds them by type. Recompute calls
-# `module.forward` itself, not `module(...)`, so other hooks are not run twice.
+# it runs when forward raises) closes it; the one attribute set is the instance's own `forward`, which reaches
+# the pre-hook under compile (NOTE [ Under torch.compile ]); the class is not touched. The hooks and that forward
+# are small picklable objects that carry the options; `undo` finds them by type and gives the instance back what
+# it had. Recompute calls `module.forward` itself, not `module(...)`, so other hooks are not run twice.
 
 class _Open:
     """Forward pre-hook that opens a region around `module.forward`."""
@@ -225,7 +225,7 @@ def _remove_hooks(module: nn.Module) -> None:
             close = getattr(hook, "close", None)
             if callable(close):  # a budget's tracked step: NOTE [ The first step ] in _first_step.py
                 close()
-    module.__dict__.pop(SITE, None)
+    unroute_module(module)
 
 
 _RULES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # owner -> its one cache rule
@@ -256,10 +256,9 @@ def wrap_module(module: _M, options: Options, owner: nn.Module | None = None) ->
     # A layer rematerialized alone (`remat(layer)` in a loop over a model's layers) shares its class's rule, so
     # the loop logs one line, not one per layer.
     adapt = _cache_rule(type(module), options, type(module) if owner is None else owner)
-    route_module_class(type(module))  # hooks cannot wrap a compiled call: NOTE [ Under torch.compile ]
     opener = _Open(options, site, adapt)
     module.register_forward_pre_hook(opener, with_kwargs=True)
-    module.__dict__[SITE] = opener
+    route_module(module, opener)  # hooks cannot wrap a compiled call: NOTE [ Under torch.compile ]
     module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
     return module
 
@@ -284,7 +283,8 @@ def wrap(target: Any, options: Options) -> Any:
 
 
 def undo(module: _M) -> _M:
-    """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules."""
+    """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules (hooks, the instance's
+    own `forward`), leaving each as it was before."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"remat: undo expects an nn.Module, but got `{type(module).__name__}`.")
     for submodule in module.modules():

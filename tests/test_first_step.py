@@ -191,13 +191,25 @@ def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(m
     assert _hook(model).check is None and dispatch_modes_on() == 0
 
 
+class _MLP(nn.Module):
+    """A block whose `forward` is the test's own code: dynamo skips the frames of torch.nn's modules, so a block
+    made of them alone (`nn.Sequential(nn.Linear, ...)`) compiles nothing with `block.compile()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))  # type: ignore[no-any-return]
+
+
 class _Compiled:
     """Four MLP blocks, each compiled by itself with a backend that counts the graphs it is given."""
 
     def __init__(self) -> None:
         self.graphs: list[int] = []
         torch.manual_seed(0)
-        self.model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)))
+        self.model = nn.Sequential(*(_MLP() for _ in range(4)))
         self.model.double()
 
     def backend(self, gm: torch.fx.GraphModule, inputs: Any) -> Any:

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .._errors import RematError
 from .._policies import Policy
 from .._torch_compat import eval_frame_callback
 
 __all__ = [
-    "SITE", "compiled_key", "compiling", "context_for", "in_compiled_call", "route_module_class", "torch_checkpoint",
-    "warn_once",
+    "SiteForward", "compiled_key", "compiling", "context_for", "in_compiled_call", "route_module",
+    "torch_checkpoint", "unroute_module", "warn_once",
 ]
 
 # NOTE [ Under torch.compile ]
@@ -27,13 +29,25 @@ __all__ = [
 # whatever `preserve_rng` says. What has no counterpart there is warned about once per site, at compile time,
 # and recomputed rather than kept: tag names (`save_tagged`), offloading.
 #
-# A module instance (`remat(module)`, `remat.apply`) is marked by forward hooks, which cannot wrap a call; so
-# the first `remat(module)` of a class routes that class's `forward` through `route_module_class`'s function,
-# which, only while dynamo traces, asks the instance's site for the checkpointed call. The site is found through
-# an instance attribute (`SITE`: the pre-hook object itself), not through the hook table: dynamo does not guard on
-# hook tables (`skip_nnmodule_hook_guards`), so where identical blocks share one compiled forward
-# (`block.compile()`) every block ran the graph traced last, whatever its own choice; an attribute is guarded.
-# In eager code the routed forward calls the original and nothing else (one `is_compiling` check).
+# A module instance (`remat(module)`, `remat.apply`, a budget plan's block) is marked by forward hooks, which
+# cannot wrap a call, so under compile the site is reached through the instance's own `forward`:
+#   1. `remat(module)` changes the instance and nothing else: no class attribute of the user's classes is replaced
+#      or added. A class's `forward` is read by other code (transformers checkpoints a layer only while
+#      `type(layer).forward` is its own wrapper; accelerate and PEFT wrap it), and every instance shares it.
+#   2. The instance's `__dict__` gets `forward`: a `SiteForward`, which `nn.Module._call_impl` finds as
+#      `self.forward` (in eager code and while dynamo traces) and which, only while dynamo traces, asks the site
+#      for the checkpointed call. In eager code it calls what the instance called before and nothing else (one
+#      `is_compiling` check). `undo` puts back what the instance had: nothing, or a forward of its own.
+#   3. The site is an attribute of that object, which dynamo guards on, not an entry of the hook table, which it
+#      does not (`skip_nnmodule_hook_guards`): where identical blocks share one compiled forward
+#      (`block.compile()`), a site found in the hook table made every block run the graph traced last, whatever
+#      its own choice.
+#   4. The object holds its module weakly (no cycle through the module's `__dict__`: a model is freed when its last
+#      reference goes), pickles, deep-copies and `torch.save`s with the module (`__reduce__` names the module,
+#      which the copy or the unpickler then binds), and answers `inspect.signature`, `__name__`, `__func__`,
+#      `__self__` as the forward it calls (transformers' `generate` and Trainer read `model.forward`'s signature).
+#      A shallow copy (`copy.copy`, DataParallel's replicas) shares the original's object, so it runs the original
+#      module; when that is gone the call says so.
 compiling = torch.compiler.is_compiling
 
 _eval_frame_callback = eval_frame_callback  # None on a torch without dynamo
@@ -42,8 +56,6 @@ _eval_frame_callback = eval_frame_callback  # None on a torch without dynamo
 def in_compiled_call() -> bool:
     """Whether a torch.compile'd call is running on this thread (traced, or run in eager code after a break)."""
     return compiling() or (_eval_frame_callback is not None and _eval_frame_callback() is not None)
-_ROUTED = "__remat_routed__"
-SITE = "_remat_site"  # the instance's site (its forward pre-hook object), read while dynamo traces
 _warned: set[str] = set()
 
 
@@ -143,19 +155,80 @@ def torch_checkpoint(
     return checkpoint(fn, *args, use_reentrant=False, **keywords, **kwargs)
 
 
-def route_module_class(cls: type[torch.nn.Module]) -> None:
-    """Route `cls.forward` through the instance's remat hook while dynamo traces (idempotent)."""
-    original = cls.forward
-    if getattr(original, _ROUTED, False):
-        return
+class SiteForward:
+    """A rematerialized module instance's own `forward` (NOTE [ Under torch.compile ]): what the instance called
+    before (its class's forward, or a forward of its own), asked of its site while dynamo traces."""
 
-    @functools.wraps(original)
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    __slots__ = ("_module", "own", "site")
+
+    def __init__(self, module: torch.nn.Module, own: Callable[..., Any] | None, site: Any) -> None:
+        self._module = weakref.ref(module)
+        self.own = own  # the instance's own forward before remat (a library's or the user's), or None: its class's
+        self.site = site  # the instance's forward pre-hook: `site.compiled_call(forward, module, args, kwargs)`
+
+    def module(self) -> torch.nn.Module:
+        module = self._module()
+        if module is None:
+            raise RematError(_GONE)
+        return module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if module is None:
+            raise RematError(_GONE)
+        own = self.own
         if compiling():
-            site = getattr(self, SITE, None)
-            if site is not None:
-                return site.compiled_call(original, self, args, kwargs)
-        return original(self, *args, **kwargs)
+            forward = type(module).forward if own is None else functools.partial(_call_own, own)
+            return self.site.compiled_call(forward, module, args, kwargs)
+        if own is None:
+            return type(module).forward(module, *args, **kwargs)
+        return own(*args, **kwargs)
 
-    setattr(forward, _ROUTED, True)
-    cls.forward = forward
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The forward this one calls, bound to the module: what `inspect.signature` reads."""
+        if self.own is not None:
+            return self.own
+        module = self.module()
+        return type(module).forward.__get__(module, type(module))  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _DELEGATED:  # as a bound method answers them
+            return getattr(self.__wrapped__, name)
+        raise AttributeError(f"'SiteForward' object has no attribute '{name}'")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SiteForward, (self.module(), self.own, self.site))
+
+
+_DELEGATED = frozenset({
+    "__annotations__", "__code__", "__defaults__", "__func__", "__kwdefaults__", "__name__", "__qualname__",
+    "__self__",
+})
+_GONE = (
+    "remat: a rematerialized module's `forward` was called on a shallow copy (`copy.copy`, or its `__dict__` "
+    "copied) whose original no longer exists; copy it with `copy.deepcopy`, or call `remat.undo` on the original "
+    "before copying and `remat` on each copy."
+)
+
+
+def _call_own(own: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`own(*args, **kwargs)` in the shape of `type(module).forward(module, *args, **kwargs)`."""
+    del module
+    return own(*args, **kwargs)
+
+
+def route_module(module: torch.nn.Module, site: Any) -> None:
+    """Give `module` its own `forward`, a `SiteForward` that reaches `site` under compile (see `unroute_module`)."""
+    unroute_module(module)
+    module.__dict__["forward"] = SiteForward(module, module.__dict__.get("forward"), site)
+
+
+def unroute_module(module: torch.nn.Module) -> None:
+    """Give `module` back the forward it had before `route_module`: none of its own, or the one it had."""
+    routed = module.__dict__.get("forward")
+    if isinstance(routed, SiteForward):
+        if routed.own is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = routed.own
