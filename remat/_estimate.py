@@ -162,7 +162,9 @@ def estimate(
             peak predicts `torch.cuda.max_memory_allocated` (tensors rounded up to 512-byte blocks).
         world_size: predict one rank of a data-parallel run of this many ranks: for a model the user
             `fully_shard`-ed (default: its mesh's size), or with `shard="fsdp2"`. Runs in this process on torch's
-            fake process group; the sample is one rank's batch. See "Many GPUs" in the README.
+            fake process group: remat's own, made for the estimate, or the user's (`init_process_group("fake",
+            ...)`, torchtitan's recipe; then the default is its size); the sample is one rank's batch. See "Many
+            GPUs" in the README.
         shard: "fsdp2": estimate a plain model as if `fully_shard` were applied to each block `remat.apply`
             picks (or `where`) and to the root, on `world_size` ranks. "ddp": as if wrapped in
             `DistributedDataParallel` with its defaults: everything whole on every rank, plus its gradient
@@ -224,7 +226,9 @@ def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor]
     """One rank's estimate, on a sharded shadow of the model: NOTE [ Estimating one rank of FSDP2 ]."""
     if shard not in (None, "fsdp2"):
         raise ValueError(f"remat: estimate's `shard` must be None, 'fsdp2' or 'ddp', but got {shard!r}.")
-    size = _check_size(world_size if world_size is not None else _sharded.mesh_size(model))
+    if world_size is None:  # the user's mesh, else the user's own fake process group
+        world_size = _sharded.mesh_size(model) or _sharded.users_fake_world()
+    size = _check_size(world_size)
     copy, settings = _sharded.shadow(model)
     if shard == "fsdp2":
         for _, block in _targets._select(copy, where):

@@ -13,8 +13,10 @@ module with the settings the user's model had (``reshard_after_forward``, the mi
 ``shard="fsdp2"``, on every block that `remat.apply` would pick and on the root. The mesh is one dimension of
 ``world_size`` ranks over torch's fake process group (``init_process_group("fake")``: collectives do nothing,
 every rank's shapes are right), initialised for the estimate and destroyed after it; the estimate is rank 0's,
-the largest shard where parameters do not divide evenly. FSDP's frees (``resize_(0)`` of unsharded
-parameters) are counted by the tracker (NOTE [ Resized storages ] in remat/_measure/resize.py).
+the largest shard where parameters do not divide evenly. A fake default group the user initialised (torchtitan's
+recipe, with the model ``fully_shard``-ed on it) is used as it is and left to the user. FSDP's frees
+(``resize_(0)`` of unsharded parameters) are counted by the tracker (NOTE [ Resized storages ] in
+remat/_measure/resize.py).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from torch import nn
 from ._errors import RematError
 from ._torch_compat import fake_store, fsdp_state_keys
 
-__all__ = ["Sharding", "fake_world", "is_sharded", "is_sharded_any", "mesh_size", "shadow", "shard"]
+__all__ = [
+    "Sharding", "fake_world", "is_sharded", "is_sharded_any", "mesh_size", "shadow", "shard", "users_fake_world",
+]
 
 _HOOK_TABLES = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -163,17 +167,38 @@ def shard(root: nn.Module, settings: dict[nn.Module, Sharding], mesh: Any) -> No
         fully_shard(module, **kwargs)
 
 
+def users_fake_world() -> int | None:
+    """The number of ranks of the user's own fake default process group, or None where there is none."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "fake":
+        return None
+    return int(dist.get_world_size())
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int, device: torch.device) -> Iterator[Any]:
-    """A fake default process group of ``world_size`` ranks for the block; yield its 1-D device mesh."""
+    """A fake default process group of ``world_size`` ranks for the block; yield its 1-D device mesh.
+
+    A fake default group the user initialised (torchtitan's recipe: ``init_process_group("fake", ...)``) is used
+    as it is, and left initialised; otherwise one is made for the block and destroyed after it.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    users = users_fake_world()
+    if users is not None:
+        if users != world_size:
+            raise ValueError(
+                f"remat: estimate got world_size={world_size}, but the fake process group initialised here has "
+                f"{users} ranks. Pass world_size={users} (or none), or estimate outside that process group."
+            )
+        yield init_device_mesh(device.type, (world_size,))  # the default group itself: nothing new to destroy
+        return
     if dist.is_initialized():
         raise RematError(
             "remat: estimate with `world_size` runs one rank on torch's fake process group, but a default process "
-            "group is already initialised here. Estimate before `init_process_group` (or in a separate process); "
-            "the estimate needs no other rank."
+            f"group ({dist.get_backend()!r}) is already initialised here. Estimate before `init_process_group`, in a "
+            "separate process, or in a fake process group of your own (init_process_group('fake', ...)); the "
+            "estimate needs no other rank."
         )
-    from torch.distributed.device_mesh import init_device_mesh
-
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh(device.type, (world_size,))  # outside any fake mode: the mesh reads real ranks

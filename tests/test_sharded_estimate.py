@@ -1,8 +1,8 @@
 """Per-rank estimates of FSDP2 (`remat.estimate(..., world_size=N)`) against torch's FSDPMemTracker and real runs.
 
-The baseline is independent of remat's estimator: torch's `FSDPMemTracker` runs the same step (forward with the
-output kept until backward, as the estimate's step does, backward, AdamW, `zero_grad`) on fake tensors over
-torch's fake process group, on a model sharded the same way, and classifies every byte itself.
+The baseline is independent of remat's estimator: torch's `FSDPMemTracker` runs the same step (forward, the loss,
+the output dropped before backward as the estimate's step drops it, backward, AdamW, `zero_grad`) on fake tensors
+over torch's fake process group, on a model sharded the same way, and classifies every byte itself.
 """
 
 from __future__ import annotations
@@ -67,9 +67,7 @@ def _torch_peak(world: int, config: str | float) -> int:
             tracker.track_inputs((idx,))
             with tracker:
                 for step in range(2):
-                    out = model(idx)
-                    out.sum().backward()
-                    del out
+                    model(idx).sum().backward()  # the output dies before backward, as in the estimate's step
                     opt.step()
                     opt.zero_grad()
                     if step == 0:
@@ -132,11 +130,44 @@ def test_sharded_model_is_estimated_and_left_as_it_was(order: str) -> None:
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("built", ["meta", "fake"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_model_sharded_in_the_users_own_fake_process_group_is_estimated_as_in_remats(world: int, built: str) -> None:
+    """torchtitan's recipe: the user's fake process group and mesh, the model built on meta or fake tensors and
+    `fully_shard`-ed on it, then `remat.estimate(model, sample)`; the group is used as it is and left to the user."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        plain = GPT(CFG)
+    own = remat.estimate(plain, _idx(), optimizer="adamw", configs=("none", "full"), world_size=world,
+                         shard="fsdp2")
+    expected = {config: _torch_peak(world, config) for config in ("none", "full")}
+    idx = _idx()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with torch.device("meta") if built == "meta" else FakeTensorMode():
+            model = GPT(CFG)
+            _shard(model, mesh)
+        report = remat.estimate(model, idx, optimizer="adamw", configs=("none", "full"))
+        with pytest.raises(ValueError, match=rf"world_size={2 * world}, but the fake process group .* {world} ranks"):
+            remat.estimate(model, idx, configs=("none",), world_size=2 * world)
+        assert dist.is_initialized() and dist.get_backend() == "fake", "the user's group is left as it was"
+        assert dist.get_world_size() == world
+    finally:
+        dist.destroy_process_group()
+    for config in ("none", "full"):
+        assert report[config].peak_bytes == own[config].peak_bytes, config
+        assert report[config].peak_bytes == pytest.approx(expected[config], rel=0.05), (config, expected)
+    assert report["full"].peak_bytes < report["none"].peak_bytes, "remat was active"
+    assert not dist.is_initialized()
+
+
 def test_estimate_refuses_a_live_process_group() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29642")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        with pytest.raises(remat.RematError, match="before `init_process_group`"):
+        with pytest.raises(remat.RematError, match=r"before `init_process_group`.*init_process_group\('fake'"):
             remat.estimate(GPT(CFG), _idx(), configs=("none",), world_size=2, shard="fsdp2")
         assert dist.get_backend() == "gloo"
     finally:

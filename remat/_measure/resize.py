@@ -8,8 +8,10 @@ the untyped one). That call goes straight to the allocator, not through the disp
 ``TorchDispatchMode`` sees it, on CPU, on accelerators or for fake tensors. So while at least one tracker is open,
 ``torch.UntypedStorage.resize_`` is wrapped (the Python class's attribute, which every storage's method lookup
 finds first; the C method it inherits stays as it was) and each open tracker is told the storage's bytes before
-and after. The wrapper is installed when the first tracker opens and removed when the last one closes, so
-outside a tracker nothing changes. A resize in any thread counts, as a release by another thread does.
+and after; before a storage grows, each is told the size asked for, and a tracker with a limit may refuse it
+there (NOTE [ A device's limit ] in track.py). The wrapper is installed when the first tracker opens and
+removed when the last one closes, so outside a tracker nothing changes. A resize in any thread counts, as a
+release by another thread does.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ __all__ = ["Watcher", "unwatch", "watch"]
 class Watcher(Protocol):
     """What a tracker offers to be told of resizes."""
 
+    def _resizing(self, storage: torch.UntypedStorage, old: int, new: int) -> None: ...
+
     def _resized(self, storage: torch.UntypedStorage, old: int, new: int) -> None: ...
 
 
@@ -37,6 +41,9 @@ _ORIGINAL = storage_resize  # the C method `torch.UntypedStorage` inherits
 
 def _resize(self: torch.UntypedStorage, size: int) -> Any:
     old = self.nbytes()
+    if isinstance(size, int) and size > old:
+        for watcher in list(_WATCHERS):
+            watcher._resizing(self, old, size)  # may raise torch.OutOfMemoryError: the storage stays as it was
     out = _ORIGINAL(self, size)
     new = self.nbytes()
     if new != old:

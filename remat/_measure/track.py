@@ -27,6 +27,19 @@ inputs' storages. One exception: ``torch.tensor(data)`` allocates outside the di
 key and shows the fresh tensor to modes only through ``aten.lift_fresh(fresh) -> fresh``, whose
 schema says "alias"; its output counts as new. A storage that changed size (``resize_``, an
 ``out=`` op that resized its output) is re-counted at its new size.
+
+NOTE [ A device's limit ]
+``track(limit=...)`` makes the tracker behave as a device's allocator does when its memory runs out.
+1. The limit bounds what the tracker counts on one device (``current(device)``): storages allocated in the block
+   and still live. Tensors live before the block are not counted, as for the tracker's other numbers, so a dry
+   run of a whole device allocates the model and optimizer inside the block (or passes the device's size less
+   what they hold). ``meta`` storages (fake tensors under a plain tracker) are never limited.
+2. A storage that would take a device over its limit raises ``torch.OutOfMemoryError`` from the op that made it,
+   before the caller sees the op's output, and is not counted: the peak stays within the limit. A resize up
+   (``untyped_storage().resize_``) is checked before the storage grows (NOTE [ Resized storages ]).
+3. The check and the count happen under the tracker's lock, so two threads cannot both pass the check with
+   room for one. The raise leaves the tracker as it was before the op; outputs of the same op that were counted
+   before the one that crossed are released with the op's outputs, as any dropped storage is.
 """
 
 from __future__ import annotations
@@ -34,17 +47,22 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import torch
 
 from .._engine.modes import Mode
+from .._format import format_bytes
+from .._plan.units import parse_budget
 from .._torch_compat import OpOverload, local_tensor
 from . import resize
 
-__all__ = ["Tracker", "synchronize", "track"]
+__all__ = ["Limit", "Tracker", "synchronize", "track"]
+
+Limit = int | str | Mapping[str | torch.device, int | str]
+"""A device's limit for `track`: bytes (an int or a string with a unit) for every device, or one per device."""
 
 # Per op overload: for each return, whether its schema says that it aliases an input.
 # See NOTE [ New or old storage ].
@@ -142,6 +160,8 @@ class Tracker:
         self.peak_bytes = 0
         self._mode: _Mode | None = None
         self._done = False
+        # device, device type or _EVERY -> bytes; None: no limit. See NOTE [ A device's limit ].
+        self._limits: dict[torch.device | str, int] | None = None
 
     # -- context manager ---------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -267,25 +287,28 @@ class Tracker:
         aliasing = _aliasing(func)
         results = out if isinstance(out, (tuple, list)) and len(aliasing) > 1 else (out,)
         inputs: set[int] | None = None
-        for i, result in enumerate(results):
-            aliases = aliasing[i] if i < len(aliasing) else False
-            for t in _tensors(result):
-                st = _storage(t)
-                if st is None:
-                    continue
-                key = st._cdata
-                entry = self._live.get(key)
-                if entry is not None:
-                    nbytes = self._place(t, st)[1]
-                    if entry[1] != nbytes:  # resized: see NOTE [ New or old storage ]
-                        self._resize(key, nbytes)
-                    continue
-                if aliases:
-                    if inputs is None:
-                        inputs = self._input_storages(args, kwargs)
-                    if key in inputs:
+        try:
+            for i, result in enumerate(results):
+                aliases = aliasing[i] if i < len(aliasing) else False
+                for t in _tensors(result):
+                    st = _storage(t)
+                    if st is None:
                         continue
-                self._add(key, t, st)
+                    key = st._cdata
+                    entry = self._live.get(key)
+                    if entry is not None:
+                        nbytes = self._place(t, st)[1]
+                        if entry[1] != nbytes:  # resized: see NOTE [ New or old storage ]
+                            self._resize(key, nbytes)
+                        continue
+                    if aliases:
+                        if inputs is None:
+                            inputs = self._input_storages(args, kwargs)
+                        if key in inputs:
+                            continue
+                    self._add(key, t, st)
+        except _OverLimit as over:  # NOTE [ A device's limit ]
+            raise over.error(str(func)) from None
 
     @staticmethod
     def _input_storages(args: Sequence[Any], kwargs: dict[str, Any] | None) -> set[int]:
@@ -306,6 +329,8 @@ class Tracker:
         device, nbytes = self._place(t, st)
         ref = weakref.ref(st, functools.partial(self._release, key))
         with self._lock:
+            if self._limits is not None:
+                self._admit(device, nbytes)
             self._live[key] = (device, nbytes, ref)
             self._account(device, nbytes)
 
@@ -313,8 +338,48 @@ class Tracker:
         with self._lock:
             entry = self._live.get(key)
             if entry is not None:
+                if self._limits is not None and nbytes > entry[1]:
+                    self._admit(entry[0], nbytes - entry[1])
                 self._live[key] = (entry[0], nbytes, entry[2])
                 self._account(entry[0], nbytes - entry[1])
+
+    def _admit(self, device: torch.device, nbytes: int) -> None:
+        """Raise `_OverLimit` if ``nbytes`` more would take ``device`` over its limit (lock held).
+
+        See NOTE [ A device's limit ].
+        """
+        limit = self._limit(device)
+        if limit is not None:
+            live = self._current.get(device, 0)
+            if live + nbytes > limit:
+                raise _OverLimit(device, nbytes, live, limit)
+
+    def _limit(self, device: torch.device) -> int | None:
+        limits = self._limits
+        if limits is None:
+            return None
+        found = limits.get(device)
+        if found is None:
+            found = limits.get(device.type)
+        if found is None and device.type != "meta":
+            found = limits.get(_EVERY)
+        return found
+
+    def _resizing(self, st: torch.UntypedStorage, old: int, new: int) -> None:
+        """A storage is about to grow from ``old`` to ``new`` bytes outside the dispatcher: check the limit first."""
+        if self._limits is None:
+            return
+        key = st._cdata
+        with self._lock:
+            entry = self._live.get(key)
+            try:
+                if entry is not None:
+                    if new > entry[1]:
+                        self._admit(entry[0], new - entry[1])
+                elif old == 0:
+                    self._admit(self._storage_device(st), new)
+            except _OverLimit as over:
+                raise over.error("UntypedStorage.resize_") from None
 
     def _resized(self, st: torch.UntypedStorage, old: int, new: int) -> None:
         """A storage changed size outside the dispatcher (``untyped_storage().resize_``): NOTE [ Resized storages ].
@@ -359,7 +424,7 @@ class Tracker:
             self.peak_bytes = self.current_bytes
 
 
-def track() -> Tracker:
+def track(limit: Limit | None = None) -> Tracker:
     """Track live tensor storage bytes per device while a ``with`` block runs.
 
     Every storage allocated by an aten op inside the block is counted once (views share their
@@ -369,10 +434,27 @@ def track() -> Tracker:
     window, the outer one still counts everything. After the block, the numbers stay at their
     values at its end. See NOTE [ Storage lifetime ] for how a release is observed.
 
+    With ``limit``, the block runs as on a device of that size: an op whose output would take the
+    bytes the tracker counts on a device (`current`, which leaves out tensors live before the block)
+    over that device's limit raises ``torch.OutOfMemoryError`` naming the limit, the bytes live and
+    the op, before the op returns; the storage is not counted, so ``peak_bytes`` stays within the
+    limit. To dry-run a training loop against a device size, build the model and optimizer inside
+    the block (or pass the device's size less what they hold). See NOTE [ A device's limit ].
+
     Tracking costs a few microseconds per aten op: time code outside a tracker.
+
+    Args:
+        limit: The most bytes live on each device: an int, or a string with a unit (``"80GiB"``,
+            ``"512MB"``); or a dict from device (``"cuda:1"``, ``torch.device("cpu")``, or a type
+            such as ``"cuda"`` for each device of that type) to its limit, devices not named being
+            unlimited. ``meta`` is limited only when named. None (the default): no limit.
 
     Returns:
         A `Tracker`, to use as a context manager once.
+
+    Raises:
+        TypeError: ``limit`` is of another type (a float fraction, for one).
+        ValueError: a limit cannot be read or is not positive.
 
     Example:
         >>> import torch, remat
@@ -382,5 +464,64 @@ def track() -> Tracker:
         ...     del a
         >>> t.peak_bytes, t.current_bytes, t.devices
         (3072, 1024, (device(type='cpu'),))
+        >>> with remat.track(limit="4KiB") as t:
+        ...     keep = torch.ones(1000)     # 4000 bytes: fits
+        ...     try:
+        ...         more = torch.ones(100)  # 400 more: over 4096
+        ...     except torch.OutOfMemoryError:
+        ...         print("out of memory at", t.current_bytes)
+        out of memory at 4000
     """
-    return Tracker()
+    tracker = Tracker()
+    if limit is not None:
+        tracker._limits = _read_limits(limit)
+    return tracker
+
+
+_EVERY = "*"  # the key of a limit for every device
+
+
+def _read_limits(limit: Limit) -> dict[torch.device | str, int]:
+    if isinstance(limit, Mapping):
+        limits: dict[torch.device | str, int] = {}
+        for device, value in limit.items():
+            if not isinstance(device, (str, torch.device)):
+                raise TypeError(f"remat: track's `limit` maps devices to bytes, but got the key {device!r} "
+                                f"({type(device).__name__}); use a device or its name, such as 'cuda:0' or 'cuda'.")
+            dev = torch.device(device)
+            # "cpu" is the one CPU device; a type without an index ("cuda") limits each device of that type
+            key: torch.device | str = dev if dev.index is not None else dev.type
+            if dev.type == "cpu":
+                key = torch.device("cpu")
+            limits[key] = _read_bytes(value, f"limit[{device!r}]")
+        return limits
+    return {_EVERY: _read_bytes(limit, "limit")}
+
+
+def _read_bytes(value: object, name: str) -> int:
+    if isinstance(value, (bool, float)) or not isinstance(value, (int, str)):
+        raise TypeError(f"remat: track's `{name}` is a device's memory in bytes: an int or a string such as "
+                        f"'80GiB', but got {value!r}.")
+    try:
+        nbytes = parse_budget(value)
+    except ValueError as error:
+        raise ValueError(f"remat: track's `{name}` is a device's memory in bytes (an int or a string such as "
+                         f"'80GiB'), but got {value!r}.") from error
+    assert isinstance(nbytes, int)
+    return nbytes
+
+
+class _OverLimit(Exception):
+    """Raised inside the tracker's bookkeeping when a storage would cross a limit; the caller names the op."""
+
+    def __init__(self, device: torch.device, nbytes: int, live: int, limit: int) -> None:
+        super().__init__(device, nbytes, live, limit)
+        self.device, self.nbytes, self.live, self.limit = device, nbytes, live, limit
+
+    def error(self, op: str) -> torch.OutOfMemoryError:
+        return torch.OutOfMemoryError(
+            f"remat: out of memory on {self.device} under remat.track(limit=...): {op} tried to allocate "
+            f"{format_bytes(self.nbytes)} ({self.nbytes} bytes) with {format_bytes(self.live)} ({self.live} bytes) "
+            f"live, over the limit of {format_bytes(self.limit)} ({self.limit} bytes). Hold less in the step "
+            "(remat.apply(model, budget=...), a smaller batch) or raise the limit."
+        )
