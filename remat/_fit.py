@@ -188,11 +188,13 @@ class _Budget:
                 placed[0] = p.choice
 
             def measure() -> int:
+                if self.grads:  # from no gradients, eager code keeps each one as a one-graph backward does
+                    return max_over_ranks(measure_step(model, step))
                 if self.compile:  # NOTE [ Measuring a compiled step ]
                     peak = compiled_peak(model, step)
                     if peak is not None:
                         return max_over_ranks(peak)
-                measured = max_over_ranks(measure_step(model, step))
+                measured = max_over_ranks(measure_step(model, step, grads=not self.compile))
                 if self.compile:  # an eager step, lifted to one compiled graph: NOTE [ Compiled as one graph ]
                     measured += graph_extra(eager, cost, placed[0])
                 return measured

@@ -278,9 +278,9 @@ def test_none_switches_sites_off_and_full_runs_even_when_remat_is_off() -> None:
 
 def test_a_budget_configuration_uses_the_planner() -> None:
     model = _stack()
-    report = remat.estimate(model, torch.randn(8, 32), configs=("none", "full", 0.6))
-    assert report["full"].activation_bytes < report[0.6].activation_bytes < report["none"].activation_bytes
-    assert report[0.6].label == "budget 0.6"
+    report = remat.estimate(model, torch.randn(256, 32), configs=("none", "full", 0.9))
+    assert report["full"].activation_bytes < report[0.9].activation_bytes < report["none"].activation_bytes
+    assert report[0.9].label == "budget 0.9"
     assert not remat.plan(model)  # the planned sites are gone again
     from remat import _fit
 
@@ -293,13 +293,13 @@ def test_a_budget_configuration_uses_the_planner() -> None:
 
     _fit.check_plan = spy  # type: ignore[attr-defined]
     try:  # the plan a real model ends with once its first step checked it: checked at once, on fake tensors
-        remat.estimate(model, torch.randn(8, 32), configs=(0.6,))
+        remat.estimate(model, torch.randn(256, 32), configs=(0.9,))
     finally:
         _fit.check_plan = real  # type: ignore[attr-defined]
     assert checked
     # the default configurations end with a budget of 0.3, which this small stack cannot meet: apply's error
     with pytest.raises(remat.BudgetError, match="smallest feasible budget"):
-        remat.estimate(model, torch.randn(8, 32))
+        remat.estimate(model, torch.randn(256, 32))
     assert not remat.plan(model)
 
 

@@ -38,10 +38,11 @@ def _no_grads(model: nn.Module) -> None:
             p.grad = None
 
 
-def measure_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> int:
+def measure_step(model: nn.Module, step: Callable[[], torch.Tensor], *, grads: bool = True) -> int:
     """The tracked peak of one training step (forward and backward) above what was live before it, starting
-    without gradients as after ``zero_grad()`` (so backward's new gradients count); the model left as it was found."""
-    with step_state(model, zeros=False):
+    without gradients as after ``zero_grad()`` (so backward's new gradients count), or from zero gradients without
+    ``grads`` (an eager step lifted to one compiled graph adds them itself); the model left as it was found."""
+    with step_state(model, zeros=not grads):
         with Tracker() as tracker:
             loss = step()
             torch.autograd.backward(loss)
