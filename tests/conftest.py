@@ -93,6 +93,20 @@ def float64_default() -> Iterator[None]:
     torch.set_default_dtype(previous)
 
 
+@pytest.fixture
+def test_device() -> Iterator[str]:
+    """The name of the device type written in Python in tests/pydevice.py (two indices, a random stream each).
+
+    Registered on first use, once per process (it cannot be undone). Backward runs on the calling thread during
+    the test: the device's guard knows index 0 only, and autograd's device threads would assert on index 1.
+    """
+    import pydevice
+
+    pydevice.register()
+    with torch.autograd.set_multithreading_enabled(False):
+        yield pydevice.NAME
+
+
 @pytest.fixture(autouse=True)
 def _no_state_left_behind() -> Iterator[None]:
     """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch as it was."""
