@@ -3,6 +3,9 @@
 `assert_same_grads` is the helper every feature test uses (see tests/test_*.py): it runs the same model or
 function twice from the same seeds, once as is and once through a remat variant, and compares outputs,
 gradients of every input and parameter, buffers (BatchNorm statistics) and the RNG state after backward.
+`assert_same_on_device` does the same for targets on the device written in Python (tests/pydevice.py, the
+`test_device` fixture), where the state of every generator after backward is compared: the CPU's and each
+index's.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
+import pydevice
 import pytest
 import torch
 from torch import nn
@@ -46,7 +50,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         function = getattr(item, "function", None)
         if function is None or hasattr(function, "hypothesis") or item.get_closest_marker("ignores_switch"):
             continue
-        helpers = ("assert_same_grads(", *getattr(getattr(item, "module", None), "EQUIVALENCE_HELPERS", ()))
+        helpers = (
+            "assert_same_grads(", "assert_same_on_device(",
+            *getattr(getattr(item, "module", None), "EQUIVALENCE_HELPERS", ()),
+        )
         if item.get_closest_marker("equivalence") is None:
             try:
                 source = inspect.getsource(function)
@@ -91,6 +98,36 @@ def float64_default() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+@pytest.fixture
+def test_device() -> Iterator[str]:
+    """The name of the device type written in Python in tests/pydevice.py (two indices, a random stream each).
+
+    Registered on first use, once per process (it cannot be undone). Backward runs on the calling thread during
+    the test: the device's guard knows index 0 only, and autograd's device threads would assert on index 1.
+    """
+    import pydevice
+
+    pydevice.register()
+    with torch.autograd.set_multithreading_enabled(False):
+        yield pydevice.NAME
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("cuda", marks=(pytest.mark.cuda, pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA device"))),
+        pydevice.NAME,
+    ]
+)
+def accelerator(request: pytest.FixtureRequest) -> str:
+    """A device that is not the CPU, for tests whose behaviour is device-generic: CUDA where there is a GPU (the
+    `cuda` marker), and always the device of tests/pydevice.py, so that no such path goes untested without one."""
+    if request.param == pydevice.NAME:
+        name: str = request.getfixturevalue("test_device")
+        return name
+    return "cuda"
 
 
 @pytest.fixture(autouse=True)
@@ -227,4 +264,83 @@ def assert_same_grads(
     for key, expected in base.buffers.items():
         torch.testing.assert_close(ours.buffers[key], expected, msg=lambda m, k=key: f"buffer {k}: {m}")
     assert torch.equal(ours.rng, base.rng), "the RNG state after backward differs from a run without remat"
+    return base, ours
+
+
+# -- the device written in Python (tests/pydevice.py) --------------------------------------------------------------
+
+
+class DeviceRun(NamedTuple):
+    """One run of `run`: outputs and gradients (on their devices), every generator after backward."""
+
+    outs: list[torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    states: tuple[torch.Tensor, ...]  # the CPU's generator, then each index's (`pydevice.stream_states()`)
+    drew: tuple[bool, ...]  # which of those generators the call and its backward moved
+
+
+def run(make: Callable[[], Any], inputs: tuple[torch.Tensor, ...], wrap: Callable[[Any], Any]) -> DeviceRun:
+    """Build the target from seed 0, call it through `wrap` from seed 1, back-propagate a weighted sum.
+
+    A target that is not a module names the module whose parameters count in its attribute `module`.
+    """
+    torch.manual_seed(0)  # the CPU's generator and every index's
+    target = make()
+    args = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+    fn = wrap(target)
+    torch.manual_seed(1)
+    seeded = pydevice.stream_states()
+    outs = tensors_in(fn(*args), [])
+    weights = torch.Generator().manual_seed(1234)
+    loss = torch.zeros((), dtype=torch.float64)
+    for out in outs:
+        if out.requires_grad:
+            weight = torch.randn(out.shape, generator=weights, dtype=out.dtype).to(out.device)
+            loss = loss + (out * weight).sum().cpu()
+    loss.backward()
+    grads: dict[str, torch.Tensor | None] = {f"input {i}": t.grad for i, t in enumerate(args) if t.requires_grad}
+    module = target if isinstance(target, nn.Module) else getattr(target, "module", None)
+    if module is not None:
+        grads.update((f"parameter {name}", p.grad) for name, p in module.named_parameters())
+    states = pydevice.stream_states()
+    drew = tuple(not torch.equal(a, b) for a, b in zip(seeded, states, strict=True))
+    return DeviceRun([out.detach() for out in outs], grads, states, drew)
+
+
+def assert_same_on_device(
+    make: Callable[[], Any],
+    inputs: tuple[torch.Tensor, ...],
+    variant: Callable[[Any], Any],
+    *,
+    expect_recompute: bool = True,
+) -> tuple[DeviceRun, DeviceRun]:
+    """`assert_same_grads` for the device of tests/pydevice.py (use with the `test_device` fixture).
+
+    Runs `make()` as is and through `variant` (`run`, same seeds) and compares outputs and gradients (values
+    and devices) and the state of every generator after backward, the CPU's and each index's, exactly. The
+    remat run must have recomputed, unless `expect_recompute=False`.
+
+    Returns:
+        The baseline run and the remat run.
+    """
+    expect_recompute_or_skip(expect_recompute)
+    base = run(make, inputs, lambda target: target)
+    before = _stats.recomputes
+    ours = run(make, inputs, variant)
+    if expect_recompute:
+        assert _stats.recomputes > before, "remat recomputed nothing: the comparison would pass without remat"
+    assert len(ours.outs) == len(base.outs), "remat changed the number of output tensors"
+    for index, (expected, got) in enumerate(zip(base.outs, ours.outs, strict=True)):
+        assert got.device == expected.device, f"output {index} is on {got.device}, not {expected.device}"
+        torch.testing.assert_close(got.cpu(), expected.cpu(), msg=lambda m, i=index: f"output {i}: {m}")
+    assert ours.grads.keys() == base.grads.keys()
+    for key, want in base.grads.items():
+        have = ours.grads[key]
+        assert (have is None) == (want is None), f"{key}: gradient present in only one run"
+        if want is not None and have is not None:
+            assert have.device == want.device, f"the gradient of {key} is on {have.device}, not {want.device}"
+            torch.testing.assert_close(have.cpu(), want.cpu(), msg=lambda m, k=key: f"gradient of {k}: {m}")
+    names = ("cpu", *(f"{pydevice.NAME}:{index}" for index in range(pydevice.COUNT)))
+    for name, want, have in zip(names, base.states, ours.states, strict=True):
+        assert torch.equal(have, want), f"the {name} generator after backward differs from a run without remat"
     return base, ours

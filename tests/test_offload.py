@@ -631,14 +631,14 @@ def test_a_module_that_offloads_pickles_deep_copies_and_shows_in_its_plan() -> N
     torch.testing.assert_close(clone(x), model(x))
 
 
-# -- CUDA (skipped without a GPU) --------------------------------------------------------------------------
+# -- on a device (the `accelerator` fixture: CUDA where there is a GPU, and the device written in Python) -----
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _cuda_model() -> nn.Module:
+def _device_model(device: str = "cuda") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[MLP(256) for _ in range(4)]).cuda()
+    return nn.Sequential(*[MLP(256) for _ in range(4)]).to(device)
 
 
 def _grads(model: nn.Module, x: torch.Tensor, offload: AbstractContextManager[Any], hook: Any = None) -> list[Any]:
@@ -652,10 +652,14 @@ def _grads(model: nn.Module, x: torch.Tensor, offload: AbstractContextManager[An
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _synchronize(device: str) -> None:
+    torch.get_device_module(device).synchronize()
+
+
 @pytest.mark.cuda
 @cuda
 def test_cuda_copies_run_on_a_side_stream_without_synchronizing_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    model, x = _cuda_model(), torch.randn(512, 256, device="cuda")
+    model, x = _device_model(), torch.randn(512, 256, device="cuda")
     expected = _grads(model, x, nullcontext())
     streams: list[Any] = []
     copy_ = torch.Tensor.copy_
@@ -689,41 +693,36 @@ def test_cuda_copies_run_on_a_side_stream_without_synchronizing_the_device(monke
         torch.testing.assert_close(g, e)
 
 
-@pytest.mark.cuda
-@cuda
-def test_cuda_overwriting_freed_memory_after_forward_does_not_change_gradients() -> None:
-    model, x = _cuda_model(), torch.randn(512, 256, device="cuda")
+def test_overwriting_freed_memory_after_forward_does_not_change_gradients(accelerator: str) -> None:
+    model, x = _device_model(accelerator), torch.randn(512, 256).to(accelerator)
     expected = _grads(model, x, nullcontext())
 
     def scribble() -> None:
         # Right after forward, with no synchronization: take blocks the size of the activations and fill them
         # with NaN on the compute stream. Had offload released a device tensor before its copy to host ran on
         # the side stream, the copy would read NaN.
-        junk = [torch.full(shape, float("nan"), device="cuda") for shape in [(512, 512), (512, 256)] * 64]
+        junk = [torch.full(shape, float("nan"), device=accelerator) for shape in [(512, 512), (512, 256)] * 64]
         del junk
 
     for offload in (remat.offload(), remat.offload(pin_memory=False)):
         got = _grads(model, x, offload, scribble)
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e)
-    torch.cuda.synchronize()
+    _synchronize(accelerator)
     _transfer.reap()
     assert all(not lane.pending for lane in _transfer._lanes.values()), "device tensors held after their copy"
 
 
-@pytest.mark.cuda
-@cuda
-def test_cuda_per_block_remat_with_offload_holds_less_on_the_device() -> None:
+def test_per_block_remat_with_offload_holds_less_on_the_device(accelerator: str) -> None:
     def held(offload: bool) -> int:
-        model = remat.apply(_cuda_model(), MLP, offload=offload)
-        x = torch.randn(4096, 256, device="cuda", requires_grad=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        y = model(x * 2)
-        torch.cuda.synchronize()
-        _transfer.reap()
-        held = torch.cuda.memory_allocated() - base
+        model = remat.apply(_device_model(accelerator), MLP, offload=offload)
+        x = torch.randn(4096, 256).to(accelerator).requires_grad_()
+        _synchronize(accelerator)
+        with remat.track() as tracker:
+            y = model(x * 2)
+            _synchronize(accelerator)
+            _transfer.reap()
+            held = tracker.current(x.device)
         y.square().sum().backward()
         return held
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_grads, randn
+from conftest import assert_same_grads, randn, recomputes
 from models import TransformerBlock
 from torch import nn
 
@@ -75,9 +75,15 @@ class FakeGenerator:
     def __init__(self) -> None:
         self.state: dict[int, int] = {}
         self.calls: list[tuple[str, int, int]] = []
+        self.initialized = False  # never the current accelerator unless a test says so
+        self.count = 2
 
     def current_device(self) -> int:
         return 0
+
+    def device_count(self) -> int:
+        self.calls.append(("count", -1, self.count))
+        return self.count
 
     def get_rng_state(self, device: Any = None) -> torch.Tensor:
         index = torch.device(device).index or 0
@@ -91,7 +97,7 @@ class FakeGenerator:
         self.calls.append(("set", index, int(state[0])))
 
     def is_initialized(self) -> bool:
-        return False  # never the current accelerator: only the devices a test names are used
+        return self.initialized
 
     def draw(self, index: int) -> int:
         value = self.state.setdefault(index, 100 * index)
@@ -167,6 +173,28 @@ def test_rng_of_every_fake_device_is_stashed_and_restored_in_a_fork(
     assert xpu.calls[-1] == ("set", 1, 102) and hpu.calls[-1] == ("set", 0, 1)  # restored after the fork
 
 
+def test_every_index_of_the_accelerator_counts_once_it_is_initialised(fake_devices: dict[str, FakeGenerator]) -> None:
+    """A function may reach any index through a closure; before the accelerator is initialised, nothing is asked
+    of it (no cost where only the CPU is in use)."""
+    xpu = fake_devices["xpu"]
+    assert _rng.devices_of([randn(2)]) == ()
+    assert xpu.calls == []
+    xpu.initialized, xpu.count = True, 3
+    assert _rng.devices_of([randn(2)]) == tuple(torch.device("xpu", i) for i in range(3))
+    assert _rng.devices_of([randn(2), OnDevice("hpu")]) == (
+        torch.device("hpu", 0), *(torch.device("xpu", i) for i in range(3)))
+
+    seen: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:  # draws on xpu:2, which no input shows
+        seen.append(xpu.draw(2))
+        return x.sin().exp()
+
+    remat.remat(fn)(randn(4, requires_grad=True)).sum().backward()
+    assert seen == [200, 200], "recompute must see the state forward saw"
+    assert xpu.state[2] == 201, "the caller's stream after backward is as without remat"
+
+
 def test_no_device_rng_is_touched_without_preserve_rng(fake_devices: dict[str, FakeGenerator]) -> None:
     fn = remat.remat(preserve_rng=False)(lambda x, d: x.sin().exp())
     fn(randn(4, requires_grad=True), OnDevice("xpu:0")).sum().backward()
@@ -186,45 +214,49 @@ def test_rng_stash_restores_cpu_inside_a_fork() -> None:
     torch.testing.assert_close(after, torch.rand(3), rtol=0, atol=0)
 
 
-# -- CUDA (run on a GPU when there is one) ----------------------------------------------------------------
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# -- on a device (CUDA where there is a GPU, and the device written in Python: the `accelerator` fixture) -------
 
 
-def _cuda_run(fn: Callable[..., torch.Tensor], x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _device_run(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, extra: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     torch.manual_seed(0)
     x = x.detach().clone().requires_grad_()
     fn(x, scale=extra).sum().backward()
     assert x.grad is not None
-    return x.grad, torch.cuda.get_rng_state(), torch.get_rng_state()
+    return x.grad, torch.get_device_module(extra.device.type).get_rng_state(extra.device), torch.get_rng_state()
 
 
-def _dropout_on_cuda(x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
-    return F.dropout(x.cuda().sin(), 0.5).exp().cpu() * scale.cpu() + F.dropout(x, 0.5)
+def _dropout_on_device(x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+    here = F.dropout(x.to(scale.device).sin(), 0.5).exp() * scale
+    return here.cpu() + F.dropout(x, 0.5)
 
 
-@pytest.mark.cuda
-@cuda
-def test_cuda_dropout_with_a_cuda_keyword_tensor_matches_baseline() -> None:
-    """The input is on the CPU; CUDA is reached only through a keyword tensor, which must count."""
-    torch.cuda.init()
-    x, scale = randn(32), randn(32, seed=1).cuda()
-    base = _cuda_run(_dropout_on_cuda, x, scale)
-    ours = _cuda_run(remat.remat(_dropout_on_cuda), x, scale)
+@pytest.mark.equivalence
+def test_device_dropout_with_a_keyword_tensor_on_the_device_matches_baseline(accelerator: str) -> None:
+    """The input is on the CPU; the device is reached only through a keyword tensor, which must count."""
+    x, scale = randn(32), randn(32, seed=1).to(accelerator)
+    before = recomputes()
+    ours = _device_run(remat.remat(_dropout_on_device), x, scale)
+    assert recomputes() > before
+    base = _device_run(_dropout_on_device, x, scale)
     for expected, got in zip(base, ours, strict=True):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        torch.testing.assert_close(got.cpu(), expected.cpu(), rtol=0, atol=0)
 
 
-@pytest.mark.cuda
-@cuda
-def test_cuda_transformer_matches_baseline() -> None:
+@pytest.mark.equivalence
+def test_transformer_on_a_device_matches_baseline(accelerator: str) -> None:
     torch.manual_seed(0)
-    model = TransformerBlock().double().cuda()
-    x = randn(2, 5, 8).cuda().requires_grad_()
+    model = TransformerBlock().double().to(accelerator)
+    x = randn(2, 5, 8).to(accelerator).requires_grad_()
+    module = torch.get_device_module(accelerator)
     results = []
-    for module in (model, remat.remat(__import__("copy").deepcopy(model))):
+    before = recomputes()
+    for block in (model, remat.remat(__import__("copy").deepcopy(model))):
         torch.manual_seed(1)
         xi = x.detach().clone().requires_grad_()
-        module(xi).sum().backward()
-        results.append((xi.grad, *[p.grad for p in module.parameters()], torch.cuda.get_rng_state()))
+        block(xi).sum().backward()
+        results.append((xi.grad, *[p.grad for p in block.parameters()], module.get_rng_state()))
+    assert recomputes() > before
     for expected, got in zip(*results, strict=True):
-        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got.cpu(), expected.cpu())

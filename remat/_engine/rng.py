@@ -1,9 +1,8 @@
 """RNG state of every device a region touches, stashed in forward and restored inside a fork.
 
-Devices are found from the tensors themselves (positional and keyword inputs, a module's parameters and
-buffers where torch has an accelerator), the current accelerator and an active `torch.device(...)` context,
-and each one's generator is reached through `torch.get_device_module(device.type)`: no device type is
-hard-coded, so CUDA, XPU, MPS, HPU and privateuse1 backends all work. The CPU generator is always included.
+See NOTE [ Which generators a region draws on ]. Each device's generator is reached through
+`torch.get_device_module(device.type)`: no device type is hard-coded, so CUDA, XPU, MPS, HPU and privateuse1
+backends all work.
 """
 
 from __future__ import annotations
@@ -19,6 +18,24 @@ from torch import nn
 from .._torch_compat import current_accelerator, torch_function_mode_on
 
 __all__ = ["RngStash", "devices_of", "with_index"]
+
+# NOTE [ Which generators a region draws on ]
+# Rerun calls the function again in backward, so every generator forward drew from must be set back to the state
+# it had when forward began, or recompute draws other dropout masks: wrong gradients, and no error. A stash holds:
+#   1. the CPU generator, always;
+#   2. the devices of the region's inputs (positional and keyword), of its module's parameters and buffers, and
+#      the default device of an active `torch.device(...)` context;
+#   3. every index of the accelerator (`torch.accelerator`), once its device module says it is initialised.
+# Rule 3 is what makes "touches" mean where random ops ran: a function reaches tensors on any index through a
+# closure, a global or another module's attribute, none of which its inputs show, and torch's checkpoint, which
+# looks at the inputs only, gets wrong dropout gradients for a module on device 1 called from inputs on device 0.
+# Its cost: nothing where only the CPU is in use (an accelerator that is not initialised has drawn nothing, and
+# nothing is asked of it beyond `is_initialized`); where one is, one state per visible index in forward, and one
+# read and two writes per index in recompute (the fork). The states of indices forward did not draw on are set
+# back to what they already were.
+# Not covered under rerun: a second device type that is not the accelerator, reached only through a closure
+# (torch reports one accelerator per process). Replay needs none of this: its recorder sees every random op and
+# stashes the state of the device it runs on just before the first one (recorder.py).
 
 _NO_RNG = frozenset({"cpu", "meta"})
 _cpu = torch.default_generator
@@ -65,6 +82,23 @@ def _current_accelerator(built: torch.device | None) -> torch.device | None:
     return built
 
 
+def _every_index(accelerator: torch.device) -> tuple[torch.device, ...]:
+    """Every index of an initialised accelerator type (rule 3 of NOTE [ Which generators a region draws on ])."""
+    module = _device_module(accelerator.type)
+    count = getattr(module, "device_count", None)
+    total = int(count()) if callable(count) else 0
+    if total <= 1:
+        current = with_index(accelerator)
+        return () if current is None else (current,)
+    indices = _indices.get((accelerator.type, total))
+    if indices is None:
+        indices = _indices[accelerator.type, total] = tuple(torch.device(accelerator.type, i) for i in range(total))
+    return indices
+
+
+_indices: dict[tuple[str, int], tuple[torch.device, ...]] = {}
+
+
 def _module_devices(module: nn.Module, kinds: set[torch.device]) -> None:
     """Add the devices of the parameters and buffers of `module` and its submodules to `kinds`.
 
@@ -86,6 +120,9 @@ def devices_of(
 ) -> tuple[torch.device, ...]:
     """Return the non-CPU devices whose generators a region may draw from, each with its index.
 
+    See NOTE [ Which generators a region draws on ]: the devices of `tensors` and `module`, and every index of
+    the accelerator once it is initialised.
+
     Args:
         tensors: the region's inputs (positional and keyword, flattened).
         module: the module whose method runs in the region; its parameters and buffers count too.
@@ -100,15 +137,15 @@ def devices_of(
     if module is not None and built is not None:
         _module_devices(module, kinds)
     accelerator = _current_accelerator(built)
-    if accelerator is not None:
-        kinds.add(accelerator)
     if torch_function_mode_on():
         default = torch.get_default_device()
         if default.type not in _NO_RNG:
             kinds.add(default)
     if not kinds:
-        return ()
+        return () if accelerator is None else _every_index(accelerator)
     found = {with_index(device) for device in kinds}
+    if accelerator is not None:
+        found.update(_every_index(accelerator))
     return tuple(sorted((d for d in found if d is not None), key=str))
 
 

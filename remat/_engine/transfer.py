@@ -43,7 +43,9 @@ __all__ = ["Parcel", "Stay", "host_bytes", "live_parcels", "reap"]
 # The host copy lives as long as the parcel, i.e. as long as autograd's saved variable: freed after the node
 # ran, or when the graph is dropped; `retain_graph=True` keeps it for the next backward, which copies again.
 # On CPU (`include_cpu=True`, for tests) the same functions run: torch.cpu's streams are no-ops and its
-# events are None, so copies are synchronous and nothing is ever pending.
+# events are None, so copies are synchronous and nothing is ever pending. A device without streams (MPS, a
+# backend written in Python) takes that path too, into host memory that is not pinned: with synchronous copies
+# pinning gains nothing, and such a backend may have no pinned allocator at all.
 
 _AHEAD = 1  # parcels copied back ahead of the one being unpacked
 _WALK = 8  # at most this many links followed when looking for them
@@ -83,7 +85,7 @@ class _Lane:
 
     def out(self, tensor: torch.Tensor, pin: bool) -> torch.Tensor:
         """Copy `tensor` into a new host tensor; its memory stays referenced until the copy is done."""
-        pin = pin and self.device.type != "cpu"
+        pin = pin and self.module is not torch.cpu  # pinned memory only helps copies that run asynchronously
         host = torch.empty_like(tensor, device="cpu", pin_memory=pin)
         compute = self._compute()
         self.stream.wait_stream(compute)
