@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from . import _sharded
-from ._engine.compiled import compiling, in_compiled_call
-from ._errors import BudgetError
 from ._budget.fake_profile import on_fake, profile_fake
 from ._budget.gradients import accumulation_order, gradient_steps, with_step_gradients
+from ._engine.compiled import compiling, in_compiled_call
+from ._errors import BudgetError
 from ._first_step import WINDOW, FirstStep, can_track, pop_closed
 from ._fit_check import PlanCheck, check_measured, check_plan
 from ._measure.costs import ModelCost
@@ -165,7 +165,8 @@ class _Budget:
                         return found
                     return with_step_gradients(found, gradient_steps(blocks, order))
 
-                cost = profile_fake(model, args, kwargs, step_on, profile) if on_fake(model, self.compile, self.options["strategy"]) else None
+                fake = on_fake(model, self.compile, self.options["strategy"])  # NOTE [ Planning on fake tensors ]
+                cost = profile_fake(model, args, kwargs, step_on, profile) if fake else None
                 if cost is None:
                     cost = profile(step)
             eager = cost

@@ -97,10 +97,12 @@ def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -
     end = [total] * n
     below_first = total
     for i in range(n):  # from block 0 up: a parameterless block takes the bounds of the next one below it
-        if first[i] is not None:
-            below_first = first[i]  # type: ignore[assignment]
-        start[i] = first[i] if first[i] is not None else below_first
-        end[i] = last[i] + 1 if last[i] is not None else below_first  # type: ignore[operator]
+        opened, closed = first[i], last[i]
+        if opened is None or closed is None:
+            start[i] = end[i] = below_first
+        else:
+            below_first = start[i] = opened
+            end[i] = closed + 1
     outside = [before[total]] + [before[start[k - 1]] for k in range(1, n + 1)]
     return GradientSteps(tuple(before[e] for e in end), tuple(outside))
 
