@@ -42,9 +42,10 @@ def run(config: str, views: bool, idx: torch.Tensor, steps: int) -> tuple[int, i
         optimizer = torch.optim.AdamW(ddp.parameters())
         with remat.enabled(config != "none"):
             for _ in range(steps):
-                loss = ddp(idx).sum()  # the output dies before backward, as in the step remat.estimate predicts
+                out = ddp(idx)
+                loss = out.sum()
                 loss.backward()
-                del loss
+                del out, loss
                 optimizer.step()
                 optimizer.zero_grad()
     # A wrapped model is estimated with its own settings (on a copy of its state: nothing of it changes).

@@ -3,18 +3,14 @@
 NOTE [ What an estimate runs ]
 The step an estimate predicts is a steady-state training step, the one that repeats: at its start the model's
 parameters and buffers, the optimizer's state and the batch are alive, and the gradients are not
-(``zero_grad(set_to_none=True)``, torch's default, ended the previous step), so the gradients backward makes count.
-The step is forward, the loss, backward, the optimizer step and ``zero_grad``. The model's output is dropped once
-the loss is computed, before backward, as ``model(**batch).loss.backward()``, transformers' Trainer and the budget
-planner's step do: what autograd keeps of it (an output a loss saves) stays counted, the rest (a language model's
-logits, which cross-entropy does not save) is freed when backward starts. A loop that keeps the output alive through
-backward (``out = model(x); loss = f(out); loss.backward()``) holds its bytes more. The loss is dropped before the
-optimizer step, as a training loop that returns ``loss.detach()`` does. The optimizer's state is made by one step on
-zero gradients before the counted step (optimizers create it lazily), so it is alive throughout the counted one, as
-from the second step of a real run on. Everything runs on fake tensors (NOTE [ Counting fake tensors ]): the bytes
-are those of the tensors the same ops would make on the device predicted for, and nothing is allocated at the
-model's size. Each configuration runs the same step with its own remat sites; the engine recomputes in backward on
-fake tensors too, so what a configuration frees and rebuilds is counted, not modelled.
+(``zero_grad(set_to_none=True)``, torch's default, ended the previous step). The step is forward, the loss,
+backward, the optimizer step and ``zero_grad``; the output and the loss are dropped before the optimizer step, as
+a training loop that returns ``loss.detach()`` does. The optimizer's state is made by one step on zero gradients
+before the counted step (optimizers create it lazily), so it is alive throughout the counted one, as from the
+second step of a real run on. Everything runs on fake tensors (NOTE [ Counting fake tensors ]): the bytes are
+those of the tensors the same ops would make on the device predicted for, and nothing is allocated at the
+model's size. Each configuration runs the same step with its own remat sites; the engine recomputes in backward
+on fake tensors too, so what a configuration frees and rebuilds is counted, not modelled.
 
 NOTE [ One optimizer step ]
 The optimizer step does the same ops on the same parameters, gradients and state under every configuration: only
@@ -178,12 +174,11 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
         value = _scalar(out, loss)
         own = tracker._bytes_of([value]).get(device, 0)
         held = tracker.current(device) - own
-        del out  # NOTE [ What an estimate runs ]: only the loss outlives forward
         tracker.enter(BACKWARD)
         torch.autograd.backward(value)
         grads = [p.grad for p in params if p.grad is not None]
         grad_bytes = storage_bytes(grads)
-        del value, grads
+        del out, value, grads
         before = tracker.current(device)
         tracker.enter(OPTIMIZER)
         if optimizer is not None:

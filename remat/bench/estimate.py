@@ -8,9 +8,8 @@ counted with `remat.track` (NOTE [ What a real step counts ]), and their ratio.
 
 NOTE [ What a real step counts ]
 The real step is the one `remat.estimate` predicts (NOTE [ What an estimate runs ] in remat/_plan/estimate.py):
-a warm-up optimizer step on zero gradients makes the optimizer's state, then one tracked step starts without
-gradients and runs forward, the loss (the model's output dropped once it is computed), backward, the optimizer
-step and ``zero_grad``. The bytes alive before it (parameters, buffers, the
+a warm-up optimizer step on zero gradients makes the optimizer's state, then one tracked step runs forward,
+the loss, backward, the optimizer step and ``zero_grad``. The bytes alive before it (parameters, buffers, the
 batch, the optimizer's state) are counted from their storages, and the tracker adds the step's own peak.
 """
 
@@ -205,10 +204,9 @@ def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed:
             out = _call(model, case.sample)
             value = case.loss(out) if case.loss is not None else default_loss(out)
             held = t.current_bytes - sum(t._bytes_of([value]).values())
-            del out
             torch.autograd.backward(value)
             grads = _storage_bytes([p.grad for p in params if p.grad is not None])
-            del value
+            del out, value
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
