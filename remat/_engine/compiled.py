@@ -56,6 +56,8 @@ _eval_frame_callback = eval_frame_callback  # None on a torch without dynamo
 def in_compiled_call() -> bool:
     """Whether a torch.compile'd call is running on this thread (traced, or run in eager code after a break)."""
     return compiling() or (_eval_frame_callback is not None and _eval_frame_callback() is not None)
+
+
 _warned: set[str] = set()
 
 
