@@ -39,12 +39,13 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch import nn
 
 from .._engine.modes import Mode
 from .._torch_compat import OpOverload, local_tensor
 from . import resize
 
-__all__ = ["Tracker", "synchronize", "track"]
+__all__ = ["Tracker", "placed", "synchronize", "track"]
 
 # Per op overload: for each return, whether its schema says that it aliases an input.
 # See NOTE [ New or old storage ].
@@ -99,6 +100,19 @@ class _Mode(Mode):
         out = func(*args, **(kwargs or {}))
         self._tracker._see(func, args, kwargs, out)
         return out
+
+
+def placed(module: nn.Module) -> tuple[torch.device, ...]:
+    """The devices other than the CPU that `module`'s parameters and buffers live on, sorted by name.
+
+    Where a model runs, as opposed to `rng.devices_of` (whose generators a step may draw on: every index of an
+    initialised accelerator too, wherever the model lives).
+
+    >>> placed(nn.Linear(2, 2))
+    ()
+    """
+    found = {t.device for t in (*module.parameters(), *module.buffers()) if t.device.type not in ("cpu", "meta")}
+    return tuple(sorted(found, key=str))
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:
