@@ -17,12 +17,14 @@ the paths remat takes for a tensor that is not on the CPU run in every test run:
   (`torch.Tag.nondeterministic_seeded`) draw from the index's own generator, never from the CPU's: a dropout on
   `remat_test:1` moves that index's stream only.
 
-What the device lacks: streams and events (offload copies synchronously, as on MPS), pinned host memory, a
+What the device lacks: streams and events (offload copies synchronously, as on MPS), pinned host memory, and a
 device guard that knows more than index 0 — so backward must run on the calling thread
-(`torch.autograd.set_multithreading_enabled(False)`, per thread: the `on_device` fixture in
-tests/test_rng_device.py), or autograd's engine asserts on a node of index 1 — and `out=` tensors that would
-need resizing. Registration is process-wide and cannot be undone: `register()` does it once, lazily, from a
-fixture, and nothing here runs at import.
+(`torch.autograd.set_multithreading_enabled(False)`, per thread: the `test_device` fixture in tests/conftest.py),
+or autograd's engine asserts on a node of index 1. An exception raised in backward on this device aborts the
+process (torch 2.13: the engine's stream guard calls the Python guard, from a `noexcept` destructor, while the
+Python error is still pending), so a test that expects an error in backward keeps to the CPU. Registration is
+process-wide and cannot be undone: `register()` does it once, lazily, from a fixture; importing this module
+registers nothing.
 """
 
 from __future__ import annotations

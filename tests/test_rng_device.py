@@ -158,8 +158,9 @@ def test_every_index_of_an_initialised_accelerator_is_stashed() -> None:
     assert _rng.devices_of([randn(2)]) == (torch.device(D0), torch.device(D1))
 
 
+@pytest.mark.parametrize("preserve_rng", [True, False], ids=["preserve_rng", "control"])
 @pytest.mark.parametrize("strategy", ["rerun", "replay"])
-def test_cpu_and_device_dropout_in_one_site(strategy: str) -> None:
+def test_cpu_and_device_dropout_in_one_site(strategy: str, preserve_rng: bool) -> None:
     def make() -> Callable[[torch.Tensor], torch.Tensor]:
         module = far()
 
@@ -169,7 +170,8 @@ def test_cpu_and_device_dropout_in_one_site(strategy: str) -> None:
         fn.module = module  # type: ignore[attr-defined]
         return fn
 
-    base, _ = assert_same_on_device(make, (randn(4, 8, requires_grad=True),), remat.remat(strategy=strategy))
+    variant = remat.remat(strategy=strategy, preserve_rng=preserve_rng)
+    base = assert_matches(preserve_rng, make, (randn(4, 8, requires_grad=True),), variant)
     assert base.drew == (True, False, True)
 
 
@@ -184,19 +186,20 @@ class Nested(nn.Module):
         return self.inner(F.dropout(x.exp(), 0.5)).sin()
 
 
+@pytest.mark.parametrize("preserve_rng", [True, False], ids=["preserve_rng", "control"])
 @pytest.mark.parametrize("inner", ["rerun", "replay"])
 @pytest.mark.parametrize("outer", ["rerun", "replay"])
-def test_nested_sites_on_two_indices(outer: str, inner: str) -> None:
+def test_nested_sites_on_two_indices(outer: str, inner: str, preserve_rng: bool) -> None:
     def make() -> nn.Module:
         model = Nested().double().to(D0)
         model.inner.to(D1)
         return model
 
     def variant(model: nn.Module) -> nn.Module:
-        remat.remat(model.inner, strategy=inner)
-        return remat.remat(model, strategy=outer)
+        remat.remat(model.inner, strategy=inner, preserve_rng=preserve_rng)
+        return remat.remat(model, strategy=outer, preserve_rng=preserve_rng)
 
-    base, _ = assert_same_on_device(make, (x0(),), variant)
+    base = assert_matches(preserve_rng, make, (x0(),), variant)
     assert base.drew == (False, True, True)
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import remat
@@ -33,9 +34,10 @@ def _idx() -> torch.Tensor:
 
 
 def _shard(model: GPT) -> None:
+    mesh = init_device_mesh("cpu", (1,))  # named: the default is the current accelerator's (tests/pydevice.py)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _took(model: GPT) -> int:

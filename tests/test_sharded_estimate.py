@@ -32,6 +32,8 @@ def _idx() -> torch.Tensor:
 
 
 def _shard(model: GPT, mesh: DeviceMesh | None = None) -> None:
+    if mesh is None:  # named: the default is the current accelerator's (tests/pydevice.py registers one)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

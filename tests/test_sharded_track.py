@@ -8,6 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import remat
@@ -60,9 +61,10 @@ def test_fsdp2_frees_are_seen_in_a_real_step() -> None:
     try:
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(3)])
+        mesh = init_device_mesh("cpu", (1,))  # named: the default is the current accelerator's (tests/pydevice.py)
         for block in model:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         unsharded = sum(p.numel() * 4 for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters())
         x = torch.randn(4, 16)

@@ -226,6 +226,27 @@ def test_current_bytes_equal_the_live_distinct_storages(steps: list[tuple[str, i
     assert t.peak_bytes >= peak
 
 
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_device_counts_what_the_cpu_counts(test_device: str, index: int) -> None:
+    """The tracker on a device that is not the CPU (tests/pydevice.py): bytes are counted on that device and
+    index, and a step counts there exactly what it counts on the CPU."""
+
+    def step(device: torch.device) -> tuple[tuple[torch.device, ...], int, int]:
+        generator = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 64, generator=generator).to(device).requires_grad_()
+        x = torch.randn(32, 64, generator=generator).to(device)
+        with track() as t:
+            loss = (x @ w).relu().square().sum()
+            torch.autograd.backward(loss)
+            del loss
+        return t.devices, t.peak(device), t.current(device)
+
+    device = torch.device(test_device, index)
+    on_cpu, here = step(torch.device("cpu")), step(device)
+    assert here[0] == (device,)
+    assert here[1:] == on_cpu[1:] and here[1] > 0
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_peak_matches_the_allocator() -> None:

@@ -84,16 +84,19 @@ def _current_accelerator(built: torch.device | None) -> torch.device | None:
 
 def _every_index(accelerator: torch.device) -> tuple[torch.device, ...]:
     """Every index of an initialised accelerator type (rule 3 of NOTE [ Which generators a region draws on ])."""
-    module = _device_module(accelerator.type)
+    kind = accelerator.type
+    module = _device_module(kind)
+    if module is None or not hasattr(module, "get_rng_state"):
+        return ()
     count = getattr(module, "device_count", None)
     total = int(count()) if callable(count) else 0
-    if total <= 1:
-        current = with_index(accelerator)
-        return () if current is None else (current,)
-    indices = _indices.get((accelerator.type, total))
-    if indices is None:
-        indices = _indices[accelerator.type, total] = tuple(torch.device(accelerator.type, i) for i in range(total))
-    return indices
+    if total > 1:
+        indices = _indices.get((kind, total))
+        if indices is None:
+            indices = _indices[kind, total] = tuple(torch.device(kind, i) for i in range(total))
+        return indices
+    current = getattr(module, "current_device", None)
+    return (torch.device(kind, int(current()) if callable(current) else 0),)
 
 
 _indices: dict[tuple[str, int], tuple[torch.device, ...]] = {}
@@ -127,8 +130,8 @@ def devices_of(
         tensors: the region's inputs (positional and keyword, flattened).
         module: the module whose method runs in the region; its parameters and buffers count too.
 
-    >>> devices_of([torch.zeros(2)])
-    ()
+    >>> torch.device("cpu") in devices_of([torch.zeros(2)])  # the CPU's generator is always stashed anyway
+    False
     """
     kinds: set[torch.device] = {t.device for t in tensors if not t.is_cpu and not t.is_meta}
     built = _built_accelerator()

@@ -49,6 +49,7 @@ from .costs import ModelCost
 from .derive import PARTS, Kept, mode_overhead
 from .marks import Recorder, Step, marked_step
 from .state import step_state
+from .track import placed
 
 __all__ = ["profile_blocks"]
 
@@ -118,7 +119,7 @@ def profile_blocks(
     # gradients are outside the budget; RNG streams put back; fake tensors priced: NOTE [ Priced time ] in clock.py
     with clock_for([*model.parameters(), *model.buffers()]), step_state(model):
         exact = priced()  # the tracked step's times: nothing to correct them with
-        apart = not exact and any(d.type != "cpu" for d in devices)  # NOTE [ Timing under the tracker ] in windows.py
+        apart = not exact and bool(placed(model))  # NOTE [ Timing under the tracker ] in windows.py
         samples = {} if apart or exact else _samples(blocks, rounds, len(run))
         tracked: list[Recorder] = []
         timed: list[Recorder] = []

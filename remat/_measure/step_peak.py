@@ -22,10 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._engine.rng import devices_of
 from .._torch_compat import can_record_host, compiling_allowed, host_bytes
 from .state import step_state
-from .track import Tracker
+from .track import Tracker, placed
 
 __all__ = ["compiled_peak", "measure_step"]
 
@@ -57,14 +56,13 @@ def compiled_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -
     Args:
         step: runs the forward of the module it is given (the compiled model) and returns the scalar loss.
     """
-    devices = devices_of([p for p in model.parameters() if p.requires_grad], module=model)
+    accelerators = placed(model)
     compiled: Any = torch.compile(model)  # an nn.Module (dynamo's OptimizedModule)
 
     def run() -> None:
         loss = step(compiled)
         torch.autograd.backward(loss)
 
-    accelerators = [d for d in devices if d.type != "cpu"]
     if not accelerators and not can_record_host():
         return None  # nothing to read it with: compile nothing
     with step_state(model, zeros=False), compiling_allowed():

@@ -52,6 +52,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch import nn
 
 from .._engine.modes import Mode
 from .._format import format_bytes
@@ -59,7 +60,7 @@ from .._plan.units import parse_budget
 from .._torch_compat import OpOverload, local_tensor
 from . import resize
 
-__all__ = ["Limit", "Tracker", "synchronize", "track"]
+__all__ = ["Limit", "Tracker", "placed", "synchronize", "track"]
 
 Limit = int | str | Mapping[str | torch.device, int | str]
 """A device's limit for `track`: bytes (an int or a string with a unit) for every device, or one per device."""
@@ -117,6 +118,19 @@ class _Mode(Mode):
         out = func(*args, **(kwargs or {}))
         self._tracker._see(func, args, kwargs, out)
         return out
+
+
+def placed(module: nn.Module) -> tuple[torch.device, ...]:
+    """The devices other than the CPU that `module`'s parameters and buffers live on, sorted by name.
+
+    Where a model runs, as opposed to `rng.devices_of` (whose generators a step may draw on: every index of an
+    initialised accelerator too, wherever the model lives).
+
+    >>> placed(nn.Linear(2, 2))
+    ()
+    """
+    found = {t.device for t in (*module.parameters(), *module.buffers()) if t.device.type not in ("cpu", "meta")}
+    return tuple(sorted(found, key=str))
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:
