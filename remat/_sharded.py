@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._engine.compiled import SiteForward
 from ._errors import RematError
 from ._torch_compat import fake_store, fsdp_state_keys
 
@@ -144,6 +145,9 @@ def shadow(model: nn.Module) -> tuple[nn.Module, dict[nn.Module, Sharding]]:
         state["_modules"] = {k: None if v is None else copy_module(v) for k, v in state["_modules"].items()}
         state = {k: copy.copy(v) if isinstance(v, (dict, list, set)) and not k.startswith("_") else v
                  for k, v in state.items()}
+        forward = state.get("forward")
+        if isinstance(forward, SiteForward):  # a site's own forward, bound to the copy (NOTE [ Under torch.compile ])
+            state["forward"] = SiteForward(new, forward.own, forward.site)
         new.__dict__.update(state)
         if fsdp is not None and isinstance(module, fsdp):
             settings[new] = _settings(module)

@@ -14,8 +14,8 @@ Rules:
    the memory of a plain training step: a model planned for one compiled graph (its costs are shifted by real
    compiled runs), a model sharded by `fully_shard` or wrapped in DDP (their collectives need real tensors), the
    replay strategy (its tape runs its recorded ops on the tensors it kept, which a fake profile mixes with real
-   ones), a model that is fake already (`remat.estimate`), and a step with a data-dependent op (`.item()`,
-   `nonzero`), which fake tensors cannot run: that one is logged.
+   ones), a model that is fake, on meta or made of DTensors already (`remat.estimate`), and a step with a
+   data-dependent op (`.item()`, `nonzero`), which fake tensors cannot run: that one is logged.
 
 Implementation notes:
 1. The fake twin is `fake_state` (NOTE [ Swapping in fake state ] in remat/_measure/fake.py); hooks and module
@@ -54,6 +54,9 @@ def on_fake(model: nn.Module, compile: bool, strategy: str) -> bool:
     """Whether a budget's profile of `model` runs on fake tensors (NOTE [ Planning on fake tensors ], rule 3)."""
     if compile or strategy != "rerun" or is_fake(model) or _sharded.is_sharded(model):
         return False
+    for t in (*model.parameters(), *model.buffers()):
+        if local_tensor(t) is not t or t.device.type == "meta":  # a DTensor, or an estimate's meta state
+            return False
     return _ddp.unwrap(model) is None
 
 
