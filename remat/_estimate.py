@@ -20,7 +20,8 @@ from ._options import Options
 from ._plan.chain import parse_budget
 from ._plan.estimate import OPTIMIZERS, Configured, OptimizerLike, Refine, predict, resolve_device
 from ._plan.estimate_report import EstimateReport
-from ._plan.largest_batch import parse_memory, searches
+from ._plan.largest_batch import searches
+from ._plan.units import parse_memory
 from ._policies import Policy, save_matmuls
 from ._switch import enabled
 
@@ -217,7 +218,7 @@ def estimate(
         resolved = [_configured(model, config, where) for config in configs]
         report = predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
                          refine=refine)
-    return report if refine is None else dataclasses.replace(report, memory=parse_memory(memory, "estimate"))
+    return report if refine is None else dataclasses.replace(report, memory=parse_memory(memory, "estimate's `memory`"))
 
 
 def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None, optimizer: OptimizerLike,

@@ -28,8 +28,7 @@ from ._estimate import estimate
 from ._fit import apply_budget
 from ._format import format_bytes
 from ._plan.estimate import OptimizerLike
-from ._plan.largest_batch import parse_memory
-from ._plan.units import Budget
+from ._plan.units import Budget, parse_memory
 
 __all__ = ["apply_memory", "as_optimizer"]
 
@@ -52,7 +51,7 @@ def as_optimizer(optimizer: Any) -> OptimizerLike:
 def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, optimizer: Any,
                  loss: Callable[[Any], Any] | None, options: dict[str, Any]) -> nn.Module:
     """See `remat.apply` and NOTE [ Total memory ]."""
-    total = parse_memory(memory, "apply")
+    total = parse_memory(memory, "apply's `memory`")
     if sample is None:
         raise ValueError("remat: apply with `memory` needs `sample=`: the model's inputs for one training step (a "
                          "tensor, a tuple of positional arguments, or a dict of keyword arguments).")

@@ -56,7 +56,7 @@ from torch import nn
 
 from .._engine.modes import Mode
 from .._format import format_bytes
-from .._plan.units import parse_budget
+from .._plan.units import parse_memory
 from .._torch_compat import OpOverload, local_tensor
 from . import resize
 
@@ -507,22 +507,9 @@ def _read_limits(limit: Limit) -> dict[torch.device | str, int]:
             key: torch.device | str = dev if dev.index is not None else dev.type
             if dev.type == "cpu":
                 key = torch.device("cpu")
-            limits[key] = _read_bytes(value, f"limit[{device!r}]")
+            limits[key] = parse_memory(value, f"track's `limit[{device!r}]`")
         return limits
-    return {_EVERY: _read_bytes(limit, "limit")}
-
-
-def _read_bytes(value: object, name: str) -> int:
-    if isinstance(value, (bool, float)) or not isinstance(value, (int, str)):
-        raise TypeError(f"remat: track's `{name}` is a device's memory in bytes: an int or a string such as "
-                        f"'80GiB', but got {value!r}.")
-    try:
-        nbytes = parse_budget(value)
-    except ValueError as error:
-        raise ValueError(f"remat: track's `{name}` is a device's memory in bytes (an int or a string such as "
-                         f"'80GiB'), but got {value!r}.") from error
-    assert isinstance(nbytes, int)
-    return nbytes
+    return {_EVERY: parse_memory(limit, "track's `limit`")}
 
 
 class _OverLimit(Exception):

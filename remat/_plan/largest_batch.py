@@ -30,9 +30,9 @@ from .._measure.fake import map_tensors
 from .._torch_compat import tree_leaves
 from .estimate import Configured, Refine
 from .estimate_report import ConfigEstimate
-from .units import Budget, parse_budget
+from .units import parse_memory
 
-__all__ = ["CAP", "largest", "largest_sizes", "parse_memory", "resized", "searches", "size_along"]
+__all__ = ["CAP", "largest", "largest_sizes", "resized", "searches", "size_along"]
 
 CAP = 1 << 20
 """The largest size searched for."""
@@ -147,16 +147,6 @@ def largest_sizes(sample: Any, memory: int, batch_dim: int | None, seq_dim: int 
     return refine
 
 
-def parse_memory(memory: Budget | None, site: str) -> int:
-    """Device memory in bytes: an int, or a string with a unit ("80GiB"); not a fraction."""
-    if isinstance(memory, float) or memory is None:
-        raise TypeError(f"remat: {site}'s `memory` is the device's memory in bytes: an int or a string such as "
-                        f"'80GiB', but got {memory!r}.")
-    value = parse_budget(memory)
-    assert isinstance(value, int)
-    return value
-
-
 def searches(sample: Any, memory: int | str | None, batch_dim: int | None, seq_dim: int | None) -> Refine | None:
     """The search of the largest batch and sequence for `estimate`, None without ``memory``; arguments checked."""
     dims = {"batch_dim": batch_dim, "seq_dim": seq_dim}
@@ -173,4 +163,4 @@ def searches(sample: Any, memory: int | str | None, batch_dim: int | None, seq_d
     if batch_dim is None and seq_dim is None:
         raise ValueError("remat: estimate with `memory=` searches the largest batch: give `batch_dim=` (and "
                          "`seq_dim=` for the sequence length), the dimension of the sample's tensors to grow.")
-    return largest_sizes(sample, parse_memory(memory, "estimate"), batch_dim, seq_dim)
+    return largest_sizes(sample, parse_memory(memory, "estimate's `memory`"), batch_dim, seq_dim)

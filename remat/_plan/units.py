@@ -6,7 +6,7 @@ import re
 
 from .._format import format_bytes
 
-__all__ = ["Budget", "format_bytes", "parse_budget"]
+__all__ = ["Budget", "format_bytes", "parse_budget", "parse_memory"]
 
 Budget = int | str | float
 
@@ -59,3 +59,29 @@ def parse_budget(budget: Budget) -> int | float:
             raise ValueError(f"remat: `budget` must be > 0 bytes, but got {budget!r}.")
         return nbytes
     raise TypeError(f"remat: `budget` must be an int, str or float, but got {type(budget).__name__}.")
+
+
+def parse_memory(memory: object, name: str) -> int:
+    """Read a device's memory: bytes, an int or a string with a unit ("80GiB"); never a fraction.
+
+    Args:
+        memory: the value given.
+        name: what it was given as, for messages (e.g. "apply's `memory`", "track's `limit`").
+
+    Raises:
+        TypeError: `memory` is not an int or a string (a float fraction, a bool, None).
+        ValueError: it cannot be read, or is not positive.
+
+    >>> parse_memory("1KiB", "track's `limit`")
+    1024
+    """
+    if isinstance(memory, (bool, float)) or not isinstance(memory, (int, str)):
+        raise TypeError(f"remat: {name} is a device's memory in bytes: an int or a string such as '80GiB', but got "
+                        f"{memory!r}.")
+    try:
+        nbytes = parse_budget(memory)
+    except ValueError as error:
+        raise ValueError(f"remat: {name} is a device's memory in bytes (an int or a string such as '80GiB'), but got "
+                         f"{memory!r}.") from error
+    assert isinstance(nbytes, int)
+    return nbytes
