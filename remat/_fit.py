@@ -30,12 +30,12 @@ from torch import nn
 
 from . import _sharded
 from ._budget.fake_profile import on_fake, profile_fake
-from ._budget.gradients import accumulation_order, gradient_steps, with_step_gradients
+from ._budget.gradients import accumulation_order, gradient_steps
 from ._engine.compiled import compiling, in_compiled_call
 from ._errors import BudgetError
 from ._first_step import WINDOW, FirstStep, can_track, pop_closed
 from ._fit_check import PlanCheck, check_measured, check_plan
-from ._measure.costs import ModelCost
+from ._measure.costs import ModelCost, with_gradients
 from ._measure.derive import DERIVABLE, PARTS
 from ._measure.loss import default_loss
 from ._measure.profile import profile_blocks
@@ -163,7 +163,7 @@ class _Budget:
                         )
                     if self.compile:  # one graph's backward: NOTE [ Compiled as one graph ]
                         return found
-                    return with_step_gradients(found, gradient_steps(blocks, order))
+                    return with_gradients(found, gradient_steps(blocks, order))
 
                 fake = on_fake(model, self.compile, self.options["strategy"])  # NOTE [ Planning on fake tensors ]
                 cost = profile_fake(model, args, kwargs, step_on, profile) if fake else None

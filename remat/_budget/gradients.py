@@ -27,15 +27,14 @@ Implementation notes:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .._measure.costs import ModelCost
+from .._measure.costs import GradientSteps
 
-__all__ = ["GradientSteps", "accumulation_order", "gradient_steps", "with_step_gradients"]
+__all__ = ["accumulation_order", "gradient_steps"]
 
 
 @contextlib.contextmanager
@@ -56,15 +55,6 @@ def accumulation_order(model: nn.Module) -> Iterator[list[torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-@dataclasses.dataclass(frozen=True)
-class GradientSteps:
-    """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
-    blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`); NOTE [ Gradients in the budget ]."""
-
-    blocks: tuple[int, ...]
-    outside: tuple[int, ...]
 
 
 def _nbytes(p: torch.Tensor) -> int:
@@ -105,26 +95,3 @@ def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -
             end[i] = closed + 1
     outside = [before[total]] + [before[start[k - 1]] for k in range(1, n + 1)]
     return GradientSteps(tuple(before[e] for e in end), tuple(outside))
-
-
-def with_step_gradients(cost: ModelCost, steps: GradientSteps) -> ModelCost:
-    """`cost` with the gradients a default loop's backward allocates added (NOTE [ Gradients in the budget ]).
-
-    >>> from remat._measure.costs import BlockCost
-    >>> block = BlockCost(held_bytes=8, forward_peak=12, backward_peak=16, forward_time=1.0, backward_time=2.0)
-    >>> cost = ModelCost(("0", "1"), ("kept",), ((block,), (block,)), (0, 0, 4))
-    >>> new = with_step_gradients(cost, GradientSteps((64, 40), (64, 40, 16)))
-    >>> [row[0].backward_peak for row in new.blocks], new.outside_peaks
-    ([80, 56], (64, 40, 20))
-    """
-    n = len(cost.names)
-    if len(steps.blocks) != n or len(steps.outside) != n + 1:
-        raise ValueError(f"remat: {n} blocks need {n} and {n + 1} gradient sizes, but got "
-                         f"{len(steps.blocks)} and {len(steps.outside)}.")
-    blocks = tuple(
-        tuple(None if c is None else dataclasses.replace(c, backward_peak=c.backward_peak + steps.blocks[i])
-              for c in row)
-        for i, row in enumerate(cost.blocks)
-    )
-    peaks = tuple(peak + steps.outside[k] for k, peak in enumerate(cost.outside_peaks))
-    return dataclasses.replace(cost, blocks=blocks, outside_peaks=peaks)

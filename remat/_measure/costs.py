@@ -23,10 +23,11 @@ are outside them). The model is additive: what a block costs does not depend on 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-__all__ = ["BlockCost", "ModelCost"]
+__all__ = ["BlockCost", "GradientSteps", "ModelCost", "with_gradients"]
 
 
 @dataclass(frozen=True)
@@ -116,3 +117,35 @@ class ModelCost:
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+@dataclass(frozen=True)
+class GradientSteps:
+    """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
+    blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`): NOTE [ Gradients in the budget ] in
+    remat/_budget/gradients.py, and NOTE [ Compiled as one graph ] in remat/_plan/whole_graph.py."""
+
+    blocks: tuple[int, ...]
+    outside: tuple[int, ...]
+
+
+def with_gradients(cost: ModelCost, steps: GradientSteps) -> ModelCost:
+    """`cost` with the gradients alive at each point of the step added to its peaks.
+
+    >>> block = BlockCost(held_bytes=8, forward_peak=12, backward_peak=16, forward_time=1.0, backward_time=2.0)
+    >>> cost = ModelCost(("0", "1"), ("kept",), ((block,), (block,)), (0, 0, 4))
+    >>> new = with_gradients(cost, GradientSteps((64, 40), (64, 40, 16)))
+    >>> [row[0].backward_peak for row in new.blocks], new.outside_peaks
+    ([80, 56], (64, 40, 20))
+    """
+    n = len(cost.names)
+    if len(steps.blocks) != n or len(steps.outside) != n + 1:
+        raise ValueError(f"remat: {n} blocks need {n} and {n + 1} gradient sizes, but got "
+                         f"{len(steps.blocks)} and {len(steps.outside)}.")
+    blocks = tuple(
+        tuple(None if c is None else dataclasses.replace(c, backward_peak=c.backward_peak + steps.blocks[i])
+              for c in row)
+        for i, row in enumerate(cost.blocks)
+    )
+    peaks = tuple(peak + steps.outside[k] for k, peak in enumerate(cost.outside_peaks))
+    return dataclasses.replace(cost, blocks=blocks, outside_peaks=peaks)

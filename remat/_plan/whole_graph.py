@@ -34,13 +34,12 @@ blocks above, such plans peaked at 1.59 / 1.34 / 1.07-1.17 of budgets 0.3 / 0.4 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from torch import nn
 
 from .._engine.compiled import warn_once
-from .._measure.costs import ModelCost
+from .._measure.costs import GradientSteps, ModelCost, with_gradients
 from .blocks_dp import evaluate_blocks
 
 __all__ = ["ONE_GRAPH", "gradient_bytes", "graph_extra", "warn_one_graph", "with_graph_gradients"]
@@ -99,12 +98,7 @@ def with_graph_gradients(cost: ModelCost, per_block: Sequence[int], outside: int
     if len(per_block) != n:
         raise ValueError(f"remat: {n} blocks need {n} gradient sizes, but got {len(per_block)}.")
     after = [sum(per_block[k:]) + outside for k in range(n + 1)]  # alive once blocks k.. have run backward
-    blocks = tuple(
-        tuple(None if c is None else dataclasses.replace(c, backward_peak=c.backward_peak + after[i + 1]) for c in row)
-        for i, row in enumerate(cost.blocks)
-    )
-    peaks = tuple(peak + after[k] for k, peak in enumerate(cost.outside_peaks))
-    return dataclasses.replace(cost, blocks=blocks, outside_peaks=peaks)
+    return with_gradients(cost, GradientSteps(tuple(after[1:]), tuple(after)))
 
 
 def graph_extra(eager: ModelCost, compiled: ModelCost, choice: Sequence[int]) -> int:
