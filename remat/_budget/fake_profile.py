@@ -34,39 +34,27 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .. import _ddp, _sharded
+from .. import _ddp
 from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state
 from .._measure.hf_fake import real_masks
+from .._plan.estimate import resolve_device
 from .._torch_compat import FakeTensor, local_tensor
 
-__all__ = ["is_fake", "on_fake", "profile_fake"]
+__all__ = ["on_fake", "profile_fake"]
 
 _T = TypeVar("_T")
 _log = logging.getLogger("remat")
 
 
-def is_fake(model: nn.Module) -> bool:
-    """Whether `model`'s state is fake already (a `remat.estimate` step)."""
-    return any(isinstance(local_tensor(t), FakeTensor) for t in (*model.parameters(), *model.buffers()))
-
-
 def on_fake(model: nn.Module, compile: bool, strategy: str) -> bool:
     """Whether a budget's profile of `model` runs on fake tensors (NOTE [ Planning on fake tensors ], rule 3)."""
-    if compile or strategy != "rerun" or is_fake(model) or _sharded.is_sharded(model):
+    if compile or strategy != "rerun" or _ddp.unwrap(model) is not None:
         return False
     for t in (*model.parameters(), *model.buffers()):
-        if local_tensor(t) is not t or t.device.type == "meta":  # a DTensor, or an estimate's meta state
+        local = local_tensor(t)  # a DTensor (a sharded model) has a local shard that is another tensor
+        if local is not t or isinstance(t, FakeTensor) or t.device.type == "meta":
             return False
-    return _ddp.unwrap(model) is None
-
-
-def _device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
+    return True
 
 
 def profile_fake(
@@ -85,7 +73,7 @@ def profile_fake(
         step_on: makes the training step on given inputs.
         profile: profiles the step it is given.
     """
-    device = _device(model, args, kwargs)
+    device = resolve_device(model, (args, kwargs), None)
     try:
         with fake_mode(), fake_state(model, device), real_masks(kwargs), torch.enable_grad():
             fake_args, fake_kwargs = fake_sample((args, kwargs), device)

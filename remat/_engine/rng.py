@@ -7,6 +7,7 @@ backends all work.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -84,22 +85,20 @@ def _current_accelerator(built: torch.device | None) -> torch.device | None:
 
 def _every_index(accelerator: torch.device) -> tuple[torch.device, ...]:
     """Every index of an initialised accelerator type (rule 3 of NOTE [ Which generators a region draws on ])."""
-    kind = accelerator.type
-    module = _device_module(kind)
+    module = _device_module(accelerator.type)
     if module is None or not hasattr(module, "get_rng_state"):
         return ()
     count = getattr(module, "device_count", None)
     total = int(count()) if callable(count) else 0
     if total > 1:
-        indices = _indices.get((kind, total))
-        if indices is None:
-            indices = _indices[kind, total] = tuple(torch.device(kind, i) for i in range(total))
-        return indices
-    current = getattr(module, "current_device", None)
-    return (torch.device(kind, int(current()) if callable(current) else 0),)
+        return _indices(accelerator.type, total)
+    current = with_index(accelerator)
+    return () if current is None else (current,)
 
 
-_indices: dict[tuple[str, int], tuple[torch.device, ...]] = {}
+@functools.cache
+def _indices(kind: str, total: int) -> tuple[torch.device, ...]:
+    return tuple(torch.device(kind, i) for i in range(total))
 
 
 def _module_devices(module: nn.Module, kinds: set[torch.device]) -> None:

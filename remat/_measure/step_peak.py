@@ -67,7 +67,7 @@ def compiled_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -
         return None  # nothing to read it with: compile nothing
     with step_state(model, zeros=False), compiling_allowed():
         run()  # compiles: what the compiler allocates is not the step's
-        _no_grads(model)
+        _no_grads(model)  # the measured run makes its gradients again, as after `zero_grad()`
         if not accelerators:
             found = host_bytes(run)
             return None if found is None else found[0]
@@ -76,7 +76,6 @@ def compiled_peak(model: nn.Module, step: Callable[[nn.Module], torch.Tensor]) -
         if not hasattr(module, "max_memory_allocated"):
             return None
         module.synchronize(device)
-        _no_grads(model)
         module.reset_peak_memory_stats(device)
         before = module.memory_allocated(device)
         run()
