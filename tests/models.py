@@ -67,6 +67,25 @@ class TransformerBlock(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
+class Stack(nn.Module):
+    """`n` transformer blocks (width 16, two heads) in a ModuleList, run in order."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TransformerBlock(16, 2) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def stack(n: int) -> nn.Module:
+    """A `Stack` of `n` blocks in float64, its weights drawn from seed 0."""
+    torch.manual_seed(0)
+    return Stack(n).double()
+
+
 class Cell(nn.Module):
     """An LSTM-style cell: `(x, (h, c)) -> (h, (h, c))`, the activation and the tuple state."""
 

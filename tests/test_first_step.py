@@ -19,26 +19,14 @@ from remat import _first_step
 from remat._measure.costs import ModelCost
 from remat._torch_compat import dispatch_modes_on
 from tests.conftest import randn
-from tests.models import TransformerBlock
+from tests.models import stack
 from tests.test_budget import _peak  # one step under a tracker around it, gradients there already
 
 X = randn(4, 32, 16, seed=3)
 
 
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(TransformerBlock(16, 2) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _stack() -> nn.Module:
-    torch.manual_seed(0)
-    return Stack().double()
+    return stack(4)
 
 
 def _grads_none_step(model: nn.Module) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_same_grads, randn
-from models import MLP, TransformerBlock
+from models import MLP, TransformerBlock, stack
 from torch import nn
 
 import remat
@@ -159,20 +159,8 @@ def test_a_transformers_layer_class_is_untouched_by_apply_and_undo() -> None:
 
 # -- classes stay as they were; undo gives each instance back what it had -----------------------------------------
 
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(TransformerBlock(16, 2) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _stack() -> nn.Module:
-    torch.manual_seed(0)
-    return Stack().double()
+    return stack(3)
 
 
 MARKS: dict[str, Callable[[nn.Module], object]] = {
