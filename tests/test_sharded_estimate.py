@@ -179,7 +179,7 @@ def test_estimate_refuses_a_live_process_group() -> None:
 
 
 def test_example_runs_on_two_processes() -> None:
-    """examples/fsdp2.py under torchrun: estimates within 5% of tracked peaks, one plan for all, within budget."""
+    """examples/fsdp2.py under torchrun: tracked peaks at most 5% over the estimate, one plan for all, within budget."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29643",
                str(ROOT / "examples" / "fsdp2.py"), "--steps", "2"]
@@ -188,8 +188,10 @@ def test_example_runs_on_two_processes() -> None:
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2, done.stdout
     for line in lines:
+        # The estimate prices its ops; the real planner times them on the wall clock (NOTE [ Priced time ]), and
+        # where two plans fit the budget a loaded machine may pick the one holding less. Never more.
         change = float(line.split("(")[1].split("%")[0])
-        assert abs(change) <= 5.0, line
+        assert -15.0 <= change <= 5.0, line
     choices = [line.split("plan: ")[1].split(" (")[0] for line in lines]  # bytes after " (" are each rank's own
     assert choices[0] == choices[1], "the same plan on every rank"
     assert "full" in lines[0].split("plan: ")[1], "remat was active"
