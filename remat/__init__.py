@@ -13,33 +13,33 @@ from . import policies as policies
 from ._api import Remat as Remat
 from ._api import lazy as _lazy
 from ._api import remat as remat
-from ._checkpoint import checkpoint as checkpoint
-from ._checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._core.errors import BudgetError as BudgetError
+from ._core.errors import RecomputeMismatchError as RecomputeMismatchError
+from ._core.errors import RematError as RematError
+from ._core.policies import tag as tag
+from ._core.switch import enabled as enabled
+from ._core.switch import is_enabled as is_enabled
+from ._core.switch import set_enabled as set_enabled
 from ._engine.offload import Offload as Offload
 from ._engine.region_site import Region as Region
-from ._errors import BudgetError as BudgetError
-from ._errors import RecomputeMismatchError as RecomputeMismatchError
-from ._errors import RematError as RematError
-from ._plan.sites import ModelPlan as ModelPlan
-from ._policies import tag as tag
-from ._switch import enabled as enabled
-from ._switch import is_enabled as is_enabled
-from ._switch import set_enabled as set_enabled
+from ._sites.checkpoint import checkpoint as checkpoint
+from ._sites.checkpoint import checkpoint_sequential as checkpoint_sequential
+from ._sites.table import ModelPlan as ModelPlan
 
 if TYPE_CHECKING:  # loaded on first use (`__getattr__` below), so that `import remat` stays cheap
-    from ._estimate import estimate as estimate
+    from ._chain.chain import Chain as Chain
+    from ._chain.chain import chain as chain
+    from ._chain.solver import Plan as Plan
+    from ._chain.solver import StageCost as StageCost
+    from ._chain.solver import solve as solve
+    from ._estimate.estimate import estimate as estimate
+    from ._estimate.report import ConfigEstimate as ConfigEstimate
+    from ._estimate.report import EstimateReport as EstimateReport
     from ._measure.measure import Measurement as Measurement
     from ._measure.measure import Report as Report
     from ._measure.measure import measure as measure
     from ._measure.track import Tracker as Tracker
     from ._measure.track import track as track
-    from ._plan.chain import Chain as Chain
-    from ._plan.chain import chain as chain
-    from ._plan.estimate_report import ConfigEstimate as ConfigEstimate
-    from ._plan.estimate_report import EstimateReport as EstimateReport
-    from ._plan.solver import Plan as Plan
-    from ._plan.solver import StageCost as StageCost
-    from ._plan.solver import solve as solve
 
 __version__ = "0.1.0"
 

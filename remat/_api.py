@@ -12,23 +12,27 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from . import _checkpoint, _errors, _policies, _switch, _targets
 from . import policies as _policies_module
+from ._core import errors as _errors
+from ._core import policies as _policies
+from ._core import switch as _switch
+from ._core.options import Options, Strategy
+from ._core.policies import PolicyLike
+from ._core.units import Budget
 from ._engine import offload as _offload
 from ._engine.region_site import Region
-from ._options import Options, Strategy
-from ._partial import decorate
-from ._plan.sites import ModelPlan
-from ._plan.units import Budget
-from ._policies import PolicyLike
+from ._sites import checkpoint as _checkpoint
+from ._sites import targets as _targets
+from ._sites.partial import decorate
+from ._sites.table import ModelPlan
 
 if TYPE_CHECKING:
-    from . import _estimate
+    from ._chain import chain as _chain
+    from ._chain import solver as _solver
+    from ._estimate import estimate as _estimate
+    from ._estimate import report as _estimate_report
     from ._measure import measure as _measure
     from ._measure import track as _track
-    from ._plan import chain as _chain
-    from ._plan import estimate_report as _estimate_report
-    from ._plan import solver as _solver
 
 __all__ = ["LAZY", "Decorator", "Remat", "lazy", "remat"]
 
@@ -218,12 +222,25 @@ class Remat:
                     "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
                     "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
                 )
-            from ._planned import apply_planned  # the profiler and planner load with the first budget
+            # the profiler and planner load with the first planned apply: a budget bounds the activations, a
+            # memory the whole step (leaving the activations what the state does not take)
+            if memory is None and optimizer is None:
+                from ._budget.apply import apply_budget
 
-            return apply_planned(  # type: ignore[return-value]
-                model, where, budget=budget, memory=memory, optimizer=optimizer, sample=sample, loss=loss,
-                choices=choices, replan=replan, compile=compile, preserve_rng=preserve_rng, strategy=strategy,
-                check=check,
+                assert budget is not None
+                return apply_budget(
+                    model, budget, sample, where, loss=loss, choices=choices, replan=replan,
+                    preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile,
+                )
+            if memory is None or budget is not None:
+                raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
+                                 "with `optimizer`), not both; `optimizer` goes with `memory`.")
+            from ._estimate.memory import apply_memory
+
+            options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
+                       "check": check, "compile": compile}
+            return apply_memory(  # type: ignore[return-value]
+                model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
             )
         if sample is not None or loss is not None or choices is not None or replan is not True or compile:
             raise ValueError(

@@ -5,11 +5,11 @@
 matmuls | save_tagged('attn',)
 """
 
-from ._policies import Policy as Policy
-from ._policies import offload as offload
-from ._policies import save_all as save_all
-from ._policies import save_matmuls as save_matmuls
-from ._policies import save_nothing as save_nothing
-from ._policies import save_tagged as save_tagged
+from ._core.policies import Policy as Policy
+from ._core.policies import offload as offload
+from ._core.policies import save_all as save_all
+from ._core.policies import save_matmuls as save_matmuls
+from ._core.policies import save_nothing as save_nothing
+from ._core.policies import save_tagged as save_tagged
 
 __all__ = ["Policy", "offload", "save_all", "save_matmuls", "save_nothing", "save_tagged"]

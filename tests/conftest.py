@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 import remat
-from remat import _targets
 from remat._engine import stats as _stats
 from remat._engine.tree import map_tensors, tensors_in
+from remat._sites import targets as _targets
 
 # The switch as the environment set it (`REMAT=0` runs the whole suite with remat off: see `equivalence` below).
 _SWITCH_AT_START = remat.is_enabled()

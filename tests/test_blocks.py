@@ -9,7 +9,7 @@ from models import MLP, TransformerBlock
 from torch import nn
 
 import remat
-from remat._plan.blocks import find_blocks, is_hf_layer
+from remat._sites.blocks import find_blocks, is_hf_layer
 
 
 class Stack(nn.Module):

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import remat
-from remat._measure.costs import BlockCost, ModelCost
-from remat._plan.blocks_dp import evaluate_blocks, least_budget_blocks, solve_blocks
-from remat._plan.budget import solve_budget
+from remat._budget.blocks_dp import evaluate_blocks, least_budget_blocks, solve_blocks
+from remat._budget.costs import BlockCost, ModelCost
+from remat._budget.solve import solve_budget
 from tests.conftest import assert_same_grads, randn
 from tests.models import ConvBN, TransformerBlock
 
@@ -318,7 +318,7 @@ def test_planning_identical_blocks_runs_the_model_once_and_times_every_block() -
 
 
 def test_a_block_is_timed_alone_on_fresh_inputs_shaped_like_its_own() -> None:
-    from remat._measure.alone import describe, time_alone
+    from remat._budget.alone import describe, time_alone
 
     seen: list[tuple[torch.Tensor, torch.Tensor, str]] = []
 

@@ -16,10 +16,10 @@ from test_budget import Stack, _peak
 from torch import nn
 
 import remat
-from remat._fit import _Budget
-from remat._measure.costs import ModelCost
-from remat._measure.profile import profile_blocks
-from remat._plan.blocks_dp import evaluate_blocks
+from remat._budget.apply import _Budget
+from remat._budget.blocks_dp import evaluate_blocks
+from remat._budget.costs import ModelCost
+from remat._budget.profile import profile_blocks
 
 LABELS = ("kept", "save_matmuls", "full")
 OPTIONS = {"preserve_rng": True, "strategy": "rerun", "check": False}

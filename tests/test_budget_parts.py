@@ -16,12 +16,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat._fit import _Budget
-from remat._measure.costs import ModelCost
-from remat._measure.derive import PARTS
-from remat._measure.profile import profile_blocks
-from remat._plan.blocks_dp import evaluate_blocks
-from remat._policies import Policy, matmuls
+from remat._budget.apply import _Budget
+from remat._budget.blocks_dp import evaluate_blocks
+from remat._budget.costs import ModelCost
+from remat._budget.derive import PARTS
+from remat._budget.profile import profile_blocks
+from remat._core.policies import Policy, matmuls
 
 LABELS = ("kept", "save_matmuls", "full", *PARTS)
 OPTIONS = {"preserve_rng": True, "strategy": "rerun", "check": False}
@@ -197,7 +197,7 @@ def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPa
     # that beats full remat here is a matter of timing (the parts' dispatch mode is priced per run, and costs more
     # once dynamo is imported), so the parts are priced as fast as kept blocks: the solver takes them wherever kept
     # blocks do not fit, and what is tested is that their real step keeps the budget.
-    from remat import _fit
+    from remat._budget import apply as _fit
 
     real = _fit.profile_blocks  # type: ignore[attr-defined]
 

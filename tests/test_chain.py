@@ -1,4 +1,4 @@
-"""Tests of `remat.chain` (`remat._plan.chain`): gradients, RNG, budgets, plans, errors."""
+"""Tests of `remat.chain` (`remat._chain.chain`): gradients, RNG, budgets, plans, errors."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from remat._errors import BudgetError, RematError
-from remat._plan.chain import Chain, chain, parse_budget
+from remat._chain.chain import Chain, chain, parse_budget
+from remat._core.errors import BudgetError, RematError
 
 
 def _stack(seed: int = 0, dropout: float = 0.3, width: int = 16, depth: int = 8) -> nn.Sequential:
@@ -56,7 +56,7 @@ def test_low_budget_recomputes_and_still_matches() -> None:
     x = torch.randn(64, 16, dtype=torch.float64)
     probe = chain(copy.deepcopy(reference), budget=1.0, sample=x)
     assert probe.plan is not None
-    from remat._plan.solver import smallest_budget
+    from remat._chain.solver import smallest_budget
 
     least = smallest_budget(probe.plan.stages, input_bytes=probe.plan.input_bytes)
     tight = chain(copy.deepcopy(reference), budget=least, sample=x)

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import remat
-from remat._plan.chain import chain
-from remat._plan.plan import Plan
-from remat._plan.solver import smallest_budget
+from remat._chain.chain import chain
+from remat._chain.schedule import Plan
+from remat._chain.solver import smallest_budget
 
 BATCH = 8
 

@@ -304,7 +304,7 @@ def test_blocks_compiled_one_by_one_each_run_their_own_choice() -> None:
 @pytest.mark.equivalence
 def test_blocks_compiled_one_by_one_keep_their_own_calls() -> None:
     """Policies that differ only in which calls they keep (a budget plan's parts) are told apart too."""
-    from remat._policies import Policy, matmuls
+    from remat._core.policies import Policy, matmuls
 
     first, second = Policy(ops=(matmuls,), calls=frozenset({0})), Policy(ops=(matmuls,), calls=frozenset({1}))
     alone = [_compiled_one_by_one([policy, policy, policy])[0] for policy in (first, second)]
@@ -324,7 +324,7 @@ def _up_only(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
 @pytest.mark.equivalence
 def test_a_policy_keeping_some_calls_keeps_those_calls_inside_compile(baselines: dict[str, int]) -> None:
     """A budget plan's part (the first matmul call of each block, its up-projection) keeps just that call."""
-    from remat._policies import Policy, matmuls
+    from remat._core.policies import Policy, matmuls
 
     up_only = _torch_mark(functools.partial(create_selective_checkpoint_contexts, _up_only))
     reference = Stack(up_only)

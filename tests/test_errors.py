@@ -14,7 +14,7 @@ from models import MLP
 from torch import nn
 
 import remat
-from remat import _switch
+from remat._core import switch as _switch
 
 MODE = {"wide": False}
 

@@ -282,7 +282,7 @@ def test_a_budget_configuration_uses_the_planner() -> None:
     assert report["full"].activation_bytes < report[0.9].activation_bytes < report["none"].activation_bytes
     assert report[0.9].label == "budget 0.9"
     assert not remat.plan(model)  # the planned sites are gone again
-    from remat import _fit
+    from remat._budget import apply as _fit
 
     checked: list[int] = []
     real = _fit.check_plan  # type: ignore[attr-defined]

@@ -15,9 +15,9 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 import remat
-from remat import _first_step
-from remat._measure.costs import ModelCost
-from remat._torch_compat import dispatch_modes_on
+from remat._budget import first_step as _first_step
+from remat._budget.costs import ModelCost
+from remat._core.torch_compat import dispatch_modes_on
 from tests.conftest import randn
 from tests.models import stack
 from tests.test_budget import _peak  # one step under a tracker around it, gradients there already
@@ -149,7 +149,7 @@ def test_a_tracked_step_keeps_nothing_alive() -> None:
 
 def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every choice predicted to hold a tenth of what it does: the plan fits on paper, no choice does in a real step.
-    from remat import _fit
+    from remat._budget import apply as _fit
 
     real = _fit.profile_blocks  # type: ignore[attr-defined]
 

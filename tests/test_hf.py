@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import remat
-from remat._integrations.transformers import CacheOff
+from remat._sites.integrations.transformers import CacheOff
 
 transformers = pytest.importorskip("transformers")
 
@@ -304,7 +304,7 @@ def test_import_remat_imports_neither_transformers_nor_the_integration() -> None
     code = (
         "import sys, torch, remat\n"
         "remat.apply(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))\n"
-        "loaded = [m for m in ('transformers', 'peft', 'remat._integrations.transformers') if m in sys.modules]\n"
+        "loaded = [m for m in ('transformers', 'peft', 'remat._sites.integrations.transformers') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

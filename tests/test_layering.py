@@ -1,4 +1,9 @@
-"""remat's import graph: no cycle (imports inside functions count too) and an engine that imports nothing above it."""
+"""remat's import graph: no cycle (imports inside functions count too), and folders that are layers.
+
+Each folder of remat/ imports only the folders below it in `LAYERS` (bottom first); `_api.py`, `policies.py` and
+`__init__.py` sit on top. An import under ``TYPE_CHECKING`` names a type and loads nothing, so it may point up (the
+table of `remat.plan` names a budget's type); it still counts for cycles.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from pathlib import Path
 import remat
 
 ROOT = Path(remat.__file__).parent
-LEAVES = {"remat._options", "remat._policies", "remat._switch", "remat._errors", "remat._torch_compat"}
+LAYERS = ("_core", "_engine", "_measure", "_chain", "_sites", "_budget", "_estimate")
 
 
 def _name(path: Path) -> str:
@@ -16,13 +21,29 @@ def _name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the remat modules it imports, at module level, under TYPE_CHECKING or inside functions."""
+def _typing_only(tree: ast.Module) -> set[ast.AST]:
+    """The import statements of ``tree`` under ``if TYPE_CHECKING:``."""
+    return {
+        node
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
+        for statement in block.body
+        for node in ast.walk(statement)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    }
+
+
+def import_graph(*, typing: bool = True) -> dict[str, set[str]]:
+    """Module -> the remat modules it imports, at module level, inside functions and (``typing``) under TYPE_CHECKING."""
     files = {_name(path): path for path in ROOT.rglob("*.py")}
     edges: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped = set() if typing else _typing_only(tree)
+        for node in ast.walk(tree):
+            if node in skipped:
+                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -70,8 +91,8 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_walk_sees_imports_inside_functions() -> None:
     edges = import_graph()
-    assert "remat._planned" in edges["remat._api"]  # imported inside `Remat.apply` only
-    assert "remat._torch_compat" in edges["remat._engine.hooks"]
+    assert "remat._budget.apply" in edges["remat._api"]  # imported inside `Remat.apply` only
+    assert "remat._core.torch_compat" in edges["remat._engine.hooks"]
 
 
 def test_no_import_cycle() -> None:
@@ -82,17 +103,30 @@ def test_a_cycle_is_found() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-def test_the_engine_imports_only_itself_and_the_leaves() -> None:
+def _layer(module: str) -> int:
+    """The index of ``module``'s folder in `LAYERS`; the modules on top (`_api`, `policies`, `remat`) come after."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else len(LAYERS)
+
+
+def test_every_module_lives_in_a_layer_or_on_top() -> None:
+    on_top = {"remat", "remat.__main__", "remat._api", "remat.policies"}
+    assert {name for name in import_graph() if _layer(name) == len(LAYERS)} <= on_top
+
+
+def test_each_folder_imports_only_the_folders_below_it() -> None:
     upward = {
         (name, target)
-        for name, targets in import_graph().items()
-        if name.startswith("remat._engine")
+        for name, targets in import_graph(typing=False).items()
         for target in targets
-        if not target.startswith("remat._engine") and target not in LEAVES
+        if _layer(target) > _layer(name)
     }
     assert upward == set()
 
 
-def test_the_leaves_import_no_other_part_of_remat() -> None:
+def test_the_engine_imports_only_itself_and_the_core() -> None:
     edges = import_graph()
-    assert {(leaf, target) for leaf in LEAVES for target in edges[leaf] if target not in LEAVES} == set()
+    assert {t for name, targets in edges.items() if name.startswith("remat._engine.") for t in targets
+            if not t.startswith(("remat._engine", "remat._core"))} == set()
+    assert {t for name, targets in edges.items() if name.startswith("remat._core.") for t in targets
+            if not t.startswith("remat._core")} == set()

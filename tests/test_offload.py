@@ -25,9 +25,9 @@ from torch import nn
 
 import remat
 from remat import policies
+from remat._chain.chain import chain
 from remat._engine import offload as _offload
 from remat._engine import transfer as _transfer
-from remat._plan.chain import chain
 
 # Tiny test tensors are far below the default floor of 1 KiB: offload every tensor unless a test says otherwise.
 CPU = remat.offload(min_bytes=0, include_cpu=True)

@@ -39,7 +39,7 @@ class _CountMatmuls(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if policies.Policy(ops=[remat._policies.matmuls]).saves_op(func):
+        if policies.Policy(ops=[remat._core.policies.matmuls]).saves_op(func):
             self.count += 1
         return func(*args, **(kwargs or {}))
 

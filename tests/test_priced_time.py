@@ -16,11 +16,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import remat
-from remat._fit import _Budget
+from remat._budget.apply import _Budget
+from remat._budget.solve import BudgetPlan
+from remat._chain.profile import profile
 from remat._measure import clock
 from remat._measure.clock import OpClock, now, price, priced
-from remat._plan.budget import BudgetPlan
-from remat._plan.chain_profile import profile
 from remat.bench.models import GPT, GPTConfig
 
 CFG = GPTConfig(blocks=4, d=64, heads=2, seq=32, batch=2, vocab=256, dropout=0.0)
@@ -74,7 +74,7 @@ def test_price_is_flops_elements_or_bytes_plus_a_launch_on_the_nominal_cpu() -> 
 def test_without_torchs_flop_formulas_a_matmul_is_priced_by_its_elements(monkeypatch: pytest.MonkeyPatch) -> None:
     a = torch.ones(256, 256)
     with_formula = price(aten.mm.default, (a, a), {}, a @ a)
-    monkeypatch.setattr("remat._torch_compat._flop_formulas", lambda: {})
+    monkeypatch.setattr("remat._core.torch_compat._flop_formulas", lambda: {})
     without = price(aten.mm.default, (a, a), {}, a @ a)
     assert without == pytest.approx(LAUNCH + 256 * 256 / 1e9)
     assert without < with_formula

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from conftest import expect_recompute_or_skip
 from torch import nn
 
-from remat import _switch
+from remat._core import switch as _switch
+from remat._core.errors import RecomputeMismatchError, RematError
+from remat._core.options import Options
 from remat._engine import rerun as _rerun
 from remat._engine import stats as _stats
 from remat._engine.region import RegionFrame, begin, end
 from remat._engine.region_site import Region
-from remat._errors import RecomputeMismatchError, RematError
-from remat._options import Options
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 EQUIVALENCE_HELPERS = ("compare(",)  # see NOTE [ Equivalence tests must fail without remat ] in conftest.py

@@ -21,8 +21,8 @@ from conftest import DeviceRun, assert_same_on_device, randn, run
 from torch import nn
 
 import remat
+from remat._chain import chain as _chain
 from remat._engine import rng as _rng
-from remat._plan import chain as _chain
 
 EQUIVALENCE_HELPERS = ("assert_matches(",)
 pytestmark = pytest.mark.usefixtures("test_device")

@@ -1,4 +1,4 @@
-"""Tests of the rotor-style solver (`remat._plan.solver`): reference values, optimality, baselines."""
+"""Tests of the rotor-style solver (`remat._chain.solver`): reference values, optimality, baselines."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from remat._errors import BudgetError
-from remat._plan.solver import (
+from remat._chain.solver import (
     Plan,
     StageCost,
     _InvalidOp,
@@ -23,6 +22,7 @@ from remat._plan.solver import (
     smallest_budget,
     solve,
 )
+from remat._core.errors import BudgetError
 
 TOY = [StageCost(forward_time=1.0, backward_time=2.0, output_bytes=1, saved_bytes=2)] * 10
 

@@ -15,8 +15,8 @@ from models import MLP
 from torch import nn
 
 import remat
+from remat._core.switch import parse_flag
 from remat._engine import stats as _stats
-from remat._switch import parse_flag
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "On", "yes", " YES ", "", None])

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 import remat
-from remat._torch_compat import GlobalModuleHooks
+from remat._core.torch_compat import GlobalModuleHooks
 
 ROOT = Path(__file__).resolve().parents[1]
 

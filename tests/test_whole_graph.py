@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat._errors import BudgetError
-from remat._fit import _Budget
-from remat._fit_check import check_measured
-from remat._measure.costs import BlockCost, ModelCost
-from remat._plan.budget import BudgetPlan, solve_budget
+from remat._budget.apply import _Budget
+from remat._budget.check import check_measured
+from remat._budget.costs import BlockCost, ModelCost
+from remat._budget.solve import BudgetPlan, solve_budget
+from remat._core.errors import BudgetError
 
 
 class Block(nn.Module):
@@ -83,8 +83,8 @@ def test_compile_plans_are_checked_on_a_compiled_step() -> None:
 def test_compiled_bytes_shift_what_fused_code_does_not_allocate() -> None:
     """NOTE [ Compiled bytes ]: compiled code fuses GELU's backward temporaries away, so the backward peak under
     every choice drops (against the same block in eager code, both read from the CPU allocator)."""
-    from remat._measure.alone import describe
-    from remat._measure.compiled_block import compiled_shifts
+    from remat._budget.alone import describe
+    from remat._budget.compiled_block import compiled_shifts
 
     torch._dynamo.reset()
     block = Block()
@@ -128,8 +128,8 @@ def test_without_allocation_records_compile_plans_on_eager_steps(monkeypatch: py
     is checked on an eager step lifted by the gradients a one-graph backward keeps (NOTE [ Compiled as one graph ])."""
     import types
 
-    from remat import _torch_compat
-    from remat._measure.compiled_block import compiled_shifts
+    from remat._budget.compiled_block import compiled_shifts
+    from remat._core import torch_compat as _torch_compat
     from remat._measure.step_peak import compiled_peak
 
     monkeypatch.setattr(_torch_compat, "_autograd", types.SimpleNamespace())

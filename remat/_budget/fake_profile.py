@@ -34,11 +34,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .. import _ddp
-from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state
+from .._core.torch_compat import FakeTensor, local_tensor
+from .._measure import ddp as _ddp
+from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state, resolve_device
 from .._measure.hf_fake import real_masks
-from .._plan.estimate import resolve_device
-from .._torch_compat import FakeTensor, local_tensor
 
 __all__ = ["on_fake", "profile_fake"]
 

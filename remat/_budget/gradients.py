@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from .._measure.costs import GradientSteps
+from .costs import GradientSteps
 
 __all__ = ["accumulation_order", "gradient_steps"]
 

@@ -7,7 +7,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .._torch_compat import any_autocast as _any_autocast
+from .._core.torch_compat import any_autocast as _any_autocast
 
 __all__ = ["AutocastState", "any_autocast"]
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from .._errors import RematError
-from .._policies import Policy
-from .._torch_compat import eval_frame_callback
+from .._core.errors import RematError
+from .._core.policies import Policy
+from .._core.torch_compat import eval_frame_callback
 
 __all__ = [
     "SiteForward", "compiled_key", "compiling", "context_for", "in_compiled_call", "route_module",
@@ -128,7 +128,7 @@ def compiled_key(policy: Policy) -> str:
     """What a site's selective context keeps, by value (NOTE [ Guarding on the policy ]); `preserve_rng_state`, a
     plain keyword, is guarded by dynamo itself.
 
-    >>> from remat._policies import Policy, matmuls
+    >>> from remat._core.policies import Policy, matmuls
     >>> some = Policy([matmuls], calls=frozenset({0}))
     >>> compiled_key(Policy([matmuls])) == compiled_key(Policy([matmuls])) != compiled_key(some)
     True

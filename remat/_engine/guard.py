@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch_compat import GlobalModuleHooks, storage_id
+from .._core.torch_compat import GlobalModuleHooks, storage_id
 from .modes import Mode
 
 __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_key", "written_arguments"]

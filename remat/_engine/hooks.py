@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .._errors import BUG, RecomputeMismatchError, RematError
-from .._torch_compat import graph_exec_group, graph_task_id, top_saved_hooks
+from .._core.errors import BUG, RecomputeMismatchError, RematError
+from .._core.torch_compat import graph_exec_group, graph_task_id, top_saved_hooks
 from . import recording as _recording
 from . import stats as _stats
 from .mismatch import Meta as _Meta

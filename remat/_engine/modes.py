@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .._torch_compat import TorchDispatchMode, dynamo_guarded
+from .._core.torch_compat import TorchDispatchMode, dynamo_guarded
 
 __all__ = ["Mode"]
 

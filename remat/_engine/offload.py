@@ -14,8 +14,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._errors import RematError
-from .._torch_compat import disable_current_modes, dispatch_modes_on, pop_saved_hooks, push_saved_hooks, top_saved_hooks
+from .._core.errors import RematError
+from .._core.torch_compat import (
+    disable_current_modes,
+    dispatch_modes_on,
+    pop_saved_hooks,
+    push_saved_hooks,
+    top_saved_hooks,
+)
 from .guard import storage_key
 from .transfer import Parcel, Stay, reap
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._policies import Policy
+from .._core.policies import Policy
 from .debug import describe
 from .guard import storage_key, written_arguments
 from .modes import Mode

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import BUG, RecomputeMismatchError, RematError
-from .._policies import Policy, tags
-from .._torch_compat import pop_saved_hooks, push_saved_hooks, storage_id
+from .._core.errors import BUG, RecomputeMismatchError, RematError
+from .._core.policies import Policy, tags
+from .._core.torch_compat import pop_saved_hooks, push_saved_hooks, storage_id
 from .guard import storage_key
 from .hooks import Frame, Handle, Kept
 from .offload import Offload, for_kept

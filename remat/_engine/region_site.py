@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import _switch
-from .._errors import check_runs_when_called
-from .._options import Options
-from .._policies import as_policy
+from .._core import switch as _switch
+from .._core.errors import check_runs_when_called
+from .._core.options import Options
+from .._core.policies import as_policy
 from .compiled import compiled_key, compiling, context_for, in_compiled_call, torch_checkpoint, warn_once
 from .offload import resolve
 from .region import RegionFrame, begin, end
@@ -46,7 +46,7 @@ class Region:
         options: the site's options; `strategy` is ignored (a region always replays).
 
     >>> import torch
-    >>> from remat._options import Options
+    >>> from remat._core.options import Options
     >>> x = torch.randn(4, 4, requires_grad=True)
     >>> with Region(Options()) as r:
     ...     y = x.tanh().exp()

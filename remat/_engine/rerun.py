@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import RematError
-from .._policies import Policy
-from .._torch_compat import pop_saved_hooks, push_saved_hooks
-from .._torch_compat import set_grad_enabled as _set_grad_enabled
+from .._core.errors import RematError
+from .._core.policies import Policy
+from .._core.torch_compat import pop_saved_hooks, push_saved_hooks
+from .._core.torch_compat import set_grad_enabled as _set_grad_enabled
 from .autocast import AutocastState, any_autocast
 from .debug import OpTrace
 from .guard import guard_buffers, release

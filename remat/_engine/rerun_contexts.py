@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._policies import Policy, tags
+from .._core.policies import Policy, tags
 from .autocast import AutocastState
 from .debug import OpTrace
 from .offload import Offload

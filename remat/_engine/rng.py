@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch_compat import current_accelerator, torch_function_mode_on
+from .._core.torch_compat import current_accelerator, torch_function_mode_on
 
 __all__ = ["RngStash", "devices_of", "with_index"]
 

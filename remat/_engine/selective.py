@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._policies import Policy
+from .._core.policies import Policy
 from .guard import storage_key
 from .modes import Mode
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._errors import RematError
+from .._core.errors import RematError
 from .autocast import AutocastState, any_autocast
 from .debug import describe
 from .recorder import Outside, Recorder, Slot, op_info

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .._errors import RematError
-from .._torch_compat import graph_task_id
+from .._core.errors import RematError
+from .._core.torch_compat import graph_task_id
 
 __all__ = ["Parcel", "Stay", "host_bytes", "live_parcels", "reap"]
 

@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
+from .._core.torch_compat import FakeTensor, flop_formula, local_tensor, tree_leaves
 from .._engine.modes import Mode
-from .._torch_compat import FakeTensor, flop_formula, local_tensor, tree_leaves
 
 __all__ = ["OpClock", "clock_for", "now", "price", "priced"]
 

@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import RematError
-from .._torch_compat import (
+from .._core.errors import RematError
+from .._core.torch_compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
     local_tensor,
+    tree_leaves,
     tree_map,
 )
 from .track import Tracker
@@ -45,9 +46,12 @@ __all__ = [
     "fake_mode",
     "fake_sample",
     "fake_state",
+    "NO_DEVICE",
     "local",
     "map_tensors",
+    "resolve_device",
     "storage_bytes",
+    "tensors_of",
 ]
 
 CUDA_BLOCK = 512
@@ -212,3 +216,40 @@ def data_dependent(error: Exception, site: str) -> RematError | None:
         return None
     op = getattr(error, "func", None) or "?"
     return RematError(DATA_DEPENDENT.format(site=site, op=op, what=what))
+
+
+def resolve_device(model: nn.Module, sample: Any, device: str | torch.device | None) -> torch.device:
+    """The device to predict for: ``device``, else the model's, else the sample's, else the CPU (meta is not one)."""
+    if device is None:
+        found = [t.device for t in (*model.parameters(), *model.buffers(), *tensors_of(sample))]
+        device = next((d for d in found if d.type != "meta"), torch.device("cpu"))
+    dev = torch.device(device)
+    if dev.type == "meta":
+        raise ValueError("remat: estimate predicts for a real device; `device` must not be 'meta' (use 'cpu', 'cuda').")
+    if dev.type != "cpu" and dev.index is None:
+        dev = torch.device(dev.type, 0)
+    if dev.type != "cpu" and not _supported(dev):
+        raise RematError(NO_DEVICE.format(device=dev, kind=dev.type.upper()))
+    return dev
+
+
+NO_DEVICE = (
+    "remat: estimate cannot predict for `{device}` with this build of torch, which has no {kind} support: "
+    "autograd needs the device's support even for fake tensors. Run the estimate with a {kind} build of torch "
+    "(no device is needed: nothing is allocated on it), or predict for 'cpu'."
+)
+
+
+def _supported(device: torch.device) -> bool:
+    """Whether this torch build can run autograd on fake tensors of ``device`` (a GPU need not be present)."""
+    if device.type == "cuda":
+        return bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
+    module = getattr(torch, device.type, None)
+    return bool(getattr(module, "is_available", lambda: False)())
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The tensors among ``obj``'s leaves (a mapping's values included)."""
+    if isinstance(obj, Mapping):
+        obj = dict(obj)
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import FakeTensor
+from .._core.torch_compat import FakeTensor
 
 __all__ = ["real_masks"]
 

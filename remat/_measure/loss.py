@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch_compat import tree_leaves
+from .._core.torch_compat import tree_leaves
 
 __all__ = ["call", "default_loss"]
 

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core.format import format_bytes
+from .._core.switch import enabled
+from .._core.torch_compat import tree_leaves
 from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
-from .._format import format_bytes
-from .._switch import enabled
-from .._torch_compat import tree_leaves
 from .loss import default_loss
 from .report import Measurement as Measurement
 from .report import Report as Report

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._torch_compat import storage_resize
+from .._core.torch_compat import storage_resize
 
 __all__ = ["Watcher", "unwatch", "watch"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import tree_leaves, tree_map
+from .._core.torch_compat import tree_leaves, tree_map
 
 __all__ = ["as_call", "detached", "signature"]
 

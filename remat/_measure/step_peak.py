@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._torch_compat import can_record_host, compiling_allowed, host_bytes
+from .._core.torch_compat import can_record_host, compiling_allowed, host_bytes
 from .state import step_state
 from .track import Tracker, placed
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import OpOverload
+from .._core.torch_compat import OpOverload
 from . import resize
 from .track import Tracker, _storage
 

@@ -54,10 +54,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core.format import format_bytes
+from .._core.torch_compat import OpOverload, local_tensor
+from .._core.units import parse_memory
 from .._engine.modes import Mode
-from .._format import format_bytes
-from .._plan.units import parse_memory
-from .._torch_compat import OpOverload, local_tensor
 from . import resize
 
 __all__ = ["Limit", "Tracker", "placed", "synchronize", "track"]

@@ -28,11 +28,11 @@ from torch import nn
 
 import remat
 
-from .._estimate import DEFAULT_CONFIGS, is_budget
-from .._format import format_bytes
+from .._core.format import format_bytes
+from .._core.torch_compat import tree_leaves
+from .._estimate.estimate import DEFAULT_CONFIGS, is_budget
 from .._measure.loss import call as _call
 from .._measure.loss import default_loss
-from .._torch_compat import tree_leaves
 from .convnets import CONVNET_SIZES, ConvNet, ConvNetConfig
 from .models import GPT, GPT_SIZES, GPTConfig, human_count, parameter_count
 

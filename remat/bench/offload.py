@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from .._api import remat
+from .._core.policies import offload as offload_policy
+from .._core.policies import save_matmuls
 from .._engine.offload import Offload
 from .._engine.transfer import host_bytes
 from .._measure.measure import format_bytes
 from .._measure.track import track
-from .._policies import offload as offload_policy
-from .._policies import save_matmuls
 from .models import GPT, GPTConfig, human_count, parameter_count
 from .runner import GRAD_BOUND, note
 

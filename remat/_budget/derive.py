@@ -1,0 +1,276 @@
+"""Derive what a block costs under full remat and under `save_matmuls` from one tracked run of it kept.
+
+NOTE [ Deriving choices ]
+Running every choice for real takes tracked rounds: a kind of block with one member needs one round per choice,
+each slower than a plain step. But what a rematerialized block does is a replay of what it does kept, and the
+tracker sees every op of that: so one tracked run of a block kept (`Kept`, filled by profile.py from the
+window's `Detail` in windows.py) gives its other choices, in the terms of NOTE [ Budget model ] in costs.py.
+Under choice c (full remat, `save_matmuls`, or one that keeps some matmuls: NOTE [ Some matmuls ] below), with
+"born" the storages its forward allocated:
+* Held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
+  storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]).
+  Its inputs are held by whoever made them, whatever this block does.
+* Forward peak: under full remat, kept's: an upper bound (rerun frees what kept's autograd saves as soon as the
+  block's Python drops it, which the log cannot tell), and not what binds, since backward (below) starts above
+  the forward's start (the output's gradient at least) and replays the same log. Under `save_matmuls` the
+  matmul outputs never die before recompute, and recompute hands them back and drops them, so the forward can
+  peak above the recompute and kept's peak is no bound: the forward's log is replayed with the matmul outputs
+  never released and what kept's autograd saved (born, never released, neither output nor matmul) released at
+  the next allocation, as an operand dies after the op that reads it. That is exact on the benchmark's
+  convnet and low by a seventh on the GPT-like stack's blocks (locals of the block's Python live longer), where
+  backward peaks higher anyway.
+* Backward peak: backward starts at what kept started at (`at_backward`, above S_i), less the born storages
+  kept still held then (`alive`), plus those that c holds then: the matmul outputs under `save_matmuls`, and
+  the outputs that something outside the block still holds (`live_outputs`). An output can be live at backward
+  only through the block's own saved tensors (an op that saves its result, such as a final ReLU: rerun drops
+  that) or through a reference from outside (kept whatever the block does). Autograd saves a result as a new
+  tensor on the same storage, so the two differ in whether the output's own tensor object is still alive,
+  which a weak reference tells. Recompute then replays the forward's allocation log on top (a matmul output
+  under `save_matmuls` is handed back, not allocated again); after it, what recompute built that backward does
+  not need is gone as it was in kept's run, and backward runs as kept's did (its peak is an upper bound: rerun's
+  backward may hold a little less). The peak is the larger of the two phases.
+* Times: the forward is kept's; the backward is kept's plus a recompute, which is kept's forward less its
+  matmul-class ops under `save_matmuls` (each op's time is measured from the end of the op before, so the
+  Python between ops counts in the non-matmul part). `save_matmuls` runs a dispatch mode over every op in
+  forward and in recompute: `ops` times its cost per op (`mode_overhead`, calibrated once per process).
+  Where a device runs asynchronously (CUDA) the tracked step is not timed and its matmul times are only the
+  launches: recompute under `save_matmuls` then counts as much as a whole forward (an overestimate).
+All of this rests on NOTE [ Budget model ]'s premise that a block holds what its forward left alive until its
+own backward. Where that fails, blocks' numbers depend on the choices around them: on a tiny Llama (Hugging
+Face), a tenth of the bytes the decoder layers' forwards left alive died before the first backward started,
+and the derived plans' peaks came out up to 14% low. So the profiled step checks it when backward starts
+(marks.py, `_early_deaths`), and where more than 5% died early, the derivable choices are run instead
+(NOTE [ Profiling rounds ]): one more tracked step or more, and measured numbers.
+Forward peaks are a bound (full remat) or an estimate (`save_matmuls`), the rest a model: tests/
+test_budget_derive.py checks derived against measured costs on small models, and the benchmark prints
+predicted against measured peaks and times. Measured against running each choice on the benchmark's blocks
+(untracked, fastest of 15): derived backward times of full remat and `save_matmuls` come out 6-10% low (a
+recompute runs slower than the forward it repeats, and rerun's hooks cost some 0.1 ms per call and 7-9 us
+per saved tensor, none of which is modelled).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .._core.policies import save_matmuls
+from .._engine.selective import SaveOps
+from .._measure.clock import MODE_PER_OP, priced
+from .windows import Detail, mode_cost
+
+__all__ = [
+    "DERIVABLE", "PARTS", "Kept", "compiled_times", "derive_bytes", "derive_times", "mode_overhead", "output_calls",
+    "part_calls",
+]
+
+#: Choices that keep some of the matmul outputs `save_matmuls` keeps (NOTE [ Some matmuls ]): label -> the
+#: share of save_matmuls' matmul bytes they may keep.
+PARTS = {"save_matmuls/4": 0.25, "save_matmuls/2": 0.5}
+DERIVABLE = ("full", "save_matmuls", *PARTS)
+
+# NOTE [ Some matmuls ]
+# Between full remat (keep nothing but the output) and `save_matmuls` (keep every matmul-class output) a block
+# may keep some of its matmul outputs, as torch's selective checkpointing planner does op by op: the calls that
+# give back the most recompute time per byte kept (an attention kernel: a small output for a long op; a
+# projection down from a wide MLP), taken in that order while their bytes stay within a share of all the
+# matmul outputs' bytes (`PARTS`: a quarter, a half), a call too large for what is left skipped. The calls are
+# numbered in the order the block's forward makes them, chosen per kind of block from the first of its kind
+# recorded kept (so that blocks of a kind keep the same calls), and carried out by a policy that keeps just
+# those calls (NOTE [ Some calls ] in _policies.py); the derivation is `save_matmuls`' with their storages in
+# place of every matmul output's, and their time in place of every matmul's. A call that makes one of the
+# block's outputs is never picked: the block holds that output anyway, and recompute, which stops after the
+# last tensor backward wants (NOTE [ Early stop ] in rerun.py), seldom reaches it, so keeping it saves no
+# time (picked by its measured time, it made the choice between such a part and full remat a matter of
+# noise). A share that picks no call, or every call it may, is not offered (it would be full remat or
+# `save_matmuls` again). Times per call are those of the tracked step: where a device runs asynchronously
+# they are launches, so the order is by bytes in effect and the recompute is counted as a whole forward, as
+# for `save_matmuls`.
+
+
+def output_calls(detail: Detail, outputs: frozenset[int]) -> set[int]:
+    """The matmul-class calls that made one of `outputs` (storages of `detail`): never a part's (NOTE [ Some
+    matmuls ])."""
+    return {call for number, call in detail.calls.items() if number in outputs}
+
+
+def part_calls(share: float, detail: Detail, outputs: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The matmul-class calls (numbered in order) that a part keeps: NOTE [ Some matmuls ].
+
+    >>> d = Detail()
+    >>> d.born, d.calls, d.call_time = {0: 8, 1: 2, 2: 8}, {0: 0, 1: 1, 2: 2}, [1.0, 1.0, 3.0]
+    >>> sorted(part_calls(0.6, d)), sorted(part_calls(0.25, d))  # call 1 gives the most seconds per byte
+    ([1, 2], [1])
+    >>> sorted(part_calls(0.6, d, outputs=frozenset({1})))  # call 1 makes the block's output: never a choice
+    [2]
+    """
+    size = [0] * len(detail.call_time)
+    for number, call in detail.calls.items():
+        size[call] += detail.born[number]
+    ends = output_calls(detail, outputs)
+    room = share * sum(size)
+    chosen = []
+    for call in sorted(range(len(size)), key=lambda c: (-detail.call_time[c] / max(1, size[c]), c)):
+        if call not in ends and size[call] <= room:
+            chosen.append(call)
+            room -= size[call]
+    return frozenset(chosen)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One block's tracked run kept: the numbers a derivation starts from (bytes above S_i: NOTE [ Budget model ]).
+
+    Args:
+        base: bytes live at its forward start.
+        held: bytes its forward left alive.
+        forward_peak: the peak while its forward ran.
+        backward_peak: the peak while its backward ran.
+        at_backward: bytes live when its backward started.
+        alive: bytes of its born storages still live when its backward started.
+        outputs: its outputs' born storages (numbered as in `detail`).
+        live_outputs: those of them that something outside the block still held when its backward started.
+        detail: its forward window's allocations, op by op.
+    """
+
+    base: int
+    held: int
+    forward_peak: int
+    backward_peak: int
+    at_backward: int
+    alive: int
+    outputs: frozenset[int]
+    live_outputs: frozenset[int]
+    detail: Detail
+
+
+def _replay(detail: Detail, saved: frozenset[int] | set[int], handed: bool, keep: bool,
+            drop: frozenset[int] = frozenset()) -> int:
+    """The peak of the forward's allocation log, from 0 (see NOTE [ Deriving choices ]).
+
+    saved: the matmul outputs the choice keeps.
+    handed: they are not allocated (recompute gets them back).
+    keep: they are never released (forward keeps them).
+    drop: storages never released in the log that are released once the next storage is allocated.
+    """
+    level = peak = pending = 0
+    for number, delta in detail.events:
+        if number in saved and ((handed and delta > 0) or (keep and delta < 0)):
+            continue
+        level += delta
+        peak = max(peak, level)
+        if delta > 0:
+            level -= pending
+            pending = detail.born[number] if number in drop else 0
+    return peak
+
+
+def _saved(choice: str, detail: Detail, calls: frozenset[int] | None) -> frozenset[int] | set[int]:
+    """The storages of `detail` that `choice` keeps besides the outputs."""
+    if choice == "full":
+        return frozenset()
+    if choice == "save_matmuls":
+        return detail.matmul
+    if choice in PARTS and calls is not None:
+        return frozenset(n for n, call in detail.calls.items() if call in calls)
+    raise ValueError(
+        f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)} (the parts with their calls)."
+    )
+
+
+def derive_bytes(choice: str, kept: Kept, calls: frozenset[int] | None = None) -> tuple[int, int, int]:
+    """Held bytes, forward peak and backward peak (above S_i) of a block under `choice`, from its run kept.
+
+    `calls`: for a part (`PARTS`), the matmul-class calls it keeps (`part_calls`).
+
+    >>> d = Detail()
+    >>> d.born, d.matmul, d.calls, d.events = {1: 8, 2: 4}, {1}, {1: 0}, [(1, 8), (2, 4)]  # a matmul, the output
+    >>> kept = Kept(0, 12, 12, 20, 16, 12, frozenset({2}), frozenset({2}), d)
+    >>> derive_bytes("full", kept), derive_bytes("save_matmuls", kept), derive_bytes("save_matmuls/2", kept, {0})
+    ((4, 12, 20), (12, 12, 20), (12, 12, 20))
+    """
+    detail = kept.detail
+    born = detail.born
+    saved = _saved(choice, detail, calls)
+    holds = kept.outputs | saved
+    held = sum(born[key] for key in holds)
+    forward_peak = kept.forward_peak
+    handed = choice != "full"
+    if handed:
+        released = {number for number, delta in detail.events if delta < 0}
+        dropped = frozenset(n for n in born if n not in released and n not in holds)  # saved by kept's autograd
+        forward_peak = kept.base + _replay(detail, saved, handed=False, keep=True, drop=dropped)
+    live = kept.live_outputs | saved  # born storages live at backward under c
+    start = kept.at_backward - kept.alive + sum(born[key] for key in live)
+    rise = _replay(detail, saved, handed=handed, keep=False)
+    backward_peak = max(start + rise, kept.backward_peak)
+    return held, forward_peak, backward_peak
+
+
+def derive_times(
+    choice: str, forward: float, backward: float, matmul: float, ops: float, per_op: float
+) -> tuple[float, float]:
+    """Forward and backward seconds of a block under `choice`, from its times kept (NOTE [ Deriving choices ]).
+
+    `matmul`: the seconds of the matmul-class calls `choice` keeps (all of them for `save_matmuls`).
+
+    >>> derive_times("full", 1.0, 2.0, 0.5, 10, 0.01), derive_times("save_matmuls", 1.0, 2.0, 0.5, 10, 0.01)
+    ((1.0, 3.0), (1.1, 2.6))
+    """
+    if choice == "full":
+        return forward, backward + forward
+    if choice == "save_matmuls" or choice in PARTS:
+        mode = ops * per_op
+        return forward + mode, backward + max(0.0, forward - matmul) + mode
+    raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")
+
+
+# NOTE [ Compiled costs ]
+# Inside one compiled graph (`remat.apply(..., compile=True)`) a choice runs as torch's checkpoint operator with a
+# selective policy, and the compiler fuses the pointwise ops of a block into the kernels around them: what a
+# recompute repeats at a cost is its matmul-class calls; no dispatch mode runs. So there a derived choice's
+# backward is kept's plus the seconds of the matmul-class calls it does not keep (all of them under full remat,
+# none under `save_matmuls`). Measured on six MLP blocks compiled as one graph (inductor, CPU, one thread, the
+# fastest of five steps in one process): every block kept 970 ms, under `save_matmuls` 938 ms, under full remat
+# 1364 ms; eager costs priced `save_matmuls` at 10 ms a block over kept. Choices run rather than derived keep
+# their eager times.
+
+
+def compiled_times(choice: str, forward: float, backward: float, every: float, kept: float) -> tuple[float, float]:
+    """Forward and backward seconds of a block under `choice` in one compiled graph (NOTE [ Compiled costs ]).
+
+    `every`: the seconds of all the block's matmul-class calls; `kept`: of those `choice` keeps (a part's).
+
+    >>> compiled_times("full", 1.0, 2.0, 0.5, 0.0), compiled_times("save_matmuls", 1.0, 2.0, 0.5, 0.5)
+    ((1.0, 2.5), (1.0, 2.0))
+    >>> compiled_times("save_matmuls/2", 1.0, 2.0, 0.5, 0.25)
+    (1.0, 2.25)
+    """
+    if choice == "full":
+        return forward, backward + every
+    if choice == "save_matmuls":
+        return forward, backward
+    if choice in PARTS:
+        return forward, backward + max(0.0, every - kept)
+    raise ValueError(f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)}.")
+
+
+# NOTE [ Mode cost in place ]
+# `save_matmuls` and the parts run a dispatch mode over every op of the block, in forward and in recompute. Its
+# cost per op was calibrated on a small op with two arguments (`mode_overhead`, 3-4 us here), but a mode's
+# Python sees every argument of every op, and a Hugging Face layer's ops carry many: on a tiny Llama decoder
+# layer (84 ops) the mode alone added 0.85 ms to a 3.2 ms forward, 10 us an op, and the derived recompute of
+# `save_matmuls` came out about 2.5 ms cheaper than full remat's where the two measured the same. So where the
+# profile times a block alone (NOTE [ Timing under the tracker ] in windows.py), it also times that block's
+# forward under the mode, and the cost per op is the larger of the two.
+
+
+def mode_overhead() -> float:
+    """Seconds per op that `save_matmuls`' dispatch mode adds to a small op (a floor: NOTE [ Mode cost in
+    place ]); on priced time, the nominal device's (NOTE [ Priced time ] in clock.py)."""
+    return MODE_PER_OP if priced() else _calibrated()
+
+
+@functools.cache  # calibrated once per process
+def _calibrated() -> float:
+    return mode_cost(lambda: SaveOps(save_matmuls))

@@ -1,0 +1,285 @@
+"""`remat.estimate`: the peak memory of a training step per remat configuration, before allocating it.
+
+This face turns each configuration into remat sites on the model for the duration of its step (NOTE [ Applying
+a configuration for a while ]); `_plan.estimate` runs the step on fake tensors and counts its bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._budget.apply import apply_budget
+from .._chain.chain import parse_budget
+from .._core.options import Options
+from .._core.policies import Policy, save_matmuls
+from .._core.switch import enabled
+from .._core.units import parse_memory
+from .._measure import ddp as _ddp
+from .._measure import sharded as _sharded
+from .._measure.fake import resolve_device
+from .._sites import targets as _targets
+from .largest_batch import searches
+from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
+from .report import EstimateReport
+
+__all__ = ["DEFAULT_CONFIGS", "estimate", "is_budget"]
+
+DEFAULT_CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls", 0.3)
+"""The configurations `estimate` compares by default."""
+
+_Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
+
+# NOTE [ Applying a configuration for a while ]
+# "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
+# lets the planner choose per block. Either way the sites are forward hooks (and, from a planner, perhaps
+# attributes) on the user's own modules, so every module's forward-hook tables and attribute names are recorded
+# first and put back exactly afterwards: sites the user had are back as they were (same hook objects, same
+# order), and nothing the configuration added is left. "none" switches every site off with `remat.enabled(False)`;
+# the others run with the switch on, whatever `REMAT` says, since that is what they predict.
+
+
+@contextlib.contextmanager
+def _restoring(model: nn.Module) -> Iterator[None]:
+    modules = list(model.modules())
+    tables = [(table, dict(table)) for m in modules for table in (getattr(m, n) for n in _targets._HOOK_DICTS)]
+    names = [(m, set(vars(m))) for m in modules]
+    try:
+        yield
+    finally:
+        for table, saved in tables:
+            table.clear()
+            table.update(saved)
+        for m, before in names:
+            for name in set(vars(m)) - before:
+                delattr(m, name)
+
+
+def _label(config: Any) -> str:
+    if isinstance(config, str):
+        return config
+    if isinstance(config, Policy):
+        return "full" if config.saves_nothing else repr(config)
+    if isinstance(config, (int, float)):
+        return f"budget {config}"
+    return str(getattr(config, "__name__", None) or repr(config))
+
+
+def is_budget(config: Any) -> bool:
+    """Whether an estimate configuration is a memory budget (bytes, a string with units, a fraction)."""
+    if isinstance(config, bool):
+        return False
+    return isinstance(config, (int, float)) or (isinstance(config, str) and config not in _NAMED)
+
+
+_NAMED: dict[str, Policy | None] = {"none": None, "full": Policy(), "save_matmuls": save_matmuls}
+
+
+def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configured:
+    """How to apply one configuration; argument errors are raised here, before any step runs."""
+    if isinstance(config, bool) or config is None:
+        raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
+                        f"budget, but got {config!r}.")
+    if config == "none":
+        return Configured(config, "none", lambda sample: enabled(False))
+    if is_budget(config):
+        try:
+            parse_budget(config)
+        except ValueError:
+            if not isinstance(config, str):
+                raise
+            raise ValueError(f"remat: estimate does not know the configuration {config!r}: give 'none', 'full', "
+                             "'save_matmuls', a policy, or a budget (bytes, '6GiB', a fraction).") from None
+
+        @contextlib.contextmanager
+        def planned(sample: Any) -> Iterator[None]:
+            with _restoring(model):
+                # the planner of remat.apply(budget=), on fake tensors; the plan checked at once, as a real model's
+                # first training step would check it (NOTE [ The first step ])
+                apply_budget(model, config, sample, where, loss=None, choices=None, replan=True, preserve_rng=True,
+                             strategy="rerun", check=True, upfront=True)
+                with enabled(True):
+                    yield
+
+        return Configured(config, _label(config), planned)
+    policy = _NAMED[config] if isinstance(config, str) else config
+    if not (isinstance(policy, Policy) or callable(policy)):
+        raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
+                        f"budget, but got `{type(config).__name__}`.")
+    options = Options(policy=policy)
+    _targets._select(model, where)  # no blocks, or a `where` that matches nothing: raise now
+
+    @contextlib.contextmanager
+    def applied(sample: Any) -> Iterator[None]:
+        with _restoring(model):
+            _targets.apply(model, where, 1, options)
+            with enabled(True):
+                yield
+
+    return Configured(config, _label(config), applied)
+
+
+def estimate(
+    model: nn.Module,
+    sample: Any,
+    *,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: OptimizerLike = None,
+    configs: Sequence[Any] | None = None,
+    where: _Where | None = None,
+    device: str | torch.device | None = None,
+    world_size: int | None = None,
+    shard: str | None = None,
+    memory: int | str | None = None,
+    batch_dim: int | None = None,
+    seq_dim: int | None = None,
+) -> EstimateReport:
+    """Predict the memory of one training step of `model` on `sample`, per remat configuration, without running it.
+
+    The step (forward, loss, backward, the optimizer step) runs on fake tensors: each op computes the shapes of
+    its outputs only, and remat's byte tracker counts them as `remat.track` counts real ones. The model may be
+    real (its parameters are swapped for fake ones for the duration and put back; nothing about it changes) or
+    built on the meta device, so a 7-billion-parameter model is estimated on a laptop in seconds. Parameters,
+    gradients and optimizer state are exact; activations and the peak match a real run within a few percent.
+    The step is a steady-state one: see NOTE [ What an estimate runs ] in remat/_plan/estimate.py.
+
+    Args:
+        model: the model, real or on the meta device, in the train/eval mode the step should use.
+        sample: the model's inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
+            Real, meta or fake tensors; only their shapes and dtypes matter.
+        loss: a callable from the model's output to the scalar loss; by default the output's `.loss` if it has
+            one, else the sum of its floating-point tensors.
+        optimizer: None (no optimizer step), "sgd" (momentum 0.9), "adam", "adamw", an optimizer class, or a
+            callable from the list of trainable parameters to an optimizer.
+        configs: what to compare: "none" (remat switched off: every site but those forced on with
+            `enabled=True`), "full" and "save_matmuls" (on the blocks
+            `remat.apply(model)` picks, or `where`), a `remat.policies` policy, or a budget (bytes, "6GiB", a
+            fraction) for the planner of `remat.apply(model, budget=...)`. Default: ("none", "full",
+            "save_matmuls", 0.3), the budget only where that planner exists.
+        where: which blocks the configurations rematerialize, as for `remat.apply`.
+        device: the device to predict for; default: the model's, else the sample's, else the CPU. On CUDA the
+            peak predicts `torch.cuda.max_memory_allocated` (tensors rounded up to 512-byte blocks).
+        world_size: predict one rank of a data-parallel run of this many ranks: for a model the user
+            `fully_shard`-ed (default: its mesh's size), or with `shard="fsdp2"`. Runs in this process on torch's
+            fake process group: remat's own, made for the estimate, or the user's (`init_process_group("fake",
+            ...)`, torchtitan's recipe; then the default is its size); the sample is one rank's batch. See "Many
+            GPUs" in the README.
+        shard: "fsdp2": estimate a plain model as if `fully_shard` were applied to each block `remat.apply`
+            picks (or `where`) and to the root, on `world_size` ranks. "ddp": as if wrapped in
+            `DistributedDataParallel` with its defaults: everything whole on every rank, plus its gradient
+            buckets (`world_size` changes nothing then, and no process group is needed). A model already
+            wrapped in `DistributedDataParallel` is estimated so, with its own `gradient_as_bucket_view`.
+        memory: with `batch_dim` and/or `seq_dim`, the device memory (bytes, or a string such as "80GiB") to
+            fit: each configuration also gets the largest batch size (`largest_batch`, along `batch_dim` of the
+            sample's tensors) and sequence length (`largest_seq`, along `seq_dim`, at the sample's batch size)
+            whose whole step peaks within it, found by bisection on fake tensors.
+        batch_dim, seq_dim: the dimension of the sample's tensors that is the batch, the sequence.
+
+    Returns:
+        An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
+        `activation_bytes` and `peak_bytes`; `print(report)` shows a table; `report.to_dict()` for scripts.
+
+    Raises:
+        RematError: an op in the step depends on tensor values (`nonzero`, `.item()`), which fake tensors do
+            not have (the message names the op); or a budget configuration without the budget planner.
+        ValueError, TypeError: an unknown configuration or optimizer, or no blocks to rematerialize.
+
+    >>> import torch, remat
+    >>> with torch.device("meta"):
+    ...     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    >>> report = remat.estimate(model, torch.randn(64, 1024), optimizer="adamw", configs=("none", "full"))
+    >>> report["none"].grads_bytes == report["none"].params_bytes == 8 * (1024 * 1024 + 1024) * 4
+    True
+    >>> print(str(report).splitlines()[0])
+    remat.estimate: Sequential, one training step (optimizer step AdamW), predicted for cpu
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat: estimate expects an nn.Module, but got `{type(model).__name__}`.")
+    if isinstance(optimizer, str) and optimizer.lower() not in OPTIMIZERS:
+        raise ValueError(f"remat: estimate's `optimizer` must be one of {sorted(OPTIMIZERS)}, an optimizer class "
+                         f"or a factory, but got {optimizer!r}.")
+    if optimizer is not None and not isinstance(optimizer, str) and not callable(optimizer):
+        raise TypeError(f"remat: estimate's `optimizer` must be a name, an optimizer class or a factory, but got "
+                        f"`{type(optimizer).__name__}`.")
+    if configs is None:
+        configs = DEFAULT_CONFIGS
+    if isinstance(configs, (str, Policy)) or not isinstance(configs, Sequence):
+        configs = (configs,)
+    target = resolve_device(model, sample, device)
+    refine = searches(sample, memory, batch_dim, seq_dim)
+    if shard == "ddp" or _ddp.unwrap(model) is not None:
+        report = _per_rank_ddp(model, sample, loss, optimizer, configs, where, target, world_size, shard,
+                               refine)
+    elif world_size is not None or shard is not None or _sharded.is_sharded(model):
+        report = _per_rank(model, sample, loss, optimizer, configs, where, target, world_size, shard, refine)
+    else:
+        resolved = [_configured(model, config, where) for config in configs]
+        report = predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
+                         refine=refine)
+    return report if refine is None else dataclasses.replace(report, memory=parse_memory(memory, "estimate's `memory`"))
+
+
+def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None, optimizer: OptimizerLike,
+              configs: Sequence[Any], where: _Where | None, target: torch.device, world_size: int | None,
+              shard: str | None, refine: Refine | None) -> EstimateReport:
+    """One rank's estimate, on a sharded shadow of the model: NOTE [ Estimating one rank of FSDP2 ]."""
+    if shard not in (None, "fsdp2"):
+        raise ValueError(f"remat: estimate's `shard` must be None, 'fsdp2' or 'ddp', but got {shard!r}.")
+    if world_size is None:  # the user's mesh, else the user's own fake process group
+        world_size = _sharded.mesh_size(model) or _sharded.users_fake_world()
+    size = _check_size(world_size)
+    copy, settings = _sharded.shadow(model)
+    if shard == "fsdp2":
+        for _, block in _targets._select(copy, where):
+            settings.setdefault(block, _sharded.Sharding(None, None))
+        settings.setdefault(copy, _sharded.Sharding(None, None))
+    resolved = [_configured(copy, config, where) for config in configs]
+    with _sharded.fake_world(size, target) as mesh:
+
+        def prepare() -> list[torch.Tensor]:
+            _sharded.shard(copy, settings, mesh)
+            return list(copy.parameters())
+
+        report = predict(copy, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
+                         prepare=prepare, refine=refine)
+    return dataclasses.replace(report, model=type(model).__qualname__)
+
+
+def _check_size(size: object) -> int:
+    if size is None or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"remat: estimate's `world_size` must be a positive int, but got {size!r}.")
+    return size
+
+
+def _per_rank_ddp(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
+                  optimizer: OptimizerLike, configs: Sequence[Any], where: _Where | None, target: torch.device,
+                  world_size: int | None, shard: str | None, refine: Refine | None) -> EstimateReport:
+    """One rank's estimate under DDP: the plain step with the reducer's buckets, NOTE [ Estimating one rank of DDP ]."""
+    if world_size is not None:
+        _check_size(world_size)
+    wrapped = _ddp.unwrap(model)
+    if wrapped is not None and shard not in (None, "ddp"):
+        raise ValueError(f"remat: estimate got a DistributedDataParallel model with shard={shard!r}; pass "
+                         "shard='ddp' (or none) for it, or the unwrapped module for another sharding.")
+    module, views = wrapped if wrapped is not None else (model, False)
+    if _sharded.is_sharded(module):
+        raise ValueError("remat: estimate got shard='ddp' for a model that `fully_shard` was applied to; pass "
+                         "shard='fsdp2' (or none) for it, or the model before `fully_shard` for DDP.")
+    buckets = _ddp.Buckets(views)
+
+    def resident(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        buckets.make(params)
+        return buckets.flats
+
+    resolved = [_configured(module, config, where) for config in configs]
+    try:
+        report = predict(module, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
+                         resident=resident, refine=refine)
+    finally:
+        buckets.close()
+    return dataclasses.replace(report, model=type(model).__qualname__)

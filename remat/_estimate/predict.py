@@ -1,0 +1,235 @@
+"""Run one training step on fake tensors per configuration and count its bytes: the core of `remat.estimate`.
+
+NOTE [ What an estimate runs ]
+The step an estimate predicts is a steady-state training step, the one that repeats: at its start the model's
+parameters and buffers, the optimizer's state and the batch are alive, and the gradients are not
+(``zero_grad(set_to_none=True)``, torch's default, ended the previous step). The step is forward, the loss,
+backward, the optimizer step and ``zero_grad``; the output and the loss are dropped before the optimizer step, as
+a training loop that returns ``loss.detach()`` does. The optimizer's state is made by one step on zero gradients
+before the counted step (optimizers create it lazily), so it is alive throughout the counted one, as from the
+second step of a real run on. Everything runs on fake tensors (NOTE [ Counting fake tensors ]): the bytes are
+those of the tensors the same ops would make on the device predicted for, and nothing is allocated at the
+model's size. Each configuration runs the same step with its own remat sites; the engine recomputes in backward
+on fake tensors too, so what a configuration frees and rebuilds is counted, not modelled.
+
+NOTE [ One optimizer step ]
+The optimizer step does the same ops on the same parameters, gradients and state under every configuration: only
+what else is alive when it starts differs. So it runs (and is counted, by a tracker of its own) once, under the
+first configuration; each configuration's peak is the larger of its forward/backward peak and what is alive
+when its optimizer step would start plus the bytes the step adds at its peak. That is the same number as
+running the step again, at a fraction of the time (a 7B model's AdamW step is thousands of fake ops).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.errors import RematError
+from .._core.torch_compat import tree_leaves
+from .._measure.fake import FakeTracker, data_dependent, fake_mode, fake_sample, fake_state, storage_bytes
+from .._measure.hf_fake import real_masks
+from .._measure.loss import call as _call
+from .._measure.loss import default_loss
+from .phases import BACKWARD, OPTIMIZER, StepTracker, where_it_peaks
+from .report import ConfigEstimate, EstimateReport
+
+__all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict"]
+
+OptimizerLike = str | Callable[..., torch.optim.Optimizer] | None
+
+# The optimizers named by a string, with the settings they run with (torch's defaults, and momentum for SGD, so
+# that it keeps the state SGD is usually run with).
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {}),
+    "adamw": (torch.optim.AdamW, {}),
+}
+
+
+@dataclass(frozen=True)
+class Configured:
+    """A configuration to estimate: as given, as labelled, and how to apply it to the model for a while.
+
+    ``apply(sample)`` returns a context manager that sets the configuration's remat sites on the model (given
+    the fake sample, for a planner that profiles) and restores the model as it was on exit.
+    """
+
+    config: Any
+    label: str
+    apply: Callable[[Any], AbstractContextManager[Any]]
+
+
+def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor],
+                   device: torch.device) -> torch.optim.Optimizer | None:
+    """The optimizer over the trainable ``params``: a name of `OPTIMIZERS`, a class or factory, or None.
+
+    On CUDA, torch's optimizers default to their ``foreach`` implementation, which it cannot pick for fake
+    tensors; it is asked for explicitly so that its temporaries are counted.
+    """
+    if optimizer is None:
+        return None
+    trainable = [p for p in params if p.requires_grad]
+    foreach: dict[str, Any] = {"foreach": True} if device.type == "cuda" else {}
+    made: Any
+    if isinstance(optimizer, str):
+        kind, settings = OPTIMIZERS[optimizer.lower()]
+        made = kind(trainable, **settings, **foreach)
+    elif isinstance(optimizer, type) and foreach and "foreach" in inspect.signature(optimizer).parameters:
+        made = optimizer(trainable, **foreach)
+    else:
+        made = optimizer(trainable)
+    if not isinstance(made, torch.optim.Optimizer):
+        raise TypeError(
+            f"remat: estimate's `optimizer` must make a torch.optim.Optimizer from the parameters, but it made "
+            f"`{type(made).__name__}`."
+        )
+    return made
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, Mapping):
+        obj = dict(obj)
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [t for state in optimizer.state.values() for t in _tensors(state)]
+
+
+def _scalar(out: Any, loss: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+    value: Any
+    value = loss(out) if loss is not None else default_loss(out)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+        raise ValueError(
+            "remat: estimate needs a loss that is a one-element tensor requiring grad, but got "
+            f"`{type(value).__name__}`; pass `loss=` a callable from the model's output to the scalar loss."
+        )
+    return value
+
+
+def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor]) -> None:
+    """One step on zero gradients, so that the optimizer makes its state (see NOTE [ What an estimate runs ])."""
+    if optimizer is None:
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
+          optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
+          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int, StepTracker]:
+    """Run one counted step; return (gradient bytes, activation bytes, peak bytes the step adds on ``device``,
+    the tracker with the forward and backward peaks and their holders: NOTE [ Who holds the peak ]).
+
+    ``step_bytes`` holds what the optimizer step adds at its peak once it has been counted (see NOTE [ One
+    optimizer step ]); it is filled by the first call, with the bytes alive when the step starts.
+    """
+    for p in params:
+        p.grad = None
+    with StepTracker(model, device) as tracker, tracker.modules():
+        out = _call(model, sample)
+        value = _scalar(out, loss)
+        own = tracker._bytes_of([value]).get(device, 0)
+        held = tracker.current(device) - own
+        tracker.enter(BACKWARD)
+        torch.autograd.backward(value)
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_bytes = storage_bytes(grads)
+        del out, value, grads
+        before = tracker.current(device)
+        tracker.enter(OPTIMIZER)
+        if optimizer is not None:
+            if not step_bytes:
+                with FakeTracker() as inner:
+                    optimizer.step()
+                step_bytes.append(inner.peak(device))
+            optimizer.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
+    tracker.phase_peaks[OPTIMIZER] = before + sum(step_bytes) if optimizer is not None else 0
+    return grad_bytes, held, max(tracker.peak(device), before + sum(step_bytes)), tracker
+
+
+Refine = Callable[[Configured, ConfigEstimate, Callable[[Any], ConfigEstimate]], ConfigEstimate]
+"""A second look at each configuration (the largest batch): given its row and a function that estimates the same
+configuration on another sample (real or meta tensors) in the same fake session, return the row to report."""
+
+
+def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
+            optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
+            prepare: Callable[[], list[torch.Tensor]] | None = None,
+            resident: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+            refine: Refine | None = None) -> EstimateReport:
+    """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes.
+
+    ``prepare``, if given, runs once the model holds fake parameters (``fully_shard`` for a per-rank estimate)
+    and returns the parameters the step trains; ``resident``, if given, makes from them tensors that live
+    throughout the step besides the model's and the optimizer's (DDP's gradient buckets), counted in the peak.
+    ``refine``, if given, takes a second look at each row (the largest batch that fits).
+    """
+    site = f"`{type(model).__qualname__}`"
+    rows: list[ConfigEstimate] = []
+    made: torch.optim.Optimizer | None = None
+    try:
+        with fake_mode(), fake_state(model, device) as params, torch.enable_grad(), real_masks(sample):
+            if prepare is not None:
+                params = prepare()
+            buffers = list(model.buffers())
+            made = make_optimizer(optimizer, params, device)
+            _warm(made, params)
+            state = _state_tensors(made)
+            param_keys = {p.untyped_storage()._cdata for p in params}
+            state = [t for t in state if t.untyped_storage()._cdata not in param_keys]
+            extra = resident(params) if resident is not None else []
+            kept = storage_bytes([*params, *buffers, *state, *extra], device)
+            step_bytes: list[int] = []
+
+            def one(configured: Configured, given: Any) -> ConfigEstimate:
+                args = fake_sample(given, device)
+                inputs = _tensors(args)
+                base = kept + storage_bytes(inputs, device)
+                with configured.apply(args):
+                    grads, held, peak, tracker = _step(model, args, loss, made, params, device, step_bytes)
+                phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
+                return ConfigEstimate(
+                    config=configured.config,
+                    label=configured.label,
+                    params_bytes=storage_bytes(params),
+                    buffers_bytes=storage_bytes(buffers),
+                    input_bytes=storage_bytes(inputs),
+                    grads_bytes=grads,
+                    optimizer_bytes=storage_bytes(state),
+                    activation_bytes=held,
+                    peak_bytes=base + peak,
+                    peak_phase=phase,
+                    phase_bytes=phases,
+                    holders=holders,
+                )
+
+            for configured in configs:
+                row = one(configured, sample)
+                if refine is not None:
+                    row = refine(configured, row, functools.partial(one, configured))
+                rows.append(row)
+    except RematError:
+        raise
+    except Exception as error:
+        translated = data_dependent(error, site)
+        if translated is None:
+            raise
+        raise translated from error
+    name = type(made).__name__ if made is not None else None
+    return EstimateReport(type(model).__qualname__, str(device), name, tuple(rows))

@@ -1,0 +1,162 @@
+"""What `remat.estimate` returns: the bytes of one training step per remat configuration, as a table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._core.format import format_bytes
+from .phases import OPTIMIZER, peak_lines
+
+__all__ = ["ConfigEstimate", "EstimateReport"]
+
+
+@dataclass(frozen=True)
+class ConfigEstimate:
+    """The predicted bytes of one training step under one configuration.
+
+    Attributes:
+        config: The configuration as it was given (``"full"``, a policy, a budget).
+        label: The configuration in words, as the table shows it.
+        params_bytes: Bytes of the parameters (exact).
+        buffers_bytes: Bytes of the buffers (exact).
+        input_bytes: Bytes of the sample's tensors (exact).
+        grads_bytes: Bytes of the parameters' gradients after backward (exact).
+        optimizer_bytes: Bytes of the optimizer's state (exact; 0 without an optimizer).
+        activation_bytes: Bytes that forward allocated and that are still alive when the loss is computed,
+            the loss itself left out: what is held for backward.
+        peak_bytes: The highest live bytes of the whole step (forward, backward, optimizer step), the state
+            above included; on CUDA, what ``torch.cuda.max_memory_allocated`` would show.
+        peak_phase: Where the step peaks: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
+        phase_bytes: The peak of each phase, the state above included (``peak_bytes`` is the largest).
+        holders: The largest holders at the peak, ``(module, bytes)``: in forward or backward what the step
+            made (activations, gradients), at the optimizer step each module's parameters, gradients and
+            state; repeated blocks folded into one line (``layers.*.mlp (32x)``).
+        largest_batch, largest_seq: With ``memory=``: the largest batch size (and sequence length, with
+            ``seq_dim=``) whose step fits in it; 0 when none does; None without ``memory=``.
+    """
+
+    config: Any
+    label: str
+    params_bytes: int
+    buffers_bytes: int
+    input_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    peak_bytes: int
+    peak_phase: str = ""
+    phase_bytes: Mapping[str, int] = field(default_factory=dict)
+    holders: tuple[tuple[str, int], ...] = ()
+    largest_batch: int | None = None
+    largest_seq: int | None = None
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The peak of forward and backward, the state included: what remat's configurations change."""
+        return max((n for phase, n in self.phase_bytes.items() if phase != OPTIMIZER), default=self.peak_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the numbers as plain JSON-ready values (the configuration as its label)."""
+        return {
+            "config": self.label,
+            "params_bytes": self.params_bytes,
+            "buffers_bytes": self.buffers_bytes,
+            "input_bytes": self.input_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activation_bytes": self.activation_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase,
+            "phase_bytes": dict(self.phase_bytes),
+            "holders": [list(holder) for holder in self.holders],
+            "largest_batch": self.largest_batch,
+            "largest_seq": self.largest_seq,
+        }
+
+
+_COLUMNS = (
+    ("params_bytes", "params"),
+    ("grads_bytes", "grads"),
+    ("optimizer_bytes", "optimizer"),
+    ("activation_bytes", "activations"),
+    ("step_peak_bytes", "fwd/bwd peak"),
+    ("peak_bytes", "peak"),
+)
+
+
+@dataclass(frozen=True)
+class EstimateReport:
+    """Predicted memory of one training step per configuration: ``report[config]``, ``str(report)``, ``to_dict()``.
+
+    Attributes:
+        model: The model's class name.
+        device: The device predicted for (``"cpu"``, ``"cuda:0"``).
+        optimizer: The optimizer's class name, or ``None`` when the step has no optimizer step.
+        rows: One `ConfigEstimate` per configuration, in the order given.
+        memory: The memory the largest batch sizes were searched for, in bytes (None without ``memory=``).
+
+    Example:
+        >>> import torch, remat
+        >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        >>> model = torch.nn.Sequential(*[block() for _ in range(4)])
+        >>> report = remat.estimate(model, torch.randn(8, 64), optimizer="adam", configs=("none", "full"))
+        >>> report["none"].params_bytes, report["none"].optimizer_bytes   # Adam: two moments and a step each
+        (529408, 1058880)
+        >>> report["full"].activation_bytes < report["none"].activation_bytes
+        True
+    """
+
+    model: str
+    device: str
+    optimizer: str | None
+    rows: tuple[ConfigEstimate, ...]
+    memory: int | None = None
+
+    def __getitem__(self, config: Any) -> ConfigEstimate:
+        for row in self.rows:
+            if row.config is config or _same(row.config, config):
+                return row
+        for row in self.rows:  # a label as printed in the table ("budget 0.3", a policy's name)
+            if isinstance(config, str) and row.label == config:
+                return row
+        raise KeyError(f"remat: this estimate has no configuration {config!r}; it has {[r.label for r in self.rows]}.")
+
+    def __iter__(self) -> Iterator[ConfigEstimate]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the report as plain JSON-ready values."""
+        return {
+            "model": self.model,
+            "device": self.device,
+            "optimizer": self.optimizer,
+            "configs": [row.to_dict() for row in self.rows],
+            "memory": self.memory,
+        }
+
+    def __str__(self) -> str:
+        step = f"optimizer step {self.optimizer}" if self.optimizer else "no optimizer step"
+        lines = [f"remat.estimate: {self.model}, one training step ({step}), predicted for {self.device}"]
+        if self.device.startswith("cuda"):
+            lines.append("peak = torch.cuda.max_memory_allocated (every tensor rounded up to a 512-byte block)")
+        header = ("config", *(title for _, title in _COLUMNS), "peaks in")
+        rows = [header, *((r.label, *(format_bytes(getattr(r, attr)) for attr, _ in _COLUMNS), r.peak_phase)
+                          for r in self.rows)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        for row in rows:
+            cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)),
+                     row[-1]]
+            lines.append("  ".join(cells).rstrip())
+        return "\n".join([*lines, *peak_lines(self.rows, self.memory)])
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # an object whose == does not give a bool
+        return False

@@ -1,0 +1,163 @@
+"""Drop-ins for `torch.utils.checkpoint.checkpoint` and `checkpoint_sequential`.
+
+Replacing the import is the whole migration: every keyword torch takes is accepted and honoured.
+`use_reentrant` is accepted with either value and both run remat's saved-tensor-hook engine: it gives the
+gradients reentrant checkpoint gives where that one is right, and also where it is not (parameter gradients
+when no input requires grad, `torch.autograd.grad`, detached tensors). BatchNorm statistics are updated once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+from torch import nn
+
+from .._core import switch as _switch
+from .._engine import rerun as _rerun
+from .._engine.compiled import compiling, torch_checkpoint
+
+__all__ = ["checkpoint", "checkpoint_sequential"]
+
+_CHECKS = {"default": True, "none": False}
+
+
+def _site(function: Any) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__qualname__
+
+
+def _is_noop(context_fn: Any) -> bool:
+    return context_fn is None or getattr(context_fn, "__name__", "") == "noop_context_fn"
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+    | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Call `function(*args, **kwargs)` with its activations rematerialized, like torch's `checkpoint`.
+
+    Args:
+        function: what to run; keyword arguments are passed through to it.
+        use_reentrant: accepted for compatibility; both values use remat's hook-based engine.
+        context_fn: returns two context managers, entered around forward and around recompute
+            (torch's selective-checkpoint contexts work).
+        determinism_check: `"default"` compares shape, dtype and device of what recompute saves with
+            forward and raises `remat.RecomputeMismatchError`; `"none"` skips that.
+        debug: on a mismatch, show the op traces of forward and recompute side by side.
+        early_stop: stop recompute as soon as every needed tensor is back.
+        preserve_rng_state: recompute sees forward's RNG state on every device it touched.
+
+    torch's global switches apply as they do to torch's checkpoint: inside
+    `torch.utils.checkpoint.set_checkpoint_early_stop(flag)` the flag overrides `early_stop`, inside
+    `set_checkpoint_debug_enabled(flag)` it overrides `debug`, and under `GraphExecGroup` one recompute serves
+    every backward of the group.
+
+    Raises:
+        TypeError, ValueError: for a keyword of the wrong kind or value.
+
+    >>> import torch, remat
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> remat.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
+    """
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError(f"remat: `use_reentrant` must be a bool or None, but got {use_reentrant!r}.")
+    if determinism_check not in _CHECKS:
+        raise ValueError(
+            f"remat: `determinism_check` must be one of {tuple(_CHECKS)}, "
+            f"but got {determinism_check!r}."
+        )
+    for flag, value in (("debug", debug), ("early_stop", early_stop),
+                        ("preserve_rng_state", preserve_rng_state)):
+        if not isinstance(value, bool):
+            raise TypeError(f"remat: `{flag}` must be a bool, but got {value!r}.")
+    if not callable(function):
+        raise TypeError(f"remat: checkpoint expects a callable, but got `{type(function).__name__}`.")
+    if not _switch._state[0] or not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    if compiling():  # see NOTE [ Under torch.compile ]
+        keywords: dict[str, Any] = {"determinism_check": determinism_check, "debug": debug,
+                                    "preserve_rng_state": preserve_rng_state}
+        if not _is_noop(context_fn):
+            keywords["context_fn"] = context_fn
+        return torch_checkpoint(function, args, kwargs, **keywords)
+    # torch's global switches win over the keywords, as in torch.utils.checkpoint.
+    if _torch_checkpoint._enable_checkpoint_early_stop is not None:
+        early_stop = _torch_checkpoint._enable_checkpoint_early_stop
+    if _torch_checkpoint._checkpoint_debug_enabled is not None:
+        debug = _torch_checkpoint._checkpoint_debug_enabled
+    contexts = None
+    if not _is_noop(context_fn):
+        assert context_fn is not None
+        forward_context, recompute_context = context_fn()
+        contexts = (lambda: forward_context, lambda: recompute_context)
+    return _rerun.call(
+        function,
+        args,
+        kwargs,
+        site=_site(function),
+        check=_CHECKS[determinism_check],
+        preserve_rng=preserve_rng_state,
+        early_stop=early_stop,
+        debug=debug or _switch.debug(),
+        module=function if isinstance(function, nn.Module) else None,
+        contexts=contexts,
+    )
+
+
+def checkpoint_sequential(
+    functions: nn.Sequential | Iterable[Callable[..., Any]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run `functions` in `segments` pieces, each but the last rematerialized, like torch's.
+
+    Args:
+        functions: an `nn.Sequential` or a list of modules / callables run one after another.
+        segments: how many pieces; the last one runs normally (its activations are needed first).
+        input: the input of the first function.
+        use_reentrant, **kwargs: any keyword of `checkpoint`.
+
+    >>> import torch, remat
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    >>> out = remat.checkpoint_sequential(model, 2, torch.randn(2, 4), use_reentrant=False)
+    """
+    stages: list[Callable[..., Any]] = list(
+        functions.children() if isinstance(functions, nn.Sequential) else functions
+    )
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments:
+        raise ValueError(f"remat: `segments` must be a positive int, but got {segments!r}.")
+    size = len(stages) // segments
+    end = -1
+    if size > 0:
+        for start in range(0, size * (segments - 1), size):
+            end = start + size - 1
+            input = checkpoint(
+                _Run(stages[start : end + 1]), input, use_reentrant=use_reentrant, **kwargs
+            )
+    return _Run(stages[end + 1 :])(input)
+
+
+class _Run:
+    """Run a list of stages one after another."""
+
+    def __init__(self, stages: list[Callable[..., Any]]) -> None:
+        self.stages = stages
+        self.__qualname__ = "checkpoint_sequential segment"
+
+    def __call__(self, input: Any) -> Any:
+        for stage in self.stages:
+            input = stage(input)
+        return input

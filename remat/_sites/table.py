@@ -1,0 +1,85 @@
+"""`remat.plan(model)`: what is rematerialized in a model, one row per site, as a readable table.
+
+A model under a budget (`remat.apply(model, budget=...)`) shows every block instead: its choice, the bytes it
+holds for backward and the time it adds over keeping everything, then the predicted peak and step time and those
+of no remat and of full remat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .._core.format import aligned as _aligned
+from .._core.units import format_bytes
+
+if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`
+    from .._budget.solve import BudgetPlan
+
+__all__ = ["ModelPlan", "Site"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One rematerialized block: its qualified name, its class and how it is rematerialized."""
+
+    name: str
+    kind: str
+    choice: str
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The sites of a model, in `named_modules()` order; `str()` renders an aligned table.
+
+    >>> import torch, remat
+    >>> model = remat.apply(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    >>> [site.name for site in remat.plan(model)]
+    ['0', '1']
+    """
+
+    model: str
+    sites: tuple[Site, ...]
+    budget: BudgetPlan | None = None
+    classes: tuple[str, ...] = ()
+    switched_off: bool = False
+    """The `REMAT` switch was off (`REMAT=0`, `remat.set_enabled(False)`) when the plan was made."""
+
+    def __iter__(self) -> Iterator[Site]:
+        return iter(self.sites)
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def __str__(self) -> str:
+        table = self._table()
+        if self.switched_off and self.sites:
+            table += (
+                "\nThe REMAT switch is off (REMAT=0 or remat.set_enabled(False)): these sites run as plain code "
+                "and nothing is rematerialized, except at sites made with enabled=True."
+            )
+        return table
+
+    def _table(self) -> str:
+        if self.budget is not None:
+            return self._budget_table(self.budget)
+        if not self.sites:
+            return f"remat plan for {self.model}: no rematerialized sites"
+        header = ("block", "class", "choice")
+        rows = [header, *((site.name or "(model)", site.kind, site.choice) for site in self.sites)]
+        lines = [f"remat plan for {self.model}: {len(self.sites)} rematerialized sites"]
+        lines += _aligned(rows)
+        return "\n".join(lines)
+
+    def _budget_table(self, plan: BudgetPlan) -> str:
+        header = ("block", "class", "choice", "held", "extra time")
+        rows = [header]
+        for i in range(len(plan.cost)):
+            name, choice, cost, extra = plan.block(i)
+            kind = self.classes[i] if i < len(self.classes) else ""
+            rows.append((name or "(model)", kind, choice, format_bytes(cost.held_bytes), f"{extra * 1e3:+.2f} ms"))
+        lines = [f"remat plan for {self.model}: {len(plan.cost)} blocks under a budget"]
+        lines += _aligned(rows)
+        lines += plan.summary()
+        return "\n".join(lines)

@@ -1,0 +1,381 @@
+"""What `@remat` can decorate: functions and methods, `nn.Module` classes, and module instances.
+
+See NOTE [ Module instances ].
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .._core import switch as _switch
+from .._core.errors import check_runs_when_called
+from .._core.options import Options
+from .._core.policies import as_policy
+from .._engine import region as _region
+from .._engine import rerun as _rerun
+from .._engine.compiled import compiled_key, compiling, context_for, route_module, torch_checkpoint, unroute_module
+from .._engine.offload import resolve as resolve_offload
+from .blocks import describe_search, find_blocks
+from .integrations import comes_from
+from .table import ModelPlan, Site
+
+__all__ = ["apply", "plan", "undo", "wrap", "wrap_class", "wrap_function", "wrap_module"]
+
+_M = TypeVar("_M", bound=nn.Module)
+_F = TypeVar("_F", bound=Callable[..., Any])
+_MARK = "__remat_options__"
+
+
+class _Engine:
+    """The strategy's entry points, resolved once when a site is made.
+
+    `open(fn, args, kwargs, module=...)` starts a site's forward with its options bound (a `functools.partial`,
+    so a call pays no keyword expansion in Python: it is on the path of every call) and returns the token
+    for `end(token, ok=...)`.
+    """
+
+    __slots__ = ("end", "keywords", "open", "passthrough")
+
+    def __init__(self, options: Options, site: str) -> None:
+        policy = as_policy(options.policy)
+        self.passthrough = policy.everything
+        extra: dict[str, Any] = {
+            "policy": None if policy.saves_nothing else policy,
+            "offload": resolve_offload(options.offload),
+            "site": site,
+            "check": options.check,
+            "preserve_rng": options.preserve_rng,
+            "debug": options.debug or _switch.debug(),
+        }
+        # Inside a compiled frame: torch's checkpoint with the policy's context (NOTE [ Under torch.compile ]).
+        self.keywords: dict[str, Any] = {
+            "context_fn": context_for(policy, site, options.offload is not False),
+            "preserve_rng_state": options.preserve_rng,
+            "key": compiled_key(policy),  # NOTE [ Guarding on the policy ]
+        }
+        if options.strategy == "replay":
+            self.open: Callable[..., Any] = functools.partial(_open_region, **extra)
+            self.end: Callable[..., None] = _region.end
+        else:
+            self.open = functools.partial(_rerun.begin, early_stop=True, **extra)
+            self.end = _rerun.end
+
+
+def _open_region(fn: Any, args: Any, kwargs: Any, **options: Any) -> object:
+    """`region.begin` in the shape of `rerun.begin`: a replay site records whatever runs next."""
+    del fn, args, kwargs
+    return _region.begin(**options)
+
+
+def _active(options: Options) -> bool:
+    return options.active(_switch._state[0]) and torch.is_grad_enabled()
+
+
+def wrap_function(fn: _F, options: Options, site: str | None = None, adapt: Any = None) -> _F:
+    """Return `fn` rematerialized: a plain function (so methods bind and dynamo can trace it).
+
+    `adapt(module, args, kwargs)`, for a method, may change the arguments of an active call (see _cache_rule).
+    """
+    if isinstance(fn, (staticmethod, classmethod)):
+        return type(fn)(wrap_function(fn.__func__, options, site))
+    name = options.name or site or getattr(fn, "__qualname__", None) or repr(fn)
+    check_runs_when_called(fn, name)
+    engine = _Engine(options, name)
+    open_site, end, enabled, switch = engine.open, engine.end, options.enabled, _switch._state
+    keywords = engine.keywords
+    if engine.passthrough:  # save_all keeps every activation: nothing to rematerialize
+        enabled = False
+
+    @functools.wraps(fn)
+    def remat_wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not (switch[0] if enabled is None else enabled) or not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        module = args[0] if args and isinstance(args[0], nn.Module) else None
+        if compiling():  # see NOTE [ Under torch.compile ]
+            if adapt is not None and module is not None:  # NOTE [ Caches under torch.compile ]
+                changed = adapt.compiled(module, args[1:], kwargs)
+                if changed is not None:
+                    args, kwargs = (module, *changed[0]), changed[1]
+            return torch_checkpoint(fn, args, kwargs, **keywords)
+        if adapt is not None and module is not None:
+            changed = adapt(module, args[1:], kwargs)
+            if changed is not None:
+                args, kwargs = (module, *changed[0]), changed[1]
+        token = open_site(fn, args, kwargs, module=module)
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            end(token, ok=False)
+            raise
+        end(token)
+        return out
+
+    setattr(remat_wrapper, _MARK, options)
+    return remat_wrapper  # type: ignore[return-value]
+
+
+def wrap_class(cls: type[_M], options: Options) -> type[_M]:
+    """Rematerialize every instance's `forward`; the class stays itself (isinstance, pickling hold)."""
+    forward = cls.forward
+    forward = getattr(forward, "__wrapped__", forward) if hasattr(forward, _MARK) else forward
+    cls.forward = wrap_function(forward, options, site=cls.__qualname__, adapt=_cache_rule(cls, options, cls))
+    return cls
+
+
+# NOTE [ Module instances ]
+# `remat(module)` must leave the object itself untouched: same type, no wrapper in `named_modules()` or
+# `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is proxied: a forward pre-hook
+# opens the region and a forward hook (prepended, so it runs before any other forward hook, and `always_call`, so
+# it runs when forward raises) closes it; the one attribute set is the instance's own `forward`, which reaches
+# the pre-hook under compile (NOTE [ Under torch.compile ]); the class is not touched. The hooks and that forward
+# are small picklable objects that carry the options; `undo` finds them by type and gives the instance back what
+# it had. Recompute calls `module.forward` itself, not `module(...)`, so other hooks are not run twice.
+
+class _Open:
+    """Forward pre-hook that opens a region around `module.forward`."""
+
+    def __init__(self, options: Options, site: str, adapt: Any = None) -> None:
+        self.options = options
+        self.site = site
+        self.engine = _Engine(options, site)
+        self.adapt = adapt  # changes the arguments of an active site: see _cache_rule
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        stack = _open_sites.stack
+        if self.engine.passthrough or not _active(self.options) or compiling():
+            stack.append((module, None, None))
+            return None
+        changed = self.adapt(module, args, kwargs) if self.adapt is not None else None
+        if changed is not None:
+            args, kwargs = changed
+        engine = self.engine
+        stack.append((module, engine, engine.open(module.forward, args, kwargs, module=module)))
+        return changed
+
+    def compiled_call(
+        self, forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """`forward(module, ...)` inside a compiled frame: torch's checkpoint (NOTE [ Under torch.compile ])."""
+        if self.engine.passthrough or not _active(self.options):
+            return forward(module, *args, **kwargs)
+        if self.adapt is not None:  # NOTE [ Caches under torch.compile ] in _integrations/transformers.py
+            changed = self.adapt.compiled(module, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+        return torch_checkpoint(forward, (module, *args), kwargs, **self.engine.keywords)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Open, (self.options, self.site, self.adapt))
+
+
+class _Close:
+    """Forward hook that closes the region `_Open` opened, also when forward raised."""
+
+    def __call__(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        # Called as (module, args, kwargs, output) after forward, as (module, args, None) when it raised.
+        stack = _open_sites.stack
+        if stack and stack[-1][0] is module:
+            _, engine, token = stack.pop()
+            if engine is not None:
+                engine.end(token, ok=len(rest) == 2)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Close, ())
+
+
+class _OpenSites(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[nn.Module, _Engine | None, Any]] = []
+
+
+_open_sites = _OpenSites()
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _is_ours(hook: Any) -> bool:
+    return isinstance(hook, (_Open, _Close)) or getattr(hook, "_remat_owned", False)
+
+
+def _remove_hooks(module: nn.Module) -> None:
+    ids = [
+        key
+        for name in ("_forward_pre_hooks", "_forward_hooks")
+        for key, hook in getattr(module, name).items()
+        if _is_ours(hook)
+    ]
+    for name in _HOOK_DICTS:
+        table = getattr(module, name)
+        for key in ids:
+            hook = table.pop(key, None)
+            close = getattr(hook, "close", None)
+            if callable(close):  # a budget's tracked step: NOTE [ The first step ] in _first_step.py
+                close()
+    unroute_module(module)
+
+
+_RULES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # owner -> its one cache rule
+
+
+def _cache_rule(kind: type, options: Options, owner: Any) -> Any:
+    """The KV-cache rule for a transformers layer class under rerun, else None; see NOTE [ Caches of transformers
+    layers ] in _integrations/transformers.py. One rule per `owner` (a model, a layer class) for its life, so
+    that it logs its one line once, however often it is applied (and through every round of a budget's profile)."""
+    if options.strategy == "replay" or not comes_from(kind, "transformers"):
+        return None
+    rule = _RULES.get(owner)
+    if rule is None:
+        from .integrations.transformers import CacheOff
+
+        rule = _RULES[owner] = CacheOff()
+    rule.know(kind)
+    return rule
+
+
+def wrap_module(module: _M, options: Options, owner: nn.Module | None = None) -> _M:
+    """Rematerialize `module`'s forward in place and return the same object (`owner`: the model whose layers
+    share one cache rule; the module itself by default)."""
+    if hasattr(type(module).forward, _MARK):
+        return module  # the class is rematerialized already
+    _remove_hooks(module)
+    site = options.name or type(module).__qualname__
+    # A layer rematerialized alone (`remat(layer)` in a loop over a model's layers) shares its class's rule, so
+    # the loop logs one line, not one per layer.
+    adapt = _cache_rule(type(module), options, type(module) if owner is None else owner)
+    opener = _Open(options, site, adapt)
+    module.register_forward_pre_hook(opener, with_kwargs=True)
+    route_module(module, opener)  # hooks cannot wrap a compiled call: NOTE [ Under torch.compile ]
+    module.register_forward_hook(_Close(), with_kwargs=True, always_call=True, prepend=True)
+    return module
+
+
+def wrap(target: Any, options: Options) -> Any:
+    """Dispatch on what `target` is; see the module docstring."""
+    if isinstance(target, type):
+        if not issubclass(target, nn.Module):
+            raise TypeError(
+                f"remat: @remat on a class needs an nn.Module subclass, but got `{target.__qualname__}`; "
+                "decorate its methods instead."
+            )
+        return wrap_class(target, options)
+    if isinstance(target, nn.Module):
+        return wrap_module(target, options)
+    if callable(target) or isinstance(target, (staticmethod, classmethod)):
+        return wrap_function(target, options)
+    raise TypeError(
+        "remat: @remat expects a function, a method, an nn.Module class or an nn.Module instance, "
+        f"but got `{type(target).__name__}`."
+    )
+
+
+def undo(module: _M) -> _M:
+    """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules (hooks, the instance's
+    own `forward`), leaving each as it was before."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"remat: undo expects an nn.Module, but got `{type(module).__name__}`.")
+    for submodule in module.modules():
+        _remove_hooks(submodule)
+    return module
+
+
+def apply(
+    model: _M,
+    where: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None,
+    every: int,
+    options: Options,
+) -> _M:
+    """Rematerialize each `every`-th submodule of `model` that `where` selects; see `remat.apply`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
+    chosen = _select(model, where)
+    for index, (_, module) in enumerate(chosen):
+        if index % every == 0:
+            wrap_module(module, options, model)
+    return model
+
+
+def _select(
+    model: nn.Module,
+    where: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None,
+) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules `where` selects (see NOTE [ Picking blocks ] when it is None)."""
+    if where is None:
+        blocks = find_blocks(model)
+        if not blocks:
+            raise ValueError(describe_search(model))
+        return blocks
+    if isinstance(where, type) or (
+        isinstance(where, tuple) and all(isinstance(kind, type) for kind in where)
+    ):
+        kinds = where
+
+        def select(name: str, module: nn.Module) -> bool:
+            return isinstance(module, kinds)
+    elif callable(where):
+        select = where  # type: ignore[assignment]
+    else:
+        raise TypeError(
+            "remat: `where` must be an nn.Module type, a tuple of types or a predicate "
+            f"(name, module) -> bool, but got `{type(where).__name__}`."
+        )
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(outer + ".") or outer == "" for outer, _ in chosen)
+        if not inside and select(name, module):
+            chosen.append((name, module))
+    if not chosen:
+        raise ValueError(
+            f"remat: apply found no submodule of `{type(model).__qualname__}` matching {where!r}."
+        )
+    return chosen
+
+
+def describe_options(options: Options) -> str:
+    """How a site is rematerialized, in a word or two: `full`, a policy's name, `replay`."""
+    policy = as_policy(options.policy)
+    choice = "full" if policy.saves_nothing else repr(policy)
+    if options.strategy == "replay":
+        choice += " (replay)"
+    if options.offload is not False:
+        choice += " + offload"
+    if options.enabled is False:
+        choice += " (disabled)"
+    return choice
+
+
+def plan(model: nn.Module) -> ModelPlan:
+    """The rematerialized sites of `model`: module instances (`remat(module)`, `remat.apply`) and classes."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat: plan expects an nn.Module, but got `{type(model).__name__}`.")
+    sites: list[Site] = []
+    for name, module in model.named_modules():
+        options = getattr(type(module).forward, _MARK, None)
+        if options is None:
+            options = next((hook.options for hook in module._forward_pre_hooks.values() if isinstance(hook, _Open)),
+                           None)
+        if options is not None:
+            sites.append(Site(name, type(module).__qualname__, describe_options(options)))
+    hooks: list[Any] = list(model._forward_pre_hooks.values())
+    budget = next((hook.budget_plan for hook in hooks if _is_ours(hook)
+                   and getattr(hook, "budget_plan", None) is not None), None)  # see remat/_fit.py
+    if budget is not None:
+        classes = tuple(type(model.get_submodule(name)).__qualname__ for name in budget.cost.names)
+        off = not _switch.is_enabled()
+        return ModelPlan(type(model).__qualname__, tuple(sites), budget, classes, switched_off=off)
+    return ModelPlan(type(model).__qualname__, tuple(sites), switched_off=not _switch.is_enabled())
