@@ -21,7 +21,7 @@ from ._core.switch import enabled as enabled
 from ._core.switch import is_enabled as is_enabled
 from ._core.switch import set_enabled as set_enabled
 from ._engine.offload import Offload as Offload
-from ._engine.region_site import Region as Region
+from ._engine.region import Region as Region
 from ._sites.checkpoint import checkpoint as checkpoint
 from ._sites.checkpoint import checkpoint_sequential as checkpoint_sequential
 from ._sites.table import ModelPlan as ModelPlan

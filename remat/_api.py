@@ -20,7 +20,7 @@ from ._core.options import Options, Strategy
 from ._core.policies import PolicyLike
 from ._core.units import Budget
 from ._engine import offload as _offload
-from ._engine.region_site import Region
+from ._engine.region import Region
 from ._sites import checkpoint as _checkpoint
 from ._sites import targets as _targets
 from ._sites.partial import decorate
@@ -39,14 +39,14 @@ __all__ = ["LAZY", "Decorator", "Remat", "lazy", "remat"]
 # The measuring and planning wings load on first use of one of their names, not with `import remat` (which
 # should stay cheap: their dataclasses and tables cost more to import than the engine). Name -> (module, attribute).
 LAZY: dict[str, tuple[str, str]] = {
-    "estimate": ("._estimate", "estimate"),
-    "EstimateReport": ("._plan.estimate_report", "EstimateReport"),
-    "ConfigEstimate": ("._plan.estimate_report", "ConfigEstimate"),
-    "chain": ("._plan.chain", "chain"),
-    "Chain": ("._plan.chain", "Chain"),
-    "solve": ("._plan.solver", "solve"),
-    "Plan": ("._plan.solver", "Plan"),
-    "StageCost": ("._plan.solver", "StageCost"),
+    "estimate": ("._estimate.estimate", "estimate"),
+    "EstimateReport": ("._estimate.report", "EstimateReport"),
+    "ConfigEstimate": ("._estimate.report", "ConfigEstimate"),
+    "chain": ("._chain.chain", "chain"),
+    "Chain": ("._chain.chain", "Chain"),
+    "solve": ("._chain.solver", "solve"),
+    "Plan": ("._chain.solver", "Plan"),
+    "StageCost": ("._chain.solver", "StageCost"),
     "measure": ("._measure.measure", "measure"),
     "Measurement": ("._measure.measure", "Measurement"),
     "Report": ("._measure.measure", "Report"),

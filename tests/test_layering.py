@@ -34,7 +34,7 @@ def _typing_only(tree: ast.Module) -> set[ast.AST]:
 
 
 def import_graph(*, typing: bool = True) -> dict[str, set[str]]:
-    """Module -> the remat modules it imports, at module level, inside functions and (``typing``) under TYPE_CHECKING."""
+    """Module -> the remat modules it imports: at module level, inside functions, and under TYPE_CHECKING."""
     files = {_name(path): path for path in ROOT.rglob("*.py")}
     edges: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():

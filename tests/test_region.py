@@ -20,8 +20,7 @@ from remat._core.errors import RecomputeMismatchError, RematError
 from remat._core.options import Options
 from remat._engine import rerun as _rerun
 from remat._engine import stats as _stats
-from remat._engine.region import RegionFrame, begin, end
-from remat._engine.region_site import Region
+from remat._engine.region import Region, RegionFrame, begin, end
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 EQUIVALENCE_HELPERS = ("compare(",)  # see NOTE [ Equivalence tests must fail without remat ] in conftest.py

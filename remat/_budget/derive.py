@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from .._core.policies import save_matmuls
 from .._engine.selective import SaveOps
 from .._measure.clock import MODE_PER_OP, priced
-from .windows import Detail, mode_cost
+from .marks import Detail, mode_cost
 
 __all__ = [
     "DERIVABLE", "PARTS", "Kept", "compiled_times", "derive_bytes", "derive_times", "mode_overhead", "output_calls",

@@ -14,7 +14,7 @@ import torch
 
 from .._core.errors import BUG, RecomputeMismatchError, RematError
 from .._core.torch_compat import graph_exec_group, graph_task_id, top_saved_hooks
-from . import recording as _recording
+from . import recorder as _recording
 from . import stats as _stats
 from .mismatch import Meta as _Meta
 from .mismatch import mismatch_message
@@ -268,7 +268,7 @@ class Frame:
 
             torch.autograd.Variable._execution_engine.queue_callback(drop)
         start = time.perf_counter()
-        paused = _recording.pause()  # see NOTE [ Recompute is not recorded ] in recording.py
+        paused = _recording.pause()  # see NOTE [ Recompute is not recorded ] in recorder.py
         try:
             self.recompute(wanted, store)
         finally:

@@ -20,30 +20,8 @@ from .guard import storage_key, written_arguments
 from .modes import Mode
 from .rng import RngStash, with_index
 
-__all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info"]
+__all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info", "pause", "recording", "resume"]
 
-# NOTE [ What the tape holds ]
-# While the block runs, `Recorder.__torch_dispatch__` appends one entry per aten op: the op, its arguments with
-# every tensor replaced by its `Slot`, its first output slot and its output count, and the grad mode. Slots
-# number every op output (one per returned element) and every tensor from outside the tape. The recorder finds a
-# tensor's slot through its marker, the pair `(weakref, slot)`: tensors made by the tape are known only through
-# weak references, so the tape never keeps an activation alive; tensors from outside (inputs, parameters,
-# constants) are held strongly, because replay needs them, exactly as a checkpoint keeps its inputs. Identity is
-# the Python object: the objects an op returns inside the mode are the ones that autograd later shows to the pack
-# hook, and an in-place op returns its input object, whose marker then moves to the in-place op's output slot
-# (its new value). Entries hold no tensor, only ops, slots and plain values, so that two tapes compare in C
-# (NOTE [ Shared plans ] in tape.py).
-#
-# NOTE [ Writes to outside memory ]
-# An op that writes (in-place or `out=`) into memory of a tensor from outside the tape — BatchNorm's running
-# statistics, a user's buffer, `x.detach().add_(1)` — happens once, in forward. Before the first such write the
-# recorder copies the whole outside storage; replay rebuilds every outside tensor on that storage as a view of
-# a fresh copy of the snapshot, so replayed writes land on the copy and the original is never touched. Memory is
-# identified by storage (not by tensor) so that any alias of the outside tensor, made inside or outside the tape,
-# is covered. Every other outside tensor is checked in backward against the version it had when first seen:
-# a change means the tape would read a value that no longer exists, which is autograd's "modified by an inplace
-# operation" error.
-#
 
 _Tensor = torch.Tensor
 _ref = weakref.ref
@@ -340,3 +318,44 @@ class Recorder(Mode):
         if self.cpu_rng is None:
             return None
         return RngStash(self.cpu_rng, tuple(self.device_rng.items()))
+
+
+# The replay regions recording on this thread, so that a recompute keeps its ops off their tapes.
+#
+# NOTE [ Recompute is not recorded ]
+# A backward that a region's forward runs (a gradient inside the block) may make a site recompute: a rerun site
+# calls its function again under forward's RNG state, a replay site replays its tape. Those ops are not the block's:
+# what they rebuild enters the block only through the unpack hook, as a new tensor the tape keeps as one from
+# outside. Recorded, a replay of the block would run them again, with the block's RNG state instead of the state
+# they ran under, and rebuild other values. So every recording on the thread is paused while a recompute runs.
+
+class _Recording(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Any] = []  # the recorders (`recorder.Recorder`) of the regions open on this thread
+
+
+_recording = _Recording()
+
+
+def recording() -> list[Any]:
+    """This thread's open recorders, innermost last: a region pushes its recorder when it opens, pops it when it
+    ends."""
+    return _recording.stack
+
+
+def pause() -> list[tuple[Any, bool]] | None:
+    """Pause every recorder of this thread; None when there is none (the common case: one attribute read)."""
+    stack = _recording.stack
+    if not stack:
+        return None
+    paused = [(recorder, recorder.paused) for recorder in stack]
+    for recorder in stack:
+        recorder.paused = True
+    return paused
+
+
+def resume(paused: list[tuple[Any, bool]] | None) -> None:
+    """Undo `pause`."""
+    if paused is not None:
+        for recorder, flag in paused:
+            recorder.paused = flag

@@ -3,30 +3,37 @@
 
 A region records the aten ops its block runs (`_tape.Recorder`) and gives autograd handles instead of the
 activations made inside; backward replays the tape (`_tape.Tape.replay`). See NOTE [ What the tape holds ] in
-_tape.py, NOTE [ Handle lifetime ] in _hooks.py, and NOTE [ Region entry ] and NOTE [ Kept tensors ] below.
+tape.py, NOTE [ Handle lifetime ] in hooks.py, and NOTE [ Region entry ] and NOTE [ Kept tensors ] below.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from .._core.errors import BUG, RecomputeMismatchError, RematError
-from .._core.policies import Policy, tags
+from .._core import switch as _switch
+from .._core.errors import BUG, RecomputeMismatchError, RematError, check_runs_when_called
+from .._core.options import Options
+from .._core.policies import Policy, as_policy, tags
 from .._core.torch_compat import pop_saved_hooks, push_saved_hooks, storage_id
+from .compiled import compiled_key, compiling, context_for, in_compiled_call, torch_checkpoint, warn_once
 from .guard import storage_key
 from .hooks import Frame, Handle, Kept
-from .offload import Offload, for_kept
-from .recorder import Recorder, op_info
-from .recording import recording
+from .offload import Offload, for_kept, resolve
+from .recorder import Recorder, op_info, recording
 from .tape import Tape
 from .transfer import Parcel, Stay
 
-__all__ = ["RegionFrame", "begin", "end"]
+__all__ = ["Region", "RegionFrame", "begin", "end"]
+
 
 _push_hooks = push_saved_hooks
 _storage_id: Callable[[torch.Tensor], int] = storage_id
@@ -39,7 +46,7 @@ _pop_hooks = pop_saved_hooks
 # region does: each is kept with the version it had when saved, and a different version in backward raises
 # autograd's own "modified by an inplace operation" error instead of giving a wrong gradient. Inside an
 # enclosing site (another region, a rerun site, `save_on_cpu`), these tensors may be activations of that site,
-# so they are handed to its pack hook instead (see NOTE [ Inputs of nested sites ] in _hooks.py); so are the
+# so they are handed to its pack hook instead (see NOTE [ Inputs of nested sites ] in hooks.py); so are the
 # outside tensors the tape reads, at the end of forward.
 
 _VALUES_DIFFER = (
@@ -318,3 +325,118 @@ def end(token: object, *, ok: bool = True) -> None:
         token.recorder = None
         token.close()
 
+
+# The object `remat.region()` returns: a block of code, or each call of a decorated function, run as a replay
+# region through `region.begin` and `region.end`.
+#
+# A `Region` keeps the recordings it has open in a thread-local stack, so one object may be entered again while it
+# is open (a recursive decorated function: each level is a nested region) and from several threads at once; `ops`
+# and `freed_bytes` describe the recording that ended last.
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class Region:
+    """Rematerialize every activation of a block by replaying the aten ops it ran.
+
+    Used as `with remat.region() as r:` or as a decorator, `@remat.region()`. Inside, autograd keeps handles
+    instead of the activations made in the block; backward replays the recorded ops to rebuild them. Tensors
+    created before the block are kept by reference. The block runs untouched when the site is off
+    (`enabled=False`, or `REMAT=0`) or when grad mode is off.
+
+    Attributes:
+        ops: number of aten ops recorded by the recording that ended last.
+        freed_bytes: bytes of saved activations that it does not keep (rebuilt in backward).
+
+    Args:
+        options: the site's options; `strategy` is ignored (a region always replays).
+
+    >>> import torch
+    >>> from remat._core.options import Options
+    >>> x = torch.randn(4, 4, requires_grad=True)
+    >>> with Region(Options()) as r:
+    ...     y = x.tanh().exp()
+    >>> y.sum().backward()
+    >>> r.ops, r.freed_bytes
+    (2, 128)
+    """
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.ops = 0
+        self.freed_bytes = 0
+        self._local = threading.local()
+
+    def _stack(self) -> list[object]:
+        stack: list[object] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _begin(self, site: str | None) -> None:
+        options = self.options
+        token = None
+        if options.active(_switch.is_enabled()):
+            if in_compiled_call():
+                _warn_compiled_block()
+            if site is None:
+                caller = sys._getframe(2)
+                site = f"region at {caller.f_code.co_filename}:{caller.f_lineno}"
+            token = begin(
+                site=site, check=options.check, preserve_rng=options.preserve_rng,
+                debug=options.debug or _switch.debug(), offload=resolve(options.offload),
+                policy=as_policy(options.policy),
+            )
+        self._stack().append(token)
+
+    def _end(self, ok: bool) -> None:
+        token = self._stack().pop()
+        end(token, ok=ok)
+        if ok and isinstance(token, RegionFrame):
+            self.ops, self.freed_bytes = token.ops, token.freed_bytes
+
+    def __enter__(self) -> Region:
+        self._begin(self.options.name)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._end(exc_type is None)
+
+    def __call__(self, fn: _F) -> _F:
+        """Decorate a function or method: each call runs as a fresh region."""
+        site = self.options.name or getattr(fn, "__qualname__", None) or repr(fn)
+        check_runs_when_called(fn, site)
+
+        options = self.options
+        context_fn = context_for(as_policy(options.policy), site, options.offload is not False)
+        key = compiled_key(as_policy(options.policy))
+
+        @functools.wraps(fn)
+        def region(*args: Any, **kwargs: Any) -> Any:
+            if compiling() and options.active(_switch.is_enabled()) and torch.is_grad_enabled():
+                # NOTE [ Under torch.compile ]
+                return torch_checkpoint(fn, args, kwargs, key=key, context_fn=context_fn)
+            self._begin(site)
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException:
+                self._end(False)
+                raise
+            self._end(True)
+            return out
+
+        return region  # type: ignore[return-value]
+
+
+def _warn_compiled_block() -> None:
+    """Say once that a region in compiled code is not compiled (dynamo's graph break)."""
+    warn_once("region block", (
+        "remat: a `with remat.region():` block inside torch.compile'd code breaks the graph: dynamo runs the "
+        "function holding it in eager code (rematerialized there, not compiled). To compile the block with its "
+        "activations recomputed, move it into a function decorated with `@remat` or `@remat.region()`."
+    ), stacklevel=5)

@@ -1,21 +1,24 @@
 """The rerun strategy: forward runs the function under saved-tensor hooks; backward calls it again.
 
-See NOTE [ Handle lifetime ] and NOTE [ Inputs of nested sites ] in _hooks.py for what the hooks keep.
+See NOTE [ Handle lifetime ] and NOTE [ Inputs of nested sites ] in hooks.py for what the hooks keep.
 """
 
 from __future__ import annotations
 
+import dis
 import sys
+import threading
 import weakref
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from types import CodeType, FrameType
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .._core.errors import RematError
-from .._core.policies import Policy
+from .._core.policies import Policy, tags
 from .._core.torch_compat import pop_saved_hooks, push_saved_hooks
 from .._core.torch_compat import set_grad_enabled as _set_grad_enabled
 from .autocast import AutocastState, any_autocast
@@ -24,14 +27,13 @@ from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .offload import Offload, for_kept, no_offload_inside
-from .rerun_contexts import recompute_contexts, tag_sink
 from .rng import RngStash, devices_of
-from .selective import SaveOps
-from .tail import returns_at_once
+from .selective import ReuseOps, SaveOps
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
-__all__ = ["RerunFrame", "begin", "call", "end"]
+__all__ = ["RecomputeState", "RerunFrame", "begin", "call", "end", "recompute_contexts", "returns_at_once", "tag_sink"]
+
 
 _frame = sys._getframe
 _push_hooks = push_saved_hooks
@@ -49,7 +51,7 @@ _pop_hooks = pop_saved_hooks
 # packed: the pack hook raises `StopRecompute`, so none of the user's code after that point runs again — also
 # when forward saved nothing after it (a trailing `clone`, a log call, a counter), as torch's checkpoint stops.
 # Whatever comes after is never checked nor kept. Where the function has nothing left to do but return, the raise
-# (which unwinds through autograd's C++) is skipped: NOTE [ Stopping without raising ] in tail.py. With it off, the
+# (which unwinds through autograd's C++) is skipped: NOTE [ Stopping without raising ] below. With it off, the
 # function runs to its end and recompute must save exactly as many tensors as forward did: a different count is a
 # mismatch, except while forward is still running (NOTE [ Backward inside a site ] in hooks.py), where only the
 # part that has run can be compared. What decides the outcome is only what was saved, never how long anything took.
@@ -359,3 +361,129 @@ def call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], 
         return fn(*args, **kwargs)
     finally:
         end(frame)
+
+
+# The rarer parts of a rerun recompute's state: autocast, the user's recompute context, the policy, debug traces.
+#
+# Split from rerun.py, which enters them only when a site has any of them (NOTE [ Recompute state ] there).
+
+class RecomputeState(Protocol):
+    """What `recompute_contexts` reads of a rerun frame (`rerun.RerunFrame`)."""
+
+    autocast: AutocastState | None
+    devices: tuple[torch.device, ...]
+    saver: SaveOps | None
+    contexts: Callable[[], AbstractContextManager[Any]] | None
+    policy: Policy | None
+    offload: Offload | None
+    kept: list[Any]
+    claimed: set[int]
+    inner: bool
+    kept_tags: list[Any]
+    trace: list[str] | None
+    retrace: list[str] | None
+
+
+def recompute_contexts(self: RecomputeState) -> ExitStack:
+    """The rarer recompute state: autocast, the user's recompute context, the policy, debug traces."""
+    stack = ExitStack()
+    stack.enter_context(AutocastState.enter(self.autocast, self.devices))
+    if self.saver is not None:  # forward still runs (NOTE [ Backward inside a site ]): not its policy ops
+        stack.enter_context(_unnoted(self.saver))
+    if self.contexts is not None:
+        stack.enter_context(self.contexts())
+    if self.policy is not None:
+        unpack = None if self.offload is None else self.offload.unpack_one
+        if self.kept:
+            stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed, unpack))
+        if self.inner and self.policy.names:
+            # The function runs backward through what it tagged: a kept tensor put in its place would cut
+            # that graph, so recompute rebuilds it (and forward's sink, if forward still runs, is not fed).
+            stack.enter_context(tag_sink(_as_is))
+        elif self.kept_tags:
+            kept_tags = iter(self.kept_tags if unpack is None else map(unpack, self.kept_tags))
+            policy = self.policy
+
+            def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
+                if not policy.saves_name(name):
+                    return tensor
+                kept: torch.Tensor = next(kept_tags)
+                return kept.detach().requires_grad_(tensor.requires_grad)
+
+            stack.enter_context(tag_sink(hand_back))
+    if self.trace is not None:
+        self.retrace = []
+        stack.enter_context(OpTrace(self.retrace))
+    return stack
+
+
+def _never(func: Any) -> bool:
+    return False
+
+
+def _as_is(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    return tensor
+
+
+@contextmanager
+def _unnoted(saver: SaveOps) -> Iterator[None]:
+    """Keep forward's `saver` from noting the ops of a recompute run while forward is still running."""
+    saves_op, saver.saves_op = saver.saves_op, _never
+    try:
+        yield
+    finally:
+        saver.saves_op = saves_op
+
+
+@contextmanager
+def tag_sink(sink: Callable[[torch.Tensor, str], torch.Tensor]) -> Iterator[None]:
+    """Route `remat.tag` calls to `sink` while the block runs (see NOTE [ Policies ])."""
+    tags.sinks.append(sink)
+    try:
+        yield
+    finally:
+        tags.sinks.pop()
+
+
+# Whether any Python code still runs after the op in progress: what lets early stop skip raising.
+#
+# See NOTE [ Early stop ] in rerun.py.
+
+_RETURNS: dict[tuple[CodeType, int], bool] = {}
+_RETURNS_KEPT = 4096
+_LOCK = threading.Lock()
+
+
+def _returns_after(code: CodeType, offset: int) -> bool:
+    key = (code, offset)
+    found = _RETURNS.get(key)
+    if found is None:
+        # The frame's offset is its call instruction's, or, while it calls Python code, that of the call's last
+        # inline cache entry: the instruction after the call is the first one that starts beyond it.
+        following = next((i for i in dis.get_instructions(code) if i.offset > offset), None)
+        found = following is not None and following.opname == "RETURN_VALUE"
+        with _LOCK:
+            if len(_RETURNS) >= _RETURNS_KEPT:
+                _RETURNS.clear()
+            _RETURNS[key] = found
+    return found
+
+
+def returns_at_once(frame: FrameType | None, top: CodeType) -> bool:
+    """Whether every frame from `frame` up to the nearest frame running `top` (not included) returns as soon as
+    its current call does. The caller names its own frame by its code: holding a frame object would keep its
+    locals alive in a cycle.
+
+    >>> import sys
+    >>> def last(): return returns_at_once(sys._getframe(), run.__code__)
+    >>> def plain(): return last()
+    >>> def busy(): out = last(); return out
+    >>> def run(middle): return middle()
+    >>> run(plain), run(busy)  # `busy` stores the result before it returns
+    (True, False)
+    """
+    while frame is not None and frame.f_code is not top:
+        if not _returns_after(frame.f_code, frame.f_lasti):
+            return False
+        frame = frame.f_back
+    return frame is not None

@@ -25,8 +25,7 @@ from torch import nn
 
 from .._budget.apply import apply_budget
 from .._core.errors import BudgetError
-from .._core.format import format_bytes
-from .._core.units import Budget, parse_memory
+from .._core.units import Budget, format_bytes, parse_memory
 from .estimate import estimate
 from .predict import OptimizerLike
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .._core.format import format_bytes
+from .._core.units import format_bytes
 from .._measure.fake import FakeTracker, storage_bytes
 
 __all__ = [

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core.format import format_bytes
+from .._core.units import format_bytes
 from .phases import OPTIMIZER, peak_lines
 
 __all__ = ["ConfigEstimate", "EstimateReport"]

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.format import format_bytes
 from .._core.switch import enabled
 from .._core.torch_compat import tree_leaves
+from .._core.units import format_bytes
 from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
 from .loss import default_loss

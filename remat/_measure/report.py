@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._core.format import format_bytes
+from .._core.units import format_bytes
 
 __all__ = ["Measurement", "Report", "format_bytes", "format_seconds"]
 

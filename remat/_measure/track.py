@@ -54,9 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.format import format_bytes
 from .._core.torch_compat import OpOverload, local_tensor
-from .._core.units import parse_memory
+from .._core.units import format_bytes, parse_memory
 from .._engine.modes import Mode
 from . import resize
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._core.format import aligned as _aligned
+from .._core.units import aligned as _aligned
 from .._core.units import format_bytes
 
 if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`

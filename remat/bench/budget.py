@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 import remat
 
-from .._core.format import aligned
-from .._core.format import ratio as _ratio
+from .._core.units import aligned
+from .._core.units import ratio as _ratio
 from .budget_compile import compile_column
 from .budget_sweep import FRACTIONS as SWEEP_FRACTIONS
 from .budget_sweep import LEGEND, QUICK, QUICK_FRACTIONS, format_sweep, short, sweep

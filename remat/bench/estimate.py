@@ -28,8 +28,8 @@ from torch import nn
 
 import remat
 
-from .._core.format import format_bytes
 from .._core.torch_compat import tree_leaves
+from .._core.units import format_bytes
 from .._estimate.estimate import DEFAULT_CONFIGS, is_budget
 from .._measure.loss import call as _call
 from .._measure.loss import default_loss

@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from .._core.format import format_bytes, ratio
+from .._core.units import format_bytes, ratio
 from .._measure.measure import format_seconds
 from .configs import NO_REMAT, TORCH
 from .runner import STEPS_PER_REPEAT, Result
