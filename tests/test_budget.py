@@ -213,7 +213,7 @@ def test_choices_are_honoured() -> None:
         else:
             assert sites.get(plan.cost.names[i]) == shown[plan.choices[c]]
     # And a block given the extra choice runs under it: its gradients still equal no remat.
-    hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "budget_plan"))
+    hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "assignment"))
     for i in range(len(plan.cost)):
         hook.assign(model, i, 3)
     assert all(site.choice == repr(tagged) for site in remat.plan(model))

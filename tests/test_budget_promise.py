@@ -57,7 +57,7 @@ def test_a_plan_meets_its_budget_in_a_real_step_or_is_refused_rightly(name: str,
     assert planned >= 2
 
 
-def _train_step(work: Workload) -> remat.BudgetPlan:
+def _train_step(work: Workload) -> remat.Assignment:
     """The plan's first training step (`_train_step_after`); the plan it ran, as measured."""
     plan = remat.plan(work.model).budget
     # unmeasured, unless its prediction did not fit and a real step checked it before apply returned
@@ -105,7 +105,7 @@ def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pyt
     assert "measured peak of one real step" in str(remat.plan(work.model))
 
 
-def _train_step_after(work: Workload) -> remat.BudgetPlan:
+def _train_step_after(work: Workload) -> remat.Assignment:
     """One plain training step, gradients made anew as after `zero_grad()`; the model's plan after it."""
     for p in work.model.parameters():
         p.grad = None
@@ -116,7 +116,7 @@ def _train_step_after(work: Workload) -> remat.BudgetPlan:
     return plan
 
 
-def _copy_with(work: Workload, plan: remat.BudgetPlan) -> Workload:
+def _copy_with(work: Workload, plan: remat.Assignment) -> Workload:
     """A copy of `work` running `plan`'s choices, its check dropped (so that only the outside tracker counts)."""
     twin = _copy(work)
     hook = next(h for h in twin.model._forward_pre_hooks.values() if hasattr(h, "place"))

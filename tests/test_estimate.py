@@ -285,17 +285,17 @@ def test_a_budget_configuration_uses_the_planner() -> None:
     from remat._budget import apply as _fit
 
     checked: list[int] = []
-    real = _fit.check_plan  # type: ignore[attr-defined]
+    real = _fit.check_assignment  # type: ignore[attr-defined]
 
     def spy(plan: Any, measure: Any, assign: Any) -> Any:
         checked.append(1)
         return real(plan, measure, assign)
 
-    _fit.check_plan = spy  # type: ignore[attr-defined]
+    _fit.check_assignment = spy  # type: ignore[attr-defined]
     try:  # the plan a real model ends with once its first step checked it: checked at once, on fake tensors
         remat.estimate(model, torch.randn(256, 32), configs=(0.9,))
     finally:
-        _fit.check_plan = real  # type: ignore[attr-defined]
+        _fit.check_assignment = real  # type: ignore[attr-defined]
     assert checked
     # the default configurations end with a budget of 0.3, which this small stack cannot meet: apply's error
     with pytest.raises(remat.BudgetError, match="smallest feasible budget"):

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import remat
 from remat._budget.apply import _Budget
-from remat._budget.solve import BudgetPlan
+from remat._budget.solve import Assignment
 from remat._chain.profile import profile
 from remat._measure import clock
 from remat._measure.clock import OpClock, now, price, priced
@@ -36,13 +36,13 @@ def _slowed(model: nn.Module, blocks: list[nn.Module], sleep: float) -> None:
         block.register_forward_pre_hook(lambda *_: time.sleep(sleep))
 
 
-def _plan(model: nn.Module) -> BudgetPlan:
+def _plan(model: nn.Module) -> Assignment:
     hooks = [h for h in model._forward_pre_hooks.values() if isinstance(h, _Budget)]
-    assert len(hooks) == 1 and hooks[0].budget_plan is not None
-    return hooks[0].budget_plan
+    assert len(hooks) == 1 and hooks[0].assignment is not None
+    return hooks[0].assignment
 
 
-def _budget_on_fake(sleep: float, budget: float = 0.8) -> BudgetPlan:
+def _budget_on_fake(sleep: float, budget: float = 0.8) -> Assignment:
     with FakeTensorMode():
         model = GPT(CFG)
         _slowed(model, list(model.blocks), sleep)

@@ -14,7 +14,7 @@ import remat
 from remat._budget.apply import _Budget
 from remat._budget.check import check_measured
 from remat._budget.costs import BlockCost, ModelCost
-from remat._budget.solve import BudgetPlan, solve_budget
+from remat._budget.solve import Assignment, solve_budget
 from remat._core.errors import BudgetError
 
 
@@ -27,10 +27,10 @@ class Block(nn.Module):
         return F.gelu(self.fc2(F.gelu(self.fc1(x))))
 
 
-def _plan(model: nn.Module) -> BudgetPlan:
+def _plan(model: nn.Module) -> Assignment:
     hooks = [h for h in model._forward_pre_hooks.values() if isinstance(h, _Budget)]
-    assert len(hooks) == 1 and hooks[0].budget_plan is not None
-    return hooks[0].budget_plan
+    assert len(hooks) == 1 and hooks[0].assignment is not None
+    return hooks[0].assignment
 
 
 def _compiled_peak_by_kineto(model: nn.Module, x: torch.Tensor) -> int:

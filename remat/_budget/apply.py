@@ -39,7 +39,7 @@ from .._measure.loss import default_loss
 from .._measure.sample import as_call, detached, signature
 from .._measure.step_peak import compiled_peak, measure_step
 from .._sites.targets import _remove_hooks, _select, wrap_module
-from .check import PlanCheck, check_measured, check_plan
+from .check import AssignmentCheck, check_assignment, check_measured
 from .costs import ModelCost, with_gradients
 from .derive import DERIVABLE, PARTS
 from .fake_profile import on_fake, profile_fake
@@ -47,7 +47,7 @@ from .first_step import WINDOW, FirstStep, can_track, pop_closed
 from .gradients import accumulation_order, gradient_steps
 from .profile import profile_blocks
 from .ranks import from_rank_zero, max_over_ranks
-from .solve import BudgetPlan, least_plan, solve_budget
+from .solve import Assignment, least_assignment, solve_budget
 from .whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph_gradients
 
 __all__ = ["apply_budget"]
@@ -72,7 +72,7 @@ class _Budget:
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
     # What a hook pickled before it had these attributes reads (the instance's own values shadow them):
     compile = grads = told = upfront = False
-    check: PlanCheck | None = None
+    check: AssignmentCheck | None = None
     step: FirstStep | None = None
     sharded = warned = True  # no warning about `fully_shard` for a plan of unknown origin
     calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
@@ -98,7 +98,7 @@ class _Budget:
         self.replan = replan
         self.options = options
         self.compile = compile  # plan for one compiled graph: NOTE [ Compiled as one graph ]
-        self.budget_plan: BudgetPlan | None = None
+        self.assignment: Assignment | None = None
         self.signature: tuple[Any, ...] | None = None
         self.busy = False
         self.told = False  # whether re-planning inside a forward was logged (once per model)
@@ -107,7 +107,7 @@ class _Budget:
         self.grads = grads  # whether the checked step counts new gradients (`memory=`: NOTE [ Total memory ])
         self.calls = ()  # the parts' calls: NOTE [ Some matmuls ]
         self.upfront = upfront  # check every plan before it is kept, never on a training step (the estimator)
-        self.check: PlanCheck | None = None  # the plan's check, waiting for training steps: NOTE [ The first step ]
+        self.check: AssignmentCheck | None = None  # waiting for training steps: NOTE [ The first step ]
         self.step: FirstStep | None = None  # the training step being tracked for it
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
@@ -122,17 +122,17 @@ class _Budget:
         if policy != _KEPT:
             wrap_module(block, Options(policy=policy, **self.options), model)  # type: ignore[arg-type]
 
-    def place(self, model: nn.Module, plan: BudgetPlan) -> None:
+    def place(self, model: nn.Module, plan: Assignment) -> None:
         """Put `plan`'s choices on the blocks."""
         for i, c in enumerate(plan.choice):
             self.assign(model, i, c)
 
-    def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> BudgetPlan:
+    def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
         """Profile one step on these inputs, solve, and put the chosen options on the blocks."""
         args, kwargs = detached(args), detached(kwargs)
         loss = self.loss or default_loss
         blocks = [model.get_submodule(name) for name in self.names]
-        previous, previous_calls = self.budget_plan, self.calls
+        previous, previous_calls = self.assignment, self.calls
 
         def step_on(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
             def step(run: nn.Module = model) -> torch.Tensor:
@@ -178,13 +178,13 @@ class _Budget:
             try:
                 plan = solve_budget(cost, self.budget)
             except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
-                plan, fits = least_plan(cost, self.budget), False
+                plan, fits = least_assignment(cost, self.budget), False
             plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
             self.calls = plan.cost.calls  # rank 0's calls too
             self.place(model, plan)
             placed = [plan.choice]
 
-            def assign(p: BudgetPlan) -> None:
+            def assign(p: Assignment) -> None:
                 self.place(model, p)
                 placed[0] = p.choice
 
@@ -201,10 +201,10 @@ class _Budget:
                 return measured
 
             if fits and not (self.upfront or self.grads or self.compile or _sharded.is_sharded(model)):
-                self.check = PlanCheck(plan)  # on the first training step: NOTE [ The first step ]
+                self.check = AssignmentCheck(plan)  # on the first training step: NOTE [ The first step ]
             else:
                 with torch.enable_grad():  # NOTE [ Planned on measured steps ]
-                    plan = (check_measured if self.compile else check_plan)(plan, measure, assign)
+                    plan = (check_measured if self.compile else check_assignment)(plan, measure, assign)
         except BaseException:
             self.calls = previous_calls
             for i in range(len(blocks)):  # back to the previous choices, or to none
@@ -217,7 +217,7 @@ class _Budget:
             self.busy = False
             if restore is not None:
                 restore()
-        self.budget_plan = plan
+        self.assignment = plan
         self.signature = signature(args, kwargs)
         self.sharded = _sharded.is_sharded(model)
         return plan
@@ -249,8 +249,8 @@ class _Budget:
 
     def seen(self, peak: int) -> None:
         """A tracked step's backward ended: its peak shows in `remat.plan(model)` at once (this rank's)."""
-        if self.budget_plan is not None:
-            self.budget_plan = dataclasses.replace(self.budget_plan, measured=peak)
+        if self.assignment is not None:
+            self.assignment = dataclasses.replace(self.assignment, measured=peak)
 
     def settle(self, model: nn.Module) -> None:
         """At a forward: pop what tracked steps left, and act on a tracked step's peak (NOTE [ The first step ])."""
@@ -276,7 +276,7 @@ class _Budget:
         except BudgetError as e:  # the least choice is on the blocks: training goes on with it
             following = None
             warnings.warn(f"{e} Training goes on with that choice.", UserWarning, stacklevel=4)
-        self.budget_plan = check.plan
+        self.assignment = check.plan
         if following is None:
             self.check = None
         else:

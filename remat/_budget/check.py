@@ -13,7 +13,7 @@ tensors, the plan a real model ends with once its first step has checked it). Ei
 live before the step with the gradients already there, is the quantity the budget refers to; `remat.plan(model)`
 shows it beside the prediction. If it is over the budget, the plan is solved again on the same profile for the
 budget less what the prediction missed (measured minus predicted, taken as bytes the model does not see), and
-checked again on the next step, at most `CHECKS` steps in all (`PlanCheck`). A budget below the least predicted
+checked again on the next step, at most `CHECKS` steps in all (`AssignmentCheck`). A budget below the least predicted
 peak is not refused on the prediction alone: the choice that holds least is checked, and kept if it measures
 within the budget. Where nothing the profile offers fits the corrected budget, full remat of every block (where
 the profile has it; else the choice predicted to hold least) is checked, and if even that measures over the
@@ -30,15 +30,15 @@ from collections.abc import Callable
 from .._core.errors import BudgetError
 from .._core.units import format_bytes
 from .blocks_dp import evaluate_blocks
-from .solve import BudgetPlan, least_plan, solve_budget
+from .solve import Assignment, least_assignment, solve_budget
 
-__all__ = ["CHECKS", "SLACK", "PlanCheck", "check_plan", "check_measured"]
+__all__ = ["CHECKS", "SLACK", "AssignmentCheck", "check_assignment", "check_measured"]
 
 CHECKS = 3
 SLACK = 1.05
 
 
-def _corrected(plan: BudgetPlan, measured: int, *, both: bool = False) -> BudgetPlan | None:
+def _corrected(plan: Assignment, measured: int, *, both: bool = False) -> Assignment | None:
     """The plan for the budget less what `plan`'s prediction missed, or None where none fits that. With `both`,
     a prediction over the measured peak counts too (a negative miss: NOTE [ Planned on measured steps ])."""
     missed = plan.missed + (measured - plan.peak_bytes if both else max(0, measured - plan.peak_bytes))
@@ -52,10 +52,10 @@ def _corrected(plan: BudgetPlan, measured: int, *, both: bool = False) -> Budget
     return dataclasses.replace(found, budget=plan.budget, peak_bytes=found.peak_bytes + missed, missed=missed)
 
 
-def _least(plan: BudgetPlan) -> BudgetPlan:
+def _least(plan: Assignment) -> Assignment:
     """Full remat of every block where the profile has it (what the promise is measured against), else the
     choice per block the profile predicts to hold least."""
-    least = least_plan(plan.cost, plan.budget)
+    least = least_assignment(plan.cost, plan.budget)
     if "full" in plan.cost.choices and all(row[plan.cost.choices.index("full")] for row in plan.cost.blocks):
         full = plan.cost.choices.index("full")
         peak, time = evaluate_blocks(plan.cost, [full] * len(plan.cost))
@@ -63,7 +63,7 @@ def _least(plan: BudgetPlan) -> BudgetPlan:
     return least
 
 
-class PlanCheck:
+class AssignmentCheck:
     """The checks of one plan, one measured step at a time (NOTE [ Checking the plan ]).
 
     `after(measured)` takes the peak of a step run with `plan` on the blocks and returns the plan to put on them
@@ -71,13 +71,13 @@ class PlanCheck:
     else is left to try.
     """
 
-    def __init__(self, plan: BudgetPlan) -> None:
+    def __init__(self, plan: Assignment) -> None:
         self.plan = plan
         self._tried: set[tuple[int, ...]] = set()
         self._left = CHECKS
         self._floor = False  # whether `plan` is the choice that holds least, measured last
 
-    def after(self, measured: int) -> BudgetPlan | None:
+    def after(self, measured: int) -> Assignment | None:
         """Record the peak of a step of `plan`; the plan to measure next, or None when `plan` is final.
 
         Raises:
@@ -108,7 +108,7 @@ class PlanCheck:
         return least
 
 
-def _refused(plan: BudgetPlan, floor: int) -> BudgetError:
+def _refused(plan: Assignment, floor: int) -> BudgetError:
     return BudgetError(
         f"remat: no choice per block of these {len(plan.cost)} blocks fits a budget of {plan.budget} bytes "
         f"({format_bytes(plan.budget)}) in a real step: the one that holds least measured {floor} bytes "
@@ -117,9 +117,9 @@ def _refused(plan: BudgetPlan, floor: int) -> BudgetError:
     )
 
 
-def check_plan(
-    plan: BudgetPlan, measure: Callable[[], int], assign: Callable[[BudgetPlan], None]
-) -> BudgetPlan:
+def check_assignment(
+    plan: Assignment, measure: Callable[[], int], assign: Callable[[Assignment], None]
+) -> Assignment:
     """Measure `plan` (already assigned) and correct it until a step fits (NOTE [ Checking the plan ]).
 
     Args:
@@ -130,7 +130,7 @@ def check_plan(
     Raises:
         BudgetError: even the choice that holds least measured over the budget's slack.
     """
-    check = PlanCheck(plan)
+    check = AssignmentCheck(plan)
     while (following := check.after(measure())) is not None:
         assign(following)
     return check.plan
@@ -149,15 +149,15 @@ def check_plan(
 
 
 def check_measured(
-    plan: BudgetPlan, measure: Callable[[], int], assign: Callable[[BudgetPlan], None]
-) -> BudgetPlan:
-    """`check_plan` with the prediction's miss taken both ways (NOTE [ Planned on measured steps ]).
+    plan: Assignment, measure: Callable[[], int], assign: Callable[[Assignment], None]
+) -> Assignment:
+    """`check_assignment` with the prediction's miss taken both ways (NOTE [ Planned on measured steps ]).
 
     Raises:
         BudgetError: even the choice that holds least measured over the budget's slack.
     """
     tried: set[tuple[int, ...]] = set()
-    best: BudgetPlan | None = None
+    best: Assignment | None = None
     for _ in range(CHECKS + 1):
         measured = measure()
         plan = dataclasses.replace(plan, measured=measured)

@@ -23,12 +23,13 @@ from .._core.units import Budget, format_bytes, parse_budget
 from .blocks_dp import evaluate_blocks, least_budget_blocks, solve_blocks
 from .costs import BlockCost, ModelCost
 
-__all__ = ["BudgetPlan", "least_plan", "resolve_budget", "solve_budget"]
+__all__ = ["Assignment", "least_assignment", "resolve_budget", "solve_budget"]
 
 
 @dataclass(frozen=True)
-class BudgetPlan:
-    """One choice per block, with what the model predicts for it and for the two uniform baselines.
+class Assignment:
+    """A budget's assignment: one choice per block, with what the model predicts for it and for the two uniform
+    baselines. (`remat.Plan` is rotor's schedule for a chain; `remat.plan(model)` the table of a model's sites.)
 
     Attributes:
         cost: the profile the plan was solved on.
@@ -114,7 +115,7 @@ def resolve_budget(budget: Budget, cost: ModelCost) -> int:
     return max(1, math.floor(value * base[0]))
 
 
-def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> BudgetPlan:
+def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Assignment:
     """Choose one option per block so that the predicted peak fits `budget` at the least predicted time.
 
     Args:
@@ -124,7 +125,7 @@ def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Budge
         slots: the largest Pareto front kept per block before sizes are rounded (NOTE [ Block recurrence ]).
 
     Returns:
-        The `BudgetPlan`; its `peak_bytes` is at most the budget.
+        The `Assignment`; its `peak_bytes` is at most the budget.
 
     Raises:
         BudgetError: no choice per block fits; the message names the smallest budget that does.
@@ -148,12 +149,12 @@ def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Budge
     scored = [(evaluate_blocks(cost, ch), ch) for ch in candidates]
     fits = [(time, peak, ch) for (peak, time), ch in scored if peak <= nbytes]
     time, peak, choice = min(fits, key=lambda item: item[0])  # min keeps the first of equals: the DP's
-    return BudgetPlan(cost, tuple(choice), nbytes, peak, time, _uniform(cost, "kept"), _uniform(cost, "full"))
+    return Assignment(cost, tuple(choice), nbytes, peak, time, _uniform(cost, "kept"), _uniform(cost, "full"))
 
 
-def least_plan(cost: ModelCost, budget: Budget) -> BudgetPlan:
+def least_assignment(cost: ModelCost, budget: Budget) -> Assignment:
     """The choice per block with the least predicted peak, under `budget` (which it may not fit)."""
     choice = least_budget_blocks(cost)[1]
     peak, time = evaluate_blocks(cost, choice)
-    return BudgetPlan(cost, choice, resolve_budget(budget, cost), peak, time, _uniform(cost, "kept"),
+    return Assignment(cost, choice, resolve_budget(budget, cost), peak, time, _uniform(cost, "kept"),
                       _uniform(cost, "full"))

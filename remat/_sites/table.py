@@ -15,7 +15,7 @@ from .._core.units import aligned as _aligned
 from .._core.units import format_bytes
 
 if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`
-    from .._budget.solve import BudgetPlan
+    from .._budget.solve import Assignment
 
 __all__ = ["ModelPlan", "Site"]
 
@@ -41,7 +41,7 @@ class ModelPlan:
 
     model: str
     sites: tuple[Site, ...]
-    budget: BudgetPlan | None = None
+    budget: Assignment | None = None
     classes: tuple[str, ...] = ()
     switched_off: bool = False
     """The `REMAT` switch was off (`REMAT=0`, `remat.set_enabled(False)`) when the plan was made."""
@@ -72,7 +72,7 @@ class ModelPlan:
         lines += _aligned(rows)
         return "\n".join(lines)
 
-    def _budget_table(self, plan: BudgetPlan) -> str:
+    def _budget_table(self, plan: Assignment) -> str:
         header = ("block", "class", "choice", "held", "extra time")
         rows = [header]
         for i in range(len(plan.cost)):

@@ -372,8 +372,8 @@ def plan(model: nn.Module) -> ModelPlan:
         if options is not None:
             sites.append(Site(name, type(module).__qualname__, describe_options(options)))
     hooks: list[Any] = list(model._forward_pre_hooks.values())
-    budget = next((hook.budget_plan for hook in hooks if _is_ours(hook)
-                   and getattr(hook, "budget_plan", None) is not None), None)  # see remat/_fit.py
+    budget = next((hook.assignment for hook in hooks if _is_ours(hook)
+                   and getattr(hook, "assignment", None) is not None), None)  # see remat/_fit.py
     if budget is not None:
         classes = tuple(type(model.get_submodule(name)).__qualname__ for name in budget.cost.names)
         off = not _switch.is_enabled()
