@@ -28,8 +28,9 @@ __all__ = ["Assignment", "least_assignment", "resolve_budget", "solve_budget"]
 
 @dataclass(frozen=True)
 class Assignment:
-    """A budget's assignment: one choice per block, with what the model predicts for it and for the two uniform
-    baselines. (`remat.Plan` is rotor's schedule for a chain; `remat.plan(model)` the table of a model's sites.)
+    """A budget's assignment: one choice per block, with its predicted peak and the two uniform baselines'.
+
+    Not to be confused with `remat.Plan` (rotor's schedule for a chain) or `remat.plan(model)` (a model's sites).
 
     Attributes:
         cost: the profile the plan was solved on.
