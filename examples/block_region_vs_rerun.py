@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 import remat
-from remat.bench.models import TransformerBlock
+from benchmarks.models import TransformerBlock
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .bench.cli import main
+from benchmarks.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

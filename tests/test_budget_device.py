@@ -11,8 +11,8 @@ import torch
 from conftest import recomputes
 
 import remat
-from remat.bench.budget_sweep import _peak
-from remat.bench.workloads import Workload, build
+from benchmarks.budget_sweep import _peak
+from benchmarks.workloads import Workload, build
 
 pytest.importorskip("transformers")
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import remat
+from benchmarks.budget_sweep import _peak
+from benchmarks.cli import main
+from benchmarks.workloads import Workload, build
 from remat._measure.costs import ModelCost
-from remat.bench.budget_sweep import _peak
-from remat.bench.cli import main
-from remat.bench.workloads import Workload, build
 
 pytest.importorskip("transformers")
 

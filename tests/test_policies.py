@@ -168,8 +168,8 @@ def _encoder(dropout: float) -> Callable[[], tuple[nn.Module, Callable[[nn.Modul
 
 
 def _bench(kind: str) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]:
-    from remat.bench import convnets
-    from remat.bench import models as bench
+    from benchmarks import convnets
+    from benchmarks import models as bench
 
     def make() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
         model: bench.BenchModel

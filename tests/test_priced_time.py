@@ -16,12 +16,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import remat
+from benchmarks.models import GPT, GPTConfig
 from remat._fit import _Budget
 from remat._measure import clock
 from remat._measure.clock import OpClock, now, price, priced
 from remat._plan.budget import BudgetPlan
 from remat._plan.chain_profile import profile
-from remat.bench.models import GPT, GPTConfig
 
 CFG = GPTConfig(blocks=4, d=64, heads=2, seq=32, batch=2, vocab=256, dropout=0.0)
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""Models for the benchmark (`python -m remat`): the `BenchModel` base, a GPT-like stack, a tiny function; the
+"""Models for the benchmark (`python -m benchmarks`): the `BenchModel` base, a GPT-like stack, a tiny function; the
 convnets are in `convnets.py`.
 
 Each model is a `BenchModel`: its repeated blocks live in ``blocks`` and are called through
@@ -142,7 +142,7 @@ class GPT(BenchModel):
 
     Example:
         >>> import torch
-        >>> from remat.bench.models import GPT, GPTConfig
+        >>> from benchmarks.models import GPT, GPTConfig
         >>> model = GPT(GPTConfig(blocks=2, d=32, heads=2, seq=8, batch=2, vocab=50))
         >>> model.loss(*model.sample(torch.device("cpu"))).shape
         torch.Size([])
@@ -191,7 +191,7 @@ def tiny(x: torch.Tensor) -> torch.Tensor:
 
     Example:
         >>> import torch
-        >>> from remat.bench.models import tiny
+        >>> from benchmarks.models import tiny
         >>> tiny(torch.zeros(2))
         tensor([0., 0.])
     """

@@ -11,8 +11,9 @@ from typing import Any, TextIO
 
 import torch
 
-from .._measure.track import synchronize as _sync
-from .._measure.track import track
+from remat._measure.track import synchronize as _sync
+from remat._measure.track import track
+
 from .configs import NO_REMAT, SEED, TORCH, Config
 from .convnets import CONVNET_SIZES, ConvNet
 from .models import GPT, GPT_SIZES, BenchModel, tiny, tiny_input
@@ -43,7 +44,7 @@ class Result:
     grad_diff: float | None = None
     note: str = ""
     compare: bool = True  # whether ratios to the no-remat and torch rows make sense
-    error: str = ""  # why the row failed (its call raised, or its gradients are off): `python -m remat` exits 1
+    error: str = ""  # why the row failed (its call raised, or its gradients are off): `python -m benchmarks` exits 1
 
     @property
     def step(self) -> float | None:
@@ -128,7 +129,7 @@ least 1): remat recomputes with the same kernels and RNG, so in float32 only sum
 
 
 def fail(result: Result, why: str) -> None:
-    """Mark `result` failed: the table shows `why`, and `python -m remat` exits with status 1."""
+    """Mark `result` failed: the table shows `why`, and `python -m benchmarks` exits with status 1."""
     result.error = why
     result.note = f"FAILED: {why}"
 

@@ -1,7 +1,7 @@
-"""`python -m remat estimate` and `python -m remat --model estimate`.
+"""`python -m remat estimate` and `python -m benchmarks --model estimate`.
 
 ``python -m remat estimate`` prints `remat.estimate`'s table for a benchmark model or a Hugging Face config built
-on the meta device (``--hf llama`` with no size flags is the 7B Llama). ``python -m remat --model estimate``
+on the meta device (``--hf llama`` with no size flags is the 7B Llama). ``python -m benchmarks --model estimate``
 checks the predictions: for every configuration of the benchmark's GPT-like stack and convnet and of tiny GPT-2
 and Llama configs, the predicted peak and activation bytes next to those of a real CPU step of the same model,
 counted with `remat.track` (NOTE [ What a real step counts ]), and their ratio.
@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat._estimate import DEFAULT_CONFIGS, is_budget
+from remat._format import format_bytes
+from remat._measure.loss import call as _call
+from remat._measure.loss import default_loss
+from remat._torch_compat import tree_leaves
 
-from .._estimate import DEFAULT_CONFIGS, is_budget
-from .._format import format_bytes
-from .._measure.loss import call as _call
-from .._measure.loss import default_loss
-from .._torch_compat import tree_leaves
 from .convnets import CONVNET_SIZES, ConvNet, ConvNetConfig
 from .models import GPT, GPT_SIZES, GPTConfig, human_count, parameter_count
 
@@ -276,7 +276,7 @@ def run_checks(progress: Callable[[str], None] = lambda message: None) -> list[C
 
 
 def format_checks(rows: Sequence[Checked]) -> str:
-    """The table of ``python -m remat --model estimate``."""
+    """The table of ``python -m benchmarks --model estimate``."""
     fmt = format_bytes
     header = ("model", "config", "predicted peak", "measured peak", "ratio", "pred. activations",
               "meas. activations", "ratio")
@@ -372,6 +372,6 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
 
 
 def compare_main(stdout: TextIO, progress: Callable[[str], None]) -> int:
-    """Run ``python -m remat --model estimate``: predicted against measured."""
+    """Run ``python -m benchmarks --model estimate``: predicted against measured."""
     print(format_checks(run_checks(progress)), file=stdout)
     return 0

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 import remat
+from remat._measure.measure import format_bytes
 
-from .._measure.measure import format_bytes
 from .configs import NO_REMAT, SEED, Config, Sequential
 from .convnets import ChainNet
 from .models import BenchModel, human_count, parameter_count

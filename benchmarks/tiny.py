@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 import remat
+from remat._engine.modes import Mode
+from remat._measure.measure import format_seconds
 
-from .._engine.modes import Mode
-from .._measure.measure import format_seconds
 from .models import tiny_input
 from .runner import Result, fail, note, sync
 

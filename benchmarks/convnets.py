@@ -1,4 +1,4 @@
-"""Convnets for the benchmark (`python -m remat`): a ResNet-style convnet, and a plain convnet chain for
+"""Convnets for the benchmark (`python -m benchmarks`): a ResNet-style convnet, and a plain convnet chain for
 `remat.chain`. Both are `BenchModel`s (see `models.py`).
 """
 
@@ -76,7 +76,7 @@ class ConvNet(_Classifier):
 
     Example:
         >>> import torch
-        >>> from remat.bench.convnets import ConvNet, ConvNetConfig
+        >>> from benchmarks.convnets import ConvNet, ConvNetConfig
         >>> model = ConvNet(ConvNetConfig(width=4, blocks_per_stage=1, image=8, batch=2))
         >>> model.loss(*model.sample(torch.device("cpu"))).shape
         torch.Size([])
@@ -165,7 +165,7 @@ class ChainNet(_Classifier):
 
     Example:
         >>> import torch
-        >>> from remat.bench.convnets import ChainNet, ChainNetConfig
+        >>> from benchmarks.convnets import ChainNet, ChainNetConfig
         >>> model = ChainNet(ChainNetConfig(width=4, levels=(2, 1), image=8, batch=2))
         >>> len(model.blocks), model.loss(*model.sample(torch.device("cpu"))).shape
         (5, torch.Size([]))

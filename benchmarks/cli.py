@@ -1,4 +1,4 @@
-"""The built-in benchmark behind ``python -m remat``.
+"""The built-in benchmark behind ``python -m benchmarks``.
 
 For each model, every configuration runs on its own copy of the same weights and the same batch:
 one warm-up step, one step under `remat.track` for memory and gradients, then ``repeats`` timed
@@ -49,7 +49,7 @@ def run(
     progress: Callable[[str], None] = lambda message: None,
     startup: bool | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
-    """Run the benchmark and return its metadata and rows (what ``python -m remat`` prints).
+    """Run the benchmark and return its metadata and rows (what ``python -m benchmarks`` prints).
 
     Args:
         models: Any of ``"gpt"``, ``"convnet"``, ``"chain"``, ``"tiny"``, ``"offload"`` (an accelerator only).
@@ -64,7 +64,7 @@ def run(
         ``(meta, rows)``.
 
     Example:
-        >>> from remat.bench.cli import run
+        >>> from benchmarks.cli import run
         >>> meta, rows = run(["tiny"], repeats=1, startup=False)
         >>> rows[0].config, rows[0].step is not None
         ('no remat', True)
@@ -81,7 +81,7 @@ def run(
     }
     rows: list[Result] = []
     for name in models:
-        if name == "offload":  # its own rows and model (remat/bench/offload.py)
+        if name == "offload":  # its own rows and model (benchmarks/offload.py)
             from .offload import bench_offload
 
             meta["models"]["offload"], found = bench_offload(dev, repeats, progress)
@@ -110,7 +110,7 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int:
-    """Run ``python -m remat`` with command-line arguments ``argv``; return the exit status."""
+    """Run ``python -m benchmarks`` with command-line arguments ``argv``; return the exit status."""
     import argparse
 
     out = stdout or sys.stdout
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
 
         return estimate_main(argv[1:], out)
     parser = argparse.ArgumentParser(
-        prog="python -m remat",
+        prog="python -m benchmarks",
         description="Benchmark activation checkpointing: remat against torch.utils.checkpoint and no remat.",
     )
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         "budget: remat.apply(model, budget=...) against uniform configurations and torch.compile; "
         "compile: every remat site kind and budgets 0.3-0.8 under torch.compile (inductor, blocks compiled one by "
         "one), each row in its own process, against torch's checkpoint and compile's own budget (`python -m "
-        "remat.bench.compile_sites --help`: --whole compiles the model as one graph); "
+        "benchmarks.compile_sites --help`: --whole compiles the model as one graph); "
         "estimate: remat.estimate against real steps (`python -m remat estimate --help` estimates a model of "
         "your own)",
     )
@@ -171,11 +171,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         return 2
     models = ["gpt", "convnet", "chain", "tiny"] if args.model == "all" else [args.model]
     progress = Progress(sys.stderr, args.quiet)
-    if args.model == "budget":  # its own table: see remat/bench/budget.py
+    if args.model == "budget":  # its own table: see benchmarks/budget.py
         from . import budget
 
         return budget.main(args.size, args.repeats, args.plot, progress, out, quick=args.quick)
-    if args.model == "compile":  # its own table: see remat/bench/compile_sites.py
+    if args.model == "compile":  # its own table: see benchmarks/compile_sites.py
         from . import compile_sites
 
         argv = ["--threads", str(args.threads or 1), "--fractions", "0.3,0.4,0.5,0.6,0.7,0.8"]
