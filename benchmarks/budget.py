@@ -28,16 +28,15 @@ import torch
 import torch.nn.functional as F
 
 import remat
+from remat._demo import CONVNET_SIZES, GPT, GPT_SIZES, BenchModel, ConvNet
 from remat._format import aligned
 from remat._format import ratio as _ratio
+from tests.models import WORKLOADS
 
 from .budget_compile import compile_column
 from .budget_sweep import FRACTIONS as SWEEP_FRACTIONS
 from .budget_sweep import LEGEND, QUICK, QUICK_FRACTIONS, format_sweep, short, sweep
-from .convnets import CONVNET_SIZES, ConvNet
-from .models import GPT, GPT_SIZES, BenchModel
 from .table import PLOT_MISSING
-from .workloads import WORKLOADS
 
 __all__ = ["FRACTIONS", "main", "run"]
 

@@ -33,7 +33,7 @@ import json, statistics, sys, time
 try:
     import torch
     import torch._functorch.config as functorch_config
-    from benchmarks.models import GPT, GPT_SIZES
+    from remat._demo import GPT, GPT_SIZES
     fraction, size, repeats, threads = float(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(threads)
     if not hasattr(functorch_config, "activation_memory_budget"):

@@ -1,4 +1,4 @@
-"""The built-in benchmark behind ``python -m benchmarks``.
+"""The benchmark behind ``python -m benchmarks`` (run from the repository's root).
 
 For each model, every configuration runs on its own copy of the same weights and the same batch:
 one warm-up step, one step under `remat.track` for memory and gradients, then ``repeats`` timed
@@ -28,10 +28,11 @@ from typing import Any, TextIO
 
 import torch
 
+from remat._demo import human_count, parameter_count
+from tests.models import CHAIN_SIZES, ChainNet
+
 from .chain import bench_chain
 from .configs import CONFIGS, NO_REMAT, TORCH, Config, register
-from .convnets import CHAIN_SIZES, ChainNet
-from .models import human_count, parameter_count
 from .runner import MODELS, STEPS_PER_REPEAT, Progress, Result, bench_model, bench_tiny, note
 from .table import PLOT_MISSING, format_table, plot
 from .targets import check_targets, format_checks
@@ -115,10 +116,6 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
 
     out = stdout or sys.stdout
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["estimate"]:  # python -m remat estimate: remat.estimate's table (bench/estimate.py)
-        from .estimate import main as estimate_main
-
-        return estimate_main(argv[1:], out)
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Benchmark activation checkpointing: remat against torch.utils.checkpoint and no remat.",

@@ -12,9 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import remat
+from remat._demo import BenchModel
 from remat._measure.measure import format_bytes
-
-from .models import BenchModel
 
 __all__ = ["CONFIGS", "NO_REMAT", "SEED", "TORCH", "Config", "Sequential", "register"]
 

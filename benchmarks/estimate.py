@@ -1,10 +1,9 @@
-"""`python -m remat estimate` and `python -m benchmarks --model estimate`.
+"""`python -m benchmarks --model estimate`: `remat.estimate` against real steps.
 
-``python -m remat estimate`` prints `remat.estimate`'s table for a benchmark model or a Hugging Face config built
-on the meta device (``--hf llama`` with no size flags is the 7B Llama). ``python -m benchmarks --model estimate``
-checks the predictions: for every configuration of the benchmark's GPT-like stack and convnet and of tiny GPT-2
-and Llama configs, the predicted peak and activation bytes next to those of a real CPU step of the same model,
-counted with `remat.track` (NOTE [ What a real step counts ]), and their ratio.
+``python -m benchmarks --model estimate`` checks the predictions: for every configuration of the GPT-like stack
+and the convnet (remat/_demo.py) and of tiny GPT-2 and Llama configs, the predicted peak and activation bytes next
+to those of a real CPU step of the same model, counted with `remat.track` (NOTE [ What a real step counts ]), and
+their ratio.
 
 NOTE [ What a real step counts ]
 The real step is the one `remat.estimate` predicts (NOTE [ What an estimate runs ] in remat/_plan/estimate.py):
@@ -15,131 +14,32 @@ batch, the optimizer's state) are counted from their storages, and the tracker a
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat._estimate import DEFAULT_CONFIGS, is_budget
+from remat._estimate import is_budget
+from remat._estimate_cli import HF_KINDS, SEED, Case, bench_case, hf_case
 from remat._format import format_bytes
 from remat._measure.loss import call as _call
 from remat._measure.loss import default_loss
 from remat._torch_compat import tree_leaves
 
-from .convnets import CONVNET_SIZES, ConvNet, ConvNetConfig
-from .models import GPT, GPT_SIZES, GPTConfig, human_count, parameter_count
+__all__ = [
+    "HF_KINDS", "Case", "Checked", "Measured", "bench_case", "check", "compare_main", "format_checks", "hf_case",
+    "measure_step", "run_checks",
+]
 
-__all__ = ["Case", "Checked", "bench_case", "check", "hf_case", "main", "measure_step", "run_checks"]
-
-SEED = 1234
 CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls")
 BUDGET = 0.6
 """The budget configuration `--model estimate` checks on the benchmark's models (a fraction of no remat's peak).
 
 The real step plans on its own profile, whose times differ from the fake one's, so the two plans may pick
 different blocks; both fit the budget, and their peaks agree within the target."""
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HF_KINDS = ("llama", "gpt2", "t5", "bert")
-
-
-@dataclass
-class Case:
-    """A model, a batch and the loss of one training step."""
-
-    name: str
-    model: nn.Module
-    sample: Any
-    loss: Callable[[Any], torch.Tensor] | None = None
-    where: Any = None
-
-
-def bench_case(name: str, size: str = "small", *, device: str = "cpu", seed: int = SEED,
-               config: GPTConfig | ConvNetConfig | None = None) -> Case:
-    """The benchmark's GPT-like stack or convnet (``name`` "gpt" or "convnet"), on ``device`` ("meta" allowed)."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model: GPT | ConvNet = (
-            GPT(config if isinstance(config, GPTConfig) else GPT_SIZES[size]) if name == "gpt"
-            else ConvNet(config if isinstance(config, ConvNetConfig) else CONVNET_SIZES[size])
-        )
-    first, target = model.sample(torch.device("cpu"), seed=seed)
-    flat = 1 if name == "gpt" else None
-
-    def loss(out: torch.Tensor) -> torch.Tensor:
-        if flat is None:
-            return F.cross_entropy(out, target)
-        return F.cross_entropy(out.flatten(0, 1), target.flatten())
-
-    return Case(f"{name} ({model.describe()})", model, (first,), loss)
-
-
-# kind -> (config class, model class, a tiny config, names of (layers, hidden size, heads) in the config)
-_HF: dict[str, tuple[str, str, dict[str, Any], tuple[str, str, tuple[str, ...]]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM",
-              {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 4, "num_attention_heads": 4,
-               "num_key_value_heads": 4},
-              ("num_hidden_layers", "hidden_size", ("num_attention_heads", "num_key_value_heads"))),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 4, "n_head": 4},
-             ("n_layer", "n_embd", ("n_head",))),
-    "t5": ("T5Config", "T5ForConditionalGeneration",
-           {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_layers": 2, "num_heads": 4},
-           ("num_layers", "d_model", ("num_heads",))),
-    "bert": ("BertConfig", "BertForMaskedLM",
-             {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4},
-             ("num_hidden_layers", "hidden_size", ("num_attention_heads",))),
-}
-
-
-def hf_case(kind: str, *, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
-            seq: int = 2048, batch: int = 1, dtype: torch.dtype = torch.float32, device: str = "meta",
-            tiny: bool = False, seed: int = SEED) -> Case:
-    """A transformers model (``kind`` in `HF_KINDS`) from its config's defaults, the flags overriding them.
-
-    ``tiny`` starts from a config of a few layers of width 64 instead of the defaults (for real runs).
-    """
-    import transformers as tf
-
-    if kind not in _HF:
-        raise ValueError(f"remat: --hf must be one of {', '.join(HF_KINDS)}, but got {kind!r}.")
-    config_name, model_name, small, names = _HF[kind]
-    vocab = 512 if tiny else None
-    config: Any = getattr(tf, config_name)(**(small if tiny else {}))
-    build: Any = getattr(tf, model_name)
-    if vocab is not None:
-        config.vocab_size = vocab
-    for value, name in zip((layers, hidden), names[:2], strict=True):
-        if value is not None:
-            setattr(config, name, value)
-    if heads is not None:
-        for name in names[2]:
-            setattr(config, name, heads)
-    if kind == "t5":
-        if layers is not None:
-            config.num_decoder_layers = layers
-        if getattr(config, "decoder_start_token_id", None) is None:  # T5Config() leaves it to the checkpoints
-            config.decoder_start_token_id = config.pad_token_id or 0
-    for name in ("n_positions", "max_position_embeddings"):  # room for --seq
-        if getattr(config, name, None) is not None and getattr(config, name) < seq:
-            setattr(config, name, seq)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = build(config).to(dtype)
-    model.train()
-    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    sample: dict[str, Any] = {"input_ids": ids, "labels": ids}
-    if kind != "bert":
-        sample["use_cache"] = False
-    size = f"{config.num_hidden_layers if kind != 't5' else config.num_layers} layers"
-    name = f"{build.__name__} ({size}, {human_count(parameter_count(model))} parameters, {str(dtype)[6:]}, " \
-           f"batch {batch}, seq {seq})"
-    return Case(name, model, sample)
 
 
 # -- a real step ---------------------------------------------------------------------------------
@@ -293,82 +193,6 @@ def format_checks(rows: Sequence[Checked]) -> str:
     worst = max((abs(r.peak_ratio - 1) for r in rows), default=0.0)
     lines.append(f"worst peak ratio off by {worst:.2%}")
     return "\n".join(lines)
-
-
-# -- python -m remat estimate --------------------------------------------------------------------
-
-
-def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
-    """Run ``python -m remat estimate`` with ``argv`` (after the word ``estimate``); return the exit status."""
-    out = stdout or sys.stdout
-    parser = argparse.ArgumentParser(
-        prog="python -m remat estimate",
-        description="Predict the memory of one training step per remat configuration, without allocating it "
-        "(remat.estimate on fake tensors; models are built on the meta device).",
-    )
-    parser.add_argument("--hf", choices=HF_KINDS, help="a transformers config (its defaults; llama: 7B) instead "
-                        "of the benchmark's models")
-    parser.add_argument("--model", choices=["gpt", "convnet"], help="a benchmark model (default: both)")
-    parser.add_argument("--size", choices=["small", "medium"], default="small", help="benchmark model size")
-    parser.add_argument("--layers", type=int, help="number of layers (--hf)")
-    parser.add_argument("--hidden", type=int, help="hidden size (--hf)")
-    parser.add_argument("--heads", type=int, help="attention heads (--hf)")
-    parser.add_argument("--seq", type=int, default=2048, help="sequence length (--hf; default 2048)")
-    parser.add_argument("--batch", type=int, default=1, help="batch size (--hf; default 1)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (--hf)")
-    parser.add_argument("--optimizer", choices=["none", "sgd", "adam", "adamw"], default="adamw",
-                        help="optimizer step to include (default adamw)")
-    parser.add_argument("--device", default="cpu", help="device to predict for (default cpu; cuda works "
-                        "without a GPU: it predicts torch.cuda.max_memory_allocated)")
-    parser.add_argument("--memory", help="device memory (e.g. 80GiB, --hf): also print the largest batch whose "
-                        "step fits in it per configuration")
-    parser.add_argument("--largest-seq", action="store_true", help="with --memory: also the largest sequence length")
-    parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
-    parser.add_argument("--world-size", type=int, help="predict one rank of this many data-parallel ranks")
-    parser.add_argument("--shard", choices=["fsdp2", "ddp"], help="with --world-size: fsdp2, as if fully_shard "
-                        "were applied to each block and the root; ddp, as if wrapped in DistributedDataParallel "
-                        "(its gradient buckets counted)")
-    args = parser.parse_args(list(argv))
-    if args.memory is not None and not args.hf:
-        parser.error("--memory needs --hf: the benchmark's models take a loss with fixed target shapes")
-    if args.largest_seq and args.memory is None:
-        parser.error("--largest-seq goes with --memory")
-    search: dict[str, Any] = {} if args.memory is None else {
-        "memory": args.memory, "batch_dim": 0, "seq_dim": 1 if args.largest_seq else None}
-    optimizer = None if args.optimizer == "none" else args.optimizer
-    ranks: dict[str, Any] = {"world_size": args.world_size, "shard": args.shard} if args.world_size else {}
-    if args.shard and not args.world_size:
-        parser.error("--shard goes with --world-size")
-    if args.hf:
-        cases = [hf_case(args.hf, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                         batch=args.batch, dtype=DTYPES[args.dtype])]
-    else:
-        cases = [bench_case(name, args.size, device="meta") for name in ([args.model] if args.model
-                                                                        else ["gpt", "convnet"])]
-    reports = []
-    for case in cases:
-        start = time.perf_counter()
-        configs: tuple[Any, ...] = tuple(DEFAULT_CONFIGS)
-        try:
-            report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
-                                    configs=configs, device=args.device, **ranks, **search)
-            unfit = ""
-        except remat.BudgetError as e:  # the budget row does not fit this model: the other rows still tell
-            configs = tuple(config for config in configs if isinstance(config, str))
-            report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
-                                    configs=configs, device=args.device, **ranks, **search)
-            unfit = str(e)
-        print(f"{case.name}: estimated in {time.perf_counter() - start:.1f} s", file=out)
-        print(report, file=out)
-        if unfit:
-            print(unfit, file=out)
-        reports.append(report.to_dict())
-    if args.json:
-        import json
-
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(reports, f, indent=2)
-    return 0
 
 
 def compare_main(stdout: TextIO, progress: Callable[[str], None]) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from remat._api import remat
+from remat._demo import GPT, GPTConfig, human_count, parameter_count
 from remat._engine.offload import Offload
 from remat._engine.transfer import host_bytes
 from remat._measure.measure import format_bytes
@@ -29,7 +30,6 @@ from remat._measure.track import track
 from remat._policies import offload as offload_policy
 from remat._policies import save_matmuls
 
-from .models import GPT, GPTConfig, human_count, parameter_count
 from .runner import GRAD_BOUND, note
 
 __all__ = ["NEEDS_ACCELERATOR", "OFFLOAD_SIZE", "bench_offload"]

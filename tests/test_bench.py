@@ -1,4 +1,4 @@
-"""Tests for the benchmark behind `python -m remat` (benchmarks.cli, remat.bench.models), on tiny sizes."""
+"""Tests for the benchmark `python -m benchmarks` (benchmarks/cli.py and the models it runs), on tiny sizes."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from torch import nn
 from benchmarks import cli as _bench
 from benchmarks.chain import CHAIN, bench_chain
 from benchmarks.cli import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
-from benchmarks.convnets import CHAIN_SIZES, ChainNet, ChainNetConfig, ConvNet, ConvNetConfig
-from benchmarks.models import GPT, BenchModel, GPTConfig, human_count, tiny
-from benchmarks.runner import bench_model
+from benchmarks.runner import bench_model, tiny
 from benchmarks.tiny import bench_replay
+from remat._demo import GPT, BenchModel, ConvNet, ConvNetConfig, GPTConfig, human_count
+from tests.models import CHAIN_SIZES, ChainNet, ChainNetConfig
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The offload rows of the benchmark (`python -m remat --model offload`, benchmarks/offload.py), on CPU."""
+"""The offload rows of the benchmark (`python -m benchmarks --model offload`, benchmarks/offload.py), on CPU."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 import remat
 from benchmarks.cli import main
-from benchmarks.models import GPTConfig
 from benchmarks.offload import NEEDS_ACCELERATOR, bench_offload
+from remat._demo import GPTConfig
 
 TINY = GPTConfig(blocks=2, d=32, heads=2, seq=16, batch=2, vocab=50)
 

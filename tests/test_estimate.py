@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import remat
-from benchmarks.convnets import ConvNetConfig
-from benchmarks.estimate import Case, bench_case, check, hf_case, measure_step
-from benchmarks.models import GPTConfig
+from benchmarks.estimate import check, measure_step
+from remat._demo import ConvNetConfig, GPTConfig
+from remat._estimate_cli import Case, bench_case, hf_case
 from remat._measure.fake import FakeTracker, allocator_bytes, fake_mode, storage_bytes
 
 TINY_GPT = GPTConfig(blocks=3, d=32, heads=2, seq=16, batch=2, vocab=64)
@@ -337,8 +337,8 @@ def test_report_table_lookup_and_dict() -> None:
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "t5", "bert"])
 def test_cli_prints_the_table(kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
-    from benchmarks.cli import main
-    from benchmarks.estimate import HF_KINDS
+    from remat.__main__ import main
+    from remat._estimate_cli import HF_KINDS
 
     assert kind in HF_KINDS
     assert main(["estimate", "--hf", kind, "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import remat
-from benchmarks.models import GPT, GPTConfig
+from remat._demo import GPT, GPTConfig
 from remat._fit import _Budget
 from remat._measure import clock
 from remat._measure.clock import OpClock, now, price, priced
