@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 import remat
-from remat.bench.models import TransformerBlock
+from remat._demo import TransformerBlock
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import remat
-from remat.bench.models import GPT, GPTConfig
+from remat._demo import GPT, GPTConfig
 
 CFG = GPTConfig(blocks=4, d=128, heads=4, seq=64, batch=4, vocab=512, dropout=0.0)
 MiB = 2**20

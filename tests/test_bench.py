@@ -1,4 +1,4 @@
-"""Tests for the benchmark behind `python -m remat` (remat.bench.cli, remat.bench.models), on tiny sizes."""
+"""Tests for the benchmark `python -m benchmarks` (benchmarks/cli.py and the models it runs), on tiny sizes."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from remat.bench import cli as _bench
-from remat.bench.chain import CHAIN, bench_chain
-from remat.bench.cli import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
-from remat.bench.convnets import CHAIN_SIZES, ChainNet, ChainNetConfig, ConvNet, ConvNetConfig
-from remat.bench.models import GPT, BenchModel, GPTConfig, human_count, tiny
-from remat.bench.runner import bench_model
-from remat.bench.tiny import bench_replay
+from benchmarks import cli as _bench
+from benchmarks.chain import CHAIN, bench_chain
+from benchmarks.cli import CONFIGS, NO_REMAT, TORCH, Config, Result, format_table, main, register, run
+from benchmarks.runner import bench_model, tiny
+from benchmarks.tiny import bench_replay
+from remat._demo import GPT, BenchModel, ConvNet, ConvNetConfig, GPTConfig, human_count
+from tests.models import CHAIN_SIZES, ChainNet, ChainNetConfig
 
 CPU = torch.device("cpu")
 
@@ -260,7 +260,7 @@ def test_main_accepts_the_chain_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
 
 def test_targets_take_ratios_per_repeat_and_judge_the_median() -> None:
-    from remat.bench.targets import check_targets, format_checks
+    from benchmarks.targets import check_targets, format_checks
 
     rows = [
         Result("tiny", NO_REMAT, step_seconds=[1.0, 1.0, 1.0]),
@@ -290,7 +290,7 @@ def test_targets_take_ratios_per_repeat_and_judge_the_median() -> None:
 
 def test_a_repeat_keeps_the_fastest_of_its_consecutive_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A burst of load on one step does not become the repeat's time (runner.STEPS_PER_REPEAT)."""
-    from remat.bench import runner
+    from benchmarks import runner
 
     times = iter([9.0, 9.0, 5.0, 1.0, 2.0, 7.0, 3.0])  # two warm-ups (NO_REMAT, TORCH), then 2 per repeat...
     monkeypatch.setattr(runner, "_timed_step", lambda model, batch, device: next(times))
@@ -333,7 +333,7 @@ def test_a_row_whose_gradients_are_off_fails(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_targets_are_a_developer_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    from remat.bench import targets
+    from benchmarks import targets
 
     def failing(rows: object, summary: object = None) -> list[targets.Check]:
         return [targets.Check("1", "a ratio", 2.0, 2.0, 2.0, "≤ 1", False)]
@@ -346,7 +346,7 @@ def test_targets_are_a_developer_check(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_main_accepts_the_compile_mode_and_fails_only_on_real_failures(monkeypatch: pytest.MonkeyPatch) -> None:
-    from remat.bench import compile_sites
+    from benchmarks import compile_sites
 
     answers: dict[str, dict[str, Any]] = {}
 
@@ -366,7 +366,7 @@ def test_main_accepts_the_compile_mode_and_fails_only_on_real_failures(monkeypat
 
 
 def test_compile_rows_compare_at_equal_or_lower_peak() -> None:
-    from remat.bench.compile_sites import _against_compile
+    from benchmarks.compile_sites import _against_compile
 
     mib = 2**20
     rows = [

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from remat.bench import budget, budget_compile
-from remat.bench.budget import Row
-from remat.bench.cli import main
+from benchmarks import budget, budget_compile
+from benchmarks.budget import Row
+from benchmarks.cli import main
 
 
 def _rows() -> list[Row]:

@@ -1,4 +1,4 @@
-"""The offload rows of the benchmark (`python -m remat --model offload`, remat/bench/offload.py), on CPU."""
+"""The offload rows of the benchmark (`python -m benchmarks --model offload`, benchmarks/offload.py), on CPU."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import io
 import torch
 
 import remat
-from remat.bench.cli import main
-from remat.bench.models import GPTConfig
-from remat.bench.offload import NEEDS_ACCELERATOR, bench_offload
+from benchmarks.cli import main
+from benchmarks.offload import NEEDS_ACCELERATOR, bench_offload
+from remat._demo import GPTConfig
 
 TINY = GPTConfig(blocks=2, d=32, heads=2, seq=16, batch=2, vocab=50)
 

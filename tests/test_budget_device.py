@@ -11,8 +11,7 @@ import torch
 from conftest import recomputes
 
 import remat
-from remat.bench.budget_sweep import _peak
-from remat.bench.workloads import Workload, build
+from tests.models import Workload, build, tracked_peak
 
 pytest.importorskip("transformers")
 
@@ -37,10 +36,10 @@ def _loop(work: Workload, optimizer: torch.optim.Optimizer | None, steps: int = 
 @pytest.mark.parametrize("name", MODELS[:2])
 def test_apply_with_a_budget_and_its_steps_fit_a_device_of_the_budget(name: str) -> None:
     base = build(name)
-    none = _peak(_copy(base))
+    none = tracked_peak(_copy(base))
     full = _copy(base)
     remat.apply(full.model)
-    floor = _peak(full)  # full remat of every block, gradients counted
+    floor = tracked_peak(full)  # full remat of every block, gradients counted
     budget = int(0.6 * none)
     limit = int(max(budget, floor) * 1.05)
     work = _copy(base)

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import remat
+from benchmarks.cli import main
 from remat._budget.costs import ModelCost
-from remat.bench.budget_sweep import _peak
-from remat.bench.cli import main
-from remat.bench.workloads import Workload, build
+from tests.models import Workload, build, tracked_peak
 
 pytest.importorskip("transformers")
 
@@ -29,10 +28,10 @@ def _copy(base: Workload) -> Workload:
 )
 def test_a_plan_meets_its_budget_in_a_real_step_or_is_refused_rightly(name: str, fractions: tuple[float, ...]) -> None:
     base = build(name)
-    none = _peak(_copy(base))
+    none = tracked_peak(_copy(base))
     full = _copy(base)
     remat.apply(full.model)
-    floor = _peak(full)  # full remat of every block, measured
+    floor = tracked_peak(full)  # full remat of every block, measured
     assert floor < none
     planned = refused = 0
     for fraction in fractions:
@@ -48,7 +47,7 @@ def test_a_plan_meets_its_budget_in_a_real_step_or_is_refused_rightly(name: str,
             continue
         planned += 1
         first = _train_step(work)  # the plan's check: NOTE [ The first step ]
-        measured = _peak(work)  # the next step runs the plan the first one left
+        measured = tracked_peak(work)  # the next step runs the plan the first one left
         assert measured <= budget * 1.05, f"{name} at {fraction}: measured {measured / budget:.3f} x the budget"
         plan = remat.plan(work.model).budget
         assert plan is not None
@@ -70,7 +69,7 @@ def _train_step(work: Workload) -> remat.Assignment:
 def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # Make the prediction miss: the profile's kept blocks claim to hold 40% less than they do, so the first plan
     # keeps too many of them, and its first training step measures over the budget.
-    from remat._budget import apply as _fit
+    from remat import _fit
 
     real = _fit.profile_blocks  # type: ignore[attr-defined]
 
@@ -88,20 +87,20 @@ def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pyt
     monkeypatch.setattr(_fit, "profile_blocks", optimistic)
     monkeypatch.setattr(_fit, "measure_step", unused)
     base = build("convnet")
-    none = _peak(_copy(base))
+    none = tracked_peak(_copy(base))
     budget = int(0.65 * none)
     work = _copy(base)
     remat.apply(work.model, budget=budget, sample=base.sample, loss=base.loss)
     first = _train_step(work)
     assert first.budget == budget and first.measured is not None and first.measured > budget
-    assert _peak(_copy_with(work, first)) == first.measured  # what an outside tracker measures for that plan
+    assert tracked_peak(_copy_with(work, first)) == first.measured  # what an outside tracker measures for that plan
     checked = [first]
     while len(checked) < 4 and (plan := _train_step_after(work)).measured != checked[-1].measured:
         checked.append(plan)  # the next step ran a corrected plan, and measured it
     final = remat.plan(work.model).budget
     assert final is not None and final.choice != first.choice  # corrected before the second step
     assert final.measured is not None and final.measured <= budget * 1.05
-    assert _peak(work) == final.measured
+    assert tracked_peak(work) == final.measured
     assert "measured peak of one real step" in str(remat.plan(work.model))
 
 

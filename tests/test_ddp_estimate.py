@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.bench.models import GPT, GPTConfig
+from remat._demo import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -116,7 +116,7 @@ def test_cli_counts_the_buckets() -> None:
     pytest.importorskip("transformers")
     import io
 
-    from remat.bench.estimate import main
+    from remat._estimate_cli import main
 
     peaks: dict[str, float] = {}
     params = 0.0

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import remat
+from benchmarks.estimate import check, measure_step
+from remat._demo import ConvNetConfig, GPTConfig
+from remat._estimate_cli import Case, bench_case, hf_case
 from remat._measure.fake import FakeTracker, allocator_bytes, fake_mode, storage_bytes
-from remat.bench.convnets import ConvNetConfig
-from remat.bench.estimate import Case, bench_case, check, hf_case, measure_step
-from remat.bench.models import GPTConfig
 
 TINY_GPT = GPTConfig(blocks=3, d=32, heads=2, seq=16, batch=2, vocab=64)
 TINY_CONVNET = ConvNetConfig(width=4, blocks_per_stage=1, image=8, batch=4)
@@ -337,8 +337,8 @@ def test_report_table_lookup_and_dict() -> None:
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "t5", "bert"])
 def test_cli_prints_the_table(kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
-    from remat.bench.cli import main
-    from remat.bench.estimate import HF_KINDS
+    from remat.__main__ import main
+    from remat._estimate_cli import HF_KINDS
 
     assert kind in HF_KINDS
     assert main(["estimate", "--hf", kind, "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import remat
-from remat.bench.estimate import Case, check, hf_case
+from benchmarks.estimate import check
+from remat._estimate_cli import Case, hf_case
 
 
 @pytest.mark.parametrize(("kind", "kv_heads"), [("gpt2", None), ("llama", 4), ("llama", 2)])

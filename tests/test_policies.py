@@ -168,17 +168,18 @@ def _encoder(dropout: float) -> Callable[[], tuple[nn.Module, Callable[[nn.Modul
 
 
 def _bench(kind: str) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]:
-    from remat.bench import convnets
-    from remat.bench import models as bench
+    from models import ChainNet, ChainNetConfig
+
+    from remat._demo import GPT, BenchModel, ConvNet, ConvNetConfig, GPTConfig
 
     def make() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-        model: bench.BenchModel
+        model: BenchModel
         if kind == "gpt":
-            model = bench.GPT(bench.GPTConfig(blocks=3, d=32, heads=2, seq=32, batch=2, vocab=64))
+            model = GPT(GPTConfig(blocks=3, d=32, heads=2, seq=32, batch=2, vocab=64))
         elif kind == "convnet":
-            model = convnets.ConvNet(convnets.ConvNetConfig(width=4, blocks_per_stage=1, image=16, batch=2))
+            model = ConvNet(ConvNetConfig(width=4, blocks_per_stage=1, image=16, batch=2))
         else:
-            model = convnets.ChainNet(convnets.ChainNetConfig(width=8, levels=(2, 2), image=16, batch=4))
+            model = ChainNet(ChainNetConfig(width=8, levels=(2, 2), image=16, batch=4))
         batch = model.sample(torch.device("cpu"))
         return model, lambda m: m.loss(*batch)  # type: ignore[operator]
 

@@ -19,9 +19,9 @@ import remat
 from remat._budget.apply import _Budget
 from remat._budget.solve import Assignment
 from remat._chain.profile import profile
+from remat._demo import GPT, GPTConfig
 from remat._measure import clock
 from remat._measure.clock import OpClock, now, price, priced
-from remat.bench.models import GPT, GPTConfig
 
 CFG = GPTConfig(blocks=4, d=64, heads=2, seq=32, batch=2, vocab=256, dropout=0.0)
 aten = torch.ops.aten

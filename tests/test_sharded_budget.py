@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import remat
-from remat.bench.models import GPT, GPTConfig
+from remat._demo import GPT, GPTConfig
 
 CFG = GPTConfig(blocks=4, d=64, heads=2, seq=64, batch=4, vocab=256, dropout=0.0)
 

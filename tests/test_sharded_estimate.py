@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import remat
-from remat.bench.models import GPT, GPTConfig
+from remat._demo import GPT, GPTConfig
 
 CFG = GPTConfig(blocks=3, d=64, heads=2, seq=32, batch=2, vocab=256, dropout=0.0)
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,7 +205,7 @@ def test_cli_estimates_one_rank_of_a_sharded_hf_model() -> None:
     pytest.importorskip("transformers")
     import io
 
-    from remat.bench.estimate import main
+    from remat._estimate_cli import main
 
     out: dict[int, str] = {}
     for world in (1, 4):

@@ -436,7 +436,7 @@ def test_the_decorator_object_carries_the_whole_api() -> None:
 _IMPORT_PROBE = """
 import sys
 import remat
-loaded = sorted(m for m in sys.modules if m.startswith(("remat.", "transformers", "peft")))
+loaded = sorted(m for m in sys.modules if m.startswith(("remat.", "transformers", "peft", "benchmarks", "tests")))
 print(" ".join(loaded))
 assert {"chain", "Tracker", "estimate"} <= set(dir(remat)) & set(dir(remat.remat))  # listed before they load
 print(remat.chain.__module__, remat.Tracker.__module__, remat.estimate.__module__)
@@ -452,7 +452,7 @@ def test_import_remat_loads_the_engine_not_the_planner_the_tools_or_the_benchmar
     assert done.returncode == 0, done.stderr[-800:]
     loaded, used = done.stdout.splitlines()
     assert "remat._engine.region" in loaded.split()  # the probe sees what is imported
-    late = ("remat.bench", "remat._estimate", "remat._budget", "remat._chain", "remat._measure", "transformers",
-            "peft")
+    late = ("benchmarks", "tests", "remat._demo", "remat.__main__", "remat._estimate", "remat._budget",
+            "remat._chain", "remat._measure", "transformers", "peft")
     assert not [m for m in loaded.split() if m.startswith(late)], loaded
     assert used.split() == ["remat._chain.chain", "remat._measure.track", "remat._estimate.estimate"]

@@ -219,7 +219,7 @@ def test_phase_and_holders_when_activations_dominate() -> None:
 
 def test_cli_prints_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
-    from remat.bench.cli import main
+    from remat.__main__ import main
 
     assert main(["estimate", "--hf", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
                  "--optimizer", "sgd", "--memory", "64MiB", "--largest-seq"]) == 0

@@ -25,7 +25,7 @@ The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows
 blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
 planning costs one tracked step with every block kept, and one block run alone to correct the clock: on the
 benchmark's GPT-like stack and on its convnet (six blocks of five kinds) 1.4-1.8 training steps each
-(measured on a loaded machine: `python -m remat --model budget --threads 1`, column "plan (steps)").
+(measured on a loaded machine: `python -m benchmarks --model budget --threads 1`, column "plan (steps)").
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
 """
 

@@ -24,7 +24,7 @@ its FLOPs, an elementwise op its elements or bytes, and every op its launch, as 
 real devices. The same model and sample give the same times, and so the same plan, on every machine.
 `remat.apply` on real tensors times its ops, so its plan moves between runs wherever two plans cost nearly the
 same: on the benchmark's GPT at budgets 0.6/0.7/0.8/0.9 two runs planned peaks of 85.7-89.2, 93.0-100.0, 107.5
-and 114.8-118.3 MiB (`remat.bench.estimate.check`, quiet machine). The estimate, priced, reads 85.7, 100.2,
+and 114.8-118.3 MiB (`benchmarks.estimate.check`, quiet machine). The estimate, priced, reads 85.7, 100.2,
 107.5 and 114.8 MiB on every run: within the real planner's own spread; timed fake dispatch read 85.7, 100.2,
 107.5 and 119.8 in one run.
 The clock is entered below every mode the profile enters (the tracker, `save_matmuls`' mode), just above the

@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 import remat
-
-from .workloads import WORKLOADS, Workload, build
+from tests.models import WORKLOADS, Workload, build, tracked_peak
 
 __all__ = ["FRACTIONS", "QUICK", "QUICK_FRACTIONS", "LEGEND", "SweepRow", "format_sweep", "short", "sweep"]
 
@@ -73,17 +72,6 @@ def _copy(base: Workload) -> Workload:
     return Workload(copy.deepcopy(base.model), base.sample, base.loss)
 
 
-def _peak(work: Workload) -> int:
-    for p in work.model.parameters():
-        p.grad = None  # as `optimizer.zero_grad()` leaves them: backward's new gradients count
-    torch.manual_seed(0)
-    with remat.track() as tracker:
-        loss = work.step()
-        torch.autograd.backward(loss)
-        del loss
-    return tracker.peak_bytes
-
-
 def _time(work: Workload) -> float:
     for p in work.model.parameters():
         p.grad = None
@@ -113,7 +101,7 @@ def sweep_one(
     for label, work in _uniform(base):
         progress(f"{name}: {label}")
         _time(work)  # warm-up
-        row = SweepRow(name, label, peak=_peak(work))
+        row = SweepRow(name, label, peak=tracked_peak(work))
         rows.append(row)
         running.append((row, work))
     none = rows[0].peak
@@ -132,7 +120,7 @@ def sweep_one(
         row.planning = max((planning.peak(d) for d in planning.devices if d.type != "meta"), default=0)  # real
         plan = remat.plan(work.model).budget
         first_choice = plan.choice if plan is not None else None
-        row.peak = _peak(work)  # the first plain step after apply: the promise holds from it
+        row.peak = tracked_peak(work)  # the first plain step after apply: the promise holds from it
         plan = remat.plan(work.model).budget
         row.first = plan.measured if plan is not None else None
         row.predicted = plan.peak_bytes if plan is not None else None

@@ -12,11 +12,10 @@ from typing import Any
 import torch
 
 import remat
+from remat._engine.modes import Mode
+from remat._measure.measure import format_seconds
 
-from .._engine.modes import Mode
-from .._measure.measure import format_seconds
-from .models import tiny_input
-from .runner import Result, fail, note, sync
+from .runner import Result, fail, note, sync, tiny_input
 
 __all__ = ["EMPTY_MODE", "REGION", "REPLAY_OPS", "bench_replay", "bench_startup"]
 

@@ -1,7 +1,7 @@
-"""`python -m remat --model budget`: `remat.apply(model, budget=...)` against uniform configurations and
+"""`python -m benchmarks --model budget`: `remat.apply(model, budget=...)` against uniform configurations and
 `torch.compile`'s `activation_memory_budget`.
 
-First the sweep of remat/bench/budget_sweep.py over seven workloads (`--quick`: two of them, three fractions).
+First the sweep of benchmarks/budget_sweep.py over seven workloads (`--quick`: two of them, three fractions).
 
 On the GPT-like stack, for each budget fraction f of no remat's measured activation peak: our plan's predicted
 and measured peak, its predicted and measured step time, the fastest uniform configuration (every-N full remat,
@@ -10,7 +10,7 @@ weights and batch, and the planning time in training steps. The convnet runs at 
 medians of interleaved repeats. Then, in a second table, `torch.compile` (inductor, each block compiled) with
 `torch._functorch.config.activation_memory_budget = f`, each fraction in a fresh process: its peak (the rise of
 the process's resident memory over one step) and its step time, both relative to compiled code without a budget
-(see remat/bench/budget_compile.py). `--plot` draws peak against step time for all of them (`plot`).
+(see benchmarks/budget_compile.py). `--plot` draws peak against step time for all of them (`plot`).
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ import torch
 import torch.nn.functional as F
 
 import remat
+from remat._core.units import aligned
+from remat._core.units import ratio as _ratio
+from remat._demo import CONVNET_SIZES, GPT, GPT_SIZES, BenchModel, ConvNet
+from tests.models import WORKLOADS
 
-from .._core.units import aligned
-from .._core.units import ratio as _ratio
 from .budget_compile import compile_column
 from .budget_sweep import FRACTIONS as SWEEP_FRACTIONS
 from .budget_sweep import LEGEND, QUICK, QUICK_FRACTIONS, format_sweep, short, sweep
-from .convnets import CONVNET_SIZES, ConvNet
-from .models import GPT, GPT_SIZES, BenchModel
 from .table import PLOT_MISSING
-from .workloads import WORKLOADS
 
 __all__ = ["FRACTIONS", "main", "run"]
 
@@ -282,7 +281,7 @@ def plot(rows: Sequence[Row], theirs: dict[float, dict[str, Any]], path: str) ->
 
 def main(size: str, repeats: int, plot_path: str | None, progress: Callable[[str], None], out: TextIO,
          compiled: bool = True, quick: bool = False) -> int:
-    """Run and print the budget benchmark (`python -m remat --model budget`): the seven workloads' sweep, then the
+    """Run and print the budget benchmark (`python -m benchmarks --model budget`): the seven workloads' sweep, then the
     GPT-like stack and convnet against uniform configurations and torch.compile (not with `quick`: a subset of
     the sweep only). 2 when `--plot` cannot be drawn; 1 when a plan went over its budget or was refused falsely."""
     if plot_path and importlib.util.find_spec("matplotlib") is None:

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 import remat
+from remat._demo import BenchModel, human_count, parameter_count
+from remat._measure.measure import format_bytes
+from tests.models import ChainNet
 
-from .._measure.measure import format_bytes
 from .configs import NO_REMAT, SEED, Config, Sequential
-from .convnets import ChainNet
-from .models import BenchModel, human_count, parameter_count
 from .runner import Result, bench_model
 
 __all__ = ["CHAIN", "CHAIN_BUDGET", "bench_chain"]

@@ -12,9 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import remat
-
-from .._measure.measure import format_bytes
-from .models import BenchModel
+from remat._demo import BenchModel
+from remat._measure.measure import format_bytes
 
 __all__ = ["CONFIGS", "NO_REMAT", "SEED", "TORCH", "Config", "Sequential", "register"]
 
@@ -53,7 +52,7 @@ def register(config: Config) -> Config:
     """Add a configuration (a row) to the benchmark; a later one with the same name replaces it.
 
     Example:
-        >>> from remat.bench.configs import Config, register, CONFIGS
+        >>> from benchmarks.configs import Config, register, CONFIGS
         >>> _ = register(Config("plain again", lambda model: None, models=("gpt",)))
         >>> CONFIGS[-1].name
         'plain again'

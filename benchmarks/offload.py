@@ -1,4 +1,4 @@
-"""`python -m remat --model offload --device cuda`: offloading to host memory.
+"""`python -m benchmarks --model offload --device cuda`: offloading to host memory.
 
 The GPT-like stack (12 blocks, d=768, seq 1024, batch 16) trains one forward+backward step under
 bf16 autocast in six configurations, each on its own copy of the same weights and batch: no remat; per-block
@@ -21,14 +21,15 @@ from typing import Any
 
 import torch
 
-from .._api import remat
-from .._core.policies import offload as offload_policy
-from .._core.policies import save_matmuls
-from .._engine.offload import Offload
-from .._engine.transfer import host_bytes
-from .._measure.measure import format_bytes
-from .._measure.track import track
-from .models import GPT, GPTConfig, human_count, parameter_count
+from remat._api import remat
+from remat._core.policies import offload as offload_policy
+from remat._core.policies import save_matmuls
+from remat._demo import GPT, GPTConfig, human_count, parameter_count
+from remat._engine.offload import Offload
+from remat._engine.transfer import host_bytes
+from remat._measure.measure import format_bytes
+from remat._measure.track import track
+
 from .runner import GRAD_BOUND, note
 
 __all__ = ["NEEDS_ACCELERATOR", "OFFLOAD_SIZE", "bench_offload"]

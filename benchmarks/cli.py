@@ -1,4 +1,4 @@
-"""The built-in benchmark behind ``python -m remat``.
+"""The benchmark behind ``python -m benchmarks`` (run from the repository's root).
 
 For each model, every configuration runs on its own copy of the same weights and the same batch:
 one warm-up step, one step under `remat.track` for memory and gradients, then ``repeats`` timed
@@ -28,10 +28,11 @@ from typing import Any, TextIO
 
 import torch
 
+from remat._demo import human_count, parameter_count
+from tests.models import CHAIN_SIZES, ChainNet
+
 from .chain import bench_chain
 from .configs import CONFIGS, NO_REMAT, TORCH, Config, register
-from .convnets import CHAIN_SIZES, ChainNet
-from .models import human_count, parameter_count
 from .runner import MODELS, STEPS_PER_REPEAT, Progress, Result, bench_model, bench_tiny, note
 from .table import PLOT_MISSING, format_table, plot
 from .targets import check_targets, format_checks
@@ -49,7 +50,7 @@ def run(
     progress: Callable[[str], None] = lambda message: None,
     startup: bool | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
-    """Run the benchmark and return its metadata and rows (what ``python -m remat`` prints).
+    """Run the benchmark and return its metadata and rows (what ``python -m benchmarks`` prints).
 
     Args:
         models: Any of ``"gpt"``, ``"convnet"``, ``"chain"``, ``"tiny"``, ``"offload"`` (an accelerator only).
@@ -64,7 +65,7 @@ def run(
         ``(meta, rows)``.
 
     Example:
-        >>> from remat.bench.cli import run
+        >>> from benchmarks.cli import run
         >>> meta, rows = run(["tiny"], repeats=1, startup=False)
         >>> rows[0].config, rows[0].step is not None
         ('no remat', True)
@@ -81,7 +82,7 @@ def run(
     }
     rows: list[Result] = []
     for name in models:
-        if name == "offload":  # its own rows and model (remat/bench/offload.py)
+        if name == "offload":  # its own rows and model (benchmarks/offload.py)
             from .offload import bench_offload
 
             meta["models"]["offload"], found = bench_offload(dev, repeats, progress)
@@ -110,17 +111,13 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int:
-    """Run ``python -m remat`` with command-line arguments ``argv``; return the exit status."""
+    """Run ``python -m benchmarks`` with command-line arguments ``argv``; return the exit status."""
     import argparse
 
     out = stdout or sys.stdout
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["estimate"]:  # python -m remat estimate: remat.estimate's table (bench/estimate.py)
-        from .estimate import main as estimate_main
-
-        return estimate_main(argv[1:], out)
     parser = argparse.ArgumentParser(
-        prog="python -m remat",
+        prog="python -m benchmarks",
         description="Benchmark activation checkpointing: remat against torch.utils.checkpoint and no remat.",
     )
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
@@ -134,7 +131,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         "budget: remat.apply(model, budget=...) against uniform configurations and torch.compile; "
         "compile: every remat site kind and budgets 0.3-0.8 under torch.compile (inductor, blocks compiled one by "
         "one), each row in its own process, against torch's checkpoint and compile's own budget (`python -m "
-        "remat.bench.compile_sites --help`: --whole compiles the model as one graph); "
+        "benchmarks.compile_sites --help`: --whole compiles the model as one graph); "
         "estimate: remat.estimate against real steps (`python -m remat estimate --help` estimates a model of "
         "your own)",
     )
@@ -171,11 +168,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         return 2
     models = ["gpt", "convnet", "chain", "tiny"] if args.model == "all" else [args.model]
     progress = Progress(sys.stderr, args.quiet)
-    if args.model == "budget":  # its own table: see remat/bench/budget.py
+    if args.model == "budget":  # its own table: see benchmarks/budget.py
         from . import budget
 
         return budget.main(args.size, args.repeats, args.plot, progress, out, quick=args.quick)
-    if args.model == "compile":  # its own table: see remat/bench/compile_sites.py
+    if args.model == "compile":  # its own table: see benchmarks/compile_sites.py
         from . import compile_sites
 
         argv = ["--threads", str(args.threads or 1), "--fractions", "0.3,0.4,0.5,0.6,0.7,0.8"]

@@ -1,6 +1,6 @@
 """remat inside `torch.compile`: what each way of marking blocks holds, beside torch's own (inductor, CPU).
 
-    python -m remat.bench.compile_sites [--batch 1024] [--blocks 6] [--repeats 5] [--trials 1]
+    python -m benchmarks.compile_sites [--batch 1024] [--blocks 6] [--repeats 5] [--trials 1]
         [--fractions 0.3,0.5,0.8]
 
 A stack of MLP blocks (Linear(512->2048), GELU, Linear(2048->512), GELU) is marked one way per row, each block is
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Print the rows; exit status 1 when a row's gradients differ from eager code's or it failed (a budget's
     `BudgetError` is an answer, not a failure)."""
     out = out or sys.stdout
-    parser = argparse.ArgumentParser(prog="python -m remat.bench.compile_sites", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_sites", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=5)

@@ -142,7 +142,7 @@ def format_checks(checks: Sequence[Check]) -> str:
         table.append((check.what, median + spread, check.target, "✓" if check.ok else "✗"))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = [
-        "Targets: remat's own goals, a check for its developers (`python -m remat --check` exits with status 1",
+        "Targets: remat's own goals, a check for its developers (`python -m benchmarks --check` exits with status 1",
         "when one does not hold). Each is a ratio of two rows measured in this run; timing rows on a small or busy",
         "shared CPU are noisy and may miss a target from one run to the next. Nothing here needs your attention:",
         "a row that fails (its call raised, or its gradients differ from no remat's) is listed separately.",

@@ -1,4 +1,4 @@
-"""The torch.compile column of `python -m remat --model budget`: inductor under `activation_memory_budget`.
+"""The torch.compile column of `python -m benchmarks --model budget`: inductor under `activation_memory_budget`.
 
 For each budget fraction f, a fresh Python process builds the same GPT-like stack (same seed, same batch), sets
 `torch._functorch.config.activation_memory_budget = f`, compiles every block with inductor (regional
@@ -33,7 +33,7 @@ import json, statistics, sys, time
 try:
     import torch
     import torch._functorch.config as functorch_config
-    from remat.bench.models import GPT, GPT_SIZES
+    from remat._demo import GPT, GPT_SIZES
     fraction, size, repeats, threads = float(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(threads)
     if not hasattr(functorch_config, "activation_memory_budget"):

@@ -1,5 +1,5 @@
-"""Models for the benchmark (`python -m remat`): the `BenchModel` base, a GPT-like stack, a tiny function; the
-convnets are in `convnets.py`.
+"""The built-in models of ``python -m remat`` and ``python -m remat estimate``: a GPT-like stack and a ResNet-style
+convnet (the only model code in the package; the benchmark in ``benchmarks/`` and the tests build on them).
 
 Each model is a `BenchModel`: its repeated blocks live in ``blocks`` and are called through
 ``model.call(block, x)``, so that a benchmark configuration can rematerialize every block (by
@@ -12,20 +12,27 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "CONVNET_SIZES",
+    "GPT",
     "GPT_SIZES",
     "BenchModel",
     "BlockCall",
-    "call_directly",
-    "GPT",
+    "Classifier",
+    "ConvNet",
+    "ConvNetConfig",
     "GPTConfig",
-    "tiny",
-    "tiny_input",
+    "ImageConfig",
+    "TransformerBlock",
+    "call_directly",
+    "human_count",
+    "parameter_count",
 ]
 
 BlockCall = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -97,7 +104,7 @@ class GPTConfig:
 
 GPT_SIZES = {
     "small": GPTConfig(blocks=12, d=128, heads=4, seq=128, batch=4),
-    "medium": GPTConfig(),  # the larger size of the benchmark (--size medium)
+    "medium": GPTConfig(),  # the larger size of the benchmark (`python -m benchmarks --size medium`)
 }
 
 
@@ -142,7 +149,7 @@ class GPT(BenchModel):
 
     Example:
         >>> import torch
-        >>> from remat.bench.models import GPT, GPTConfig
+        >>> from remat._demo import GPT, GPTConfig
         >>> model = GPT(GPTConfig(blocks=2, d=32, heads=2, seq=8, batch=2, vocab=50))
         >>> model.loss(*model.sample(torch.device("cpu"))).shape
         torch.Size([])
@@ -186,21 +193,119 @@ class GPT(BenchModel):
         return f"{c.blocks} blocks, d={c.d}, {c.heads} heads, seq {c.seq}, batch {c.batch}"
 
 
-def tiny(x: torch.Tensor) -> torch.Tensor:
-    """Two cheap elementwise ops: what per-call overhead is measured on.
+# -- ResNet-style convnet ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvNetConfig:
+    """Size of the ResNet-style convnet: three stages of basic blocks, width doubling per stage."""
+
+    width: int = 64
+    blocks_per_stage: int = 3
+    image: int = 64
+    batch: int = 32
+    classes: int = 10
+
+
+CONVNET_SIZES = {
+    "small": ConvNetConfig(width=16, blocks_per_stage=2, image=32, batch=16),
+    "medium": ConvNetConfig(),
+}
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm and a residual connection (a 1x1 projection on downsampling)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        return F.relu(h + self.shortcut(x))
+
+
+class ImageConfig(Protocol):
+    """What a `Classifier` reads of its size: the batch, the image's side and the number of classes."""
+
+    @property
+    def batch(self) -> int: ...
+
+    @property
+    def image(self) -> int: ...
+
+    @property
+    def classes(self) -> int: ...
+
+
+class Classifier(BenchModel):
+    """An image classifier: a batch is (images, labels), the loss their cross-entropy."""
+
+    config: ImageConfig
+
+    def sample(self, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        c = self.config
+        images = torch.randn(c.batch, 3, c.image, c.image, generator=g).to(device)
+        labels = torch.randint(0, c.classes, (c.batch,), generator=g).to(device)
+        return images, labels
+
+    def loss(self, *batch: torch.Tensor) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(self(images), labels)
+
+
+class ConvNet(Classifier):
+    """A ResNet-style image classifier with BatchNorm (torchvision has no CPU build here).
 
     Example:
         >>> import torch
-        >>> from remat.bench.models import tiny
-        >>> tiny(torch.zeros(2))
-        tensor([0., 0.])
+        >>> from remat._demo import ConvNet, ConvNetConfig
+        >>> model = ConvNet(ConvNetConfig(width=4, blocks_per_stage=1, image=8, batch=2))
+        >>> model.loss(*model.sample(torch.device("cpu"))).shape
+        torch.Size([])
     """
-    return (x * 2).sin()
+
+    config: ConvNetConfig
+
+    def __init__(self, config: ConvNetConfig) -> None:
+        super().__init__()
+        self.config = config
+        w = config.width
+        self.stem = nn.Sequential(nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU())
+        blocks: list[nn.Module] = []
+        cin = w
+        for stage in range(3):
+            cout = w * 2**stage
+            for i in range(config.blocks_per_stage):
+                blocks.append(BasicBlock(cin, cout, 2 if stage > 0 and i == 0 else 1))
+                cin = cout
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(cin, config.classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h = self.run_blocks(self.embed(images))
+        out: torch.Tensor = self.head(h.mean(dim=(2, 3)))
+        return out
+
+    def embed(self, *batch: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.stem(batch[0])
+        return out
+
+    def describe(self) -> str:
+        c = self.config
+        n = 3 * c.blocks_per_stage
+        return f"{n} blocks, width {c.width}-{4 * c.width}, {c.image}x{c.image} images, batch {c.batch}"
 
 
-def tiny_input(device: torch.device) -> torch.Tensor:
-    """A small input for `tiny` that requires grad."""
-    return torch.randn(16, device=device).requires_grad_()
+# -- counting parameters -------------------------------------------------------------------------
 
 
 def parameter_count(model: nn.Module) -> int:

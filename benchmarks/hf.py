@@ -1,12 +1,12 @@
 """Peak memory of one training step of Hugging Face models: no remat, `remat.apply(model)`, a budget of half of no
 remat's activation peak, and transformers' own `model.activation_checkpointing_enable()`, measured in one run.
 
-Run: `python -m remat.bench.hf` (needs the `hf` extra). Each model is built from a small config in float32 on
+Run: `python -m benchmarks.hf` (needs the `hf` extra). Each model is built from a small config in float32 on
 CPU, in training mode, with its default arguments (so `use_cache` is on), and trained one step on a padded batch.
 Each configuration gets its own copy of the same weights. One warm-up step makes the gradients; they are zeroed
 in place, and the next step runs under `remat.track`, so "peak" counts what the step adds: activations,
 temporaries and the KV cache (see NOTE [ What the memory columns count ] in cli.py). Peaks are exact and
-deterministic; for step times use `python -m remat`.
+deterministic; for step times use `python -m benchmarks`.
 """
 
 from __future__ import annotations

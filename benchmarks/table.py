@@ -6,8 +6,9 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
-from .._core.units import format_bytes, ratio
-from .._measure.measure import format_seconds
+from remat._core.units import format_bytes, ratio
+from remat._measure.measure import format_seconds
+
 from .configs import NO_REMAT, TORCH
 from .runner import STEPS_PER_REPEAT, Result
 

@@ -11,15 +11,15 @@ from typing import Any, TextIO
 
 import torch
 
-from .._measure.track import synchronize as _sync
-from .._measure.track import track
+from remat._demo import CONVNET_SIZES, GPT, GPT_SIZES, BenchModel, ConvNet
+from remat._measure.track import synchronize as _sync
+from remat._measure.track import track
+
 from .configs import NO_REMAT, SEED, TORCH, Config
-from .convnets import CONVNET_SIZES, ConvNet
-from .models import GPT, GPT_SIZES, BenchModel, tiny, tiny_input
 
 __all__ = [
     "GRAD_BOUND", "MODELS", "STEPS_PER_REPEAT", "TINY_ROUNDS", "Progress", "Result", "bench_model", "bench_tiny",
-    "check_grads", "fail", "note", "sync",
+    "check_grads", "fail", "note", "sync", "tiny", "tiny_input",
 ]
 
 sync = _sync
@@ -43,7 +43,7 @@ class Result:
     grad_diff: float | None = None
     note: str = ""
     compare: bool = True  # whether ratios to the no-remat and torch rows make sense
-    error: str = ""  # why the row failed (its call raised, or its gradients are off): `python -m remat` exits 1
+    error: str = ""  # why the row failed (its call raised, or its gradients are off): `python -m benchmarks` exits 1
 
     @property
     def step(self) -> float | None:
@@ -82,6 +82,26 @@ class Progress:
         if self.tty and not self.quiet:
             self.stream.write("\r" + " " * self.width + "\r")
             self.stream.flush()
+
+
+# -- the tiny function of the overhead rows ------------------------------------------------------
+
+
+def tiny(x: torch.Tensor) -> torch.Tensor:
+    """Two cheap elementwise ops: what per-call overhead is measured on.
+
+    Example:
+        >>> import torch
+        >>> from benchmarks.runner import tiny
+        >>> tiny(torch.zeros(2))
+        tensor([0., 0.])
+    """
+    return (x * 2).sin()
+
+
+def tiny_input(device: torch.device) -> torch.Tensor:
+    """A small input for `tiny` that requires grad."""
+    return torch.randn(16, device=device).requires_grad_()
 
 
 # -- running -------------------------------------------------------------------------------------
@@ -128,7 +148,7 @@ least 1): remat recomputes with the same kernels and RNG, so in float32 only sum
 
 
 def fail(result: Result, why: str) -> None:
-    """Mark `result` failed: the table shows `why`, and `python -m remat` exits with status 1."""
+    """Mark `result` failed: the table shows `why`, and `python -m benchmarks` exits with status 1."""
     result.error = why
     result.note = f"FAILED: {why}"
 

@@ -1,1 +1,0 @@
-"""The built-in benchmark behind `python -m remat`; never imported by the library itself."""
