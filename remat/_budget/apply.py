@@ -304,11 +304,10 @@ class _Budget:
 # step allocates differently: gradients at their shard's size, but each block's parameters all-gathered for its
 # forward and again for its backward, the root's kept unsharded throughout, and each block's whole gradients
 # until they are reduce-scattered. Neither the sign nor the size of the difference follows from the unsharded
-# step (tests/test_sharded_budget.py: planned unsharded for 2.20 MiB, the sharded step took 2.59 MiB, +18%;
-# planned after `fully_shard` for the same bytes, 2.09 MiB), and re-planning inside the sharded root's forward
-# would nest a step in FSDP's own. So the plan is
-# kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)` after
-# `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and
+# step (tests/test_sharded_budget.py shows a plan made unsharded going over on the sharded step: figures in
+# docs/benchmarks.md), and re-planning inside the sharded root's forward would nest a step in FSDP's own. So the
+# plan is kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)`
+# after `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and
 # its gradients are the plain step's (or views into the buckets).
 SHARDED_LATER = (
     "remat: the budget of `{model}` was planned by remat.apply(model, budget=...) before `fully_shard`, on the "

@@ -2,7 +2,7 @@
 
 NOTE [ Checking the plan ]
 A plan's peak is a prediction (NOTE [ Budget model ] in remat/_measure/costs.py); the promise is about the real
-step: a plan's measured peak is at most the budget (with 5% of slack), or `BudgetError` says the least budget that
+step: a plan's measured peak is at most the budget (with `SLACK`), or `BudgetError` says the least budget that
 can be met. So a plan is checked on real tracked steps. Where the prediction fits the budget, the check is the
 model's first training step (NOTE [ The first step ] in remat/_first_step.py), and planning is the profile alone.
 Elsewhere `remat.apply(model, budget=...)` (and every re-plan) runs one more training step on the sample under
@@ -138,14 +138,13 @@ def check_plan(
 
 # NOTE [ Planned on measured steps ]
 # A plan for one compiled graph is checked on real compiled steps (NOTE [ Measuring a compiled step ] in
-# remat/_measure/step_peak.py), while its profile is an eager one: eager code's backward allocates what
-# compiled code fuses away, so the profile predicts more than compiled code holds (on six MLP blocks, 70 MiB for
-# full remat that measured 62, and 90 for `save_matmuls` that measured 76), and a plan solved on it keeps less
-# than the budget allows. So there the model's miss is taken both ways: each measured step moves the target by
-# what its prediction missed, over or under, and the plan solved for that target is measured next, while it is
-# predicted faster than the fastest plan measured within the budget so far; at most `CHECKS` + 1 steps. The plan
-# kept is the fastest measured within the budget; where none was, the checks go on as in NOTE [ Checking the
-# plan ] (full remat measured last, `BudgetError` if even that is over the slack).
+# remat/_measure/step_peak.py), while its profile is an eager one: eager code's backward allocates what compiled code
+# fuses away, so the profile predicts more than compiled code holds (docs/benchmarks.md has a case), and a plan solved
+# on it keeps less than the budget allows. So there the model's miss is taken both ways: each measured step moves the
+# target by what its prediction missed, over or under, and the plan solved for that target is measured next, while it is
+# predicted faster than the fastest plan measured within the budget so far; at most `CHECKS` + 1 steps. The plan kept is
+# the fastest measured within the budget; where none was, the checks go on as in NOTE [ Checking the plan ] (full remat
+# measured last, `BudgetError` if even that is over the slack).
 
 
 def check_measured(

@@ -16,9 +16,9 @@ Under choice c (full remat, `save_matmuls`, or one that keeps some matmuls: NOTE
   matmul outputs never die before recompute, and recompute hands them back and drops them, so the forward can
   peak above the recompute and kept's peak is no bound: the forward's log is replayed with the matmul outputs
   never released and what kept's autograd saved (born, never released, neither output nor matmul) released at
-  the next allocation, as an operand dies after the op that reads it. That is exact on the benchmark's
-  convnet and low by a seventh on the GPT-like stack's blocks (locals of the block's Python live longer), where
-  backward peaks higher anyway.
+  the next allocation, as an operand dies after the op that reads it. That is exact where a block's Python
+  keeps no locals alive, and low where it does (they live longer than the ops that read them), where backward
+  peaks higher anyway (docs/benchmarks.md).
 * Backward peak: backward starts at what kept started at (`at_backward`, above S_i), less the born storages
   kept still held then (`alive`), plus those that c holds then: the matmul outputs under `save_matmuls`, and
   the outputs that something outside the block still holds (`live_outputs`). An output can be live at backward
@@ -36,17 +36,16 @@ Under choice c (full remat, `save_matmuls`, or one that keeps some matmuls: NOTE
   Where a device runs asynchronously (CUDA) the tracked step is not timed and its matmul times are only the
   launches: recompute under `save_matmuls` then counts as much as a whole forward (an overestimate).
 All of this rests on NOTE [ Budget model ]'s premise that a block holds what its forward left alive until its
-own backward. Where that fails, blocks' numbers depend on the choices around them: on a tiny Llama (Hugging
-Face), a tenth of the bytes the decoder layers' forwards left alive died before the first backward started,
-and the derived plans' peaks came out up to 14% low. So the profiled step checks it when backward starts
-(marks.py, `_early_deaths`), and where more than 5% died early, the derivable choices are run instead
-(NOTE [ Profiling rounds ]): one more tracked step or more, and measured numbers.
+own backward. Where that fails, blocks' numbers depend on the choices around them (Hugging Face decoder layers
+free some of what their forwards left alive before the first backward starts, and derived plans' peaks then
+come out low: docs/benchmarks.md). So the profiled step checks it when backward starts (marks.py,
+`_early_deaths`), and where more than `_EARLY` of those bytes died early (profile.py), the derivable choices are
+run instead (NOTE [ Profiling rounds ]): one more tracked step or more, and measured numbers.
 Forward peaks are a bound (full remat) or an estimate (`save_matmuls`), the rest a model: tests/
 test_budget_derive.py checks derived against measured costs on small models, and the benchmark prints
-predicted against measured peaks and times. Measured against running each choice on the benchmark's blocks
-(untracked, fastest of 15): derived backward times of full remat and `save_matmuls` come out 6-10% low (a
-recompute runs slower than the forward it repeats, and rerun's hooks cost some 0.1 ms per call and 7-9 us
-per saved tensor, none of which is modelled).
+predicted against measured peaks and times. Derived backward times of full remat and `save_matmuls` come out
+low against running each choice (docs/benchmarks.md): a recompute runs slower than the forward it repeats, and
+rerun's hooks cost something per call and per saved tensor, none of which is modelled.
 """
 
 from __future__ import annotations
@@ -230,10 +229,9 @@ def derive_times(
 # selective policy, and the compiler fuses the pointwise ops of a block into the kernels around them: what a
 # recompute repeats at a cost is its matmul-class calls; no dispatch mode runs. So there a derived choice's
 # backward is kept's plus the seconds of the matmul-class calls it does not keep (all of them under full remat,
-# none under `save_matmuls`). Measured on six MLP blocks compiled as one graph (inductor, CPU, one thread, the
-# fastest of five steps in one process): every block kept 970 ms, under `save_matmuls` 938 ms, under full remat
-# 1364 ms; eager costs priced `save_matmuls` at 10 ms a block over kept. Choices run rather than derived keep
-# their eager times.
+# none under `save_matmuls`): compiled, `save_matmuls` runs about as fast as kept, which eager costs (with the
+# dispatch mode's price per op) would not say (docs/benchmarks.md). Choices run rather than derived keep their
+# eager times.
 
 
 def compiled_times(choice: str, forward: float, backward: float, every: float, kept: float) -> tuple[float, float]:
@@ -257,12 +255,12 @@ def compiled_times(choice: str, forward: float, backward: float, every: float, k
 
 # NOTE [ Mode cost in place ]
 # `save_matmuls` and the parts run a dispatch mode over every op of the block, in forward and in recompute. Its
-# cost per op was calibrated on a small op with two arguments (`mode_overhead`, 3-4 us here), but a mode's
-# Python sees every argument of every op, and a Hugging Face layer's ops carry many: on a tiny Llama decoder
-# layer (84 ops) the mode alone added 0.85 ms to a 3.2 ms forward, 10 us an op, and the derived recompute of
-# `save_matmuls` came out about 2.5 ms cheaper than full remat's where the two measured the same. So where the
-# profile times a block alone (NOTE [ Timing under the tracker ] in windows.py), it also times that block's
-# forward under the mode, and the cost per op is the larger of the two.
+# cost per op is calibrated on a small op with two arguments (`mode_overhead`), but a mode's Python sees every
+# argument of every op, and a Hugging Face layer's ops carry many: there the mode costs several times the
+# calibrated price per op, and the derived recompute of `save_matmuls` came out cheaper than full remat's where
+# the two measured the same (docs/benchmarks.md). So where the profile times a block alone (NOTE [ Timing under
+# the tracker ] in windows.py), it also times that block's forward under the mode, and the cost per op is the
+# larger of the two.
 
 
 def mode_overhead() -> float:

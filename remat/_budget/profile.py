@@ -11,8 +11,8 @@ takes slot p = m + r * (size of its kind) and runs under the (p mod k)-th while 
 kept after that; as many rounds run as the smallest kind needs to see every choice. With only kept to run,
 that is one round whatever the kinds: one tracked step, every block kept, each recorded in detail for the
 derivations (windows.py's `Detail`). That step peaks at no remat's activation peak (running two blocks of
-each kind under save_matmuls and full remat kept it near three quarters of that on the GPT-like stack):
-profiling needs the memory of a plain training step. With more choices to run, two samples of each rather
+each kind under save_matmuls and full remat keeps it below that, not by much): profiling needs the memory of a
+plain training step. With more choices to run, two samples of each rather
 than a third of the blocks each: the rematerialized blocks are what makes the profiled step slower than a
 plain one. In each round, hooks mark where every block's forward and backward start and end (a forward
 pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak
@@ -23,9 +23,9 @@ start); the second part is the block's own where it ran (or was derived) under t
 median over the blocks of its kind that did; the first is always the block's own (combine.py).
 The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows.py): times are the median over
 blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
-planning costs one tracked step with every block kept, and one block run alone to correct the clock: on the
-benchmark's GPT-like stack and on its convnet (six blocks of five kinds) 1.4-1.8 training steps each
-(measured on a loaded machine: `python -m remat --model budget --threads 1`, column "plan (steps)").
+planning costs one tracked step with every block kept, and one block run alone to correct the clock: a small
+number of training steps, which `python -m benchmarks --model budget` prints (column "plan (steps)"; figures in
+docs/benchmarks.md).
 Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
 """
 

@@ -21,7 +21,7 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # stage i (a_0 is the chain input, x_0 = input_bytes bytes; a_{i+1}, the output of stage i, has
 # x_{i+1} = output_bytes bytes). Running stage i with grad keeps abar_{i+1}: everything the stage
 # saves for backward, its output a_{i+1} included (xbar_{i+1} = saved_bytes bytes). The gradient
-# delta_i with respect to a_i has x_i bytes; the loss's own output and gradient count 0 bytes.
+# delta_i with respect to a_i has x_i bytes; the loss's own output and gradient count nothing.
 #
 # Operations, and what they hold (`_Machine` is the one simulator every plan goes through):
 #   forward_nosave(i)      run stage i without grad from a_i; a_{i+1} is a transient: it must be used

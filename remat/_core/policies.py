@@ -65,7 +65,7 @@ class Policy:
 
     def saves_op(self, op: Any) -> bool:
         """Whether outputs of the aten overload `op` are kept (decided once per overload)."""
-        # Keyed by id (an `OpOverload` hashes in Python, a third of the lookup's cost); the entry holds the op,
+        # Keyed by id (an `OpOverload` hashes in Python, a large part of the lookup's cost); the entry holds the op,
         # so its id is never reused for another while the entry lives.
         found = self._cache.get(id(op))
         if found is None or found[0] is not op:

@@ -117,8 +117,8 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
 # the frame: dynamo guards on the closure's code, which is the same for every policy, and not on what it keeps.
 # Blocks compiled one by one (`block.compile()`) share one compiled forward among identical blocks, so a block
 # whose policy differed from the one traced first only in what it keeps (`save_matmuls` against a budget plan's
-# part keeping some calls of it, or two parts keeping different calls) ran the graph traced first: a budget plan
-# at 0.6 of no remat's peak measured 42 MiB or 82 MiB compiled, depending on which block came first. So every
+# part keeping some calls of it, or two parts keeping different calls) ran the graph traced first: a budget plan's
+# compiled peak depended on which block came first (docs/benchmarks.md). So every
 # site hands `torch_checkpoint`, which reads it while dynamo traces, a string naming what its context keeps
 # (`compiled_key`, by value: blocks that keep the same share one graph), and dynamo guards on a constant it reads:
 # a block with another key retraces.

@@ -172,7 +172,7 @@ def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
     hooks), to hand to `release`.
     """
     global _users
-    # On the path of every recompute: the lock taken without `with` (a third of the cost), around statements
+    # On the path of every recompute: the lock taken without `with` (`with` costs more), around statements
     # that cannot raise.
     _lock.acquire()
     if not _users:

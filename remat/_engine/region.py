@@ -96,8 +96,8 @@ class RegionFrame(Frame):
             if slot not in outside:
                 base = tensor._base
                 if base is None and not recorder.kept and self.copies is None:
-                    # The common case, `_capture` inlined: one Python call per saved tensor is a tenth of the
-                    # hook's cost.
+                    # The common case, `_capture` inlined: one Python call per saved tensor is a visible share
+                    # of the hook's cost.
                     handles = self._handles
                     index = len(handles)
                     handle = Handle(index)

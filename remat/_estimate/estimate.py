@@ -158,7 +158,7 @@ def estimate(
             callable from the list of trainable parameters to an optimizer.
         configs: what to compare: "none" (remat switched off: every site but those forced on with
             `enabled=True`), "full" and "save_matmuls" (on the blocks
-            `remat.apply(model)` picks, or `where`), a `remat.policies` policy, or a budget (bytes, "6GiB", a
+            `remat.apply(model)` picks, or `where`), a `remat.policies` policy, or a budget (bytes, "1.5GiB", a
             fraction) for the planner of `remat.apply(model, budget=...)`. Default: ("none", "full",
             "save_matmuls", 0.3), the budget only where that planner exists.
         where: which blocks the configurations rematerialize, as for `remat.apply`.

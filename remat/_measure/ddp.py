@@ -2,7 +2,7 @@
 
 NOTE [ Estimating one rank of DDP ]
 ``DistributedDataParallel`` keeps every parameter, gradient and optimizer state whole on every rank; what it
-adds is its reducer's gradient buckets: flat tensors, one per bucket (``bucket_cap_mb``, 25 MiB by default, the
+adds is its reducer's gradient buckets: flat tensors, one per bucket (``bucket_cap_mb=25`` by default, the
 first one ``dist._DEFAULT_FIRST_BUCKET_BYTES``), that together hold exactly the trainable parameters' elements,
 grouped by dtype and device, without padding. They are allocated when DDP is constructed (and again, same
 sizes, when it rebuilds them in the second step's forward, freeing the old ones) and live as long as the model,

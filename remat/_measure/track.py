@@ -15,7 +15,7 @@ tensors): ``t.untyped_storage()`` returns the same object for every view of the 
 object is deallocated exactly when the C++ storage is. A ``weakref.finalize`` on it is thus a
 correct "storage released" event, also for storages that only autograd holds (tested in
 tests/test_track.py). A plain ``weakref.ref`` with a callback is used rather than
-``weakref.finalize`` (four times cheaper); the tracker keeps the reference, and dropping it when the
+``weakref.finalize`` (cheaper: docs/benchmarks.md); the tracker keeps the reference, and dropping it when the
 block ends drops the callback. Storages are keyed by ``untyped_storage()._cdata`` (the address of the
 ``StorageImpl``): unique among live storages, and the key is dropped when the finalizer fires,
 before the address can be reused.
@@ -458,7 +458,7 @@ def track(limit: Limit | None = None) -> Tracker:
 
     Args:
         limit: The most bytes live on each device: an int, or a string with a unit (``"80GiB"``,
-            ``"512MB"``); or a dict from device (``"cuda:1"``, ``torch.device("cpu")``, or a type
+            ``"800MB"``); or a dict from device (``"cuda:1"``, ``torch.device("cpu")``, or a type
             such as ``"cuda"`` for each device of that type) to its limit, devices not named being
             unlimited. ``meta`` is limited only when named. None (the default): no limit.
 
