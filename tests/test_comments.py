@@ -96,3 +96,78 @@ def test_no_measured_figures_in_comments() -> None:
     assert not hits, "figures belong in docs/benchmarks.md (NOTE [ Figures live in docs/benchmarks.md ]):\n" + (
         "\n".join(sorted(hits))
     )
+
+
+# NOTE references: a block is defined by a line that is its name alone (a comment or a docstring line), and cited
+# as "NOTE [ Name ]", optionally followed by "in path.py" naming the file that defines it.
+DEFINITION = re.compile(r"^\s*(?:#\s*)?NOTE \[ (.+?) \](?:\s*$|\s+\(for users)")
+REFERENCE = re.compile(r"NOTE \[ (.+?) \](?:\s+in\s+((?:[\w.]+/)*\w+\.py)\b)?")
+
+
+def _flat(path: Path) -> tuple[str, list[int]]:
+    """The text of `path` with comment markers and indentation dropped and lines joined by spaces (a citation
+    may wrap), and the offset where each line starts."""
+    starts, parts, offset = [], [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        text = re.sub(r"^\s*#*\s*", "", line)
+        starts.append(offset)
+        parts.append(text)
+        offset += len(text) + 1
+    return " ".join(parts), starts
+
+
+def definitions() -> dict[str, list[Path]]:
+    """Every NOTE's name -> the files that define it, in remat/, tests/ and benchmarks/."""
+    found: dict[str, list[Path]] = {}
+    for folder in (PACKAGE, TESTS, ROOT / "benchmarks"):
+        for path in sorted(folder.rglob("*.py")):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if match := DEFINITION.match(line):
+                    found.setdefault(match.group(1), []).append(path)
+    return found
+
+
+def references() -> Iterator[tuple[Path, int, str, str | None]]:
+    """(file, line, name, the file named after "in", if any) for every NOTE citation in remat/ and tests/."""
+    for path in [*_sources(PACKAGE), *sorted(TESTS.rglob("*.py"))]:
+        text, starts = _flat(path)
+        for match in REFERENCE.finditer(text):
+            line = next(i for i in range(len(starts), 0, -1) if starts[i - 1] <= match.start())
+            yield path, line, re.sub(r"\s+", " ", match.group(1)), match.group(2)
+
+
+def _resolve(named: str, citing: Path) -> list[Path]:
+    """The files `named` ("track.py", "_measure/track.py", "remat/_measure/track.py") can mean from `citing`:
+    the one in the citing file's folder where there is one, else every file whose path ends so."""
+    files = [*PACKAGE.rglob("*.py"), *TESTS.rglob("*.py")]
+    found = [f for f in files if f.as_posix().endswith("/" + named)]
+    here = [f for f in found if f.parent == citing.parent]
+    return here or found
+
+
+def test_each_note_is_defined_once() -> None:
+    twice = {name: [str(p.relative_to(ROOT)) for p in paths] for name, paths in definitions().items() if len(paths) > 1}
+    assert not twice, twice
+
+
+def test_every_cited_note_is_defined() -> None:
+    defined = definitions()
+    missing = [
+        f"{path.relative_to(ROOT)}:{line}: NOTE [ {name} ]"
+        for path, line, name, _ in references()
+        if name not in defined and name != "..."
+    ]
+    assert not missing, "\n".join(missing)
+
+
+def test_a_note_cited_in_a_file_is_defined_there() -> None:
+    defined = definitions()
+    wrong = []
+    for path, line, name, named in references():
+        if named is None:
+            continue
+        files = _resolve(named, path)
+        if len(files) != 1 or files[0] not in defined.get(name, []):
+            where = ", ".join(str(p.relative_to(ROOT)) for p in defined.get(name, [])) or "nowhere"
+            wrong.append(f"{path.relative_to(ROOT)}:{line}: NOTE [ {name} ] in {named}: it is defined in {where}")
+    assert not wrong, "\n".join(wrong)

@@ -86,7 +86,7 @@ def _make(spec: tuple[Any, Any]) -> tuple[Any, Any]:
 
 def _sums(out: Any) -> list[torch.Tensor]:
     """What backward starts from: the sum of each output that requires grad. Sums rather than explicit gradients:
-    torch.autograd.backward checks explicit ones with a module whose first import (sympy) takes about a second.
+    torch.autograd.backward checks explicit ones with a module whose first import (sympy) is slow.
     The gradient of a sum is ones."""
     return [t.sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 

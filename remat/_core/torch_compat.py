@@ -129,7 +129,7 @@ def _autocast_maybe_on() -> bool:
 
 
 # torch-compat: `_is_any_autocast_enabled`, not relied on at 2.4. Without it every call captures the
-# autocast state of its devices (a few microseconds more per call), as if autocast might be on.
+# autocast state of its devices (more work on every call), as if autocast might be on.
 any_autocast: Callable[[], bool] = getattr(_C, "_is_any_autocast_enabled", _autocast_maybe_on)
 
 # -- storages -------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ class Sharding:
 
 def _fsdp_module() -> type | None:
     """FSDP2's module class, or None where ``torch.distributed.fsdp`` was never imported: then no module has been
-    ``fully_shard``-ed, and importing it only to ask would cost every budgeted model half a second."""
+    ``fully_shard``-ed, and importing it only to ask would cost every budgeted model a slow import."""
     return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # None too on a torch without it
 
 

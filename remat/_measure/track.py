@@ -454,7 +454,8 @@ def track(limit: Limit | None = None) -> Tracker:
     limit. To dry-run a training loop against a device size, build the model and optimizer inside
     the block (or pass the device's size less what they hold). See NOTE [ A device's limit ].
 
-    Tracking costs a few microseconds per aten op: time code outside a tracker.
+    Tracking runs Python on every aten op, which can cost more than a small op itself: time code outside a
+    tracker.
 
     Args:
         limit: The most bytes live on each device: an int, or a string with a unit (``"80GiB"``,
