@@ -37,7 +37,7 @@ SECTION = "\N{SECTION SIGN}"
 FIGURE = re.compile(
     r"(?<![\w.])\d(?:[\d,]*\d)?(?:\.\d+)?"
     r"(?:\s?(?:µs|μs|us|ns|ms|s|secs?|seconds?|minutes?|mins?|hours?|KiB|MiB|GiB|TiB|KB|MB|GB|TB|bytes|%|percent)"
-    r"|x|×)(?!\w)"
+    r"|x|\u00d7)(?!\w)"
 )
 
 # Literals a user writes, shown in argument docs, that the pattern reads as figures. Each is matched with the
@@ -98,19 +98,19 @@ def test_no_measured_figures_in_comments() -> None:
     )
 
 
-# NOTE references: a block is defined by a line that is its name alone (a comment or a docstring line), and cited
-# as "NOTE [ Name ]", optionally followed by "in path.py" naming the file that defines it.
+# NOTE references: a block is defined by a line that holds only "NOTE" and its bracketed name (a comment or a
+# docstring line), and cited by the same words, optionally followed by "in path.py" naming the file that defines it.
 DEFINITION = re.compile(r"^\s*(?:#\s*)?NOTE \[ (.+?) \](?:\s*$|\s+\(for users)")
 REFERENCE = re.compile(r"NOTE \[ (.+?) \](?:\s+in\s+((?:[\w.]+/)*\w+\.py)\b)?")
 
 
-def _flat(path: Path) -> tuple[str, list[int]]:
-    """The text of `path` with comment markers and indentation dropped and lines joined by spaces (a citation
-    may wrap), and the offset where each line starts."""
+def _flat(path: Path) -> tuple[str, list[tuple[int, int]]]:
+    """The comments and docstrings of `path` in line order, comment markers and indentation dropped, joined by
+    spaces (a citation may wrap), and (offset, line number) where each line starts."""
     starts, parts, offset = [], [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in sorted(prose(path)):
         text = re.sub(r"^\s*#*\s*", "", line)
-        starts.append(offset)
+        starts.append((offset, number))
         parts.append(text)
         offset += len(text) + 1
     return " ".join(parts), starts
@@ -132,7 +132,7 @@ def references() -> Iterator[tuple[Path, int, str, str | None]]:
     for path in [*_sources(PACKAGE), *sorted(TESTS.rglob("*.py"))]:
         text, starts = _flat(path)
         for match in REFERENCE.finditer(text):
-            line = next(i for i in range(len(starts), 0, -1) if starts[i - 1] <= match.start())
+            line = next(number for offset, number in reversed(starts) if offset <= match.start())
             yield path, line, re.sub(r"\s+", " ", match.group(1)), match.group(2)
 
 
@@ -155,7 +155,7 @@ def test_every_cited_note_is_defined() -> None:
     missing = [
         f"{path.relative_to(ROOT)}:{line}: NOTE [ {name} ]"
         for path, line, name, _ in references()
-        if name not in defined and name != "..."
+        if name not in defined
     ]
     assert not missing, "\n".join(missing)
 

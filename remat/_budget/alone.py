@@ -1,6 +1,6 @@
 """Time one block alone, without the tracker, on inputs shaped like the ones it saw in a profiled step.
 
-See NOTE [ Timing under the tracker ] in windows.py for why: the tracked step's clock, with the tracker's own time taken
+See NOTE [ Timing under the tracker ] in marks.py for why: the tracked step's clock, with the tracker's own time taken
 out, still runs slow (the tracked ops themselves are slower; most in backward), and one untracked run of a block per
 choice that was run (derived choices take kept's) tells by how much. A block alone also shows what compiling it changes
 in its bytes (`bytes_alone`: NOTE [ Compiled bytes ] in compiled_block.py).

@@ -11,8 +11,8 @@ choice is put on it with the same hooks `remat(module)` uses (none for "kept"), 
 training with gradients on and a new input signature (and `replan=True`), the hook profiles one step on
 (detached copies of) those inputs and re-plans before the forward goes on; the profile's own calls of the
 model pass through the hook untouched. A plan is checked on a real tracked step: the model's first training step
-with it (NOTE [ The first step ] in remat/_first_step.py), or one more step of the sample before the plan is
-returned where that cannot stand in (NOTE [ Checking the plan ] in remat/_fit_check.py). A failed re-plan
+with it (NOTE [ The first step ] in first_step.py), or one more step of the sample before the plan is
+returned where that cannot stand in (NOTE [ Checking the plan ] in check.py). A failed re-plan
 (BudgetError) puts the previous choices back.
 """
 
@@ -374,7 +374,7 @@ def apply_budget(
             raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
         labels.append(_label(extra, set(labels) | set(PARTS)))
         policies.append(extra)
-    if strategy == "rerun" and not compile:  # eager code only: NOTE [ Some calls ] in _policies.py
+    if strategy == "rerun" and not compile:  # eager code only: NOTE [ Some calls ] in remat/_core/policies.py
         policies.extend(PARTS)  # their policies are made per block once profiled: NOTE [ Some matmuls ]
         labels.extend(PARTS)
     blocks = _select(model, where)

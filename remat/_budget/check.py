@@ -1,10 +1,10 @@
 """A budget's plan is checked on real tracked steps, and corrected if one went over.
 
 NOTE [ Checking the plan ]
-A plan's peak is a prediction (NOTE [ Budget model ] in remat/_measure/costs.py); the promise is about the real
+A plan's peak is a prediction (NOTE [ Budget model ] in costs.py); the promise is about the real
 step: a plan's measured peak is at most the budget (with `SLACK`), or `BudgetError` says the least budget that
 can be met. So a plan is checked on real tracked steps. Where the prediction fits the budget, the check is the
-model's first training step (NOTE [ The first step ] in remat/_first_step.py), and planning is the profile alone.
+model's first training step (NOTE [ The first step ] in first_step.py), and planning is the profile alone.
 Elsewhere `remat.apply(model, budget=...)` (and every re-plan) runs one more training step on the sample under
 `remat.track()` before it returns, leaving the model as it found it (gradients, buffers, RNG streams), as the
 profile does: where the prediction does not fit (only a measured step may refuse a budget), with `memory=`, for a
@@ -19,7 +19,7 @@ within the budget. Where nothing the profile offers fits the corrected budget, f
 the profile has it; else the choice predicted to hold least) is checked, and if even that measures over the
 slack, `BudgetError` names its measured peak as the least budget. With `remat.apply(model, memory=...)` the budget
 is what the step's state leaves, and gradients take from it too: its checked step starts without gradients (NOTE
-[ Total memory ] in remat/_total_memory.py).
+[ Total memory ] in remat/_estimate/memory.py).
 """
 
 from __future__ import annotations

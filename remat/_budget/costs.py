@@ -123,7 +123,7 @@ class ModelCost:
 class GradientSteps:
     """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
     blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`): NOTE [ Gradients in the budget ] in
-    remat/_budget/gradients.py, and NOTE [ Compiled as one graph ] in remat/_plan/whole_graph.py."""
+    remat/_budget/gradients.py, and NOTE [ Compiled as one graph ] in whole_graph.py."""
 
     blocks: tuple[int, ...]
     outside: tuple[int, ...]

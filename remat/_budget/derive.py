@@ -4,7 +4,7 @@ NOTE [ Deriving choices ]
 Running every choice for real takes tracked rounds: a kind of block with one member needs one round per choice,
 each slower than a plain step. But what a rematerialized block does is a replay of what it does kept, and the
 tracker sees every op of that: so one tracked run of a block kept (`Kept`, filled by profile.py from the
-window's `Detail` in windows.py) gives its other choices, in the terms of NOTE [ Budget model ] in costs.py.
+window's `Detail` in marks.py) gives its other choices, in the terms of NOTE [ Budget model ] in costs.py.
 Under choice c (full remat, `save_matmuls`, or one that keeps some matmuls: NOTE [ Some matmuls ] below), with
 "born" the storages its forward allocated:
 * Held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
@@ -76,7 +76,7 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 # matmul outputs' bytes (`PARTS`: a quarter, a half), a call too large for what is left skipped. The calls are
 # numbered in the order the block's forward makes them, chosen per kind of block from the first of its kind
 # recorded kept (so that blocks of a kind keep the same calls), and carried out by a policy that keeps just
-# those calls (NOTE [ Some calls ] in _policies.py); the derivation is `save_matmuls`' with their storages in
+# those calls (NOTE [ Some calls ] in remat/_core/policies.py); the derivation is `save_matmuls`' with their storages in
 # place of every matmul output's, and their time in place of every matmul's. A call that makes one of the
 # block's outputs is never picked: the block holds that output anyway, and recompute, which stops after the
 # last tensor backward wants (NOTE [ Early stop ] in rerun.py), seldom reaches it, so keeping it saves no
@@ -259,7 +259,7 @@ def compiled_times(choice: str, forward: float, backward: float, every: float, k
 # argument of every op, and a Hugging Face layer's ops carry many: there the mode costs several times the
 # calibrated price per op, and the derived recompute of `save_matmuls` came out cheaper than full remat's where
 # the two measured the same (docs/benchmarks.md). So where the profile times a block alone (NOTE [ Timing under
-# the tracker ] in windows.py), it also times that block's forward under the mode, and the cost per op is the
+# the tracker ] in marks.py), it also times that block's forward under the mode, and the cost per op is the
 # larger of the two.
 
 

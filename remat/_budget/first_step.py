@@ -2,7 +2,7 @@
 
 NOTE [ The first step ]
 A plan's peak is a prediction; the budget's promise is about real steps (NOTE [ Checking the plan ] in
-remat/_fit_check.py). Checking a plan on one more step of the sample before `remat.apply` returns costs a step of
+check.py). Checking a plan on one more step of the sample before `remat.apply` returns costs a step of
 the plan itself on top of the profile's step: planning would take about three training steps. So where the
 prediction fits the budget, the plan is returned unchecked, and the model's first training step checks it: from the
 forward that starts it (a call of the model in training mode with gradients on, where no dispatch mode is on: see

@@ -1,5 +1,5 @@
 """One training step with marks where each block's forward and backward start and end (NOTE [ Profiling rounds ]
-in profile.py): tracked for bytes, timed, or both (NOTE [ Timing under the tracker ] in windows.py).
+in profile.py): tracked for bytes, timed, or both (NOTE [ Timing under the tracker ] in marks.py).
 
 A forward pre-hook and hook on each block and gradient hooks on its first input and first output tensor switch
 the tracker's window; `Recorder` keeps each window's peak and clock, the blocks' inputs described for a run alone

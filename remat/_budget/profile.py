@@ -1,6 +1,8 @@
 """Profile a model's blocks under each choice in one or a few real training steps: a `ModelCost`.
 
-See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ]
+See NOTE [ Budget model ] in costs.py for what is measured.
+
+NOTE [ Profiling rounds ]
 Full remat, `save_matmuls` and the choices that keep some matmuls (under the rerun strategy) are not run: they
 are derived from each block's run kept (NOTE [ Deriving choices ] and NOTE [ Some matmuls ] in derive.py), so
 the choices that run are kept and those that cannot be derived (policies passed as `choices=`, and full remat
@@ -10,7 +12,7 @@ step measures many (block, choice) pairs at once: with k choices to run, in roun
 takes slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each),
 kept after that; as many rounds run as the smallest kind needs to see every choice. With only kept to run,
 that is one round whatever the kinds: one tracked step, every block kept, each recorded in detail for the
-derivations (windows.py's `Detail`). That step peaks at no remat's activation peak (running two blocks of
+derivations (marks.py's `Detail`). That step peaks at no remat's activation peak (running two blocks of
 each kind under save_matmuls and full remat keeps it below that, not by much): profiling needs the memory of a
 plain training step. With more choices to run, two samples of each rather
 than a third of the blocks each: the rematerialized blocks are what makes the profiled step slower than a
@@ -21,7 +23,7 @@ A block's numbers are split into what depends on its position (the bytes live at
 what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
 start); the second part is the block's own where it ran (or was derived) under that choice, else the (upper)
 median over the blocks of its kind that did; the first is always the block's own (combine.py).
-The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows.py): times are the median over
+The same step also keeps the clock (NOTE [ Timing under the tracker ] in marks.py): times are the median over
 blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
 planning costs one tracked step with every block kept, and one block run alone to correct the clock: a small
 number of training steps, which `python -m benchmarks --model budget` prints (column "plan (steps)"; figures in
@@ -119,7 +121,7 @@ def profile_blocks(
     # gradients are outside the budget; RNG streams put back; fake tensors priced: NOTE [ Priced time ] in clock.py
     with clock_for([*model.parameters(), *model.buffers()]), step_state(model):
         exact = priced()  # the tracked step's times: nothing to correct them with
-        apart = not exact and bool(placed(model))  # NOTE [ Timing under the tracker ] in windows.py
+        apart = not exact and bool(placed(model))  # NOTE [ Timing under the tracker ] in marks.py
         samples = {} if apart or exact else _samples(blocks, rounds, len(run))
         tracked: list[Recorder] = []
         timed: list[Recorder] = []

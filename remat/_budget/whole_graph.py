@@ -1,7 +1,7 @@
 """A budget for a model compiled as one graph: its backward returns every parameter gradient at once.
 
 NOTE [ Compiled as one graph ]
-The budget model (NOTE [ Budget model ] in remat/_measure/costs.py) is measured on an eager step, where each
+The budget model (NOTE [ Budget model ] in costs.py) is measured on an eager step, where each
 parameter's gradient is added into its `.grad` as soon as backward makes it and the temporary is freed: at most
 one such temporary is alive. When `torch.compile` turns the whole training step into one forward and one
 backward graph, the parameters are inputs of that backward graph and their gradients its outputs; each output
@@ -18,10 +18,10 @@ by block compilation (`block.compile()`) needs none of this: each block's backwa
 gradients, as in eager code, so it is planned on eager costs either way (with `compile=True` the plan is then
 safe but keeps less than it could).
 The profile itself is an eager one, so with `compile=True` it is also shifted by what compiling saves in the bytes
-of the sample block (NOTE [ Compiled bytes ] in remat/_measure/compiled_block.py) and its derived choices are
-priced as compiled code runs them (NOTE [ Compiled costs ] in remat/_measure/derive.py). The plan is checked on real
+of the sample block (NOTE [ Compiled bytes ] in compiled_block.py) and its derived choices are
+priced as compiled code runs them (NOTE [ Compiled costs ] in derive.py). The plan is checked on real
 compiled steps (NOTE [ Measuring a compiled step ] in remat/_measure/step_peak.py), the prediction's miss taken both
-ways (NOTE [ Planned on measured steps ] in remat/_fit_check.py). Where this torch cannot measure a compiled step, the
+ways (NOTE [ Planned on measured steps ] in check.py). Where this torch cannot measure a compiled step, the
 check runs in eager code and its tracked peak is lifted by what the gradients add to the plan's prediction
 (`graph_extra`); that overstates compiled code, which fuses what eager code allocates. Where even full remat does not
 fit, `BudgetError` says so.

@@ -298,7 +298,7 @@ class Chain(nn.Sequential):
             for stage in self:
                 x = stage(x)
             return x
-        if compiling():  # see NOTE [ Chains under compile ] in chain_compiled.py
+        if compiling():  # see NOTE [ Chains under compile ] in compiled.py
             return run_lowered(list(self), self._lowered, x)
         plan = self.plan_for(x)
         run = _Run(self, plan, x, params)
@@ -319,7 +319,7 @@ def chain(
     backward time; bytes of its output, of what it saves for backward, of its temporaries); rotor's
     dynamic program (`remat.solve`) then picks which activations to keep, which to recompute and
     when. The budget covers the chain's input and every activation and gradient the model counts
-    (see NOTE [ Memory model ] in remat/_plan/simulate.py); parameters and their gradients are outside it.
+    (see NOTE [ Memory model ] in simulate.py); parameters and their gradients are outside it.
     Stages take and return one tensor: tuples raise a TypeError when first seen. A graph built by
     the chain can be back-propagated once (no retain_graph=True twice, no double backward).
 

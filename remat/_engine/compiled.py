@@ -91,7 +91,7 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
     saves_op = policy.saves_op if policy is not None and ops else None
     message = f"remat: `{site}` " + "; it also ".join(lacks) + "." if lacks else ""
 
-    calls = policy.calls if policy is not None else None  # NOTE [ Some calls ] in _policies.py
+    calls = policy.calls if policy is not None else None  # NOTE [ Some calls ] in remat/_core/policies.py
 
     def contexts() -> Any:
         if message:

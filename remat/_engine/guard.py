@@ -27,7 +27,8 @@ __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_
 # instead. A buffer is named by its storage (`storage_key`), so writes through views are caught too.
 # The forward path pays nothing, and recompute pays per op only inside modules that own buffers (a BatchNorm:
 # three ops). Writes to other tensors from outside (a tensor a closure captured) are not redirected by rerun;
-# replay redirects every write to a tensor from outside the region (see _tape.py).
+# replay redirects every write to a tensor from outside the region (NOTE [ Writes to outside memory ] in
+# recorder.py).
 # Some ops write to arguments that their schema does not mark as written: `native_batch_norm` (and its cuDNN
 # and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`. Those
 # writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.

@@ -208,7 +208,7 @@ class Frame:
 
     # -- backward ------------------------------------------------------------------------------------------
     def unpack(self, packed: Any) -> torch.Tensor:
-        """The unpack hook: a handle's tensor rebuilt (see NOTE [ One store ... ]), a kept tensor as it is,
+        """The unpack hook: a handle's tensor rebuilt (see NOTE [ One store per backward ]), a kept tensor as it is,
         a handed-over one back through the enclosing unpack hook."""
         kind = type(packed)
         if kind is Handle:  # the common case first

@@ -1,6 +1,6 @@
 """Dispatch modes that carry out a policy: keep the chosen ops' outputs in forward, hand them back in recompute.
 
-See NOTE [ Policies ] in _policies.py and NOTE [ What a policy keeps ] below.
+See NOTE [ Policies ] in remat/_core/policies.py and NOTE [ What a policy keeps ] below.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class SaveOps(Mode):
         self.kept: list[Any] = []  # per chosen op call: its output(s), detached
         self.claimed: set[int] = set()  # calls whose output autograd saves (kept for the graph's lifetime)
         self.notes: dict[int, int] = {}  # storage of a kept output -> its call
-        self.calls = policy.calls  # only these calls (NOTE [ Some calls ] in _policies.py); None: all
+        self.calls = policy.calls  # only these calls (NOTE [ Some calls ] in remat/_core/policies.py); None: all
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # `_op`: no Python frame of `__call__`

@@ -1,7 +1,7 @@
 """`remat.estimate`: the peak memory of a training step per remat configuration, before allocating it.
 
 This face turns each configuration into remat sites on the model for the duration of its step (NOTE [ Applying
-a configuration for a while ]); `_plan.estimate` runs the step on fake tensors and counts its bytes.
+a configuration for a while ]); `predict.predict` runs the step on fake tensors and counts its bytes.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def estimate(
     real (its parameters are swapped for fake ones for the duration and put back; nothing about it changes) or
     built on the meta device, so a 7-billion-parameter model is estimated on a laptop in seconds. Parameters,
     gradients and optimizer state are exact; activations and the peak match a real run within a few percent.
-    The step is a steady-state one: see NOTE [ What an estimate runs ] in remat/_plan/estimate.py.
+    The step is a steady-state one: see NOTE [ What an estimate runs ] in predict.py.
 
     Args:
         model: the model, real or on the meta device, in the train/eval mode the step should use.

@@ -25,8 +25,8 @@ priced, plans the same peaks on every run, within the real planner's own spread 
 The clock is entered below every mode the profile enters (the tracker, `save_matmuls`' mode), just above the
 fake mode: an op reaches it from inside the tracker's dispatch, so its price is on the clock before the
 tracker reads the clock for it (as the op's kernel would have run by then). The corrections for the wall
-clock's errors (the tracker's own time, a block timed alone: NOTE [ Timing under the tracker ] in windows.py)
-have nothing to correct on this clock and are skipped.
+clock's errors (the tracker's own time, a block timed alone: NOTE [ Timing under the tracker ] in
+remat/_budget/marks.py) have nothing to correct on this clock and are skipped.
 """
 
 from __future__ import annotations
