@@ -1,5 +1,8 @@
 """What remat's comments and docstrings say: no measured figures, no spec citations, NOTE references that resolve.
 
+Tests cite the docs in the repository (docs/*.md, docs/guides/*.md) or a NOTE in remat/, never the sections of a
+design document the repository does not hold: no file under remat/ or tests/ has a section sign.
+
 NOTE [ Figures live in docs/benchmarks.md ]
 1. No comment or docstring in remat/ quotes a measurement: a time ("15 us", "3.2 ms"), a byte count ("85.7 MiB"),
    a ratio or a share measured on some machine ("8x", "14%").
@@ -171,3 +174,15 @@ def test_a_note_cited_in_a_file_is_defined_there() -> None:
             where = ", ".join(str(p.relative_to(ROOT)) for p in defined.get(name, [])) or "nowhere"
             wrong.append(f"{path.relative_to(ROOT)}:{line}: NOTE [ {name} ] in {named}: it is defined in {where}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_section_signs_in_the_package_or_the_tests() -> None:
+    hits = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for folder in (PACKAGE, TESTS)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.suffix in {".py", ".md", ".txt", ".toml", ".cfg", ".ini", ".rst", ".yml", ".yaml"}
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if SECTION in line
+    ]
+    assert not hits, "cite docs/ or a NOTE instead:\n" + "\n".join(hits)
