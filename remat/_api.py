@@ -197,7 +197,7 @@ class Remat:
             choices: with `budget`, more policies a block may get besides kept, save_matmuls and full remat.
             replan: with `budget`, profile and plan again when the model is called with a new input shape.
             memory: instead of `budget`, the device memory a whole training step must fit in (bytes, or a string
-                such as "22GiB"): what the parameters, buffers, `sample` and the optimizer's state take is
+                such as "80GiB"): what the parameters, buffers, `sample` and the optimizer's state take is
                 counted exactly (as `remat.estimate` does) and the rest is for the activations and gradients
                 (the plan's checked step starts without gradients, so both count).
             optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",

@@ -1,8 +1,8 @@
 """A device type written in Python, for the tests: `remat_test`, two indices, each with its own random stream.
 
-No GPU is lent to CI, but torch lets a device type be written in Python on its PrivateUse1 dispatch key. This
-module registers one (spec §3.3: RNG on every device is proven on a second device type, not only on CPU), so that
-the paths remat takes for a tensor that is not on the CPU run in every test run:
+No GPU is lent to CI, but torch lets a device type be written in Python on its PrivateUse1 dispatch key. This module
+registers one (docs/design.md, 'RNG, autocast and grad mode': RNG on every device is proven on a second device type,
+not only on CPU), so that the paths remat takes for a tensor that is not on the CPU run in every test run:
 
 * `torch.get_device_module("remat_test")` is `DEVICE`, with the functions remat and torch read there
   (`get_rng_state`, `set_rng_state`, `manual_seed`, `manual_seed_all`, `device_count`, `current_device`,

@@ -1,4 +1,5 @@
-"""`remat.apply(model)` with no `where` (spec §2.1): the blocks a user would pick, and `remat.plan`."""
+"""`remat.apply(model)` with no `where` (docs/guides/sites.md, 'A whole model'; NOTE [ Picking blocks ]): the blocks
+a user would pick, and `remat.plan`."""
 
 from __future__ import annotations
 

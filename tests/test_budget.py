@@ -1,4 +1,4 @@
-"""Tests of `remat.apply(model, budget=..., sample=...)` (spec §2.8): the solver, the profile, the face."""
+"""Tests of `remat.apply(model, budget=..., sample=...)` (docs/guides/budget.md): the solver, the profile, the face."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Drop-ins for torch.utils.checkpoint (spec §2.3): torch's signatures and keywords, gradients equal the
-baseline, and keywords that cannot be honoured raise clear errors."""
+"""Drop-ins for torch.utils.checkpoint (docs/guides/migrating.md): torch's signatures and keywords, gradients equal
+the baseline, and keywords that cannot be honoured raise clear errors."""
 
 from __future__ import annotations
 
@@ -226,7 +226,7 @@ def test_checkpoint_sequential_bad_segments(segments: Any) -> None:
         remat.checkpoint_sequential(_sequence(), segments, randn(5, 6))
 
 
-# -- torch's global switches (spec §2.3) ----------------------------------------------------------------------
+# -- torch's global switches (docs/guides/migrating.md) -------------------------------------------------------
 def test_torch_set_checkpoint_early_stop_applies() -> None:
     tails: list[int] = []
 

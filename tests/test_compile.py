@@ -1,4 +1,4 @@
-"""torch.compile over remat-decorated code (spec §4.11): gradients equal eager, nothing breaks the graph."""
+"""torch.compile over remat-decorated code (docs/guides/compile.md): gradients equal eager, nothing breaks the graph."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Detached tensors (spec §4.4): `.detach()`, `no_grad` blocks, integer tensors, inputs not requiring grad,
-parameters only, outputs not requiring grad."""
+"""Detached tensors (docs/design.md, 'What remat guarantees' 4): `.detach()`, `no_grad` blocks, integer tensors,
+inputs not requiring grad, parameters only, outputs not requiring grad."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Distributed training (spec §4.12): DDP and FSDP2 (`fully_shard`), 2 processes on CPU with gloo.
+"""Distributed training (docs/guides/distributed.md): DDP and FSDP2 (`fully_shard`), 2 processes on CPU with gloo.
 
 Two processes (`torch.multiprocessing.spawn`, backend gloo, loopback only) each take half of a fixed float64
 batch and run two training steps (forward, backward, SGD) of a small pre-norm transformer-ish model whose
@@ -67,7 +67,7 @@ class Block(nn.Module):
 
 
 class DecoratedBlock(Block):
-    """The same block with `@remat` on its `forward` (spec §2.1, a method)."""
+    """The same block with `@remat` on its `forward` (docs/guides/sites.md, 'Functions and methods')."""
 
     @remat
     def forward(self, x: torch.Tensor) -> torch.Tensor:

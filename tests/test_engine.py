@@ -1,5 +1,6 @@
-"""The saved-tensor-hook engine (spec §3.1, §4.2, §4.6): memory held for backward, early stop, freeing,
-the autograd API (retain_graph, autograd.grad, create_graph, output hooks), nesting, views of outside tensors."""
+"""The saved-tensor-hook engine (docs/design.md, 'Saved-tensor hooks', 'Early stop'; 'What remat guarantees' 2 and
+6): memory held for backward, early stop, freeing, the autograd API (retain_graph, autograd.grad, create_graph,
+output hooks), nesting, views of outside tensors."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_tutorial_loop_holds_about_one_hundredth_of_the_memory() -> None:
 
 
 def test_held_bytes_are_at_most_the_inputs() -> None:
-    """Spec §4.2 on a transformer block: after forward, a site holds no more than its input and its output."""
+    """After forward, a site on a transformer block holds no more than its input and its output (docs/design.md,
+    'What remat guarantees' 2)."""
     block = TransformerBlock().double()
     x = randn(2, 5, 8, requires_grad=True)
     with track() as t:

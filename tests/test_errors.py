@@ -1,5 +1,6 @@
-"""Errors and robustness (spec §4b, §4.7 to §4.9): recompute mismatches are detected and named, debug traces,
-exceptions leave nothing behind, no leaks, threads, in-place changes to inputs."""
+"""Errors and robustness (docs/design.md, 'Errors and cleanup'; 'What remat guarantees' 7 to 9 and 14): recompute
+mismatches are detected and named, debug traces, exceptions leave nothing behind, no leaks, threads, in-place
+changes to inputs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`remat.estimate` (spec §2.9): predictions against real tracked steps, exact state bytes, fake-only runs."""
+"""`remat.estimate` (docs/guides/estimate.md): predictions against real tracked steps, exact state bytes, fake-only
+runs."""
 
 from __future__ import annotations
 

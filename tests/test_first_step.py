@@ -1,4 +1,4 @@
-"""A budgeted model's first training step checks its plan (NOTE [ The first step ] in remat/_first_step.py):
+"""A budgeted model's first training step checks its plan (NOTE [ The first step ] in remat/_budget/first_step.py):
 measured as an outside tracker measures it, corrected before the next step, and nothing left behind."""
 
 from __future__ import annotations

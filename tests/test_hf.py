@@ -1,5 +1,5 @@
-"""Hugging Face transformers and PEFT (spec §2.10, issue 11): `remat.apply(model)` with the models' default
-arguments, in training, on a padded batch.
+"""Hugging Face transformers and PEFT (docs/guides/huggingface.md, issue 11): `remat.apply(model)` with the models'
+default arguments, in training, on a padded batch.
 
 Models are tiny configs built in float64 (every model here supports it), so gradients are compared with
 `torch.testing.assert_close` at its default float64 tolerances, dropout on (remat restores the RNG).
@@ -230,7 +230,7 @@ def test_one_log_line_for_layers_rematerialized_one_by_one(caplog: pytest.LogCap
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_budget_on_a_padded_batch_keeps_gradients_and_peaks_below_no_remat(name: str) -> None:
-    """Spec §2.8 on transformers models with their default arguments: `remat.apply(model, budget=...)`."""
+    """`remat.apply(model, budget=...)` (docs/guides/budget.md) on transformers models with their default arguments."""
     make, _ = MODELS[name]
     none, got = _step(make, name, "none"), _step(make, name, "budget")
     plan = got["plan"].budget

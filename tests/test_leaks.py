@@ -1,6 +1,6 @@
-"""No leaks (spec §4.8): after backward, after `create_graph=True` double backward, and after the graph is
-dropped without backward, nothing a site recorded or rebuilt stays alive — for every strategy, nested sites,
-early stop on and off, and every policy.
+"""No leaks (docs/design.md, 'What remat guarantees' 8): after backward, after `create_graph=True` double backward,
+and after the graph is dropped without backward, nothing a site recorded or rebuilt stays alive — for every
+strategy, nested sites, early stop on and off, and every policy.
 
 A leak through C++ (hooks → frame → saved variables → hooks) is invisible to `gc`: these tests hold weak
 references to the inputs, the parameter and every activation forward made, drop everything, collect, and

@@ -1,4 +1,4 @@
-"""Offload to host memory (spec §2.11): `remat.offload()`, `offload=` on sites, `policies.offload`.
+"""Offload to host memory (docs/guides/offload.md): `remat.offload()`, `offload=` on sites, `policies.offload`.
 
 On CPU everything runs through `remat.offload(include_cpu=True)`, which copies CPU tensors into separate host
 tensors through the same code as on an accelerator (torch.cpu's streams are no-ops, its events None). The

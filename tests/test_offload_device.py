@@ -1,4 +1,4 @@
-"""Offload off a device (spec §2.11), on the device written in Python (tests/pydevice.py).
+"""Offload off a device (docs/guides/offload.md), on the device written in Python (tests/pydevice.py).
 
 The device has no streams, so copies take the synchronous path (as on MPS) into host memory that is not
 pinned: `remat.offload()` and `offload=True` on sites move what autograd keeps to host, the device's live bytes

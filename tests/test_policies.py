@@ -1,4 +1,4 @@
-"""Policies (spec §2.4): what a region keeps from forward, and that keeping it saves recompute."""
+"""Policies (docs/guides/policies.md): what a region keeps from forward, and that keeping it saves recompute."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ STRATEGIES = ["rerun", "replay", "region"]
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_every_policy_gives_the_gradients_of_no_remat(name: str, strategy: str) -> None:
-    """Every policy works with every strategy: the tape keeps a kept op's outputs too (spec §2.2)."""
+    """Every policy works with every strategy: the tape keeps a kept op's outputs too (NOTE
+    [ Policies on the tape ] in remat/_engine/tape.py)."""
     assert_same_grads(
         TaggedMLP, (randn(4, 8, requires_grad=True),), _site(strategy, POLICIES[name]),
         expect_recompute=name != "save_all",

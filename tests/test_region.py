@@ -1,4 +1,5 @@
-"""Tests of the replay strategy: `Region` (`with remat.region()`), `call`, `begin`/`end` (spec §2.2, §3.2, §4)."""
+"""Tests of the replay strategy: `Region` (`with remat.region()`), `call`, `begin`/`end` (docs/guides/sites.md,
+'Any block of code'; docs/design.md, 'Rerun and replay')."""
 # mypy: disable-error-code="no-untyped-call,no-any-return"
 
 from __future__ import annotations

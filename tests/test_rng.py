@@ -1,5 +1,6 @@
-"""RNG on every device (spec §3.3, §4.3): dropout masks in recompute equal forward's, the user's RNG stream
-after backward equals a run without remat, and devices are found through `torch.get_device_module`."""
+"""RNG on every device (docs/design.md, 'RNG, autocast and grad mode'): dropout masks in recompute equal forward's,
+the user's RNG stream after backward equals a run without remat, and devices are found through
+`torch.get_device_module`."""
 
 from __future__ import annotations
 

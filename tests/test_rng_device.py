@@ -1,4 +1,4 @@
-"""RNG on every device, proven on a second device type (spec §3.3, §4.3).
+"""RNG on every device, proven on a second device type (docs/design.md, 'RNG, autocast and grad mode').
 
 Every site kind runs with dropout on `remat_test`, the device written in Python in tests/pydevice.py (two
 indices, each with a random stream of its own, apart from the CPU's): outputs, gradients and the state of every

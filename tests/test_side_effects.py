@@ -1,5 +1,6 @@
-"""Side effects once (spec §3.4): BatchNorm running statistics and `num_batches_tracked`, and any buffer a
-forward updates in place, change once per forward whatever the target kind, never again in recompute."""
+"""Side effects once (docs/design.md, 'Side effects'): BatchNorm running statistics and `num_batches_tracked`, and
+any buffer a forward updates in place, change once per forward whatever the target kind, never again in
+recompute."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tensors anywhere in args, kwargs and outputs (spec §4.5); outputs keep their requires_grad (§4.4)."""
+"""Tensors anywhere in args, kwargs and outputs (docs/design.md, 'What remat guarantees' 5); outputs keep their
+requires_grad (4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The global switch (spec §2.5, §4.10): `REMAT`, `set_enabled`/`is_enabled`/`enabled`, per-site `enabled=`."""
+"""The global switch (docs/guides/sites.md, 'The switch'; docs/design.md, 'What remat guarantees' 10): `REMAT`,
+`set_enabled`/`is_enabled`/`enabled`, per-site `enabled=`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests of the replay tape's structure: what its entries hold, and plans shared between tapes (spec §3.2)."""
+"""Tests of the replay tape's structure: what its entries hold, and plans shared between tapes (NOTE [ What the tape
+holds ] in remat/_engine/recorder.py, NOTE [ Shared plans ] in remat/_engine/tape.py)."""
 # mypy: disable-error-code="no-untyped-call,no-any-return"
 
 from __future__ import annotations

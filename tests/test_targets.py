@@ -1,4 +1,4 @@
-"""Every target `@remat` takes (spec §2.1): functions, methods, classes, instances, `remat.apply`, `undo`."""
+"""Every target `@remat` takes (docs/guides/sites.md): functions, methods, classes, instances, `remat.apply`, `undo`."""
 
 from __future__ import annotations
 
@@ -424,7 +424,8 @@ def test_cell_with_tuple_state_as_an_instance() -> None:
 
 
 def test_the_decorator_object_carries_the_whole_api() -> None:
-    """Spec §2: `from remat import remat` is the whole API, the same objects as `import remat` gives."""
+    """`from remat import remat` is the whole API, the same objects as `import remat` gives (docs/api.md, its
+    opening paragraph)."""
     from remat import remat as decorator
 
     missing = [name for name in remat.__all__ if not hasattr(decorator, name)]
@@ -444,7 +445,8 @@ print(remat.chain.__module__, remat.Tracker.__module__, remat.estimate.__module_
 
 
 def test_import_remat_loads_the_engine_not_the_planner_the_tools_or_the_benchmark() -> None:
-    """Spec §5.6: the measuring and planning wings, the benchmark and transformers load on first use only."""
+    """The measuring and planning wings, the benchmark and transformers load on first use only (docs/design.md,
+    'What remat guarantees' 15)."""
     import subprocess
     import sys
 

@@ -1,6 +1,6 @@
 """remat without the private torch names newer than its floor, and torch's global hook tables left as they were.
 
-Each private name `remat/_torch_compat.py` binds with a fallback is deleted from torch in a fresh process before
+Each private name `remat/_core/torch_compat.py` binds with a fallback is deleted from torch in a fresh process before
 `import remat`; a rematerialized function (rerun), a region (replay) and a model under `remat.apply` with a
 buffer must then give the gradients of the same code without remat, and must have recomputed.
 """
@@ -22,7 +22,7 @@ from remat._core.torch_compat import GlobalModuleHooks
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What a torch older than 2.13 (and at least 2.4) may lack; see remat/_torch_compat.py.
+# What a torch older than 2.13 (and at least 2.4) may lack; see remat/_core/torch_compat.py.
 NEWER = [
     "torch._C._get_graph_exec_group",
     "torch._C._autograd._top_saved_tensors_default_hooks",

@@ -1,5 +1,5 @@
-"""What a user reads cites nothing they do not have: no "§" (the design document's section sign) in the package,
-the README, the examples, the docs, or the command line's help."""
+"""What a user reads cites nothing they do not have: no section sign (the mark of the design document's sections,
+which is not in the repository) in the package, the README, the examples, the docs, or the command line's help."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SECTION = "\N{SECTION SIGN}"
 TEXT = {".py", ".md", ".txt", ".yml", ".yaml", ".toml", ".cfg", ".ini", ".rst"}
 
 
@@ -25,7 +26,7 @@ def test_no_section_sign_in_what_users_read() -> None:
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
         for path in _files()
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if "§" in line
+        if SECTION in line
     ]
     assert not hits, "\n".join(hits)
 
@@ -35,4 +36,4 @@ def test_no_section_sign_in_command_line_help(args: list[str]) -> None:
     result = subprocess.run([sys.executable, "-m", "remat", *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "usage:" in result.stdout and "§" not in result.stdout + result.stderr
+    assert "usage:" in result.stdout and SECTION not in result.stdout + result.stderr

@@ -1,9 +1,9 @@
 """Time one block alone, without the tracker, on inputs shaped like the ones it saw in a profiled step.
 
-See NOTE [ Timing under the tracker ] in windows.py for why: the tracked step's clock, with the tracker's own
-time taken out, still runs a little slow (by 5-20% on CPU, most in backward), and one untracked run of a block
-per choice that was run (derived choices take kept's) tells by how much. A block alone also shows what compiling
-it changes in its bytes (`bytes_alone`: NOTE [ Compiled bytes ] in compiled_block.py).
+See NOTE [ Timing under the tracker ] in marks.py for why: the tracked step's clock, with the tracker's own time taken
+out, still runs slow (the tracked ops themselves are slower; most in backward), and one untracked run of a block per
+choice that was run (derived choices take kept's) tells by how much. A block alone also shows what compiling it changes
+in its bytes (`bytes_alone`: NOTE [ Compiled bytes ] in compiled_block.py).
 
 The block's inputs are not kept from the step (holding them would change what the tracker measures): only
 their description is (`describe`), and `time_alone` makes fresh ones: random values of the same shape, dtype
@@ -12,7 +12,8 @@ boolean tensors such as masks and positions, and other objects) is held weakly, 
 it is still alive when the block runs alone: zeros of its shape and dtype for a tensor that died with the
 step, None for another object. Held strongly, a mask the model makes inside the step, or a Hugging Face cache
 object (which the layers fill with every key and value of the step), stayed alive through the profiled step
-and counted in every byte the tracker measured after it (on a tiny Llama, some 13% of its peak).
+and counted in every byte the tracker measured after it (a sizeable share of a Hugging Face model's peak: see
+docs/benchmarks.md, "Figures behind the design notes").
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _make(spec: tuple[Any, Any]) -> tuple[Any, Any]:
 
 def _sums(out: Any) -> list[torch.Tensor]:
     """What backward starts from: the sum of each output that requires grad. Sums rather than explicit gradients:
-    torch.autograd.backward checks explicit ones with a module whose first import (sympy) takes about a second.
+    torch.autograd.backward checks explicit ones with a module whose first import (sympy) is slow.
     The gradient of a sum is ones."""
     return [t.sum() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 

@@ -11,8 +11,8 @@ choice is put on it with the same hooks `remat(module)` uses (none for "kept"), 
 training with gradients on and a new input signature (and `replan=True`), the hook profiles one step on
 (detached copies of) those inputs and re-plans before the forward goes on; the profile's own calls of the
 model pass through the hook untouched. A plan is checked on a real tracked step: the model's first training step
-with it (NOTE [ The first step ] in remat/_first_step.py), or one more step of the sample before the plan is
-returned where that cannot stand in (NOTE [ Checking the plan ] in remat/_fit_check.py). A failed re-plan
+with it (NOTE [ The first step ] in first_step.py), or one more step of the sample before the plan is
+returned where that cannot stand in (NOTE [ Checking the plan ] in check.py). A failed re-plan
 (BudgetError) puts the previous choices back.
 """
 
@@ -304,11 +304,10 @@ class _Budget:
 # step allocates differently: gradients at their shard's size, but each block's parameters all-gathered for its
 # forward and again for its backward, the root's kept unsharded throughout, and each block's whole gradients
 # until they are reduce-scattered. Neither the sign nor the size of the difference follows from the unsharded
-# step (tests/test_sharded_budget.py: planned unsharded for 2.20 MiB, the sharded step took 2.59 MiB, +18%;
-# planned after `fully_shard` for the same bytes, 2.09 MiB), and re-planning inside the sharded root's forward
-# would nest a step in FSDP's own. So the plan is
-# kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)` after
-# `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and
+# step (tests/test_sharded_budget.py shows a plan made unsharded going over on the sharded step: figures in
+# docs/benchmarks.md), and re-planning inside the sharded root's forward would nest a step in FSDP's own. So the
+# plan is kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)`
+# after `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and
 # its gradients are the plain step's (or views into the buckets).
 SHARDED_LATER = (
     "remat: the budget of `{model}` was planned by remat.apply(model, budget=...) before `fully_shard`, on the "
@@ -375,7 +374,7 @@ def apply_budget(
             raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
         labels.append(_label(extra, set(labels) | set(PARTS)))
         policies.append(extra)
-    if strategy == "rerun" and not compile:  # eager code only: NOTE [ Some calls ] in _policies.py
+    if strategy == "rerun" and not compile:  # eager code only: NOTE [ Some calls ] in remat/_core/policies.py
         policies.extend(PARTS)  # their policies are made per block once profiled: NOTE [ Some matmuls ]
         labels.extend(PARTS)
     blocks = _select(model, where)

@@ -1,7 +1,7 @@
 """The whole-model front end of the solver: one rematerialization choice per block under a budget.
 
-`remat.apply(model, budget=...)` (remat/_plan/budget.py) profiles every block under every choice into a
-`ModelCost` (NOTE [ Budget model ] in remat/_measure/costs.py); this module evaluates a choice per block
+`remat.apply(model, budget=...)` (apply.py) profiles every block under every choice into a
+`ModelCost` (NOTE [ Budget model ] in costs.py); this module evaluates a choice per block
 (`evaluate_blocks`), finds the least budget that some choice fits (`least_budget_blocks`) and the fastest
 choice under a budget (`solve_blocks`). The chain front end, `remat._chain.solver`, shares its
 discretisation rule (NOTE [ Discretisation ]) and its `check_bytes`.
@@ -36,7 +36,7 @@ def evaluate_blocks(cost: ModelCost, choice: Sequence[int]) -> tuple[int, float]
 
 # NOTE [ Block recurrence ]
 # `remat.apply(model, budget=...)` asks for one choice c_i per block under the model of NOTE [ Budget model ]
-# (remat/_measure/costs.py): with S_i the bytes held by blocks 0..i-1, a plan fits M when S_i + need(i, c_i)
+# (costs.py): with S_i the bytes held by blocks 0..i-1, a plan fits M when S_i + need(i, c_i)
 # <= M for every block and S_k + outside_peaks[k] <= M for every k; its time is the sum of the blocks' times.
 # The only state that links block i to the ones after it is S_i, so the dynamic program runs over blocks,
 # keeping for every reachable S the least time (and dropping any (S, time) that another beats on both): the

@@ -1,25 +1,32 @@
 """A budget's plan is checked on real tracked steps, and corrected if one went over.
 
 NOTE [ Checking the plan ]
-A plan's peak is a prediction (NOTE [ Budget model ] in remat/_measure/costs.py); the promise is about the real
-step: a plan's measured peak is at most the budget (with 5% of slack), or `BudgetError` says the least budget that
-can be met. So a plan is checked on real tracked steps. Where the prediction fits the budget, the check is the
-model's first training step (NOTE [ The first step ] in remat/_first_step.py), and planning is the profile alone.
-Elsewhere `remat.apply(model, budget=...)` (and every re-plan) runs one more training step on the sample under
-`remat.track()` before it returns, leaving the model as it found it (gradients, buffers, RNG streams), as the
-profile does: where the prediction does not fit (only a measured step may refuse a budget), with `memory=`, for a
-model planned as one compiled graph, for a model sharded by `fully_shard`, and in `remat.estimate` (on fake
-tensors, the plan a real model ends with once its first step has checked it). Either way the peak, above what was
-live before the step with the gradients already there, is the quantity the budget refers to; `remat.plan(model)`
-shows it beside the prediction. If it is over the budget, the plan is solved again on the same profile for the
-budget less what the prediction missed (measured minus predicted, taken as bytes the model does not see), and
-checked again on the next step, at most `CHECKS` steps in all (`AssignmentCheck`). A budget below the least predicted
-peak is not refused on the prediction alone: the choice that holds least is checked, and kept if it measures
-within the budget. Where nothing the profile offers fits the corrected budget, full remat of every block (where
-the profile has it; else the choice predicted to hold least) is checked, and if even that measures over the
-slack, `BudgetError` names its measured peak as the least budget. With `remat.apply(model, memory=...)` the budget
-is what the step's state leaves, and gradients take from it too: its checked step starts without gradients (NOTE
-[ Total memory ] in remat/_total_memory.py).
+A plan's peak is a prediction (NOTE [ Budget model ] in costs.py); the promise is about the real step: a plan's
+measured peak is at most the budget (with `SLACK`), or `BudgetError` says the least budget that can be met.
+
+Rules:
+1. A plan is checked on real tracked steps. The peak, above what was live before the step with the gradients
+   already there, is the quantity the budget refers to; `remat.plan(model)` shows it beside the prediction.
+2. Where the prediction fits the budget, the check is the model's first training step (NOTE [ The first step ] in
+   first_step.py), and planning is the profile alone. Elsewhere `remat.apply(model, budget=...)` (and every
+   re-plan) runs one more training step on the sample under `remat.track()` before it returns, leaving the model
+   as it found it (gradients, buffers, RNG streams), as the profile does.
+3. A step over the budget corrects the plan: it is solved again on the same profile for the budget less what the
+   prediction missed (measured minus predicted, taken as bytes the model does not see), and checked again on the
+   next step, at most `CHECKS` steps in all (`AssignmentCheck`).
+4. Only a measured step may refuse a budget: a budget below the least predicted peak is not refused on the
+   prediction alone. Where nothing the profile offers fits, full remat of every block is checked, and if even
+   that measures over the slack, `BudgetError` names its measured peak as the least budget.
+
+Implementation notes:
+1. (rule 2) The check runs before `remat.apply` returns where the prediction does not fit, with `memory=`, for a
+   model planned as one compiled graph, for a model sharded by `fully_shard`, and in `remat.estimate` (on fake
+   tensors, the plan a real model ends with once its first step has checked it).
+2. (rule 2) With `remat.apply(model, memory=...)` the budget is what the step's state leaves, and gradients take
+   from it too: its checked step starts without gradients (NOTE [ Total memory ] in remat/_estimate/memory.py).
+3. (rule 4) Below the least predicted peak, the choice that holds least is checked, and kept if it measures
+   within the budget. "Full remat of every block" is where the profile has it; else the choice predicted to hold
+   least.
 """
 
 from __future__ import annotations
@@ -138,14 +145,13 @@ def check_assignment(
 
 # NOTE [ Planned on measured steps ]
 # A plan for one compiled graph is checked on real compiled steps (NOTE [ Measuring a compiled step ] in
-# remat/_measure/step_peak.py), while its profile is an eager one: eager code's backward allocates what
-# compiled code fuses away, so the profile predicts more than compiled code holds (on six MLP blocks, 70 MiB for
-# full remat that measured 62, and 90 for `save_matmuls` that measured 76), and a plan solved on it keeps less
-# than the budget allows. So there the model's miss is taken both ways: each measured step moves the target by
-# what its prediction missed, over or under, and the plan solved for that target is measured next, while it is
-# predicted faster than the fastest plan measured within the budget so far; at most `CHECKS` + 1 steps. The plan
-# kept is the fastest measured within the budget; where none was, the checks go on as in NOTE [ Checking the
-# plan ] (full remat measured last, `BudgetError` if even that is over the slack).
+# remat/_measure/step_peak.py), while its profile is an eager one: eager code's backward allocates what compiled code
+# fuses away, so the profile predicts more than compiled code holds (docs/benchmarks.md has a case), and a plan solved
+# on it keeps less than the budget allows. So there the model's miss is taken both ways: each measured step moves the
+# target by what its prediction missed, over or under, and the plan solved for that target is measured next, while it is
+# predicted faster than the fastest plan measured within the budget so far; at most `CHECKS` + 1 steps. The plan kept is
+# the fastest measured within the budget; where none was, the checks go on as in NOTE [ Checking the plan ] (full remat
+# measured last, `BudgetError` if even that is over the slack).
 
 
 def check_measured(

@@ -2,7 +2,7 @@
 
 See NOTE [ Profiling rounds ] in profile.py for how the rounds run, NOTE [ Deriving choices ] in derive.py for the
 choices that are derived from a block's run kept rather than run, and NOTE [ Timing under the tracker ] in
-windows.py for how the times of runs alone scale the tracked ones.
+marks.py for how the times of runs alone scale the tracked ones.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 NOTE [ Compiled bytes ]
 A plan for one compiled graph (`remat.apply(..., compile=True)`) is solved on an eager profile, but compiled code
 allocates less: the compiler fuses a block's pointwise ops, in forward and in recompute, into the kernels around
-them, so their temporaries never exist, and its backward graph returns the block's parameter gradients together.
-On six MLP blocks compiled as one graph, eager costs predicted 90 MiB for every block under `save_matmuls`,
-which measured 76 (NOTE [ Planned on measured steps ] in remat/_fit_check.py). So with `compile=True` the
+them, so their temporaries never exist, and its backward graph returns the block's parameter gradients together:
+eager costs predict more than compiled code holds (NOTE [ Planned on measured steps ] in check.py; a case in
+docs/benchmarks.md). So with `compile=True` the
 profile's sample block (one of the most common kind) runs alone under each choice twice, in eager code and
 compiled by `torch.compile` (inductor), on fresh inputs shaped like those of the profiled step, and the CPU
 allocator's records of both (`bytes_alone`) give, per choice, what compiling adds to the bytes it holds after

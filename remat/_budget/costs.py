@@ -6,19 +6,29 @@ profile on fake tensors (`remat.estimate`) may fill one the same way; `remat._bu
 `ModelCost` and chooses one option per block under a budget, never touching a tensor.
 
 NOTE [ Budget model ]
-A training step runs blocks 0..n-1 in order in forward and in reverse in backward. Block i under choice c
-leaves `held_bytes` h alive at the end of its forward (what it keeps for backward, its output included) until
-its backward. While block i runs (forward or backward, recompute included), the blocks before it still hold
-what they kept, S_i = sum of h_j for j < i, and the blocks after it hold nothing more in backward: so every
-number below is counted *above* S_i, and the order of the blocks is the whole coupling between them.
-  peak while block i runs forward   = S_i + forward_peak(i, c)
-  peak while block i runs backward  = S_i + backward_peak(i, c)
-  peak outside every block when blocks 0..k-1 hold their bytes (before block 0, between blocks, after the last
-  forward and through the loss, after block 0's backward) = S_k + outside_peaks[k], for k = 0..n
-The step's peak is the largest of these; its time is `outside_time` plus every block's forward and backward
-time. Bytes are live tensor storage bytes beyond those live before the step (parameters and their gradients
-are outside them). The model is additive: what a block costs does not depend on the choices of the others
-(measured: its output is kept alive by the next block whatever that block's choice, so it counts in h).
+A training step runs blocks 0..n-1 in order in forward and in reverse in backward; a plan's peak and time follow
+from numbers measured per block, and the order of the blocks is the whole coupling between them.
+
+Rules:
+1. Block i under choice c leaves `held_bytes` h alive at the end of its forward (what it keeps for backward, its
+   output included) until its backward.
+2. While block i runs (forward or backward, recompute included), the blocks before it still hold what they kept,
+   S_i = sum of h_j for j < i, and the blocks after it hold nothing more in backward: so every number below is
+   counted *above* S_i:
+     peak while block i runs forward   = S_i + forward_peak(i, c)
+     peak while block i runs backward  = S_i + backward_peak(i, c)
+     peak outside every block when blocks 0..k-1 hold their bytes (before block 0, between blocks, after the last
+     forward and through the loss, after block 0's backward) = S_k + outside_peaks[k], for k = 0..n
+3. The step's peak is the largest of these; its time is `outside_time` plus every block's forward and backward
+   time.
+4. The model is additive: what a block costs does not depend on the choices of the others.
+
+Implementation notes:
+1. (rule 2) Bytes are live tensor storage bytes beyond those live before the step (parameters and their gradients
+   are outside them).
+2. (rule 4) A block's output is kept alive by the next block whatever that block's choice, so it counts in h.
+   Where the blocks' forwards leave less alive than this assumes, the profile runs the choices instead of
+   deriving them (NOTE [ Deriving choices ] in derive.py).
 """
 
 from __future__ import annotations
@@ -123,7 +133,7 @@ class ModelCost:
 class GradientSteps:
     """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
     blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`): NOTE [ Gradients in the budget ] in
-    remat/_budget/gradients.py, and NOTE [ Compiled as one graph ] in remat/_plan/whole_graph.py."""
+    remat/_budget/gradients.py, and NOTE [ Compiled as one graph ] in whole_graph.py."""
 
     blocks: tuple[int, ...]
     outside: tuple[int, ...]

@@ -1,52 +1,60 @@
 """Derive what a block costs under full remat and under `save_matmuls` from one tracked run of it kept.
 
 NOTE [ Deriving choices ]
-Running every choice for real takes tracked rounds: a kind of block with one member needs one round per choice,
-each slower than a plain step. But what a rematerialized block does is a replay of what it does kept, and the
-tracker sees every op of that: so one tracked run of a block kept (`Kept`, filled by profile.py from the
-window's `Detail` in windows.py) gives its other choices, in the terms of NOTE [ Budget model ] in costs.py.
-Under choice c (full remat, `save_matmuls`, or one that keeps some matmuls: NOTE [ Some matmuls ] below), with
-"born" the storages its forward allocated:
-* Held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
-  storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]).
-  Its inputs are held by whoever made them, whatever this block does.
-* Forward peak: under full remat, kept's: an upper bound (rerun frees what kept's autograd saves as soon as the
-  block's Python drops it, which the log cannot tell), and not what binds, since backward (below) starts above
-  the forward's start (the output's gradient at least) and replays the same log. Under `save_matmuls` the
-  matmul outputs never die before recompute, and recompute hands them back and drops them, so the forward can
-  peak above the recompute and kept's peak is no bound: the forward's log is replayed with the matmul outputs
-  never released and what kept's autograd saved (born, never released, neither output nor matmul) released at
-  the next allocation, as an operand dies after the op that reads it. That is exact on the benchmark's
-  convnet and low by a seventh on the GPT-like stack's blocks (locals of the block's Python live longer), where
-  backward peaks higher anyway.
-* Backward peak: backward starts at what kept started at (`at_backward`, above S_i), less the born storages
-  kept still held then (`alive`), plus those that c holds then: the matmul outputs under `save_matmuls`, and
-  the outputs that something outside the block still holds (`live_outputs`). An output can be live at backward
-  only through the block's own saved tensors (an op that saves its result, such as a final ReLU: rerun drops
-  that) or through a reference from outside (kept whatever the block does). Autograd saves a result as a new
-  tensor on the same storage, so the two differ in whether the output's own tensor object is still alive,
-  which a weak reference tells. Recompute then replays the forward's allocation log on top (a matmul output
-  under `save_matmuls` is handed back, not allocated again); after it, what recompute built that backward does
-  not need is gone as it was in kept's run, and backward runs as kept's did (its peak is an upper bound: rerun's
-  backward may hold a little less). The peak is the larger of the two phases.
-* Times: the forward is kept's; the backward is kept's plus a recompute, which is kept's forward less its
-  matmul-class ops under `save_matmuls` (each op's time is measured from the end of the op before, so the
-  Python between ops counts in the non-matmul part). `save_matmuls` runs a dispatch mode over every op in
-  forward and in recompute: `ops` times its cost per op (`mode_overhead`, calibrated once per process).
-  Where a device runs asynchronously (CUDA) the tracked step is not timed and its matmul times are only the
-  launches: recompute under `save_matmuls` then counts as much as a whole forward (an overestimate).
-All of this rests on NOTE [ Budget model ]'s premise that a block holds what its forward left alive until its
-own backward. Where that fails, blocks' numbers depend on the choices around them: on a tiny Llama (Hugging
-Face), a tenth of the bytes the decoder layers' forwards left alive died before the first backward started,
-and the derived plans' peaks came out up to 14% low. So the profiled step checks it when backward starts
-(marks.py, `_early_deaths`), and where more than 5% died early, the derivable choices are run instead
-(NOTE [ Profiling rounds ]): one more tracked step or more, and measured numbers.
-Forward peaks are a bound (full remat) or an estimate (`save_matmuls`), the rest a model: tests/
-test_budget_derive.py checks derived against measured costs on small models, and the benchmark prints
-predicted against measured peaks and times. Measured against running each choice on the benchmark's blocks
-(untracked, fastest of 15): derived backward times of full remat and `save_matmuls` come out 6-10% low (a
-recompute runs slower than the forward it repeats, and rerun's hooks cost some 0.1 ms per call and 7-9 us
-per saved tensor, none of which is modelled).
+What a rematerialized block does is a replay of what it does kept, and the tracker sees every op of that: so one
+tracked run of a block kept gives its other choices, in the terms of NOTE [ Budget model ] in costs.py, without
+the tracked round per choice (each slower than a plain step) that running them would take.
+
+Rules:
+1. One tracked run of a block kept (`Kept`, filled by profile.py from the window's `Detail` in marks.py) gives
+   its costs under full remat, `save_matmuls` and the choices that keep some matmuls (NOTE [ Some matmuls ]).
+   Under choice c, with "born" the storages its forward allocated:
+   * held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
+     storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]);
+     its inputs are held by whoever made them, whatever this block does;
+   * forward peak: under full remat, kept's (a bound); under `save_matmuls`, kept's allocation log replayed;
+   * backward peak: the larger of recompute on top of what is live when backward starts, and kept's backward;
+   * times: the forward is kept's; the backward is kept's plus a recompute, which is kept's forward less its
+     matmul-class ops under `save_matmuls`, plus the dispatch mode's cost per op where c runs one.
+2. This rests on NOTE [ Budget model ]'s premise that a block holds what its forward left alive until its own
+   backward. Where that fails, blocks' numbers depend on the choices around them, so the profiled step checks it
+   when backward starts, and the derivable choices are run instead where it fails (NOTE [ Profiling rounds ]):
+   one more tracked step or more, and measured numbers.
+3. Forward peaks are a bound (full remat) or an estimate (`save_matmuls`), the rest a model:
+   tests/test_budget_derive.py checks derived against measured costs on small models, and the benchmark prints
+   predicted against measured peaks and times.
+
+Implementation notes:
+1. (rule 1, forward peak) Kept's peak bounds full remat's from above (rerun frees what kept's autograd saves as
+   soon as the block's Python drops it, which the log cannot tell), and it is not what binds, since backward
+   starts above the forward's start (the output's gradient at least) and replays the same log. Under
+   `save_matmuls` the matmul outputs never die before recompute, and recompute hands them back and drops them,
+   so the forward can peak above the recompute and kept's peak is no bound: the forward's log is replayed with
+   the matmul outputs never released and what kept's autograd saved (born, never released, neither output nor
+   matmul) released at the next allocation, as an operand dies after the op that reads it. That is exact where a
+   block's Python keeps no locals alive, and low where it does (they live longer than the ops that read them),
+   where backward peaks higher anyway (docs/benchmarks.md).
+2. (rule 1, backward peak) Backward starts at what kept started at (`at_backward`, above S_i), less the born
+   storages kept still held then (`alive`), plus those that c holds then: the matmul outputs under
+   `save_matmuls`, and the outputs that something outside the block still holds (`live_outputs`). An output can
+   be live at backward only through the block's own saved tensors (an op that saves its result, such as a final
+   ReLU: rerun drops that) or through a reference from outside (kept whatever the block does). Autograd saves a
+   result as a new tensor on the same storage, so the two differ in whether the output's own tensor object is
+   still alive, which a weak reference tells. Recompute then replays the forward's allocation log on top (a
+   matmul output under `save_matmuls` is handed back, not allocated again); after it, what recompute built that
+   backward does not need is gone as it was in kept's run, and backward runs as kept's did (its peak is an upper
+   bound: rerun's backward may hold a little less).
+3. (rule 1, times) Each op's time is measured from the end of the op before, so the Python between ops counts in
+   the non-matmul part. `save_matmuls` runs a dispatch mode over every op in forward and in recompute: `ops`
+   times its cost per op (`mode_overhead`, calibrated once per process). Where a device runs asynchronously
+   (CUDA) the tracked step is not timed and its matmul times are only the launches: recompute under
+   `save_matmuls` then counts as much as a whole forward (an overestimate).
+4. (rule 2) Hugging Face decoder layers free some of what their forwards left alive before the first backward
+   starts, and derived plans' peaks then come out low (docs/benchmarks.md). The check is marks.py's
+   `_early_deaths`; where more than `_EARLY` of those bytes died early (profile.py), the choices are run.
+5. (rule 3) Derived backward times of full remat and `save_matmuls` come out low against running each choice
+   (docs/benchmarks.md): a recompute runs slower than the forward it repeats, and rerun's hooks cost something
+   per call and per saved tensor, none of which is modelled.
 """
 
 from __future__ import annotations
@@ -71,21 +79,28 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 
 # NOTE [ Some matmuls ]
 # Between full remat (keep nothing but the output) and `save_matmuls` (keep every matmul-class output) a block
-# may keep some of its matmul outputs, as torch's selective checkpointing planner does op by op: the calls that
-# give back the most recompute time per byte kept (an attention kernel: a small output for a long op; a
-# projection down from a wide MLP), taken in that order while their bytes stay within a share of all the
-# matmul outputs' bytes (`PARTS`: a quarter, a half), a call too large for what is left skipped. The calls are
-# numbered in the order the block's forward makes them, chosen per kind of block from the first of its kind
-# recorded kept (so that blocks of a kind keep the same calls), and carried out by a policy that keeps just
-# those calls (NOTE [ Some calls ] in _policies.py); the derivation is `save_matmuls`' with their storages in
-# place of every matmul output's, and their time in place of every matmul's. A call that makes one of the
-# block's outputs is never picked: the block holds that output anyway, and recompute, which stops after the
-# last tensor backward wants (NOTE [ Early stop ] in rerun.py), seldom reaches it, so keeping it saves no
-# time (picked by its measured time, it made the choice between such a part and full remat a matter of
-# noise). A share that picks no call, or every call it may, is not offered (it would be full remat or
-# `save_matmuls` again). Times per call are those of the tracked step: where a device runs asynchronously
-# they are launches, so the order is by bytes in effect and the recompute is counted as a whole forward, as
-# for `save_matmuls`.
+# may keep some of its matmul outputs, as torch's selective checkpointing planner does op by op.
+#
+# Rules:
+# 1. The calls kept are those that give back the most recompute time per byte kept (an attention kernel: a small
+#    output for a long op; a projection down from a wide MLP), taken in that order while their bytes stay within a
+#    share of all the matmul outputs' bytes (`PARTS`: a quarter, a half), a call too large for what is left
+#    skipped.
+# 2. The calls are numbered in the order the block's forward makes them, chosen per kind of block from the first
+#    of its kind recorded kept (so that blocks of a kind keep the same calls), and carried out by a policy that
+#    keeps just those calls (NOTE [ Some calls ] in remat/_core/policies.py).
+# 3. A call that makes one of the block's outputs is never picked. A share that picks no call, or every call it
+#    may, is not offered (it would be full remat or `save_matmuls` again).
+#
+# Implementation notes:
+# 1. (rule 2) The derivation is `save_matmuls`' with their storages in place of every matmul output's, and their
+#    time in place of every matmul's (NOTE [ Deriving choices ]).
+# 2. (rule 3) The block holds that output anyway, and recompute, which stops after the last tensor backward wants
+#    (NOTE [ Early stop ] in rerun.py), seldom reaches it, so keeping it saves no time (picked by its measured
+#    time, it made the choice between such a part and full remat a matter of noise).
+# 3. (rule 1) Times per call are those of the tracked step: where a device runs asynchronously they are
+#    launches, so the order is by bytes in effect and the recompute is counted as a whole forward, as for
+#    `save_matmuls`.
 
 
 def output_calls(detail: Detail, outputs: frozenset[int]) -> set[int]:
@@ -230,10 +245,9 @@ def derive_times(
 # selective policy, and the compiler fuses the pointwise ops of a block into the kernels around them: what a
 # recompute repeats at a cost is its matmul-class calls; no dispatch mode runs. So there a derived choice's
 # backward is kept's plus the seconds of the matmul-class calls it does not keep (all of them under full remat,
-# none under `save_matmuls`). Measured on six MLP blocks compiled as one graph (inductor, CPU, one thread, the
-# fastest of five steps in one process): every block kept 970 ms, under `save_matmuls` 938 ms, under full remat
-# 1364 ms; eager costs priced `save_matmuls` at 10 ms a block over kept. Choices run rather than derived keep
-# their eager times.
+# none under `save_matmuls`): compiled, `save_matmuls` runs about as fast as kept, which eager costs (with the
+# dispatch mode's price per op) would not say (docs/benchmarks.md). Choices run rather than derived keep their
+# eager times.
 
 
 def compiled_times(choice: str, forward: float, backward: float, every: float, kept: float) -> tuple[float, float]:
@@ -257,12 +271,12 @@ def compiled_times(choice: str, forward: float, backward: float, every: float, k
 
 # NOTE [ Mode cost in place ]
 # `save_matmuls` and the parts run a dispatch mode over every op of the block, in forward and in recompute. Its
-# cost per op was calibrated on a small op with two arguments (`mode_overhead`, 3-4 us here), but a mode's
-# Python sees every argument of every op, and a Hugging Face layer's ops carry many: on a tiny Llama decoder
-# layer (84 ops) the mode alone added 0.85 ms to a 3.2 ms forward, 10 us an op, and the derived recompute of
-# `save_matmuls` came out about 2.5 ms cheaper than full remat's where the two measured the same. So where the
-# profile times a block alone (NOTE [ Timing under the tracker ] in windows.py), it also times that block's
-# forward under the mode, and the cost per op is the larger of the two.
+# cost per op is calibrated on a small op with two arguments (`mode_overhead`), but a mode's Python sees every
+# argument of every op, and a Hugging Face layer's ops carry many: there the mode costs several times the
+# calibrated price per op, and the derived recompute of `save_matmuls` came out cheaper than full remat's where
+# the two measured the same (docs/benchmarks.md). So where the profile times a block alone (NOTE [ Timing under
+# the tracker ] in marks.py), it also times that block's forward under the mode, and the cost per op is the
+# larger of the two.
 
 
 def mode_overhead() -> float:

@@ -2,9 +2,9 @@
 
 NOTE [ Planning on fake tensors ]
 Rules:
-1. `remat.apply(model, budget=B)` itself allocates no more than the larger of B and full remat's peak (+5%) above
-   what was live when it began, and `apply(memory=M)` keeps the process within M: a model that fits only with
-   remat can be planned on the device it will train on.
+1. `remat.apply(model, budget=B)` itself allocates no more than the larger of B and full remat's peak (with the
+   check's `SLACK`) above what was live when it began, and `apply(memory=M)` keeps the process within M: a model
+   that fits only with remat can be planned on the device it will train on.
 2. So the profile (one training step with every block kept, which needs no remat's memory) runs on fake tensors:
    the model's parameters and buffers are swapped for fake ones for the duration, the sample is made fake, and
    the step is timed by priced time (NOTE [ Priced time ] in remat/_measure/clock.py). The user's tensors are

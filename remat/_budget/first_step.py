@@ -1,53 +1,61 @@
 """A budgeted model's first training step is tracked, and its plan corrected from it before the next step.
 
 NOTE [ The first step ]
-A plan's peak is a prediction; the budget's promise is about real steps (NOTE [ Checking the plan ] in
-remat/_fit_check.py). Checking a plan on one more step of the sample before `remat.apply` returns costs a step of
-the plan itself on top of the profile's step: planning would take about three training steps. So where the
-prediction fits the budget, the plan is returned unchecked, and the model's first training step checks it: from the
-forward that starts it (a call of the model in training mode with gradients on, where no dispatch mode is on: see
-below) to the end of the first backward through its outputs, a `Tracker` counts what the step allocates, as the
-up-front check would. A step whose parameters had no gradients creates them; those are not activations, and the
-up-front check starts with zero gradients that backward adds into in place, so each new gradient is forgotten by the
-tracker once it is accumulated (a post-accumulate-grad hook): until then both count it, as the incoming gradient.
-The peak is known when the backward ends (an autograd final callback, queued by a gradient hook on the model's
-outputs) and shows in `remat.plan(model)` at once; the decision waits for the model's next forward (on every rank:
-the peak is the largest over them), which runs with the corrected plan where the step went over the budget, and is
-tracked in turn, up to the up-front check's number of steps. Where even the choice that holds least measures over
-the budget's slack, a `UserWarning` carries the `BudgetError` text and that choice stays on the blocks: raising in
-the middle of training would not leave the user a model that trains.
+A plan's peak is a prediction; the budget's promise is about real steps (NOTE [ Checking the plan ] in check.py).
+Where the prediction fits, the model's own first training step is the check, so planning costs the profile alone.
 
-The tracker's dispatch mode is pushed when the step starts. It cannot be popped when the backward ends: autograd
-runs final callbacks under the thread-local state it saved when the backward began, mode stack included, and puts
-that state back after them (on an accelerator they may also run on another thread). So the mode stops counting
-there. The first of these pops it: the death of the step's graph outside a backward (a token in the metadata of the
-outputs' autograd nodes dies with them, once the loss is let go of after backward), the next `optimizer.step()` of
-any optimizer (a global pre-hook, there only while a step is tracked), the model's next forward,
-`remat.undo(model)`; on the thread that pushed it and only from the top of the stack (a mode the user pushed since
-stays, and ours waits for a later chance). Until then it passes every op straight through: a loop that steps an
-optimizer after backward has it off the stack before the step's update. A mode pushed in a forward and popped at a
-later one could be popped in its place by the `__exit__` of a mode the user entered before it (torch pops the top of
-the stack, whichever it is), so a step is tracked only if no dispatch mode but another tracked step's is on when its
-forward starts (a step run under `remat.track()`, a FLOP counter or a fake-tensor mode is not, and the check waits
-for a later step). A forward whose graph dies with no backward through it (evaluation with gradients on, a forward
-alone) ends the window untracked, and the next training forward starts another; a window kept open by forwards whose
-graphs live on with no backward through them is dropped after `WINDOW` of them, and with it the check.
+Rules:
+1. Where the prediction fits the budget, the plan is returned unchecked, and the model's first training step
+   checks it: from the forward that starts it to the end of the first backward through its outputs, a `Tracker`
+   counts what the step allocates, as the up-front check would.
+2. The peak shows in `remat.plan(model)` as soon as that backward ends; the decision waits for the model's next
+   forward (on every rank: the peak is the largest over them), which runs with the corrected plan where the step
+   went over the budget, and is tracked in turn, up to the up-front check's number of steps.
+3. Where even the choice that holds least measures over the budget's slack, a `UserWarning` carries the
+   `BudgetError` text and that choice stays on the blocks: raising in the middle of training would not leave the
+   user a model that trains.
+4. Tracking a step disturbs neither the user's modes nor compilation: a step is tracked only where no dispatch
+   mode but another tracked step's is on when its forward starts, and compiled blocks still compile.
+5. The up-front check stays where the first step cannot stand in for it: a budget whose prediction does not fit
+   (only a measured step may refuse it: NOTE [ Checking the plan ]), `memory=` (the device's whole memory: going
+   over is an out-of-memory error, not a missed promise), a model planned for one compiled graph (its steps run in
+   compiled code, which a dispatch mode cannot count), and a model sharded by `fully_shard` (its sharded gradients
+   are made outside autograd's accumulation, so a first step could not tell them from activations).
 
-Dynamo does not compile a frame it meets under a dispatch mode: it runs it in eager code, and marks its code to
-run in eager code for good. A block compiled with `block.compile()` whose first call fell in the tracked step
-would never be compiled. So while the step is tracked, compiled code runs in eager code by dynamo's "force_eager"
-stance, which marks nothing (the step measures the blocks' eager code, as the up-front check did on a model not yet
-compiled), and the stance is put back when the mode is popped; the step after it compiles. On a torch without
-stances (before 2.6), no step is tracked once dynamo is in use, and the plan stays unchecked; nor is one that
-starts inside a compiled call (a model called from compiled code after a graph break), where no stance can be
-set. The profile and the up-front check run under the same stance, for the same reason: a model whose blocks
-were compiled before `remat.apply(model, budget=...)`, or that re-plans for a new shape, compiles them after.
-
-The up-front check stays where the first step cannot stand in for it: a budget whose prediction does not fit
-(only a measured step may refuse it: NOTE [ Checking the plan ]), `memory=` (the device's whole memory: going
-over is an out-of-memory error, not a missed promise), a model planned for one compiled graph (its steps run in
-compiled code, which a dispatch mode cannot count), and a model sharded by `fully_shard` (its sharded gradients
-are made outside autograd's accumulation, so a first step could not tell them from activations).
+Implementation notes:
+1. (rule 1) Checking a plan on one more step of the sample before `remat.apply` returns costs a step of the plan
+   itself on top of the profile's step: planning would take about three training steps. A step starts at a call
+   of the model in training mode with gradients on. A step whose parameters had no gradients creates them; those
+   are not activations, and the up-front check starts with zero gradients that backward adds into in place, so
+   each new gradient is forgotten by the tracker once it is accumulated (a post-accumulate-grad hook): until then
+   both count it, as the incoming gradient.
+2. (rule 2) The backward's end is an autograd final callback, queued by a gradient hook on the model's outputs.
+3. (rule 4) The tracker's dispatch mode is pushed when the step starts. It cannot be popped when the backward
+   ends: autograd runs final callbacks under the thread-local state it saved when the backward began, mode stack
+   included, and puts that state back after them (on an accelerator they may also run on another thread). So the
+   mode stops counting there and passes every op straight through until the first of these pops it: the death of
+   the step's graph outside a backward (a token in the metadata of the outputs' autograd nodes dies with them,
+   once the loss is let go of after backward), the next `optimizer.step()` of any optimizer (a global pre-hook,
+   there only while a step is tracked), the model's next forward, `remat.undo(model)`; on the thread that pushed
+   it and only from the top of the stack (a mode the user pushed since stays, and ours waits for a later chance).
+   A loop that steps an optimizer after backward has it off the stack before the step's update.
+4. (rule 4) A mode pushed in a forward and popped at a later one could be popped in its place by the `__exit__`
+   of a mode the user entered before it (torch pops the top of the stack, whichever it is): hence the rule that
+   no other mode is on (a step run under `remat.track()`, a FLOP counter or a fake-tensor mode is not tracked,
+   and the check waits for a later step). A forward whose graph dies with no backward through it (evaluation
+   with gradients on, a forward alone) ends the window untracked, and the next training forward starts another;
+   a window kept open by forwards whose graphs live on with no backward through them is dropped after `WINDOW` of
+   them, and with it the check.
+5. (rule 4) Dynamo does not compile a frame it meets under a dispatch mode: it runs it in eager code, and marks
+   its code to run in eager code for good, so a block compiled with `block.compile()` whose first call fell in
+   the tracked step would never be compiled. So while the step is tracked, compiled code runs in eager code by
+   dynamo's "force_eager" stance, which marks nothing (the step measures the blocks' eager code, as the up-front
+   check did on a model not yet compiled), and the stance is put back when the mode is popped; the step after it
+   compiles. On a torch without stances (before 2.6), no step is tracked once dynamo is in use, and the plan
+   stays unchecked; nor is one that starts inside a compiled call (a model called from compiled code after a
+   graph break), where no stance can be set. The profile and the up-front check run under the same stance, for
+   the same reason: a model whose blocks were compiled before `remat.apply(model, budget=...)`, or that re-plans
+   for a new shape, compiles them after.
 """
 
 from __future__ import annotations

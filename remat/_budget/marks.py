@@ -1,5 +1,5 @@
 """One training step with marks where each block's forward and backward start and end (NOTE [ Profiling rounds ]
-in profile.py): tracked for bytes, timed, or both (NOTE [ Timing under the tracker ] in windows.py).
+in profile.py): tracked for bytes, timed, or both (NOTE [ Timing under the tracker ] in marks.py).
 
 A forward pre-hook and hook on each block and gradient hooks on its first input and first output tensor switch
 the tracker's window; `Recorder` keeps each window's peak and clock, the blocks' inputs described for a run alone
@@ -234,23 +234,29 @@ def marked_step(
 #
 # NOTE [ Timing under the tracker ]
 # The tracker runs Python for every aten op, which a plain step does not. Rather than run each profiling round
-# twice (once tracked for bytes, once bare for time), the tracked step keeps the clock too and takes the
-# tracker's own time out of every window: what its bookkeeping (`_see`, the release callbacks) measurably took,
-# plus, per op, the cost of entering the mode and calling back into the op, which no clock inside the mode can
-# see; that constant is calibrated once per process on a few hundred small ops, in about 50 ms
-# (`per_op_overhead`). The recorder's own work between windows is kept out of every window.
-# What is left still runs slow, by 5-20% on CPU (measured on the benchmark's GPT-like stack; most in backward,
-# more for blocks under remat): the tracked ops themselves run slower than bare ones, by more than small ops
-# show. So after the rounds, profile.py runs one block of the largest kind alone and untracked once per choice
-# that ran (once in all when only kept ran: the derived choices' times are made of kept's, NOTE [ Deriving
-# choices ] in derive.py), on fresh inputs shaped like the ones it saw (alone.py), and scales each choice's
-# forward and backward times, for every kind, by the ratio of that run to the tracked median (never up, never
-# below half), and the outside time by the ratio over all choices run. For a stack of identical layers this
-# costs one block's forward and backward (a twelfth of a step for 12 blocks). If the block cannot run alone
-# (any exception), the tracked times stay as they are: the ratio only refines them.
-# This holds on CPU, where everything runs in the calling thread. Where a device runs asynchronously (CUDA), the
-# tracker's Python may hide under the kernels or not, so there each round runs a second, untracked step for the
-# clock, and no block runs alone.
+# twice (once tracked for bytes, once bare for time), the tracked step keeps the clock too, and its times are
+# corrected for the tracker.
+#
+# Rules:
+# 1. The tracker's own time is taken out of every window: what its bookkeeping (`_see`, the release callbacks)
+#    measurably took, plus, per op, the cost of entering the mode and calling back into the op, which no clock
+#    inside the mode can see. The recorder's own work between windows is kept out of every window.
+# 2. What is left still runs slow on CPU (most in backward, more for blocks under remat: docs/benchmarks.md): the
+#    tracked ops themselves run slower than bare ones, by more than small ops show. So after the rounds, one block
+#    of the largest kind runs alone and untracked once per choice that ran, and scales the tracked times.
+# 3. The ratio only refines the times: if the block cannot run alone (any exception), the tracked times stay as
+#    they are.
+# 4. This holds on CPU, where everything runs in the calling thread. Where a device runs asynchronously (CUDA), the
+#    tracker's Python may hide under the kernels or not, so there each round runs a second, untracked step for the
+#    clock, and no block runs alone.
+#
+# Implementation notes:
+# 1. (rule 1) The per-op constant is calibrated once per process on a few hundred small ops (`per_op_overhead`).
+# 2. (rule 2) profile.py runs the block once in all when only kept ran (the derived choices' times are made of
+#    kept's, NOTE [ Deriving choices ] in derive.py), on fresh inputs shaped like the ones it saw (alone.py), and
+#    scales each choice's forward and backward times, for every kind, by the ratio of that run to the tracked
+#    median (never up, never below half), and the outside time by the ratio over all choices run. For a stack of
+#    identical layers this costs one block's forward and backward (a twelfth of a step for 12 blocks).
 
 class Detail:
     """What one window saw, op by op, for deriving other choices from it (NOTE [ Deriving choices ] in derive.py).

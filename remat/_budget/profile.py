@@ -1,32 +1,42 @@
 """Profile a model's blocks under each choice in one or a few real training steps: a `ModelCost`.
 
-See NOTE [ Budget model ] in costs.py for what is measured, and NOTE [ Profiling rounds ]
-Full remat, `save_matmuls` and the choices that keep some matmuls (under the rerun strategy) are not run: they
-are derived from each block's run kept (NOTE [ Deriving choices ] and NOTE [ Some matmuls ] in derive.py), so
-the choices that run are kept and those that cannot be derived (policies passed as `choices=`, and full remat
-under the replay strategy). Blocks of one kind (same
-class, same parameter shapes) cost the same wherever they sit, up to what lies around them. So one tracked
-step measures many (block, choice) pairs at once: with k choices to run, in round r the m-th block of a kind
-takes slot p = m + r * (size of its kind) and runs under the (p mod k)-th while p < 2k (two samples of each),
-kept after that; as many rounds run as the smallest kind needs to see every choice. With only kept to run,
-that is one round whatever the kinds: one tracked step, every block kept, each recorded in detail for the
-derivations (windows.py's `Detail`). That step peaks at no remat's activation peak (running two blocks of
-each kind under save_matmuls and full remat kept it near three quarters of that on the GPT-like stack):
-profiling needs the memory of a plain training step. With more choices to run, two samples of each rather
-than a third of the blocks each: the rematerialized blocks are what makes the profiled step slower than a
-plain one. In each round, hooks mark where every block's forward and backward start and end (a forward
-pre-hook and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak
-of every window between two marks.
-A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
-what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
-start); the second part is the block's own where it ran (or was derived) under that choice, else the (upper)
-median over the blocks of its kind that did; the first is always the block's own (combine.py).
-The same step also keeps the clock (NOTE [ Timing under the tracker ] in windows.py): times are the median over
-blocks of a kind. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`. So
-planning costs one tracked step with every block kept, and one block run alone to correct the clock: on the
-benchmark's GPT-like stack and on its convnet (six blocks of five kinds) 1.4-1.8 training steps each
-(measured on a loaded machine: `python -m benchmarks --model budget --threads 1`, column "plan (steps)").
-Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
+See NOTE [ Budget model ] in costs.py for what is measured.
+
+NOTE [ Profiling rounds ]
+A profile measures many (block, choice) pairs in each tracked training step, and derives what it need not run:
+planning costs one tracked step with every block kept, and one block run alone to correct the clock.
+
+Rules:
+1. Full remat, `save_matmuls` and the choices that keep some matmuls (under the rerun strategy) are not run: they
+   are derived from each block's run kept (NOTE [ Deriving choices ] and NOTE [ Some matmuls ] in derive.py). The
+   choices that run are kept and those that cannot be derived (policies passed as `choices=`, and full remat
+   under the replay strategy); where more than `_EARLY` of the bytes the blocks' forwards left alive died before
+   the first backward, the derivable choices are run too.
+2. Blocks of one kind (same class, same parameter shapes) cost the same wherever they sit, up to what lies around
+   them. So one tracked step measures many (block, choice) pairs at once: each choice to run is run by two blocks
+   of each kind, the other blocks kept; as many rounds run as the smallest kind needs to see every choice.
+3. A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
+   what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
+   start); the second part is the block's own where it ran (or was derived) under that choice, else the (upper)
+   median over the blocks of its kind that did; the first is always the block's own (combine.py).
+4. The same step also keeps the clock (NOTE [ Timing under the tracker ] in marks.py): times are the median over
+   blocks of a kind.
+5. Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
+
+Implementation notes:
+1. (rule 2) With k choices to run, in round r the m-th block of a kind takes slot p = m + r * (size of its kind)
+   and runs under the (p mod k)-th while p < 2k (two samples of each), kept after that. Two samples of each
+   rather than a third of the blocks each: the rematerialized blocks are what makes the profiled step slower than
+   a plain one.
+2. (rules 1, 2) With only kept to run, that is one round whatever the kinds: one tracked step, every block kept,
+   each recorded in detail for the derivations (marks.py's `Detail`). That step peaks at no remat's activation
+   peak (running two blocks of each kind under save_matmuls and full remat keeps it below that, not by much):
+   profiling needs the memory of a plain training step.
+3. (rule 3) In each round, hooks mark where every block's forward and backward start and end (a forward pre-hook
+   and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak of every
+   window between two marks. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`.
+4. (rule 4) What planning costs in training steps is what `python -m benchmarks --model budget` prints (column
+   "plan (steps)"; figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -119,7 +129,7 @@ def profile_blocks(
     # gradients are outside the budget; RNG streams put back; fake tensors priced: NOTE [ Priced time ] in clock.py
     with clock_for([*model.parameters(), *model.buffers()]), step_state(model):
         exact = priced()  # the tracked step's times: nothing to correct them with
-        apart = not exact and bool(placed(model))  # NOTE [ Timing under the tracker ] in windows.py
+        apart = not exact and bool(placed(model))  # NOTE [ Timing under the tracker ] in marks.py
         samples = {} if apart or exact else _samples(blocks, rounds, len(run))
         tracked: list[Recorder] = []
         timed: list[Recorder] = []

@@ -1,9 +1,9 @@
 """The whole-model budget front end of the solver: one choice per block under a memory budget.
 
-Two steps joined by plain data (remat/_measure/costs.py): a profile fills a `ModelCost` (bytes and times of
+Two steps joined by plain data (costs.py): a profile fills a `ModelCost` (bytes and times of
 every block under every choice), and `solve_budget` chooses one choice per block so that the predicted peak
 fits the budget at the least predicted time, with the dynamic program of NOTE [ Block recurrence ] in
-solver.py. Nothing here touches a tensor, so a profile made on fake tensors plans the same way:
+blocks_dp.py. Nothing here touches a tensor, so a profile made on fake tensors plans the same way:
 
 >>> from remat._budget.costs import BlockCost, ModelCost
 >>> kept, full = BlockCost(8, 12, 16, 1.0, 2.0), BlockCost(1, 12, 20, 1.0, 3.0)
@@ -40,7 +40,7 @@ class Assignment:
         no_remat, full_remat: `(peak_bytes, step_time)` of every block kept, and of every block fully
             rematerialized (None when a choice is missing from the profile).
         measured: the tracked peak of one real training step with this plan (None until one ran; see
-            NOTE [ Checking the plan ] in remat/_fit_check.py).
+            NOTE [ Checking the plan ] in check.py).
         missed: bytes a measured step of an earlier plan held beyond its prediction, which `peak_bytes` includes
             (0 unless the plan corrects one that went over its budget).
     """
@@ -120,7 +120,7 @@ def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Assig
     """Choose one option per block so that the predicted peak fits `budget` at the least predicted time.
 
     Args:
-        cost: the profile (see NOTE [ Budget model ] in remat/_measure/costs.py).
+        cost: the profile (see NOTE [ Budget model ] in costs.py).
         budget: bytes (an int, or a string with a unit such as "1.5GiB"), or a float in (0, 1]: that
             fraction of the predicted activation peak with every block kept.
         slots: the largest Pareto front kept per block before sizes are rounded (NOTE [ Block recurrence ]).

@@ -1,35 +1,40 @@
 """A budget for a model compiled as one graph: its backward returns every parameter gradient at once.
 
 NOTE [ Compiled as one graph ]
-The budget model (NOTE [ Budget model ] in remat/_measure/costs.py) is measured on an eager step, where each
-parameter's gradient is added into its `.grad` as soon as backward makes it and the temporary is freed: at most
-one such temporary is alive. When `torch.compile` turns the whole training step into one forward and one
-backward graph, the parameters are inputs of that backward graph and their gradients its outputs; each output
-buffer is allocated when the kernel that makes it runs and stays alive until the whole graph returns, and only
-then does autograd add them into `.grad`. So while block i runs backward, the gradients of every parameter
-of blocks i+1..n-1 (and of the layers outside the blocks) are alive on top of what the eager profile counted.
-Measured on six MLP blocks (six Linear(512, 2048)/Linear(2048, 512) pairs, 48 MiB of gradients): every block
-checkpointed held 10 MiB after the compiled forward either way, but peaked at 62 MiB compiled as one graph
-against 32 MiB compiled block by block, and at 28 MiB as one graph with the parameters frozen. A plan made on
-eager costs then misses (a budget of 0.5 peaked at 1.08 of its budget). With `remat.apply(..., compile=True)`
-the profile is planned with these gradients added (`with_graph_gradients`): block i's backward peak gains the
-gradient bytes of the blocks after it, and the bytes outside the blocks at k gain those of blocks k..n-1;
-the gradients of parameters outside the blocks are counted as alive throughout (a head's are made first). Block
-by block compilation (`block.compile()`) needs none of this: each block's backward graph returns only its own
-gradients, as in eager code, so it is planned on eager costs either way (with `compile=True` the plan is then
-safe but keeps less than it could).
-The profile itself is an eager one, so with `compile=True` it is also shifted by what compiling saves in the bytes
-of the sample block (NOTE [ Compiled bytes ] in remat/_measure/compiled_block.py) and its derived choices are
-priced as compiled code runs them (NOTE [ Compiled costs ] in remat/_measure/derive.py). The plan is checked on
-real compiled steps (NOTE [ Measuring a compiled step ] in remat/_measure/step_peak.py), the prediction's miss
-taken both ways (NOTE [ Planned on measured steps ] in remat/_fit_check.py). Where this torch cannot measure a
-compiled step, the check runs in eager code and its tracked peak is lifted by what the gradients add to the
-plan's prediction (`graph_extra`); that overstates compiled code (full remat of six such blocks measured 70 MiB
-that way, 62 compiled). Where even full remat does not fit, `BudgetError` says so.
-A plan made without `compile=True` that dynamo then traces from the model's root (the budget's forward pre-hook
-runs inside the compiled frame: the model is compiled as one graph) is warned about once, when dynamo traces it
-(`warn_one_graph`, through `when_traced`: a warning in traced code would break the graph). Measured with the
-blocks above, such plans peaked at 1.59 / 1.34 / 1.07-1.17 of budgets 0.3 / 0.4 / 0.5 (two runs).
+When `torch.compile` turns the whole training step into one forward and one backward graph, the gradients of the
+parameters live until that backward graph returns, on top of what an eager profile counts; a budget for such a
+model plans with them.
+
+Rules:
+1. The budget model (NOTE [ Budget model ] in costs.py) is measured on an eager step, where each parameter's
+   gradient is added into its `.grad` as soon as backward makes it and the temporary is freed: at most one such
+   temporary is alive. Compiled as one graph, the parameters are inputs of the backward graph and their gradients
+   its outputs; each output buffer is allocated when the kernel that makes it runs and stays alive until the whole
+   graph returns, and only then does autograd add them into `.grad`. So while block i runs backward, the
+   gradients of every parameter of blocks i+1..n-1 (and of the layers outside the blocks) are alive on top of
+   what the eager profile counted, and a plan made on eager costs misses (docs/benchmarks.md).
+2. With `remat.apply(..., compile=True)` the profile is planned with these gradients added, shifted by what
+   compiling saves, priced as compiled code runs, and checked on real compiled steps; where even full remat does
+   not fit, `BudgetError` says so.
+3. Block by block compilation (`block.compile()`) needs none of this: each block's backward graph returns only
+   its own gradients, as in eager code, so it is planned on eager costs either way (with `compile=True` the plan
+   is then safe but keeps less than it could).
+4. A plan made without `compile=True` that dynamo then traces from the model's root (the budget's forward
+   pre-hook runs inside the compiled frame: the model is compiled as one graph) is warned about once, when dynamo
+   traces it: such plans go over their budgets, the more the smaller the budget (docs/benchmarks.md).
+
+Implementation notes:
+1. (rule 2) `with_graph_gradients`: block i's backward peak gains the gradient bytes of the blocks after it, and
+   the bytes outside the blocks at k gain those of blocks k..n-1; the gradients of parameters outside the blocks
+   are counted as alive throughout (a head's are made first).
+2. (rule 2) The profile itself is an eager one, so it is also shifted by what compiling saves in the bytes of the
+   sample block (NOTE [ Compiled bytes ] in compiled_block.py) and its derived choices are priced as compiled code
+   runs them (NOTE [ Compiled costs ] in derive.py). The plan is checked on real compiled steps (NOTE [ Measuring
+   a compiled step ] in remat/_measure/step_peak.py), the prediction's miss taken both ways (NOTE [ Planned on
+   measured steps ] in check.py). Where this torch cannot measure a compiled step, the check runs in eager code
+   and its tracked peak is lifted by what the gradients add to the plan's prediction (`graph_extra`); that
+   overstates compiled code, which fuses what eager code allocates.
+3. (rule 4) `warn_one_graph`, through `when_traced`: a warning in traced code would break the graph.
 """
 
 from __future__ import annotations

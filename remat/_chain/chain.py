@@ -34,23 +34,30 @@ _log = logging.getLogger("remat")
 __all__ = ["Chain", "chain", "parse_budget"]
 
 # NOTE [ Chain execution ]
-# A plan's operations (see NOTE [ Memory model ] in simulate.py) split at "loss". `_ChainFunction`
-# runs the first part in its forward: forward_nosave / forward_checkpoint run the stage without grad,
-# forward_save runs it with grad on a detached input that requires grad, keeping (input, output) and
-# the small graph between them. The function returns a_L. Its backward receives delta_L and runs the
-# rest: recomputations, and backward(i) = the gradients of stage i's input and parameters from its kept
-# output and delta_{i+1}, through `backward_stage`, which lets autograd free both as it consumes them
-# (NOTE [ Backward frees as it goes ]; no reference to them is left here). Parameters are inputs of
-# the function, so their gradients are returned to autograd (hooks, torch.autograd.grad and DDP see
-# them as usual). Activations are dropped exactly when the model drops them, so the memory follows the
-# plan.
-# RNG: each stage's first run (always in forward, in order) draws from the caller's generators as a
-# plain nn.Sequential would; the state before it is stashed, and every recomputation runs inside a
-# fork set to that state, so dropout masks match and the caller's stream is untouched.
-# Buffers (BatchNorm statistics) move once per forward: recomputations (and profiling) run under the
-# engine's `keep_buffers`, which sends their writes to copies (NOTE [ Writes during recompute ]).
-# Autocast is captured and re-entered as the rerun engine does (`AutocastState`).
-# The function's backward runs once: backward with retain_graph=True twice raises an error.
+# A chain runs its plan's operations (NOTE [ Memory model ] in simulate.py) in one autograd Function, dropping
+# each activation exactly when the model drops it, so the memory follows the plan.
+#
+# Rules:
+# 1. The operations split at "loss". `_ChainFunction` runs the first part in its forward and returns a_L; its
+#    backward receives delta_L and runs the rest: recomputations, and backward(i) = the gradients of stage i's
+#    input and parameters from its kept output and delta_{i+1}.
+# 2. Parameters are inputs of the function, so their gradients are returned to autograd (hooks,
+#    torch.autograd.grad and DDP see them as usual).
+# 3. RNG: each stage's first run (always in forward, in order) draws from the caller's generators as a plain
+#    nn.Sequential would; every recomputation sees the same random numbers, and the caller's stream is untouched.
+# 4. Buffers (BatchNorm statistics) move once per forward; autocast is as forward had it.
+# 5. The function's backward runs once: backward with retain_graph=True twice raises an error.
+#
+# Implementation notes:
+# 1. (rule 1) forward_nosave / forward_checkpoint run the stage without grad; forward_save runs it with grad on a
+#    detached input that requires grad, keeping (input, output) and the small graph between them. backward(i)
+#    goes through `backward_stage`, which lets autograd free both as it consumes them (NOTE [ Backward frees as it
+#    goes ]; no reference to them is left here).
+# 2. (rule 3) The state before a stage's first run is stashed, and every recomputation runs inside a fork set to
+#    that state, so dropout masks match.
+# 3. (rule 4) Recomputations (and profiling) run under the engine's `keep_buffers`, which sends their writes to
+#    copies (NOTE [ Writes during recompute ]). Autocast is captured and re-entered as the rerun engine does
+#    (`AutocastState`).
 
 
 class _Call(nn.Module):
@@ -298,7 +305,7 @@ class Chain(nn.Sequential):
             for stage in self:
                 x = stage(x)
             return x
-        if compiling():  # see NOTE [ Chains under compile ] in chain_compiled.py
+        if compiling():  # see NOTE [ Chains under compile ] in compiled.py
             return run_lowered(list(self), self._lowered, x)
         plan = self.plan_for(x)
         run = _Run(self, plan, x, params)
@@ -319,7 +326,7 @@ def chain(
     backward time; bytes of its output, of what it saves for backward, of its temporaries); rotor's
     dynamic program (`remat.solve`) then picks which activations to keep, which to recompute and
     when. The budget covers the chain's input and every activation and gradient the model counts
-    (see NOTE [ Memory model ] in remat/_plan/simulate.py); parameters and their gradients are outside it.
+    (see NOTE [ Memory model ] in simulate.py); parameters and their gradients are outside it.
     Stages take and return one tensor: tuples raise a TypeError when first seen. A graph built by
     the chain can be back-propagated once (no retain_graph=True twice, no double backward).
 

@@ -21,35 +21,42 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # stage i (a_0 is the chain input, x_0 = input_bytes bytes; a_{i+1}, the output of stage i, has
 # x_{i+1} = output_bytes bytes). Running stage i with grad keeps abar_{i+1}: everything the stage
 # saves for backward, its output a_{i+1} included (xbar_{i+1} = saved_bytes bytes). The gradient
-# delta_i with respect to a_i has x_i bytes; the loss's own output and gradient count 0 bytes.
+# delta_i with respect to a_i has x_i bytes; the loss's own output and gradient count nothing.
 #
-# Operations, and what they hold (`_Machine` is the one simulator every plan goes through):
-#   forward_nosave(i)      run stage i without grad from a_i; a_{i+1} is a transient: it must be used
-#                          by the next operation. a_i is released if it was itself a transient.
-#   forward_checkpoint(i)  the same, but a_i is kept (a checkpoint) until backward(i).
-#   forward_save(i)        run stage i with grad: abar_{i+1} is kept until backward(i); a_i is kept
-#                          until backward(i) too (backward reads its gradient there).
-#   loss                   run the loss on a_L and its backward: delta_L appears, a_L is released
-#                          (unless it lives inside abar_L).
-#   backward(i)            from delta_{i+1}, abar_{i+1} and a_i compute delta_i; then abar_{i+1},
-#                          delta_{i+1} and a_i are released.
-# The chain input a_0 is held until backward(0). Live bytes are the sum of the kept activations (one
-# inside a live abar is not counted twice), the live abar's, the transient and the current gradient.
-# An operation's peak is the live bytes before it plus what it creates: x_{i+1} (+ forward_temp) for a
-# forward without grad, xbar_{i+1} (+ forward_temp) with grad, x_i (+ backward_temp) for a backward,
-# x_L for the loss. A plan's peak is the largest operation peak; its makespan the sum of the times.
-# How real runs meet this (remat.chain; tests/test_chain_memory.py checks the tracked peak against it):
-# a stage's backward frees abar_{i+1} and delta_{i+1} as autograd consumes them, node by node, as plain
-# autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in chain_profile.py), and
-# backward_temp is measured that way: the peak of the stage's backward above "abar_{i+1} and delta_{i+1}
-# live", less x_i. A multi-node stage (conv, BatchNorm, ReLU) thus costs about x_i, not x_i + x_{i+1}
-# more: counting its output and gradient as held to the end over-counted by up to x_{i+1} per backward.
-# forward_temp is the larger of the two forwards' temporaries (with and without grad), so one of the two
-# forwards may be over-counted, never under-counted. Not modelled: autograd holds delta_L, the gradient of
-# the chain's output, until the chain's backward returns (it is the argument of that backward), while the
-# model releases it after backward(L-1): a run may exceed the prediction by x_L after that (chains
-# usually end in a small head; tests/test_chain_memory.py allows it). Parameters and their gradients are
-# outside the model (remat.chain returns parameter gradients to autograd when its backward ends).
+# Rules:
+# 1. A plan is a sequence of operations, and each holds (`_Machine` is the one simulator every plan goes
+#    through):
+#      forward_nosave(i)      run stage i without grad from a_i; a_{i+1} is a transient: it must be used
+#                             by the next operation. a_i is released if it was itself a transient.
+#      forward_checkpoint(i)  the same, but a_i is kept (a checkpoint) until backward(i).
+#      forward_save(i)        run stage i with grad: abar_{i+1} is kept until backward(i); a_i is kept
+#                             until backward(i) too (backward reads its gradient there).
+#      loss                   run the loss on a_L and its backward: delta_L appears, a_L is released
+#                             (unless it lives inside abar_L).
+#      backward(i)            from delta_{i+1}, abar_{i+1} and a_i compute delta_i; then abar_{i+1},
+#                             delta_{i+1} and a_i are released.
+#    The chain input a_0 is held until backward(0).
+# 2. Live bytes are the sum of the kept activations (one inside a live abar is not counted twice), the live
+#    abar's, the transient and the current gradient.
+# 3. An operation's peak is the live bytes before it plus what it creates: x_{i+1} (+ forward_temp) for a
+#    forward without grad, xbar_{i+1} (+ forward_temp) with grad, x_i (+ backward_temp) for a backward, x_L for
+#    the loss. A plan's peak is the largest operation peak; its makespan the sum of the times.
+# 4. Parameters and their gradients are outside the model (remat.chain returns parameter gradients to autograd
+#    when its backward ends).
+#
+# Implementation notes (how real runs meet the model: remat.chain; tests/test_chain_memory.py checks the
+# tracked peak against it):
+# 1. (rule 3) A stage's backward frees abar_{i+1} and delta_{i+1} as autograd consumes them, node by node, as
+#    plain autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in profile.py), and
+#    backward_temp is measured that way: the peak of the stage's backward above "abar_{i+1} and delta_{i+1}
+#    live", less x_i. A multi-node stage (conv, BatchNorm, ReLU) thus costs about x_i, not x_i + x_{i+1} more:
+#    counting its output and gradient as held to the end over-counted by up to x_{i+1} per backward.
+# 2. (rule 3) forward_temp is the larger of the two forwards' temporaries (with and without grad), so one of the
+#    two forwards may be over-counted, never under-counted.
+# 3. (rule 1) Not modelled: autograd holds delta_L, the gradient of the chain's output, until the chain's
+#    backward returns (it is the argument of that backward), while the model releases it after backward(L-1): a
+#    run may exceed the prediction by x_L after that (chains usually end in a small head;
+#    tests/test_chain_memory.py allows it).
 
 
 @dataclass(frozen=True)

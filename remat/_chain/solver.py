@@ -30,35 +30,45 @@ _INF = math.inf
 
 
 # NOTE [ Rotor recurrence ]
-# C(m, a, b) is the least time to back-propagate stages a..b (b = L is the loss) given that a_a is
-# held outside m, that delta_{b+1} is held inside m, and that at most m bytes more may be live (the
-# NOTE [ Memory model ] accounting; x_{L+1} = xbar_{L+1} = 0, u_f[L] = u_b[L] = 0).
-#   a = b = L:  C = 0                                   if m >= x_L                       (loss)
-#   a = b < L:  C = u_f[a] + u_b[a]                     if m >= x_{a+1} + xbar_{a+1} + ftmp_a
-#                                                       and m >= x_{a+1} + xbar_{a+1} + x_a + btmp_a
-#   a < b:      C = min of
-#     (save)    u_f[a] + C(m - xbar_{a+1}, a+1, b) + u_b[a]
-#                   if m >= x_{b+1} + xbar_{a+1} + ftmp_a and m >= xbar_{a+1} + x_{a+1} + x_a + btmp_a
-#               ops: forward_save(a), <a+1..b>, backward(a)
-#     (split j) for j in a+1..b: sum_{k=a}^{j-1} u_f[k] + C(m - x_j, j, b) + C(m, a, j-1)
-#                   if m >= x_{b+1} + max(x_{a+1} + ftmp_a, max_{a<k<j} x_k + x_{k+1} + ftmp_k)
-#               ops: forward_checkpoint(a), forward_nosave(a+1..j-1), <j..b>, <a..j-1>
-#   otherwise infinity. The answer is C(M - x_0, 0, L) for a budget M.
-# This is rotor's recurrence with the feasibility conditions made exact: rotor checks the forward
-# condition of every split against the worst stage of a..b and the backward of (save) only at the
-# base, which the conditions above make precise, so that every plan fits under the simulator.
+# The solver is rotor's dynamic program, with its feasibility conditions made exact, so that every plan it
+# returns fits under the simulator (NOTE [ Memory model ] in simulate.py).
+#
+# Rules:
+# 1. C(m, a, b) is the least time to back-propagate stages a..b (b = L is the loss) given that a_a is held
+#    outside m, that delta_{b+1} is held inside m, and that at most m bytes more may be live (the NOTE [ Memory
+#    model ] accounting; x_{L+1} = xbar_{L+1} = 0, u_f[L] = u_b[L] = 0):
+#      a = b = L:  C = 0                                   if m >= x_L                       (loss)
+#      a = b < L:  C = u_f[a] + u_b[a]                     if m >= x_{a+1} + xbar_{a+1} + ftmp_a
+#                                                          and m >= x_{a+1} + xbar_{a+1} + x_a + btmp_a
+#      a < b:      C = min of
+#        (save)    u_f[a] + C(m - xbar_{a+1}, a+1, b) + u_b[a]
+#                      if m >= x_{b+1} + xbar_{a+1} + ftmp_a and m >= xbar_{a+1} + x_{a+1} + x_a + btmp_a
+#                  ops: forward_save(a), <a+1..b>, backward(a)
+#        (split j) for j in a+1..b: sum_{k=a}^{j-1} u_f[k] + C(m - x_j, j, b) + C(m, a, j-1)
+#                      if m >= x_{b+1} + max(x_{a+1} + ftmp_a, max_{a<k<j} x_k + x_{k+1} + ftmp_k)
+#                  ops: forward_checkpoint(a), forward_nosave(a+1..j-1), <j..b>, <a..j-1>
+#      otherwise infinity.
+# 2. The answer is C(M - x_0, 0, L) for a budget M.
+#
+# Implementation notes:
+# 1. (rule 1) rotor checks the forward condition of every split against the worst stage of a..b and the backward
+#    of (save) only at the base; the conditions above are exact at every stage.
 #
 # NOTE [ Discretisation ]
-# Memory is counted in `slots` units of budget/slots bytes; every size is rounded UP to whole slots on
-# its own, so a plan that fits in slots fits in bytes (a sum of rounded-up sizes is at least the sum of
-# sizes). Rounding can hide plans that fit only in exact bytes, so `solve` also plays the baselines
-# (no remat, recompute all, every segments(k)) and the least-memory plan, found in exact bytes, and
-# returns the fastest that fits. Since slot sizes only shrink as the budget grows, the result is
-# monotone in the budget. Ties go to the dynamic program.
+# Memory is counted in `slots` units of budget/slots bytes.
 #
-# Vectorisation: the table is filled by diagonals d = b - a; for one d every (a, split, m) is one
-# tensor operation over (a, j - a, m), with rows stored as E[d, a, m] = C(m, a, a + d) and two copies
-# pre-shifted by x_a and xbar_a slots (F and G), so no gather along m is needed in the inner step.
+# Rules:
+# 1. Every size is rounded UP to whole slots on its own, so a plan that fits in slots fits in bytes (a sum of
+#    rounded-up sizes is at least the sum of sizes).
+# 2. Rounding can hide plans that fit only in exact bytes, so `solve` also plays the baselines (no remat,
+#    recompute all, every segments(k)) and the least-memory plan, found in exact bytes, and returns the fastest
+#    that fits. Ties go to the dynamic program.
+# 3. Since slot sizes only shrink as the budget grows, the result is monotone in the budget.
+#
+# Implementation notes:
+# 1. (rule 1) Vectorisation: the table is filled by diagonals d = b - a; for one d every (a, split, m) is one
+#    tensor operation over (a, j - a, m), with rows stored as E[d, a, m] = C(m, a, a + d) and two copies
+#    pre-shifted by x_a and xbar_a slots (F and G), so no gather along m is needed in the inner step.
 
 
 def _slots_of(nbytes: int, slots: int, budget: int) -> int:

@@ -13,8 +13,8 @@ __all__ = ["one_thread"]
 # NOTE [ Solver threads ]
 # The table is filled by a few thousand tensor operations of a few MB each. With torch's intra-op
 # thread pool on a busy machine (more runnable threads than cores) each of them can wait a scheduler
-# slice for a descheduled worker: measured on 2 cores under load, 100 stages x 500 slots went from
-# 0.6 s on one thread to 3-7 s on two. So the solver runs on one intra-op thread, restoring the
+# slice for a descheduled worker, and a solve on two threads ran several times slower than on one
+# (docs/benchmarks.md). So the solver runs on one intra-op thread, restoring the
 # previous count afterwards; a lock and a depth count keep concurrent solves from restoring out of
 # order. Only tensor operations issued while a solve runs are affected, and only in speed.
 _threads_lock = threading.Lock()

@@ -31,7 +31,7 @@ __all__ = ["Policy", "PolicyLike", "as_policy", "offload", "save_all", "save_mat
 # (counted from 0) is kept when k is in `calls`, and recompute, which makes the same calls in the same order,
 # runs the others again. `remat.apply(model, budget=...)` builds such policies for a block from its profiled
 # run (the matmuls worth the most recompute time per byte: NOTE [ Deriving choices ] in
-# _measure/derive.py); they carry out in eager code under the rerun strategy only, so they are not public and
+# remat/_budget/derive.py); they carry out in eager code under the rerun strategy only, so they are not public and
 # do not combine with `|`.
 
 _Op = Callable[[Any], bool]
@@ -65,7 +65,7 @@ class Policy:
 
     def saves_op(self, op: Any) -> bool:
         """Whether outputs of the aten overload `op` are kept (decided once per overload)."""
-        # Keyed by id (an `OpOverload` hashes in Python, a third of the lookup's cost); the entry holds the op,
+        # Keyed by id (an `OpOverload` hashes in Python, a large part of the lookup's cost); the entry holds the op,
         # so its id is never reused for another while the entry lives.
         found = self._cache.get(id(op))
         if found is None or found[0] is not op:

@@ -129,7 +129,7 @@ def _autocast_maybe_on() -> bool:
 
 
 # torch-compat: `_is_any_autocast_enabled`, not relied on at 2.4. Without it every call captures the
-# autocast state of its devices (a few microseconds more per call), as if autocast might be on.
+# autocast state of its devices (more work on every call), as if autocast might be on.
 any_autocast: Callable[[], bool] = getattr(_C, "_is_any_autocast_enabled", _autocast_maybe_on)
 
 # -- storages -------------------------------------------------------------------------------------------------
@@ -278,9 +278,10 @@ class GlobalModuleHooks:
     """A forward pre-hook and an always-called forward hook on every module, installed and removed often.
 
     Through torch's private tables (present in 2.4; `_global_forward_hooks_always_called` since 2.1) under a key
-    of remat's own: measured about 8x cheaper than the public `register_module_forward_pre_hook` and
-    `register_module_forward_hook(always_call=True)` with their handles (0.35 us against 2.7 us per install
-    and removal, CPU, torch 2.13). Where the tables are missing it falls back to the public registration.
+    of remat's own: an install and removal costs a dict write and a delete, where the public
+    `register_module_forward_pre_hook` and `register_module_forward_hook(always_call=True)` make and remove
+    handles, several times dearer (docs/benchmarks.md). Where the tables are missing it falls back to the public
+    registration.
     """
 
     def __init__(self, key: int, pre: Callable[..., Any], post: Callable[..., Any]) -> None:

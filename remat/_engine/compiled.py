@@ -21,33 +21,37 @@ __all__ = [
 
 # NOTE [ Under torch.compile ]
 # Saved-tensor hooks and dispatch modes are graph breaks for dynamo, and a compiled graph saves other tensors
-# than the eager function that rerun calls again, so remat's engine cannot run inside a compiled frame. There
-# every site becomes `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, which dynamo turns into its
-# activation-checkpoint operator and the compiler's partitioner honours; the site's policy goes with it as a
-# selective-checkpoint context (`context_for`): the ops the policy saves are MUST_SAVE, every other op
-# PREFER_RECOMPUTE. The compiler functionalises RNG itself, so a recompute sees forward's random numbers
-# whatever `preserve_rng` says. What has no counterpart there is warned about once per site, at compile time,
-# and recomputed rather than kept: tag names (`save_tagged`), offloading.
+# than the eager function that rerun calls again, so remat's engine cannot run inside a compiled frame.
 #
-# A module instance (`remat(module)`, `remat.apply`, a budget plan's block) is marked by forward hooks, which
-# cannot wrap a call, so under compile the site is reached through the instance's own `forward`:
-#   1. `remat(module)` changes the instance and nothing else: no class attribute of the user's classes is replaced
-#      or added. A class's `forward` is read by other code (transformers checkpoints a layer only while
-#      `type(layer).forward` is its own wrapper; accelerate and PEFT wrap it), and every instance shares it.
-#   2. The instance's `__dict__` gets `forward`: a `SiteForward`, which `nn.Module._call_impl` finds as
-#      `self.forward` (in eager code and while dynamo traces) and which, only while dynamo traces, asks the site
-#      for the checkpointed call. In eager code it calls what the instance called before and nothing else (one
-#      `is_compiling` check). `undo` puts back what the instance had: nothing, or a forward of its own.
-#   3. The site is an attribute of that object, which dynamo guards on, not an entry of the hook table, which it
-#      does not (`skip_nnmodule_hook_guards`): where identical blocks share one compiled forward
-#      (`block.compile()`), a site found in the hook table made every block run the graph traced last, whatever
-#      its own choice.
-#   4. The object holds its module weakly (no cycle through the module's `__dict__`: a model is freed when its last
-#      reference goes), pickles, deep-copies and `torch.save`s with the module (`__reduce__` names the module,
-#      which the copy or the unpickler then binds), and answers `inspect.signature`, `__name__`, `__func__`,
-#      `__self__` as the forward it calls (transformers' `generate` and Trainer read `model.forward`'s signature).
-#      A shallow copy (`copy.copy`, DataParallel's replicas) shares the original's object, so it runs the original
-#      module; when that is gone the call says so.
+# Rules:
+# 1. Inside a compiled frame every site becomes `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, which
+#    dynamo turns into its activation-checkpoint operator and the compiler's partitioner honours; the site's
+#    policy goes with it as a selective-checkpoint context (`context_for`): the ops the policy saves are
+#    MUST_SAVE, every other op PREFER_RECOMPUTE.
+# 2. The compiler functionalises RNG itself, so a recompute sees forward's random numbers whatever
+#    `preserve_rng` says. What has no counterpart there is warned about once per site, at compile time, and
+#    recomputed rather than kept: tag names (`save_tagged`), offloading.
+# 3. A module instance (`remat(module)`, `remat.apply`, a budget plan's block) is marked by forward hooks, which
+#    cannot wrap a call, so under compile the site is reached through the instance's own `forward`; and
+#    `remat(module)` changes the instance and nothing else: no class attribute of the user's classes is replaced
+#    or added. A class's `forward` is read by other code (transformers checkpoints a layer only while
+#    `type(layer).forward` is its own wrapper; accelerate and PEFT wrap it), and every instance shares it.
+#
+# Implementation notes:
+# 1. (rule 3) The instance's `__dict__` gets `forward`: a `SiteForward`, which `nn.Module._call_impl` finds as
+#    `self.forward` (in eager code and while dynamo traces) and which, only while dynamo traces, asks the site
+#    for the checkpointed call. In eager code it calls what the instance called before and nothing else (one
+#    `is_compiling` check). `undo` puts back what the instance had: nothing, or a forward of its own.
+# 2. (rule 3) The site is an attribute of that object, which dynamo guards on, not an entry of the hook table,
+#    which it does not (`skip_nnmodule_hook_guards`): where identical blocks share one compiled forward
+#    (`block.compile()`), a site found in the hook table made every block run the graph traced last, whatever
+#    its own choice.
+# 3. (rule 3) The object holds its module weakly (no cycle through the module's `__dict__`: a model is freed when
+#    its last reference goes), pickles, deep-copies and `torch.save`s with the module (`__reduce__` names the
+#    module, which the copy or the unpickler then binds), and answers `inspect.signature`, `__name__`, `__func__`,
+#    `__self__` as the forward it calls (transformers' `generate` and Trainer read `model.forward`'s signature).
+#    A shallow copy (`copy.copy`, DataParallel's replicas) shares the original's object, so it runs the original
+#    module; when that is gone the call says so.
 compiling = torch.compiler.is_compiling
 
 _eval_frame_callback = eval_frame_callback  # None on a torch without dynamo
@@ -91,7 +95,7 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
     saves_op = policy.saves_op if policy is not None and ops else None
     message = f"remat: `{site}` " + "; it also ".join(lacks) + "." if lacks else ""
 
-    calls = policy.calls if policy is not None else None  # NOTE [ Some calls ] in _policies.py
+    calls = policy.calls if policy is not None else None  # NOTE [ Some calls ] in remat/_core/policies.py
 
     def contexts() -> Any:
         if message:
@@ -117,8 +121,8 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
 # the frame: dynamo guards on the closure's code, which is the same for every policy, and not on what it keeps.
 # Blocks compiled one by one (`block.compile()`) share one compiled forward among identical blocks, so a block
 # whose policy differed from the one traced first only in what it keeps (`save_matmuls` against a budget plan's
-# part keeping some calls of it, or two parts keeping different calls) ran the graph traced first: a budget plan
-# at 0.6 of no remat's peak measured 42 MiB or 82 MiB compiled, depending on which block came first. So every
+# part keeping some calls of it, or two parts keeping different calls) ran the graph traced first: a budget plan's
+# compiled peak depended on which block came first (docs/benchmarks.md). So every
 # site hands `torch_checkpoint`, which reads it while dynamo traces, a string naming what its context keeps
 # (`compiled_key`, by value: blocks that keep the same share one graph), and dynamo guards on a constant it reads:
 # a block with another key retraces.

@@ -21,16 +21,22 @@ __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_
 # NOTE [ Writes during recompute ]
 # Forward already applied every in-place update to module buffers: BatchNorm's running statistics and
 # `num_batches_tracked`, a user's counters. Recompute must compute the same values without applying those
-# updates a second time (torch.utils.checkpoint applies them twice, pytorch issue 96136). While a rerun
-# recompute runs, global module hooks see every module called; inside a module that owns buffers (and inside
-# the site's own module), `BufferWrites` runs an op that writes to one of those buffers on a clone of it
-# instead. A buffer is named by its storage (`storage_key`), so writes through views are caught too.
-# The forward path pays nothing, and recompute pays per op only inside modules that own buffers (a BatchNorm:
-# three ops). Writes to other tensors from outside (a tensor a closure captured) are not redirected by rerun;
-# replay redirects every write to a tensor from outside the region (see _tape.py).
-# Some ops write to arguments that their schema does not mark as written: `native_batch_norm` (and its cuDNN
-# and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`. Those
-# writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.
+# updates a second time (torch.utils.checkpoint applies them twice, pytorch issue 96136).
+#
+# Rules:
+# 1. While a rerun recompute runs, an op that writes to a buffer of a module (the site's own module, and every
+#    module called) runs on a clone of it instead, also through views of it.
+# 2. The forward path pays nothing, and recompute pays per op only inside modules that own buffers.
+# 3. Writes to other tensors from outside (a tensor a closure captured) are not redirected by rerun; replay
+#    redirects every write to a tensor from outside the region (NOTE [ Writes to outside memory ] in recorder.py).
+#
+# Implementation notes:
+# 1. (rule 1) Global module hooks see every module called; inside a module that owns buffers (and inside the
+#    site's own module), `BufferWrites` does the redirection. A buffer is named by its storage (`storage_key`),
+#    so writes through views are caught too.
+# 2. (rule 1) Some ops write to arguments that their schema does not mark as written: `native_batch_norm` (and its
+#    cuDNN and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`.
+#    Those writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.
 
 # NOTE [ Attributes during recompute ]  (for users: the docs' design page, "Side effects")
 # A forward may also change its modules' plain Python attributes: `self.calls += 1`, `self.last_len = n`.
@@ -172,7 +178,7 @@ def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
     hooks), to hand to `release`.
     """
     global _users
-    # On the path of every recompute: the lock taken without `with` (a third of the cost), around statements
+    # On the path of every recompute: the lock taken without `with` (`with` costs more), around statements
     # that cannot raise.
     _lock.acquire()
     if not _users:

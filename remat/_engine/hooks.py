@@ -45,17 +45,25 @@ __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_messag
 # `create_graph=True`: a gradient penalty, a MAML inner step). Autograd runs that backward under the saved-tensor
 # hooks that were on top when it started, so the graph it reads was packed by this frame while its forward is
 # still open (`open`), and what it saves under `create_graph` is packed by this frame too, counted like any other
-# saved tensor. So: (1) an unpack while the frame is open rebuilds from the part of forward that has run (rerun
-# calls the function again and stops right after the last tensor wanted; replay replays the ops recorded so
-# far), as torch does; the site's live inputs are used, not the copies handed to enclosing hooks. (2) The frame
-# notes that a backward read its saved tensors while it was open (`inner`): its recompute then runs that same
-# backward over the graph recompute builds, so the recompute pack hook gives autograd a tensor to keep instead of
-# nothing (rerun.py, NOTE [ Recompute saves nothing ]). (3) Sites nested inside tell their inputs, and a tape its
-# own tensors, by identity, and how many tensors they hand to this frame depends on it; so what such a backward
-# unpacks must be the very tensor it stands for in recompute exactly when it is in forward. A tensor kept or handed
-# over (an input, a parameter, a view of one) comes back as itself in both (in forward the handed-over tensor is
-# given back while the frame is open and unmodified; in recompute the pack hook keeps it as is), a rebuilt tensor
-# as a new object in both. Sites without a backward inside pay nothing for any of this.
+# saved tensor.
+#
+# Rules:
+# 1. An unpack while the frame is open rebuilds from the part of forward that has run, as torch does; the site's
+#    live inputs are used, not the copies handed to enclosing hooks.
+# 2. The frame notes that a backward read its saved tensors while it was open (`inner`): its recompute then runs
+#    that same backward over the graph recompute builds.
+# 3. What such a backward unpacks is the very tensor it stands for in recompute exactly when it is in forward.
+# 4. Sites without a backward inside pay nothing for any of this.
+#
+# Implementation notes:
+# 1. (rule 1) Rerun calls the function again and stops right after the last tensor wanted; replay replays the ops
+#    recorded so far.
+# 2. (rule 2) So the recompute pack hook gives autograd a tensor to keep instead of nothing (rerun.py, NOTE
+#    [ Recompute saves nothing ]).
+# 3. (rule 3) Sites nested inside tell their inputs, and a tape its own tensors, by identity, and how many tensors
+#    they hand to this frame depends on it. A tensor kept or handed over (an input, a parameter, a view of one)
+#    comes back as itself in both (in forward the handed-over tensor is given back while the frame is open and
+#    unmodified; in recompute the pack hook keeps it as is), a rebuilt tensor as a new object in both.
 
 
 # NOTE [ Freeing long chains ]
@@ -208,7 +216,7 @@ class Frame:
 
     # -- backward ------------------------------------------------------------------------------------------
     def unpack(self, packed: Any) -> torch.Tensor:
-        """The unpack hook: a handle's tensor rebuilt (see NOTE [ One store ... ]), a kept tensor as it is,
+        """The unpack hook: a handle's tensor rebuilt (see NOTE [ One store per backward ]), a kept tensor as it is,
         a handed-over one back through the enclosing unpack hook."""
         kind = type(packed)
         if kind is Handle:  # the common case first

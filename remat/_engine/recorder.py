@@ -22,6 +22,28 @@ from .rng import RngStash, with_index
 
 __all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info", "pause", "recording", "resume"]
 
+# NOTE [ What the tape holds ]
+# While the block runs, `Recorder.__torch_dispatch__` appends one entry per aten op: the op, its arguments with
+# every tensor replaced by its `Slot`, its first output slot and its output count, and the grad mode. Slots
+# number every op output (one per returned element) and every tensor from outside the tape. The recorder finds a
+# tensor's slot through its marker, the pair `(weakref, slot)`: tensors made by the tape are known only through
+# weak references, so the tape never keeps an activation alive; tensors from outside (inputs, parameters,
+# constants) are held strongly, because replay needs them, exactly as a checkpoint keeps its inputs. Identity is
+# the Python object: the objects an op returns inside the mode are the ones that autograd later shows to the pack
+# hook, and an in-place op returns its input object, whose marker then moves to the in-place op's output slot
+# (its new value). Entries hold no tensor, only ops, slots and plain values, so that two tapes compare in C
+# (NOTE [ Shared plans ] in tape.py).
+#
+# NOTE [ Writes to outside memory ]
+# An op that writes (in-place or `out=`) into memory of a tensor from outside the tape — BatchNorm's running
+# statistics, a user's buffer, `x.detach().add_(1)` — happens once, in forward. Before the first such write the
+# recorder copies the whole outside storage; replay rebuilds every outside tensor on that storage as a view of
+# a fresh copy of the snapshot, so replayed writes land on the copy and the original is never touched. Memory is
+# identified by storage (not by tensor) so that any alias of the outside tensor, made inside or outside the tape,
+# is covered. Every other outside tensor is checked in backward against the version it had when first seen:
+# a change means the tape would read a value that no longer exists, which is autograd's "modified by an inplace
+# operation" error.
+
 
 _Tensor = torch.Tensor
 _ref = weakref.ref

@@ -1,9 +1,9 @@
 """The replay strategy's frame and entry points (`begin`, `end`), behind `with remat.region():`
-(`Region` below), `@remat.region()` and `@remat(strategy="replay")`.
+(`Region`, below), `@remat.region()` and `@remat(strategy="replay")`.
 
-A region records the aten ops its block runs (`_tape.Recorder`) and gives autograd handles instead of the
-activations made inside; backward replays the tape (`_tape.Tape.replay`). See NOTE [ What the tape holds ] in
-tape.py, NOTE [ Handle lifetime ] in hooks.py, and NOTE [ Region entry ] and NOTE [ Kept tensors ] below.
+A region records the aten ops its block runs (`recorder.Recorder`) and gives autograd handles instead of the
+activations made inside; backward replays the tape (`tape.Tape.replay`). See NOTE [ What the tape holds ] in
+recorder.py, NOTE [ Handle lifetime ] in hooks.py, and NOTE [ Region entry ] and NOTE [ Kept tensors ] below.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class RegionFrame(Frame):
             if slot not in outside:
                 base = tensor._base
                 if base is None and not recorder.kept and self.copies is None:
-                    # The common case, `_capture` inlined: one Python call per saved tensor is a tenth of the
-                    # hook's cost.
+                    # The common case, `_capture` inlined: one Python call per saved tensor is a visible share
+                    # of the hook's cost.
                     handles = self._handles
                     index = len(handles)
                     handle = Handle(index)
@@ -246,7 +246,7 @@ class RegionFrame(Frame):
 # `begin` pushes the recording mode and then the saved-tensor hooks; `end` pops them in reverse order and
 # finishes the tape, also when the block raised (then the recording is dropped). A region records only when
 # grad mode is on: without it autograd saves nothing, so there is nothing to free. The `Region` object of
-# `remat.region()` (`Region` below) calls them.
+# `remat.region()` (`Region`, below) calls them.
 
 
 def begin(
@@ -419,7 +419,7 @@ class Region:
         @functools.wraps(fn)
         def region(*args: Any, **kwargs: Any) -> Any:
             if compiling() and options.active(_switch.is_enabled()) and torch.is_grad_enabled():
-                # NOTE [ Under torch.compile ]
+                # see NOTE [ Under torch.compile ]
                 return torch_checkpoint(fn, args, kwargs, key=key, context_fn=context_fn)
             self._begin(site)
             try:

@@ -22,21 +22,26 @@ __all__ = ["RngStash", "devices_of", "with_index"]
 
 # NOTE [ Which generators a region draws on ]
 # Rerun calls the function again in backward, so every generator forward drew from must be set back to the state
-# it had when forward began, or recompute draws other dropout masks: wrong gradients, and no error. A stash holds:
-#   1. the CPU generator, always;
-#   2. the devices of the region's inputs (positional and keyword), of its module's parameters and buffers, and
-#      the default device of an active `torch.device(...)` context;
-#   3. every index of the accelerator (`torch.accelerator`), once its device module says it is initialised.
-# Rule 3 is what makes "touches" mean where random ops ran: a function reaches tensors on any index through a
-# closure, a global or another module's attribute, none of which its inputs show, and torch's checkpoint, which
-# looks at the inputs only, gets wrong dropout gradients for a module on device 1 called from inputs on device 0.
-# Its cost: nothing where only the CPU is in use (an accelerator that is not initialised has drawn nothing, and
-# nothing is asked of it beyond `is_initialized`); where one is, one state per visible index in forward, and one
-# read and two writes per index in recompute (the fork). The states of indices forward did not draw on are set
-# back to what they already were.
-# Not covered under rerun: a second device type that is not the accelerator, reached only through a closure
-# (torch reports one accelerator per process). Replay needs none of this: its recorder sees every random op and
-# stashes the state of the device it runs on just before the first one (recorder.py).
+# it had when forward began, or recompute draws other dropout masks: wrong gradients, and no error.
+#
+# Rules: a stash holds
+# 1. the CPU generator, always;
+# 2. the devices of the region's inputs (positional and keyword), of its module's parameters and buffers, and the
+#    default device of an active `torch.device(...)` context;
+# 3. every index of the accelerator (`torch.accelerator`), once its device module says it is initialised.
+# 4. Not covered under rerun: a second device type that is not the accelerator, reached only through a closure
+#    (torch reports one accelerator per process). Replay needs none of this: its recorder sees every random op and
+#    stashes the state of the device it runs on just before the first one (recorder.py).
+#
+# Implementation notes:
+# 1. (rule 3) Rule 3 is what makes "touches" mean where random ops ran: a function reaches tensors on any index
+#    through a closure, a global or another module's attribute, none of which its inputs show, and torch's
+#    checkpoint, which looks at the inputs only, gets wrong dropout gradients for a module on device 1 called from
+#    inputs on device 0.
+# 2. (rule 3) Its cost: nothing where only the CPU is in use (an accelerator that is not initialised has drawn
+#    nothing, and nothing is asked of it beyond `is_initialized`); where one is, one state per visible index in
+#    forward, and one read and two writes per index in recompute (the fork). The states of indices forward did
+#    not draw on are set back to what they already were.
 
 _NO_RNG = frozenset({"cpu", "meta"})
 _cpu = torch.default_generator
@@ -104,8 +109,8 @@ def _indices(kind: str, total: int) -> tuple[torch.device, ...]:
 def _module_devices(module: nn.Module, kinds: set[torch.device]) -> None:
     """Add the devices of the parameters and buffers of `module` and its submodules to `kinds`.
 
-    On the path of every call of a module site: a walk over the modules' own tables, about fifteen times
-    cheaper than `parameters()` and `buffers()`, which build every qualified name.
+    On the path of every call of a module site: a walk over the modules' own tables, far cheaper than
+    `parameters()` and `buffers()`, which build every qualified name (docs/benchmarks.md).
     """
     todo = [module]
     while todo:

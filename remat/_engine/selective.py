@@ -1,6 +1,6 @@
 """Dispatch modes that carry out a policy: keep the chosen ops' outputs in forward, hand them back in recompute.
 
-See NOTE [ Policies ] in _policies.py and NOTE [ What a policy keeps ] below.
+See NOTE [ Policies ] in remat/_core/policies.py and NOTE [ What a policy keeps ] below.
 """
 
 from __future__ import annotations
@@ -18,21 +18,29 @@ __all__ = ["ReuseOps", "SaveOps", "reuse"]
 
 # NOTE [ What a policy keeps ]
 # A policy names ops whose outputs are kept from forward instead of rebuilt (`save_matmuls`), so that recompute
-# never runs them again. Most such outputs are not what autograd saves: `linear1`'s output in a transformer's
-# MLP is read by `relu`, which saves its own output; recompute needs the kept output to rebuild relu's. Per
-# layer that costs about what no remat saves (the kept input of a cheap op instead of its saved output). The
-# cost above no remat came from the layer whose backward runs: its kept outputs and the tensors recompute
-# rebuilds from them were alive together until the site's graph died, and peak(save_matmuls) went above
-# peak(no remat) on nn.TransformerEncoder. So a kept output that autograd does not save itself is handed to
-# recompute once and dropped by the site as it is handed over: it dies as soon as recompute has used it, like
-# the input of the same op in no remat's forward. A kept output that autograd saves (itself, or a view of its
-# memory such as q/k/v split from one projection: `claim`, by storage) stays while the site's graph does, as
-# no remat keeps it. A kept output that recompute never reaches (it stopped early, NOTE [ Early stop ] in
-# rerun.py: the block's last matmul, whose output is the block's own) is dropped when recompute ends, or it
-# would stay through the block's whole backward, which full remat never holds. A later recompute of the same
-# graph (`retain_graph=True`) runs the dropped ops again.
-# Every kept tensor is detached: a kept output with its grad_fn would reach the site's saved-tensor hooks, a
-# cycle through C++ that kept everything alive when the graph was dropped without backward.
+# never runs them again. A kept output lives no longer than no remat would keep it, or than recompute needs it.
+#
+# Rules:
+# 1. A kept output that autograd does not save itself is handed to recompute once and dropped by the site as it
+#    is handed over: it dies as soon as recompute has used it, like the input of the same op in no remat's
+#    forward.
+# 2. A kept output that autograd saves (itself, or a view of its memory such as q/k/v split from one projection:
+#    `claim`, by storage) stays while the site's graph does, as no remat keeps it.
+# 3. A kept output that recompute never reaches (it stopped early, NOTE [ Early stop ] in rerun.py: the block's
+#    last matmul, whose output is the block's own) is dropped when recompute ends, or it would stay through the
+#    block's whole backward, which full remat never holds. A later recompute of the same graph
+#    (`retain_graph=True`) runs the dropped ops again.
+# 4. Every kept tensor is detached.
+#
+# Implementation notes:
+# 1. (rule 1) Most kept outputs are not what autograd saves: `linear1`'s output in a transformer's MLP is read by
+#    `relu`, which saves its own output; recompute needs the kept output to rebuild relu's. Per layer that costs
+#    about what no remat saves (the kept input of a cheap op instead of its saved output). Kept whole, the cost
+#    above no remat came from the layer whose backward runs: its kept outputs and the tensors recompute rebuilds
+#    from them were alive together until the site's graph died, and peak(save_matmuls) went above peak(no remat)
+#    on nn.TransformerEncoder.
+# 2. (rule 4) A kept output with its grad_fn would reach the site's saved-tensor hooks, a cycle through C++ that
+#    kept everything alive when the graph was dropped without backward.
 
 
 class SaveOps(Mode):
@@ -49,7 +57,7 @@ class SaveOps(Mode):
         self.kept: list[Any] = []  # per chosen op call: its output(s), detached
         self.claimed: set[int] = set()  # calls whose output autograd saves (kept for the graph's lifetime)
         self.notes: dict[int, int] = {}  # storage of a kept output -> its call
-        self.calls = policy.calls  # only these calls (NOTE [ Some calls ] in _policies.py); None: all
+        self.calls = policy.calls  # only these calls (NOTE [ Some calls ] in remat/_core/policies.py); None: all
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # `_op`: no Python frame of `__call__`

@@ -41,7 +41,7 @@ __all__ = ["Tape"]
 #
 # NOTE [ Shared plans ]
 # A model runs the same block many times with the same shapes; each forward records a tape of its own, and each
-# tape would build the same plan (half a millisecond for a transformer block). A plan depends only on the tape's
+# tape would build the same plan (not free for a transformer block). A plan depends only on the tape's
 # structure — its ops, where slots are read and written, the captures — and holds no values: replay reads every
 # op and argument from its own tape. So tapes share plans: the plans of recent structures are cached, found by
 # the tape's op count, slot count and captures, and taken only if the tape's entries equal the cached

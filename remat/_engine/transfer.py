@@ -18,34 +18,43 @@ from .._core.torch_compat import graph_task_id
 __all__ = ["Parcel", "Stay", "host_bytes", "live_parcels", "reap"]
 
 # NOTE [ Offload lifecycle ]
-# Forward (pack): a qualifying saved tensor is copied into a new host tensor (pinned when it comes from an
-# accelerator and `pin_memory`) on the device's side stream, after that stream waited for the compute stream
-# (which made the tensor); an event is recorded after the copy. The device tensor is not freed by us: its
-# reference goes into the lane's `pending` queue with the event, and leaves it once the event has completed
-# (`_Lane.reap`, polled without blocking on every pack and unpack, and by `reap()`), so the caching allocator
-# can never hand its memory to a kernel while the copy still reads it. Nothing sleeps, nothing synchronizes
-# the device. Autograd keeps a `Parcel` (the host copy) instead of the tensor.
-# Backpressure: compute makes activations faster than a host link copies them, so the queue is bounded:
-# past `_PENDING_BYTES`, the oldest tensor's stream (the compute stream) waits on its copy's event, on the
-# device, and the reference is dropped at once: kernels queued after that wait, the only ones that can get
-# its memory, run after the copy. The device then holds at most that many bytes of copies in flight, and
-# compute runs ahead of the copies by that much, which keeps the side stream busy.
-# Backward (unpack): the parcel's tensor is copied back into a fresh device tensor (allocated on the compute
-# stream, copied on the side stream after it waited for the compute stream, so memory the compute stream
-# freed is not overwritten early), and the compute stream waits on that copy's event, not on the host.
-# Prefetch: parcels are chained in the order they were packed (`prev`, a weak link, per thread and device);
-# unpacking one starts copying back the `_AHEAD` nearest earlier ones that are still alive, since backward
-# needs them next (one: with per-block remat, the previous block's input copies while this block recomputes
-# and back-propagates; more would hold more blocks' inputs on the device for no gain). A tensor brought back
-# belongs to its graph task (two backwards over one graph never share one) and is held for as many unpacks as
-# the parcel has users (a tensor saved by two nodes comes back once);
-# a callback at the end of that backward drops whatever was brought back and not used.
-# The host copy lives as long as the parcel, i.e. as long as autograd's saved variable: freed after the node
-# ran, or when the graph is dropped; `retain_graph=True` keeps it for the next backward, which copies again.
-# On CPU (`include_cpu=True`, for tests) the same functions run: torch.cpu's streams are no-ops and its
-# events are None, so copies are synchronous and nothing is ever pending. A device without streams (MPS, a
-# backend written in Python) takes that path too, into host memory that is not pinned: with synchronous copies
-# pinning gains nothing, and such a backend may have no pinned allocator at all.
+# An offloaded saved tensor goes to host memory in forward and comes back in backward, overlapping compute on a
+# side stream, without ever synchronizing the device.
+#
+# Rules:
+# 1. Forward (pack): autograd keeps a `Parcel` (a host copy) instead of a qualifying saved tensor. The device
+#    tensor's memory is never handed to a kernel while the copy still reads it, and nothing sleeps.
+# 2. Backpressure: the device holds at most `_PENDING_BYTES` of tensors whose copies to host are in flight.
+# 3. Backward (unpack): the parcel comes back into a fresh device tensor, and the compute stream waits on that
+#    copy on the device, not on the host; the copies of the next parcels backward needs start ahead of it.
+# 4. Lifetime: the host copy lives as long as the parcel, i.e. as long as autograd's saved variable: freed after
+#    the node ran, or when the graph is dropped; `retain_graph=True` keeps it for the next backward, which copies
+#    again. What a backward brought back is its own and dies with it.
+# 5. Devices without streams (the CPU with `include_cpu=True`, for tests; MPS; a backend written in Python) run
+#    the same functions with synchronous copies.
+#
+# Implementation notes:
+# 1. (rule 1) The host tensor is pinned when the tensor comes from an accelerator and `pin_memory` is set; the
+#    copy runs on the device's side stream after that stream waited for the compute stream (which made the
+#    tensor), and an event is recorded after it. The device tensor is not freed by us: its reference goes into
+#    the lane's `pending` queue with the event, and leaves it once the event has completed (`_Lane.reap`, polled
+#    without blocking on every pack and unpack, and by `reap()`).
+# 2. (rule 2) Compute makes activations faster than a host link copies them, so the queue is bounded: past
+#    `_PENDING_BYTES`, the oldest tensor's stream (the compute stream) waits on its copy's event, on the device,
+#    and the reference is dropped at once: kernels queued after that wait, the only ones that can get its memory,
+#    run after the copy. Compute then runs ahead of the copies by that much, which keeps the side stream busy.
+# 3. (rule 3) The fresh tensor is allocated on the compute stream and copied on the side stream after it waited
+#    for the compute stream, so memory the compute stream freed is not overwritten early. Prefetch: parcels are
+#    chained in the order they were packed (`prev`, a weak link, per thread and device); unpacking one starts
+#    copying back the `_AHEAD` nearest earlier ones that are still alive, since backward needs them next (one:
+#    with per-block remat, the previous block's input copies while this block recomputes and back-propagates;
+#    more would hold more blocks' inputs on the device for no gain).
+# 4. (rule 4) A tensor brought back belongs to its graph task (two backwards over one graph never share one) and
+#    is held for as many unpacks as the parcel has users (a tensor saved by two nodes comes back once); a
+#    callback at the end of that backward drops whatever was brought back and not used.
+# 5. (rule 5) torch.cpu's streams are no-ops and its events are None, so copies are synchronous and nothing is
+#    ever pending. A device without streams copies into host memory that is not pinned: with synchronous copies
+#    pinning gains nothing, and such a backend may have no pinned allocator at all.
 
 _AHEAD = 1  # parcels copied back ahead of the one being unpacked
 _WALK = 8  # at most this many links followed when looking for them

@@ -1,7 +1,7 @@
 """`remat.estimate`: the peak memory of a training step per remat configuration, before allocating it.
 
 This face turns each configuration into remat sites on the model for the duration of its step (NOTE [ Applying
-a configuration for a while ]); `_plan.estimate` runs the step on fake tensors and counts its bytes.
+a configuration for a while ]); `predict.predict` runs the step on fake tensors and counts its bytes.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def estimate(
     real (its parameters are swapped for fake ones for the duration and put back; nothing about it changes) or
     built on the meta device, so a 7-billion-parameter model is estimated on a laptop in seconds. Parameters,
     gradients and optimizer state are exact; activations and the peak match a real run within a few percent.
-    The step is a steady-state one: see NOTE [ What an estimate runs ] in remat/_plan/estimate.py.
+    The step is a steady-state one: see NOTE [ What an estimate runs ] in predict.py.
 
     Args:
         model: the model, real or on the meta device, in the train/eval mode the step should use.
@@ -158,7 +158,7 @@ def estimate(
             callable from the list of trainable parameters to an optimizer.
         configs: what to compare: "none" (remat switched off: every site but those forced on with
             `enabled=True`), "full" and "save_matmuls" (on the blocks
-            `remat.apply(model)` picks, or `where`), a `remat.policies` policy, or a budget (bytes, "6GiB", a
+            `remat.apply(model)` picks, or `where`), a `remat.policies` policy, or a budget (bytes, "1.5GiB", a
             fraction) for the planner of `remat.apply(model, budget=...)`. Default: ("none", "full",
             "save_matmuls", 0.3), the budget only where that planner exists.
         where: which blocks the configurations rematerialize, as for `remat.apply`.

@@ -2,19 +2,25 @@
 
 NOTE [ Searching the largest batch ]
 `remat.estimate(..., memory=, batch_dim=)` asks, for each configuration, for the largest batch size whose whole
-step (forward, backward, optimizer step, the state included) peaks at most at ``memory``. Each candidate size is
-an estimate of the same configuration on a sample resized along ``batch_dim`` (every tensor of the sample whose
-size there is the sample's batch size), run in the same fake session, so the optimizer's state is made once.
-The search is a bisection: from a first guess it doubles its step until one size fits and the next does not
-bracket the answer, then halves the bracket. The first guess extrapolates each phase's peak on the line through
-the sample's size and twice it, and takes the size where the first of them reaches ``memory``: a step's peak is
-the largest of several lines (early in backward the activations dominate, late in backward the gradients, the
-optimizer step holds no activations), and at small sizes the steep one is often not yet the highest, so
-extrapolating the whole step's peak (flat there) guesses far too high. Forward's peak is one such line, and
-backward's early peak lies just above it, so the guess is near; the answer is then checked (the size fits and
-the next one up does not), and a bad guess costs a few more estimates.
-With ``seq_dim`` the same search runs along the sequence at the sample's batch size. A size whose planner
-refuses its budget (`BudgetError`) does not fit. Sizes are capped at `CAP`.
+step (forward, backward, optimizer step, the state included) peaks at most at ``memory``.
+
+Rules:
+1. Each candidate size is an estimate of the same configuration on a sample resized along ``batch_dim`` (every
+   tensor of the sample whose size there is the sample's batch size), run in the same fake session, so the
+   optimizer's state is made once.
+2. The answer is checked: the size fits and the next one up does not. A size whose planner refuses its budget
+   (`BudgetError`) does not fit. Sizes are capped at `CAP`.
+3. With ``seq_dim`` the same search runs along the sequence at the sample's batch size.
+
+Implementation notes:
+1. (rule 2) The search is a bisection: from a first guess it doubles its step until one size fits and the next
+   does not bracket the answer, then halves the bracket; a bad guess costs a few more estimates.
+2. (rule 2) The first guess extrapolates each phase's peak on the line through the sample's size and twice it,
+   and takes the size where the first of them reaches ``memory``: a step's peak is the largest of several lines
+   (early in backward the activations dominate, late in backward the gradients, the optimizer step holds no
+   activations), and at small sizes the steep one is often not yet the highest, so extrapolating the whole step's
+   peak (flat there) guesses far too high. Forward's peak is one such line, and backward's early peak lies just
+   above it, so the guess is near.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A device's memory holds, through a training step, the parameters, buffers, the b
 activations, and the optimizer step's temporaries. `remat.estimate` counts the first ones exactly on fake
 tensors; what is left, ``memory`` minus them, is the budget handed to `remat.apply(budget=...)`'s planner. A
 plain budget leaves gradients out (its checked step runs with them already there); this one counts them, since
-they take the same memory: the plan's checked step (NOTE [ Checking the plan ] in remat/_fit_check.py) starts
+they take the same memory: the plan's checked step (NOTE [ Checking the plan ] in remat/_budget/check.py) starts
 without gradients, as after ``zero_grad()``, so its measured peak is the activations, temporaries and the
 gradients made so far, at backward's highest point, and a plan over it is corrected as for any budget. Two refusals,
 both a `BudgetError` naming the least total that fits: the estimate of full remat of every block (which also

@@ -7,7 +7,7 @@ a block recomputed in backward labels what it rebuilds with its own name); what 
 is labelled by the phase (the loss in forward; gradients and temporaries in backward). Whenever the live bytes
 reach a new high within a phase, the live bytes per label are copied: after the step they say what was alive at
 each phase's highest point. The optimizer step runs once for all configurations (NOTE
-[ One optimizer step ] in estimate.py); what is alive at its peak is the state, every gradient and the
+[ One optimizer step ] in predict.py); what is alive at its peak is the state, every gradient and the
 step's temporaries, which `optimizer_holders` attributes to the modules owning the parameters. Names of
 repeated blocks are folded (``layers.0.mlp`` … ``layers.31.mlp`` -> ``layers.*.mlp (32x)``; the first index in
 a name only) so that a few lines say where the bytes are.

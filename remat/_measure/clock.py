@@ -1,37 +1,39 @@
 """The clock a profile reads: the wall clock, or, on fake tensors, ops priced on a nominal device.
 
 NOTE [ Priced time ]
-On fake tensors (`remat.estimate`, or `remat.apply(model, budget=...)` on a model built under
-``FakeTensorMode``) no kernel runs: the wall clock between two marks reads how long fake dispatch took in
-Python, which depends on the machine and its load and says nothing of what the ops would cost. A plan chosen
-on those times could change from one run to the next wherever two plans came close: on a three-block GPT
-sharded over 8 ranks, `remat.estimate`'s row for a budget of 0.9 read 1.64 MB per rank where `remat.apply` at
-0.9, profiling the same fake model apart, planned a step of 1.80 MB. So while a profile runs on fake
-tensors, `now()` reads an `OpClock` instead: a dispatch mode that advances by a price for every aten op it sees,
+On fake tensors no kernel runs, so a profile's clock prices each op on a nominal device instead of reading the
+wall clock: the same model and sample give the same times, and so the same plan, on every machine.
 
-    price = LAUNCH + max(flops / FLOPS, elements / ELEMENTS, bytes / BANDWIDTH)   (0: no tensor output)
+Rules:
+1. On fake tensors (`remat.estimate`, or `remat.apply(model, budget=...)` on a model built under
+   ``FakeTensorMode``) the wall clock between two marks reads how long fake dispatch took in Python, which
+   depends on the machine and its load and says nothing of what the ops would cost: a plan chosen on those times
+   could change from one run to the next wherever two plans came close (docs/benchmarks.md). So there `now()`
+   reads an `OpClock`: a dispatch mode that advances by a price for every aten op it sees,
 
-on a nominal device of the op's output's type (`_DEVICES`): flops by torch's FLOP formulas where torch has one
-(matmuls, convolutions, attention), else elements out at ELEMENTS per second (a GELU, a softmax, a dropout
-mask are compute-bound on a CPU, at about 1 ns an element); bytes of the op's tensor arguments and outputs; a
-view costs LAUNCH alone. The choices that keep matmul outputs run a Python dispatch mode over every op, at
-MODE_PER_OP each (in place of the calibration of NOTE [ Mode cost in place ] in derive.py). The CPU's numbers
-were measured on one core of the CI machine (a 2-core x86 VM, torch 2.13: `mm` at 8e10 FLOP/s from 256 up,
-`add` and `clone` of 1M floats at 5e10 bytes/s, `gelu`/`softmax` about 1e9 elements/s, a small op 5.6 us,
-`save_matmuls`' mode 15-20 us an op on a GPT block), rounded; the accelerator's are a nominal GPU's. They
-need not be any one machine's: the planner compares times with times, so what matters is that a matmul costs
-its FLOPs, an elementwise op its elements or bytes, and every op its launch, as recomputation is paid for on
-real devices. The same model and sample give the same times, and so the same plan, on every machine.
-`remat.apply` on real tensors times its ops, so its plan moves between runs wherever two plans cost nearly the
-same: on the benchmark's GPT at budgets 0.6/0.7/0.8/0.9 two runs planned peaks of 85.7-89.2, 93.0-100.0, 107.5
-and 114.8-118.3 MiB (`benchmarks.estimate.check`, quiet machine). The estimate, priced, reads 85.7, 100.2,
-107.5 and 114.8 MiB on every run: within the real planner's own spread; timed fake dispatch read 85.7, 100.2,
-107.5 and 119.8 in one run.
-The clock is entered below every mode the profile enters (the tracker, `save_matmuls`' mode), just above the
-fake mode: an op reaches it from inside the tracker's dispatch, so its price is on the clock before the
-tracker reads the clock for it (as the op's kernel would have run by then). The corrections for the wall
-clock's errors (the tracker's own time, a block timed alone: NOTE [ Timing under the tracker ] in windows.py)
-have nothing to correct on this clock and are skipped.
+       price = LAUNCH + max(flops / FLOPS, elements / ELEMENTS, bytes / BANDWIDTH)   (0: no tensor output)
+
+   on a nominal device of the op's output's type (`_DEVICES`).
+2. The prices need not be any one machine's: the planner compares times with times, so what matters is that a
+   matmul costs its FLOPs, an elementwise op its elements or bytes, and every op its launch, as recomputation is
+   paid for on real devices.
+3. On real tensors `remat.apply` times its ops, so its plan moves between runs wherever two plans cost nearly the
+   same; the estimate, priced, plans the same peaks on every run, within the real planner's own spread
+   (docs/benchmarks.md).
+
+Implementation notes:
+1. (rule 1) flops come from torch's FLOP formulas where torch has one (matmuls, convolutions, attention), else
+   elements out at ELEMENTS per second (a GELU, a softmax, a dropout mask are compute-bound on a CPU); bytes are
+   those of the op's tensor arguments and outputs; a view costs LAUNCH alone. The choices that keep matmul
+   outputs run a Python dispatch mode over every op, at MODE_PER_OP each (in place of the calibration of NOTE
+   [ Mode cost in place ] in remat/_budget/derive.py).
+2. (rule 2) The CPU's numbers are one small x86 core's, rounded (how they were measured: docs/benchmarks.md); the
+   accelerator's are a nominal GPU's.
+3. (rule 1) The clock is entered below every mode the profile enters (the tracker, `save_matmuls`' mode), just
+   above the fake mode: an op reaches it from inside the tracker's dispatch, so its price is on the clock before
+   the tracker reads the clock for it (as the op's kernel would have run by then). The corrections for the wall
+   clock's errors (the tracker's own time, a block timed alone: NOTE [ Timing under the tracker ] in
+   remat/_budget/marks.py) have nothing to correct on this clock and are skipped.
 """
 
 from __future__ import annotations

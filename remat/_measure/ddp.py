@@ -2,18 +2,26 @@
 
 NOTE [ Estimating one rank of DDP ]
 ``DistributedDataParallel`` keeps every parameter, gradient and optimizer state whole on every rank; what it
-adds is its reducer's gradient buckets: flat tensors, one per bucket (``bucket_cap_mb``, 25 MiB by default, the
-first one ``dist._DEFAULT_FIRST_BUCKET_BYTES``), that together hold exactly the trainable parameters' elements,
-grouped by dtype and device, without padding. They are allocated when DDP is constructed (and again, same
-sizes, when it rebuilds them in the second step's forward, freeing the old ones) and live as long as the model,
-so the bucket boundaries change no byte count: only the total does. In backward, each gradient is copied into
-its bucket, the bucket all-reduced in place, and the result copied back. With ``gradient_as_bucket_view=False``
-(the default) the gradients are tensors of their own, as without DDP, and the buckets are that much more memory.
-With ``gradient_as_bucket_view=True`` the reducer makes each gradient a view into its bucket once it has been
-copied there: the gradient autograd made is freed, so gradients take no bytes beyond the buckets but for the
-one being copied. The estimate runs the plain step (parameters unsharded; no process group is needed, so it
-runs in one process, before or after ``init_process_group``) with fake buckets alive throughout, and in the
-view case with a hook after each gradient's accumulation that does what the reducer does.
+adds is its reducer's gradient buckets.
+
+Rules:
+1. The buckets are flat tensors that together hold exactly the trainable parameters' elements, grouped by dtype
+   and device, without padding, and live as long as the model: the bucket boundaries change no byte count, only
+   the total does.
+2. With ``gradient_as_bucket_view=False`` (the default) the gradients are tensors of their own, as without DDP,
+   and the buckets are that much more memory. With ``gradient_as_bucket_view=True`` gradients take no bytes
+   beyond the buckets but for the one being copied.
+3. The estimate runs the plain step (parameters unsharded; no process group is needed, so it runs in one process,
+   before or after ``init_process_group``) with fake buckets alive throughout.
+
+Implementation notes:
+1. (rule 1) One bucket per ``bucket_cap_mb`` (``bucket_cap_mb=25`` by default, the first one
+   ``dist._DEFAULT_FIRST_BUCKET_BYTES``). They are allocated when DDP is constructed (and again, same sizes, when
+   it rebuilds them in the second step's forward, freeing the old ones).
+2. (rule 2) In backward, each gradient is copied into its bucket, the bucket all-reduced in place, and the result
+   copied back. With ``gradient_as_bucket_view=True`` the reducer makes each gradient a view into its bucket once
+   it has been copied there, and the gradient autograd made is freed.
+3. (rule 3) In the view case a hook after each gradient's accumulation does what the reducer does.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ that storage's Python object lives exactly as long as its C++ ``StorageImpl``, a
 [ Storage lifetime ] in track.py): the tracker's finalizers fire when autograd or the engine drops a fake
 activation. So `FakeTracker` is the ordinary tracker with two changes: a storage counts on the device its fake
 tensor claims (``t.device``, e.g. ``cuda:0``), not on ``meta``; and on CUDA each storage counts as the block the
-caching allocator would hand out (rounded up to 512 bytes), so that the peak predicts
+caching allocator would hand out (rounded up to a multiple of `CUDA_BLOCK`), so that the peak predicts
 ``torch.cuda.max_memory_allocated``. A plain `remat.track` around an estimate still sees the fake storages on
 ``meta``, which is how the tests check that an estimate allocates nothing real.
 
@@ -61,8 +61,8 @@ CUDA_BLOCK = 512
 def allocator_bytes(nbytes: int, device: torch.device) -> int:
     """Bytes an allocation of ``nbytes`` counts for in ``device``'s allocator statistics.
 
-    On CUDA the caching allocator hands out blocks of a multiple of 512 bytes (at least 512; nothing for an
-    empty tensor), and ``torch.cuda.max_memory_allocated`` counts those blocks. Elsewhere the bytes themselves.
+    On CUDA the caching allocator hands out blocks of a multiple of `CUDA_BLOCK` bytes (at least one; nothing for
+    an empty tensor), and ``torch.cuda.max_memory_allocated`` counts those blocks. Elsewhere the bytes themselves.
 
     >>> import torch
     >>> allocator_bytes(1, torch.device("cuda")), allocator_bytes(513, torch.device("cuda:0"))

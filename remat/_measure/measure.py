@@ -117,8 +117,8 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
     bytes per device, exact on CPU); tensors that exist before the call, such as inputs and
     parameters, are not counted, gradients made by the backward are. The ``.grad`` of parameters
     and of inputs is set aside during the measurement and put back afterwards, so the gradients
-    of the measured step are not kept. Times include the tracker's cost of a few microseconds per
-    aten op; for precise step times use the benchmark, ``python -m benchmarks``.
+    of the measured step are not kept. Times include the tracker's cost, some Python on every aten
+    op; for precise step times use the benchmark, ``python -m benchmarks``.
 
     Args:
         fn_or_module: A function or module to call.

@@ -1,22 +1,30 @@
 """Per-rank estimates of a sharded step: `remat.estimate(model, sample, world_size=N, ...)`.
 
 NOTE [ Estimating one rank of FSDP2 ]
-FSDP2 (``fully_shard``) keeps its own references to a module's parameters (sharded ``DTensor``s, the flat
-shard each rank holds, the all-gather buffers), so swapping fake tensors into the user's sharded model, as an
-estimate does for a plain one, breaks FSDP (its lazy initialisation reads the swapped parameters) or is
-ignored by it (once initialised it uses its own). Nor may an estimate change the user's model or process
-group. So the estimate runs on a *shadow*: a copy of the module tree that shares nothing mutable with the
-user's (each module shallow-copied, with its own tables of parameters, buffers, children and hooks), whose
-parameters are meta tensors of the full (unsharded) shape, and from which FSDP's own class, hooks and state are
-taken out. Inside the estimate's fake mode the shadow is then sharded again with ``fully_shard``, module by
-module with the settings the user's model had (``reshard_after_forward``, the mixed-precision policy), or, for
-``shard="fsdp2"``, on every block that `remat.apply` would pick and on the root. The mesh is one dimension of
-``world_size`` ranks over torch's fake process group (``init_process_group("fake")``: collectives do nothing,
-every rank's shapes are right), initialised for the estimate and destroyed after it; the estimate is rank 0's,
-the largest shard where parameters do not divide evenly. A fake default group the user initialised (torchtitan's
-recipe, with the model ``fully_shard``-ed on it) is used as it is and left to the user. FSDP's frees
-(``resize_(0)`` of unsharded parameters) are counted by the tracker (NOTE [ Resized storages ] in
-remat/_measure/resize.py).
+An estimate of one rank of an FSDP2 (``fully_shard``) model runs on a sharded *shadow* of the model, on a fake
+process group, and changes neither the user's model nor their process group.
+
+Rules:
+1. FSDP2 keeps its own references to a module's parameters (sharded ``DTensor``s, the flat shard each rank holds,
+   the all-gather buffers), so swapping fake tensors into the user's sharded model, as an estimate does for a
+   plain one, breaks FSDP (its lazy initialisation reads the swapped parameters) or is ignored by it (once
+   initialised it uses its own). So the estimate runs on a shadow: a copy of the module tree that shares nothing
+   mutable with the user's, whose parameters are meta tensors of the full (unsharded) shape.
+2. Inside the estimate's fake mode the shadow is sharded again with ``fully_shard``, module by module with the
+   settings the user's model had (``reshard_after_forward``, the mixed-precision policy), or, for
+   ``shard="fsdp2"``, on every block that `remat.apply` would pick and on the root.
+3. The mesh is one dimension of ``world_size`` ranks over torch's fake process group (``init_process_group
+   ("fake")``: collectives do nothing, every rank's shapes are right). The estimate is rank 0's, the largest shard
+   where parameters do not divide evenly.
+
+Implementation notes:
+1. (rule 1) Each module is shallow-copied, with its own tables of parameters, buffers, children and hooks, and
+   FSDP's own class, hooks and state are taken out of the copy.
+2. (rule 3) The fake group is initialised for the estimate and destroyed after it. A fake default group the user
+   initialised (torchtitan's recipe, with the model ``fully_shard``-ed on it) is used as it is and left to the
+   user.
+3. (rule 2) FSDP's frees (``resize_(0)`` of unsharded parameters) are counted by the tracker (NOTE [ Resized
+   storages ] in remat/_measure/resize.py).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ class Sharding:
 
 def _fsdp_module() -> type | None:
     """FSDP2's module class, or None where ``torch.distributed.fsdp`` was never imported: then no module has been
-    ``fully_shard``-ed, and importing it only to ask would cost every budgeted model half a second."""
+    ``fully_shard``-ed, and importing it only to ask would cost every budgeted model a slow import."""
     return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # None too on a torch without it
 
 

@@ -4,14 +4,13 @@ NOTE [ Measuring a compiled step ]
 remat's tracker counts bytes through a dispatch mode, and compiled code allocates its buffers where no mode sees
 them (inductor's kernels write into buffers it allocates itself); dynamo also runs a frame it meets under a mode
 in eager code. So a budget planned for one compiled graph (`remat.apply(..., compile=True)`: NOTE [ Compiled as
-one graph ] in remat/_plan/whole_graph.py) checks its plan on a real compiled step: the model is compiled with
+one graph ] in remat/_budget/whole_graph.py) checks its plan on a real compiled step: the model is compiled with
 `torch.compile(model)` (inductor, default options), one step runs to compile it, and the next is measured, by the
 allocator's own statistics on an accelerator (`max_memory_allocated`) and, on the CPU, by the autograd profiler's
-records of the CPU allocator (`host_bytes`). On six MLP blocks at batch 1024 that read 122.0 MiB with no remat and
-62.1 MiB with every block checkpointed, what the process's resident memory rose by in a fresh process (the
-benchmark's measure); the step ran as fast as one not measured. The step starts with zero gradients and leaves
-the model as it found it (gradients, buffers, RNG streams), as an eager check does. The compiled code stays in
-dynamo's cache: a later `torch.compile(model)` with the same plan reuses it.
+records of the CPU allocator (`host_bytes`), which agree with what the process's resident memory rises by in a
+fresh process (the benchmark's measure; docs/benchmarks.md); the step runs as fast as one not measured. The step
+starts with zero gradients and leaves the model as it found it (gradients, buffers, RNG streams), as an eager
+check does. The compiled code stays in dynamo's cache: a later `torch.compile(model)` with the same plan reuses it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A `Tracker` for one training step that outlives the block that entered it (NOTE [ The first step ] in
-remat/_first_step.py): it forgets a step's new gradients, and stops counting before its mode can be popped."""
+remat/_budget/first_step.py): it forgets a step's new gradients, and stops counting before its mode can be popped."""
 
 from __future__ import annotations
 

@@ -6,19 +6,24 @@ the outputs of every aten op run inside the block (forward, and backward too whe
 the block), and each new storage is counted once, until it is released.
 
 NOTE [ Storage lifetime ]
-A tensor is not the unit of memory, its storage is: views share the storage of their base, and a
-storage lives as long as any view of it, or autograd's saved copy of it, does. A finalizer on the
-*tensor* would fire too early (the tensor dies, a view keeps the memory) and could not see a storage
-that C++ alone keeps alive (a saved activation). torch preserves the Python object of an
-``UntypedStorage`` for as long as its C++ ``StorageImpl`` lives ("PyObject preservation", as for
-tensors): ``t.untyped_storage()`` returns the same object for every view of the storage, and that
-object is deallocated exactly when the C++ storage is. A ``weakref.finalize`` on it is thus a
-correct "storage released" event, also for storages that only autograd holds (tested in
-tests/test_track.py). A plain ``weakref.ref`` with a callback is used rather than
-``weakref.finalize`` (four times cheaper); the tracker keeps the reference, and dropping it when the
-block ends drops the callback. Storages are keyed by ``untyped_storage()._cdata`` (the address of the
-``StorageImpl``): unique among live storages, and the key is dropped when the finalizer fires,
-before the address can be reused.
+A tensor is not the unit of memory, its storage is: views share the storage of their base, and a storage lives as
+long as any view of it, or autograd's saved copy of it, does.
+
+Rules:
+1. A storage counts from the op that made it until its Python ``UntypedStorage`` object is deallocated, also for
+   storages that only autograd holds (tested in tests/test_track.py).
+2. The tracker leaves nothing behind: the callbacks go when the block ends.
+
+Implementation notes:
+1. (rule 1) A finalizer on the *tensor* would fire too early (the tensor dies, a view keeps the memory) and could
+   not see a storage that C++ alone keeps alive (a saved activation). torch preserves the Python object of an
+   ``UntypedStorage`` for as long as its C++ ``StorageImpl`` lives ("PyObject preservation", as for tensors):
+   ``t.untyped_storage()`` returns the same object for every view of the storage, and that object is deallocated
+   exactly when the C++ storage is, so a finalizer on it is a correct "storage released" event.
+2. (rule 2) A plain ``weakref.ref`` with a callback is used rather than ``weakref.finalize`` (cheaper:
+   docs/benchmarks.md); the tracker keeps the reference, and dropping it when the block ends drops the callback.
+3. (rule 1) Storages are keyed by ``untyped_storage()._cdata`` (the address of the ``StorageImpl``): unique among
+   live storages, and the key is dropped when the finalizer fires, before the address can be reused.
 
 NOTE [ New or old storage ]
 An op output's storage is new unless the op's schema says the output aliases an input (views,
@@ -454,11 +459,12 @@ def track(limit: Limit | None = None) -> Tracker:
     limit. To dry-run a training loop against a device size, build the model and optimizer inside
     the block (or pass the device's size less what they hold). See NOTE [ A device's limit ].
 
-    Tracking costs a few microseconds per aten op: time code outside a tracker.
+    Tracking runs Python on every aten op, which can cost more than a small op itself: time code outside a
+    tracker.
 
     Args:
         limit: The most bytes live on each device: an int, or a string with a unit (``"80GiB"``,
-            ``"512MB"``); or a dict from device (``"cuda:1"``, ``torch.device("cpu")``, or a type
+            ``"800MB"``); or a dict from device (``"cuda:1"``, ``torch.device("cpu")``, or a type
             such as ``"cuda"`` for each device of that type) to its limit, devices not named being
             unlimited. ``meta`` is limited only when named. None (the default): no limit.
 

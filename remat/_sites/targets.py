@@ -167,7 +167,7 @@ class _Open:
         """`forward(module, ...)` inside a compiled frame: torch's checkpoint (NOTE [ Under torch.compile ])."""
         if self.engine.passthrough or not _active(self.options):
             return forward(module, *args, **kwargs)
-        if self.adapt is not None:  # NOTE [ Caches under torch.compile ] in _integrations/transformers.py
+        if self.adapt is not None:  # NOTE [ Caches under torch.compile ] in integrations/transformers.py
             changed = self.adapt.compiled(module, args, kwargs)
             if changed is not None:
                 args, kwargs = changed
@@ -223,7 +223,7 @@ def _remove_hooks(module: nn.Module) -> None:
         for key in ids:
             hook = table.pop(key, None)
             close = getattr(hook, "close", None)
-            if callable(close):  # a budget's tracked step: NOTE [ The first step ] in _first_step.py
+            if callable(close):  # a budget's tracked step: NOTE [ The first step ] in remat/_budget/first_step.py
                 close()
     unroute_module(module)
 
@@ -233,7 +233,7 @@ _RULES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # own
 
 def _cache_rule(kind: type, options: Options, owner: Any) -> Any:
     """The KV-cache rule for a transformers layer class under rerun, else None; see NOTE [ Caches of transformers
-    layers ] in _integrations/transformers.py. One rule per `owner` (a model, a layer class) for its life, so
+    layers ] in integrations/transformers.py. One rule per `owner` (a model, a layer class) for its life, so
     that it logs its one line once, however often it is applied (and through every round of a budget's profile)."""
     if options.strategy == "replay" or not comes_from(kind, "transformers"):
         return None
@@ -373,7 +373,7 @@ def plan(model: nn.Module) -> ModelPlan:
             sites.append(Site(name, type(module).__qualname__, describe_options(options)))
     hooks: list[Any] = list(model._forward_pre_hooks.values())
     budget = next((hook.assignment for hook in hooks if _is_ours(hook)
-                   and getattr(hook, "assignment", None) is not None), None)  # see remat/_fit.py
+                   and getattr(hook, "assignment", None) is not None), None)  # see remat/_budget/apply.py
     if budget is not None:
         classes = tuple(type(model.get_submodule(name)).__qualname__ for name in budget.cost.names)
         off = not _switch.is_enabled()

@@ -1,4 +1,5 @@
-"""Checked by `mypy --strict` (see .ci/run), never run: both spellings of the package type-check (spec §2)."""
+"""Checked by `mypy --strict` (see .ci/run), never run: both spellings of the package type-check (docs/api.md, its
+opening paragraph)."""
 
 from __future__ import annotations
 

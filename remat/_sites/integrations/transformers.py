@@ -21,34 +21,41 @@ __all__ = ["CACHE_ARGUMENTS", "CacheOff"]
 logger = logging.getLogger("remat")
 
 # NOTE [ Caches of transformers layers ]
-# In training, transformers models build a KV cache by default (`use_cache` defaults to the config's, True for most
-# decoders) and hand it to every layer, which appends its keys and values with `cache.update(...)` (T5's cross-
-# attention also flips `cache.is_updated[layer]` and, once flipped, reads keys from the cache instead of projecting
-# them; T5's decoder gets a cache in training because its copy of the config keeps `use_cache=True`, which only the
-# encoder's copy turns off). Rerun calls a layer's forward again in backward, so the cache would be updated a
-# second time: the recompute saves other tensors than forward (a `RecomputeMismatchError` with a padded batch,
-# always on T5's decoder) or, worse, silently succeeds and doubles the cache the model returned, keeping a second
-# copy of every key and value alive.
-# transformers' own checkpointing (`GradientCheckpointingLayer`) switches the cache off for checkpointed layers in
-# training, and remat does the same for the layers it reruns: the forward pre-hook that opens a rerun site on a
-# transformers layer in training passes `use_cache=False` and None for every cache argument (by keyword or by
-# position: GPT-2 passes its cache positionally), unless the class declares `_can_checkpoint_with_cache = True`
-# (layers that only read the cache), and logs one line per model: the layers of a model share one rule (so do a
-# layer class's layers rematerialized one by one, as `remat(layer)` in a loop), which logs for the first layer
-# handed a cache it has not seen, and the layers of one model's forward are handed the one cache the model made.
-# Forward and recompute then see the same arguments, and the cache the model returns is the one it had before the
-# layers ran (empty, for a fresh one). `@remat` on a layer class applies the same rule in its wrapper. Layers in
-# eval mode, sites that are off (the switch, `no_grad`) and `strategy="replay"` keep the cache: replay runs the
-# recorded ops again, not the Python that updates it.
+# In training, transformers models build a KV cache by default and hand it to every layer, which appends to it.
+# Rerun calls a layer's forward again in backward, so the cache would be updated a second time: the recompute
+# saves other tensors than forward (a `RecomputeMismatchError` with a padded batch, always on T5's decoder) or,
+# worse, silently succeeds and doubles the cache the model returned, keeping a second copy of every key and value.
+#
+# Rules:
+# 1. As transformers' own checkpointing (`GradientCheckpointingLayer`) does for checkpointed layers in training,
+#    remat switches the cache off for the layers it reruns in training: the layer gets `use_cache=False` and None
+#    for every cache argument, unless its class declares `_can_checkpoint_with_cache = True` (layers that only
+#    read the cache). Forward and recompute then see the same arguments, and the cache the model returns is the
+#    one it had before the layers ran (empty, for a fresh one).
+# 2. remat logs one line per model when it does.
+# 3. Layers in eval mode, sites that are off (the switch, `no_grad`) and `strategy="replay"` keep the cache:
+#    replay runs the recorded ops again, not the Python that updates it.
+#
+# Implementation notes:
+# 1. (rule 1) `use_cache` defaults to the config's, True for most decoders; each layer appends its keys and values
+#    with `cache.update(...)` (T5's cross-attention also flips `cache.is_updated[layer]` and, once flipped, reads
+#    keys from the cache instead of projecting them; T5's decoder gets a cache in training because its copy of the
+#    config keeps `use_cache=True`, which only the encoder's copy turns off).
+# 2. (rule 1) The forward pre-hook that opens a rerun site on a transformers layer in training rewrites the
+#    arguments, by keyword or by position (GPT-2 passes its cache positionally). `@remat` on a layer class
+#    applies the same rule in its wrapper.
+# 3. (rule 2) The layers of a model share one rule (so do a layer class's layers rematerialized one by one, as
+#    `remat(layer)` in a loop), which logs for the first layer handed a cache it has not seen, and the layers of
+#    one model's forward are handed the one cache the model made.
 #
 # NOTE [ Caches under torch.compile ]
 # Inside a compiled frame a rematerialized layer is torch's checkpoint operator (NOTE [ Under torch.compile ]),
 # and dynamo refuses a cache update inside it ("Mutating a variable from outside the scope of this HOP"): it
 # breaks the graph and runs the layer in eager code, where the site, already past its eager pre-hook, keeps
-# everything. Measured on a 3-layer Llama: the compiled step saved 2.35 MB for backward with remat.apply against
-# 2.32 MB without remat. So the compiled paths take the same rule (`CacheOff.compiled`): the same arguments,
-# rewritten in traced code (the signature is read in eager code beforehand: `know`), and one log line when
-# dynamo traces it, with no state kept (a weak set would break the graph).
+# everything: the compiled step saves as much for backward with remat.apply as without remat (docs/benchmarks.md).
+# So the compiled paths take the same rule (`CacheOff.compiled`): the same arguments, rewritten in traced code
+# (the signature is read in eager code beforehand: `know`), and one log line when dynamo traces it, with no state
+# kept (a weak set would break the graph).
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
