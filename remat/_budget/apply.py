@@ -304,7 +304,7 @@ class _Budget:
 # step allocates differently: gradients at their shard's size, but each block's parameters all-gathered for its
 # forward and again for its backward, the root's kept unsharded throughout, and each block's whole gradients
 # until they are reduce-scattered. Neither the sign nor the size of the difference follows from the unsharded
-# step (tests/test_sharded_budget.py shows a plan made unsharded going over on the sharded step: figures in
+# step (tests/budget/test_sharded_budget.py shows a plan made unsharded going over on the sharded step: figures in
 # docs/benchmarks.md), and re-planning inside the sharded root's forward would nest a step in FSDP's own. So the
 # plan is kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)`
 # after `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and

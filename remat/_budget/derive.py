@@ -21,7 +21,7 @@ Rules:
    when backward starts, and the derivable choices are run instead where it fails (NOTE [ Profiling rounds ]):
    one more tracked step or more, and measured numbers.
 3. Forward peaks are a bound (full remat) or an estimate (`save_matmuls`), the rest a model:
-   tests/test_budget_derive.py checks derived against measured costs on small models, and the benchmark prints
+   tests/budget/test_budget_derive.py checks derived against measured costs on small models, and the benchmark prints
    predicted against measured peaks and times.
 
 Implementation notes:

@@ -44,7 +44,7 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # 4. Parameters and their gradients are outside the model (remat.chain returns parameter gradients to autograd
 #    when its backward ends).
 #
-# Implementation notes (how real runs meet the model: remat.chain; tests/test_chain_memory.py checks the
+# Implementation notes (how real runs meet the model: remat.chain; tests/chain/test_chain_memory.py checks the
 # tracked peak against it):
 # 1. (rule 3) A stage's backward frees abar_{i+1} and delta_{i+1} as autograd consumes them, node by node, as
 #    plain autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in profile.py), and
@@ -56,7 +56,7 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # 3. (rule 1) Not modelled: autograd holds delta_L, the gradient of the chain's output, until the chain's
 #    backward returns (it is the argument of that backward), while the model releases it after backward(L-1): a
 #    run may exceed the prediction by x_L after that (chains usually end in a small head;
-#    tests/test_chain_memory.py allows it).
+#    tests/chain/test_chain_memory.py allows it).
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ versions, so each one is bound here once. "Present in 2.4" marks a name torch ha
 earlier, used by torch's own public APIs of that time (its absence would be a broken torch, not an old one):
 those are bound directly. Every other name is looked up with `getattr` and has a fallback that keeps remat
 correct and says in a comment what degrades; `import remat` and a rematerialized forward and backward work
-without any of them (tests/test_torch_compat.py deletes each one before `import remat`).
+without any of them (tests/core/test_torch_compat.py deletes each one before `import remat`).
 
 Nothing else in the package reads `torch._C`, `torch._dynamo`, `torch._subclasses`, `torch.utils._python_dispatch`
 or torch's private module-hook tables; `torch.utils._pytree` (stable in practice, used by every tree walker) is

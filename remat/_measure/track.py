@@ -11,7 +11,7 @@ long as any view of it, or autograd's saved copy of it, does.
 
 Rules:
 1. A storage counts from the op that made it until its Python ``UntypedStorage`` object is deallocated, also for
-   storages that only autograd holds (tested in tests/test_track.py).
+   storages that only autograd holds (tested in tests/measure/test_track.py).
 2. The tracker leaves nothing behind: the callbacks go when the block ends.
 
 Implementation notes:

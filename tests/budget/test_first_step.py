@@ -20,7 +20,7 @@ from remat._budget.costs import ModelCost
 from remat._core.torch_compat import dispatch_modes_on
 from tests.conftest import randn
 from tests.models import stack
-from tests.test_budget import _peak  # one step under a tracker around it, gradients there already
+from tests.budget.test_budget import _peak  # one step under a tracker around it, gradients there already
 
 X = randn(4, 32, 16, seed=3)
 

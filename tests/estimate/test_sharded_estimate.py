@@ -24,7 +24,7 @@ import remat
 from remat._demo import GPT, GPTConfig
 
 CFG = GPTConfig(blocks=3, d=64, heads=2, seq=32, batch=2, vocab=256, dropout=0.0)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _idx() -> torch.Tensor:

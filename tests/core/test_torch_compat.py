@@ -20,7 +20,7 @@ from torch.nn.modules import module as torch_module
 import remat
 from remat._core.torch_compat import GlobalModuleHooks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # What a torch older than 2.13 (and at least 2.4) may lack; see remat/_core/torch_compat.py.
 NEWER = [

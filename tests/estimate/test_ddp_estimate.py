@@ -20,7 +20,7 @@ from torch import nn
 import remat
 from remat._demo import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
 
 
