@@ -123,10 +123,11 @@ def test_a_chain_profiled_on_fake_tensors_is_priced() -> None:
 def test_real_tensors_are_timed_on_the_wall_clock() -> None:
     x = torch.randn(16, 32)
     stages = [nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2)]
-    plain = profile(stages, x)[0]
     _slowed(nn.Module(), stages, 0.005)
     slowed = profile(stages, x)[0]
-    assert all(s.forward_time >= p.forward_time + 0.004 for p, s in zip(plain, slowed, strict=True))
+    # each block's forward holds its sleep, which only the wall clock sees (a price would not): a lower bound that
+    # holds however loaded the machine is
+    assert all(s.forward_time >= 0.005 for s in slowed)
     start = now()
     time.sleep(0.002)
     assert now() - start >= 0.002 and not priced()
