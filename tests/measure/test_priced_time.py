@@ -127,7 +127,7 @@ def test_real_tensors_are_timed_on_the_wall_clock() -> None:
     slowed = profile(stages, x)[0]
     # each block's forward holds its sleep, which only the wall clock sees (a price would not): a lower bound that
     # holds however loaded the machine is
-    assert all(s.forward_time >= 0.005 for s in slowed)
+    assert all(s.forward_time >= 0.004 for s in slowed)
     start = now()
     time.sleep(0.002)
     assert now() - start >= 0.002 and not priced()
