@@ -64,7 +64,6 @@ __all__ = [
     "pop_saved_hooks",
     "push_saved_hooks",
     "set_grad_enabled",
-    "storage_resize",
     "storage_id",
     "top_saved_hooks",
     "when_traced",
@@ -337,11 +336,6 @@ def when_traced(fn: Callable[[Any], None]) -> None:
     comptime = getattr(sys.modules.get("torch._dynamo.comptime"), "comptime", None)
     if comptime is not None:
         comptime(fn)
-
-
-# StorageBase.resize_: the C method `torch.UntypedStorage` inherits (present in 2.4; storages have been untyped
-# since 1.13). The byte trackers wrap the Python class's attribute while they are open (NOTE [ Resized storages ]).
-storage_resize: Callable[[torch.UntypedStorage, int], Any] = _C.StorageBase.resize_
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
