@@ -33,7 +33,7 @@ from ._budget.fake_profile import on_fake, profile_fake
 from ._budget.gradients import accumulation_order, gradient_steps
 from ._engine.compiled import compiling, in_compiled_call
 from ._errors import BudgetError
-from ._first_step import WINDOW, FirstStep, can_track, pop_closed
+from ._first_step import WINDOW, FirstStep, can_track, tidy
 from ._fit_check import PlanCheck, check_measured, check_plan
 from ._measure.costs import ModelCost, with_gradients
 from ._measure.derive import DERIVABLE, PARTS
@@ -254,7 +254,7 @@ class _Budget:
 
     def settle(self, model: nn.Module) -> None:
         """At a forward: pop what tracked steps left, and act on a tracked step's peak (NOTE [ The first step ])."""
-        pop_closed()
+        tidy()
         step, check = self.step, self.check
         if step is None or check is None:
             return
