@@ -11,8 +11,8 @@ choice is put on it with the same hooks `remat(module)` uses (none for "kept"), 
 training with gradients on and a new input signature (and `replan=True`), the hook profiles one step on
 (detached copies of) those inputs and re-plans before the forward goes on; the profile's own calls of the
 model pass through the hook untouched. A plan is checked on a real tracked step: the model's first training step
-with it (NOTE [ The first step ] in first_step.py), or one more step of the sample before the plan is
-returned where that cannot stand in (NOTE [ Checking the plan ] in check.py). A failed re-plan
+with it (NOTE [ The first step ] in remat/_budget/first_step.py), or one more step of the sample before the plan is
+returned where that cannot stand in (NOTE [ Checking the plan ] in remat/_budget/check.py). A failed re-plan
 (BudgetError) puts the previous choices back.
 """
 
@@ -43,7 +43,7 @@ from .check import AssignmentCheck, check_assignment, check_measured
 from .costs import ModelCost, with_gradients
 from .derive import DERIVABLE, PARTS
 from .fake_profile import on_fake, profile_fake
-from .first_step import WINDOW, FirstStep, can_track, pop_closed
+from .first_step import WINDOW, FirstStep, can_track, tidy
 from .gradients import accumulation_order, gradient_steps
 from .profile import profile_blocks
 from .ranks import from_rank_zero, max_over_ranks
@@ -254,7 +254,7 @@ class _Budget:
 
     def settle(self, model: nn.Module) -> None:
         """At a forward: pop what tracked steps left, and act on a tracked step's peak (NOTE [ The first step ])."""
-        pop_closed()
+        tidy()
         step, check = self.step, self.check
         if step is None or check is None:
             return
@@ -304,10 +304,11 @@ class _Budget:
 # step allocates differently: gradients at their shard's size, but each block's parameters all-gathered for its
 # forward and again for its backward, the root's kept unsharded throughout, and each block's whole gradients
 # until they are reduce-scattered. Neither the sign nor the size of the difference follows from the unsharded
-# step (tests/budget/test_sharded_budget.py shows a plan made unsharded going over on the sharded step: figures in
-# docs/benchmarks.md), and re-planning inside the sharded root's forward would nest a step in FSDP's own. So the
-# plan is kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)`
-# after `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and
+# step (tests/budget/test_sharded_budget.py: a plan made unsharded went over in the sharded step, one made after
+# `fully_shard` for the same bytes did not; docs/benchmarks.md), and re-planning inside the sharded root's forward
+# would nest a step in FSDP's own. So the plan is
+# kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)` after
+# `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and
 # its gradients are the plain step's (or views into the buckets).
 SHARDED_LATER = (
     "remat: the budget of `{model}` was planned by remat.apply(model, budget=...) before `fully_shard`, on the "

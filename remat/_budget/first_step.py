@@ -1,61 +1,54 @@
 """A budgeted model's first training step is tracked, and its plan corrected from it before the next step.
 
 NOTE [ The first step ]
-A plan's peak is a prediction; the budget's promise is about real steps (NOTE [ Checking the plan ] in check.py).
-Where the prediction fits, the model's own first training step is the check, so planning costs the profile alone.
-
-Rules:
-1. Where the prediction fits the budget, the plan is returned unchecked, and the model's first training step
-   checks it: from the forward that starts it to the end of the first backward through its outputs, a `Tracker`
-   counts what the step allocates, as the up-front check would.
-2. The peak shows in `remat.plan(model)` as soon as that backward ends; the decision waits for the model's next
-   forward (on every rank: the peak is the largest over them), which runs with the corrected plan where the step
-   went over the budget, and is tracked in turn, up to the up-front check's number of steps.
-3. Where even the choice that holds least measures over the budget's slack, a `UserWarning` carries the
-   `BudgetError` text and that choice stays on the blocks: raising in the middle of training would not leave the
-   user a model that trains.
-4. Tracking a step disturbs neither the user's modes nor compilation: a step is tracked only where no dispatch
-   mode but another tracked step's is on when its forward starts, and compiled blocks still compile.
-5. The up-front check stays where the first step cannot stand in for it: a budget whose prediction does not fit
-   (only a measured step may refuse it: NOTE [ Checking the plan ]), `memory=` (the device's whole memory: going
-   over is an out-of-memory error, not a missed promise), a model planned for one compiled graph (its steps run in
-   compiled code, which a dispatch mode cannot count), and a model sharded by `fully_shard` (its sharded gradients
-   are made outside autograd's accumulation, so a first step could not tell them from activations).
-
-Implementation notes:
-1. (rule 1) Checking a plan on one more step of the sample before `remat.apply` returns costs a step of the plan
-   itself on top of the profile's step: planning would take about three training steps. A step starts at a call
-   of the model in training mode with gradients on. A step whose parameters had no gradients creates them; those
-   are not activations, and the up-front check starts with zero gradients that backward adds into in place, so
-   each new gradient is forgotten by the tracker once it is accumulated (a post-accumulate-grad hook): until then
-   both count it, as the incoming gradient.
-2. (rule 2) The backward's end is an autograd final callback, queued by a gradient hook on the model's outputs.
-3. (rule 4) The tracker's dispatch mode is pushed when the step starts. It cannot be popped when the backward
-   ends: autograd runs final callbacks under the thread-local state it saved when the backward began, mode stack
-   included, and puts that state back after them (on an accelerator they may also run on another thread). So the
-   mode stops counting there and passes every op straight through until the first of these pops it: the death of
-   the step's graph outside a backward (a token in the metadata of the outputs' autograd nodes dies with them,
-   once the loss is let go of after backward), the next `optimizer.step()` of any optimizer (a global pre-hook,
-   there only while a step is tracked), the model's next forward, `remat.undo(model)`; on the thread that pushed
-   it and only from the top of the stack (a mode the user pushed since stays, and ours waits for a later chance).
-   A loop that steps an optimizer after backward has it off the stack before the step's update.
-4. (rule 4) A mode pushed in a forward and popped at a later one could be popped in its place by the `__exit__`
-   of a mode the user entered before it (torch pops the top of the stack, whichever it is): hence the rule that
-   no other mode is on (a step run under `remat.track()`, a FLOP counter or a fake-tensor mode is not tracked,
-   and the check waits for a later step). A forward whose graph dies with no backward through it (evaluation
-   with gradients on, a forward alone) ends the window untracked, and the next training forward starts another;
-   a window kept open by forwards whose graphs live on with no backward through them is dropped after `WINDOW` of
-   them, and with it the check.
-5. (rule 4) Dynamo does not compile a frame it meets under a dispatch mode: it runs it in eager code, and marks
-   its code to run in eager code for good, so a block compiled with `block.compile()` whose first call fell in
-   the tracked step would never be compiled. So while the step is tracked, compiled code runs in eager code by
-   dynamo's "force_eager" stance, which marks nothing (the step measures the blocks' eager code, as the up-front
-   check did on a model not yet compiled), and the stance is put back when the mode is popped; the step after it
-   compiles. On a torch without stances (before 2.6), no step is tracked once dynamo is in use, and the plan
-   stays unchecked; nor is one that starts inside a compiled call (a model called from compiled code after a
-   graph break), where no stance can be set. The profile and the up-front check run under the same stance, for
-   the same reason: a model whose blocks were compiled before `remat.apply(model, budget=...)`, or that re-plans
-   for a new shape, compiles them after.
+A plan's peak is a prediction; the budget's promise is about real steps (NOTE [ Checking the plan ] in
+remat/_budget/check.py). Checking a plan on one more step of the sample before `remat.apply` returns costs a step of
+the plan itself on top of the profile's step: planning would take about three training steps. So where the
+prediction fits the budget, the plan is returned unchecked, and the model's first training step checks it.
+1. The window. From the forward that starts the step (a call of the model in training mode with gradients on) to
+   the end of the first backward through its outputs, a `StepTracker` counts what the step allocates above what
+   was live when it began, new gradients included, as `remat.track()` around the step counts it. The end of the
+   backward is an autograd final callback, queued by a gradient hook on the model's outputs; the peak shows in
+   `remat.plan(model)` at once, and the decision waits for the model's next forward (on every rank: the peak is
+   the largest over them), which runs with the corrected plan where the step went over the budget, and is
+   tracked in turn, up to the up-front check's number of steps. Where even the choice that holds least measures
+   over the budget's slack, a `UserWarning` carries the `BudgetError` text and that choice stays on the blocks:
+   raising in the middle of training would not leave the user a model that trains.
+2. How it counts. Under the user's own `remat.track()` (its mode on top of the stack when the forward starts)
+   the step's tracker rides on the user's (NOTE [ Riders ] in remat/_measure/track.py): no mode is pushed, the
+   user's numbers are those of their block, and the check works as without it. Where no dispatch mode is on but
+   other tracked steps', the step pushes a mode of its own. Under any other mode (a FLOP counter, a fake-tensor
+   mode) the check waits for a later step: a mode pushed in a forward and popped at a later one could be popped
+   in its place by the `__exit__` of a mode the user entered before it (torch pops the top of the stack).
+3. Nothing outlives the step. A mode of its own cannot be popped when the backward ends: autograd runs final
+   callbacks under the thread-local state it saved when the backward began, mode stack included, and puts that
+   state back after them (on an accelerator they may also run on another thread). So the mode stops counting
+   there and is popped at the first of: the next `optimizer.step()` of any optimizer, before its update (a global
+   step pre-hook, registered when the backward ends and taken out in the same step, after the update: torch
+   iterates over the table that holds it before that); the death of the step's graph outside a backward (a token
+   in the metadata of the outputs' autograd nodes dies with them: a loss let go of after backward); the model's
+   next forward; `remat.undo(model)` or a new `remat.apply`. It is popped on the thread that pushed it and only
+   from the top of the stack (a mode the user pushed since stays, and ours waits for a later chance). A forward
+   that raises, or whose outputs need no gradient, ends the window at once, untracked (an always-called forward
+   hook); so does a forward whose graph dies with no backward through it (evaluation with gradients on), and a
+   user's tracker that ends before the backward does; the next training forward starts another. A window kept
+   open by forwards whose graphs live on with no backward through them is dropped after `WINDOW` of them, and
+   with it the check. Between steps no hook of remat's is in torch's global tables and no mode of its own is on
+   a stack (a loop without an optimizer that keeps its loss alive keeps the paused mode until the next forward).
+4. Compiled blocks. Dynamo does not compile a frame it meets under a dispatch mode: it runs it in eager code,
+   and marks its code to run in eager code for good. A block compiled with `block.compile()` whose first call
+   fell in a step tracked under remat's own mode would never be compiled. So while that mode is on, compiled
+   code runs in eager code by dynamo's "force_eager" stance, which marks nothing (the step measures the blocks'
+   eager code, as the up-front check did on a model not yet compiled), and the stance is put back when the mode
+   is popped; the step after it compiles. On a torch without stances (before 2.6), no step is tracked under
+   remat's own mode once dynamo is in use, and the plan stays unchecked; nor is one that starts inside a
+   compiled call (a model called from compiled code after a graph break), where no stance can be set. The
+   profile and the up-front check run under the same stance, for the same reason. A step riding on the user's
+   tracker sets no stance: the user's mode is on either way.
+5. Where the first step cannot stand in for the up-front check: a budget whose prediction does not fit (only a
+   measured step may refuse it: NOTE [ Checking the plan ]), `memory=` (the device's whole memory: going over is
+   an out-of-memory error, not a missed promise), a model planned for one compiled graph (its steps run in
+   compiled code, which a dispatch mode cannot count), and a model sharded by `fully_shard`.
 """
 
 from __future__ import annotations
@@ -72,33 +65,117 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from .._core.torch_compat import (
+    after_update,
     can_run_eager,
     dispatch_modes_on,
     eager_for_now,
     graph_task_id,
+    in_optimizer_step,
     top_dispatch_mode,
     tree_leaves,
+    undo_after_update,
 )
 from .._engine.compiled import in_compiled_call
 from .._measure.step_tracker import StepTracker
+from .._measure.track import Tracker, riding_host
 
-__all__ = ["WINDOW", "FirstStep", "can_track", "pop_closed"]
+__all__ = ["WINDOW", "FirstStep", "can_track", "tidy"]
 
 WINDOW = 8  # forwards with no backward through them after which a step window is dropped
 _TOKEN = "remat.first_step"
-_PUSHED: dict[int, FirstStep] = {}  # the tracked steps whose mode is on a stack, by id
+_LOCK = threading.RLock()
+_PUSHED: dict[int, FirstStep] = {}  # the tracked steps whose own mode is on a stack, by id, in push order
 
 
 def can_track() -> bool:
-    """Whether a step may be tracked now: every dispatch mode on this thread's stack is a tracked step's (none is
-    the user's), and compiled code can be made to run in eager code while it is (NOTE [ The first step ])."""
-    return dispatch_modes_on() <= len(_PUSHED) and not in_compiled_call() and can_run_eager()
+    """Whether a step may be tracked now (NOTE [ The first step ], rule 2): it can ride on the user's tracker, or
+    every dispatch mode on this thread's stack is a tracked step's and compiled code can be made to run in eager
+    code while its own is on."""
+    if in_compiled_call():
+        return False
+    if riding_host() is not None:
+        return True
+    me = threading.get_ident()
+    ours = sum(1 for step in list(_PUSHED.values()) if step._owner == me)
+    return dispatch_modes_on() <= ours and can_run_eager()
 
 
-def pop_closed() -> None:
-    """Pop the modes of closed steps that were not on top of the stack when they closed."""
-    for step in [step for step in _PUSHED.values() if step.closed]:
-        step._stop()
+def tidy() -> None:
+    """Pop the modes of finished steps that are on top of this thread's stack, and take out the optimizer hook
+    once no mode waits (NOTE [ The first step ], rule 3). Called at a budgeted model's forward."""
+    _pop_finished()
+    _optimizer_hook.release()
+
+
+def _pop_finished() -> None:
+    """Pop, top first, the modes of this thread's finished steps while one of them is on top; not in a backward,
+    whose mode stack is the one autograd saved."""
+    if graph_task_id() >= 0:
+        return
+    me = threading.get_ident()
+    while True:
+        top = top_dispatch_mode()
+        with _LOCK:
+            step = next((s for s in _PUSHED.values() if s._mode is top and s._owner == me and not s._counting), None)
+        if step is None:
+            return
+        step._pop()
+
+
+def _waiting() -> bool:
+    """Whether a finished step's mode is still on a stack."""
+    with _LOCK:
+        return any(not step._counting for step in _PUSHED.values())
+
+
+class _OptimizerHook:
+    """The global optimizer-step pre-hook that pops finished steps' modes before an update: in torch's table only
+    while such a mode waits (NOTE [ The first step ], rule 3)."""
+
+    def __init__(self) -> None:
+        self._handle: RemovableHandle | None = None
+        self._after: list[weakref.ref[Any]] = []  # optimizers whose step will take the hook out after its update
+
+    def wait(self) -> None:
+        """A finished step's mode waits to be popped: be there at the next optimizer step."""
+        with _LOCK:
+            if self._handle is None:
+                self._handle = register_optimizer_step_pre_hook(_Hook(self._before_update))
+
+    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        _pop_finished()
+        # torch is iterating over the table that holds this hook: it goes after the update (where this torch's
+        # optimizer has no such point, at the next forward)
+        self._take_out_after(optimizer)
+
+    def _take_out_after(self, optimizer: Any) -> None:
+        if after_update(optimizer, functools.partial(self.release, stepping=False)):
+            with _LOCK:
+                self._after.append(weakref.ref(optimizer))
+
+    def release(self, stepping: bool | None = None) -> None:
+        """Take the hook out if no mode waits; `stepping`: whether torch may be iterating over its table now
+        (None: find out). What `after_update` left on an optimizer whose step raised goes too."""
+        if self._handle is None and not self._after:
+            return
+        if stepping is None:
+            stepping, optimizer = in_optimizer_step()
+            if stepping and optimizer is not None:  # an optimizer's update (an LBFGS closure): after it, then
+                self._take_out_after(optimizer)
+        with _LOCK:
+            if stepping or _waiting():
+                return
+            handle, self._handle = self._handle, None
+            after, self._after = self._after, []
+        if handle is not None:
+            handle.remove()
+        for ref in after:
+            optimizer = ref()
+            if optimizer is not None:
+                undo_after_update(optimizer)
+
+
+_optimizer_hook = _OptimizerHook()
 
 
 class _Token:
@@ -106,16 +183,16 @@ class _Token:
 
 
 class _Hook:
-    """A hook of a tracked step, on the model or its parameters: a copy of the model (`deepcopy`, pickle) made
-    while the step is tracked gets one that does nothing."""
+    """A hook of a tracked step: a copy of the model (`deepcopy`, pickle) made while the step is tracked gets one
+    that does nothing, and one that is done does nothing while it waits to be removed."""
 
-    __slots__ = ("_fn",)
+    __slots__ = ("fn",)
 
     def __init__(self, fn: Callable[..., None]) -> None:
-        self._fn = fn
+        self.fn = fn
 
     def __call__(self, *args: Any) -> None:
-        self._fn(*args)
+        self.fn(*args)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Hook, (_nothing,))
@@ -129,85 +206,135 @@ class FirstStep:
     """Track one training step of `model`, from now to the end of the first backward through its outputs.
 
     Attributes:
-        peak: the step's tracked peak above what was live when it started, new gradients left out; None until
-            a backward through the model's outputs has ended.
+        peak: the step's tracked peak above what was live when it started; None until a backward through the
+            model's outputs has ended.
         forwards: the model's forwards seen in this window.
-        closed: whether `close` was called (its mode is popped as soon as it is on top: `pop_closed`).
     """
 
     def __init__(self, model: nn.Module, ended: Callable[[int], None]) -> None:
         self.peak: int | None = None
         self.forwards = 1
-        self.closed = False
         self._ended_with = ended
         self._queued = False
+        self._counting = True
         self._owner = threading.get_ident()
         self._tracker = StepTracker()
-        self._hooks: list[RemovableHandle] = [model.register_forward_hook(_Hook(self._outputs))]
-        self._optimizer_hook = register_optimizer_step_pre_hook(_Hook(self._optimizer_step))
         self._watched: dict[int, weakref.ref[_Token]] = {}  # the tokens of the outputs' graphs, by id
-        self._restore = eager_for_now()  # compiled code under the tracker: see NOTE [ The first step ]
-        self._tracker.__enter__()
+        self._mode: Any = None  # our own mode, while it is on the stack
+        self._restore: Callable[[], None] | None = None
+        self._host: Tracker | None = riding_host()
+        self._forward = _Hook(self._outputs)
+        self._handle = model.register_forward_hook(self._forward, always_call=True)
+        if self._host is not None:  # NOTE [ The first step ], rule 2
+            self._tracker.on_host_exit = self._host_gone
+            self._host.ride(self._tracker)
+            return
+        self._restore = eager_for_now()  # compiled code under our mode: rule 4
+        try:
+            self._tracker.__enter__()
+        except BaseException:
+            self._handle.remove()
+            self._release()
+            raise
         self._mode = top_dispatch_mode()
-        self._on = True
-        _PUSHED[id(self)] = self
+        with _LOCK:
+            _PUSHED[id(self)] = self
 
+    @property
+    def dropped(self) -> bool:
+        """Whether the window ended with no backward through the step's outputs: no step to measure."""
+        return self.peak is None and not self._counting
+
+    # -- the step ---------------------------------------------------------------------------------------------
     def _outputs(self, module: nn.Module, args: Any, output: Any) -> None:
-        for leaf in tree_leaves(output):
+        needs_grad = False
+        for leaf in tree_leaves(output):  # `output` is None where the forward raised
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                needs_grad = True
                 leaf.register_hook(self._reached)  # type: ignore[no-untyped-call]
                 if leaf.grad_fn is not None:  # the node's metadata lives as long as the node
                     metadata: dict[str, Any] = leaf.grad_fn.metadata  # type: ignore[assignment]
                     token = metadata.setdefault(_TOKEN, _Token())
                     key = id(token)
                     self._watched.setdefault(key, weakref.ref(token, functools.partial(self._dropped, key)))
-
-    def _dropped(self, key: int, ref: object = None) -> None:
-        # A graph the step made died: after its backward, where the user let go of the loss, or with no backward
-        # through it (a forward alone: the step is over, untracked). NOTE [ The first step ]
-        self._watched.pop(key, None)
-        if (self.peak is not None or not self._watched) and graph_task_id() < 0:
-            self._stop()
-            if not self._on:  # the optimizer hook goes too (an optimizer step may have popped the mode already)
-                self._optimizer_hook.remove()
-
-    @property
-    def dropped(self) -> bool:
-        """Whether the step's graphs died with no backward through them: no step to measure."""
-        return self.peak is None and not self._on
+        if not needs_grad and not self._watched and self.peak is None:
+            # no backward can come through this window: it ends untracked (torch is iterating over the model's
+            # forward hooks, so ours stays, doing nothing, until the next forward or `close`)
+            self._finish(hooks=False)
 
     def _reached(self, grad: torch.Tensor) -> None:
-        if not self._queued and self.peak is None:
+        if not self._queued and self.peak is None and self._counting:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._ended)
 
     def _ended(self) -> None:
+        if not self._counting:
+            return
         self.peak = self._tracker.peak_bytes
-        self._tracker.pause()  # popped later, outside the backward: NOTE [ The first step ]
+        self._finish(hooks=True)
         self._ended_with(self.peak)
 
-    def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.peak is not None:  # the step's backward has ended: NOTE [ The first step ]
-            self._stop()  # this hook stays: torch is iterating over the optimizer hooks
+    def _dropped(self, key: int, ref: object = None) -> None:
+        # A graph the step made died: after its backward, where the user let go of the loss, or with no backward
+        # through it (a forward alone: the window ends untracked). NOTE [ The first step ], rule 3
+        self._watched.pop(key, None)
+        if graph_task_id() >= 0:
+            return  # inside a backward: the window's end or the next forward settles it
+        if self._counting and self.peak is None and not self._watched:
+            self._finish(hooks=True)
+        else:
+            tidy()
 
-    def _stop(self) -> None:
-        """Pop the tracker's mode where this thread pushed it and it is on top (NOTE [ The first step ]), and
-        remove the hooks on the model and its parameters."""
-        if self._on and threading.get_ident() == self._owner and top_dispatch_mode() is self._mode:
-            self._on = False
-            del _PUSHED[id(self)]
+    def _host_gone(self) -> None:
+        """The user's tracker this step rides on ended its block before the step did: the window ends untracked."""
+        if self._counting:
+            self._finish(hooks=False)
+
+    # -- the end ----------------------------------------------------------------------------------------------
+    def _finish(self, *, hooks: bool) -> None:
+        """Stop counting; pop our mode now where we can, else leave it to the optimizer hook, the graph's death or
+        a forward; remove the model's hook where torch is not iterating over its table (`hooks`)."""
+        self._counting = False
+        self._tracker.pause()
+        if self._host is not None:
+            self._host.unride(self._tracker)
+            self._host = None
+        self._forward.fn = _nothing
+        if hooks:
+            self._handle.remove()
+        if self._mode is None:
+            return
+        _pop_finished()
+        with _LOCK:
+            waits = id(self) in _PUSHED
+        if waits:
+            _optimizer_hook.wait()
+        else:
+            _optimizer_hook.release()
+
+    def _pop(self) -> None:
+        """Pop our mode (on top of the stack, on its thread), put the stance back and let go of the graphs."""
+        with _LOCK:
+            if _PUSHED.pop(id(self), None) is None:
+                return
+        self._mode = None
+        try:
             self._tracker.__exit__(None, None, None)
-            if self._restore is not None:
-                self._restore()
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks.clear()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            restore()
+        self._watched.clear()  # dropping the weak references drops their callbacks
 
     def close(self) -> None:
-        """Remove every hook and stop tracking; the mode is popped now, or by `pop_closed` once it is on top."""
-        self.closed = True
-        for handle in (*self._hooks, self._optimizer_hook):
-            handle.remove()
-        self._hooks.clear()
-        self._watched.clear()
-        self._stop()
+        """End the window and remove every hook; the mode is popped now, or by `tidy` once it is on top."""
+        if self._counting:
+            self._finish(hooks=True)
+        self._handle.remove()
+        _pop_finished()
+        if self._mode is None:
+            self._release()
+        _optimizer_hook.release()

@@ -21,7 +21,6 @@ from .._core.errors import BUG, BudgetError, RematError
 from .._core.units import format_bytes
 from .schedule import Plan
 from .simulate import OpKind, StageCost, _InvalidOp, _Machine, check_bytes, check_stages
-from .threads import one_thread
 
 __all__ = ["OpKind", "Plan", "StageCost", "smallest_budget", "solve"]
 __all__ += ["_InvalidOp", "_Machine"]  # for the tests, which play schedules by hand
@@ -30,45 +29,46 @@ _INF = math.inf
 
 
 # NOTE [ Rotor recurrence ]
-# The solver is rotor's dynamic program, with its feasibility conditions made exact, so that every plan it
-# returns fits under the simulator (NOTE [ Memory model ] in simulate.py).
-#
-# Rules:
-# 1. C(m, a, b) is the least time to back-propagate stages a..b (b = L is the loss) given that a_a is held
-#    outside m, that delta_{b+1} is held inside m, and that at most m bytes more may be live (the NOTE [ Memory
-#    model ] accounting; x_{L+1} = xbar_{L+1} = 0, u_f[L] = u_b[L] = 0):
-#      a = b = L:  C = 0                                   if m >= x_L                       (loss)
-#      a = b < L:  C = u_f[a] + u_b[a]                     if m >= x_{a+1} + xbar_{a+1} + ftmp_a
-#                                                          and m >= x_{a+1} + xbar_{a+1} + x_a + btmp_a
-#      a < b:      C = min of
-#        (save)    u_f[a] + C(m - xbar_{a+1}, a+1, b) + u_b[a]
-#                      if m >= x_{b+1} + xbar_{a+1} + ftmp_a and m >= xbar_{a+1} + x_{a+1} + x_a + btmp_a
-#                  ops: forward_save(a), <a+1..b>, backward(a)
-#        (split j) for j in a+1..b: sum_{k=a}^{j-1} u_f[k] + C(m - x_j, j, b) + C(m, a, j-1)
-#                      if m >= x_{b+1} + max(x_{a+1} + ftmp_a, max_{a<k<j} x_k + x_{k+1} + ftmp_k)
-#                  ops: forward_checkpoint(a), forward_nosave(a+1..j-1), <j..b>, <a..j-1>
-#      otherwise infinity.
-# 2. The answer is C(M - x_0, 0, L) for a budget M.
-#
-# Implementation notes:
-# 1. (rule 1) rotor checks the forward condition of every split against the worst stage of a..b and the backward
-#    of (save) only at the base; the conditions above are exact at every stage.
+# C(m, a, b) is the least time to back-propagate stages a..b (b = L is the loss) given that a_a is
+# held outside m, that delta_{b+1} is held inside m, and that at most m bytes more may be live (the
+# NOTE [ Memory model ] accounting; x_{L+1} = xbar_{L+1} = 0, u_f[L] = u_b[L] = 0).
+#   a = b = L:  C = 0                                   if m >= x_L                       (loss)
+#   a = b < L:  C = u_f[a] + u_b[a]                     if m >= x_{a+1} + xbar_{a+1} + ftmp_a
+#                                                       and m >= x_{a+1} + xbar_{a+1} + x_a + btmp_a
+#   a < b:      C = min of
+#     (save)    u_f[a] + C(m - xbar_{a+1}, a+1, b) + u_b[a]
+#                   if m >= x_{b+1} + xbar_{a+1} + ftmp_a and m >= xbar_{a+1} + x_{a+1} + x_a + btmp_a
+#               ops: forward_save(a), <a+1..b>, backward(a)
+#     (split j) for j in a+1..b: sum_{k=a}^{j-1} u_f[k] + C(m - x_j, j, b) + C(m, a, j-1)
+#                   if m >= x_{b+1} + max(x_{a+1} + ftmp_a, max_{a<k<j} x_k + x_{k+1} + ftmp_k)
+#               ops: forward_checkpoint(a), forward_nosave(a+1..j-1), <j..b>, <a..j-1>
+#   otherwise infinity. The answer is C(M - x_0, 0, L) for a budget M.
+# This is rotor's recurrence with the feasibility conditions made exact: rotor checks the forward
+# condition of every split against the worst stage of a..b and the backward of (save) only at the
+# base, which the conditions above make precise, so that every plan fits under the simulator.
 #
 # NOTE [ Discretisation ]
-# Memory is counted in `slots` units of budget/slots bytes.
+# Memory is counted in `slots` units of budget/slots bytes; every size is rounded UP to whole slots on
+# its own, so a plan that fits in slots fits in bytes (a sum of rounded-up sizes is at least the sum of
+# sizes). Rounding can hide plans that fit only in exact bytes, so `solve` also plays the baselines
+# (no remat, recompute all, every segments(k)) and the least-memory plan, found in exact bytes, and
+# returns the fastest that fits. Since slot sizes only shrink as the budget grows, the result is
+# monotone in the budget. Ties go to the dynamic program.
 #
-# Rules:
-# 1. Every size is rounded UP to whole slots on its own, so a plan that fits in slots fits in bytes (a sum of
-#    rounded-up sizes is at least the sum of sizes).
-# 2. Rounding can hide plans that fit only in exact bytes, so `solve` also plays the baselines (no remat,
-#    recompute all, every segments(k)) and the least-memory plan, found in exact bytes, and returns the fastest
-#    that fits. Ties go to the dynamic program.
-# 3. Since slot sizes only shrink as the budget grows, the result is monotone in the budget.
+# Vectorisation: the table is filled by diagonals d = b - a, with rows stored as E[d, a, m] = C(m, a, a + d) and
+# two copies pre-shifted by x_a and xbar_a slots (F and G), so that no gather along m is needed in the inner
+# step: for one d and one split t = j - a, every (a, m) is one tensor operation (over blocks of the table: NOTE
+# [ Solver threads ]).
 #
-# Implementation notes:
-# 1. (rule 1) Vectorisation: the table is filled by diagonals d = b - a; for one d every (a, split, m) is one
-#    tensor operation over (a, j - a, m), with rows stored as E[d, a, m] = C(m, a, a + d) and two copies
-#    pre-shifted by x_a and xbar_a slots (F and G), so no gather along m is needed in the inner step.
+# NOTE [ Solver threads ]
+# The table is filled by many tensor operations. Where one spans more elements than ATen's grain (32768), torch
+# splits it over its intra-op threads, and on a busy machine (more runnable threads than cores) each split can
+# wait a scheduler slice for a descheduled worker: many times slower than one thread. Setting the thread count
+# to one would avoid that, but `torch.set_num_threads` changes the whole process while a solve runs. So the
+# solver keeps every operation under the grain instead: the table is cut into blocks of fewer elements
+# (`_blocks`), the best split is found by a loop over t of elementwise operations (torch splits a reduction
+# along t over threads at any size), and the shifts are gathers over blocks of rows. The thread count stays the
+# user's, and the table holds the same numbers as one operation per diagonal would.
 
 
 def _slots_of(nbytes: int, slots: int, budget: int) -> int:
@@ -86,23 +86,37 @@ def _forward_need(x: Sequence[int], ftmp: Sequence[int], n: int) -> list[list[in
     return need
 
 
-def _shift(rows: torch.Tensor, by: torch.Tensor, arange: torch.Tensor) -> torch.Tensor:
-    idx = arange[None, :] - by[:, None]
-    out = torch.gather(rows, 1, idx.clamp(min=0))
-    return out.masked_fill_(idx < 0, _INF)
+_GRAIN = 32768  # ATen's `internal::GRAIN_SIZE`: an elementwise CPU operation over fewer elements runs on one thread
+
+
+def _blocks(rows: int, cols: int) -> list[tuple[slice, slice]]:
+    """Cut a `rows` x `cols` table into blocks of fewer than `_GRAIN` elements (NOTE [ Solver threads ]).
+
+    >>> [(r.start, r.stop, c.start, c.stop) for r, c in _blocks(3, 20000)]
+    [(0, 1, 0, 20000), (1, 2, 0, 20000), (2, 3, 0, 20000)]
+    >>> [(r.start, r.stop, c.start, c.stop) for r, c in _blocks(1, 40000)]
+    [(0, 1, 0, 32767), (0, 1, 32767, 40000)]
+    """
+    width = min(cols, _GRAIN - 1)
+    height = max(1, (_GRAIN - 1) // width)
+    return [
+        (slice(r, min(r + height, rows)), slice(c, min(c + width, cols)))
+        for r in range(0, rows, height)
+        for c in range(0, cols, width)
+    ]
+
+
+def _shift(out: torch.Tensor, rows: torch.Tensor, by: torch.Tensor, arange: torch.Tensor) -> None:
+    """out[a, m] = rows[a, m - by[a]], infinite where m < by[a]; block by block (NOTE [ Solver threads ])."""
+    for r, c in _blocks(rows.shape[0], rows.shape[1]):
+        idx = arange[None, c] - by[r, None]
+        out[r, c] = torch.gather(rows[r], 1, idx.clamp(min=0)).masked_fill_(idx < 0, _INF)
 
 
 def _solve_dp(
     stages: Sequence[StageCost], budget: int, input_bytes: int, slots: int
 ) -> tuple[float, list[tuple[str, int]]] | None:
     """The slot dynamic program of NOTE [ Rotor recurrence ]: (time, ops), or None if infeasible."""
-    with one_thread():  # see NOTE [ Solver threads ]
-        return _solve_dp_unguarded(stages, budget, input_bytes, slots)
-
-
-def _solve_dp_unguarded(
-    stages: Sequence[StageCost], budget: int, input_bytes: int, slots: int
-) -> tuple[float, list[tuple[str, int]]] | None:
     n = len(stages)
     x = [input_bytes] + [s.output_bytes for s in stages] + [0]
     xbar = [0] + [s.saved_bytes for s in stages] + [0]
@@ -130,37 +144,30 @@ def _solve_dp_unguarded(
     ]
     base_cost = torch.tensor([uf[a] + ub[a] for a in range(n + 1)], dtype=dt)
     need_t = torch.tensor(base_need)
-    E[0] = torch.where(ar[None, :] >= need_t[:, None], base_cost[:, None], _INF)
     prefix = torch.cumsum(torch.tensor([0.0, *uf], dtype=dt), 0)
-    F[0], G[0] = _shift(E[0], xs_t, ar) + prefix[: n + 1, None], _shift(E[0], xbs_t, ar)
-    fneed = torch.zeros((n + 1, n + 1), dtype=torch.int64)  # [a, t], see _forward_need
-    for a, row in enumerate(_forward_need(xs, fts, n)):
-        fneed[a, : len(row)] = torch.tensor(row)
-    xs_all = torch.tensor(xs)
-    save_fwd = torch.tensor([xbs[a + 1] + fts[a] for a in range(n)])
-    save_bwd = torch.tensor([xbs[a + 1] + xs[a + 1] + xs[a] + bts[a] for a in range(n)])
+    for r, c in _blocks(n + 1, size):
+        E[0, r, c] = torch.where(ar[None, c] >= need_t[r, None], base_cost[r, None], _INF)
+    _shifted(E, F, G, 0, n + 1, xs_t, xbs_t, prefix, ar)
+    fneed = _forward_need(xs, fts, n)  # [a][t], see _forward_need
+    save_fwd = [xbs[a + 1] + fts[a] for a in range(n)]
+    save_bwd = [xbs[a + 1] + xs[a + 1] + xs[a] + bts[a] for a in range(n)]
     for d in range(1, n + 1):
         cnt = n + 1 - d  # a = 0 .. n - d, b = a + d
-        a_idx = torch.arange(cnt)
-        t_idx = torch.arange(1, d + 1)
-        j_idx = a_idx[:, None] + t_idx[None, :]
-        # (split j = a + t): sum u_f[a..j-1] + C(m - x_j, j, b) + C(m, a, j - 1), where the sum is
-        # prefix[j] - prefix[a]: prefix[j] is inside F and prefix[a] comes off after the min.
-        left = E[:d, :cnt].permute(1, 0, 2)  # [a, t-1, m] = C(m, a, a + t - 1)
-        right = F[(d - t_idx)[None, :], j_idx]  # [a, t-1, m] = C(m - x_j, j, b) + prefix[j]
-        need = xs_all[d + 1 : d + 1 + cnt, None] + fneed[:cnt, 1 : d + 1]
-        total = right.add_(left).masked_fill_(ar[None, None, :] < need[:, :, None], _INF)
-        best, arg = total.min(dim=1)
-        best -= prefix[:cnt, None]
-        # (save): u_f[a] + u_b[a] + C(m - xbar_{a+1}, a + 1, b)
-        save_need = torch.maximum(xs_all[d + 1 : d + 1 + cnt] + save_fwd[:cnt], save_bwd[:cnt])
-        save = G[d - 1, 1 : cnt + 1] + base_cost[:cnt, None]
-        save.masked_fill_(ar[None, :] < save_need[:, None], _INF)
-        use_save = save <= best
-        E[d, :cnt] = torch.where(use_save, save, best)
-        choice.append(torch.where(use_save, 0, arg + 1))
-        F[d, :cnt] = _shift(E[d, :cnt], xs_t[:cnt], ar).add_(prefix[:cnt, None])
-        G[d, :cnt] = _shift(E[d, :cnt], xbs_t[:cnt], ar)
+        chosen = torch.empty((cnt, size), dtype=torch.int64)
+        save_need = torch.tensor([max(xs[d + 1 + a] + save_fwd[a], save_bwd[a]) for a in range(cnt)])
+        need = torch.tensor([[xs[d + 1 + a] + fneed[a][t] for t in range(1, d + 1)] for a in range(cnt)])
+        for r, c in _blocks(cnt, size):
+            slot = ar[None, c]
+            best, split = _best_split(E, F, d, r, c, slot, need[r])
+            best -= prefix[r, None]
+            # (save): u_f[a] + u_b[a] + C(m - xbar_{a+1}, a + 1, b)
+            save = G[d - 1, r.start + 1 : r.stop + 1, c] + base_cost[r, None]
+            save.masked_fill_(slot < save_need[r, None], _INF)
+            use_save = save <= best
+            E[d, r, c] = torch.where(use_save, save, best)
+            chosen[r, c] = torch.where(use_save, 0, split)
+        choice.append(chosen)
+        _shifted(E, F, G, d, cnt, xs_t, xbs_t, prefix, ar)
     value = float(E[n, 0, top])
     if value == _INF:
         return None
@@ -182,6 +189,40 @@ def _solve_dp_unguarded(
             ops += [("forward_checkpoint", a)] + [("forward_nosave", k) for k in range(a + 1, j)]
             todo += [(a, j - 1, m), (j, b, m - xs[j])]
     return value, ops
+
+
+def _best_split(
+    E: torch.Tensor, F: torch.Tensor, d: int, r: slice, c: slice, slot: torch.Tensor, need: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the block (a in `r`, m in `c`) of diagonal `d`: the least time over the splits t = 1..d, prefix[a] not
+    yet taken off, and the first t that reaches it (as a minimum over t returns it). `slot`: the block's m as a
+    row; `need[a, t - 1]`: the least m at which split t's forward fits."""
+    # (split j = a + t): sum u_f[a..j-1] + C(m - x_j, j, b) + C(m, a, j - 1), where the sum is
+    # prefix[j] - prefix[a]: prefix[j] is inside F.
+    best = F[d - 1, r.start + 1 : r.stop + 1, c] + E[0, r, c]
+    best.masked_fill_(slot < need[:, :1], _INF)
+    split = torch.ones(best.shape, dtype=torch.int64)
+    total, short = torch.empty_like(best), torch.empty_like(best, dtype=torch.bool)
+    better = torch.empty_like(short)
+    for t in range(2, d + 1):
+        torch.add(F[d - t, r.start + t : r.stop + t, c], E[t - 1, r, c], out=total)
+        torch.lt(slot, need[:, t - 1 : t], out=short)
+        total.masked_fill_(short, _INF)
+        torch.lt(total, best, out=better)
+        split.masked_fill_(better, t)
+        torch.minimum(best, total, out=best)
+    return best, split
+
+
+def _shifted(
+    E: torch.Tensor, F: torch.Tensor, G: torch.Tensor, d: int, cnt: int, xs_t: torch.Tensor, xbs_t: torch.Tensor,
+    prefix: torch.Tensor, ar: torch.Tensor,
+) -> None:
+    """Fill F[d, :cnt] and G[d, :cnt], the rows E[d, :cnt] shifted by x_a and by xbar_a slots (F plus prefix[a])."""
+    _shift(F[d, :cnt], E[d, :cnt], xs_t[:cnt], ar)
+    _shift(G[d, :cnt], E[d, :cnt], xbs_t[:cnt], ar)
+    for r, c in _blocks(cnt, E.shape[2]):
+        F[d, r, c] += prefix[r, None]
 
 
 def _least_memory(stages: Sequence[StageCost], input_bytes: int) -> tuple[int, list[tuple[str, int]]]:

@@ -21,7 +21,9 @@ import contextlib
 import functools
 import importlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ __all__ = [
     "GlobalModuleHooks",
     "OpOverload",
     "TorchDispatchMode",
+    "after_update",
     "any_autocast",
     "can_record_host",
     "can_run_eager",
@@ -61,10 +64,10 @@ __all__ = [
     "graph_exec_group",
     "graph_task_id",
     "host_bytes",
+    "in_optimizer_step",
     "pop_saved_hooks",
     "push_saved_hooks",
     "set_grad_enabled",
-    "storage_resize",
     "storage_id",
     "top_saved_hooks",
     "when_traced",
@@ -72,6 +75,7 @@ __all__ = [
     "torch_function_mode_on",
     "tree_leaves",
     "tree_map",
+    "undo_after_update",
 ]
 
 _C: Any = torch._C
@@ -152,6 +156,62 @@ top_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
 disable_current_modes: Callable[[], Any] = _disable_current_modes
 # Present in 2.4 (since 2.0): whether a torch function mode (such as `torch.device(...)` as a context) is on.
 torch_function_mode_on: Callable[[], bool] = _C._is_torch_function_mode_enabled
+
+
+# -- the optimizer's step --------------------------------------------------------------------------------------
+# Every optimizer's `step` runs inside `Optimizer.profile_hook_step`'s wrapper (present in 2.4: `Optimizer.__init__`
+# wraps the class's `step` with it), which iterates over torch's global step pre-hooks, runs the update, calls the
+# instance's `_optimizer_step_code()` (the profiler's entry point, present in 2.4) and iterates over the post-hooks.
+
+
+def _noop() -> None:
+    return None
+
+
+@functools.cache
+def _step_wrapper_code() -> Any:
+    wrap = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    return getattr(wrap(_noop), "__code__", None) if callable(wrap) else None
+
+
+def in_optimizer_step() -> tuple[bool, Any]:
+    """Whether an `optimizer.step()` runs on this thread, so that torch may be iterating over its step hooks, and
+    the optimizer (None where it cannot be read); `(True, None)` where this torch's step cannot be recognised (the
+    caller then leaves the hooks as they are)."""
+    code = _step_wrapper_code()
+    if code is None:
+        return True, None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True, frame.f_locals.get("self")
+        frame = frame.f_back
+    return False, None
+
+
+def after_update(optimizer: Any, fn: Callable[[], None]) -> bool:
+    """Call `fn` once in the `optimizer.step()` now running, after its update and before its post-hooks (where
+    torch is iterating over no table of step hooks), through the instance's `_optimizer_step_code`, taken off the
+    instance again as it runs. False where this torch's optimizer has no such entry point (`fn` is not called)."""
+    original = getattr(type(optimizer), "_optimizer_step_code", None)
+    if not callable(original) or "_optimizer_step_code" in vars(optimizer):
+        return False
+    ref = weakref.ref(optimizer)
+
+    def once() -> None:
+        opt = ref()
+        if opt is not None:
+            vars(opt).pop("_optimizer_step_code", None)
+            original(opt)
+        fn()
+
+    optimizer._optimizer_step_code = once
+    return True
+
+
+def undo_after_update(optimizer: Any) -> None:
+    """Take back an `after_update` that has not run (the step raised before it)."""
+    vars(optimizer).pop("_optimizer_step_code", None)
 
 
 def can_run_eager() -> bool:
@@ -338,11 +398,6 @@ def when_traced(fn: Callable[[Any], None]) -> None:
     comptime = getattr(sys.modules.get("torch._dynamo.comptime"), "comptime", None)
     if comptime is not None:
         comptime(fn)
-
-
-# StorageBase.resize_: the C method `torch.UntypedStorage` inherits (present in 2.4; storages have been untyped
-# since 1.13). The byte trackers wrap the Python class's attribute while they are open (NOTE [ Resized storages ]).
-storage_resize: Callable[[torch.UntypedStorage, int], Any] = _C.StorageBase.resize_
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,24 +6,19 @@ the outputs of every aten op run inside the block (forward, and backward too whe
 the block), and each new storage is counted once, until it is released.
 
 NOTE [ Storage lifetime ]
-A tensor is not the unit of memory, its storage is: views share the storage of their base, and a storage lives as
-long as any view of it, or autograd's saved copy of it, does.
-
-Rules:
-1. A storage counts from the op that made it until its Python ``UntypedStorage`` object is deallocated, also for
-   storages that only autograd holds (tested in tests/measure/test_track.py).
-2. The tracker leaves nothing behind: the callbacks go when the block ends.
-
-Implementation notes:
-1. (rule 1) A finalizer on the *tensor* would fire too early (the tensor dies, a view keeps the memory) and could
-   not see a storage that C++ alone keeps alive (a saved activation). torch preserves the Python object of an
-   ``UntypedStorage`` for as long as its C++ ``StorageImpl`` lives ("PyObject preservation", as for tensors):
-   ``t.untyped_storage()`` returns the same object for every view of the storage, and that object is deallocated
-   exactly when the C++ storage is, so a finalizer on it is a correct "storage released" event.
-2. (rule 2) A plain ``weakref.ref`` with a callback is used rather than ``weakref.finalize`` (cheaper:
-   docs/benchmarks.md); the tracker keeps the reference, and dropping it when the block ends drops the callback.
-3. (rule 1) Storages are keyed by ``untyped_storage()._cdata`` (the address of the ``StorageImpl``): unique among
-   live storages, and the key is dropped when the finalizer fires, before the address can be reused.
+A tensor is not the unit of memory, its storage is: views share the storage of their base, and a
+storage lives as long as any view of it, or autograd's saved copy of it, does. A finalizer on the
+*tensor* would fire too early (the tensor dies, a view keeps the memory) and could not see a storage
+that C++ alone keeps alive (a saved activation). torch preserves the Python object of an
+``UntypedStorage`` for as long as its C++ ``StorageImpl`` lives ("PyObject preservation", as for
+tensors): ``t.untyped_storage()`` returns the same object for every view of the storage, and that
+object is deallocated exactly when the C++ storage is. A ``weakref.finalize`` on it is thus a
+correct "storage released" event, also for storages that only autograd holds (tested in
+tests/test_track.py). A plain ``weakref.ref`` with a callback is used rather than
+``weakref.finalize`` (four times cheaper); the tracker keeps the reference, and dropping it when the
+block ends drops the callback. Storages are keyed by ``untyped_storage()._cdata`` (the address of the
+``StorageImpl``): unique among live storages, and the key is dropped when the finalizer fires,
+before the address can be reused.
 
 NOTE [ New or old storage ]
 An op output's storage is new unless the op's schema says the output aliases an input (views,
@@ -45,6 +40,14 @@ NOTE [ A device's limit ]
 3. The check and the count happen under the tracker's lock, so two threads cannot both pass the check with
    room for one. The raise leaves the tracker as it was before the op; outputs of the same op that were counted
    before the one that crossed are released with the op's outputs, as any dropped storage is.
+
+NOTE [ Riders ]
+A tracker can count for another without a dispatch mode of its own: `ride` shows it every op the host's mode
+sees and every resize the host is told of, from then until `unride` or the host's exit (which tells the rider:
+`_host_exited`). A budgeted model's first step counts this way under the user's own `remat.track()` (NOTE
+[ The first step ] in remat/_budget/first_step.py), so that it pushes no mode in the user's block, and the user's
+numbers are those of the block alone. The host's own counts come first: an op it refuses for its limit is seen
+by no rider.
 """
 
 from __future__ import annotations
@@ -54,17 +57,17 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from .._core.torch_compat import OpOverload, local_tensor
+from .._core.torch_compat import OpOverload, local_tensor, top_dispatch_mode
 from .._core.units import format_bytes, parse_memory
 from .._engine.modes import Mode
 from . import resize
 
-__all__ = ["Limit", "Tracker", "placed", "synchronize", "track"]
+__all__ = ["Limit", "Rider", "Tracker", "placed", "riding_host", "synchronize", "track"]
 
 Limit = int | str | Mapping[str | torch.device, int | str]
 """A device's limit for `track`: bytes (an int or a string with a unit) for every device, or one per device."""
@@ -105,8 +108,20 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+class Rider(Protocol):
+    """What counts for a host tracker without a mode of its own (NOTE [ Riders ])."""
+
+    def _see(self, func: OpOverload, args: Sequence[Any], kwargs: dict[str, Any] | None, out: Any) -> None: ...
+
+    def _resizing(self, storage: torch.UntypedStorage, old: int, new: int) -> None: ...
+
+    def _resized(self, storage: torch.UntypedStorage, old: int, new: int) -> None: ...
+
+    def _host_exited(self) -> None: ...
+
+
 class _Mode(Mode):
-    """The dispatch mode of one `Tracker`: runs every op and shows its outputs to the tracker."""
+    """The dispatch mode of one `Tracker`: runs every op and shows its outputs to the tracker (and its riders)."""
 
     def __init__(self, tracker: Tracker) -> None:
         super().__init__()
@@ -120,8 +135,21 @@ class _Mode(Mode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        self._tracker._see(func, args, kwargs, out)
+        tracker = self._tracker
+        tracker._see(func, args, kwargs, out)
+        if tracker._riders:
+            for rider in tracker._riders:
+                rider._see(func, args, kwargs, out)
         return out
+
+
+def riding_host() -> Tracker | None:
+    """The tracker of a `remat.track()` block whose mode is on top of this thread's dispatch stack, for a rider
+    (NOTE [ Riders ]); None where the top mode is another (remat's internal trackers included), or none is on."""
+    mode = top_dispatch_mode()
+    if isinstance(mode, _Mode) and type(mode._tracker) is Tracker and mode._tracker._mode is mode:
+        return mode._tracker
+    return None
 
 
 def placed(module: nn.Module) -> tuple[torch.device, ...]:
@@ -178,6 +206,7 @@ class Tracker:
         self.peak_bytes = 0
         self._mode: _Mode | None = None
         self._done = False
+        self._riders: tuple[Rider, ...] = ()  # NOTE [ Riders ]
         # device, device type or _EVERY -> bytes; None: no limit. See NOTE [ A device's limit ].
         self._limits: dict[torch.device | str, int] | None = None
 
@@ -205,6 +234,19 @@ class Tracker:
         finally:
             with self._lock:
                 self._live.clear()  # dropping the weak references drops their callbacks
+                riders, self._riders = self._riders, ()
+            for rider in riders:
+                rider._host_exited()
+
+    def ride(self, rider: Rider) -> None:
+        """Show `rider` what this tracker counts from now on, until `unride` or this block's end (NOTE [ Riders ])."""
+        with self._lock:
+            self._riders = (*self._riders, rider)
+
+    def unride(self, rider: Rider) -> None:
+        """Stop showing `rider` what this tracker counts."""
+        with self._lock:
+            self._riders = tuple(r for r in self._riders if r is not rider)
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -385,19 +427,20 @@ class Tracker:
 
     def _resizing(self, st: torch.UntypedStorage, old: int, new: int) -> None:
         """A storage is about to grow from ``old`` to ``new`` bytes outside the dispatcher: check the limit first."""
-        if self._limits is None:
-            return
-        key = st._cdata
-        with self._lock:
-            entry = self._live.get(key)
-            try:
-                if entry is not None:
-                    if new > entry[1]:
-                        self._admit(entry[0], new - entry[1])
-                elif old == 0:
-                    self._admit(self._storage_device(st), new)
-            except _OverLimit as over:
-                raise over.error("UntypedStorage.resize_") from None
+        if self._limits is not None:
+            key = st._cdata
+            with self._lock:
+                entry = self._live.get(key)
+                try:
+                    if entry is not None:
+                        if new > entry[1]:
+                            self._admit(entry[0], new - entry[1])
+                    elif old == 0:
+                        self._admit(self._storage_device(st), new)
+                except _OverLimit as over:
+                    raise over.error("UntypedStorage.resize_") from None
+        for rider in self._riders:
+            rider._resizing(st, old, new)
 
     def _resized(self, st: torch.UntypedStorage, old: int, new: int) -> None:
         """A storage changed size outside the dispatcher (``untyped_storage().resize_``): NOTE [ Resized storages ].
@@ -405,6 +448,8 @@ class Tracker:
         A counted storage is re-counted at its new size; one not counted that grows from nothing (FSDP's
         unsharded parameters, freed before the block) is counted from now on, as a new allocation.
         """
+        for rider in self._riders:
+            rider._resized(st, old, new)
         key = st._cdata
         if key in self._live:
             self._resize(key, self._storage_bytes(st))
@@ -459,12 +504,11 @@ def track(limit: Limit | None = None) -> Tracker:
     limit. To dry-run a training loop against a device size, build the model and optimizer inside
     the block (or pass the device's size less what they hold). See NOTE [ A device's limit ].
 
-    Tracking runs Python on every aten op, which can cost more than a small op itself: time code outside a
-    tracker.
+    Tracking costs a few microseconds per aten op: time code outside a tracker.
 
     Args:
         limit: The most bytes live on each device: an int, or a string with a unit (``"80GiB"``,
-            ``"800MB"``); or a dict from device (``"cuda:1"``, ``torch.device("cpu")``, or a type
+            ``"1.5GiB"``); or a dict from device (``"cuda:1"``, ``torch.device("cpu")``, or a type
             such as ``"cuda"`` for each device of that type) to its limit, devices not named being
             unlimited. ``meta`` is limited only when named. None (the default): no limit.
 
