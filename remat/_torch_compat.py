@@ -195,7 +195,8 @@ def after_update(optimizer: Any, fn: Callable[[], None]) -> bool:
     torch is iterating over no table of step hooks), through the instance's `_optimizer_step_code`, taken off the
     instance again as it runs. False where this torch's optimizer has no such entry point (`fn` is not called)."""
     original = getattr(type(optimizer), "_optimizer_step_code", None)
-    if not callable(original) or "_optimizer_step_code" in vars(optimizer):
+    own = getattr(optimizer, "__dict__", None)
+    if not callable(original) or own is None or "_optimizer_step_code" in own:
         return False
     ref = weakref.ref(optimizer)
 
@@ -212,7 +213,7 @@ def after_update(optimizer: Any, fn: Callable[[], None]) -> bool:
 
 def undo_after_update(optimizer: Any) -> None:
     """Take back an `after_update` that has not run (the step raised before it)."""
-    vars(optimizer).pop("_optimizer_step_code", None)
+    getattr(optimizer, "__dict__", {}).pop("_optimizer_step_code", None)
 
 
 def can_run_eager() -> bool:
