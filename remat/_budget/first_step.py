@@ -227,7 +227,7 @@ class FirstStep:
         self._handle = model.register_forward_hook(self._forward, always_call=True)
         if self._host is not None:  # NOTE [ The first step ], rule 2
             self._tracker.on_host_exit = self._host_gone
-            self._host.ride(self._tracker)
+            self._host._ride(self._tracker)
             return
         self._restore = eager_for_now()  # compiled code under our mode: rule 4
         try:
@@ -297,7 +297,7 @@ class FirstStep:
         self._counting = False
         self._tracker.pause()
         if self._host is not None:
-            self._host.unride(self._tracker)
+            self._host._unride(self._tracker)
             self._host = None
         self._forward.fn = _nothing
         if hooks:

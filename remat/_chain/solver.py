@@ -12,6 +12,7 @@ accounting and NOTE [ Rotor recurrence ] for the dynamic program.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
@@ -155,10 +156,12 @@ def _solve_dp(
         cnt = n + 1 - d  # a = 0 .. n - d, b = a + d
         chosen = torch.empty((cnt, size), dtype=torch.int64)
         save_need = torch.tensor([max(xs[d + 1 + a] + save_fwd[a], save_bwd[a]) for a in range(cnt)])
-        need = torch.tensor([[xs[d + 1 + a] + fneed[a][t] for t in range(1, d + 1)] for a in range(cnt)])
+        rows = [[xs[d + 1 + a] + fneed[a][t] for t in range(1, d + 1)] for a in range(cnt)]  # non-decreasing in t
+        need = torch.tensor(rows)
         for r, c in _blocks(cnt, size):
             slot = ar[None, c]
-            best, split = _best_split(E, F, d, r, c, slot, need[r])
+            splits = max(bisect.bisect_right(rows[a], c.stop - 1) for a in range(r.start, r.stop))  # the rest: inf
+            best, split = _best_split(E, F, d, r, c, slot, need[r], splits)
             best -= prefix[r, None]
             # (save): u_f[a] + u_b[a] + C(m - xbar_{a+1}, a + 1, b)
             save = G[d - 1, r.start + 1 : r.stop + 1, c] + base_cost[r, None]
@@ -192,11 +195,12 @@ def _solve_dp(
 
 
 def _best_split(
-    E: torch.Tensor, F: torch.Tensor, d: int, r: slice, c: slice, slot: torch.Tensor, need: torch.Tensor
+    E: torch.Tensor, F: torch.Tensor, d: int, r: slice, c: slice, slot: torch.Tensor, need: torch.Tensor, splits: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For the block (a in `r`, m in `c`) of diagonal `d`: the least time over the splits t = 1..d, prefix[a] not
     yet taken off, and the first t that reaches it (as a minimum over t returns it). `slot`: the block's m as a
-    row; `need[a, t - 1]`: the least m at which split t's forward fits."""
+    row; `need[a, t - 1]`: the least m at which split t's forward fits; no split after the first `splits` fits in
+    the block (they would only add infinities)."""
     # (split j = a + t): sum u_f[a..j-1] + C(m - x_j, j, b) + C(m, a, j - 1), where the sum is
     # prefix[j] - prefix[a]: prefix[j] is inside F.
     best = F[d - 1, r.start + 1 : r.stop + 1, c] + E[0, r, c]
@@ -204,7 +208,7 @@ def _best_split(
     split = torch.ones(best.shape, dtype=torch.int64)
     total, short = torch.empty_like(best), torch.empty_like(best, dtype=torch.bool)
     better = torch.empty_like(short)
-    for t in range(2, d + 1):
+    for t in range(2, splits + 1):
         torch.add(F[d - t, r.start + t : r.stop + t, c], E[t - 1, r, c], out=total)
         torch.lt(slot, need[:, t - 1 : t], out=short)
         total.masked_fill_(short, _INF)

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import importlib
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -194,7 +195,8 @@ def after_update(optimizer: Any, fn: Callable[[], None]) -> bool:
     torch is iterating over no table of step hooks), through the instance's `_optimizer_step_code`, taken off the
     instance again as it runs. False where this torch's optimizer has no such entry point (`fn` is not called)."""
     original = getattr(type(optimizer), "_optimizer_step_code", None)
-    if not callable(original) or "_optimizer_step_code" in vars(optimizer):
+    own = getattr(optimizer, "__dict__", None)
+    if not callable(original) or own is None or "_optimizer_step_code" in own:
         return False
     ref = weakref.ref(optimizer)
 
@@ -211,7 +213,7 @@ def after_update(optimizer: Any, fn: Callable[[], None]) -> bool:
 
 def undo_after_update(optimizer: Any) -> None:
     """Take back an `after_update` that has not run (the step raised before it)."""
-    vars(optimizer).pop("_optimizer_step_code", None)
+    getattr(optimizer, "__dict__", {}).pop("_optimizer_step_code", None)
 
 
 def can_run_eager() -> bool:
@@ -220,23 +222,46 @@ def can_run_eager() -> bool:
     return "torch._dynamo" not in sys.modules or hasattr(torch.compiler, "set_stance")
 
 
+_eager_lock = threading.Lock()
+_eager_users = 0  # open `eager_for_now`s, all threads: the stance is dynamo's, for the whole process
+_eager_prior: Any = None  # the stance the first of them found
+
+
 def eager_for_now() -> Callable[[], None] | None:
     """Make `torch.compile`d code run in eager code until the returned function is called (dynamo's "force_eager"
     stance: no frame is compiled, and none is marked to be skipped for good), or None where dynamo is not imported
     (nothing is compiled) or this torch has no stances (`torch.compiler.set_stance`, 2.6: the caller must then not
-    run compiled code under a dispatch mode, which dynamo answers by running that code in eager code for good)."""
+    run compiled code under a dispatch mode, which dynamo answers by running that code in eager code for good).
+
+    The stance is process-wide, and calls from several threads overlap: the first sets it and the last puts back
+    the stance the first found, whatever the order they end in."""
+    global _eager_users, _eager_prior
     if "torch._dynamo" not in sys.modules:
         return None
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is None:
         return None
-    prior = getattr(set_stance("force_eager"), "prev", None)
+    with _eager_lock:
+        if _eager_users == 0:
+            _eager_prior = getattr(set_stance("force_eager"), "prev", None)
+        _eager_users += 1
+    done: list[bool] = []
 
     def restore() -> None:
-        if prior is None:
-            set_stance("default")
-        else:
-            set_stance(prior.stance, skip_guard_eval_unsafe=prior.skip_guard_eval_unsafe, force_backend=prior.backend)
+        global _eager_users
+        with _eager_lock:
+            if done:
+                return
+            done.append(True)
+            _eager_users -= 1
+            if _eager_users:
+                return
+            prior = _eager_prior
+            if prior is None:
+                set_stance("default")
+            else:
+                set_stance(prior.stance, skip_guard_eval_unsafe=prior.skip_guard_eval_unsafe,
+                           force_backend=prior.backend)
 
     return restore
 

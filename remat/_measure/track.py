@@ -42,8 +42,8 @@ NOTE [ A device's limit ]
    before the one that crossed are released with the op's outputs, as any dropped storage is.
 
 NOTE [ Riders ]
-A tracker can count for another without a dispatch mode of its own: `ride` shows it every op the host's mode
-sees and every resize the host is told of, from then until `unride` or the host's exit (which tells the rider:
+A tracker can count for another without a dispatch mode of its own: `_ride` shows it every op the host's mode
+sees and every resize the host is told of, from then until `_unride` or the host's exit (which tells the rider:
 `_host_exited`). A budgeted model's first step counts this way under the user's own `remat.track()` (NOTE
 [ The first step ] in remat/_budget/first_step.py), so that it pushes no mode in the user's block, and the user's
 numbers are those of the block alone. The host's own counts come first: an op it refuses for its limit is seen
@@ -238,12 +238,12 @@ class Tracker:
             for rider in riders:
                 rider._host_exited()
 
-    def ride(self, rider: Rider) -> None:
-        """Show `rider` what this tracker counts from now on, until `unride` or this block's end (NOTE [ Riders ])."""
+    def _ride(self, rider: Rider) -> None:
+        """Show `rider` what this tracker counts from now on, until `_unride` or this block's end (NOTE [ Riders ])."""
         with self._lock:
             self._riders = (*self._riders, rider)
 
-    def unride(self, rider: Rider) -> None:
+    def _unride(self, rider: Rider) -> None:
         """Stop showing `rider` what this tracker counts."""
         with self._lock:
             self._riders = tuple(r for r in self._riders if r is not rider)

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import random
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ import remat
 from remat._budget.costs import ModelCost
 from remat._chain import solver
 from remat._chain.solver import StageCost
+from remat._core.torch_compat import eager_for_now
 from tests.conftest import randn
 from tests.models import Stack
 
@@ -161,6 +163,38 @@ def test_a_forward_that_raises_leaves_nothing_and_the_next_step_is_checked() -> 
     model.fail = False
     model(X).sum().backward()
     assert _measured(model) is not None
+    assert _process() == before
+
+
+def test_overlapping_steps_in_threads_put_the_stance_back() -> None:
+    # A budget's profile and a first step under remat's own mode make compiled code run in eager code while they
+    # run (dynamo's stance, one for the whole process); from several threads they end in any order.
+    import torch._dynamo  # the stance is set only where dynamo is in use
+
+    before = _process()
+    first, second = eager_for_now(), eager_for_now()
+    assert first is not None and second is not None and _stance() == "force_eager"
+    first()
+    assert _stance() == "force_eager"  # the second still runs
+    second()
+    assert _process() == before
+    measured: list[int | None] = []
+
+    def train() -> None:
+        model = remat.apply(_stack(), budget=0.6, sample=X)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            opt.zero_grad()
+            model(X).sum().backward()
+            opt.step()
+        measured.append(_measured(model))
+
+    threads = [threading.Thread(target=train) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(measured) == 3 and None not in measured  # each thread's first step was checked
     assert _process() == before
 
 

@@ -16,7 +16,7 @@ F32 = 4
 
 def _no_tracker_left() -> None:
     assert dispatch_modes() == 0, "a dispatch mode was left on the stack"
-    assert "resize_" not in torch.UntypedStorage.__dict__, "the storage resize wrapper was left installed"
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_, "the storage resize wrapper was left installed"
 
 
 def test_allocations_within_the_limit_pass_and_the_peak_is_the_trackers() -> None:
