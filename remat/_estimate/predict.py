@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +33,15 @@ import torch
 from torch import nn
 
 from .._core.errors import RematError
-from .._core.torch_compat import tree_leaves
-from .._measure.fake import FakeTracker, data_dependent, fake_mode, fake_sample, fake_state, storage_bytes
+from .._measure.fake import (
+    FakeTracker,
+    data_dependent,
+    fake_mode,
+    fake_sample,
+    fake_state,
+    storage_bytes,
+    tensors_of,
+)
 from .._measure.hf_fake import real_masks
 from .._measure.loss import call as _call
 from .._measure.loss import default_loss
@@ -94,16 +101,10 @@ def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor],
     return made
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, Mapping):
-        obj = dict(obj)
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
-
-
 def _state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     if optimizer is None:
         return []
-    return [t for state in optimizer.state.values() for t in _tensors(state)]
+    return [t for state in optimizer.state.values() for t in tensors_of(state)]
 
 
 def _scalar(out: Any, loss: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
@@ -199,7 +200,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
 
             def one(configured: Configured, given: Any) -> ConfigEstimate:
                 args = fake_sample(given, device)
-                inputs = _tensors(args)
+                inputs = tensors_of(args)
                 base = kept + storage_bytes(inputs, device)
                 with configured.apply(args):
                     grads, held, peak, tracker = _step(model, args, loss, made, params, device, step_bytes)
