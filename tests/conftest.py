@@ -10,6 +10,7 @@ index's.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -344,3 +345,27 @@ def assert_same_on_device(
     for name, want, have in zip(names, base.states, ours.states, strict=True):
         assert torch.equal(have, want), f"the {name} generator after backward differs from a run without remat"
     return base, ours
+
+
+def optimistic_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every choice of a budget's profile predicted to hold a tenth of what it does: a plan that fits on paper and
+    not in a real step (what the budget's checks of real steps must catch)."""
+    from remat._budget import apply as _fit
+
+    real = _fit.profile_blocks  # type: ignore[attr-defined]
+
+    def optimistic(*args: Any, **kwargs: Any) -> Any:
+        cost = real(*args, **kwargs)
+        rows = tuple(
+            tuple(
+                None if c is None else dataclasses.replace(
+                    c, held_bytes=c.held_bytes // 10, forward_peak=c.forward_peak // 10,
+                    backward_peak=c.backward_peak // 10,
+                )
+                for c in row
+            )
+            for row in cost.blocks
+        )
+        return dataclasses.replace(cost, blocks=rows)
+
+    monkeypatch.setattr(_fit, "profile_blocks", optimistic)

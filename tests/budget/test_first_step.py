@@ -4,7 +4,6 @@ measured as an outside tracker measures it, corrected before the next step, and 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import weakref
 from typing import Any
@@ -17,10 +16,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import remat
 from remat._budget import first_step as _first_step
-from remat._budget.costs import ModelCost
 from remat._core.torch_compat import dispatch_modes_on
 from tests.budget.test_budget import _peak  # one step under a tracker around it, gradients there already
-from tests.conftest import randn
+from tests.conftest import optimistic_profile, randn
 from tests.models import stack
 
 X = randn(4, 32, 16, seed=3)
@@ -150,26 +148,7 @@ def test_a_tracked_step_keeps_nothing_alive() -> None:
 
 
 def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every choice predicted to hold a tenth of what it does: the plan fits on paper, no choice does in a real step.
-    from remat._budget import apply as _fit
-
-    real = _fit.profile_blocks  # type: ignore[attr-defined]
-
-    def optimistic(*args: Any, **kwargs: Any) -> ModelCost:
-        cost = real(*args, **kwargs)
-        rows = tuple(
-            tuple(
-                None if c is None else dataclasses.replace(
-                    c, held_bytes=c.held_bytes // 10, forward_peak=c.forward_peak // 10,
-                    backward_peak=c.backward_peak // 10,
-                )
-                for c in row
-            )
-            for row in cost.blocks
-        )
-        return dataclasses.replace(cost, blocks=rows)
-
-    monkeypatch.setattr(_fit, "profile_blocks", optimistic)
+    optimistic_profile(monkeypatch)  # the plan fits on paper, no choice does in a real step
     none = _peak(_stack(), X)
     model = remat.apply(_stack(), budget=int(0.25 * none), sample=X)
     with pytest.warns(UserWarning, match="smallest feasible budget") as caught:

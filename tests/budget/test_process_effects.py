@@ -6,7 +6,6 @@ under the user's own `remat.track()` (NOTE [ The first step ] in remat/_budget/f
 from __future__ import annotations
 
 import copy
-import dataclasses
 import random
 import sys
 import threading
@@ -21,11 +20,10 @@ from torch.nn.modules import module as _module
 from torch.optim import optimizer as _optimizer
 
 import remat
-from remat._budget.costs import ModelCost
 from remat._chain import solver
 from remat._chain.solver import StageCost
 from remat._core.torch_compat import eager_for_now
-from tests.conftest import randn
+from tests.conftest import optimistic_profile, randn
 from tests.models import Stack
 
 X = randn(4, 32, 16, seed=3)
@@ -224,29 +222,6 @@ def test_a_tracker_leaves_a_patched_resize_as_it_found_it(monkeypatch: pytest.Mo
 # -- a user's own tracker around the step ------------------------------------------------------------------------
 
 
-def _optimistic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every choice predicted to hold a tenth of what it does: a plan that fits on paper and not in a real step."""
-    from remat._budget import apply as _fit
-
-    real = _fit.profile_blocks  # type: ignore[attr-defined]
-
-    def optimistic(*args: Any, **kwargs: Any) -> ModelCost:
-        cost = real(*args, **kwargs)
-        rows = tuple(
-            tuple(
-                None if c is None else dataclasses.replace(
-                    c, held_bytes=c.held_bytes // 10, forward_peak=c.forward_peak // 10,
-                    backward_peak=c.backward_peak // 10,
-                )
-                for c in row
-            )
-            for row in cost.blocks
-        )
-        return dataclasses.replace(cost, blocks=rows)
-
-    monkeypatch.setattr(_fit, "profile_blocks", optimistic)
-
-
 def _train(model: nn.Module, steps: int, *, tracked: bool) -> tuple[list[tuple[int, ...]], list[str], list[int]]:
     """`steps` plain steps (gradients set to None first), each under the user's `remat.track()` if `tracked`: the
     plan's choices after each step's next forward, the warnings, and the user's tracked peaks."""
@@ -272,7 +247,7 @@ def _train(model: nn.Module, steps: int, *, tracked: bool) -> tuple[list[tuple[i
 
 
 def test_the_first_step_under_the_users_tracker_is_checked_as_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    _optimistic(monkeypatch)
+    optimistic_profile(monkeypatch)
     with remat.track() as t:
         _stack()(X).sum().backward()
     budget = int(0.25 * t.peak_bytes)
