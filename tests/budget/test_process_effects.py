@@ -5,6 +5,7 @@ under the user's own `remat.track()` (NOTE [ The first step ] in remat/_budget/f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 import sys
@@ -54,6 +55,9 @@ def _process() -> dict[str, object]:
         "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False),
         "resize_": torch.UntypedStorage.__dict__.get("resize_"),
         "stance": _stance(),
+        "transformers masks": getattr(
+            sys.modules.get("transformers.masking_utils"), "find_packed_sequence_indices", None
+        ),
     }
 
 
@@ -168,6 +172,9 @@ def test_overlapping_steps_in_threads_put_the_stance_back() -> None:
     # A budget's profile and a first step under remat's own mode make compiled code run in eager code while they
     # run (dynamo's stance, one for the whole process); from several threads they end in any order.
     import torch._dynamo  # the stance is set only where dynamo is in use
+
+    with contextlib.suppress(ImportError):  # the budget's profile replaces one of its functions while it runs
+        import transformers.masking_utils  # noqa: F401
 
     before = _process()
     first, second = eager_for_now(), eager_for_now()

@@ -1,0 +1,90 @@
+"""transformers' packed-sequence question answers "not packed" for fake ids only inside an estimate, in the thread
+that runs it, and is put back however estimates in several threads end (NOTE [ transformers and fake tensors ] in
+remat/_measure/hf_fake.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from remat._measure.fake import fake_mode
+from remat._measure.hf_fake import real_masks
+
+
+def _packed(position_ids: torch.Tensor) -> Any:
+    return "packed?"
+
+
+@pytest.fixture
+def masking(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A stand-in for transformers.masking_utils, so that the test needs no transformers."""
+    module = types.ModuleType("transformers.masking_utils")
+    module.find_packed_sequence_indices = _packed  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", module)
+    return module
+
+
+def test_fake_ids_are_unpacked_only_inside(masking: Any) -> None:
+    ids = torch.arange(8).unsqueeze(0)
+    with real_masks(ids):
+        assert masking.find_packed_sequence_indices(ids) == "packed?"  # a real tensor still asks the real question
+        with fake_mode() as mode:
+            assert masking.find_packed_sequence_indices(mode.from_tensor(ids)) is None
+    assert masking.find_packed_sequence_indices is _packed
+
+
+def test_a_sample_with_its_own_position_ids_keeps_the_question(masking: Any) -> None:
+    with real_masks({"position_ids": torch.zeros(1, 8)}):
+        assert masking.find_packed_sequence_indices is _packed
+
+
+def test_estimates_ending_in_any_order_across_threads_put_it_back(masking: Any) -> None:
+    entered, leave_first = threading.Barrier(2), threading.Event()
+    seen: dict[str, Any] = {}
+
+    def first() -> None:  # enters first, leaves first: the second thread is still inside
+        with real_masks(None):
+            entered.wait()
+            leave_first.wait()
+        seen["after first"] = masking.find_packed_sequence_indices
+
+    def second() -> None:
+        entered.wait()
+        with real_masks(None):
+            leave_first.set()
+            threads[0].join()
+            seen["second still inside"] = masking.find_packed_sequence_indices
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen["after first"] is not _packed and seen["second still inside"] is not _packed
+    assert masking.find_packed_sequence_indices is _packed  # the last one out put it back
+
+
+def test_another_thread_is_not_answered_for(masking: Any) -> None:
+    inside, done = threading.Event(), threading.Event()
+    answers: list[Any] = []
+
+    def estimate() -> None:
+        with real_masks(None):
+            inside.set()
+            done.wait()
+
+    thread = threading.Thread(target=estimate)
+    thread.start()
+    inside.wait()
+    try:
+        with fake_mode() as mode:  # this thread runs no estimate: its fake ids get the real question
+            answers.append(masking.find_packed_sequence_indices(mode.from_tensor(torch.arange(4))))
+    finally:
+        done.set()
+        thread.join()
+    assert answers == ["packed?"]
