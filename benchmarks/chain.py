@@ -86,7 +86,7 @@ def bench_chain(
     assert plan is not None
     input_bytes, budget = plan.input_bytes, plan.budget
     assert budget is not None
-    # The budget counts the chain's input (NOTE [ Memory model ] in _plan/simulate.py); the measured peak does
+    # The budget counts the chain's input (NOTE [ Memory model ] in remat/_chain/simulate.py); the measured peak does
     # not (the batch exists before the step), so it is added back to compare like with like.
     counted = ours.peak_bytes + input_bytes
     baseline = remat.Plan.no_remat(plan.stages, input_bytes=input_bytes)

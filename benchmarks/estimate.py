@@ -6,10 +6,11 @@ to those of a real CPU step of the same model, counted with `remat.track` (NOTE 
 their ratio.
 
 NOTE [ What a real step counts ]
-The real step is the one `remat.estimate` predicts (NOTE [ What an estimate runs ] in remat/_plan/estimate.py):
+The real step is the one `remat.estimate` predicts (NOTE [ What an estimate runs ] in remat/_estimate/predict.py):
 a warm-up optimizer step on zero gradients makes the optimizer's state, then one tracked step runs forward,
-the loss, backward, the optimizer step and ``zero_grad``. The bytes alive before it (parameters, buffers, the
-batch, the optimizer's state) are counted from their storages, and the tracker adds the step's own peak.
+the loss, lets go of the model's output (as ``loss = model(batch).loss`` does), backward, the optimizer step and
+``zero_grad``. The bytes alive before it (parameters, buffers, the batch, the optimizer's state) are counted from
+their storages, and the tracker adds the step's own peak.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Measured:
     optimizer_bytes: int
     activation_bytes: int
     peak_bytes: int
+    output_bytes: int = 0
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -103,16 +105,19 @@ def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed:
         with switch, remat.track() as t:
             out = _call(model, case.sample)
             value = case.loss(out) if case.loss is not None else default_loss(out)
+            with_output = t.current_bytes
+            del out
             held = t.current_bytes - sum(t._bytes_of([value]).values())
+            output = with_output - t.current_bytes
             torch.autograd.backward(value)
             grads = _storage_bytes([p.grad for p in params if p.grad is not None])
-            del out, value
+            del value
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
     finally:
         remat.undo(model)
-    return Measured(grads, _storage_bytes(state), held, base + t.peak_bytes)
+    return Measured(grads, _storage_bytes(state), held, base + t.peak_bytes, output)
 
 
 # -- predicted against measured ----------------------------------------------------------------

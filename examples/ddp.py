@@ -42,10 +42,9 @@ def run(config: str, views: bool, idx: torch.Tensor, steps: int) -> tuple[int, i
         optimizer = torch.optim.AdamW(ddp.parameters())
         with remat.enabled(config != "none"):
             for _ in range(steps):
-                out = ddp(idx)
-                loss = out.sum()
+                loss = ddp(idx).sum()
                 loss.backward()
-                del out, loss
+                del loss
                 optimizer.step()
                 optimizer.zero_grad()
     # A wrapped model is estimated with its own settings (on a copy of its state: nothing of it changes).

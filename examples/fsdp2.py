@@ -114,10 +114,9 @@ def main() -> None:
     with remat.track() as tracker:
         for step in range(args.steps):
             with remat.track() as forward_backward:  # what the step itself adds, as the budget counts it
-                out = model(idx)
-                loss = out.sum()
+                loss = model(idx).sum()
                 loss.backward()
-                del out, loss
+                del loss
             optimizer.step()
             optimizer.zero_grad()
             if rank == 0:

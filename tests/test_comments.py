@@ -17,8 +17,6 @@ Implementation notes:
    lines (``>>>``, ``...``) and their output are code too.
 2. A figure is a number followed by a unit of time or bytes, a percent sign or an "x" (`FIGURE`). The few
    literals a user writes that look like one are listed in `ALLOWED`, each with its reason.
-3. remat/bench/ is the benchmark harness itself, on its way out of the package to benchmarks/: its comments
-   describe what it measures and are not checked here.
 """
 
 from __future__ import annotations
@@ -54,8 +52,8 @@ ALLOWED = {
 
 
 def _sources(folder: Path) -> list[Path]:
-    """The Python files under `folder`, remat/bench/ left out (implementation note 3)."""
-    return sorted(p for p in folder.rglob("*.py") if not p.is_relative_to(PACKAGE / "bench"))
+    """The Python files under `folder`."""
+    return sorted(folder.rglob("*.py"))
 
 
 def prose(path: Path) -> Iterator[tuple[int, str]]:

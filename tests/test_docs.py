@@ -36,3 +36,23 @@ def test_site_builds_without_warnings(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "api" / "index.html").exists()
+
+
+_MODULE_REF = re.compile(r"`(?:remat/)?(_[a-z_]+(?:/[a-z_]+)*)(?:\.py)?((?:\.[A-Za-z_]+)?)`")
+
+
+def test_module_paths_in_the_docs_name_files_that_exist() -> None:
+    """A docs page that points into the package (`_budget/first_step.py`, `_engine/rerun._RETURNS`) names a module
+    that exists and, where it names one, a name defined in it: a move of modules updates the pages."""
+    package = Path(remat.__file__).parent
+    missing = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for match in _MODULE_REF.finditer(page.read_text(encoding="utf-8")):
+            module, name = package / f"{match[1]}.py", match[2].lstrip(".")
+            if "/" not in match[1] and not (match[0].endswith('.py`') or name):
+                continue  # a bare `_name` is not a module reference
+            if not module.is_file():
+                missing.append(f"{page.name}: {match[0]} (no {module.relative_to(package.parent)})")
+            elif name and not re.search(rf"^(?:def |class )?{name}\b", module.read_text(encoding="utf-8"), re.M):
+                missing.append(f"{page.name}: {match[0]} (no {name} in it)")
+    assert not missing, "\n".join(missing)

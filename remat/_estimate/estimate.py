@@ -146,7 +146,9 @@ def estimate(
     real (its parameters are swapped for fake ones for the duration and put back; nothing about it changes) or
     built on the meta device, so a 7-billion-parameter model is estimated on a laptop in seconds. Parameters,
     gradients and optimizer state are exact; activations and the peak match a real run within a few percent.
-    The step is a steady-state one: see NOTE [ What an estimate runs ] in predict.py.
+    The step is a steady-state one of a default loop, ``loss = model(**batch).loss; loss.backward();
+    optimizer.step(); optimizer.zero_grad()``, which lets go of the model's output once the loss is made (a loop
+    that keeps it peaks up to a row's ``output_bytes`` higher): see NOTE [ What an estimate runs ] in predict.py.
 
     Args:
         model: the model, real or on the meta device, in the train/eval mode the step should use.
@@ -182,7 +184,8 @@ def estimate(
 
     Returns:
         An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
-        `activation_bytes` and `peak_bytes`; `print(report)` shows a table; `report.to_dict()` for scripts.
+        `activation_bytes`, `peak_bytes` and `output_bytes`; `print(report)` shows a table; `report.to_dict()`
+        for scripts.
 
     Raises:
         RematError: an op in the step depends on tensor values (`nonzero`, `.item()`), which fake tensors do

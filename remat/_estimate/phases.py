@@ -167,7 +167,8 @@ def where_it_peaks(tracker: StepTracker, base: int, model: nn.Module, params: Se
 
 def peak_lines(rows: Sequence[Any], memory: int | None) -> list[str]:
     """The lines under an estimate's table: where each configuration peaks and who holds the bytes there, what
-    remat frees when the optimizer step sets the peak, and the largest batches that fit in ``memory``."""
+    remat frees when the optimizer step sets the peak, what holding on to the model's output adds, and the largest
+    batches that fit in ``memory``."""
     lines: list[str] = []
     if rows and all(row.peak_phase == OPTIMIZER for row in rows):
         frees = ", ".join(f"{row.label} {format_bytes(row.activation_bytes)}" for row in rows)
@@ -180,6 +181,11 @@ def peak_lines(rows: Sequence[Any], memory: int | None) -> list[str]:
             held = ", ".join(f"{name} {format_bytes(n)}" for name, n in row.holders)
             label = "every configuration" if same and len(rows) > 1 else row.label
             lines.append(f"{label}: peaks in {row.peak_phase or '?'}; largest holders there: {held}")
+    output = max((row.output_bytes for row in rows), default=0)
+    if output > 0:
+        lines.append(f"the model's output ({format_bytes(output)}) is let go of before backward, as `loss = "
+                     f"model(batch).loss` does; a loop that keeps it through backward peaks up to "
+                     f"{format_bytes(output)} higher")
     if memory is not None:
         for row in rows:
             if row.largest_batch is not None:

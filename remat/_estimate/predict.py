@@ -3,14 +3,21 @@
 NOTE [ What an estimate runs ]
 The step an estimate predicts is a steady-state training step, the one that repeats: at its start the model's
 parameters and buffers, the optimizer's state and the batch are alive, and the gradients are not
-(``zero_grad(set_to_none=True)``, torch's default, ended the previous step). The step is forward, the loss,
-backward, the optimizer step and ``zero_grad``; the output and the loss are dropped before the optimizer step, as
-a training loop that returns ``loss.detach()`` does. The optimizer's state is made by one step on zero gradients
-before the counted step (optimizers create it lazily), so it is alive throughout the counted one, as from the
-second step of a real run on. Everything runs on fake tensors (NOTE [ Counting fake tensors ]): the bytes are
-those of the tensors the same ops would make on the device predicted for, and nothing is allocated at the
-model's size. Each configuration runs the same step with its own remat sites; the engine recomputes in backward
-on fake tensors too, so what a configuration frees and rebuilds is counted, not modelled.
+(``zero_grad(set_to_none=True)``, torch's default, ended the previous step). The step is a default loop's
+``loss = loss_fn(model(batch)); loss.backward(); optimizer.step(); optimizer.zero_grad()``: forward, the loss,
+the model's output let go of once the loss is made (``model(batch).loss`` keeps no reference to it), backward,
+the optimizer step and ``zero_grad``; the loss is dropped before the optimizer step. What of the output backward
+needs stays alive through autograd, as in a real step; the rest (a language model's logits, typically) is freed
+before backward, and its bytes are the row's ``output_bytes``: a loop that holds on to the output (``out =
+model(batch)`` kept through backward, or until the next forward) needs up to that much more. The budget planner
+profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in remat/_fit.py), so
+``memory=`` and the largest batch that fits mean the same step as the estimate's rows. The optimizer's state is
+made by one step on zero gradients before the counted step (optimizers create it lazily), so it is alive
+throughout the counted one, as from the second step of a real run on. Everything runs on fake tensors (NOTE
+[ Counting fake tensors ]): the bytes are those of the tensors the same ops would make on the device predicted
+for, and nothing is allocated at the model's size. Each configuration runs the same step with its own remat
+sites; the engine recomputes in backward on fake tensors too, so what a configuration frees and rebuilds is
+counted, not modelled.
 
 NOTE [ One optimizer step ]
 The optimizer step does the same ops on the same parameters, gradients and state under every configuration: only
@@ -131,9 +138,10 @@ def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor
 
 def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
           optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
-          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int, StepTracker]:
-    """Run one counted step; return (gradient bytes, activation bytes, peak bytes the step adds on ``device``,
-    the tracker with the forward and backward peaks and their holders: NOTE [ Who holds the peak ]).
+          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int, int, StepTracker]:
+    """Run one counted step; return (gradient bytes, activation bytes, the output's bytes freed when it is let go
+    of, peak bytes the step adds on ``device``, the tracker with the forward and backward peaks and their holders:
+    NOTE [ Who holds the peak ]).
 
     ``step_bytes`` holds what the optimizer step adds at its peak once it has been counted (see NOTE [ One
     optimizer step ]); it is filled by the first call, with the bytes alive when the step starts.
@@ -143,13 +151,16 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
     with StepTracker(model, device) as tracker, tracker.modules():
         out = _call(model, sample)
         value = _scalar(out, loss)
+        with_output = tracker.current(device)
+        del out  # the loop keeps the loss only: NOTE [ What an estimate runs ]
         own = tracker._bytes_of([value]).get(device, 0)
         held = tracker.current(device) - own
+        output_bytes = with_output - tracker.current(device)
         tracker.enter(BACKWARD)
         torch.autograd.backward(value)
         grads = [p.grad for p in params if p.grad is not None]
         grad_bytes = storage_bytes(grads)
-        del out, value, grads
+        del value, grads
         before = tracker.current(device)
         tracker.enter(OPTIMIZER)
         if optimizer is not None:
@@ -161,7 +172,7 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
     for p in params:
         p.grad = None
     tracker.phase_peaks[OPTIMIZER] = before + sum(step_bytes) if optimizer is not None else 0
-    return grad_bytes, held, max(tracker.peak(device), before + sum(step_bytes)), tracker
+    return grad_bytes, held, output_bytes, max(tracker.peak(device), before + sum(step_bytes)), tracker
 
 
 Refine = Callable[[Configured, ConfigEstimate, Callable[[Any], ConfigEstimate]], ConfigEstimate]
@@ -203,7 +214,9 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 inputs = tensors_of(args)
                 base = kept + storage_bytes(inputs, device)
                 with configured.apply(args):
-                    grads, held, peak, tracker = _step(model, args, loss, made, params, device, step_bytes)
+                    grads, held, output, peak, tracker = _step(
+                        model, args, loss, made, params, device, step_bytes
+                    )
                 phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
                 return ConfigEstimate(
                     config=configured.config,
@@ -214,6 +227,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                     grads_bytes=grads,
                     optimizer_bytes=storage_bytes(state),
                     activation_bytes=held,
+                    output_bytes=output,
                     peak_bytes=base + peak,
                     peak_phase=phase,
                     phase_bytes=phases,

@@ -24,10 +24,14 @@ class ConfigEstimate:
         input_bytes: Bytes of the sample's tensors (exact).
         grads_bytes: Bytes of the parameters' gradients after backward (exact).
         optimizer_bytes: Bytes of the optimizer's state (exact; 0 without an optimizer).
-        activation_bytes: Bytes that forward allocated and that are still alive when the loss is computed,
-            the loss itself left out: what is held for backward.
+        activation_bytes: Bytes that forward allocated and that are still alive once the loss is computed and
+            the model's output let go of, the loss itself left out: what is held for backward.
         peak_bytes: The highest live bytes of the whole step (forward, backward, optimizer step), the state
-            above included; on CUDA, what ``torch.cuda.max_memory_allocated`` would show.
+            above included; on CUDA, what ``torch.cuda.max_memory_allocated`` would show. The step lets go of the
+            model's output once the loss is made, as ``loss = model(batch).loss`` does.
+        output_bytes: Bytes of the model's output that die when the step lets go of it (what backward does not
+            need of it: a language model's logits): a loop that holds on to the output (``out = model(batch)``
+            alive through backward) peaks up to this much higher.
         peak_phase: Where the step peaks: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
         phase_bytes: The peak of each phase, the state above included (``peak_bytes`` is the largest).
         holders: The largest holders at the peak, ``(module, bytes)``: in forward or backward what the step
@@ -46,6 +50,7 @@ class ConfigEstimate:
     optimizer_bytes: int
     activation_bytes: int
     peak_bytes: int
+    output_bytes: int = 0
     peak_phase: str = ""
     phase_bytes: Mapping[str, int] = field(default_factory=dict)
     holders: tuple[tuple[str, int], ...] = ()
@@ -68,6 +73,7 @@ class ConfigEstimate:
             "optimizer_bytes": self.optimizer_bytes,
             "activation_bytes": self.activation_bytes,
             "peak_bytes": self.peak_bytes,
+            "output_bytes": self.output_bytes,
             "peak_phase": self.peak_phase,
             "phase_bytes": dict(self.phase_bytes),
             "holders": [list(holder) for holder in self.holders],

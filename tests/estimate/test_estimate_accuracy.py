@@ -58,3 +58,72 @@ def test_a_tensor_passed_twice_counts_once() -> None:
     assert once.input_bytes == twice.input_bytes == x.untyped_storage().nbytes()
     other = remat.estimate(Twice(), (x, x.clone()), loss=loss, configs=("none",))["none"]
     assert other.input_bytes == 2 * x.untyped_storage().nbytes()
+
+
+# -- the step a default loop runs: the output let go of once the loss is made ----------------------------
+
+
+def _gpt2() -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Tiny GPT-2 whose logits are a large part of the step, as a language model's are."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=2048, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
+    return transformers.GPT2LMHeadModel(config).train(), {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _default_loop_peak(config: Any, keep_output: bool = False) -> int:
+    """A user's warm AdamW step, `loss = model(**batch).loss` (or the output kept through backward), tracked."""
+    model, batch = _gpt2()
+    if config == "full":
+        remat.apply(model, policy=None)
+    elif config == "save_matmuls":
+        remat.apply(model, policy=remat.policies.save_matmuls)
+    elif config != "none":
+        remat.apply(model, budget=config, sample=batch)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # makes the optimizer's state, as in a run's second step
+    opt.zero_grad()
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    base = _bytes([*model.parameters(), *model.buffers(), batch["input_ids"], *state])
+    with remat.enabled(config != "none"), remat.track() as t:
+        if keep_output:
+            out = model(**batch)
+            loss = out.loss
+            loss.backward()
+            del out
+        else:
+            loss = model(**batch).loss
+            loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad()
+    return base + t.peak_bytes
+
+
+def test_gpt2_estimate_matches_a_default_training_loop() -> None:
+    """Every configuration within 5% of `loss = model(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()`;
+    a loop that keeps the output through backward peaks higher by the row's `output_bytes`, at most."""
+    pytest.importorskip("transformers")
+    configs = ("none", "full", "save_matmuls", 0.7)
+    model, batch = _gpt2()
+    report = remat.estimate(model, batch, optimizer="adamw", configs=configs)
+    measured = {config: _default_loop_peak(config) for config in configs}
+    for config in configs:
+        ratio = report[config].peak_bytes / measured[config]
+        assert abs(ratio - 1) < 0.05, (config, ratio)
+    assert measured["full"] < measured["save_matmuls"] < measured["none"]  # remat was active
+    assert report["full"].peak_bytes < report["none"].peak_bytes
+    logits = 2 * 64 * 2048 * 4
+    assert report["full"].output_bytes == logits
+    kept = _default_loop_peak("full", keep_output=True)
+    assert report["full"].peak_bytes < kept <= report["full"].peak_bytes + report["full"].output_bytes
+    assert "a loop that keeps it through backward peaks up to 1.00 MiB higher" in str(report)

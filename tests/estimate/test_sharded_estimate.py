@@ -1,8 +1,8 @@
 """Per-rank estimates of FSDP2 (`remat.estimate(..., world_size=N)`) against torch's FSDPMemTracker and real runs.
 
-The baseline is independent of remat's estimator: torch's `FSDPMemTracker` runs the same step (forward with the
-output kept until backward, as the estimate's step does, backward, AdamW, `zero_grad`) on fake tensors over
-torch's fake process group, on a model sharded the same way, and classifies every byte itself.
+The baseline is independent of remat's estimator: torch's `FSDPMemTracker` runs the same step (forward, the loss,
+the output let go of, as the estimate's step does, backward, AdamW, `zero_grad`) on fake tensors over torch's
+fake process group, on a model sharded the same way, and classifies every byte itself.
 """
 
 from __future__ import annotations
@@ -69,9 +69,7 @@ def _torch_peak(world: int, config: str | float) -> int:
             tracker.track_inputs((idx,))
             with tracker:
                 for step in range(2):
-                    out = model(idx)
-                    out.sum().backward()
-                    del out
+                    model(idx).sum().backward()
                     opt.step()
                     opt.zero_grad()
                     if step == 0:

@@ -41,13 +41,12 @@ def _real_step(model: nn.Module, x: torch.Tensor, optimizer: str | None = "adamw
     state = [t for s in (opt.state.values() if opt else ()) for t in tree_leaves(s) if isinstance(t, torch.Tensor)]
     base = _bytes([*params, *model.buffers(), x, *state])
     phases: dict[str, int] = {}
-    with remat.track() as t:  # the output stays alive through backward, as in a usual training loop
-        out = model(x)
-        value = _loss(out)
+    with remat.track() as t:  # the output let go of once the loss is made, as `loss = loss_fn(model(x))` does
+        value = _loss(model(x))
         phases["forward"] = t.peak_bytes
         t._restart_peak()
         torch.autograd.backward(value)
-        del out, value
+        del value
         phases["backward"] = t.peak_bytes
         t._restart_peak()
         if opt is not None:
