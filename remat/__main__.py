@@ -3,8 +3,9 @@
 ``python -m remat`` trains remat's built-in GPT-like model (remat/_demo.py) for a few steps under each
 configuration (no remat, `torch.utils.checkpoint` on every block, `remat.apply(model)` with and without a policy,
 and a budget) and prints one table: the step's peak memory, its step time and whether its gradients are those of
-no remat; then the one-liners that go further. It takes well under a minute on two CPU cores (``--quick``: a
-tiny model, for a smoke test). ``python -m remat estimate`` prints `remat.estimate`'s table
+no remat; then the one-liners that go further. It takes well under a minute on two CPU cores, with one torch
+thread unless ``--threads`` says otherwise (two OpenMP threads stall each other on a busy machine), and
+``--quick`` runs a tiny model, for a smoke test. ``python -m remat estimate`` prints `remat.estimate`'s table
 (remat/_estimate_cli.py). The full benchmark, with the developers' targets, is ``python -m benchmarks`` in a clone
 of the repository.
 
@@ -61,15 +62,15 @@ TORCH_LABEL = "torch.utils.checkpoint, every block"
 
 GO_FURTHER = f"""\
 Go further (docs/quickstart.md):
-  @remat                                    a function, a method or an nn.Module class: rerun it in backward
-  remat(block)                              one module instance, in place
-  with remat.region(): ...                  any stretch of code (its aten ops are recorded and replayed)
-  remat.apply(model)                        every repeated block of a model (a Hugging Face model's layers)
+  @remat                                    on a function, a method or an nn.Module class
+  remat(block)                              on one module instance, in place
+  with remat.region(): ...                  on any stretch of code (its ops are replayed in backward)
+  remat.apply(model)                        on every repeated block of a model (Hugging Face layers too)
   {BUDGET_LABEL}  the fastest plan within {BUDGET:.0%} of no remat's peak (or "6GiB")
   print(remat.plan(model))                  which blocks, and how
   remat.estimate(model, x)                  a step's memory per configuration, on fake tensors
   python -m remat estimate --help           the same from the command line (--hf llama: a 7B Llama)
-  python -m benchmarks                      the full tables and remat's own targets (in a clone of the repository)"""
+  python -m benchmarks                      the full tables and remat's targets (in a clone of the repo)"""
 
 
 @dataclass
@@ -178,8 +179,10 @@ def demo(device: torch.device, config: GPTConfig, steps: int, out: TextIO) -> in
     torch.manual_seed(SEED)
     base = GPT(config).to(device).train()
     batch = base.sample(device, seed=SEED)
-    print(f"remat {remat.__version__} (torch {torch.__version__}, {device}): a GPT-like model, {base.describe()} "
-          f"({human_count(parameter_count(base))} parameters, float32)", file=out, flush=True)
+    threads = torch.get_num_threads()
+    where = f"{device}, {threads} thread{'s' * (threads > 1)}" if device.type == "cpu" else str(device)
+    print(f"remat {remat.__version__} on {where} (torch {torch.__version__}): a GPT-like model,", file=out)
+    print(f"{base.describe()} ({human_count(parameter_count(base))} parameters, float32).", file=out, flush=True)
     if not remat.is_enabled():
         print("remat is switched off (REMAT=0): its rows below run without remat.", file=out, flush=True)
     rows: list[_Row] = []
@@ -205,17 +208,17 @@ def demo(device: torch.device, config: GPTConfig, steps: int, out: TextIO) -> in
     none, theirs, full = by_label["no remat"], by_label[TORCH_LABEL], by_label["remat.apply(model)"]
     budget = by_label[BUDGET_LABEL]
     lines = [
-        "Each configuration trains a copy of the same weights on the same batch. peak: the most bytes live during",
-        "one step (forward, loss, backward) above what was live before it, gradients included, as remat.track",
-        f"counts them and a budget bounds them; step: the median of {steps} timed steps; gradients equal: the same",
-        "as no remat's.",
+        "Each configuration trains a copy of the same weights on the same batch. peak: the most bytes live",
+        "during one step (forward, loss, backward) above what was live before it, gradients included, as",
+        f"remat.track counts them and a budget bounds them; step: the median of {steps} timed steps;",
+        "gradients equal: the same gradients as no remat's.",
         "",
         *_table(rows),
         "",
-        f"remat.apply(model) keeps {ratio(full.peak_bytes, none.peak_bytes, 'x')} of no remat's peak "
-        f"(torch.utils.checkpoint: {ratio(theirs.peak_bytes, none.peak_bytes, 'x')}) at "
-        f"{ratio(statistics.median(full.seconds), statistics.median(theirs.seconds), 'x')} of torch's step time;",
-        f"the budget's plan peaks at {ratio(budget.peak_bytes, none.peak_bytes, 'x')} of no remat's (asked: "
+        f"remat.apply(model): {ratio(full.peak_bytes, none.peak_bytes, 'x')} of no remat's peak "
+        f"(torch.utils.checkpoint: {ratio(theirs.peak_bytes, none.peak_bytes, 'x')}), "
+        f"{ratio(statistics.median(full.seconds), statistics.median(theirs.seconds), 'x')} torch's step time;",
+        f"the budget's plan: {ratio(budget.peak_bytes, none.peak_bytes, 'x')} of no remat's peak (asked: "
         f"{BUDGET:.2f}x), planned in {format_seconds(planned[BUDGET_LABEL])}.",
         "",
         GO_FURTHER,
@@ -240,13 +243,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     )
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and two timed steps (a smoke test)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice; 1 gives steadier "
-                        "step times on a busy machine)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1, steady step times "
+                        "on a busy machine, where two OpenMP threads stall each other)")
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error("--threads must be at least 1")
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
     try:
         device = torch.device(args.device)
         torch.empty(0, device=device)
@@ -254,9 +255,12 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"remat: cannot use --device {args.device}: {reason}", file=sys.stderr)
         return 2
-    if args.quick:
-        return demo(device, QUICK, 2, out)
-    return demo(device, GPT_SIZES["small"], STEPS, out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return demo(device, QUICK if args.quick else GPT_SIZES["small"], 2 if args.quick else STEPS, out)
+    finally:
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def _ratio(cell: str) -> float:
 
 @pytest.mark.equivalence
 def test_python_m_remat_shows_what_remat_saves_in_one_screen() -> None:
-    out = _python_m_remat("--quick", "--threads", "1")  # one thread: steady on a busy machine
+    out = _python_m_remat("--quick")
     assert len(out.splitlines()) <= 60, out
     assert "gradients equal" in out and "GPT-like model" in out
     rows = _rows(out)
