@@ -9,88 +9,58 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from . import policies as policies
-from ._api import Remat as Remat
-from ._api import lazy as _lazy
-from ._api import remat as remat
-from ._core.errors import BudgetError as BudgetError
-from ._core.errors import RecomputeMismatchError as RecomputeMismatchError
-from ._core.errors import RematError as RematError
-from ._core.policies import tag as tag
-from ._core.switch import enabled as enabled
-from ._core.switch import is_enabled as is_enabled
-from ._core.switch import set_enabled as set_enabled
-from ._engine.offload import Offload as Offload
-from ._engine.region import Region as Region
-from ._sites.checkpoint import checkpoint as checkpoint
-from ._sites.checkpoint import checkpoint_sequential as checkpoint_sequential
-from ._sites.table import ModelPlan as ModelPlan
+from ._core.public import PUBLIC, resolve
 
-if TYPE_CHECKING:  # loaded on first use (`__getattr__` below), so that `import remat` stays cheap
+if TYPE_CHECKING:  # the names of remat/_core/public.py's table, for the type checker (tests/test_public.py)
+    from . import policies as policies
+    from ._api import Remat as Remat
+    from ._api import remat as remat
     from ._chain.chain import Chain as Chain
     from ._chain.chain import chain as chain
-    from ._chain.solver import Plan as Plan
-    from ._chain.solver import StageCost as StageCost
+    from ._chain.schedule import Plan as Plan
+    from ._chain.simulate import StageCost as StageCost
     from ._chain.solver import solve as solve
+    from ._core.errors import BudgetError as BudgetError
+    from ._core.errors import RecomputeMismatchError as RecomputeMismatchError
+    from ._core.errors import RematError as RematError
+    from ._core.policies import tag as tag
+    from ._core.switch import enabled as enabled
+    from ._core.switch import is_enabled as is_enabled
+    from ._core.switch import set_enabled as set_enabled
+    from ._engine.offload import Offload as Offload
+    from ._engine.offload import offload as offload
+    from ._engine.region import Region as Region
     from ._estimate.estimate import estimate as estimate
     from ._estimate.report import ConfigEstimate as ConfigEstimate
     from ._estimate.report import EstimateReport as EstimateReport
-    from ._measure.measure import Measurement as Measurement
-    from ._measure.measure import Report as Report
     from ._measure.measure import measure as measure
+    from ._measure.report import Measurement as Measurement
+    from ._measure.report import Report as Report
     from ._measure.track import Tracker as Tracker
     from ._measure.track import track as track
+    from ._sites.checkpoint import checkpoint as checkpoint
+    from ._sites.checkpoint import checkpoint_sequential as checkpoint_sequential
+    from ._sites.table import ModelPlan as ModelPlan
+
+    apply = remat.apply
+    plan = remat.plan
+    region = remat.region
+    undo = remat.undo
 
 __version__ = "0.1.0"
+__all__ = sorted(PUBLIC)
 
-apply = remat.apply
-offload = remat.offload
-plan = remat.plan
-region = remat.region
-undo = remat.undo
-
-__all__ = [
-    "BudgetError",
-    "Chain",
-    "ConfigEstimate",
-    "EstimateReport",
-    "Measurement",
-    "Offload",
-    "ModelPlan",
-    "Plan",
-    "RecomputeMismatchError",
-    "Region",
-    "Remat",
-    "RematError",
-    "Report",
-    "StageCost",
-    "Tracker",
-    "apply",
-    "chain",
-    "checkpoint",
-    "checkpoint_sequential",
-    "enabled",
-    "estimate",
-    "is_enabled",
-    "measure",
-    "offload",
-    "plan",
-    "policies",
-    "region",
-    "remat",
-    "set_enabled",
-    "solve",
-    "tag",
-    "track",
-    "undo",
-]
+for _name, _entry in PUBLIC.items():  # the eager names now; the measuring and planning wings on first use
+    if not _entry.lazy:
+        globals()[_name] = resolve(_name)
+del _name, _entry
 
 
 if not TYPE_CHECKING:
 
     def __getattr__(name: str) -> Any:
-        """The names of `_api.LAZY` (the measuring and planning wings), imported on first use."""
-        value = _lazy(name)
+        """The lazy names of the table (the measuring and planning wings), imported on first use."""
+        value = resolve(name)
         globals()[name] = value
         return value
 

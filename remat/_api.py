@@ -6,18 +6,17 @@ calls to it), so every spelling takes the same options, validated when decoratin
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from . import policies as _policies_module
 from ._core import errors as _errors
 from ._core import policies as _policies
 from ._core import switch as _switch
 from ._core.options import Options, Strategy
 from ._core.policies import PolicyLike
+from ._core.public import PUBLIC, claim, resolve
 from ._core.units import Budget
 from ._engine import offload as _offload
 from ._engine.region import Region
@@ -27,41 +26,18 @@ from ._sites.partial import decorate
 from ._sites.table import ModelPlan
 
 if TYPE_CHECKING:
+    from . import policies as _policies_module
     from ._chain import chain as _chain
+    from ._chain import schedule as _schedule
+    from ._chain import simulate as _simulate
     from ._chain import solver as _solver
     from ._estimate import estimate as _estimate
     from ._estimate import report as _estimate_report
     from ._measure import measure as _measure
+    from ._measure import report as _measure_report
     from ._measure import track as _track
 
-__all__ = ["LAZY", "Decorator", "Remat", "lazy", "remat"]
-
-# The measuring and planning wings load on first use of one of their names, not with `import remat` (which
-# should stay cheap: their dataclasses and tables cost more to import than the engine). Name -> (module, attribute).
-LAZY: dict[str, tuple[str, str]] = {
-    "estimate": ("._estimate.estimate", "estimate"),
-    "EstimateReport": ("._estimate.report", "EstimateReport"),
-    "ConfigEstimate": ("._estimate.report", "ConfigEstimate"),
-    "chain": ("._chain.chain", "chain"),
-    "Chain": ("._chain.chain", "Chain"),
-    "solve": ("._chain.solver", "solve"),
-    "Plan": ("._chain.solver", "Plan"),
-    "StageCost": ("._chain.solver", "StageCost"),
-    "measure": ("._measure.measure", "measure"),
-    "Measurement": ("._measure.measure", "Measurement"),
-    "Report": ("._measure.measure", "Report"),
-    "track": ("._measure.track", "track"),
-    "Tracker": ("._measure.track", "Tracker"),
-}
-
-
-def lazy(name: str) -> Any:
-    """The object `LAZY[name]` names, importing its module (`AttributeError` for any other name)."""
-    try:
-        module, attribute = LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'remat' has no attribute {name!r}") from None
-    return getattr(importlib.import_module(module, __package__), attribute)
+__all__ = ["Decorator", "Remat", "remat"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -315,23 +291,24 @@ class Remat:
         )
         return Region(settings)
 
-    # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__`.
-    offload = staticmethod(_offload.offload)
-    checkpoint = staticmethod(_checkpoint.checkpoint)
-    checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
-    is_enabled = staticmethod(_switch.is_enabled)
-    set_enabled = staticmethod(_switch.set_enabled)
-    enabled = staticmethod(_switch.enabled)
-    policies: _PoliciesModule = _policies_module
-    tag = staticmethod(_policies.tag)
-    Offload = _offload.Offload
-    ModelPlan = ModelPlan
-    Region = Region
-    RematError = _errors.RematError
-    RecomputeMismatchError = _errors.RecomputeMismatchError
-    BudgetError = _errors.BudgetError
-
-    if TYPE_CHECKING:  # `LAZY`: what the checker sees; at run time `__getattr__` imports them on first use
+    # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__`: set from
+    # remat/_core/public.py's table below (eager names) or on first use (`__getattr__`); declared here for the
+    # type checker only (tests/test_public.py keeps the two in step).
+    if TYPE_CHECKING:
+        offload = staticmethod(_offload.offload)
+        checkpoint = staticmethod(_checkpoint.checkpoint)
+        checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
+        is_enabled = staticmethod(_switch.is_enabled)
+        set_enabled = staticmethod(_switch.set_enabled)
+        enabled = staticmethod(_switch.enabled)
+        policies: _PoliciesModule = _policies_module
+        tag = staticmethod(_policies.tag)
+        Offload = _offload.Offload
+        ModelPlan = ModelPlan
+        Region = Region
+        RematError = _errors.RematError
+        RecomputeMismatchError = _errors.RecomputeMismatchError
+        BudgetError = _errors.BudgetError
         estimate = staticmethod(_estimate.estimate)
         EstimateReport = _estimate_report.EstimateReport
         ConfigEstimate = _estimate_report.ConfigEstimate
@@ -340,21 +317,18 @@ class Remat:
         measure = staticmethod(_measure.measure)
         track = staticmethod(_track.track)
         Chain = _chain.Chain
-        Plan = _solver.Plan
-        StageCost = _solver.StageCost
-        Measurement = _measure.Measurement
-        Report = _measure.Report
+        Plan = _schedule.Plan
+        StageCost = _simulate.StageCost
+        Measurement = _measure_report.Measurement
+        Report = _measure_report.Report
         Tracker = _track.Tracker
     else:
 
         def __getattr__(self, name: str) -> Any:
-            value = lazy(name)
-            function = callable(value) and not isinstance(value, type)
-            setattr(type(self), name, staticmethod(value) if function else value)  # once: later lookups are plain
-            return value
+            return _attach(name, resolve(name))
 
         def __dir__(self) -> list[str]:
-            return sorted({*super().__dir__(), *LAZY})
+            return sorted({*super().__dir__(), *PUBLIC})
 
     @property
     def remat(self) -> Remat:
@@ -378,4 +352,17 @@ for _name in ("apply", "plan", "undo", "region"):
         _function.__code__ = _function.__code__.replace(co_qualname=f"remat.{_name}")
 
 
+def _attach(name: str, value: Any) -> Any:
+    """Make `value` the decorator's attribute `name` (a function as a static method): later lookups are plain."""
+    function = callable(value) and not isinstance(value, type)
+    setattr(Remat, name, staticmethod(value) if function else value)
+    return value
+
+
+for _name, _entry in PUBLIC.items():
+    if not _entry.lazy and _name not in vars(Remat):  # apply, plan, undo, region, remat and Remat are its own
+        _attach(_name, resolve(_name))
+
+
 remat = Remat()
+claim(__name__)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .._core.errors import RematError
+from .._core.public import claim
 from .._core.units import Budget, parse_budget
 from .._engine.autocast import AutocastState
 from .._engine.compiled import compiling
@@ -359,3 +360,5 @@ def chain(
         probe = sample.detach().requires_grad_(sample.is_floating_point())
         built.plan_for(probe)
     return built
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from .._core.public import claim
 from .._core.units import format_bytes
 from .simulate import OpKind, StageCost, _Row, check_bytes, check_stages, simulate
 
@@ -165,3 +166,4 @@ class Plan:
             lines.append(f"{n:>5}  {r.kind:<18} {r.stage:>5} {r.time:>10.4g} {peak:>12} {live:>12}")
         return "\n".join(lines)
 
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from .._core.public import claim
+
 __all__ = ["OpKind", "StageCost", "check_bytes", "check_stages", "simulate"]
 
 OpKind = Literal["forward_nosave", "forward_checkpoint", "forward_save", "backward", "loss"]
@@ -258,3 +260,5 @@ def check_stages(stages: Sequence[StageCost]) -> tuple[StageCost, ...]:
         if not isinstance(s, StageCost):
             raise TypeError(f"remat: stage {n} must be a remat.StageCost, but got {type(s).__name__}.")
     return stages
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

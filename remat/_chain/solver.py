@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from .._core.errors import BUG, BudgetError, RematError
+from .._core.public import claim
 from .._core.units import format_bytes
 from .schedule import Plan
 from .simulate import OpKind, StageCost, _InvalidOp, _Machine, check_bytes, check_stages
@@ -355,3 +356,5 @@ def solve(stages: Sequence[StageCost], budget: int, *, input_bytes: int, slots: 
         name="optimal",
         _rows=best._rows,
     )
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

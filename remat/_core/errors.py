@@ -6,6 +6,8 @@ import inspect
 
 from torch.utils.checkpoint import CheckpointError
 
+from .public import claim
+
 __all__ = ["BudgetError", "RecomputeMismatchError", "RematError", "check_runs_when_called"]
 
 
@@ -74,3 +76,5 @@ def check_runs_when_called(fn: object, site: str) -> None:
             "the computation instead, or put `with remat.region():` around the computation inside its body "
             "(not across a `yield` or an `await`)."
         )
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

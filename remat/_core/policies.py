@@ -12,6 +12,8 @@ from typing import Any, Union
 
 import torch
 
+from .public import claim
+
 __all__ = ["Policy", "PolicyLike", "as_policy", "offload", "save_all", "save_matmuls", "save_nothing",
            "save_tagged", "tag"]
 
@@ -212,3 +214,5 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
         raise TypeError(f"remat: tag expects a tensor, but got `{type(tensor).__name__}`.")
     sinks = tags.sinks
     return sinks[-1](tensor, name) if sinks else tensor
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -10,6 +10,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .public import claim
+
 __all__ = ["debug", "enabled", "is_enabled", "parse_flag", "set_enabled"]
 
 _TRUE = frozenset({"1", "true", "on", "yes"})
@@ -84,3 +86,5 @@ def enabled(flag: bool) -> Iterator[None]:
 def debug() -> bool:
     """Return whether `REMAT_DEBUG=1` asked for op traces on recompute mismatches."""
     return _debug
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._core.errors import RematError
+from .._core.public import claim
 from .._core.torch_compat import (
     disable_current_modes,
     dispatch_modes_on,
@@ -298,3 +299,5 @@ def for_kept(offload: Offload | None, policy: Any) -> Offload | None:
 # policy saves go to the frame's `offload` (the site's, or the default one for `policies.offload(...)`):
 # the pack hook returns their parcels, and the list that recompute reuses holds parcels from the end of
 # forward on, brought back one by one as recompute reaches them. What the site recomputes is never copied.
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

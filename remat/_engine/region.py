@@ -23,6 +23,7 @@ from .._core import switch as _switch
 from .._core.errors import BUG, RecomputeMismatchError, RematError, check_runs_when_called
 from .._core.options import Options
 from .._core.policies import Policy, as_policy, tags
+from .._core.public import claim
 from .._core.torch_compat import pop_saved_hooks, push_saved_hooks, storage_id
 from .compiled import compiled_key, compiling, context_for, in_compiled_call, torch_checkpoint, warn_once
 from .guard import storage_key
@@ -440,3 +441,5 @@ def _warn_compiled_block() -> None:
         "function holding it in eager code (rematerialized there, not compiled). To compile the block with its "
         "activations recomputed, move it into a function decorated with `@remat` or `@remat.region()`."
     ), stacklevel=5)
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -18,6 +18,7 @@ from .._budget.apply import apply_budget
 from .._chain.chain import parse_budget
 from .._core.options import Options
 from .._core.policies import Policy, save_matmuls
+from .._core.public import claim
 from .._core.switch import enabled
 from .._core.units import parse_memory
 from .._measure import ddp as _ddp
@@ -286,3 +287,5 @@ def _per_rank_ddp(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Ten
     finally:
         buckets.close()
     return dataclasses.replace(report, model=type(model).__qualname__)
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -10,7 +10,7 @@ the optimizer step and ``zero_grad``; the loss is dropped before the optimizer s
 needs stays alive through autograd, as in a real step; the rest (a language model's logits, typically) is freed
 before backward, and its bytes are the row's ``output_bytes``: a loop that holds on to the output (``out =
 model(batch)`` kept through backward, or until the next forward) needs up to that much more. The budget planner
-profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in remat/_fit.py), so
+profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in remat/_budget/apply.py), so
 ``memory=`` and the largest batch that fits mean the same step as the estimate's rows. The optimizer's state is
 made by one step on zero gradients before the counted step (optimizers create it lazily), so it is alive
 throughout the counted one, as from the second step of a real run on. Everything runs on fake tensors (NOTE

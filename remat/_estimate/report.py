@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._core.public import claim
 from .._core.units import format_bytes
 from .phases import OPTIMIZER, peak_lines
 
@@ -166,3 +167,5 @@ def _same(a: Any, b: Any) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # an object whose == does not give a bool
         return False
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core.public import claim
 from .._core.switch import enabled
 from .._core.torch_compat import tree_leaves
 from .._core.units import format_bytes
@@ -229,3 +230,5 @@ def _median(runs: list[Measurement]) -> Measurement:
         backward_seconds=statistics.median(r.backward_seconds for r in runs),
         recompute_seconds=statistics.median(recompute) if recompute else None,
     )
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

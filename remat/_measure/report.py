@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._core.public import claim
 from .._core.units import format_bytes
 
 __all__ = ["Measurement", "Report", "format_bytes", "format_seconds"]
@@ -191,3 +192,5 @@ class Report:
             lines.append("  ".join(cells).rstrip())
         lines.extend(self.notes)
         return "\n".join(lines)
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

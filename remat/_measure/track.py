@@ -62,6 +62,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .._core.public import claim
 from .._core.torch_compat import OpOverload, local_tensor, top_dispatch_mode
 from .._core.units import format_bytes, parse_memory
 from .._engine.modes import Mode
@@ -575,3 +576,5 @@ class _OverLimit(Exception):
             f"live, over the limit of {format_bytes(self.limit)} ({self.limit} bytes). Hold less in the step "
             "(remat.apply(model, budget=...), a smaller batch) or raise the limit."
         )
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

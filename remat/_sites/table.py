@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .._core.public import claim
 from .._core.units import aligned as _aligned
 from .._core.units import format_bytes
 
@@ -83,3 +84,5 @@ class ModelPlan:
         lines += _aligned(rows)
         lines += plan.summary()
         return "\n".join(lines)
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)
