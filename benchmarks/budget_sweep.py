@@ -7,7 +7,7 @@ every block meets the budget), the step time, and the fastest uniform configurat
 `save_matmuls` on every block or every second block) whose measured peak fits the same budget, with the ratio of
 our step to its step. All measured in one run, with the same weights and sample per workload; step times are
 medians of interleaved repeats. A plan's first training step checks it (NOTE [ The first step ] in
-remat/_first_step.py); the measured peak is the next step's, and the summary says how many first steps went over
+remat/_budget/first_step.py); the measured peak is the next step's, and the summary says how many first steps went over
 and were corrected. The summary line counts overshoots (measured over 1.05 x budget), false
 refusals, the mean fill (measured / budget) over the plans returned, and the plans slower than the fastest
 uniform configuration that fits in every repeat: the repeats are interleaved, so each pairs our step with the

@@ -11,7 +11,7 @@ Parameters and their ``.grad`` exist before the tracked step (the gradients are 
 first, as after a step of ``zero_grad(set_to_none=False)``), so they are not counted: "peak" is
 the highest number of live tensor bytes the step adds (activations, remat's saved inputs,
 temporaries, incoming gradients), and "held" is what is still alive at the end of forward, minus
-the loss itself (see NOTE [ Held for backward ] in _measure.py).
+the loss itself (see NOTE [ Held for backward ] in remat/_measure/measure.py).
 
 Configurations live in a registry (`register`), so rows such as ``save_matmuls`` or
 ``remat.chain`` plug in without touching the runner.

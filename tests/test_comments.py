@@ -129,8 +129,10 @@ def definitions() -> dict[str, list[Path]]:
 
 
 def references() -> Iterator[tuple[Path, int, str, str | None]]:
-    """(file, line, name, the file named after "in", if any) for every NOTE citation in remat/ and tests/."""
-    for path in [*_sources(PACKAGE), *sorted(TESTS.rglob("*.py"))]:
+    """(file, line, name, the file named after "in", if any) for every NOTE citation in remat/, tests/,
+    benchmarks/ and examples/."""
+    others = (TESTS, ROOT / "benchmarks", ROOT / "examples")
+    for path in [*_sources(PACKAGE), *(p for folder in others for p in sorted(folder.rglob("*.py")))]:
         text, starts = _flat(path)
         for match in REFERENCE.finditer(text):
             line = next(number for offset, number in reversed(starts) if offset <= match.start())
@@ -140,7 +142,7 @@ def references() -> Iterator[tuple[Path, int, str, str | None]]:
 def _resolve(named: str, citing: Path) -> list[Path]:
     """The files `named` ("track.py", "_measure/track.py", "remat/_measure/track.py") can mean from `citing`:
     the one in the citing file's folder where there is one, else every file whose path ends so."""
-    files = [*PACKAGE.rglob("*.py"), *TESTS.rglob("*.py")]
+    files = [*PACKAGE.rglob("*.py"), *TESTS.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
     found = [f for f in files if f.as_posix().endswith("/" + named)]
     here = [f for f in found if f.parent == citing.parent]
     return here or found
