@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 import remat
+from remat._core.units import format_bytes
 from remat._demo import BenchModel, human_count, parameter_count
-from remat._measure.measure import format_bytes
 from tests.models import ChainNet
 
 from .configs import NO_REMAT, SEED, Config, Sequential

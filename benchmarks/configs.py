@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import remat
+from remat._core.units import format_bytes
 from remat._demo import BenchModel
-from remat._measure.measure import format_bytes
 
 __all__ = ["CONFIGS", "NO_REMAT", "SEED", "TORCH", "Config", "Sequential", "register"]
 

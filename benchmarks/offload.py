@@ -24,10 +24,10 @@ import torch
 from remat._api import remat
 from remat._core.policies import offload as offload_policy
 from remat._core.policies import save_matmuls
+from remat._core.units import format_bytes
 from remat._demo import GPT, GPTConfig, human_count, parameter_count
 from remat._engine.offload import Offload
 from remat._engine.transfer import host_bytes
-from remat._measure.measure import format_bytes
 from remat._measure.track import track
 
 from .runner import GRAD_BOUND, note

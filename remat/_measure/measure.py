@@ -24,17 +24,14 @@ from torch import nn
 from .._core.public import claim
 from .._core.switch import enabled
 from .._core.torch_compat import tree_leaves
-from .._core.units import format_bytes
 from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
 from .loss import default_loss
-from .report import Measurement as Measurement
-from .report import Report as Report
-from .report import format_seconds as format_seconds
+from .report import Measurement, Report
 from .track import synchronize as _sync
 from .track import track
 
-__all__ = ["Measurement", "Report", "format_bytes", "format_seconds", "measure"]
+__all__ = ["measure"]
 
 
 def _name(target: object) -> str:

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from remat._measure.measure import Measurement, Report, format_bytes, format_seconds, measure
+from remat._core.units import format_bytes
+from remat._measure.measure import measure
+from remat._measure.report import Measurement, Report, format_seconds
 
 F32 = 4
 
