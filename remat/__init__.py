@@ -9,7 +9,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from ._core.public import PUBLIC, resolve
+from ._api import remat as _decorator
+from ._core.public import PUBLIC
 
 if TYPE_CHECKING:  # the names of remat/_core/public.py's table, for the type checker (tests/test_public.py)
     from . import policies as policies
@@ -50,9 +51,11 @@ if TYPE_CHECKING:  # the names of remat/_core/public.py's table, for the type ch
 __version__ = "0.1.0"
 __all__ = sorted(PUBLIC)
 
-for _name, _entry in PUBLIC.items():  # the eager names now; the measuring and planning wings on first use
+# The decorator carries every public name (it reads the table); the package takes the eager ones from it now and
+# the measuring and planning wings on first use.
+for _name, _entry in PUBLIC.items():
     if not _entry.lazy:
-        globals()[_name] = resolve(_name)
+        globals()[_name] = getattr(_decorator, _name)
 del _name, _entry
 
 
@@ -60,7 +63,9 @@ if not TYPE_CHECKING:
 
     def __getattr__(name: str) -> Any:
         """The lazy names of the table (the measuring and planning wings), imported on first use."""
-        value = resolve(name)
+        if name not in PUBLIC:
+            raise AttributeError(f"module 'remat' has no attribute {name!r}")
+        value = getattr(_decorator, name)
         globals()[name] = value
         return value
 
