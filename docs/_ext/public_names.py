@@ -17,21 +17,15 @@ _DIRECTIVE = re.compile(r"^::: remat\.(\w+)\s*$")
 
 def expand(markdown: str) -> str:
     """Each ``::: remat.NAME`` of the table pointed at its definition, with ``heading: remat.NAME``."""
-    lines = markdown.splitlines()
     out: list[str] = []
-    for index, line in enumerate(lines):
-        match = _DIRECTIVE.match(line)
-        if match is None or match[1] not in PUBLIC:
+    name = None  # the public name of the directive on the line before
+    for line in markdown.splitlines():
+        if name is None or line.strip() != "options:":  # a directive's own `options:` is written with the heading
             out.append(line)
-            continue
-        out.append(f"::: {PUBLIC[match[1]].path}")
-        has_options = index + 1 < len(lines) and lines[index + 1].strip() == "options:"
-        if not has_options:
-            out.append("    options:")
-        out.append(f"      heading: remat.{match[1]}")
-    for index in range(len(out) - 1):  # the heading goes after the page's own `options:` line
-        if out[index].startswith("      heading: remat.") and out[index + 1].strip() == "options:":
-            out[index], out[index + 1] = out[index + 1], out[index]
+        match = _DIRECTIVE.match(line)
+        name = match[1] if match is not None and match[1] in PUBLIC else None
+        if name is not None:
+            out[-1:] = [f"::: {PUBLIC[name].path}", "    options:", f"      heading: remat.{name}"]
     return "\n".join(out) + "\n"
 
 
