@@ -8,20 +8,23 @@ Rules:
 2. A plan assumes the loop almost everyone writes: `optimizer.zero_grad()` sets gradients to None, so every
    backward allocates each parameter's gradient when it reaches that parameter, and it lives to the step's end.
    A loop that keeps its gradients (`zero_grad(set_to_none=False)`, accumulation) peaks lower, never higher.
-3. The profile itself measures without new gradients (each parameter has a zero `.grad` that backward adds into:
-   `step_state`), so what a block costs does not depend on where it sits; the gradients are added here, by
-   position, from the order in which the profiled backward reached the parameters.
+3. The profile itself runs without new gradients (each parameter has a zero `.grad` that backward adds into:
+   `step_state`), so what a block costs does not depend on where it sits. Inside each window of the profile, a
+   parameter's gradient counts from the moment backward first accumulates it (where a default loop's backward
+   would make it) to the window's end; the gradients made before a window are added here, by position, from the
+   order in which the profiled backward reached the parameters.
 
 Implementation notes:
 1. `accumulation_order` records the parameters in the order their gradients were first accumulated (a
    post-accumulate-grad hook); every round of a profile runs the same backward order, so the first-seen order is
    the first round's.
-2. While block i runs backward, the gradients made so far are those of every parameter accumulated no later than
-   the last of block i's own (its own counted whole: where inside its backward the peak falls is not known).
-   Between block k's backward and block k-1's (`outside_peaks[k]`, which also covers the forward between them,
-   where no gradient exists yet), those accumulated before block k-1's first; window 0 (after block 0's
-   backward) holds them all, window n those made before block n-1's backward starts (the head's, the loss's).
-   A block without parameters takes the bounds of the next block below it that has some.
+2. A window's own gradients are in its measured peak (`Windows.made` in marks.py, at the first accumulation of
+   each parameter in the step). Added here: while block i runs backward, the gradients of every parameter
+   accumulated before block i's first; in the window between block k's backward and block k-1's
+   (`outside_peaks[k]`, which also covers the forward between them, where no gradient exists yet), those
+   accumulated up to block k's last; in window 0 (after block 0's backward), the same up to block 0's last; in
+   window n (the head, the loss and their backward) none. A block without parameters takes the bounds of the
+   next block below it that has some.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -
     >>> order = [head, *blocks[1].parameters(), *blocks[0].parameters()]
     >>> steps = gradient_steps(blocks, order)
     >>> steps.blocks, steps.outside
-    ((64, 40), (64, 40, 16))
+    ((40, 16), (64, 40, 0))
     """
     n, total = len(blocks), len(order)
     position = {id(p): q for q, p in enumerate(order)}
@@ -93,5 +96,5 @@ def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -
         else:
             below_first = start[i] = opened
             end[i] = closed + 1
-    outside = [before[total]] + [before[start[k - 1]] for k in range(1, n + 1)]
-    return GradientSteps(tuple(before[e] for e in end), tuple(outside))
+    outside = [before[end[k]] for k in range(n)] + [0]
+    return GradientSteps(tuple(before[s] for s in start), tuple(outside))

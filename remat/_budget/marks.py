@@ -57,6 +57,7 @@ class Recorder:
         self.details: dict[int, tuple[Detail, list[tuple[int, weakref.ref[torch.Tensor]]]]] = {}
         self.at_backward: dict[int, tuple[int, int, frozenset[int]]] = {}  # live, own live, outputs live
         self.early: tuple[int, int] | None = None  # at the first backward: bytes the others held, and lost since
+        self.made: set[int] = set()  # parameters whose gradient this step's backward has made (`gradient_made`)
 
     def _switch(self, owner: tuple[str, int]) -> int:
         if self.timing:
@@ -106,6 +107,13 @@ class Recorder:
             self.at_backward[i] = (level - (self.held_sum - self.held[i]), alive, live)
             if self.timing:
                 self.clock = now()
+
+    def gradient_made(self, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated: the first time in this step, a default loop would have made it
+        here (NOTE [ Gradients in the budget ] in gradients.py)."""
+        if self.tracker is not None and id(param) not in self.made:
+            self.made.add(id(param))
+            self.tracker.made(param.numel() * param.element_size())
 
     def backward_end(self, i: int) -> None:
         if self.owner != ("bwd", i):
@@ -204,8 +212,12 @@ def marked_step(
     devices: tuple[torch.device, ...],
     describe: Collection[int] = (),
     detailed: Collection[int] = (),
+    params: Sequence[torch.Tensor] = (),
 ) -> Recorder:
-    """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ])."""
+    """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ]).
+
+    The gradients of `params` count in the window where backward makes them (NOTE [ Gradients in the budget ]).
+    """
     with contextlib.ExitStack() as stack:
         tracker: Windows | None = None
         if tracked:
@@ -216,6 +228,9 @@ def marked_step(
         recorder.describe = set(describe)
         recorder.detailed = set(detailed)
         handles = _hooks(blocks, recorder)
+        if tracker is not None:
+            handles += [p.register_post_accumulate_grad_hook(recorder.gradient_made)  # type: ignore[no-untyped-call]
+                        for p in params]
         try:
             if timing:
                 synchronize(devices)
@@ -295,6 +310,7 @@ class Windows(Tracker):
     """
 
     window_peak = 0
+    _made = 0  # bytes counted by `made` in the window open now
     overhead = 0.0  # seconds of this tracker's own work since the last `take_overhead`
     per_op = 0.0  # seconds per op that the clocks in `_see` cannot see
     detail: Detail | None = None
@@ -302,9 +318,23 @@ class Windows(Tracker):
     _in_matmul = False
 
     def mark(self) -> int:
-        peak, self.window_peak = self.window_peak, self.current_bytes
+        """The window's peak; the next window starts at what is live now, gradients counted by `made` left out."""
+        with self._lock:
+            peak = self.window_peak
+            self.current_bytes -= self._made
+            self._made = 0
+            self.window_peak = self.current_bytes
         self._last = now()
         return peak
+
+    def made(self, nbytes: int) -> None:
+        """Count `nbytes` of a gradient a default loop's backward would have made here, to the window's end
+        (NOTE [ Gradients in the budget ] in gradients.py). The peak moves with the next allocation: the gradient
+        that was just added in place into a zero one is released right after this is called, and a real step
+        keeps that very tensor as the gradient."""
+        with self._lock:
+            self.current_bytes += nbytes
+            self._made += nbytes
 
     def take_overhead(self) -> float:
         overhead, self.overhead = self.overhead, 0.0

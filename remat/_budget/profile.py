@@ -138,7 +138,8 @@ def profile_blocks(
                 assign(i, c)
             here = {b for r, b in samples.values() if r == len(tracked)}
             kept = [i for i, c in enumerate(assignment) if c == 0] if derived else []
-            tracked.append(marked_step(step, blocks, True, not apart, devices, here, kept))
+            made = () if compiled else params  # one graph keeps every gradient: NOTE [ Compiled as one graph ]
+            tracked.append(marked_step(step, blocks, True, not apart, devices, here, kept, made))
             timed.append(marked_step(step, blocks, False, True, devices) if apart else tracked[-1])
         again = derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked)
         for choice, (r, sample) in ({} if again else samples).items():  # no block timed alone for a profile redone
