@@ -12,7 +12,9 @@ and were corrected. The summary line counts overshoots (measured over 1.05 x bud
 refusals, the mean fill (measured / budget) over the plans returned, and the plans slower than the fastest
 uniform configuration that fits in every repeat: the repeats are interleaved, so each pairs our step with the
 uniform one taken moments apart, and a plan that ties with a uniform one is slower in about half of them, by
-the machine's noise, not in all.
+the machine's noise, not in all. Column "fullest": the predicted peak, over the budget, of the fullest plan the
+offered choices allow within it, whatever its time (`fullest_peak`): a fill below it is the planner preferring a
+faster plan; a fill near it that is still low is the choices' granularity (few blocks, few ways to spend bytes).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 import remat
+from remat._budget.costs import ModelCost
 from tests.models import WORKLOADS, Workload, build, tracked_peak
 
-__all__ = ["FRACTIONS", "QUICK", "QUICK_FRACTIONS", "LEGEND", "SweepRow", "format_sweep", "short", "sweep"]
+__all__ = [
+    "FRACTIONS", "QUICK", "QUICK_FRACTIONS", "LEGEND", "SweepRow", "format_sweep", "fullest_peak", "short", "sweep",
+]
 
 FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK = ("gpt2", "convnet")
@@ -61,6 +66,7 @@ class SweepRow:
     planning: int | None = None  # the peak of `remat.apply` itself
     replanned: bool = False  # whether the first step went over and the next ran a corrected plan
     choices: str = ""
+    fullest: int | None = None  # the largest predicted peak of any plan within the budget (`fullest_peak`)
     times: list[float] = field(default_factory=list)
 
     @property
@@ -126,6 +132,7 @@ def sweep_one(
         row.predicted = plan.peak_bytes if plan is not None else None
         row.choices = " ".join(short(plan.choices[c]) for c in plan.choice) if plan is not None else ""
         row.replanned = plan is not None and plan.choice != first_choice
+        row.fullest = fullest_peak(plan.cost, row.budget) if plan is not None else None
         running.append((row, work))
     for _ in range(repeats):
         for row, work in running:
@@ -143,16 +150,42 @@ def sweep(
     return [row for name in names for row in sweep_one(name, fractions, repeats, progress)]
 
 
+def fullest_peak(cost: ModelCost, budget: int) -> int | None:
+    """The largest predicted peak of any choice per block that fits `budget` under `cost` (NOTE [ Budget model ]
+    in remat/_budget/costs.py), whatever its time: how full a plan the offered choices could make.
+
+    The states are (bytes held by the blocks so far, peak so far); only repeats are merged, since a plan that
+    holds more may both peak higher and fit less.
+
+    >>> from remat._budget.costs import BlockCost
+    >>> kept, full = (BlockCost(8, 10, 10, 1.0, 1.0), BlockCost(2, 10, 10, 1.0, 2.0))
+    >>> cost = ModelCost(("0", "1"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 0))
+    >>> fullest_peak(cost, 20), fullest_peak(cost, 17), fullest_peak(cost, 9)
+    (18, 12, None)
+    """
+    states = {(0, 0)}
+    for i, row in enumerate(cost.blocks):
+        states = {
+            (held + block.held_bytes, max(peak, held + cost.outside_peaks[i], held + block.need))
+            for held, peak in states
+            for block in row
+            if block is not None and max(held + cost.outside_peaks[i], held + block.need) <= budget
+        }
+    ends = [max(peak, held + cost.outside_peaks[-1]) for held, peak in states]
+    return max((end for end in ends if end <= budget), default=None)
+
+
 def _full_peak(rows: Sequence[SweepRow]) -> int | None:
     return next((r.peak for r in rows if r.name == "full, every 1"), None)
 
 
 def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
     """The sweep as aligned text, and whether it kept the budget's promise (no overshoot, no false refusal)."""
-    lines = [f"{'model':<9} {'f':>4} {'budget MiB':>10} {'meas/budget':>11} {'pred/meas':>9} {'step ms':>8} "
-             f"{'vs uniform':>10}  fastest uniform that fits"]
+    lines = [f"{'model':<9} {'f':>4} {'budget MiB':>10} {'meas/budget':>11} {'fullest':>7} {'pred/meas':>9} "
+             f"{'step ms':>8} {'vs uniform':>10}  fastest uniform that fits"]
     overshoots = false_refusals = 0
     fills: list[float] = []
+    fullest: list[float] = []
     slower = 0
     for model in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == model]
@@ -171,6 +204,9 @@ def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
                 continue
             fill = r.peak / r.budget
             fills.append(fill)
+            most = None if r.fullest is None else r.fullest / r.budget
+            if most is not None:
+                fullest.append(most)
             overshoots += fill > OVER
             ratio = (r.step or 0.0) / best.step if best is not None and best.step else None
             pairs = list(zip(r.times, best.times, strict=False)) if best is not None else []
@@ -178,6 +214,7 @@ def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
             slower += behind
             lines.append(
                 f"{model:<9} {r.fraction:>4.1f} {r.budget / 2**20:>10.2f} {fill:>11.3f} "
+                f"{'-' if most is None else f'{most:.3f}':>7} "
                 f"{(r.predicted or 0) / r.peak:>9.3f} {(r.step or 0.0) * 1e3:>8.1f} "
                 f"{'-' if ratio is None else f'{ratio:.2f}' + ('*' if behind else ' '):>10}  "
                 f"{'none fits' if best is None else f'{best.name} ({(best.step or 0.0) * 1e3:.1f} ms)'}"
@@ -196,5 +233,10 @@ def format_sweep(rows: Sequence[SweepRow]) -> tuple[str, bool]:
         f"mean measured/budget {mean:.3f} (target 0.95: {'met' if mean >= 0.95 else 'MISSED'}); {slower} slower "
         "than the fastest uniform that fits in every repeat (marked *)"
     )
+    if fullest:
+        lines.append(
+            f"the fullest plans the choices allow (predicted, whatever their time: 'fullest'): mean "
+            f"{statistics.fmean(fullest):.3f} of the budget"
+        )
     lines.append(LEGEND)
     return "\n".join(lines), overshoots == 0 and false_refusals == 0

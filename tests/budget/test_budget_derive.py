@@ -18,7 +18,8 @@ from torch import nn
 import remat
 from remat._budget.apply import _Budget
 from remat._budget.blocks_dp import evaluate_blocks
-from remat._budget.costs import ModelCost
+from remat._budget.costs import ModelCost, with_gradients
+from remat._budget.gradients import accumulation_order, gradient_steps
 from remat._budget.profile import profile_blocks
 
 LABELS = ("kept", "save_matmuls", "full")
@@ -71,7 +72,9 @@ def _profile(model: nn.Module, x: torch.Tensor, derived: tuple[int, ...]) -> Mod
     hook = _Budget(1.0, names, ("kept", remat.policies.save_matmuls, None), LABELS, None, False, OPTIONS)
     blocks = [model.get_submodule(name) for name in names]
     step = lambda: model(x).sum()  # noqa: E731
-    return profile_blocks(model, names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), derived)
+    with accumulation_order(model) as order:  # as apply profiles: NOTE [ Gradients in the budget ]
+        found = profile_blocks(model, names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), derived)
+    return with_gradients(found, gradient_steps(blocks, order))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -86,8 +89,11 @@ def test_derived_bytes_match_the_bytes_of_running_each_choice(name: str) -> None
             assert m is not None and d is not None
             where = f"{name} block {i} {LABELS[c]}"
             assert d.held_bytes == m.held_bytes, where
-            # kept's backward bounds rerun's (NOTE [ Deriving choices ]); a few KiB of rerun's own are not in it
-            assert m.backward_peak * 0.95 <= d.backward_peak <= m.backward_peak * 1.1, where
+            # kept's backward bounds rerun's (NOTE [ Deriving choices ]); a few KiB of rerun's own are not in it.
+            # With the gradients a block's backward makes counted where they are made, the bound is 1.11 x on
+            # the convnet's last block: there the input's gradient sum (16 KiB) comes after the gradients, and
+            # kept's autograd still holds two 6 KiB activations that rerun has already dropped.
+            assert m.backward_peak * 0.95 <= d.backward_peak <= m.backward_peak * 1.15, where
             assert d.forward_time > 0 and d.backward_time > 0, where
     assert derived.outside_peaks == measured.outside_peaks
     # The step's peak predicted from derived costs, against a real tracked step with those choices put on the
@@ -99,7 +105,7 @@ def test_derived_bytes_match_the_bytes_of_running_each_choice(name: str) -> None
         for i, c in enumerate(choice):
             hook.assign(model, i, c)
         before = recomputes()
-        tracked = _peak(model, x, grads=False)  # the profile's raw costs leave gradients out
+        tracked = _peak(model, x)  # a default loop's step: the gradients it makes count
         assert (recomputes() > before) == any(c != 0 for c in choice), choice  # the choices were really on
         assert evaluate_blocks(derived, choice)[0] == pytest.approx(tracked, rel=0.05), (where, choice)
     remat.undo(model)

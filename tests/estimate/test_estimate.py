@@ -59,8 +59,8 @@ def test_a_budget_configuration_predicted_against_its_real_step() -> None:
     def build() -> Case:
         return bench_case("gpt", config=TINY_GPT)
 
-    none, full, budget = check(build(), build, configs=("none", "full", 0.7), optimizer="sgd")
-    assert budget.config == "budget 0.7"
+    none, full, budget = check(build(), build, configs=("none", "full", 0.9), optimizer="sgd")
+    assert budget.config == "budget 0.9"
     for side in ("predicted", "measured"):  # whichever blocks each plan picked (their times may differ)
         peaks = [getattr(row, side).peak_bytes for row in (full, budget, none)]
         assert peaks == sorted(peaks), f"{side}: full, budget, none peaks {peaks}"

@@ -42,7 +42,7 @@ def _plan(model: nn.Module) -> Assignment:
     return hooks[0].assignment
 
 
-def _budget_on_fake(sleep: float, budget: float = 0.8) -> Assignment:
+def _budget_on_fake(sleep: float, budget: float = 0.9) -> Assignment:
     with FakeTensorMode():
         model = GPT(CFG)
         _slowed(model, list(model.blocks), sleep)
@@ -92,16 +92,16 @@ def test_a_budget_on_fake_tensors_is_planned_on_prices_not_on_the_clock() -> Non
     plain, slowed = _budget_on_fake(0.0), _budget_on_fake(0.005)
     assert plain.cost == slowed.cost, "every time in the profile is the same, sleeps or not"
     assert plain.choice == slowed.choice
-    assert any(choice != "kept" for choice in plain.choice), "remat was active"
+    assert any(plain.choices[c] != "kept" for c in plain.choice), "remat was active"
     assert not priced() and not _get_current_dispatch_mode_stack(), "no clock or mode left behind"
 
 
 def test_an_estimates_budget_row_is_the_same_on_every_run() -> None:
     with torch.device("meta"):
         model = GPT(CFG)
-    rows = [remat.estimate(model, _idx(), configs=(0.8,))[0.8] for _ in range(2)]
+    rows = [remat.estimate(model, _idx(), configs=(0.9,))[0.9] for _ in range(2)]
     _slowed(model, list(model.blocks), 0.005)
-    rows.append(remat.estimate(model, _idx(), configs=(0.8,))[0.8])
+    rows.append(remat.estimate(model, _idx(), configs=(0.9,))[0.9])
     assert rows[0].peak_bytes == rows[1].peak_bytes == rows[2].peak_bytes
     none = remat.estimate(model, _idx(), configs=("none",))["none"]
     assert rows[0].peak_bytes < none.peak_bytes, "remat was active"
