@@ -132,7 +132,7 @@ def sweep_one(
         row.predicted = plan.peak_bytes if plan is not None else None
         row.choices = " ".join(short(plan.choices[c]) for c in plan.choice) if plan is not None else ""
         row.replanned = plan is not None and plan.choice != first_choice
-        row.fullest = fullest_peak(plan.cost, row.budget) if plan is not None else None
+        row.fullest = fullest_peak(plan.cost, int(fraction * none)) if plan is not None else None
         running.append((row, work))
     for _ in range(repeats):
         for row, work in running:
