@@ -169,7 +169,7 @@ MARKS: dict[str, Callable[[nn.Module], object]] = {
     "apply": remat.apply,
     "apply with a policy": lambda model: remat.apply(model, policy=remat.policies.save_matmuls),
     "apply replay": lambda model: remat.apply(model, strategy="replay"),
-    "budget plan": lambda model: remat.apply(model, budget=0.6, sample=randn(2, 8, 16, seed=3)),
+    "budget plan": lambda model: remat.apply(model, budget=0.9, sample=randn(2, 8, 16, seed=3)),
 }
 
 
