@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from types import CodeType, FrameType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from .selective import ReuseOps, SaveOps
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
-__all__ = ["RecomputeState", "RerunFrame", "begin", "call", "end", "recompute_contexts", "returns_at_once", "tag_sink"]
+__all__ = ["RerunFrame", "begin", "call", "end"]
 
 
 _frame = sys._getframe
@@ -363,28 +363,10 @@ def call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], 
         end(frame)
 
 
-# The rarer parts of a rerun recompute's state: autocast, the user's recompute context, the policy, debug traces.
-#
-# Split from rerun.py, which enters them only when a site has any of them (NOTE [ Recompute state ] there).
-
-class RecomputeState(Protocol):
-    """What `recompute_contexts` reads of a rerun frame (`rerun.RerunFrame`)."""
-
-    autocast: AutocastState | None
-    devices: tuple[torch.device, ...]
-    saver: SaveOps | None
-    contexts: Callable[[], AbstractContextManager[Any]] | None
-    policy: Policy | None
-    offload: Offload | None
-    kept: list[Any]
-    claimed: set[int]
-    inner: bool
-    kept_tags: list[Any]
-    trace: list[str] | None
-    retrace: list[str] | None
+# The rarer parts of a rerun recompute's state, entered only when a site has any of them (NOTE [ Recompute state ]).
 
 
-def recompute_contexts(self: RecomputeState) -> ExitStack:
+def recompute_contexts(self: RerunFrame) -> ExitStack:
     """The rarer recompute state: autocast, the user's recompute context, the policy, debug traces."""
     stack = ExitStack()
     stack.enter_context(AutocastState.enter(self.autocast, self.devices))
