@@ -33,10 +33,14 @@ __all__ = ["Policy", "PolicyLike", "as_policy", "offload", "save_all", "save_mat
 # (counted from 0) is kept when k is in `calls`, and recompute, which makes the same calls in the same order,
 # runs the others again. `remat.apply(model, budget=...)` builds such policies for a block from its profiled
 # run (the matmuls worth the most recompute time per byte: NOTE [ Deriving choices ] in
-# remat/_budget/derive.py); they carry out in eager code under the rerun strategy only, so they are not public and
-# do not combine with `|`.
+# remat/_budget/derive.py). A policy may instead decide per call once the op ran (`chooses`): that is how
+# `remat.checkpoint` carries out torch's selective-checkpoint policy functions (`context_fn`), which see each
+# call's arguments and outputs. Both carry out in eager code under the rerun strategy only, so they are not public
+# and do not combine with `|`.
 
 _Op = Callable[[Any], bool]
+# (op, args, kwargs, outputs) -> whether this call's outputs are kept
+_Call = Callable[[Any, Any, Any, Any], bool]
 #: What `policy=` takes: a `Policy`, a callable choosing aten overloads, or None (save nothing).
 PolicyLike = Union["Policy", _Op, None]
 
@@ -50,11 +54,11 @@ class Policy:
     True
     """
 
-    __slots__ = ("_cache", "calls", "everything", "names", "offloads", "ops")
+    __slots__ = ("_cache", "calls", "chooses", "everything", "names", "offloads", "ops")
 
     def __init__(
         self, ops: Iterable[_Op] = (), names: Iterable[str] = (), everything: bool = False,
-        offloads: bool = False, calls: frozenset[int] | None = None,
+        offloads: bool = False, calls: frozenset[int] | None = None, chooses: _Call | None = None,
     ) -> None:
         self.ops = tuple(ops)
         self.names = frozenset(names)
@@ -63,6 +67,9 @@ class Policy:
         # only these calls of the chosen ops, numbered in the order a site's forward makes them (NOTE [ Some
         # calls ]); None: every call
         self.calls = calls
+        # decides per call of a chosen op, once it ran, whether its outputs are kept (NOTE [ Some calls ]); None:
+        # every call
+        self.chooses = chooses
         self._cache: dict[int, tuple[Any, bool]] = {}
 
     def saves_op(self, op: Any) -> bool:
@@ -85,7 +92,7 @@ class Policy:
 
     def __or__(self, other: Policy | _Op) -> Policy:
         other = as_policy(other)
-        if self.calls is not None or other.calls is not None:
+        if self.calls is not None or other.calls is not None or self.chooses is not None or other.chooses is not None:
             raise ValueError("remat: a policy that keeps some calls of its ops does not combine with `|`.")
         if self.offloads != other.offloads:
             raise ValueError(

@@ -68,6 +68,7 @@ __all__ = [
     "in_optimizer_step",
     "pop_saved_hooks",
     "push_saved_hooks",
+    "selective_policy",
     "set_grad_enabled",
     "storage_id",
     "top_saved_hooks",
@@ -444,6 +445,53 @@ def fake_store() -> Any:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+# -- torch's selective-checkpoint contexts -----------------------------------------------------------------------
+# torch-compat: `torch.utils.checkpoint._CachingTorchDispatchMode` (the forward context that
+# `create_selective_checkpoint_contexts` makes; its `policy_fn`, 2.4) and `SAC_IGNORED_OPS` (2.5; before it the
+# `detach` that checkpointing itself inserts). `SelectiveCheckpointContext` takes `op_output=` since 2.12 or so:
+# `_sac_context` tries it first. Without the mode class, remat's drop-in enters a user's selective contexts as
+# given: torch's modes keep what the policy keeps, under remat's hooks (torch 2.14 warns there, and a random op they
+# keep shifts the random stream of recompute: NOTE [ Random ops ] in _engine/rng.py).
+def _sac_context(out: Any) -> Any:
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    try:
+        return SelectiveCheckpointContext(is_recompute=False, op_output=out)
+    except TypeError:  # a torch whose context has no `op_output`
+        return SelectiveCheckpointContext(is_recompute=False)
+
+
+def selective_policy(
+    forward_context: Any, recompute_context: Any
+) -> tuple[Callable[[Any], bool], Callable[[Any, Any, Any, Any], bool]] | None:
+    """torch's selective-checkpoint contexts as remat carries them out, or None for other contexts.
+
+    Returns `(counts, keeps)`: whether an op's calls are counted at all (torch's own checkpointing ops are not),
+    and, per call once the op ran, whether the user's `policy_fn` keeps its outputs (MUST_SAVE or PREFER_SAVE, or
+    True), called as torch calls it in forward.
+    """
+    checkpoint = importlib.import_module("torch.utils.checkpoint")
+    caching = getattr(checkpoint, "_CachingTorchDispatchMode", None)
+    cached = getattr(checkpoint, "_CachedTorchDispatchMode", None)
+    if caching is None or cached is None or type(forward_context) is not caching or (
+        type(recompute_context) is not cached
+    ):
+        return None
+    policy_fn = getattr(forward_context, "policy_fn", None)
+    if not callable(policy_fn):
+        return None
+    ignored = frozenset(getattr(checkpoint, "SAC_IGNORED_OPS", (torch.ops.aten.detach.default,)))
+    kept = frozenset((checkpoint.CheckpointPolicy.MUST_SAVE, checkpoint.CheckpointPolicy.PREFER_SAVE, True))
+
+    def counts(op: Any) -> bool:
+        return op not in ignored
+
+    def keeps(op: Any, args: Any, kwargs: Any, out: Any) -> bool:
+        return policy_fn(_sac_context(out), op, *args, **(kwargs or {})) in kept
+
+    return counts, keeps
 
 
 # -- FLOP formulas ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from .._core.policies import Policy
 from .debug import describe
 from .guard import storage_key, written_arguments
 from .modes import Mode
-from .rng import RngStash, with_index
+from .rng import Draw, RngStash, draws, with_index
 
 __all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info", "pause", "recording", "resume"]
 
@@ -167,6 +167,9 @@ class Recorder(Mode):
         self.cpu_rng: torch.Tensor | None = None
         self.device_rng: dict[torch.device, Any] = {}
         self.generators: dict[torch.Generator, torch.Tensor] = {}
+        # per op the policy keeps that drew random numbers: its generator's state right after it (NOTE [ Random
+        # ops ] in rng.py)
+        self.draws: dict[int, Draw] = {}
         self.trace = trace
         self._paused = False
         self.fast: set[int] | frozenset[int] = _FAST if trace is None and policy is None else _NOTHING_FAST
@@ -254,6 +257,8 @@ class Recorder(Mode):
             for index, item in enumerate((out,) if count < 0 else out):
                 if isinstance(item, _Tensor):
                     self.kept[first + index] = (item.detach(), item._version)
+            if info.seeded and self.preserve_rng and draws(func, args, kwargs):
+                self.draws[len(self.ops) - 1] = Draw.after(args, kwargs)
         return out
 
     # -- the slow paths ------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .offload import Offload, for_kept, no_offload_inside
-from .rng import RngStash, devices_of
+from .rng import Draw, RngStash, devices_of
 from .selective import ReuseOps, SaveOps
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
@@ -82,7 +82,7 @@ class RerunFrame(Frame):
     """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
 
     __slots__ = (
-        "args", "attrs", "autocast", "claimed", "contexts", "devices", "exit", "fn", "ids", "kept", "kept_ids",
+        "args", "attrs", "autocast", "claimed", "contexts", "devices", "draws", "exit", "fn", "ids", "kept", "kept_ids",
         "kept_tags", "kwargs", "live", "module", "offload", "policy", "rng", "saver", "tensors", "versions",
     )
 
@@ -103,6 +103,7 @@ class RerunFrame(Frame):
     saver: SaveOps | None  # forward's notes of the policy's ops (NOTE [ What a policy keeps ])
     kept: list[Any]  # per call of a policy op, its kept outputs (None once dropped); after forward
     claimed: set[int]  # the calls in `kept` whose outputs autograd saves
+    draws: dict[int, Draw]  # the calls in `kept` that drew random numbers: their generator's state after them
     kept_ids: dict[int, weakref.ref[torch.Tensor]]  # tensors kept through `remat.tag`, by id
     kept_tags: list[Any]  # tensors kept through `remat.tag`, detached (or offloaded), in order
     offload: Offload | None  # where what the policy keeps goes: NOTE [ Offloaded sites ] in offload.py
@@ -316,7 +317,7 @@ def begin(
     if contexts is not None:
         frame.contexts = contexts[1]
     if policy is not None:
-        frame.kept, frame.claimed, frame.kept_ids, frame.kept_tags = [], set(), {}, []
+        frame.kept, frame.claimed, frame.kept_ids, frame.kept_tags, frame.draws = [], set(), {}, [], {}
     if contexts is not None or frame.trace is not None or policy is not None:
         frame.exit = ExitStack()
         if contexts is not None:
@@ -326,7 +327,7 @@ def begin(
         if policy is not None:
             if policy.ops:
                 pack = None if frame.offload is None else frame.offload.pack
-                frame.saver = frame.exit.enter_context(SaveOps(policy, pack))
+                frame.saver = frame.exit.enter_context(SaveOps(policy, pack, rng=preserve_rng))
             if policy.names:
                 frame.exit.enter_context(tag_sink(frame.keep_tagged))
     _push_hooks(frame.pack, frame.unpack)
@@ -344,7 +345,7 @@ def end(frame: RerunFrame, *, ok: bool = True) -> None:
         frame.exit.close()
         frame.exit = None
     if frame.saver is not None:
-        frame.kept, frame.claimed = frame.saver.finish()
+        frame.kept, frame.claimed, frame.draws = frame.saver.finish()
         frame.saver = None
 
 
@@ -377,7 +378,7 @@ def recompute_contexts(self: RerunFrame) -> ExitStack:
     if self.policy is not None:
         unpack = None if self.offload is None else self.offload.unpack_one
         if self.kept:
-            stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed, unpack))
+            stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed, unpack, self.draws))
         if self.inner and self.policy.names:
             # The function runs backward through what it tagged: a kept tensor put in its place would cut
             # that graph, so recompute rebuilds it (and forward's sink, if forward still runs, is not fed).

@@ -8,7 +8,7 @@ backends all work.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -18,7 +18,7 @@ from torch import nn
 
 from .._core.torch_compat import current_accelerator, torch_function_mode_on
 
-__all__ = ["RngStash", "devices_of", "with_index"]
+__all__ = ["Draw", "Draws", "RngStash", "devices_of", "draws", "with_index"]
 
 # NOTE [ Which generators a region draws on ]
 # Rerun calls the function again in backward, so every generator forward drew from must be set back to the state
@@ -42,6 +42,34 @@ __all__ = ["RngStash", "devices_of", "with_index"]
 #    nothing, and nothing is asked of it beyond `is_initialized`); where one is, one state per visible index in
 #    forward, and one read and two writes per index in recompute (the fork). The states of indices forward did
 #    not draw on are set back to what they already were.
+
+# NOTE [ Random ops ]
+# An op may draw random numbers inside itself: on CUDA, scaled-dot-product attention with dropout is one fused op
+# (flash, memory-efficient, cuDNN) that draws its mask inside the kernel by advancing the device generator's
+# Philox offset. A policy may keep such an op's outputs, and then recompute does not run it.
+#
+# Rules:
+# 1. An op draws random numbers when it carries `torch.Tag.nondeterministic_seeded`, except an op whose `dropout_p`
+#    argument is 0: torch tags the scaled-dot-product-attention kernels whatever their dropout (pytorch#187985).
+# 2. It draws from the `generator=` it is given, else from the default generator of the device it runs on: its
+#    first tensor argument's, else its `device=`, else the default device.
+# 3. Recompute draws exactly what forward drew, whether a policy keeps a random op or not. Forward reads the state
+#    of a kept random op's generator right after the op ran (`Draw`); recompute, which hands the kept outputs back
+#    instead of running the op, sets that state where the op would have run. Restoring the generators once at the
+#    region's start is not enough: the skipped op would leave its generator behind, and every random op after it
+#    would draw another mask (torch's selective checkpoint does this; compile's partitioner saves a state per
+#    recomputed random op instead, `functionalize_rng_ops`).
+# 4. Only with `preserve_rng` (without it recompute draws afresh anyway), and only for the random ops a policy
+#    keeps: a region that keeps nothing random reads no generator.
+#
+# Implementation notes:
+# 1. (rule 1) On CPU, SDPA's dropout decomposes into ops of their own; the fused kernels it keeps there
+#    (`_scaled_dot_product_flash_attention_for_cpu`) carry the tag with `dropout_p=0`, which rule 1 skips.
+# 2. (rule 3) A CUDA generator's state is its seed and Philox offset, kept on the host: reading and setting it
+#    does not synchronise the device. Every device type is reached through `torch.get_device_module`.
+# 3. (rule 3) Setting a generator in recompute is a fork (`Draws`): the state it had before the first set is put
+#    back when recompute ends. For a generator the region's stash covers, the stash's own fork puts back the
+#    caller's state afterwards anyway; for any other it keeps the user's stream where it was.
 
 _NO_RNG = frozenset({"cpu", "meta"})
 _cpu = torch.default_generator
@@ -207,3 +235,139 @@ class RngStash:
             yield
         finally:
             caller.apply()
+
+
+# -- random ops: NOTE [ Random ops ] ---------------------------------------------------------------------------
+
+_DROPOUT: dict[int, tuple[Any, int | None, bool]] = {}  # id(op) -> (op, position of `dropout_p`, seeded)
+
+
+def _random_info(func: Any) -> tuple[int | None, bool]:
+    found = _DROPOUT.get(id(func))
+    if found is None or found[0] is not func:
+        seeded = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        names = [argument.name for argument in func._schema.arguments] if seeded else []
+        position = names.index("dropout_p") if "dropout_p" in names else None
+        found = _DROPOUT[id(func)] = (func, position, seeded)
+    return found[1], found[2]
+
+
+def draws(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool:
+    """Whether the aten op `func`, called with these arguments, draws random numbers (rule 1 of NOTE
+    [ Random ops ]).
+
+    >>> aten = torch.ops.aten
+    >>> draws(aten.native_dropout.default, (torch.ones(2), 0.5, True), None)
+    True
+    >>> q = torch.ones(1, 1, 2, 2)
+    >>> draws(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {"dropout_p": 0.0})
+    False
+    """
+    position, seeded = _random_info(func)
+    if not seeded:
+        return False
+    if position is None:
+        return True
+    if kwargs and "dropout_p" in kwargs:
+        p = kwargs["dropout_p"]
+    elif position < len(args):
+        p = args[position]
+    else:
+        return False  # the schema's default: no dropout
+    return bool(p != 0)
+
+
+def _source(args: Sequence[Any], kwargs: dict[str, Any] | None) -> torch.Generator | torch.device:
+    """The generator a random op draws from, or the device whose default generator it is (rule 2)."""
+    if kwargs:
+        generator = kwargs.get("generator")
+        if isinstance(generator, torch.Generator):
+            return generator
+    device: torch.device | None = None
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            device = value.device
+            break
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            device = value[0].device
+            break
+    if device is None and kwargs:
+        for value in kwargs.values():
+            if isinstance(value, torch.Tensor):
+                device = value.device
+                break
+        else:
+            if kwargs.get("device") is not None:
+                device = torch.device(kwargs["device"])
+    if device is None:
+        device = torch.get_default_device()
+    if device.type in _NO_RNG:
+        return _cpu
+    return with_index(device) or device
+
+
+def _read(source: torch.Generator | torch.device) -> Any:
+    if isinstance(source, torch.Generator):
+        return source.get_state()
+    return torch.get_device_module(source.type).get_rng_state(source)
+
+
+def _write(source: torch.Generator | torch.device, state: Any) -> None:
+    if isinstance(source, torch.Generator):
+        source.set_state(state)
+    else:
+        torch.get_device_module(source.type).set_rng_state(state, source)
+
+
+class Draw:
+    """The state of the generator a random op drew from, read right after the op ran (NOTE [ Random ops ]).
+
+    >>> x = torch.ones(1000)
+    >>> start = torch.get_rng_state()
+    >>> mask = torch.empty_like(x).bernoulli_(0.5)  # forward: a random op that a policy keeps
+    >>> draw = Draw.after((x,), None)
+    >>> after = torch.rand(3)  # the next random op
+    >>> with RngStash(start, ()).restore():  # recompute skips the kept op and sets its draw in its place
+    ...     draw.set(None)
+    ...     again = torch.rand(3)
+    >>> bool(torch.equal(after, again))
+    True
+    """
+
+    __slots__ = ("source", "state")
+
+    def __init__(self, source: torch.Generator | torch.device, state: Any) -> None:
+        self.source = source
+        self.state = state
+
+    @classmethod
+    def after(cls, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Draw:
+        """Read the state of the generator an op with these arguments drew from (rule 2), now."""
+        source = _source(args, kwargs)
+        return cls(source, _read(source))
+
+    def set(self, forked: Draws | None) -> None:
+        """Set the generator to this state, in place of running the op; `forked` remembers what it had first."""
+        if forked is not None:
+            forked.fork(self.source)
+        _write(self.source, self.state)
+
+
+class Draws:
+    """The generators a recompute set (`Draw.set`), with the states they had before: `restore` puts them back."""
+
+    __slots__ = ("before",)
+
+    def __init__(self) -> None:
+        self.before: dict[Any, tuple[torch.Generator | torch.device, Any]] = {}
+
+    def fork(self, source: torch.Generator | torch.device) -> None:
+        """Remember `source`'s state, once, before it is first set."""
+        if source not in self.before:
+            self.before[source] = (source, _read(source))
+
+    def restore(self) -> None:
+        """Put back every generator's state from before its first set."""
+        for source, state in self.before.values():
+            _write(source, state)
+        self.before.clear()

@@ -13,6 +13,7 @@ import torch
 from .._core.policies import Policy
 from .guard import storage_key
 from .modes import Mode
+from .rng import Draw, Draws, draws
 
 __all__ = ["ReuseOps", "SaveOps", "reuse"]
 
@@ -31,6 +32,8 @@ __all__ = ["ReuseOps", "SaveOps", "reuse"]
 #    block's whole backward, which full remat never holds. A later recompute of the same graph
 #    (`retain_graph=True`) runs the dropped ops again.
 # 4. Every kept tensor is detached.
+# 5. A kept op that draws random numbers leaves its generator where forward left it: recompute sets the state forward
+#    read right after the op (NOTE [ Random ops ] in rng.py), so the random ops after it draw what they drew.
 #
 # Implementation notes:
 # 1. (rule 1) Most kept outputs are not what autograd saves: `linear1`'s output in a transformer's MLP is read by
@@ -45,12 +48,18 @@ __all__ = ["ReuseOps", "SaveOps", "reuse"]
 
 class SaveOps(Mode):
     """Forward: keep the outputs of the ops `policy` chooses, in order (see NOTE [ What a policy keeps ]); a
-    call the policy's `calls` leave out is kept as None."""
+    call the policy's `calls` (or its per-call choice) leave out is kept as None. With `rng`, the state of the
+    generator each kept random op drew from is read right after it (NOTE [ Random ops ] in rng.py)."""
 
-    def __init__(self, policy: Policy, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
+    def __init__(
+        self, policy: Policy, pack: Callable[[torch.Tensor], Any] | None = None, rng: bool = False
+    ) -> None:
         super().__init__()
         self.policy = policy
         self.saves_op: Callable[[Any], bool] = policy.saves_op  # bound once: the per-op path looks up nothing else
+        self.chooses = policy.chooses  # per call, after the op ran (torch's selective-checkpoint policies); or None
+        self.rng = rng
+        self.draws: dict[int, Draw] = {}  # per kept call of a random op: its generator's state right after it
         # how a kept output is held: detached, or `pack`ed at once (an offloaded site: the same tensor object
         # autograd or the next site saves, so that it is copied once; NOTE [ Offloaded sites ])
         self.pack: Callable[[torch.Tensor], Any] = torch.Tensor.detach if pack is None else pack
@@ -63,9 +72,13 @@ class SaveOps(Mode):
         out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # `_op`: no Python frame of `__call__`
         if self.saves_op(func):
             index = len(self.kept)
-            if self.calls is not None and index not in self.calls:
+            if (self.calls is not None and index not in self.calls) or (
+                self.chooses is not None and not self.chooses(func, args, kwargs, out)
+            ):
                 self.kept.append(None)  # recompute runs this call again
                 return out
+            if self.rng and draws(func, args, kwargs):
+                self.draws[index] = Draw.after(args, kwargs)
             keep = self.pack
             if isinstance(out, torch.Tensor):
                 self.kept.append(keep(out))
@@ -92,11 +105,12 @@ class SaveOps(Mode):
         self.claimed.add(index)
         return True
 
-    def finish(self) -> tuple[list[Any], set[int]]:
-        """End of forward: the kept outputs in order, and which of them autograd saves."""
-        kept, claimed = self.kept, self.claimed
-        self.kept, self.claimed, self.notes = [], set(), {}
-        return kept, claimed
+    def finish(self) -> tuple[list[Any], set[int], dict[int, Draw]]:
+        """End of forward: the kept outputs in order, which of them autograd saves, and the draws of those that are
+        random."""
+        kept, claimed, drawn = self.kept, self.claimed, self.draws
+        self.kept, self.claimed, self.notes, self.draws = [], set(), {}, {}
+        return kept, claimed, drawn
 
 
 def reuse(kept: Any) -> Any:
@@ -110,11 +124,13 @@ class ReuseOps(Mode):
     """Recompute: hand back forward's kept outputs of the chosen ops instead of running them again.
 
     An output autograd does not save is dropped from `kept` as it is handed back (NOTE [ What a policy keeps ]);
-    an op whose output was dropped runs again.
+    an op whose output was dropped runs again. A kept random op's generator is set to the state forward left it
+    in (`draws`; NOTE [ Random ops ] in rng.py), and put back as it was when recompute ends.
     """
 
     def __init__(
-        self, policy: Policy, kept: list[Any], claimed: set[int], unpack: Callable[[Any], Any] | None = None
+        self, policy: Policy, kept: list[Any], claimed: set[int], unpack: Callable[[Any], Any] | None = None,
+        draws: dict[int, Draw] | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
@@ -122,6 +138,8 @@ class ReuseOps(Mode):
         self.kept = kept
         self.claimed = claimed
         self.unpack = unpack  # brings an offloaded kept output back (NOTE [ Offloaded sites ])
+        self.draws = draws or None
+        self.forked = Draws() if self.draws else None
         self.next = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -132,6 +150,8 @@ class ReuseOps(Mode):
             if out is not None:
                 if index not in self.claimed:
                     self.kept[index] = None
+                if self.draws is not None and (draw := self.draws.get(index)) is not None:
+                    draw.set(self.forked)
                 return reuse(out if self.unpack is None else self.unpack(out))
         return func._op(*args, **kwargs) if kwargs else func._op(*args)
 
@@ -141,4 +161,6 @@ class ReuseOps(Mode):
         for index in range(self.next, len(kept)):
             if index not in claimed:
                 kept[index] = None
+        if self.forked is not None:
+            self.forked.restore()
         super().__exit__(*exc)  # type: ignore[no-untyped-call]

@@ -28,7 +28,9 @@ __all__ = ["Tape"]
 # kept output, or a view of one, is kept by reference instead of being rebuilt ("claimed"). As in rerun
 # (NOTE [ What a policy keeps ] in selective.py), a kept output that autograd does not save is dropped after
 # the replay that used it, so that it and what replay rebuilt from it do not outlive that backward; a second
-# replay (`retain_graph`) runs its op. A kept output written in place later in forward is not kept.
+# replay (`retain_graph`) runs its op. A kept output written in place later in forward is not kept. A kept op that
+# drew random numbers sets its generator, where replay would have run it, to the state forward left it in (NOTE
+# [ Random ops ] in rng.py), also when no saved tensor needs its outputs.
 #
 # NOTE [ Replay plan ]
 # Forward does the least it can: the plan — which ops are live (an op whose outputs feed no saved tensor is
@@ -108,8 +110,8 @@ class Tape:
     """
 
     __slots__ = (
-        "captures", "claimed", "generators", "kept", "lock", "ops", "outside", "plan", "points", "rng", "site",
-        "slots", "snapshots", "trace", "writes",
+        "captures", "claimed", "draws", "generators", "kept", "lock", "ops", "outside", "plan", "points", "rng",
+        "site", "slots", "snapshots", "trace", "writes",
     )
 
     def __init__(
@@ -153,6 +155,7 @@ class Tape:
             if slot < end and tensor._version == version
         }
         self.claimed = claimed
+        self.draws = {op: draw for op, draw in recorder.draws.items() if op < stop} if recorder.draws else {}
 
     def hand_to(self, pack: Callable[[torch.Tensor], Any]) -> None:
         """Give the outside tensors to an enclosing pack hook (see NOTE [ Inputs of nested sites ])."""
@@ -205,14 +208,14 @@ class Tape:
         needed: set[int] = {slot for _, slot, _, _ in replayed}
         live = [False] * count
         reads: list[list[int]] = [[] for _ in range(count)]
-        kept = self.kept
+        kept, drawn = self.kept, self.draws
         fills: list[list[int] | None] | None = [None] * count if kept else None
         for index in range(count - 1, -1, -1):
             func, args, kwargs, first, outputs, _ = ops[index]
             info = op_info(func)
             produced = range(first, first + (1 if outputs < 0 else outputs))
             if fills is not None and outputs != 0 and not info.writes and all(slot in kept for slot in produced):
-                if any(slot in needed for slot in produced):  # kept from forward: not run again
+                if any(slot in needed for slot in produced) or index in drawn:  # kept from forward: not run again
                     live[index] = True
                     fills[index] = list(produced)
                 continue
@@ -334,6 +337,8 @@ class Tape:
                     for slot in filled:
                         kept = self.kept[slot]
                         values[slot] = kept.detach() if isinstance(kept, torch.Tensor) else kept.get()
+                    if self.draws and (draw := self.draws.get(index)) is not None:
+                        draw.set(None)  # within the stash's fork: the recorder stashed this generator
                 taken = captures[index]
                 if taken is not None:
                     for handle, slot, clone in taken:

@@ -17,13 +17,27 @@ import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 
 from .._core import switch as _switch
+from .._core.policies import Policy
 from .._core.public import claim
+from .._core.torch_compat import selective_policy
 from .._engine import rerun as _rerun
 from .._engine.compiled import compiling, torch_checkpoint
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
 _CHECKS = {"default": True, "none": False}
+
+# NOTE [ Selective contexts ]
+# 1. torch's selective-checkpoint contexts given as `context_fn` (the pair `create_selective_checkpoint_contexts`
+#    makes) are not entered: remat reads their `policy_fn` and keeps, call by call, the outputs it keeps, through its
+#    own policy machinery (`Policy.chooses`, NOTE [ Some calls ] in remat/_core/policies.py). `policy_fn` is called
+#    once per op call in forward, with torch's context, as torch calls it; recompute reuses forward's decisions.
+# 2. So what the user's policy keeps stays kept and never reaches remat's pack hook as an activation to rebuild,
+#    whatever a torch release does with saved-tensor hooks around its own selective modes (2.14 warns that it will
+#    route the tensors they keep through them), and a kept op that draws random numbers is handled as any kept
+#    random op (NOTE [ Random ops ] in remat/_engine/rng.py), where torch's own modes skip it and shift the stream.
+# 3. Any other `context_fn` is entered as given, around forward and around recompute. Under torch.compile the
+#    contexts go to torch's checkpoint operator as they are (NOTE [ Under torch.compile ]).
 
 
 def _site(function: Any) -> str:
@@ -51,8 +65,10 @@ def checkpoint(
     Args:
         function: what to run; keyword arguments are passed through to it.
         use_reentrant: accepted for compatibility; both values use remat's hook-based engine.
-        context_fn: returns two context managers, entered around forward and around recompute
-            (torch's selective-checkpoint contexts work).
+        context_fn: returns two context managers, entered around forward and around recompute. torch's
+            selective-checkpoint contexts (`create_selective_checkpoint_contexts(policy_fn)`) are carried out
+            by remat itself: what `policy_fn` keeps is kept, and a kept op that draws random numbers leaves the
+            random stream of recompute as forward left it (NOTE [ Selective contexts ]).
         determinism_check: `"default"` compares shape, dtype and device of what recompute saves with
             forward and raises `remat.RecomputeMismatchError`; `"none"` skips that.
         debug: on a mismatch, show the op traces of forward and recompute side by side.
@@ -97,11 +113,15 @@ def checkpoint(
         early_stop = _torch_checkpoint._enable_checkpoint_early_stop
     if _torch_checkpoint._checkpoint_debug_enabled is not None:
         debug = _torch_checkpoint._checkpoint_debug_enabled
-    contexts = None
+    contexts = policy = None
     if not _is_noop(context_fn):
         assert context_fn is not None
         forward_context, recompute_context = context_fn()
-        contexts = (lambda: forward_context, lambda: recompute_context)
+        selective = selective_policy(forward_context, recompute_context)  # NOTE [ Selective contexts ]
+        if selective is not None:
+            policy = Policy(ops=(selective[0],), chooses=selective[1])
+        else:
+            contexts = (lambda: forward_context, lambda: recompute_context)
     return _rerun.call(
         function,
         args,
@@ -113,6 +133,7 @@ def checkpoint(
         debug=debug or _switch.debug(),
         module=function if isinstance(function, nn.Module) else None,
         contexts=contexts,
+        policy=policy,
     )
 
 

@@ -30,6 +30,7 @@ NEWER = [
     "torch._C._storage_id",
     "torch._C._accelerator_getAccelerator",
     "torch.compiler.set_stance",
+    "torch.utils.checkpoint._CachingTorchDispatchMode",
 ]
 
 SCRIPT = r"""

@@ -113,6 +113,35 @@ def test_context_fn_with_torch_selective_checkpoint_contexts() -> None:
     assert counts[0] < counts[1], "the saved matmul must not run again in recompute"
 
 
+def test_torch_selective_policy_is_asked_once_per_call_in_forward_only() -> None:
+    """NOTE [ Selective contexts ] in remat/_sites/checkpoint.py: remat carries out torch's policy function, called as
+    torch calls it (in forward, with the op's output), and recompute reuses forward's decisions; torch's own modes
+    are never entered, so no torch release warns about saved-tensor hooks around them."""
+    asked: list[tuple[Any, bool, bool]] = []
+
+    def every_other_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        asked.append((op, ctx.is_recompute, getattr(ctx, "op_output", None) is not None))
+        if op is not torch.ops.aten.mm.default:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        mms = sum(1 for seen, _, _ in asked if seen is torch.ops.aten.mm.default)
+        return CheckpointPolicy.MUST_SAVE if mms % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return ((x @ w).sin() @ w).tanh() @ w
+
+    inputs = (randn(4, 4, requires_grad=True), randn(4, 4, requires_grad=True, seed=1))
+    selective = partial(create_selective_checkpoint_contexts, every_other_mm)
+    y = remat.checkpoint(fn, *inputs, context_fn=selective, use_reentrant=False)
+    in_forward = len(asked)
+    assert in_forward > 0 and not any(recompute for _, recompute, _ in asked)
+    with CountMatmuls() as counter:
+        y.sum().backward()
+    assert len(asked) == in_forward, "the policy was asked again in recompute"
+    assert counter.count == 1 + 6, "recompute ran the one matmul the policy did not keep (and backward its six)"
+    asked.clear()
+    assert_same_grads(lambda: fn, inputs, checkpointed(context_fn=selective, use_reentrant=False))
+
+
 @pytest.mark.parametrize("determinism_check", ["default", "none"])
 def test_determinism_check_values(determinism_check: str) -> None:
     state = {"wide": False}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from typing import Any
+
 import pytest
 import torch
 from conftest import randn
@@ -72,4 +75,44 @@ def test_a_region_inside_compiled_code_gives_eager_gradients() -> None:
     x = randn(4, 8, requires_grad=True)
     expected = torch.autograd.grad(model(x), (x, layer.weight))
     got = torch.autograd.grad(torch.compile(model, backend="aot_eager")(x), (x, layer.weight))
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own imports
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler"))])
+def test_a_compiled_model_that_keeps_a_random_op_matches_eager(backend: str) -> None:
+    """NOTE [ Random ops ] in remat/_engine/rng.py, under compile: a site keeping a random op (tests/seeded.py) and a
+    dropout after it. The partitioner saves what the site's selective context keeps and replays each recomputed
+    random op from a state of its own (`functionalize_rng_ops`), so no stream shifts; inductor draws as eager code
+    with `fallback_random`."""
+    from seeded import keeps_noisy, noisy_scale
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.nn.functional.dropout(torch.tanh(noisy_scale(self.fc1(x), 0.3)), 0.5)
+            return self.fc2(h)  # type: ignore[no-any-return]
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(Noisy(), Noisy()).double()
+
+    def step(model: nn.Module, call: nn.Module) -> tuple[Any, ...]:
+        torch.manual_seed(1)
+        grads = torch.autograd.grad(call(x).sum(), (x, *model.parameters()))
+        return (*grads, torch.get_rng_state())
+
+    x = randn(4, 8, requires_grad=True)
+    expected = step(plain := make(), plain)
+    model = remat.apply(make(), Noisy, policy=remat.policies.save_matmuls | keeps_noisy)
+    previous = torch._inductor.config.fallback_random
+    torch._inductor.config.fallback_random = True
+    try:
+        got = step(model, torch.compile(model, backend=backend))
+    finally:
+        torch._inductor.config.fallback_random = previous
     torch.testing.assert_close(got, expected)
