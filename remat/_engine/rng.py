@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.torch_compat import current_accelerator, torch_function_mode_on
+from .._core.torch_compat import FakeTensor, current_accelerator, torch_function_mode_on
 
 __all__ = ["Draw", "Draws", "RngStash", "devices_of", "draws", "with_index"]
 
@@ -60,7 +60,8 @@ __all__ = ["Draw", "Draws", "RngStash", "devices_of", "draws", "with_index"]
 #    would draw another mask (torch's selective checkpoint does this; compile's partitioner saves a state per
 #    recomputed random op instead, `functionalize_rng_ops`).
 # 4. Only with `preserve_rng` (without it recompute draws afresh anyway), and only for the random ops a policy
-#    keeps: a region that keeps nothing random reads no generator.
+#    keeps: a region that keeps nothing random reads no generator. An op on fake tensors (an estimate's step, a
+#    budget's profile) draws nothing: no generator moves.
 #
 # Implementation notes:
 # 1. (rule 1) On CPU, SDPA's dropout decomposes into ops of their own; the fused kernels it keeps there
@@ -264,7 +265,7 @@ def draws(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool
     False
     """
     position, seeded = _random_info(func)
-    if not seeded:
+    if not seeded or (args and isinstance(args[0], FakeTensor)):
         return False
     if position is None:
         return True

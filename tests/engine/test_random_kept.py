@@ -241,6 +241,10 @@ def test_which_ops_draw() -> None:
     assert not _rng.draws(sdpa, (q, q, q, 0.0), None)
     assert _rng.draws(sdpa, (q, q, q, 0.1), None)
     assert _rng.draws(sdpa, (q, q, q), {"dropout_p": 0.1})
+    from remat._core.torch_compat import FakeTensorMode
+
+    with FakeTensorMode() as fake:
+        assert not _rng.draws(OP, (fake.from_tensor(q), 0.5), None)  # an estimate's step moves no generator
 
 
 def test_a_generator_outside_the_stash_is_put_back_after_recompute() -> None:
