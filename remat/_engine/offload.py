@@ -39,8 +39,9 @@ __all__ = ["Offload", "for_kept", "no_offload_inside", "offload", "resolve"]
 # more. What crosses is memory, not tensors (NOTE [ What crosses ] in transfer.py): a tensor saved twice (the
 # output of `tanh`, saved by `tanh` and by the matmul that reads it), and views of one storage (q, k and v split
 # from one projection), cross once, through one copy that their parcels point into (`_shared`, per `Offload`:
-# storage -> its last copy, weakly). Everything else is handed back as it is (`Stay`), with its version, so an
-# in-place change before backward still raises; so does an offloaded tensor's, while the tensor lives.
+# the id of a storage -> its last copy, weakly; the copy holds the storage weakly, to tell it from a later one).
+# Everything else is handed back as it is (`Stay`), with its version, so an in-place change before backward
+# still raises; so does an offloaded tensor's, while the tensor lives.
 # Offload's own copies run with the dispatch modes set aside and without grad, so a site's recorder or policy,
 # or `remat.track`, never sees them: the tracker counts device memory, `host_bytes()` counts host copies.
 
@@ -139,7 +140,7 @@ class Offload:
         self.min_bytes = min_bytes
         self.pin_memory = pin_memory
         self.include_cpu = include_cpu
-        self._shared: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}  # storage -> its last copy
+        self._shared: dict[int, weakref.ref[Any]] = {}  # storage -> its last copy
 
     def __repr__(self) -> str:
         return (

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -21,12 +22,13 @@ __all__ = ["Parcel", "Stay", "Traffic", "host_bytes", "live_parcels", "pack", "r
 # What goes to host is memory, not tensors: a stretch of a saved tensor's storage, copied as one piece.
 #
 # Rules:
-# 1. Every copy between a device and host memory is a plain memcpy: both sides one-dimensional, contiguous and
-#    of the same dtype. torch's `copy_` stages any other copy between a device and the host through temporaries
-#    it allocates itself, and for a host side that is not contiguous that temporary is pageable host memory, a
-#    copy the host waits for: the q, k and v that attention saves (views of one projection, with strides of
-#    their own) took that path. A memcpy writes straight into the host tensor offload allocated, pinned from
-#    torch's caching host allocator on a device with streams, whatever the saved tensor's layout or dtype.
+# 1. Every copy between a device and host memory is a plain memcpy: both sides contiguous, of one shape and
+#    dtype (a contiguous tensor that is its whole storage crosses as it is; any other stretch as one dimension).
+#    torch's `copy_` stages any other copy between a device and the host through temporaries it allocates
+#    itself, and for a host side that is not contiguous that temporary is pageable host memory, a copy the host
+#    waits for: the q, k and v that attention saves (views of one projection, with strides of their own) took
+#    that path. A memcpy writes straight into the host tensor offload allocated, pinned from torch's caching
+#    host allocator on a device with streams, whatever the saved tensor's layout, strides or dtype.
 # 2. Views of one storage share one copy. When a tensor's storage holds at most `_WHOLE` times the tensor's
 #    elements, the whole storage is copied, and every later saved view of it (same dtype, same version) is
 #    rebuilt from that copy with its own sizes, strides and offset: q, k and v split from one projection cross
@@ -122,8 +124,8 @@ class _Lane:
     def _compute(self) -> Any:
         return self.module.current_stream(self.device if self.module is not torch.cpu else None)
 
-    def out(self, source: torch.Tensor, pin: bool, copy: _Copy) -> torch.Tensor:
-        """Copy the one-dimensional contiguous `source` into a new host tensor; hold it until the copy is done."""
+    def out(self, source: torch.Tensor, pin: bool, copy: weakref.ref[_Copy], nbytes: int) -> torch.Tensor:
+        """Copy the contiguous `source` into a new host tensor; hold `source` until the copy is done."""
         pin = pin and self.asynchronous  # pinned memory only helps copies that run asynchronously
         host = _host(source.shape, source.dtype, pin)
         compute = self._compute()
@@ -132,12 +134,10 @@ class _Lane:
         with self.module.stream(stream):
             host.copy_(source, non_blocking=pin)
             event = stream.record_event()
-        nbytes = copy.nbytes
-        _stats.moved(True, nbytes, self.asynchronous and not pin)
+        _stats.made(nbytes, self.asynchronous and not pin)
         if event is not None:
-            copy.device = (source, source._version)
             with self.lock:
-                self.pending.append((event, source, compute, nbytes, weakref.ref(copy)))
+                self.pending.append((event, source, compute, nbytes, copy))
                 self.pending_bytes += nbytes
                 self._throttle()
         return host
@@ -155,7 +155,7 @@ class _Lane:
         with self.module.stream(stream):
             tensor.copy_(host, non_blocking=pinned)
             event = stream.record_event()
-        _stats.moved(False, host.numel() * host.element_size(), self.asynchronous and not pinned)
+        _stats.moved(host.numel() * host.element_size(), self.asynchronous and not pinned)
         return tensor, event, compute
 
     def wait(self, event: Any, allocated: Any) -> None:
@@ -244,18 +244,29 @@ class _Stats:
         self.current = self.peak = self.copies = 0
         self.counts = [0] * len(Traffic._fields)
 
-    def add(self, nbytes: int, copies: int) -> None:
+    def made(self, nbytes: int, pageable: bool) -> None:
+        """A host copy was made: it lives, and it crossed."""
+        counts = self.counts
         with self.lock:
             self.current += nbytes
-            self.copies += copies
+            self.copies += 1
             if self.current > self.peak:
                 self.peak = self.current
+            counts[0] += 1
+            counts[1] += nbytes
+            counts[6] += pageable
 
-    def moved(self, out: bool, nbytes: int, pageable: bool) -> None:
-        counts, at = self.counts, 0 if out else 2
+    def freed(self, nbytes: int) -> None:
         with self.lock:
-            counts[at] += 1
-            counts[at + 1] += nbytes
+            self.current -= nbytes
+            self.copies -= 1
+
+    def moved(self, nbytes: int, pageable: bool) -> None:
+        """A copy came back."""
+        counts = self.counts
+        with self.lock:
+            counts[2] += 1
+            counts[3] += nbytes
             counts[6] += pageable
 
     def kept(self, nbytes: int) -> None:
@@ -310,6 +321,10 @@ class _Chain(threading.local):
 
 
 _chain = _Chain()
+
+
+def _dead() -> None:
+    """A weak reference that is gone."""
 _Ready = tuple[int, torch.Tensor, Any, Any, int]  # graph task, device memory, event, stream it was allocated on, uses
 
 
@@ -317,33 +332,40 @@ class _Copy:
     """The host copy of a stretch of device memory, and its way back (NOTE [ What crosses ])."""
 
     __slots__ = (
-        "__weakref__", "device", "fetched", "host", "lane", "nbytes", "pinned", "prev", "ready", "start", "users",
-        "version", "view",
+        "__weakref__", "device", "fetched", "host", "lane", "nbytes", "pinned", "prev", "ready", "ref", "start",
+        "storage", "users", "version", "view",
     )
 
-    def __init__(self, lane: _Lane, source: torch.Tensor, start: int, version: int, view: Any, pin: bool) -> None:
+    def __init__(
+        self, lane: _Lane, source: torch.Tensor, start: int, version: int, view: Any, pin: bool
+    ) -> None:
         self.lane = lane
         self.start = start  # where the stretch begins in its storage, in elements
         self.version = version  # of the saved tensor: a later view of the same storage shares only at that version
         self.view = view  # for a gather: the (sizes, strides, offset) it holds, the only view it serves
-        self.nbytes = source.numel() * source.element_size()
+        self.nbytes = 0  # until the copy is made
         self.users = 0  # parcels handed out
         self.fetched = -2  # the last backward that brought it back
         # On its way back, for one backward. Memory dropped unused must first make the stream it was allocated on
         # wait for the copy into it (`_let_go`), or the allocator could hand it to a kernel while the copy writes.
         self.ready: _Ready | None = None
-        self.device: tuple[torch.Tensor, int] | None = None  # the device memory, while its copy to host runs
-        self.host = lane.out(source, pin, self)
-        self.pinned = pin and lane.asynchronous
+        self.ref = ref = weakref.ref(self)
+        self.storage: Callable[[], Any] = _dead  # the storage it copies, when views of it may share it
+        pinned = self.pinned = pin and lane.asynchronous
+        # the device memory while its copy to host runs (cleared by the lane when it lets go)
+        self.device: tuple[torch.Tensor, int] | None = (source, source._version) if lane.asynchronous else None
+        nbytes = source.numel() * source.element_size()
+        self.host = lane.out(source, pinned, ref, nbytes)
+        self.nbytes = nbytes
         last = _chain.last
         self.prev = last.get(lane.device)
-        last[lane.device] = weakref.ref(self)
-        _stats.add(self.nbytes, 1)
+        last[lane.device] = ref
 
     def __del__(self) -> None:
         if self.ready is not None:
             _let_go(self.ready)
-        _stats.add(-self.nbytes, -1)
+        if self.nbytes:
+            _stats.freed(self.nbytes)
 
     def serves(self, dtype: torch.dtype, shape: Any, stride: Any, offset: int, end: int, version: int) -> bool:
         """Whether a view of the same storage can be rebuilt from this copy."""
@@ -444,7 +466,8 @@ class Parcel:
     def __init__(self, copy: _Copy, tensor: torch.Tensor, shape: Any, stride: Any, offset: int) -> None:
         copy.users += 1
         self.copy = copy
-        self.shape, self.stride, self.offset = shape, stride, offset  # in the copy's one-dimensional memory
+        # where it lies in the copy's memory; no stride: the copy as it is, with the tensor's sizes and strides
+        self.shape, self.stride, self.offset = shape, stride, offset
         self.source = weakref.ref(tensor)  # to tell an in-place change while it lives, as autograd would
         self.version = tensor._version
 
@@ -458,32 +481,32 @@ class Parcel:
         if tensor is not None and tensor._version != self.version:
             raise RematError(_INPLACE.format(shape=list(tensor.shape), before=self.version, after=tensor._version))
         memory = self.copy.take()  # brought back (offset 0), or the device memory still held (any offset)
+        if self.stride is None:
+            return memory
         return memory.as_strided(self.shape, self.stride, memory.storage_offset() + self.offset)
 
 
-def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, tuple[weakref.ref[Any], weakref.ref[_Copy]]]) -> Parcel:
+def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, weakref.ref[_Copy]]) -> Parcel:
     """Copy `tensor`'s memory to host, or point into a copy already made of it (NOTE [ What crosses ]).
 
     `shared` maps a storage (its id) to the last copy made of it, for one `remat.offload` object.
     """
-    storage = tensor.untyped_storage()
-    version = tensor._version
-    shape, stride, offset = tensor.shape, tensor.stride(), int(tensor.storage_offset())
     memory = tensor.detach()  # what the lane holds while the copy runs: the memory, not the graph
     lane = _lane(tensor.device)
+    version = tensor._version
+    shape, stride = tensor.shape, tensor.stride()
     if tensor.is_conj() or tensor.is_neg():  # the bits live on the tensor, not in its memory: a gather, unshared
         source = memory.resolve_conj().resolve_neg().contiguous().view(-1)
         lane.reap()
-        gather = _Copy(lane, source, 0, version, (shape, stride, offset), pin)
+        gather = _Copy(lane, source, 0, version, (shape, stride, int(tensor.storage_offset())), pin)
         return Parcel(gather, tensor, shape, _contiguous(shape), 0)
-    end = offset + 1
-    for size, step in zip(shape, stride, strict=True):
-        end += (size - 1) * step
+    storage = tensor.untyped_storage()
+    offset = int(tensor.storage_offset())
     key = id(storage)
     found = shared.get(key)
-    if found is not None and found[0]() is storage:
-        copy = found[1]()
-        if copy is not None and copy.serves(tensor.dtype, shape, stride, offset, end, version):
+    copy = None if found is None else found()
+    if copy is not None and copy.storage() is storage:
+        if copy.serves(tensor.dtype, shape, stride, offset, _end(shape, stride, offset), version):
             if copy.view is not None:  # a gather: the same view again
                 return Parcel(copy, tensor, shape, _contiguous(shape), 0)
             return Parcel(copy, tensor, shape, stride, offset - copy.start)
@@ -491,23 +514,35 @@ def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, tuple[weakref.ref[An
     numel = int(tensor.numel())
     total, rest = divmod(storage.nbytes(), tensor.element_size())
     view: tuple[Any, ...] | None = None
-    place: tuple[Any, int]
+    start = 0
     if total <= _WHOLE * numel and not rest:  # the whole storage: its other views share the copy
-        start, place = 0, (stride, offset)
-        source = memory.as_strided((total,), (1,), 0)
-    elif end - offset == numel:  # the stretch it spans holds nothing else
+        if numel == total and tensor.is_contiguous():  # the tensor is its storage: it crosses as it is
+            place: tuple[Any, int] = (None, 0)
+            source = memory
+        else:
+            place, source = (stride, offset), memory.as_strided((total,), (1,), 0)
+    elif _end(shape, stride, offset) - offset == numel:  # the stretch it spans holds nothing else
         start, place = offset, (stride, 0)
         source = memory.as_strided((numel,), (1,), offset)
     else:  # a sparse part of a larger storage: a contiguous gather, made on the device
         view = (shape, stride, offset)
-        start, place = 0, (_contiguous(shape), 0)
+        place = (_contiguous(shape), 0)
         source = memory.contiguous().view(-1)
     copy = _Copy(lane, source, start, version, view, pin)
-    shared[key] = (weakref.ref(storage), weakref.ref(copy))
+    copy.storage = weakref.ref(storage)
+    shared[key] = copy.ref
     if len(shared) > 4096:
-        for stale in [k for k, (s, c) in shared.items() if s() is None or c() is None]:
+        for stale in [k for k, ref in shared.items() if ref() is None]:
             del shared[stale]
-    return Parcel(copy, tensor, shape, *place)
+    return Parcel(copy, tensor, None if place[0] is None else shape, *place)
+
+
+def _end(shape: Any, stride: Any, offset: int) -> int:
+    """One past the last element a (non-empty) view reaches in its storage."""
+    end = offset + 1
+    for size, step in zip(shape, stride, strict=True):
+        end += (size - 1) * step
+    return end
 
 
 def _contiguous(shape: Any) -> tuple[int, ...]:
