@@ -477,9 +477,11 @@ class Parcel:
         Parcels that share a copy bring it back once per backward; it stays until the last of them has been
         unpacked (or that backward ends), as the memory itself would.
         """
-        tensor = self.source()
+        tensor, held = self.source(), self.copy.device
         if tensor is not None and tensor._version != self.version:
             raise RematError(_INPLACE.format(shape=list(tensor.shape), before=self.version, after=tensor._version))
+        if held is not None and held[0]._version != held[1]:  # its memory, still held, was written since
+            raise RematError(_INPLACE.format(shape=list(held[0].shape), before=held[1], after=held[0]._version))
         memory = self.copy.take()  # brought back (offset 0), or the device memory still held (any offset)
         if self.stride is None:
             return memory

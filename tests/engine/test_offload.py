@@ -520,6 +520,39 @@ def test_memory_still_held_when_backward_begins_is_not_copied_back(
     assert not _transfer._lanes[torch.device("cpu")].pending
 
 
+def test_a_graph_dropped_while_its_copies_run_frees_the_host_at_once_and_the_device_when_they_finish(
+    accelerated: Callable[[bool], FakeAccelerator],
+) -> None:
+    fake = accelerated(False)
+    lane = _transfer._lanes[torch.device("cpu")]
+    x = randn(8, 8, requires_grad=True)
+    with CPU:
+        h = x * 2
+        y = chain_of_sines(h, 6).sum()
+    storages = [weakref.ref(h.untyped_storage())]
+    del h
+    assert _transfer.live_parcels() == 6 and len(lane.pending) == 6
+    del y  # no cycle: the host copies go with the graph, without gc
+    assert _transfer.live_parcels() == 0 and _transfer.host_bytes()[0] == 0
+    assert storages[0]() is not None, "the device memory went back to the allocator while its copy still read it"
+    fake.finish()
+    _transfer.reap()
+    assert not lane.pending and storages[0]() is None
+
+
+def test_an_inplace_change_of_memory_still_held_raises(accelerated: Callable[[bool], FakeAccelerator]) -> None:
+    accelerated(False)
+    x = randn(8, 8, requires_grad=True)
+    with CPU:
+        h = x * 2
+        y = h[:4].sin().sum()  # sin saves a view of h; its Python object is gone after forward
+    with torch.no_grad():
+        h[4:].add_(1)  # through another view of the same memory, as autograd would see it
+    del h
+    with pytest.raises(remat.RematError, match="modified by an inplace operation"):
+        y.backward()
+
+
 def test_memory_still_held_of_every_layout_gives_the_gradients_of_no_remat(
     accelerated: Callable[[bool], FakeAccelerator],
 ) -> None:
