@@ -70,7 +70,10 @@ __all__ = ["Parcel", "Stay", "Traffic", "host_bytes", "live_parcels", "pack", "r
 #    and the reference is dropped at once: kernels queued after that wait, the only ones that can get the memory,
 #    run after the copy. Compute then runs ahead of the copies by that much, which keeps the out stream busy.
 # 3. (rule 3) Fresh device memory is allocated on the compute stream and copied into on the back stream after it
-#    waited for the compute stream, so memory the compute stream freed is not overwritten early. Prefetch: copies
+#    waited for the compute stream, so memory the compute stream freed is not overwritten early. The two side
+#    streams do not order each other: a copy comes back only once the lane let go of its device memory (its
+#    copy to host completed, or the compute stream waited for it, which the back stream's wait then includes);
+#    until then backward uses the device memory itself (`_Copy._bring`). Prefetch: copies
 #    are chained in the order they were made (`prev`, a weak link, per thread and device); unpacking one starts
 #    bringing back the `_AHEAD` nearest earlier ones that this backward has not brought back yet, since backward
 #    needs them next (one: with per-block remat, the previous block's input copies while this block recomputes
@@ -405,9 +408,11 @@ class _Copy:
 
     def _bring(self) -> tuple[torch.Tensor, Any, Any]:
         held = self.device
-        if held is not None and held[0]._version == held[1]:
+        if held is not None:  # its copy to host may still run: the host memory is not to be read yet
             _stats.kept(self.nbytes)
             return held[0], None, None
+        # Released: its copy to host finished, or the compute stream waited for it, and so does the back stream
+        # now (`back` waits for the compute stream): the host memory holds the values.
         return self.lane.back(self.host, self.pinned)
 
     def _hold(self, gid: int, tensor: torch.Tensor, event: Any, allocated: Any, left: int) -> None:

@@ -553,6 +553,42 @@ def test_an_inplace_change_of_memory_still_held_raises(accelerated: Callable[[bo
         y.backward()
 
 
+def test_a_copy_comes_back_only_after_its_copy_to_host_is_done_or_waited_for(
+    accelerated: Callable[[bool], FakeAccelerator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The back stream does not wait for the out stream: a copy brought back must have been released by the lane
+    # (its copy to host done, or the compute stream made to wait for it, which the back stream waits for).
+    fake = accelerated(False)
+    monkeypatch.setattr(_transfer, "_PENDING_BYTES", 2 * 8 * 8 * 8)  # two of the 8x8 float64 activations
+    out_events: dict[int, _FakeEvent] = {}
+    back_checked: list[bool] = []
+    out, back = _transfer._Lane.out, _transfer._Lane.back
+
+    def spy_out(lane: Any, source: torch.Tensor, pin: bool, copy: Any, nbytes: int) -> torch.Tensor:
+        host = out(lane, source, pin, copy, nbytes)
+        out_events[id(host)] = fake.recorded["out"][-1]
+        return host
+
+    def spy_back(lane: Any, host: torch.Tensor, pinned: bool) -> tuple[torch.Tensor, Any, Any]:
+        event = out_events[id(host)]
+        back_checked.append(event.done or any(event is waited for waited in fake.compute.waited))
+        return back(lane, host, pinned)
+
+    monkeypatch.setattr(_transfer._Lane, "out", spy_out)
+    monkeypatch.setattr(_transfer._Lane, "back", spy_back)
+    _transfer.traffic(reset=True)
+    x = randn(8, 8, requires_grad=True)
+    with CPU:
+        y = chain_of_sines(x * 2, 8).sum()
+    y.backward()
+    expected = randn(8, 8, requires_grad=True)
+    chain_of_sines(expected * 2, 8).sum().backward()
+    torch.testing.assert_close(x.grad, expected.grad)
+    moved = _transfer.traffic()
+    assert moved.back > 0 and moved.kept > 0 and moved.back + moved.kept == moved.out == 8
+    assert back_checked and all(back_checked), "a copy came back while its copy to host could still be running"
+
+
 def test_memory_still_held_of_every_layout_gives_the_gradients_of_no_remat(
     accelerated: Callable[[bool], FakeAccelerator],
 ) -> None:
