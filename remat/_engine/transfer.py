@@ -73,11 +73,15 @@ __all__ = ["Parcel", "Stay", "Traffic", "host_bytes", "live_parcels", "pack", "r
 #    waited for the compute stream, so memory the compute stream freed is not overwritten early. The two side
 #    streams do not order each other: a copy comes back only once the lane let go of its device memory (its
 #    copy to host completed, or the compute stream waited for it, which the back stream's wait then includes);
-#    until then backward uses the device memory itself (`_Copy._bring`). Prefetch: copies
-#    are chained in the order they were made (`prev`, a weak link, per thread and device); unpacking one starts
-#    bringing back the `_AHEAD` nearest earlier ones that this backward has not brought back yet, since backward
-#    needs them next (one: with per-block remat, the previous block's input copies while this block recomputes
-#    and back-propagates; more would hold more blocks' inputs on the device for no gain).
+#    until then backward uses the device memory itself (`_Copy._bring`). Prefetch: copies are chained in the
+#    order they were made (`prev` and `next`, weak links, per thread and device); unpacking one starts bringing
+#    back the `_AHEAD` nearest earlier one that this backward has not brought back yet (autograd runs backward
+#    in reverse, so it needs that one next), and the next one if this backward has not brought it back (a
+#    site's recompute runs forward again, asking for what its policy kept in the order it was made; one node
+#    unpacks what it saved in that order too). With per-block remat that is one block ahead: the previous
+#    block's input copies back while this block recomputes and back-propagates, and what a block's policy kept
+#    comes back during the block after it, one copy per unpack there. More would hold more on the device for
+#    no gain: backward is as fast as the slower of compute and the link either way.
 # 4. (rule 4) Memory brought back belongs to its graph task (two backwards over one graph never share it) and is
 #    held for as many unpacks as the copy has users (parcels handed out); a callback at the end of that backward
 #    drops whatever was brought back and not used.
@@ -87,7 +91,7 @@ __all__ = ["Parcel", "Stay", "Traffic", "host_bytes", "live_parcels", "pack", "r
 #    tests/pydevice.py has none: torch asks its C++ hooks for one).
 
 _AHEAD = 1  # copies brought back ahead of the one being unpacked
-_WALK = 8  # at most this many links followed when looking for them
+_WALK = 16  # at most this many links followed when looking for it (past copies this backward brought back)
 _PENDING_BYTES = 64 << 20  # bytes of device memory held per device while its copies to host run
 _WHOLE = 4  # a storage up to this many times a saved view's elements is copied whole (NOTE [ What crosses ])
 
@@ -335,8 +339,8 @@ class _Copy:
     """The host copy of a stretch of device memory, and its way back (NOTE [ What crosses ])."""
 
     __slots__ = (
-        "__weakref__", "device", "fetched", "host", "lane", "nbytes", "pinned", "prev", "ready", "ref", "start",
-        "storage", "users", "version", "view",
+        "__weakref__", "device", "fetched", "host", "lane", "nbytes", "next", "pinned", "prev", "ready", "ref",
+        "start", "storage", "users", "version", "view",
     )
 
     def __init__(
@@ -360,9 +364,14 @@ class _Copy:
         nbytes = source.numel() * source.element_size()
         self.host = lane.out(source, pinned, ref, nbytes)
         self.nbytes = nbytes
+        self.next: weakref.ref[_Copy] | None = None
         last = _chain.last
-        self.prev = last.get(lane.device)
+        self.prev = prev = last.get(lane.device)
         last[lane.device] = ref
+        if prev is not None:
+            before = prev()
+            if before is not None:
+                before.next = ref
 
     def __del__(self) -> None:
         if self.ready is not None:
@@ -400,8 +409,8 @@ class _Copy:
                     self._hold(gid, tensor, event, allocated, self.users - 1)
         lane = self.lane
         lane.reap()
-        if gid != -1 and self.prev is not None:
-            self._prefetch_earlier(gid)
+        if gid != -1:
+            self._prefetch(gid)
         if event is not None:
             lane.wait(event, allocated)
         return tensor
@@ -425,9 +434,15 @@ class _Copy:
             if waiting is None:
                 waiting = _waiting[gid] = []
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: _drop_ready(gid))
-            waiting.append(weakref.ref(self))
+            waiting.append(self.ref)
 
-    def _prefetch_earlier(self, gid: int) -> None:
+    def _prefetch(self, gid: int) -> None:
+        """Start bringing back what backward `gid` needs next (NOTE [ Offload lifecycle ], note 3)."""
+        link = self.next
+        if link is not None:
+            copy = link()
+            if copy is not None and copy.fetched != gid:
+                copy._fetch(gid)
         ahead = walked = 0
         link = self.prev
         while link is not None and ahead < _AHEAD and walked < _WALK:
@@ -438,9 +453,12 @@ class _Copy:
             link = copy.prev
             if copy.fetched == gid:  # this backward brought it back already: NOTE [ What crosses ], rule 3
                 continue
-            copy.fetched = gid
-            copy._hold(gid, *copy._bring(), copy.users)
+            copy._fetch(gid)
             ahead += 1
+
+    def _fetch(self, gid: int) -> None:
+        self.fetched = gid
+        self._hold(gid, *self._bring(), self.users)
 
 
 _prefetch_lock = threading.Lock()

@@ -257,6 +257,38 @@ def test_backward_brings_tensors_back_in_reverse_order_each_once(copies: Copies)
     assert all(ref() is None for ref in copies.brought), "a tensor brought back outlived its use"
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        lambda m: in_context(CPU)(m),
+        lambda m: remat.apply(m, offload=CPU),
+        lambda m: remat.apply(m, offload=CPU, policy=policies.save_matmuls),  # type: ignore[arg-type]
+    ],
+    ids=["offload_alone", "per_block", "per_block_save_matmuls"],
+)
+def test_backward_waits_only_for_its_first_copy_the_others_come_ahead(
+    variant: Callable[[nn.Module], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Autograd unpacks in reverse order of packing, a site's recompute asks for what its policy kept in the
+    # order it was made: prefetch brings back the earlier copy and the next one, so only backward's first unpack
+    # finds nothing on its way (one block ahead with per-block remat).
+    waited: list[bool] = []
+    take = _transfer._Copy.take
+
+    def spy(copy: _transfer._Copy) -> torch.Tensor:
+        ready = copy.ready
+        waited.append(ready is None or ready[0] != _transfer._graph_task_id())
+        return take(copy)
+
+    torch.manual_seed(0)
+    model = variant(Blocks(4, 8).double())
+    x = randn(4, 8, requires_grad=True)
+    y = model(x * 2).sum()
+    monkeypatch.setattr(_transfer._Copy, "take", spy)
+    y.backward()
+    assert len(waited) > 4 and waited.count(True) == 1, waited
+
+
 def test_prefetched_tensors_that_backward_did_not_use_are_dropped(copies: Copies) -> None:
     x = randn(8, 8, requires_grad=True)
     with CPU:
