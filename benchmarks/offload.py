@@ -380,7 +380,7 @@ def format_offload(rows: Sequence[dict[str, Any]]) -> str:
             blocked = ", ".join(f"{call} {n} ({ms:.1f} ms)" for call, (n, ms) in sorted(profiled["blocking"].items()))
             lines += [
                 f"    profiled step {profiled['seconds'] * 1e3:.1f} ms; device copies: {copies or 'none'}",
-                f"    host calls: {blocked or 'none'}",
+                f"    host calls (a cudaDeviceSynchronize ends each profiled step): {blocked or 'none'}",
                 "    most device time: " + (", ".join(f"{n} {ms:.1f} ms" for n, ms in profiled["device_top"]) or "-"),
                 "    most host time: " + (", ".join(f"{n} {ms:.1f} ms" for n, ms in profiled["host_top"]) or "-"),
             ]
