@@ -316,7 +316,7 @@ def traffic(reset: bool = False) -> Traffic:
     with _stats.lock:
         counts = Traffic(*_stats.counts)
         if reset:
-            _stats.counts = [0] * len(Traffic._fields)
+            _stats.counts[:] = [0] * len(Traffic._fields)
     return counts
 
 
@@ -332,6 +332,8 @@ _chain = _Chain()
 
 def _dead() -> None:
     """A weak reference that is gone."""
+
+
 _Ready = tuple[int, torch.Tensor, Any, Any, int]  # graph task, device memory, event, stream it was allocated on, uses
 
 
