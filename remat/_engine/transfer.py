@@ -134,7 +134,7 @@ class _Lane:
     def out(self, source: torch.Tensor, pin: bool, copy: weakref.ref[_Copy], nbytes: int) -> torch.Tensor:
         """Copy the contiguous `source` into a new host tensor; hold `source` until the copy is done."""
         pin = pin and self.asynchronous  # pinned memory only helps copies that run asynchronously
-        host = _host(source.shape, source.dtype, pin)
+        host = _host(source, pin)
         compute = self._compute()
         stream = self.out_stream
         stream.wait_stream(compute)
@@ -155,7 +155,7 @@ class _Lane:
         Returns the device tensor, the event that marks the end of the copy, and the stream it was allocated
         on (the compute stream), which must wait on that event before the tensor is used or freed.
         """
-        tensor = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        tensor = torch.empty_like(host, device=self.device, memory_format=torch.contiguous_format)
         compute = self._compute()
         stream = self.back_stream
         stream.wait_stream(compute)
@@ -201,9 +201,9 @@ class _Lane:
             self._release(entry)
 
 
-def _host(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """New host memory for a copy: pinned (from torch's caching host allocator) when `pin`."""
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+def _host(source: torch.Tensor, pin: bool) -> torch.Tensor:
+    """New contiguous host memory for a copy of `source`: pinned (torch's caching host allocator) when `pin`."""
+    return torch.empty_like(source, device="cpu", pin_memory=pin, memory_format=torch.contiguous_format)
 
 
 _lanes: dict[torch.device, _Lane] = {}

@@ -495,9 +495,9 @@ def accelerated(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], FakeAcceler
         lane.out_stream, lane.back_stream = _FakeStream(fake, "out"), _FakeStream(fake, "back")
         monkeypatch.setitem(_transfer._lanes, torch.device("cpu"), lane)
 
-        def host(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        def host(source: torch.Tensor, pin: bool) -> torch.Tensor:
             fake.pins.append(pin)
-            return torch.empty(shape, dtype=dtype)  # no pinned allocator on a CPU-only build
+            return torch.empty_like(source, memory_format=torch.contiguous_format)  # a CPU-only build pins nothing
 
         copy_ = torch.Tensor.copy_
 
