@@ -49,6 +49,8 @@ def run(
     repeats: int = 3,
     progress: Callable[[str], None] = lambda message: None,
     startup: bool | None = None,
+    profile: bool = True,
+    trace: str | None = None,
 ) -> tuple[dict[str, Any], list[Result]]:
     """Run the benchmark and return its metadata and rows (what ``python -m benchmarks`` prints).
 
@@ -60,6 +62,8 @@ def run(
         progress: Called with a status message as the run goes.
         startup: Also time ``import remat`` and a first call in a fresh process; by default
             when ``"tiny"`` is among ``models``.
+        profile: For ``"offload"``: one more step per row under ``torch.profiler``, summarized.
+        trace: For ``"offload"``: a folder for each profiled step's Chrome trace.
 
     Returns:
         ``(meta, rows)``.
@@ -85,7 +89,7 @@ def run(
         if name == "offload":  # its own rows and model (benchmarks/offload.py)
             from .offload import bench_offload
 
-            meta["models"]["offload"], found = bench_offload(dev, repeats, progress)
+            meta["models"]["offload"], found = bench_offload(dev, repeats, progress, profile=profile, trace=trace)
             rows += [Result("offload", **{k: v for k, v in row.items() if k != "host_bytes"}) for row in found]
             continue
         if name == "tiny":
@@ -150,6 +154,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--check", action="store_true", help="for remat's developers: exit with status 1 when a "
                         "target does not hold in this run (a row that fails exits with status 1 in any case)")
     parser.add_argument("--quick", action="store_true", help="with --model budget: a two-model subset of the sweep")
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="with --model offload: no "
+                        "step under torch.profiler after the timed ones (by default one per row, summarized)")
+    parser.add_argument("--trace", metavar="DIR", help="with --model offload: also write each profiled step's "
+                        "Chrome trace to DIR/offload-<row>.json")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -181,9 +189,17 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         from .estimate import compare_main
 
         return compare_main(out, progress)
-    meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
+    meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress,
+                     profile=args.profile, trace=args.trace)  # fmt: skip
     progress.done()
     print(format_table(meta, rows), file=out)
+    offloads = [row for row in rows if row.model == "offload"]
+    if offloads:
+        from .offload import format_offload
+
+        section = format_offload([row.to_dict() for row in offloads])
+        if section:
+            print("\n" + section, file=out)
     checks = check_targets(rows, meta.get("chain"))
     if checks:
         print("\n" + format_checks(checks), file=out)

@@ -44,6 +44,8 @@ class Result:
     note: str = ""
     compare: bool = True  # whether ratios to the no-remat and torch rows make sense
     error: str = ""  # why the row failed (its call raised, or its gradients are off): `python -m benchmarks` exits 1
+    traffic: dict[str, int | None] | None = None  # offload rows: the step's copies between device and host
+    profile: dict[str, Any] | None = None  # offload rows: one step under torch.profiler (benchmarks/offload.py)
 
     @property
     def step(self) -> float | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .chain import CHAIN
 from .configs import NO_REMAT, TORCH
+from .offload import SAVE_ON_CPU
 from .runner import Result
 from .tiny import EMPTY_MODE, REGION
 
@@ -121,6 +122,7 @@ def check_targets(rows: Sequence[Result], summary: dict[str, object] | None = No
                   _per_repeat(lambda a, b: a / b, chain, best), 0.95, "≤ 0.95x")  # fmt: skip
         error = abs(float(chain_summary.get("predicted_over_measured", 0.0)) - 1)  # type: ignore[arg-type]
         c.add_value("5.5", "chain: |predicted / measured time - 1|", error, 0.15, "≤ 0.15")
+    _offload_targets(c)
     imported = c.row("startup", "import remat (after torch)")
     if imported and imported.step_seconds:
         c.add("5.6", "import remat after torch (s)", imported.step_seconds, 0.050, "≤ 0.050 s")
@@ -128,6 +130,42 @@ def check_targets(rows: Sequence[Result], summary: dict[str, object] | None = No
     if first and first.step_seconds:
         c.add("5.6", "first @remat call (s)", first.step_seconds, 0.1, "≤ 0.1 s (no one-off set-up)")
     return c.found
+
+
+def _offload_targets(c: _Checks) -> None:
+    """§5.9 on the offload rows (an accelerator's run: on CPU they are skipped)."""
+    blocks, theirs = c.row("offload", "per-block remat"), c.row("offload", SAVE_ON_CPU)
+    alone, offloaded = c.row("offload", "remat.offload()"), c.row("offload", "per-block remat, offload=True")
+    if alone and theirs:
+        c.add("5.9", "offload: remat.offload() step / save_on_cpu's", _per_repeat(lambda a, b: a / b, alone, theirs),
+              1.0, "≤ 1.00x")  # fmt: skip
+        if alone.peak_bytes and theirs.peak_bytes:
+            c.add_value("5.9", "offload: remat.offload() peak / save_on_cpu's", alone.peak_bytes / theirs.peak_bytes,
+                        1.05, "≤ 1.05x")  # fmt: skip
+    if offloaded and blocks:
+        c.add("5.9", "offload: per-block offload=True step / per-block remat's",
+              _per_repeat(lambda a, b: a / b, offloaded, blocks), 1.03, "≤ 1.03x")  # fmt: skip
+        offloaded_bytes = (offloaded.traffic or {}).get("out_bytes")
+        if offloaded.peak_bytes and blocks.peak_bytes and offloaded_bytes:
+            floor = blocks.peak_bytes - 0.8 * offloaded_bytes
+            c.add_value("5.9", "offload: per-block offload=True peak / (per-block remat's - 0.8 x offloaded)",
+                        offloaded.peak_bytes / floor if floor > 0 else float("inf"), 1.0, "≤ 1.00")  # fmt: skip
+    for row in (alone, offloaded, c.row("offload", "per-block offload(save_matmuls)")):
+        moved = row.traffic if row else None
+        if row is None or not moved or not moved.get("out"):
+            continue
+        name = row.config
+        crossings = ((moved["back"] or 0) + (moved["kept"] or 0)) / float(moved["out"] or 1)
+        c.found.append(Check("5.9", f"offload: {name}: (copies back + not brought back) / copies to host",
+                             crossings, crossings, crossings, "= 1 (each copy once each way)", crossings == 1))
+        pageable = float(moved["pageable"] or 0)
+        c.found.append(Check("5.9", f"offload: {name}: copies with pageable memory", pageable, pageable, pageable,
+                             "= 0", pageable == 0))  # fmt: skip
+        memcpy = (row.profile or {}).get("memcpy", {})
+        staged = sum(n for kind, (n, _) in memcpy.items() if "Pageable" in kind)
+        if memcpy:
+            c.found.append(Check("5.9", f"offload: {name}: pageable copies in the profile", staged, staged, staged,
+                                 "= 0", staged == 0))  # fmt: skip
 
 
 def format_checks(checks: Sequence[Check]) -> str:

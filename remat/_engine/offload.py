@@ -24,23 +24,26 @@ from .._core.torch_compat import (
     top_saved_hooks,
 )
 from .guard import storage_key
-from .transfer import Parcel, Stay, reap
+from .transfer import Parcel, Stay, pack, reap
 
 __all__ = ["Offload", "for_kept", "no_offload_inside", "offload", "resolve"]
 
 # NOTE [ What is offloaded ]
 # A saved tensor is offloaded when it is on an accelerator (or on CPU with `include_cpu`), holds at least
-# `min_bytes`, is a plain strided tensor, and is not memory that lives anyway: not an `nn.Parameter`, not a
-# leaf that requires grad (a user's input), not a view of one of those, and not a module buffer. Buffers are
-# recognised by storage: while an offload block is open, a global forward pre-hook (torch's public
-# `register_module_forward_pre_hook`, removed when the last block exits) notes the buffers of every module called
-# (a lookup of `module._buffers`; weak references, so nothing is kept alive). A buffer that reaches a site's
+# `min_bytes` (and more than none), is a plain strided tensor, and is not memory that lives anyway: not an
+# `nn.Parameter`, not a leaf that requires grad (a user's input), not a view of one of those, and not a module
+# buffer. Buffers are recognised by storage: while an offload block is open, a global forward pre-hook (torch's
+# public `register_module_forward_pre_hook`, removed when the last block exits) notes the buffers of every module
+# called (a lookup of `module._buffers`; weak references, so nothing is kept alive). A buffer that reaches a site's
 # `offload=` outside any offload block is not recognised and is copied like an activation: correct, one copy
-# more. A tensor saved twice (the output of `tanh`, saved by `tanh` and by the matmul that reads it) is the same
-# Python object both times: it is copied once and both saved variables share the parcel. Everything else is
-# handed back as it is (`Stay`), with its version, so an in-place change before backward still raises.
-# Offload's own copies run with the dispatch modes set aside, so a site's recorder or policy, or
-# `remat.track`, never sees them: the tracker counts device memory, `host_bytes()` counts host copies.
+# more. What crosses is memory, not tensors (NOTE [ What crosses ] in transfer.py): a tensor saved twice (the
+# output of `tanh`, saved by `tanh` and by the matmul that reads it), and views of one storage (q, k and v split
+# from one projection), cross once, through one copy that their parcels point into (`_shared`, per `Offload`:
+# the id of a storage -> its last copy, weakly; the copy holds the storage weakly, to tell it from a later one).
+# Everything else is handed back as it is (`Stay`), with its version, so an in-place change before backward
+# still raises; so does an offloaded tensor's, while the tensor lives.
+# Offload's own copies run with the dispatch modes set aside and without grad, so a site's recorder or policy,
+# or `remat.track`, never sees them: the tracker counts device memory, `host_bytes()` counts host copies.
 
 _INSIDE_RERUN = (
     "remat: `with remat.offload():` inside the rematerialized function `{site}`: rerun calls the function again "
@@ -137,7 +140,7 @@ class Offload:
         self.min_bytes = min_bytes
         self.pin_memory = pin_memory
         self.include_cpu = include_cpu
-        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, weakref.ref[Parcel]]] = {}
+        self._shared: dict[int, weakref.ref[Any]] = {}  # storage -> its last copy
 
     def __repr__(self) -> str:
         return (
@@ -162,33 +165,21 @@ class Offload:
             return False
         if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
             return False  # tensor subclasses (fake, functional, DTensor) keep their own semantics
-        if tensor.layout != torch.strided or tensor.numel() * tensor.element_size() < self.min_bytes:
+        if tensor.layout != torch.strided:
+            return False
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or nbytes < self.min_bytes:
             return False
         return not _lives_anyway(tensor) and not (_buffers and _is_buffer(tensor))
 
     def pack(self, tensor: torch.Tensor) -> Parcel | Stay:
-        """The pack hook: a `Parcel` (a host copy) for a qualifying tensor, a `Stay` for the rest."""
+        """The pack hook: a `Parcel` (a place in a host copy) for a qualifying tensor, a `Stay` for the rest."""
         if not self.qualifies(tensor):
             return Stay(tensor)
-        key = id(tensor)
-        found = self._seen.get(key)
-        if found is not None and found[0]() is tensor and found[1] == tensor._version:
-            parcel = found[2]()
-            if parcel is not None:
-                parcel.users += 1
-                return parcel
-        if dispatch_modes_on():
-            with disable_current_modes():
-                parcel = Parcel(tensor, self.pin_memory)
-        else:
-            parcel = Parcel(tensor, self.pin_memory)
-        parcel.users = 1
-        seen = self._seen
-        if len(seen) > 4096:
-            for stale in [k for k, (ref, _, box) in seen.items() if ref() is None or box() is None]:
-                del seen[stale]
-        seen[key] = (weakref.ref(tensor), tensor._version, weakref.ref(parcel))
-        return parcel
+        if dispatch_modes_on() or torch.is_grad_enabled():  # a site packing in forward: no op of ours recorded
+            with disable_current_modes(), torch.no_grad():
+                return pack(tensor, self.pin_memory, self._shared)
+        return pack(tensor, self.pin_memory, self._shared)
 
     @staticmethod
     def unpack(packed: Parcel | Stay) -> torch.Tensor:

@@ -130,3 +130,45 @@ def test_offloading_sites_give_the_gradients_and_masks_of_no_remat(variant: Call
     base, _ = assert_same_on_device(stack, (x0(),), variant)
     assert base.drew[1]
     assert _transfer.host_bytes()[1] > host, "nothing went to host"
+
+
+class Attention(nn.Module):
+    """q, k and v as views of one projection (strides of their own), attention with dropout on the device, a
+    permuted output, and a sparse slice of a larger storage: the layouts that took torch's staged copy to
+    pageable host memory, or crossed more than once, on a GPU (issue 44)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, d // 4).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2).transpose(1, 2).sin()
+        return y.reshape(b, s, d).repeat(1, 8, 1)[:, ::8].cos()
+
+
+def test_every_copy_across_the_device_is_a_memcpy_and_crosses_once_each_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    between: list[tuple[bool, bool, bool, bool]] = []
+    copy_ = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if self.device != src.device:
+            same = (self.dtype == src.dtype, self.shape == src.shape)
+            between.append((self.is_contiguous(), src.is_contiguous(), *same))
+        return copy_(self, src, non_blocking)
+
+    def make() -> nn.Module:
+        return Attention().double().to(D0)
+
+    x = randn(4, 16, WIDTH, requires_grad=True).to(D0)
+    _transfer.traffic(reset=True)
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    base, _ = assert_same_on_device(make, (x,), in_context(remat.offload()), expect_recompute=False)
+    monkeypatch.undo()
+    moved = _transfer.traffic()
+    assert base.drew[1], "dropout drew on index 0"
+    assert moved.out > 0 and (moved.back, moved.back_bytes) == (moved.out, moved.out_bytes)
+    assert moved.kept == moved.pageable == 0, "a device without streams copies synchronously: nothing is held"
+    assert len(between) == moved.out + moved.back
+    assert all(copy == (True, True, True, True) for copy in between), between
