@@ -21,6 +21,7 @@ from ._core.units import Budget
 from ._engine import offload as _offload
 from ._engine.region import Region
 from ._sites import checkpoint as _checkpoint
+from ._sites import cross_entropy as _cross_entropy
 from ._sites import targets as _targets
 from ._sites.partial import decorate
 from ._sites.table import ModelPlan
@@ -298,6 +299,7 @@ class Remat:
         offload = staticmethod(_offload.offload)
         checkpoint = staticmethod(_checkpoint.checkpoint)
         checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
+        linear_cross_entropy = staticmethod(_cross_entropy.linear_cross_entropy)
         is_enabled = staticmethod(_switch.is_enabled)
         set_enabled = staticmethod(_switch.set_enabled)
         enabled = staticmethod(_switch.enabled)
