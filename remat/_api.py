@@ -22,6 +22,7 @@ from ._engine import offload as _offload
 from ._engine.region import Region
 from ._sites import checkpoint as _checkpoint
 from ._sites import cross_entropy as _cross_entropy
+from ._sites import head as _head
 from ._sites import targets as _targets
 from ._sites.partial import decorate
 from ._sites.table import ModelPlan
@@ -148,6 +149,7 @@ class Remat:
         memory: Budget | None = None,
         optimizer: Any = None,
         compile: bool = False,
+        head: bool = False,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -181,10 +183,17 @@ class Remat:
                 "adam" or "adamw" (None: no optimizer step).
             compile: with `budget` or `memory`, plan for the model compiled as one graph (not block by block):
                 compiled costs, checked on compiled steps `apply` runs; a fraction is of compiled no-remat's peak.
+            head: also compute the loss of a Hugging Face causal LM (GPT-2, Llama, Mistral, Qwen, Gemma, ...;
+                tied embeddings and PEFT-wrapped ones too) through `remat.linear_cross_entropy`: in training, a
+                forward given `labels` computes its loss over chunks of tokens (labels shifted and ignored as the
+                model's own loss does; Gemma 2's soft-capping and logit scales kept), never holding all the
+                logits, and its output's `logits` is None; a forward without labels, or in eval, is unchanged.
+                Combines with every other option; a budget plans with it. `remat.undo` removes it.
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
-                or `every` is not a positive int.
+                or `every` is not a positive int; with `head=True`, when the model has no head it can route (the
+                message says what it looked for).
             BudgetError: with `budget`, no choice per block fits; the message names the smallest budget that does.
                 With `memory`, the step does not fit even with full remat; `least_bytes` is the least total.
 
@@ -193,41 +202,22 @@ class Remat:
         >>> model = remat.apply(model, torch.nn.Linear)
         >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
         """
-        if budget is not None or memory is not None or optimizer is not None:
-            if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
-                raise ValueError(
-                    "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
-                    "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
-                )
-            # the profiler and planner load with the first planned apply: a budget bounds the activations, a
-            # memory the whole step (leaving the activations what the state does not take)
-            if memory is None and optimizer is None:
-                from ._budget.apply import apply_budget
-
-                assert budget is not None
-                return apply_budget(
-                    model, budget, sample, where, loss=loss, choices=choices, replan=replan,
-                    preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile,
-                )
-            if memory is None or budget is not None:
-                raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
-                                 "with `optimizer`), not both; `optimizer` goes with `memory`.")
-            from ._estimate.memory import apply_memory
-
-            options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
-                       "check": check, "compile": compile}
-            return apply_memory(  # type: ignore[return-value]
-                model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
+        if not isinstance(head, bool):
+            raise TypeError(f"remat: `head` must be a bool, but got `{type(head).__name__}`.")
+        if head:  # before the blocks: a budget's profile runs the step with the head routed
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
+            _head.route_head(model)
+        try:
+            return _apply_blocks(
+                model, where, every=every, policy=policy, preserve_rng=preserve_rng, strategy=strategy,
+                enabled=enabled, check=check, name=name, offload=offload, budget=budget, sample=sample, loss=loss,
+                choices=choices, replan=replan, memory=memory, optimizer=optimizer, compile=compile,
             )
-        if sample is not None or loss is not None or choices is not None or replan is not True or compile:
-            raise ValueError(
-                "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
-            )
-        settings = Options(
-            policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
-            check=check, name=name, offload=offload,
-        )
-        return _targets.apply(model, where, every, settings)
+        except BaseException:
+            if head:  # nothing is left half done
+                _head.unroute_head(model)
+            raise
 
     @staticmethod
     def plan(model: nn.Module) -> ModelPlan:
@@ -352,6 +342,50 @@ for _name in ("apply", "plan", "undo", "region"):
     _function.__qualname__ = f"remat.{_name}"
     if hasattr(_function.__code__, "co_qualname"):  # Python 3.11+
         _function.__code__ = _function.__code__.replace(co_qualname=f"remat.{_name}")
+
+
+def _apply_blocks(
+    model: _M, where: _Where | None, *, every: int, policy: PolicyLike, preserve_rng: bool, strategy: Strategy,
+    enabled: bool | None, check: bool, name: str | None, offload: bool | _offload.Offload, budget: Budget | None,
+    sample: Any, loss: Callable[[Any], Any] | None, choices: Sequence[PolicyLike] | None, replan: bool,
+    memory: Budget | None, optimizer: Any, compile: bool,
+) -> _M:
+    """`apply` for the blocks: one policy for all, a budget or a memory."""
+    if budget is not None or memory is not None or optimizer is not None:
+        if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
+            raise ValueError(
+                "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
+                "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
+            )
+        # the profiler and planner load with the first planned apply: a budget bounds the activations, a
+        # memory the whole step (leaving the activations what the state does not take)
+        if memory is None and optimizer is None:
+            from ._budget.apply import apply_budget
+
+            assert budget is not None
+            return apply_budget(
+                model, budget, sample, where, loss=loss, choices=choices, replan=replan,
+                preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile,
+            )
+        if memory is None or budget is not None:
+            raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
+                             "with `optimizer`), not both; `optimizer` goes with `memory`.")
+        from ._estimate.memory import apply_memory
+
+        options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
+                   "check": check, "compile": compile}
+        return apply_memory(  # type: ignore[return-value]
+            model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
+        )
+    if sample is not None or loss is not None or choices is not None or replan is not True or compile:
+        raise ValueError(
+            "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
+        )
+    settings = Options(
+        policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
+        check=check, name=name, offload=offload,
+    )
+    return _targets.apply(model, where, every, settings)
 
 
 def _attach(name: str, value: Any) -> Any:

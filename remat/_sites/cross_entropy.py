@@ -50,13 +50,13 @@ rule 3)."""
 #    backward is the size of `hidden`, `weight` and `bias` (their gradients), never of the logits. For "none" the
 #    loss's gradient differs per token and cannot scale a sum already made, so forward keeps only the inputs and
 #    backward makes each chunk's logits again: the rematerialization proper, one more matmul per chunk.
-# 3. `chunks=None` makes each chunk's logits about `CHUNK_BYTES` (64 MiB) in the loss's dtype. What a chunk holds
-#    at its peak is its logits in the loss's dtype (softmax and gradient are made in place) plus, under autocast,
-#    one copy in the projection's dtype: about 1.5-2x `CHUNK_BYTES`, whatever the batch, sequence or vocabulary,
-#    next to the gigabytes of full logits at real sizes (GPT-2 124M at batch 16 x 1024: 3.3 GB in float32). It is
-#    as large as it can be while staying small, because a chunk's matmuls must stay efficient: 64 MiB is 16M
-#    logits, at least 64 tokens against a 256k vocabulary and 330 against GPT-2's 50k, enough rows for a matmul to
-#    run at full speed; the step time measured on CPU is flat from 16 to 256 MiB (docs/guides/head.md).
+# 3. `chunks=None` makes each chunk's logits about `CHUNK_BYTES` in the loss's dtype. What a chunk holds at its
+#    peak is its logits in the loss's dtype (softmax and gradient are made in place) plus, under autocast, one copy
+#    in the projection's dtype: a constant, whatever the batch, sequence or vocabulary, where the full logits grow
+#    with all three (gigabytes at real sizes). It is as large as it can be while staying small next to them,
+#    because a chunk's matmuls must stay efficient: at the largest vocabularies a chunk still has enough tokens
+#    (rows) for a matmul to run at full speed, and fewer, larger chunks pay less per-chunk overhead. The step times
+#    per chunk size behind it are in docs/benchmarks.md ("Figures behind the design notes").
 # 4. The result does not depend on the chunk count beyond the order of float sums.
 # 5. `REMAT=0` (the switch) makes it the plain composition of rule 1 (the full logits), as every site.
 #
@@ -69,11 +69,13 @@ rule 3)."""
 #    gradients run in it, as autograd runs them there; each chunk's share of the weight's gradient is added in the
 #    weight's dtype. A model's elementwise steps on its logits (`Transform`: Gemma 2's soft-capping) run in the
 #    projection's dtype before the upcast, and their gradients the same way, as autograd's would.
-# 3. The chunks run inside two custom operators (`remat::linear_cross_entropy` and its backward for "none"), with
-#    their autograd formula registered (`torch.library`): torch.compile keeps an operator whole, so a compiled step
-#    holds one chunk as the eager one does (inlined, inductor would be free to make every chunk's logits first).
-#    Backward raises under `create_graph=True`: there is no second derivative through the head (torch's
-#    cross-entropy has one; no training loop uses it), and a silent zero would be wrong.
+# 3. In eager code the chunks run in an autograd function, whose ops every dispatch mode sees (`remat.track` counts
+#    each chunk's logits; a budget's fake profile prices them). In compiled code they run in two custom operators
+#    (`remat::linear_cross_entropy`, and its backward for "none") with their autograd formula registered
+#    (`torch.library`): the compiler keeps an operator whole, so a compiled step holds one chunk as the eager one
+#    does (inlined, inductor would be free to make every chunk's logits first). Backward raises under
+#    `create_graph=True`: there is no second derivative through the head (torch's cross-entropy has one; no
+#    training loop uses it), and a silent zero would be wrong.
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,8 @@ def linear_cross_entropy(
         reduction: ``"mean"`` over tokens not ignored (NaN when there are none, as torch's), ``"sum"``, or
             ``"none"``: one loss per token, shaped as `labels`.
         label_smoothing: as `torch.nn.functional.cross_entropy`'s, in [0, 1].
-        chunks: how many chunks of tokens; None picks it so that one chunk's logits are about 64 MiB in the loss's
-            dtype (the guide "The head and the loss" says why).
+        chunks: how many chunks of tokens; None picks it so that one chunk's logits are about `CHUNK_BYTES` in the
+            loss's dtype (the guide "The head and the loss" says why).
         softcap: logits become ``softcap * tanh(logits / softcap)`` before the loss, as Gemma 2's do.
 
     Returns:
@@ -188,12 +190,18 @@ def chunked(
     count = chunk_count(tokens, vocabulary, loss_dtype) if chunks is None else min(chunks, max(tokens, 1))
     size = max(1, math.ceil(tokens / count))
     grad = torch.is_grad_enabled()
-    wanted = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    steps = ",".join(step for step, _ in transform)
-    values = [value for _, value in transform]
-    losses: torch.Tensor = _forward(flat_hidden, weight, bias, flat_labels, int(ignore_index), reduction,
-                                    float(label_smoothing), size, cast, steps, values, wanted)[0]
-    return losses.view(labels.shape) if reduction == "none" else losses  # the operator reduced them
+    wanted = (grad and hidden.requires_grad, grad and weight.requires_grad,
+              grad and bias is not None and bias.requires_grad)
+    options: Options = (int(ignore_index), reduction, float(label_smoothing), size, cast,
+                        ",".join(step for step, _ in transform), [value for _, value in transform])
+    losses: torch.Tensor
+    if compiling():  # implementation note 3
+        losses = _operator(flat_hidden, weight, bias, flat_labels, *options, list(wanted))[0]
+    elif any(wanted):
+        losses = _Eager.apply(flat_hidden, weight, bias, flat_labels, options, wanted)  # type: ignore[no-untyped-call]
+    else:
+        losses = _forward(flat_hidden, weight, bias, flat_labels, options, wanted)[0]
+    return losses.view(labels.shape) if reduction == "none" else losses  # reduced by `_forward`
 
 
 def _positive(name: str, value: float) -> float:
@@ -383,33 +391,98 @@ class _Chunk:
         return grad
 
 
-# The chunks run inside custom operators (implementation note 3), whose autograd formula is registered below.
+# The chunks run in an autograd function in eager code and in custom operators in compiled code (implementation
+# note 3); both run `_forward` and `_backward` below.
+
+Options = tuple[int, str, float, int, "torch.dtype | None", str, list[float]]
+"""`(ignore_index, reduction, smoothing, size, cast, steps, values)`: a `_Spec` as an operator's arguments."""
+
+
+def _forward(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, options: Options,
+    wanted: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The loss (reduced, or per token for "none") and, for "mean" and "sum", the gradients `wanted` asks for."""
+    spec = _spec(options)
+    with _without_autocast(hidden.device.type):
+        chunk = _Chunk(hidden, weight, bias, labels, spec)
+        scale = None
+        if spec.reduction != "none" and any(wanted):
+            scale = chunk.valid.to(chunk.loss_dtype)
+            if spec.reduction == "mean":  # no token: a NaN loss, zero gradients (rule 1)
+                scale = scale / chunk.valid.sum().clamp(min=1)
+        losses, *grads = chunk.run(scale, wanted)
+        if spec.reduction != "none":
+            total = losses.sum()
+            losses = total / chunk.valid.sum() if spec.reduction == "mean" else total
+    return losses, _in_dtypes(grads, (hidden, weight, bias))
+
+
+def _save(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], options: Options,
+          wanted: tuple[bool, bool, bool], grads: list[torch.Tensor | None]) -> None:
+    """What backward needs: the gradients forward made, or (for "none") the inputs to make them again."""
+    ctx.set_materialize_grads(False)
+    ctx.options, ctx.wanted = options, wanted
+    ctx.save_for_backward(*(inputs if options[1] == "none" else grads))
+
+
+def _backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                             torch.Tensor | None]:
+    """The gradients of hidden, weight and bias for the loss's gradient `grad`."""
+    if grad is None:
+        return None, None, None
+    if torch.is_grad_enabled() and not compiling():  # create_graph=True (implementation note 3)
+        raise RematError(
+            "remat: linear_cross_entropy has no second derivative (backward with create_graph=True through it); "
+            "compute that loss with torch.nn.functional.cross_entropy instead."
+        )
+    options, wanted = ctx.options, ctx.wanted
+    if options[1] != "none":  # rule 2: scale what forward made
+        made = [None if g is None or not g.numel() else g * grad.to(g.dtype) for g in ctx.saved_tensors]
+        return made[0], made[1], made[2]
+    hidden, weight, bias, labels = ctx.saved_tensors
+    spec = _spec(options)
+    with _without_autocast(hidden.device.type):
+        chunk = _Chunk(hidden, weight, bias, labels, spec)
+        _, *grads = chunk.run(torch.where(chunk.valid, grad, 0.0), wanted)
+    out = _in_dtypes(grads, (hidden, weight, bias))
+    return out[0], out[1], out[2]
+
+
+class _Eager(torch.autograd.Function):
+    """`_forward` and `_backward` in eager code, where dispatch modes (`remat.track`, fake tensors) see each op."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+        options: Options, wanted: tuple[bool, bool, bool],
+    ) -> torch.Tensor:
+        losses, grads = _forward(hidden, weight, bias, labels, options, wanted)
+        _save(ctx, (hidden, weight, bias, labels), options, wanted, grads)
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (*_backward(ctx, grad), None, None, None)
+
+
+# In compiled code a custom operator keeps the chunks whole: inlined, inductor could make every chunk's logits first.
 
 
 @torch.library.custom_op("remat::linear_cross_entropy", mutates_args=())
-def _forward(
+def _operator(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, ignore_index: int,
     reduction: str, smoothing: float, size: int, cast: torch.dtype | None, steps: str, values: list[float],
     wanted: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The loss (reduced, or per token for "none") and, for "mean" and "sum", the gradients `wanted` asks for
-    (empty where not asked: an operator returns tensors)."""
-    spec = _spec(ignore_index, reduction, smoothing, size, cast, steps, values)
-    with _without_autocast(hidden.device.type):
-        chunk = _Chunk(hidden, weight, bias, labels, spec)
-        scale = None
-        if reduction != "none" and any(wanted):
-            scale = chunk.valid.to(chunk.loss_dtype)
-            if reduction == "mean":  # no token: a NaN loss, zero gradients (rule 1)
-                scale = scale / chunk.valid.sum().clamp(min=1)
-        losses, *grads = chunk.run(scale, (wanted[0], wanted[1], wanted[2]))
-        if reduction != "none":
-            total = losses.sum()
-            losses = total / chunk.valid.sum() if reduction == "mean" else total
-    return (losses, *_as_outputs(grads, (hidden, weight, bias)))
+    """`_forward` as an operator: the gradients it did not make are empty tensors (an operator returns tensors)."""
+    options = (ignore_index, reduction, smoothing, size, cast, steps, values)
+    losses, grads = _forward(hidden, weight, bias, labels, options, (wanted[0], wanted[1], wanted[2]))
+    empty = [hidden.new_empty(0) if g is None else g for g in grads]
+    return losses, empty[0], empty[1], empty[2]
 
 
-@_forward.register_fake
+@_operator.register_fake
 def _(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, ignore_index: int,
     reduction: str, smoothing: float, size: int, cast: torch.dtype | None, steps: str, values: list[float],
@@ -417,87 +490,81 @@ def _(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = torch.promote_types(_projected(hidden.dtype, cast), torch.float32)
     losses = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=dtype)
-    scalar = reduction != "none"
-    grads = [t.new_empty(t.shape) if t is not None and want and scalar else hidden.new_empty(0)
-             for t, want in zip((hidden, weight, bias), wanted, strict=True)]
-    return losses, grads[0], grads[1], grads[2]
+    made = [t.new_empty(t.shape) if t is not None and want and reduction != "none" else hidden.new_empty(0)
+            for t, want in zip((hidden, weight, bias), wanted, strict=True)]
+    return losses, made[0], made[1], made[2]
 
 
 @torch.library.custom_op("remat::linear_cross_entropy_backward", mutates_args=())
-def _backward_none(
+def _operator_backward(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, grad: torch.Tensor,
     ignore_index: int, smoothing: float, size: int, cast: torch.dtype | None, steps: str, values: list[float],
     wanted: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients for reduction "none": each chunk's logits made again (rule 2), empty where not `wanted`."""
-    spec = _spec(ignore_index, "none", smoothing, size, cast, steps, values)
-    with _without_autocast(hidden.device.type):
-        chunk = _Chunk(hidden, weight, bias, labels, spec)
-        _, *grads = chunk.run(torch.where(chunk.valid, grad, 0.0), (wanted[0], wanted[1], wanted[2]))
-    return _as_outputs(grads, (hidden, weight, bias))
+    """`_backward` for reduction "none" as an operator: each chunk's logits made again (rule 2)."""
+    ctx = _Saved((hidden, weight, bias, labels), (ignore_index, "none", smoothing, size, cast, steps, values),
+                 (wanted[0], wanted[1], wanted[2]))
+    made = [hidden.new_empty(0) if g is None else g for g in _backward(ctx, grad)]
+    return made[0], made[1], made[2]
 
 
-@_backward_none.register_fake
+@_operator_backward.register_fake
 def _(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, grad: torch.Tensor,
     ignore_index: int, smoothing: float, size: int, cast: torch.dtype | None, steps: str, values: list[float],
     wanted: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = [t.new_empty(t.shape) if t is not None and want else hidden.new_empty(0)
-             for t, want in zip((hidden, weight, bias), wanted, strict=True)]
-    return grads[0], grads[1], grads[2]
+    made = [t.new_empty(t.shape) if t is not None and want else hidden.new_empty(0)
+            for t, want in zip((hidden, weight, bias), wanted, strict=True)]
+    return made[0], made[1], made[2]
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    hidden, weight, bias, labels, ignore_index, reduction, smoothing, size, cast, steps, values, wanted = inputs
-    ctx.set_materialize_grads(False)  # the gradients' outputs get no gradient: no zeros made for them
+class _Saved:
+    """What `_backward` reads of a context, for the backward operator."""
+
+    def __init__(self, saved: tuple[torch.Tensor | None, ...], options: Options,
+                 wanted: tuple[bool, bool, bool]) -> None:
+        self.saved_tensors, self.options, self.wanted = saved, options, wanted
+
+
+def _operator_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight, bias, labels, *rest = inputs
+    options: Options = tuple(rest[:7])
+    wanted: list[bool] = rest[7]
     ctx.mark_non_differentiable(*output[1:])
-    ctx.reduction = reduction
-    if reduction == "none":
-        ctx.options = (ignore_index, smoothing, size, cast, steps, values, wanted)
-        ctx.save_for_backward(hidden, weight, bias, labels)
+    grads = [None if not g.numel() else g for g in output[1:]]
+    _save(ctx, (hidden, weight, bias, labels), options, (wanted[0], wanted[1], wanted[2]), grads)
+
+
+def _operator_gradients(ctx: Any, grad: torch.Tensor | None, *unused: torch.Tensor | None) -> tuple[Any, ...]:
+    options, wanted = ctx.options, ctx.wanted
+    if grad is not None and options[1] == "none" and not torch.is_grad_enabled():
+        ignore_index, _, smoothing, size, cast, steps, values = options
+        hidden, weight, bias, labels = ctx.saved_tensors
+        made: tuple[torch.Tensor | None, ...] = _operator_backward(
+            hidden, weight, bias, labels, grad, ignore_index, smoothing, size, cast, steps, values, list(wanted))
+        made = tuple(g if want else None for g, want in zip(made, wanted, strict=True))
     else:
-        ctx.save_for_backward(*output[1:])
+        made = _backward(ctx, grad)
+    return (*made, *(None,) * 9)  # nothing for labels and the options
 
 
-def _backward(ctx: Any, grad: torch.Tensor | None, *unused: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    none = (None,) * 8  # the operator's arguments that are not tensors
-    if grad is None:
-        return (None, None, None, None, *none)
-    if torch.is_grad_enabled() and not compiling():  # create_graph=True (implementation note 3)
-        raise RematError(
-            "remat: linear_cross_entropy has no second derivative (backward with create_graph=True through it); "
-            "compute that loss with torch.nn.functional.cross_entropy instead."
-        )
-    if ctx.reduction != "none":  # rule 2: scale what forward made
-        wanted = ctx.needs_input_grad[:3]
-        return (*(g * grad.to(g.dtype) if want else None
-                  for g, want in zip(ctx.saved_tensors, wanted, strict=True)), None, *none)
-    hidden, weight, bias, labels = ctx.saved_tensors
-    ignore_index, smoothing, size, cast, steps, values, wanted = ctx.options
-    grads = _backward_none(hidden, weight, bias, labels, grad, ignore_index, smoothing, size, cast, steps, values,
-                           wanted)
-    return (*(g if want else None for g, want in zip(grads, wanted, strict=True)), None, *none)
+_operator.register_autograd(_operator_gradients, setup_context=_operator_setup)
 
 
-_forward.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _spec(ignore_index: int, reduction: str, smoothing: float, size: int, cast: torch.dtype | None, steps: str,
-          values: list[float]) -> _Spec:
+def _spec(options: Options) -> _Spec:
+    ignore_index, reduction, smoothing, size, cast, steps, values = options
     names = steps.split(",") if steps else []
     return _Spec(ignore_index, reduction, smoothing, size, cast,  # type: ignore[arg-type]
                  tuple(zip(names, values, strict=True)))
 
 
-def _as_outputs(
+def _in_dtypes(
     grads: list[torch.Tensor | None], like: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An operator's gradients: each in its input's dtype (under autocast they were made in the projection's),
-    an empty tensor where none was made (an operator returns tensors)."""
-    out = [like[0].new_empty(0) if g is None or x is None else g if g.dtype == x.dtype else g.to(x.dtype)
-           for g, x in zip(grads, like, strict=True)]
-    return out[0], out[1], out[2]
+) -> list[torch.Tensor | None]:
+    """Each gradient in its input's dtype (under autocast they were made in the projection's)."""
+    return [None if g is None or x is None else g if g.dtype == x.dtype else g.to(x.dtype)
+            for g, x in zip(grads, like, strict=True)]
 
 
 claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)
