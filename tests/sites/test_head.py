@@ -57,9 +57,17 @@ def gemma2() -> nn.Module:  # tied embeddings, final logit soft-capping (30.0)
     return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SMALL, head_dim=16))
 
 
+def granite() -> nn.Module:  # logits divided by `logits_scaling` before the loss
+    return transformers.GraniteForCausalLM(transformers.GraniteConfig(**SMALL, logits_scaling=3.0))
+
+
+def cohere() -> nn.Module:  # logits times `logit_scale` before the loss
+    return transformers.CohereForCausalLM(transformers.CohereConfig(**SMALL, logit_scale=0.5))
+
+
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "gpt2": gpt2, "llama": llama, "llama-tied": lambda: llama(tie_word_embeddings=True), "mistral": mistral,
-    "qwen2": qwen2, "gemma": gemma, "gemma2": gemma2,
+    "qwen2": qwen2, "gemma": gemma, "gemma2": gemma2, "granite": granite, "cohere": cohere,
 }
 
 
@@ -127,7 +135,7 @@ def test_gradients_equal_no_remat_in_float64(family: str, small_chunks: None) ->
     out, grads = routed_step(model, batch())
     assert _stats.head_chunks - before >= 8  # 36 tokens x 120 classes x 8 bytes, in chunks of 4 KiB
     assert_same(expected, out.loss, grads)
-    if family in ("gpt2", "llama-tied", "gemma", "gemma2"):
+    if family in ("gpt2", "llama-tied", "gemma", "gemma2", "cohere"):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
