@@ -17,7 +17,7 @@ from ._core import switch as _switch
 from ._core.options import Options, Strategy
 from ._core.policies import PolicyLike
 from ._core.public import PUBLIC, claim, resolve
-from ._core.units import Budget
+from ._core.units import Budget, parse_budget
 from ._engine import offload as _offload
 from ._engine.region import Region
 from ._sites import checkpoint as _checkpoint
@@ -149,7 +149,7 @@ class Remat:
         memory: Budget | None = None,
         optimizer: Any = None,
         compile: bool = False,
-        head: bool = False,
+        head: bool | None = None,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -183,12 +183,15 @@ class Remat:
                 "adam" or "adamw" (None: no optimizer step).
             compile: with `budget` or `memory`, plan for the model compiled as one graph (not block by block):
                 compiled costs, checked on compiled steps `apply` runs; a fraction is of compiled no-remat's peak.
-            head: also compute the loss of a Hugging Face causal LM (GPT-2, Llama, Mistral, Qwen, Gemma, ...;
-                tied embeddings and PEFT-wrapped ones too) through `remat.linear_cross_entropy`: in training, a
+            head: `True` also computes the loss of a Hugging Face causal LM (GPT-2, Llama, Mistral, Qwen, Gemma,
+                ...; tied embeddings and PEFT-wrapped ones too) through `remat.linear_cross_entropy`: in training, a
                 forward given `labels` computes its loss over chunks of tokens (labels shifted and ignored as the
                 model's own loss does; Gemma 2's soft-capping and logit scales kept), never holding all the
                 logits, and its output's `logits` is None; a forward without labels, or in eval, is unchanged.
-                Combines with every other option; a budget plans with it. `remat.undo` removes it.
+                Combines with every other option (a fractional budget stays a fraction of the step with the
+                model's own head, turned into bytes on `sample`). `None` (the default): only a `budget`/`memory`
+                plan routes the head, and only where no plan fits without it (`remat.plan(model)` says so);
+                `False`: never. `remat.undo` removes it.
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
@@ -202,17 +205,22 @@ class Remat:
         >>> model = remat.apply(model, torch.nn.Linear)
         >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
         """
-        if not isinstance(head, bool):
-            raise TypeError(f"remat: `head` must be a bool, but got `{type(head).__name__}`.")
+        if head is not None and not isinstance(head, bool):
+            raise TypeError(f"remat: `head` must be a bool or None, but got `{type(head).__name__}`.")
         if head:  # before the blocks: a budget's profile runs the step with the head routed
             if not isinstance(model, nn.Module):
                 raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
+            fraction = parse_budget(budget) if budget is not None and memory is None else None
+            if isinstance(fraction, float) and sample is not None:  # of the model's own step: NOTE [ The head
+                from ._estimate.memory import plain_budget  # as a choice ] in remat/_budget/head.py, rule 2
+
+                budget = plain_budget(model, fraction, sample, loss, where)
             _head.route_head(model)
         try:
             return _apply_blocks(
                 model, where, every=every, policy=policy, preserve_rng=preserve_rng, strategy=strategy,
                 enabled=enabled, check=check, name=name, offload=offload, budget=budget, sample=sample, loss=loss,
-                choices=choices, replan=replan, memory=memory, optimizer=optimizer, compile=compile,
+                choices=choices, replan=replan, memory=memory, optimizer=optimizer, compile=compile, head=head,
             )
         except BaseException:
             if head:  # nothing is left half done
@@ -348,7 +356,7 @@ def _apply_blocks(
     model: _M, where: _Where | None, *, every: int, policy: PolicyLike, preserve_rng: bool, strategy: Strategy,
     enabled: bool | None, check: bool, name: str | None, offload: bool | _offload.Offload, budget: Budget | None,
     sample: Any, loss: Callable[[Any], Any] | None, choices: Sequence[PolicyLike] | None, replan: bool,
-    memory: Budget | None, optimizer: Any, compile: bool,
+    memory: Budget | None, optimizer: Any, compile: bool, head: bool | None,
 ) -> _M:
     """`apply` for the blocks: one policy for all, a budget or a memory."""
     if budget is not None or memory is not None or optimizer is not None:
@@ -365,7 +373,7 @@ def _apply_blocks(
             assert budget is not None
             return apply_budget(
                 model, budget, sample, where, loss=loss, choices=choices, replan=replan,
-                preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile,
+                preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile, head=head,
             )
         if memory is None or budget is not None:
             raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
@@ -373,7 +381,7 @@ def _apply_blocks(
         from ._estimate.memory import apply_memory
 
         options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
-                   "check": check, "compile": compile}
+                   "check": check, "compile": compile, "head": head}
         return apply_memory(  # type: ignore[return-value]
             model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
         )

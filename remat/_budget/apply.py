@@ -45,9 +45,10 @@ from .derive import DERIVABLE, PARTS
 from .fake_profile import on_fake, profile_fake
 from .first_step import WINDOW, FirstStep, can_track, tidy
 from .gradients import accumulation_order, gradient_steps
+from .head import fit_choosing_head
 from .profile import profile_blocks
 from .ranks import from_rank_zero, max_over_ranks
-from .solve import Assignment, least_assignment, solve_budget
+from .solve import Assignment, least_assignment, resolve_budget, solve_budget
 from .whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph_gradients
 
 __all__ = ["apply_budget"]
@@ -76,6 +77,8 @@ class _Budget:
     step: FirstStep | None = None
     sharded = warned = True  # no warning about `fully_shard` for a plan of unknown origin
     calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
+    resolved: int | None = None  # the budget in bytes on the last profile: NOTE [ The head as a choice ] in head.py
+    head: bool | None = None  # apply's `head`: routed, never, or the planner's choice (None)
 
     def __init__(
         self,
@@ -175,6 +178,7 @@ class _Budget:
             self.check = None
             self.close()
             fits = True
+            self.resolved = resolve_budget(self.budget, cost)
             try:
                 plan = solve_budget(cost, self.budget)
             except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
@@ -243,7 +247,7 @@ class _Budget:
                     "planning again inside this forward (it will do so for every new shape; pass `replan=False` "
                     "to remat.apply to keep the first plan). Logged once per model.", type(model).__name__,
                 )
-            self.fit(model, args, kwargs)
+            fit_choosing_head(self, model, args, kwargs)
         if self.check is not None and self.step is None and can_track():  # NOTE [ The first step ]
             self.step = FirstStep(model, self.seen)
 
@@ -346,6 +350,7 @@ def apply_budget(
     grads: bool = False,
     compile: bool = False,
     upfront: bool = False,
+    head: bool | None = None,
 ) -> _M:
     """See `remat.apply`: profile, solve, and keep re-planning on new input shapes (NOTE [ Budgeted models ])."""
     if not isinstance(model, nn.Module):
@@ -390,7 +395,8 @@ def apply_budget(
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
     hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads, upfront)
+    hook.head = head
     args, kwargs = as_call(sample)
-    hook.fit(model, args, kwargs)
+    fit_choosing_head(hook, model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     return model

@@ -22,7 +22,7 @@ from ..._core.errors import RematError
 from ..cross_entropy import Transform, chunked
 from . import comes_from
 
-__all__ = ["HeadRoute", "find_causal_lm", "route", "routed_head"]
+__all__ = ["HeadRoute", "check", "find_causal_lm", "route", "undo"]
 
 # NOTE [ A causal LM's head ]
 # A transformers causal LM makes its logits with `self.lm_head(hidden_states)`, may scale or soft-cap them, and
@@ -225,6 +225,8 @@ class HeadRoute:
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
     remat_head = True  # what remat/_sites/head.py looks for
 
+    chosen_by: str | None = None  # who routed it, where not the user (a budget: NOTE [ The head as a choice ])
+
     def __init__(self, model: nn.Module, head: nn.Module, head_name: str, labels_at: int | None) -> None:
         self.model = model
         self.head = head
@@ -260,8 +262,9 @@ class HeadRoute:
                 self.model.__dict__["_loss_function"] = self.own_loss
 
     def describe(self) -> str:
+        chosen = f", chosen by {self.chosen_by}" if self.chosen_by else ""
         return (f"{self.head_name or '(model)'} ({type(self.head).__qualname__}): with labels in training, the loss "
-                "in chunks (remat.linear_cross_entropy); output.logits is None")
+                f"in chunks (remat.linear_cross_entropy{chosen}); output.logits is None")
 
 
 class _HeadClose:
@@ -331,8 +334,29 @@ LOOKED_FOR = (
 )
 
 
-def route(model: nn.Module) -> HeadRoute:
-    """Route the loss of the causal LM inside `model` through `linear_cross_entropy` (NOTE [ A causal LM's head ]).
+def route(model: nn.Module, chosen_by: str | None = None) -> HeadRoute:
+    """Route the loss of the causal LM inside `model` through `linear_cross_entropy` (NOTE [ A causal LM's head ]);
+    `chosen_by` says who chose it, where not the user.
+
+    Raises:
+        ValueError: naming what was looked for and what was found instead, when there is no such model or head.
+    """
+    lm, head = check(model)
+    head_name = next(n for n, m in model.named_modules() if m is head)
+    undo(lm)
+    signature = inspect.signature(type(lm).forward)
+    positional = [p.name for p in signature.parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][1:]
+    hook = HeadRoute(lm, head, head_name, positional.index("labels") if "labels" in positional else None)
+    hook.chosen_by = chosen_by
+    hook.install()
+    lm.register_forward_pre_hook(hook, with_kwargs=True)
+    lm.register_forward_hook(_HeadClose(), with_kwargs=True, always_call=True, prepend=True)  # before others'
+    return hook
+
+
+def check(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """The causal LM inside `model` and its head, where `route` can route them (rule 3).
 
     Raises:
         ValueError: naming what was looked for and what was found instead, when there is no such model or head.
@@ -342,7 +366,7 @@ def route(model: nn.Module) -> HeadRoute:
         raise ValueError(f"remat: apply(head=True) found no language-model head in `{type(model).__qualname__}`: "
                          f"it looks for {LOOKED_FOR}. For another model, compute its loss with "
                          "remat.linear_cross_entropy(hidden, head.weight, labels).")
-    name, lm = found
+    _, lm = found
     kind = type(lm).__qualname__
     head = lm.get_output_embeddings()  # type: ignore[operator]
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
@@ -363,26 +387,7 @@ def route(model: nn.Module) -> HeadRoute:
                else f"computes its loss with {getattr(loss_function, '__name__', loss_function)!r}")
             + ", so remat cannot tell how its loss reads the logits."
         )
-    head_name = next(n for n, m in model.named_modules() if m is head)
-    undo(lm)
-    signature = inspect.signature(type(lm).forward)
-    positional = [p.name for p in signature.parameters.values()
-                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][1:]
-    hook = HeadRoute(lm, head, head_name, positional.index("labels") if "labels" in positional else None)
-    hook.install()
-    lm.register_forward_pre_hook(hook, with_kwargs=True)
-    lm.register_forward_hook(_HeadClose(), with_kwargs=True, always_call=True, prepend=True)  # before others
-    del name
-    return hook
-
-
-def routed_head(model: nn.Module) -> HeadRoute | None:
-    """The route of a causal LM inside `model`, if `route` put one there."""
-    for module in model.modules():
-        for hook in module._forward_pre_hooks.values():
-            if isinstance(hook, HeadRoute):
-                return hook
-    return None
+    return lm, head
 
 
 def undo(module: nn.Module) -> None:
