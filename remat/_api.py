@@ -6,6 +6,7 @@ calls to it), so every spelling takes the same options, validated when decoratin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
@@ -148,8 +149,8 @@ class Remat:
         replan: bool = True,
         memory: Budget | None = None,
         optimizer: Any = None,
-        compile: bool = False,
         head: bool | None = None,
+        compile: bool = False,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -207,25 +208,70 @@ class Remat:
         """
         if head is not None and not isinstance(head, bool):
             raise TypeError(f"remat: `head` must be a bool or None, but got `{type(head).__name__}`.")
-        if head:  # before the blocks: a budget's profile runs the step with the head routed
-            if not isinstance(model, nn.Module):
-                raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
-            fraction = parse_budget(budget) if budget is not None and memory is None else None
-            if isinstance(fraction, float) and sample is not None:  # of the model's own step: NOTE [ The head
-                from ._estimate.memory import plain_budget  # as a choice ] in remat/_budget/head.py, rule 2
+        blocks = functools.partial(
+            Remat._apply, model, where, every=every, policy=policy, preserve_rng=preserve_rng, strategy=strategy,
+            enabled=enabled, check=check, name=name, offload=offload, sample=sample, loss=loss, choices=choices,
+            replan=replan, memory=memory, optimizer=optimizer, head=head, compile=compile,
+        )
+        if not head:
+            return blocks(budget=budget)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
+        fraction = parse_budget(budget) if budget is not None and memory is None else None
+        if isinstance(fraction, float) and sample is not None:  # of the model's own step: NOTE [ The head as a
+            from ._estimate.head_budget import plain_budget  # choice ] in remat/_budget/head.py, rule 2
 
-                budget = plain_budget(model, fraction, sample, loss, where)
-            _head.route_head(model)
+            budget = plain_budget(model, fraction, sample, loss, where)
+        _head.route_head(model)  # before the blocks: a budget's profile runs the step with the head routed
         try:
-            return _apply_blocks(
-                model, where, every=every, policy=policy, preserve_rng=preserve_rng, strategy=strategy,
-                enabled=enabled, check=check, name=name, offload=offload, budget=budget, sample=sample, loss=loss,
-                choices=choices, replan=replan, memory=memory, optimizer=optimizer, compile=compile, head=head,
-            )
+            return blocks(budget=budget)
         except BaseException:
-            if head:  # nothing is left half done
-                _head.unroute_head(model)
+            _head.unroute_head(model)  # nothing is left half done
             raise
+
+    @staticmethod
+    def _apply(
+        model: _M, where: _Where | None, *, every: int, policy: PolicyLike, preserve_rng: bool, strategy: Strategy,
+        enabled: bool | None, check: bool, name: str | None, offload: bool | _offload.Offload,
+        budget: Budget | None, sample: Any, loss: Callable[[Any], Any] | None, choices: Sequence[PolicyLike] | None,
+        replan: bool, memory: Budget | None, optimizer: Any, head: bool | None, compile: bool,
+    ) -> _M:
+        """`apply` for the blocks: one policy for all, a budget, or a memory (the head is routed already)."""
+        if budget is not None or memory is not None or optimizer is not None:
+            if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
+                raise ValueError(
+                    "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
+                    "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
+                )
+            # the profiler and planner load with the first planned apply: a budget bounds the activations, a
+            # memory the whole step (leaving the activations what the state does not take)
+            if memory is None and optimizer is None:
+                from ._budget.apply import apply_budget
+
+                assert budget is not None
+                return apply_budget(
+                    model, budget, sample, where, loss=loss, choices=choices, replan=replan,
+                    preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile, head=head,
+                )
+            if memory is None or budget is not None:
+                raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
+                                 "with `optimizer`), not both; `optimizer` goes with `memory`.")
+            from ._estimate.memory import apply_memory
+
+            options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
+                       "check": check, "compile": compile, "head": head}
+            return apply_memory(  # type: ignore[return-value]
+                model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
+            )
+        if sample is not None or loss is not None or choices is not None or replan is not True or compile:
+            raise ValueError(
+                "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
+            )
+        settings = Options(
+            policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
+            check=check, name=name, offload=offload,
+        )
+        return _targets.apply(model, where, every, settings)
 
     @staticmethod
     def plan(model: nn.Module) -> ModelPlan:
@@ -350,50 +396,6 @@ for _name in ("apply", "plan", "undo", "region"):
     _function.__qualname__ = f"remat.{_name}"
     if hasattr(_function.__code__, "co_qualname"):  # Python 3.11+
         _function.__code__ = _function.__code__.replace(co_qualname=f"remat.{_name}")
-
-
-def _apply_blocks(
-    model: _M, where: _Where | None, *, every: int, policy: PolicyLike, preserve_rng: bool, strategy: Strategy,
-    enabled: bool | None, check: bool, name: str | None, offload: bool | _offload.Offload, budget: Budget | None,
-    sample: Any, loss: Callable[[Any], Any] | None, choices: Sequence[PolicyLike] | None, replan: bool,
-    memory: Budget | None, optimizer: Any, compile: bool, head: bool | None,
-) -> _M:
-    """`apply` for the blocks: one policy for all, a budget or a memory."""
-    if budget is not None or memory is not None or optimizer is not None:
-        if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
-            raise ValueError(
-                "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
-                "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
-            )
-        # the profiler and planner load with the first planned apply: a budget bounds the activations, a
-        # memory the whole step (leaving the activations what the state does not take)
-        if memory is None and optimizer is None:
-            from ._budget.apply import apply_budget
-
-            assert budget is not None
-            return apply_budget(
-                model, budget, sample, where, loss=loss, choices=choices, replan=replan,
-                preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile, head=head,
-            )
-        if memory is None or budget is not None:
-            raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
-                             "with `optimizer`), not both; `optimizer` goes with `memory`.")
-        from ._estimate.memory import apply_memory
-
-        options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
-                   "check": check, "compile": compile, "head": head}
-        return apply_memory(  # type: ignore[return-value]
-            model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
-        )
-    if sample is not None or loss is not None or choices is not None or replan is not True or compile:
-        raise ValueError(
-            "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
-        )
-    settings = Options(
-        policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
-        check=check, name=name, offload=offload,
-    )
-    return _targets.apply(model, where, every, settings)
 
 
 def _attach(name: str, value: Any) -> Any:

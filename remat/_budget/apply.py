@@ -77,8 +77,6 @@ class _Budget:
     step: FirstStep | None = None
     sharded = warned = True  # no warning about `fully_shard` for a plan of unknown origin
     calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
-    resolved: int | None = None  # the budget in bytes on the last profile: NOTE [ The head as a choice ] in head.py
-    head: bool | None = None  # apply's `head`: routed, never, or the planner's choice (None)
 
     def __init__(
         self,
@@ -94,6 +92,8 @@ class _Budget:
         upfront: bool = False,
     ) -> None:
         self.budget = budget
+        self.head: bool | None = None  # apply's `head`: NOTE [ The head as a choice ] in head.py
+        self.resolved: int | None = None  # the budget in bytes on the last profile (the same NOTE)
         self.names = names
         self.policies = policies
         self.labels = labels
@@ -131,6 +131,11 @@ class _Budget:
             self.assign(model, i, c)
 
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
+        """Plan for these inputs: `fit_blocks`, with the head routed where only that fits (NOTE [ The head as a
+        choice ] in head.py)."""
+        return fit_choosing_head(self, model, args, kwargs)
+
+    def fit_blocks(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
         """Profile one step on these inputs, solve, and put the chosen options on the blocks."""
         args, kwargs = detached(args), detached(kwargs)
         loss = self.loss or default_loss
@@ -178,7 +183,7 @@ class _Budget:
             self.check = None
             self.close()
             fits = True
-            self.resolved = resolve_budget(self.budget, cost)
+            self.resolved = resolve_budget(self.budget, cost)  # NOTE [ The head as a choice ] in head.py
             try:
                 plan = solve_budget(cost, self.budget)
             except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
@@ -247,7 +252,7 @@ class _Budget:
                     "planning again inside this forward (it will do so for every new shape; pass `replan=False` "
                     "to remat.apply to keep the first plan). Logged once per model.", type(model).__name__,
                 )
-            fit_choosing_head(self, model, args, kwargs)
+            self.fit(model, args, kwargs)
         if self.check is not None and self.step is None and can_track():  # NOTE [ The first step ]
             self.step = FirstStep(model, self.seen)
 
@@ -395,8 +400,8 @@ def apply_budget(
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
     hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads, upfront)
-    hook.head = head
+    hook.head = head  # NOTE [ The head as a choice ] in head.py
     args, kwargs = as_call(sample)
-    fit_choosing_head(hook, model, args, kwargs)
+    hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     return model

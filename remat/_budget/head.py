@@ -46,31 +46,32 @@ BY_BUDGET = "the budget"
 
 
 class Fitting(Protocol):
-    """What `fit_choosing_head` needs of a budget's hook (`_Budget` in apply.py)."""
+    """What `fit_choosing_head` needs of a budget's hook (`_Budget` in apply.py; `resolved` and `head` are read
+    with `getattr`, so that a hook pickled before them plans as before)."""
 
     budget: Any
-    resolved: int | None
-    head: bool | None
 
-    def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment: ...
+    def fit_blocks(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment: ...
 
 
 def fit_choosing_head(hook: Fitting, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
-    """`hook.fit(model, args, kwargs)`, with the head routed where only that fits (NOTE [ The head as a choice ])."""
-    if hook.head is not None or not can_route_head(model):
-        return hook.fit(model, args, kwargs)
+    """`hook.fit_blocks(model, args, kwargs)`, with the head routed where only that fits (NOTE [ The head as a
+    choice ])."""
+    if getattr(hook, "head", None) is not None or not can_route_head(model):
+        return hook.fit_blocks(model, args, kwargs)
     if routed_by(model) == BY_BUDGET:  # rule 3: a re-plan chooses again
         unroute_head(model)
     try:
-        return hook.fit(model, args, kwargs)
+        return hook.fit_blocks(model, args, kwargs)
     except BudgetError as refused:
-        if hook.resolved is None:
+        resolved = getattr(hook, "resolved", None)
+        if resolved is None:
             raise
         given, made = hook.budget, _stats.head_chunks
         route_head(model, chosen_by=BY_BUDGET)
-        hook.budget = hook.resolved  # implementation note 1
+        hook.budget = resolved  # implementation note 1
         try:
-            plan = hook.fit(model, args, kwargs)
+            plan = hook.fit_blocks(model, args, kwargs)
         except BudgetError:
             unroute_head(model)
             if _stats.head_chunks == made:

@@ -11,9 +11,7 @@ without gradients, as after ``zero_grad()``, so its measured peak is the activat
 gradients made so far, at backward's highest point, and a plan over it is corrected as for any budget. Two refusals,
 both a `BudgetError` naming the least total that fits: the estimate of full remat of every block (which also
 covers the optimizer step, whatever remat does) does not fit in ``memory``; or the planner finds no plan in the
-remainder, when the least total is the state plus the least budget it names. A model whose head
-`remat.apply(model, head=True)` can route has full remat with the head in chunks as its least, unless `head=False`
-(NOTE [ The head as a choice ] in remat/_budget/head.py).
+remainder, when the least total is the state plus the least budget it names.
 """
 
 from __future__ import annotations
@@ -28,13 +26,10 @@ from torch import nn
 from .._budget.apply import apply_budget
 from .._core.errors import BudgetError
 from .._core.units import Budget, format_bytes, parse_memory
-from .._sites.head import can_route_head
 from .estimate import estimate
-from .head import HEAD
 from .predict import OptimizerLike
-from .report import ConfigEstimate
 
-__all__ = ["apply_memory", "as_optimizer", "plain_budget"]
+__all__ = ["apply_memory", "as_optimizer"]
 
 
 def as_optimizer(optimizer: Any) -> OptimizerLike:
@@ -62,7 +57,9 @@ def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, o
     full = estimate(model, sample, loss=loss, optimizer=as_optimizer(optimizer), configs=("full",), where=where)
     row = full["full"]
     if row.peak_bytes > total and options.get("head") is None:  # NOTE [ The head as a choice ]
-        row = _full_with_head(model, sample, loss, as_optimizer(optimizer), where) or row
+        from .head_budget import full_with_head
+
+        row = full_with_head(model, sample, loss, as_optimizer(optimizer), where) or row
     state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes
     if row.peak_bytes > total:
         raise _refused(total, row.peak_bytes, state, row.peak_phase)
@@ -70,23 +67,6 @@ def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, o
         return apply_budget(model, total - state, sample, where, loss=loss, grads=True, **options)
     except BudgetError as error:
         raise _refused(total, max(row.peak_bytes, state + (error.least_bytes or 0)), state, "") from error
-
-
-def plain_budget(model: nn.Module, fraction: float, sample: Any, loss: Callable[[Any], Any] | None,
-                 where: Any) -> int:
-    """A fractional budget in bytes, of the step without remat with the model's own head (NOTE [ The head as a
-    choice ] in remat/_budget/head.py, rule 2): its peak above the step's start, as a budget counts, estimated."""
-    row = estimate(model, sample, loss=loss, configs=("none",), where=where)["none"]
-    return max(1, int(fraction * (row.peak_bytes - row.params_bytes - row.buffers_bytes - row.input_bytes)))
-
-
-def _full_with_head(model: nn.Module, sample: Any, loss: Callable[[Any], Any] | None, optimizer: OptimizerLike,
-                    where: Any) -> ConfigEstimate | None:
-    """The estimate of full remat with the head in chunks, where the model has a head to route; else None."""
-    if not can_route_head(model):
-        return None
-    config = "full" + HEAD
-    return estimate(model, sample, loss=loss, optimizer=optimizer, configs=(config,), where=where)[config]
 
 
 def _refused(total: int, least: int, state: int, phase: str) -> BudgetError:
