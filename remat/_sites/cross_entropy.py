@@ -66,9 +66,10 @@ rule 3)."""
 #    ignored) for "mean", 1 for "sum", the loss's gradient for that token for "none". The softmax is made in place
 #    from the logits (max, exp, divide), after the label's logit and the logits' sum are read for the loss.
 # 2. (rule 1) Under autocast the gradient of the logits is cast to the projection's dtype and the matmuls of the
-#    gradients run in it, as autograd runs them there; each chunk's share of the weight's gradient is added in the
-#    weight's dtype. A model's elementwise steps on its logits (`Transform`: Gemma 2's soft-capping) run in the
-#    projection's dtype before the upcast, and their gradients the same way, as autograd's would.
+#    gradients run in it, as autograd runs them there; each chunk's share of the weight's (and bias's) gradient is
+#    added in float32 at least, then given the weight's dtype. A model's elementwise steps on its logits
+#    (`Transform`: Gemma 2's soft-capping) run in the projection's dtype before the upcast, and their gradients
+#    the same way, as autograd's would.
 # 3. In eager code the chunks run in an autograd function, whose ops every dispatch mode sees (`remat.track` counts
 #    each chunk's logits; a budget's fake profile prices them). In compiled code they run in two custom operators
 #    (`remat::linear_cross_entropy`, and its backward for "none") with their autograd formula registered
@@ -105,7 +106,7 @@ def chunk_count(tokens: int, vocabulary: int, dtype: torch.dtype = torch.float32
     >>> chunk_count(2048, 50257), chunk_count(16, 50257)
     (7, 1)
     """
-    size = tokens * vocabulary * torch.empty((), dtype=dtype).element_size()
+    size = tokens * vocabulary * dtype.itemsize
     return max(1, math.ceil(size / CHUNK_BYTES))
 
 
@@ -184,8 +185,12 @@ def chunked(
     cast = _autocast_dtype(hidden.device.type)
     if not _switch._state[0]:  # rule 5
         return _plain(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, transform)
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is not None and _projected(tensor.dtype, cast) != _projected(hidden.dtype, cast):
+            raise TypeError(f"remat: linear_cross_entropy's `hidden` and `{name}` must have one dtype (autocast "
+                            f"off), as for F.linear, but got {hidden.dtype} and {tensor.dtype}.")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1)
+    flat_labels = labels.reshape(-1).long()  # gather's indices, and F.cross_entropy's targets, are int64
     loss_dtype = torch.promote_types(_projected(hidden.dtype, cast), torch.float32)
     count = chunk_count(tokens, vocabulary, loss_dtype) if chunks is None else min(chunks, max(tokens, 1))
     size = max(1, math.ceil(tokens / count))

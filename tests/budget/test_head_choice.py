@@ -8,7 +8,6 @@ its blocks leaves the logits, which the chunked head does not hold. Needs the `h
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch

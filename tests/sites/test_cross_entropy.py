@@ -127,6 +127,14 @@ def test_softcap_is_gemma2s_soft_capping(reduction: str) -> None:
     assert made.count >= 5
 
 
+def test_int32_labels_are_class_indices_too() -> None:
+    h, w, labels, _ = inputs()
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels.int(), chunks=3)
+    torch.testing.assert_close(loss, reference(h, w, labels))
+    assert made.count == 3
+
+
 def test_2d_tokens_and_one_dimensional_labels() -> None:
     h, w, labels, _ = inputs()
     flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
@@ -322,6 +330,7 @@ def test_the_switch_off_makes_it_the_plain_composition() -> None:
         (lambda h, w, y: remat.linear_cross_entropy(h, w, y.double()), "integer tensor"),
         (lambda h, w, y: remat.linear_cross_entropy(h, w, y, torch.zeros(3)), r"None or \(13,\)"),
         (lambda h, w, y: remat.linear_cross_entropy(h, w, y, softcap=0), "positive number"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w.float(), y), "one dtype"),
     ],
 )
 def test_bad_arguments_are_named(call: Callable[..., Any], message: str) -> None:

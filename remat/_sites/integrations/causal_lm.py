@@ -59,7 +59,8 @@ _LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
 
 @dataclass
 class _Call:
-    """One training forward of a routed model with labels: its route and the placeholder its head returned."""
+    """One training forward of a routed model with labels: its route and the placeholders its head returned (and
+    the model's steps on them made)."""
 
     route: HeadRoute
     deferred: list[DeferredLogits] = field(default_factory=list)
@@ -120,8 +121,10 @@ class DeferredLogits:
             return args[0].tanh()
         if func is torch.Tensor.float and len(args) == 1 and not kwargs:
             return args[0]
-        placeholder = next(arg for arg in args if isinstance(arg, DeferredLogits))
-        return placeholder._refuse(f"`{getattr(func, '__name__', func)}`")
+        found = [arg for arg in (*args, *(kwargs or {}).values()) if isinstance(arg, DeferredLogits)]
+        if not found:
+            return NotImplemented
+        found[0]._refuse(f"`{getattr(func, '__name__', func)}`")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -131,12 +134,35 @@ class DeferredLogits:
     def __getitem__(self, index: Any) -> Any:
         return self._refuse("`logits[...]`")
 
+    def _operator(self, symbol: str) -> Callable[..., NoReturn]:
+        def refuse(*args: Any) -> NoReturn:
+            self._refuse(f"`{symbol}`")
+
+        return refuse
+
+    def __add__(self, other: Any) -> NoReturn:
+        self._operator("logits + ...")()
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> NoReturn:
+        self._operator("logits - ...")()
+
+    def __rsub__(self, other: Any) -> NoReturn:
+        self._operator("... - logits")()
+
+    def __rtruediv__(self, other: Any) -> NoReturn:
+        self._operator("... / logits")()
+
+    def __neg__(self) -> NoReturn:
+        self._operator("-logits")()
+
     def _refuse(self, what: str) -> NoReturn:
         model = self.call.route.model_name
         raise RematError(
             f"remat: head=True cannot compute `{model}`'s loss in chunks: its forward uses {what} on the logits "
-            "before its loss, and remat applies only scaling, soft-capping (tanh) and `.float()` there. Use "
-            "`remat.apply(model)` without head=True for this model (or `remat.undo(model)` first)."
+            "before its loss, and remat applies only scaling, soft-capping (tanh) and `.float()` there. Pass "
+            "head=False to remat.apply for this model (or `remat.undo(model)` first)."
         )
 
 
