@@ -28,7 +28,8 @@ __all__ = ["BY_BUDGET", "Fitting", "fit_choosing_head"]
 #    the refusal is the routed plan's, which names a smaller least budget.
 # 2. `head=True` routes the head before planning, whatever the budget, and a fractional budget is still of the
 #    step without remat with the model's own head (`remat.apply` turns it into bytes on the sample first, on fake
-#    tensors: a re-plan for a new input shape then keeps those bytes); `head=False` never routes the head.
+#    tensors: a re-plan for a new input shape then keeps those bytes); a head routed by an earlier
+#    `remat.apply(model, head=True)` stays routed; `head=False` never routes the head.
 # 3. A head the budget routed shows in `remat.plan(model)` as chosen by it, and every re-plan (a new input shape)
 #    chooses again: first without it.
 # 4. Only where it is needed, although it costs no time: a routed head changes the model's output (`logits` is
@@ -36,8 +37,9 @@ __all__ = ["BY_BUDGET", "Fitting", "fit_choosing_head"]
 #    step, not to change what the model returns where it need not.
 #
 # Implementation notes:
-# 1. (rule 1) `_Budget.fit` records the bytes its budget resolved to on the profile (`resolved`); the second plan
-#    is made for those bytes, with the budget given back afterwards so that a re-plan resolves a fraction again.
+# 1. (rule 1) `_Budget.fit_blocks` records the bytes its budget resolved to on the profile (`resolved`); the
+#    second plan is made for those bytes, with the budget given back afterwards so that a re-plan resolves a
+#    fraction again.
 # 2. (rule 1) A second plan that made no chunk of logits (the sample has no `labels`, so the routed head never
 #    ran) or that raised something else (a `loss=` that reads the logits) is no plan: the first refusal stands.
 
@@ -59,7 +61,10 @@ def fit_choosing_head(hook: Fitting, model: nn.Module, args: tuple[Any, ...], kw
     choice ])."""
     if getattr(hook, "head", None) is not None or not can_route_head(model):
         return hook.fit_blocks(model, args, kwargs)
-    if routed_by(model) == BY_BUDGET:  # rule 3: a re-plan chooses again
+    chosen = routed_by(model)
+    if chosen is not None and chosen != BY_BUDGET:  # routed by an earlier `remat.apply(model, head=True)`: kept
+        return hook.fit_blocks(model, args, kwargs)
+    if chosen == BY_BUDGET:  # rule 3: a re-plan chooses again
         unroute_head(model)
     try:
         return hook.fit_blocks(model, args, kwargs)
