@@ -178,14 +178,14 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
 
         argv = ["--threads", str(args.threads or 1), "--fractions", "0.3,0.4,0.5,0.6,0.7,0.8"]
         return compile_sites.main(argv, out)
-    if args.model == "estimate":
-        from .estimate import compare_main
-
-        return compare_main(out, progress)
     if args.model == "head":  # its own table: see benchmarks/head.py (needs the `hf` extra)
         from . import head
 
         return head.main(["--repeats", str(args.repeats), *(["--check"] if args.check else [])], out)
+    if args.model == "estimate":
+        from .estimate import compare_main
+
+        return compare_main(out, progress)
     meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
     progress.done()
     print(format_table(meta, rows), file=out)
