@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "head", "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
         "against checkpoint_sequential; tiny: per-call overhead, replay overhead and start-up; "
@@ -137,7 +137,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         "one), each row in its own process, against torch's checkpoint and compile's own budget (`python -m "
         "benchmarks.compile_sites --help`: --whole compiles the model as one graph); "
         "estimate: remat.estimate against real steps (`python -m remat estimate --help` estimates a model of "
-        "your own)",
+        "your own); head: remat.apply(model, head=True) on a GPT-2 with the real vocabulary against full remat "
+        "(`python -m benchmarks.head --help`: --sweep times the chunk sizes)",
     )
     parser.add_argument(
         "--size",
@@ -185,6 +186,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
 
         argv = ["--threads", str(args.threads or 1), "--fractions", "0.3,0.4,0.5,0.6,0.7,0.8"]
         return compile_sites.main(argv, out)
+    if args.model == "head":  # its own table: see benchmarks/head.py (needs the `hf` extra)
+        from . import head
+
+        return head.main(["--repeats", str(args.repeats), *(["--check"] if args.check else [])], out)
     if args.model == "estimate":
         from .estimate import compare_main
 

@@ -6,6 +6,7 @@ calls to it), so every spelling takes the same options, validated when decoratin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
@@ -17,10 +18,12 @@ from ._core import switch as _switch
 from ._core.options import Options, Strategy
 from ._core.policies import PolicyLike
 from ._core.public import PUBLIC, claim, resolve
-from ._core.units import Budget
+from ._core.units import Budget, parse_budget
 from ._engine import offload as _offload
 from ._engine.region import Region
 from ._sites import checkpoint as _checkpoint
+from ._sites import cross_entropy as _cross_entropy
+from ._sites import head as _head
 from ._sites import targets as _targets
 from ._sites.partial import decorate
 from ._sites.table import ModelPlan
@@ -146,6 +149,7 @@ class Remat:
         replan: bool = True,
         memory: Budget | None = None,
         optimizer: Any = None,
+        head: bool | None = None,
         compile: bool = False,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
@@ -180,10 +184,20 @@ class Remat:
                 "adam" or "adamw" (None: no optimizer step).
             compile: with `budget` or `memory`, plan for the model compiled as one graph (not block by block):
                 compiled costs, checked on compiled steps `apply` runs; a fraction is of compiled no-remat's peak.
+            head: `True` also computes the loss of a Hugging Face causal LM (GPT-2, Llama, Mistral, Qwen, Gemma,
+                ...; tied embeddings and PEFT-wrapped ones too) through `remat.linear_cross_entropy`: in training, a
+                forward given `labels` computes its loss over chunks of tokens (labels shifted and ignored as the
+                model's own loss does; Gemma 2's soft-capping and logit scales kept), never holding all the
+                logits, and its output's `logits` is None; a forward without labels, or in eval, is unchanged.
+                Combines with every other option (a fractional budget stays a fraction of the step with the
+                model's own head, turned into bytes on `sample`). `None` (the default): only a `budget`/`memory`
+                plan routes the head, and only where no plan fits without it (`remat.plan(model)` says so);
+                `False`: never. `remat.undo` removes it.
 
         Raises:
             ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
-                or `every` is not a positive int.
+                or `every` is not a positive int; with `head=True`, when the model has no head it can route (the
+                message says what it looked for).
             BudgetError: with `budget`, no choice per block fits; the message names the smallest budget that does.
                 With `memory`, the step does not fit even with full remat; `least_bytes` is the least total.
 
@@ -192,6 +206,37 @@ class Remat:
         >>> model = remat.apply(model, torch.nn.Linear)
         >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
         """
+        if head is not None and not isinstance(head, bool):
+            raise TypeError(f"remat: `head` must be a bool or None, but got `{type(head).__name__}`.")
+        blocks = functools.partial(
+            Remat._apply, model, where, every=every, policy=policy, preserve_rng=preserve_rng, strategy=strategy,
+            enabled=enabled, check=check, name=name, offload=offload, sample=sample, loss=loss, choices=choices,
+            replan=replan, memory=memory, optimizer=optimizer, head=head, compile=compile,
+        )
+        if not head:
+            return blocks(budget=budget)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
+        fraction = parse_budget(budget) if budget is not None and memory is None else None
+        if isinstance(fraction, float) and sample is not None:  # of the model's own step: NOTE [ The head as a
+            from ._estimate.head_budget import plain_budget  # choice ] in remat/_budget/head.py, rule 2
+
+            budget = plain_budget(model, fraction, sample, loss, where)
+        _head.route_head(model)  # before the blocks: a budget's profile runs the step with the head routed
+        try:
+            return blocks(budget=budget)
+        except BaseException:
+            _head.unroute_head(model)  # nothing is left half done
+            raise
+
+    @staticmethod
+    def _apply(
+        model: _M, where: _Where | None, *, every: int, policy: PolicyLike, preserve_rng: bool, strategy: Strategy,
+        enabled: bool | None, check: bool, name: str | None, offload: bool | _offload.Offload,
+        budget: Budget | None, sample: Any, loss: Callable[[Any], Any] | None, choices: Sequence[PolicyLike] | None,
+        replan: bool, memory: Budget | None, optimizer: Any, head: bool | None, compile: bool,
+    ) -> _M:
+        """`apply` for the blocks: one policy for all, a budget, or a memory (the head is routed already)."""
         if budget is not None or memory is not None or optimizer is not None:
             if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
                 raise ValueError(
@@ -206,7 +251,7 @@ class Remat:
                 assert budget is not None
                 return apply_budget(
                     model, budget, sample, where, loss=loss, choices=choices, replan=replan,
-                    preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile,
+                    preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile, head=head,
                 )
             if memory is None or budget is not None:
                 raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
@@ -214,7 +259,7 @@ class Remat:
             from ._estimate.memory import apply_memory
 
             options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
-                       "check": check, "compile": compile}
+                       "check": check, "compile": compile, "head": head}
             return apply_memory(  # type: ignore[return-value]
                 model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
             )
@@ -298,6 +343,7 @@ class Remat:
         offload = staticmethod(_offload.offload)
         checkpoint = staticmethod(_checkpoint.checkpoint)
         checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
+        linear_cross_entropy = staticmethod(_cross_entropy.linear_cross_entropy)
         is_enabled = staticmethod(_switch.is_enabled)
         set_enabled = staticmethod(_switch.set_enabled)
         enabled = staticmethod(_switch.enabled)

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._sites.cross_entropy import linear_cross_entropy
+
 __all__ = [
     "CONVNET_SIZES",
     "GPT",
@@ -166,6 +168,9 @@ class GPT(BenchModel):
         )
         self.ln = nn.LayerNorm(config.d)
         self.head = nn.Linear(config.d, config.vocab, bias=False)
+        self.head_chunks = 0
+        """When positive, `loss` computes the head and the loss with `remat.linear_cross_entropy` in this many chunks
+        of tokens, never from the full logits."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.head(self.ln(self.run_blocks(self.embed(idx))))
@@ -185,6 +190,9 @@ class GPT(BenchModel):
 
     def loss(self, *batch: torch.Tensor) -> torch.Tensor:
         idx, targets = batch
+        if self.head_chunks:
+            hidden = self.ln(self.run_blocks(self.embed(idx)))
+            return linear_cross_entropy(hidden, self.head.weight, targets, chunks=self.head_chunks)
         logits = self(idx)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 

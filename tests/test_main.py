@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import remat
-from remat.__main__ import BUDGET_LABEL, main
+from remat.__main__ import BUDGET_LABEL, HEAD_LABEL, main
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = Path(remat.__file__).resolve().parent
 ROWS = ("no remat", "torch.utils.checkpoint, every block", "remat.apply(model)",
-        "remat.apply(model, policy=save_matmuls)", BUDGET_LABEL)
+        "remat.apply(model, policy=save_matmuls)", BUDGET_LABEL, HEAD_LABEL)
 
 
 def _python_m_remat(*flags: str) -> str:
@@ -52,15 +52,16 @@ def test_python_m_remat_shows_what_remat_saves_in_one_screen() -> None:
     rows = _rows(out)
     assert list(rows) == list(ROWS), out
     assert rows["no remat"][4] == "(the reference)"
-    assert [rows[label][4] for label in ROWS[1:]] == ["yes"] * 4, out  # the same gradients as no remat's
+    assert [rows[label][4] for label in ROWS[1:]] == ["yes"] * 5, out  # the same gradients as no remat's
     assert _ratio(rows["no remat"][1]) == 1.0
     full = _ratio(rows["remat.apply(model)"][1])
     assert full < 0.75, out  # remat was active: the step held less than without it
     assert full <= _ratio(rows["torch.utils.checkpoint, every block"][1]) * 1.02, out
     assert full <= _ratio(rows["remat.apply(model, policy=save_matmuls)"][1]) < 1.0, out
     assert _ratio(rows[BUDGET_LABEL][1]) <= 0.5 * 1.05, out  # the budget's promise, from its first step
+    assert _ratio(rows[HEAD_LABEL][1]) <= full, out  # the head in chunks holds no more than full remat
     for line in ("python -m benchmarks", "python -m remat estimate", "remat.apply(model, budget=0.5, sample=x)",
-                 "with remat.region():", "@remat"):
+                 "with remat.region():", "@remat", "remat.linear_cross_entropy(", "head=True"):
         assert line in out, line
 
 
@@ -76,7 +77,7 @@ def test_python_m_remat_refuses_a_device_it_cannot_use(capsys: pytest.CaptureFix
 def test_python_m_remat_on_cuda() -> None:
     out = _python_m_remat("--quick", "--device", "cuda")
     assert "cuda" in out.splitlines()[0]
-    assert [cells[4] for cells in _rows(out).values()][1:] == ["yes"] * 4, out
+    assert [cells[4] for cells in _rows(out).values()][1:] == ["yes"] * 5, out
 
 
 def test_python_m_remat_estimate_prints_the_built_in_models_table() -> None:

@@ -45,9 +45,10 @@ from .derive import DERIVABLE, PARTS
 from .fake_profile import on_fake, profile_fake
 from .first_step import WINDOW, FirstStep, can_track, tidy
 from .gradients import accumulation_order, gradient_steps
+from .head import fit_choosing_head
 from .profile import profile_blocks
 from .ranks import from_rank_zero, max_over_ranks
-from .solve import Assignment, least_assignment, solve_budget
+from .solve import Assignment, least_assignment, resolve_budget, solve_budget
 from .whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph_gradients
 
 __all__ = ["apply_budget"]
@@ -91,6 +92,8 @@ class _Budget:
         upfront: bool = False,
     ) -> None:
         self.budget = budget
+        self.head: bool | None = None  # apply's `head`: NOTE [ The head as a choice ] in head.py
+        self.resolved: int | None = None  # the budget in bytes on the last profile (the same NOTE)
         self.names = names
         self.policies = policies
         self.labels = labels
@@ -128,6 +131,11 @@ class _Budget:
             self.assign(model, i, c)
 
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
+        """Plan for these inputs: `fit_blocks`, with the head routed where only that fits (NOTE [ The head as a
+        choice ] in head.py)."""
+        return fit_choosing_head(self, model, args, kwargs)
+
+    def fit_blocks(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
         """Profile one step on these inputs, solve, and put the chosen options on the blocks."""
         args, kwargs = detached(args), detached(kwargs)
         loss = self.loss or default_loss
@@ -175,6 +183,7 @@ class _Budget:
             self.check = None
             self.close()
             fits = True
+            self.resolved = resolve_budget(self.budget, cost)  # NOTE [ The head as a choice ] in head.py
             try:
                 plan = solve_budget(cost, self.budget)
             except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
@@ -346,6 +355,7 @@ def apply_budget(
     grads: bool = False,
     compile: bool = False,
     upfront: bool = False,
+    head: bool | None = None,
 ) -> _M:
     """See `remat.apply`: profile, solve, and keep re-planning on new input shapes (NOTE [ Budgeted models ])."""
     if not isinstance(model, nn.Module):
@@ -390,6 +400,7 @@ def apply_budget(
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
     hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads, upfront)
+    hook.head = head  # NOTE [ The head as a choice ] in head.py
     args, kwargs = as_call(sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

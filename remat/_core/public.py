@@ -50,6 +50,8 @@ PUBLIC: dict[str, Public] = {
     "ModelPlan": Public("._sites.table", "ModelPlan"),
     "checkpoint": Public("._sites.checkpoint", "checkpoint"),
     "checkpoint_sequential": Public("._sites.checkpoint", "checkpoint_sequential"),
+    # The head and the loss
+    "linear_cross_entropy": Public("._sites.cross_entropy", "linear_cross_entropy"),
     # Policies
     "policies": Public(".policies", ""),
     "tag": Public("._core.policies", "tag"),

@@ -25,6 +25,7 @@ from .._measure import ddp as _ddp
 from .._measure import sharded as _sharded
 from .._measure.fake import resolve_device
 from .._sites import targets as _targets
+from .head import split_head, with_head
 from .largest_batch import searches
 from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
 from .report import EstimateReport
@@ -83,6 +84,9 @@ _NAMED: dict[str, Policy | None] = {"none": None, "full": Policy(), "save_matmul
 
 def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configured:
     """How to apply one configuration; argument errors are raised here, before any step runs."""
+    base, head = split_head(config)
+    if head and base in ("full", "save_matmuls"):  # the chunked head too: remat/_estimate/head.py
+        return with_head(model, _configured(model, base, where), config)
     if isinstance(config, bool) or config is None:
         raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
                         f"budget, but got {config!r}.")
@@ -95,7 +99,8 @@ def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configur
             if not isinstance(config, str):
                 raise
             raise ValueError(f"remat: estimate does not know the configuration {config!r}: give 'none', 'full', "
-                             "'save_matmuls', a policy, or a budget (bytes, '6GiB', a fraction).") from None
+                             "'save_matmuls' ('full+head', 'save_matmuls+head': the loss in chunks too), a "
+                             "policy, or a budget (bytes, '6GiB', a fraction).") from None
 
         @contextlib.contextmanager
         def planned(sample: Any) -> Iterator[None]:
@@ -161,9 +166,11 @@ def estimate(
             callable from the list of trainable parameters to an optimizer.
         configs: what to compare: "none" (remat switched off: every site but those forced on with
             `enabled=True`), "full" and "save_matmuls" (on the blocks
-            `remat.apply(model)` picks, or `where`), a `remat.policies` policy, or a budget (bytes, "1.5GiB", a
-            fraction) for the planner of `remat.apply(model, budget=...)`. Default: ("none", "full",
-            "save_matmuls", 0.3), the budget only where that planner exists.
+            `remat.apply(model)` picks, or `where`), "full+head" and "save_matmuls+head" (the same, and a Hugging
+            Face causal LM's loss in chunks, as `remat.apply(model, head=True)`), a `remat.policies` policy, or a
+            budget (bytes, "1.5GiB", a fraction) for the planner of `remat.apply(model, budget=...)`, which routes
+            the head where only that fits. Default: ("none", "full", "save_matmuls", 0.3), the budget only where
+            that planner exists.
         where: which blocks the configurations rematerialize, as for `remat.apply`.
         device: the device to predict for; default: the model's, else the sample's, else the CPU. On CUDA the
             peak predicts `torch.cuda.max_memory_allocated` (tensors rounded up to 512-byte blocks).

@@ -56,6 +56,10 @@ def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, o
                          "tensor, a tuple of positional arguments, or a dict of keyword arguments).")
     full = estimate(model, sample, loss=loss, optimizer=as_optimizer(optimizer), configs=("full",), where=where)
     row = full["full"]
+    if row.peak_bytes > total and options.get("head") is None:  # NOTE [ The head as a choice ]
+        from .head_budget import full_with_head
+
+        row = full_with_head(model, sample, loss, as_optimizer(optimizer), where) or row
     state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes
     if row.peak_bytes > total:
         raise _refused(total, row.peak_bytes, state, row.peak_phase)

@@ -46,6 +46,8 @@ class ModelPlan:
     classes: tuple[str, ...] = ()
     switched_off: bool = False
     """The `REMAT` switch was off (`REMAT=0`, `remat.set_enabled(False)`) when the plan was made."""
+    head: str | None = None
+    """What `remat.apply(model, head=True)` did to the model's head and loss, in a line; None where nothing."""
 
     def __iter__(self) -> Iterator[Site]:
         return iter(self.sites)
@@ -55,6 +57,8 @@ class ModelPlan:
 
     def __str__(self) -> str:
         table = self._table()
+        if self.head is not None:
+            table += f"\nhead: {self.head}"
         if self.switched_off and self.sites:
             table += (
                 "\nThe REMAT switch is off (REMAT=0 or remat.set_enabled(False)): these sites run as plain code "
@@ -66,7 +70,8 @@ class ModelPlan:
         if self.budget is not None:
             return self._budget_table(self.budget)
         if not self.sites:
-            return f"remat plan for {self.model}: no rematerialized sites"
+            return f"remat plan for {self.model}: no rematerialized sites" + (
+                " besides its head" if self.head is not None else "")
         header = ("block", "class", "choice")
         rows = [header, *((site.name or "(model)", site.kind, site.choice) for site in self.sites)]
         lines = [f"remat plan for {self.model}: {len(self.sites)} rematerialized sites"]

@@ -23,6 +23,7 @@ from .._engine import rerun as _rerun
 from .._engine.compiled import compiled_key, compiling, context_for, route_module, torch_checkpoint, unroute_module
 from .._engine.offload import resolve as resolve_offload
 from .blocks import describe_search, find_blocks
+from .head import describe_head
 from .integrations import comes_from
 from .table import ModelPlan, Site
 
@@ -371,11 +372,12 @@ def plan(model: nn.Module) -> ModelPlan:
                            None)
         if options is not None:
             sites.append(Site(name, type(module).__qualname__, describe_options(options)))
+    head = describe_head(model)
     hooks: list[Any] = list(model._forward_pre_hooks.values())
     budget = next((hook.assignment for hook in hooks if _is_ours(hook)
                    and getattr(hook, "assignment", None) is not None), None)  # see remat/_budget/apply.py
     if budget is not None:
         classes = tuple(type(model.get_submodule(name)).__qualname__ for name in budget.cost.names)
         off = not _switch.is_enabled()
-        return ModelPlan(type(model).__qualname__, tuple(sites), budget, classes, switched_off=off)
-    return ModelPlan(type(model).__qualname__, tuple(sites), switched_off=not _switch.is_enabled())
+        return ModelPlan(type(model).__qualname__, tuple(sites), budget, classes, switched_off=off, head=head)
+    return ModelPlan(type(model).__qualname__, tuple(sites), switched_off=not _switch.is_enabled(), head=head)

@@ -1,0 +1,575 @@
+"""`remat.linear_cross_entropy`: a language model's head and its loss, computed over chunks of tokens.
+
+See NOTE [ The head in chunks ].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from .._core import switch as _switch
+from .._core.errors import RematError
+from .._core.public import claim
+from .._engine import stats as _stats
+from .._engine.compiled import compiling
+
+__all__ = ["CHUNK_BYTES", "Transform", "chunk_count", "chunked", "linear_cross_entropy", "softcap_transform"]
+
+Reduction = Literal["mean", "sum", "none"]
+Transform = tuple[tuple[str, float], ...]
+"""Elementwise steps a model applies to its logits before the loss, in order: ``("div", c)``, ``("mul", c)``,
+``("tanh", 0.0)`` (Gemma 2's soft-capping is ``div c, tanh, mul c``)."""
+
+CHUNK_BYTES = 64 * 2**20
+"""What `chunks=None` aims at: the bytes of one chunk's logits in the loss's dtype (NOTE [ The head in chunks ],
+rule 3)."""
+
+# NOTE [ The head in chunks ]
+# The logits of a language model's output projection are batch x seq x vocabulary, made in the projection's dtype,
+# copied to float32 for the loss, and matched by a gradient as large: the largest activation of a training step,
+# which rematerializing the blocks leaves alone. `linear_cross_entropy` never holds more than one chunk of them.
+#
+# Rules:
+# 1. Value and gradients are those of `F.cross_entropy(F.linear(hidden, weight, bias).float(), labels, ...)`
+#    (flattened over tokens), with `ignore_index`, `label_smoothing` and every reduction: a mean over no tokens is
+#    NaN with zero gradients, as torch's. Under autocast the projection runs in autocast's dtype (the inputs cast as
+#    autocast casts them: floating and not float64) and the loss in float32; the loss's dtype is never below
+#    float32 and never below the projection's (float64 stays float64: `.float()` would round it).
+# 2. Tokens go through in chunks: a chunk's logits are made, turned into its loss and, where a gradient is needed,
+#    into the gradient of the logits, and then into the chunk's share of the gradients of `hidden`, `weight` and
+#    `bias`, before the next chunk starts. For "mean" and "sum" this happens in forward (as Liger's fused linear
+#    cross-entropy does): backward only scales the gradients forward kept by the loss's gradient, a scalar, so
+#    the step does the projection's three matmuls once, as without remat. What is kept between forward and
+#    backward is the size of `hidden`, `weight` and `bias` (their gradients), never of the logits. For "none" the
+#    loss's gradient differs per token and cannot scale a sum already made, so forward keeps only the inputs and
+#    backward makes each chunk's logits again: the rematerialization proper, one more matmul per chunk.
+# 3. `chunks=None` makes each chunk's logits about `CHUNK_BYTES` in the loss's dtype. What a chunk holds at its
+#    peak is its logits in the loss's dtype (softmax and gradient are made in place) plus, under autocast, one copy
+#    in the projection's dtype: a constant, whatever the batch, sequence or vocabulary, where the full logits grow
+#    with all three (gigabytes at real sizes). It is as large as it can be while staying small next to them,
+#    because a chunk's matmuls must stay efficient: at the largest vocabularies a chunk still has enough tokens
+#    (rows) for a matmul to run at full speed, and fewer, larger chunks pay less per-chunk overhead. The step times
+#    per chunk size behind it are in docs/benchmarks.md ("Figures behind the design notes").
+# 4. The result does not depend on the chunk count beyond the order of float sums.
+# 5. `REMAT=0` (the switch) makes it the plain composition of rule 1 (the full logits), as every site.
+#
+# Implementation notes:
+# 1. (rule 2) The gradient of the loss for the logits z of one token with label y, smoothing e and V classes is
+#    softmax(z) - (1 - e) onehot(y) - e / V, times the token's weight: 0 for an ignored token, 1 / (tokens not
+#    ignored) for "mean", 1 for "sum", the loss's gradient for that token for "none". The softmax is made in place
+#    from the logits (max, exp, divide), after the label's logit and the logits' sum are read for the loss.
+# 2. (rule 1) Under autocast the gradient of the logits is cast to the projection's dtype and the matmuls of the
+#    gradients run in it, as autograd runs them there; each chunk's share of the weight's (and bias's) gradient is
+#    added in float32 at least, then given the weight's dtype. A model's elementwise steps on its logits
+#    (`Transform`: Gemma 2's soft-capping) run in the projection's dtype before the upcast, and their gradients
+#    the same way, as autograd's would.
+# 3. In eager code the chunks run in an autograd function, whose ops every dispatch mode sees (`remat.track` counts
+#    each chunk's logits; a budget's fake profile prices them). In compiled code they run in two custom operators
+#    (`remat::linear_cross_entropy`, and its backward for "none") with their autograd formula registered
+#    (`torch.library`): the compiler keeps an operator whole, so a compiled step holds one chunk as the eager one
+#    does (inlined, inductor would be free to make every chunk's logits first). Backward raises under
+#    `create_graph=True`: there is no second derivative through the head (torch's cross-entropy has one; no
+#    training loop uses it), and a silent zero would be wrong.
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What the autograd function needs besides tensors (a constant under torch.compile)."""
+
+    ignore_index: int
+    reduction: Reduction
+    smoothing: float
+    size: int  # tokens per chunk
+    cast: torch.dtype | None  # autocast's dtype for the projection, or None
+    transform: Transform
+
+
+def softcap_transform(cap: float) -> Transform:
+    """The `Transform` of logit soft-capping, ``cap * tanh(logits / cap)`` (Gemma 2).
+
+    >>> softcap_transform(30.0)
+    (('div', 30.0), ('tanh', 0.0), ('mul', 30.0))
+    """
+    return (("div", float(cap)), ("tanh", 0.0), ("mul", float(cap)))
+
+
+def chunk_count(tokens: int, vocabulary: int, dtype: torch.dtype = torch.float32) -> int:
+    """How many chunks `chunks=None` takes for `tokens` rows of `vocabulary` logits in the loss's `dtype`.
+
+    >>> chunk_count(2048, 50257), chunk_count(16, 50257)
+    (7, 1)
+    """
+    size = tokens * vocabulary * dtype.itemsize
+    return max(1, math.ceil(size / CHUNK_BYTES))
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    chunks: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Compute ``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` one chunk of tokens at a time.
+
+    A language model's logits (tokens x vocabulary, and their gradient) are never all alive: each chunk's are made,
+    turned into its loss and its share of the gradients, and freed before the next. Value and gradients are those
+    of the plain composition (the class dimension last, as the projection makes it); under autocast the
+    projection runs in autocast's dtype and the loss in float32, as Hugging Face models compute their loss.
+
+    Args:
+        hidden: the head's input, ``(..., H)``: every leading index is a token.
+        weight: the projection's weight, ``(V, H)`` (a tied embedding works: it is the same tensor).
+        labels: integer class per token, ``hidden.shape[:-1]``; `ignore_index` marks tokens left out.
+        bias: the projection's bias, ``(V,)``, or None.
+        ignore_index: label of tokens that add nothing to the loss or to the mean's count.
+        reduction: ``"mean"`` over tokens not ignored (NaN when there are none, as torch's), ``"sum"``, or
+            ``"none"``: one loss per token, shaped as `labels`.
+        label_smoothing: as `torch.nn.functional.cross_entropy`'s, in [0, 1].
+        chunks: how many chunks of tokens; None picks it so that one chunk's logits are about `CHUNK_BYTES` in the
+            loss's dtype (the guide "The head and the loss" says why).
+        softcap: logits become ``softcap * tanh(logits / softcap)`` before the loss, as Gemma 2's do.
+
+    Returns:
+        The loss: a scalar, or per token for ``reduction="none"``; float32, or the projection's dtype where wider.
+
+    Raises:
+        ValueError, TypeError: for shapes, dtypes or options that do not fit, naming what came.
+
+    With "mean" and "sum" the gradients are made in forward, chunk by chunk, and kept until backward scales them
+    (no matmul is done twice); with "none" backward makes each chunk's logits again. A second derivative through
+    it is not supported.
+
+    >>> import torch, remat
+    >>> hidden = torch.randn(4, 16, 32, requires_grad=True)
+    >>> head = torch.nn.Linear(32, 1000, bias=False)
+    >>> labels = torch.randint(0, 1000, (4, 16))
+    >>> loss = remat.linear_cross_entropy(hidden, head.weight, labels, chunks=4)
+    >>> plain = torch.nn.functional.cross_entropy(head(hidden).flatten(0, 1), labels.flatten())
+    >>> torch.testing.assert_close(loss, plain)
+    >>> loss.backward()
+    """
+    transform = () if softcap is None else softcap_transform(_positive("softcap", softcap))
+    return chunked(
+        hidden, weight, labels, bias, ignore_index=ignore_index, reduction=reduction,
+        label_smoothing=label_smoothing, chunks=chunks, transform=transform,
+    )
+
+
+def chunked(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    chunks: int | None = None,
+    transform: Transform = (),
+) -> torch.Tensor:
+    """`linear_cross_entropy` with the model's elementwise steps on its logits as a `Transform`."""
+    tokens, vocabulary = _check(hidden, weight, labels, bias, reduction, label_smoothing, chunks)
+    cast = _autocast_dtype(hidden.device.type)
+    if not _switch._state[0]:  # rule 5
+        return _plain(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, transform)
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is not None and _projected(tensor.dtype, cast) != _projected(hidden.dtype, cast):
+            raise TypeError(f"remat: linear_cross_entropy's `hidden` and `{name}` must have one dtype (autocast "
+                            f"off), as for F.linear, but got {hidden.dtype} and {tensor.dtype}.")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).long()  # gather's indices, and F.cross_entropy's targets, are int64
+    loss_dtype = torch.promote_types(_projected(hidden.dtype, cast), torch.float32)
+    count = chunk_count(tokens, vocabulary, loss_dtype) if chunks is None else min(chunks, max(tokens, 1))
+    size = max(1, math.ceil(tokens / count))
+    grad = torch.is_grad_enabled()
+    wanted = (grad and hidden.requires_grad, grad and weight.requires_grad,
+              grad and bias is not None and bias.requires_grad)
+    options: Options = (int(ignore_index), reduction, float(label_smoothing), size, cast,
+                        ",".join(step for step, _ in transform), [value for _, value in transform])
+    losses: torch.Tensor
+    if compiling():  # implementation note 3
+        losses = _operator(flat_hidden, weight, bias, flat_labels, *options, list(wanted))[0]
+    elif any(wanted):
+        losses = _Eager.apply(flat_hidden, weight, bias, flat_labels, options, wanted)  # type: ignore[no-untyped-call]
+    else:
+        losses = _forward(flat_hidden, weight, bias, flat_labels, options, wanted)[0]
+    return losses.view(labels.shape) if reduction == "none" else losses  # reduced by `_forward`
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"remat: linear_cross_entropy's `{name}` must be a positive number, but got {value!r}.")
+    return float(value)
+
+
+def _check(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+    reduction: str, label_smoothing: float, chunks: int | None,
+) -> tuple[int, int]:
+    """The number of tokens and of classes, after checking every argument (a ValueError or TypeError naming it)."""
+    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"remat: linear_cross_entropy's `{name}` must be a tensor, but got "
+                            f"`{type(value).__name__}`.")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"remat: linear_cross_entropy's `reduction` must be 'mean', 'sum' or 'none', but got "
+                         f"{reduction!r}.")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not (
+        0.0 <= label_smoothing <= 1.0
+    ):
+        raise ValueError(f"remat: linear_cross_entropy's `label_smoothing` must be in [0, 1], but got "
+                         f"{label_smoothing!r}.")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"remat: linear_cross_entropy's `chunks` must be a positive int or None, but got "
+                         f"{chunks!r}.")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            "remat: linear_cross_entropy needs `hidden` (..., H) and `weight` (V, H), but got hidden "
+            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}."
+        )
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            "remat: linear_cross_entropy needs one label per token, `labels` shaped as `hidden.shape[:-1]` "
+            f"{tuple(hidden.shape[:-1])}, but got {tuple(labels.shape)}."
+        )
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"remat: linear_cross_entropy's `labels` must be class indices (an integer tensor), but "
+                        f"got {labels.dtype}.")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"remat: linear_cross_entropy's `bias` must be None or ({weight.shape[0]},), but got "
+                         f"{shape}.")
+    return math.prod(labels.shape), weight.shape[0]
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """Autocast's dtype for `device_type` where it is on, else None."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type autocast does not know
+        return None
+    return None
+
+
+def _projected(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype autocast gives a tensor of `dtype` for a matmul: floating and not float64 are cast."""
+    return cast if cast is not None and dtype.is_floating_point and dtype != torch.float64 else dtype
+
+
+@contextlib.contextmanager
+def _without_autocast(device_type: str) -> Iterator[None]:
+    """Autocast off for `device_type` (the casts are explicit here), where it is on."""
+    if _autocast_dtype(device_type) is None:
+        yield
+        return
+    with torch.autocast(device_type, enabled=False):
+        yield
+
+
+def _plain(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+    ignore_index: int, reduction: Reduction, label_smoothing: float, transform: Transform,
+) -> torch.Tensor:
+    """The composition `linear_cross_entropy` computes, with all logits at once (rule 5)."""
+    logits = F.linear(hidden, weight, bias)
+    for step, value in transform:
+        logits = torch.tanh(logits) if step == "tanh" else logits * value if step == "mul" else logits / value
+    logits = logits.reshape(-1, logits.shape[-1])
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    return loss.view(labels.shape) if reduction == "none" else loss
+
+
+class _Chunk:
+    """One pass over the chunks of tokens: each chunk's loss and, with `scale`, its share of the gradients."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 labels: torch.Tensor, spec: _Spec) -> None:
+        self.spec = spec
+        self.compute = _projected(hidden.dtype, spec.cast)
+        self.loss_dtype = torch.promote_types(self.compute, torch.float32)
+        self.hidden = hidden
+        self.weight = weight.to(_projected(weight.dtype, spec.cast))
+        self.bias = None if bias is None else bias.to(_projected(bias.dtype, spec.cast))
+        # the weight's and bias's gradients are summed over chunks in at least float32, then given their dtype
+        self.sums = torch.promote_types(weight.dtype, torch.float32)
+        self.valid = labels != spec.ignore_index
+        self.safe = labels.masked_fill(~self.valid, 0)  # a class index for every token; ignored ones weigh 0
+
+    def logits(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The chunk's logits after the model's steps, in the loss's dtype, and the outputs of its `tanh` steps
+        (what their gradients need)."""
+        logits = F.linear(self.hidden[start:end].to(self.compute), self.weight, self.bias)
+        if not compiling():  # a counter changed in traced code would be a guard that fails on every call
+            _stats.add_head_chunk()
+        kept: list[torch.Tensor] = []
+        for step, value in self.spec.transform:
+            if step == "tanh":
+                logits = logits.tanh() if kept and logits is kept[-1] else logits.tanh_()
+                kept.append(logits)
+            elif kept and logits is kept[-1]:  # a kept output is not changed in place
+                logits = logits * value if step == "mul" else logits / value
+            else:
+                logits = logits.mul_(value) if step == "mul" else logits.div_(value)
+        return logits.to(self.loss_dtype), kept
+
+    def run(
+        self, scale: torch.Tensor | None, wanted: tuple[bool, bool, bool],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The loss per token; with `scale` (each token's weight in the loss), the gradients of hidden, weight and
+        bias that `wanted` asks for."""
+        spec, hidden, weight = self.spec, self.hidden, self.weight
+        tokens, classes = self.safe.shape[0], weight.shape[0]
+        losses = torch.empty(tokens, dtype=self.loss_dtype, device=hidden.device)
+        grad_hidden = grad_weight = grad_bias = None
+        if scale is not None:
+            if wanted[0]:
+                grad_hidden = torch.empty_like(hidden)
+            if wanted[1]:
+                grad_weight = torch.zeros(weight.shape, dtype=self.sums, device=weight.device)
+            if wanted[2] and self.bias is not None:
+                grad_bias = torch.zeros(classes, dtype=self.sums, device=self.bias.device)
+        smooth = spec.smoothing
+        for start in range(0, tokens, spec.size):
+            end = min(start + spec.size, tokens)
+            logits, kept = self.logits(start, end)
+            safe = self.safe[start:end]
+            # implementation note 1: lse - (1 - e) z_y - e mean(z), of the logits less their largest (so lse is
+            # log(sum(exp))), then the softmax in place
+            shifted = logits.sub_(logits.amax(dim=1, keepdim=True))
+            loss = (smooth - 1.0) * shifted.gather(1, safe[:, None]).squeeze(1)
+            if smooth:
+                loss = loss - smooth * shifted.mean(dim=1)
+            probs = shifted.exp_()
+            total = probs.sum(dim=1)
+            losses[start:end] = torch.where(self.valid[start:end], loss + total.log(), 0.0)
+            if scale is None:
+                del probs, shifted, logits, kept  # before the next chunk's logits are made
+                continue
+            probs.div_(total[:, None])
+            probs.scatter_add_(1, safe[:, None], probs.new_full((end - start, 1), smooth - 1.0))
+            if smooth:
+                probs.sub_(smooth / classes)
+            probs.mul_(scale[start:end, None].to(probs.dtype))
+            grad = self._through_steps(probs, kept)
+            del probs, shifted, logits, kept
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad @ weight
+            chunk = hidden[start:end].to(self.compute)
+            if grad_weight is not None:
+                if grad.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad.t(), chunk)
+                else:
+                    grad_weight += grad.t() @ chunk
+            if grad_bias is not None:
+                grad_bias += grad.sum(dim=0)
+            del grad, chunk  # before the next chunk's logits are made
+        return losses, grad_hidden, grad_weight, grad_bias
+
+    def _through_steps(self, grad: torch.Tensor, kept: list[torch.Tensor]) -> torch.Tensor:
+        """The gradient for the projection's output from that for the logits (implementation note 2)."""
+        grad = grad.to(self.compute)
+        tanhs = iter(reversed(kept))
+        for step, value in reversed(self.spec.transform):
+            if step == "tanh":
+                out = next(tanhs)
+                grad = grad * (1 - out * out)
+            elif step == "mul":
+                grad = grad * value
+            else:
+                grad = grad / value
+        return grad
+
+
+# The chunks run in an autograd function in eager code and in custom operators in compiled code (implementation
+# note 3); both run `_forward` and `_backward` below.
+
+Options = tuple[int, str, float, int, "torch.dtype | None", str, list[float]]
+"""`(ignore_index, reduction, smoothing, size, cast, steps, values)`: a `_Spec` as an operator's arguments."""
+
+
+def _forward(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, options: Options,
+    wanted: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The loss (reduced, or per token for "none") and, for "mean" and "sum", the gradients `wanted` asks for."""
+    spec = _spec(options)
+    with _without_autocast(hidden.device.type):
+        chunk = _Chunk(hidden, weight, bias, labels, spec)
+        scale = None
+        if spec.reduction != "none" and any(wanted):
+            scale = chunk.valid.to(chunk.loss_dtype)
+            if spec.reduction == "mean":  # no token: a NaN loss, zero gradients (rule 1)
+                scale = scale / chunk.valid.sum().clamp(min=1)
+        losses, *grads = chunk.run(scale, wanted)
+        if spec.reduction != "none":
+            total = losses.sum()
+            losses = total / chunk.valid.sum() if spec.reduction == "mean" else total
+    return losses, _in_dtypes(grads, (hidden, weight, bias))
+
+
+def _save(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], options: Options,
+          wanted: tuple[bool, bool, bool], grads: list[torch.Tensor | None]) -> None:
+    """What backward needs: the gradients forward made, or (for "none") the inputs to make them again."""
+    ctx.set_materialize_grads(False)
+    ctx.options, ctx.wanted = options, wanted
+    ctx.save_for_backward(*(inputs if options[1] == "none" else grads))
+
+
+def _backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                             torch.Tensor | None]:
+    """The gradients of hidden, weight and bias for the loss's gradient `grad`."""
+    if grad is None:
+        return None, None, None
+    if torch.is_grad_enabled() and not compiling():  # create_graph=True (implementation note 3)
+        raise RematError(
+            "remat: linear_cross_entropy has no second derivative (backward with create_graph=True through it); "
+            "compute that loss with torch.nn.functional.cross_entropy instead."
+        )
+    options, wanted = ctx.options, ctx.wanted
+    if options[1] != "none":  # rule 2: scale what forward made
+        made = [None if g is None or not g.numel() else g * grad.to(g.dtype) for g in ctx.saved_tensors]
+        return made[0], made[1], made[2]
+    hidden, weight, bias, labels = ctx.saved_tensors
+    spec = _spec(options)
+    with _without_autocast(hidden.device.type):
+        chunk = _Chunk(hidden, weight, bias, labels, spec)
+        _, *grads = chunk.run(torch.where(chunk.valid, grad, 0.0), wanted)
+    out = _in_dtypes(grads, (hidden, weight, bias))
+    return out[0], out[1], out[2]
+
+
+class _Eager(torch.autograd.Function):
+    """`_forward` and `_backward` in eager code, where dispatch modes (`remat.track`, fake tensors) see each op."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+        options: Options, wanted: tuple[bool, bool, bool],
+    ) -> torch.Tensor:
+        losses, grads = _forward(hidden, weight, bias, labels, options, wanted)
+        _save(ctx, (hidden, weight, bias, labels), options, wanted, grads)
+        return losses
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (*_backward(ctx, grad), None, None, None)
+
+
+# In compiled code a custom operator keeps the chunks whole: inlined, inductor could make every chunk's logits first.
+
+
+@torch.library.custom_op("remat::linear_cross_entropy", mutates_args=())
+def _operator(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, ignore_index: int,
+    reduction: str, smoothing: float, size: int, cast: torch.dtype | None, steps: str, values: list[float],
+    wanted: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_forward` as an operator: the gradients it did not make are empty tensors (an operator returns tensors)."""
+    options = (ignore_index, reduction, smoothing, size, cast, steps, values)
+    losses, grads = _forward(hidden, weight, bias, labels, options, (wanted[0], wanted[1], wanted[2]))
+    empty = [hidden.new_empty(0) if g is None else g for g in grads]
+    return losses, empty[0], empty[1], empty[2]
+
+
+@_operator.register_fake
+def _(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, ignore_index: int,
+    reduction: str, smoothing: float, size: int, cast: torch.dtype | None, steps: str, values: list[float],
+    wanted: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dtype = torch.promote_types(_projected(hidden.dtype, cast), torch.float32)
+    losses = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=dtype)
+    made = [t.new_empty(t.shape) if t is not None and want and reduction != "none" else hidden.new_empty(0)
+            for t, want in zip((hidden, weight, bias), wanted, strict=True)]
+    return losses, made[0], made[1], made[2]
+
+
+@torch.library.custom_op("remat::linear_cross_entropy_backward", mutates_args=())
+def _operator_backward(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, grad: torch.Tensor,
+    ignore_index: int, smoothing: float, size: int, cast: torch.dtype | None, steps: str, values: list[float],
+    wanted: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_backward` for reduction "none" as an operator: each chunk's logits made again (rule 2)."""
+    ctx = _Saved((hidden, weight, bias, labels), (ignore_index, "none", smoothing, size, cast, steps, values),
+                 (wanted[0], wanted[1], wanted[2]))
+    made = [hidden.new_empty(0) if g is None else g for g in _backward(ctx, grad)]
+    return made[0], made[1], made[2]
+
+
+@_operator_backward.register_fake
+def _(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, grad: torch.Tensor,
+    ignore_index: int, smoothing: float, size: int, cast: torch.dtype | None, steps: str, values: list[float],
+    wanted: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    made = [t.new_empty(t.shape) if t is not None and want else hidden.new_empty(0)
+            for t, want in zip((hidden, weight, bias), wanted, strict=True)]
+    return made[0], made[1], made[2]
+
+
+class _Saved:
+    """What `_backward` reads of a context, for the backward operator."""
+
+    def __init__(self, saved: tuple[torch.Tensor | None, ...], options: Options,
+                 wanted: tuple[bool, bool, bool]) -> None:
+        self.saved_tensors, self.options, self.wanted = saved, options, wanted
+
+
+def _operator_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight, bias, labels, *rest = inputs
+    options: Options = tuple(rest[:7])
+    wanted: list[bool] = rest[7]
+    ctx.mark_non_differentiable(*output[1:])
+    grads = [None if not g.numel() else g for g in output[1:]]
+    _save(ctx, (hidden, weight, bias, labels), options, (wanted[0], wanted[1], wanted[2]), grads)
+
+
+def _operator_gradients(ctx: Any, grad: torch.Tensor | None, *unused: torch.Tensor | None) -> tuple[Any, ...]:
+    options, wanted = ctx.options, ctx.wanted
+    if grad is not None and options[1] == "none" and not torch.is_grad_enabled():
+        ignore_index, _, smoothing, size, cast, steps, values = options
+        hidden, weight, bias, labels = ctx.saved_tensors
+        made: tuple[torch.Tensor | None, ...] = _operator_backward(
+            hidden, weight, bias, labels, grad, ignore_index, smoothing, size, cast, steps, values, list(wanted))
+        made = tuple(g if want else None for g, want in zip(made, wanted, strict=True))
+    else:
+        made = _backward(ctx, grad)
+    return (*made, *(None,) * 9)  # nothing for labels and the options
+
+
+_operator.register_autograd(_operator_gradients, setup_context=_operator_setup)
+
+
+def _spec(options: Options) -> _Spec:
+    ignore_index, reduction, smoothing, size, cast, steps, values = options
+    names = steps.split(",") if steps else []
+    return _Spec(ignore_index, reduction, smoothing, size, cast,  # type: ignore[arg-type]
+                 tuple(zip(names, values, strict=True)))
+
+
+def _in_dtypes(
+    grads: list[torch.Tensor | None], like: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+) -> list[torch.Tensor | None]:
+    """Each gradient in its input's dtype (under autocast they were made in the projection's)."""
+    return [None if g is None or x is None else g if g.dtype == x.dtype else g.to(x.dtype)
+            for g, x in zip(grads, like, strict=True)]
+
+
+claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

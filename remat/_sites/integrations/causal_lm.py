@@ -1,0 +1,429 @@
+"""`remat.apply(model, head=True)` on a Hugging Face causal LM: its loss through `linear_cross_entropy`.
+
+Imported only when a model comes from transformers; it reads classes, attributes and arguments by name and never
+imports transformers itself. See NOTE [ A causal LM's head ].
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn
+
+import torch
+from torch import nn
+
+from ..._core import switch as _switch
+from ..._core.errors import RematError
+from ..cross_entropy import Transform, chunked
+from . import comes_from
+
+__all__ = ["HeadRoute", "check", "find_causal_lm", "route", "undo"]
+
+# NOTE [ A causal LM's head ]
+# A transformers causal LM makes its logits with `self.lm_head(hidden_states)`, may scale or soft-cap them, and
+# hands them to `self.loss_function(logits, labels, vocab_size, **kwargs)` (transformers' `ForCausalLMLoss`:
+# upcast to float32, labels shifted left with `ignore_index` padding, mean over tokens not ignored, or a sum over
+# `num_items_in_batch`). remat changes that one call path on the model's instances, never its classes.
+#
+# Rules:
+# 1. In training mode, with `labels` given and the switch on, the loss is `linear_cross_entropy` of the head's
+#    input, the head's weight and bias, and the labels shifted and ignored as `ForCausalLMLoss` does (or the
+#    `shift_labels` given), with its reduction; the output's `logits` is then None (left out of a tuple output, as
+#    transformers leaves out None fields). Anything else (eval, no labels, the switch off) runs the model's own code.
+# 2. A model's own elementwise steps on the logits before the loss (Gemma 2's soft-capping, a logit scale or
+#    divisor, `.float()`) are applied to each chunk; any other use of the logits before the loss is a RematError
+#    that names it, raised on the first training step (no state is left behind).
+# 3. `route` refuses, naming what it looked for, a model without such a head: a transformers model whose
+#    `get_output_embeddings()` is an `nn.Linear` and whose class's forward computes its loss with
+#    `self.loss_function`, which is transformers' `ForCausalLMLoss`.
+# 4. `remat.undo` (through the hooks' `close`) gives the head its forward and the model its `loss_function` back.
+#
+# Implementation notes:
+# 1. (rule 1) A forward pre-hook on the causal LM opens a call when the rule applies (a thread-local stack, so two
+#    threads and nested calls keep theirs); the head's own `forward` (an instance attribute, as `remat(module)`
+#    sets one) returns `DeferredLogits` (the head's input and parameters) instead of the logits for an open call;
+#    the model's `_loss_function` (the instance attribute transformers' `loss_function` property reads first)
+#    computes the chunked loss from it; a forward hook closes the call and takes the placeholder out of the output.
+# 2. (rule 1) Under torch.compile the same happens in traced code: dynamo traces the hooks, the stack and the
+#    placeholder (a call is pushed and popped within one forward), and `linear_cross_entropy`'s operator stays
+#    whole in the graph, so a compiled step holds one chunk of logits too.
+
+_FORWARDS_LOSS = "self.loss_function("
+_LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
+
+
+@dataclass
+class _Call:
+    """One training forward of a routed model with labels: its route and the placeholders its head returned (and
+    the model's steps on them made)."""
+
+    route: HeadRoute
+    deferred: list[DeferredLogits] = field(default_factory=list)
+
+
+class _Calls(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_Call | None] = []
+
+
+_calls = _Calls()
+
+
+def _open_call() -> _Call | None:
+    stack = _calls.stack
+    return stack[-1] if stack else None
+
+
+class DeferredLogits:
+    """What a routed head returns instead of its logits: its input and parameters, and the model's elementwise steps
+    on them so far (NOTE [ A causal LM's head ], rule 2)."""
+
+    __slots__ = ("bias", "call", "hidden", "steps", "weight")
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: _Call,
+                 steps: Transform = ()) -> None:
+        self.hidden, self.weight, self.bias, self.call, self.steps = hidden, weight, bias, call, steps
+
+    def _then(self, step: str, value: float = 0.0) -> DeferredLogits:
+        if step != "tanh" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            self._refuse(f"`logits {'*' if step == 'mul' else '/'} {type(value).__name__}`")
+        out = DeferredLogits(self.hidden, self.weight, self.bias, self.call, (*self.steps, (step, float(value))))
+        self.call.deferred.append(out)
+        return out
+
+    def __mul__(self, other: Any) -> DeferredLogits:
+        return self._then("mul", other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: Any) -> DeferredLogits:
+        return self._then("div", other)
+
+    def tanh(self) -> DeferredLogits:
+        return self._then("tanh")
+
+    def float(self) -> DeferredLogits:
+        return self  # the loss is computed in float32 at least
+
+    def to(self, *args: Any, **kwargs: Any) -> DeferredLogits:
+        if (args == (torch.float32,) and not kwargs) or (not args and kwargs == {"dtype": torch.float32}):
+            return self
+        self._refuse("`logits.to(...)`")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh) and len(args) == 1 and not kwargs:
+            return args[0].tanh()
+        if func is torch.Tensor.float and len(args) == 1 and not kwargs:
+            return args[0]
+        found = [arg for arg in (*args, *(kwargs or {}).values()) if isinstance(arg, DeferredLogits)]
+        if not found:
+            return NotImplemented
+        found[0]._refuse(f"`{getattr(func, '__name__', func)}`")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._refuse(f"`logits.{name}`")
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._refuse("`logits[...]`")
+
+    def _operator(self, symbol: str) -> Callable[..., NoReturn]:
+        def refuse(*args: Any) -> NoReturn:
+            self._refuse(f"`{symbol}`")
+
+        return refuse
+
+    def __add__(self, other: Any) -> NoReturn:
+        self._operator("logits + ...")()
+
+    __radd__ = __add__
+
+    def __sub__(self, other: Any) -> NoReturn:
+        self._operator("logits - ...")()
+
+    def __rsub__(self, other: Any) -> NoReturn:
+        self._operator("... - logits")()
+
+    def __rtruediv__(self, other: Any) -> NoReturn:
+        self._operator("... / logits")()
+
+    def __neg__(self) -> NoReturn:
+        self._operator("-logits")()
+
+    def _refuse(self, what: str) -> NoReturn:
+        model = self.call.route.model_name
+        raise RematError(
+            f"remat: head=True cannot compute `{model}`'s loss in chunks: its forward uses {what} on the logits "
+            "before its loss, and remat applies only scaling, soft-capping (tanh) and `.float()` there. Pass "
+            "head=False to remat.apply for this model (or `remat.undo(model)` first)."
+        )
+
+
+class HeadForward:
+    """The head's own `forward` while routed: `DeferredLogits` for an open call of its model, else what it had."""
+
+    __slots__ = ("_module", "own")
+
+    def __init__(self, module: nn.Module, own: Callable[..., Any] | None) -> None:
+        self._module = weakref.ref(module)
+        self.own = own  # the instance's forward before remat (a library's or the user's), or None: its class's
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if module is None:
+            raise RematError("remat: a routed head's `forward` was called on a shallow copy whose original no longer "
+                             "exists; copy the model with `copy.deepcopy`.")
+        call = _open_call()
+        if call is not None and call.route.head is module and len(args) == 1 and not kwargs:
+            assert isinstance(module, nn.Linear)  # `route` checked it
+            placeholder = DeferredLogits(args[0], module.weight, module.bias, call)
+            call.deferred.append(placeholder)
+            return placeholder
+        if self.own is not None:
+            return self.own(*args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        if self.own is not None:
+            return self.own
+        module = self._module()
+        assert module is not None
+        return type(module).forward.__get__(module, type(module))  # type: ignore[no-any-return]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HeadForward, (self._module(), self.own))
+
+
+class _ChunkedLoss:
+    """The model's `_loss_function` while routed: `ForCausalLMLoss` computed in chunks from `DeferredLogits`, the
+    model's own loss function for real logits."""
+
+    def __init__(self, own: Callable[..., Any]) -> None:
+        self.own = own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        logits = args[0] if args else kwargs.get("logits")
+        if not isinstance(logits, DeferredLogits):
+            return self.own(*args, **kwargs)
+        return _causal_lm_loss(*args, **kwargs)
+
+
+def _causal_lm_loss(
+    logits: DeferredLogits, labels: torch.Tensor, vocab_size: int | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None, **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' `ForCausalLMLoss` (loss/loss_utils.py), on the chunks of `linear_cross_entropy`."""
+    del kwargs  # as `ForCausalLMLoss`, which takes and ignores the model's other keywords
+    hidden = logits.hidden
+    classes = logits.weight.shape[0]
+    if vocab_size is not None and vocab_size != classes:
+        raise RematError(
+            f"remat: head=True: `{logits.call.route.model_name}`'s head makes {classes} logits per token but its "
+            f"loss is told vocab_size={vocab_size}; remat cannot tell which logits the loss reads."
+        )
+    if shift_labels is None:
+        padded = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = padded[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    reduction: Literal["mean", "sum"] = "sum" if num_items_in_batch is not None else "mean"
+    loss = chunked(hidden, logits.weight, shift_labels.reshape(hidden.shape[:-1]), logits.bias,
+                   ignore_index=ignore_index, reduction=reduction, transform=logits.steps)
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+class HeadRoute:
+    """The causal LM's forward pre-hook while routed: opens a call when NOTE [ A causal LM's head ]'s rule 1
+    applies; `close` puts back what routing changed (`remat.undo`)."""
+
+    _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
+    remat_head = True  # what remat/_sites/head.py looks for
+
+    chosen_by: str | None = None  # who routed it, where not the user (a budget: NOTE [ The head as a choice ])
+
+    def __init__(self, model: nn.Module, head: nn.Module, head_name: str, labels_at: int | None) -> None:
+        self.model = model
+        self.head = head
+        self.head_name = head_name
+        self.model_name = type(model).__qualname__
+        self.labels_at = labels_at  # `labels`' index among forward's positional arguments (self excluded)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        labels = kwargs.get("labels")
+        if labels is None and self.labels_at is not None and self.labels_at < len(args):
+            labels = args[self.labels_at]
+        on = module.training and labels is not None and _switch._state[0]
+        _calls.stack.append(_Call(self) if on else None)
+
+    def install(self) -> None:
+        head, model = self.head, self.model
+        head.__dict__["forward"] = HeadForward(head, head.__dict__.get("forward"))
+        own = model.__dict__.get("_loss_function", _MISSING)
+        model.__dict__["_loss_function"] = _ChunkedLoss(model.loss_function)  # type: ignore[arg-type]
+        self.own_loss = own
+
+    def close(self) -> None:
+        forward = self.head.__dict__.get("forward")
+        if isinstance(forward, HeadForward):
+            if forward.own is None:
+                del self.head.__dict__["forward"]
+            else:
+                self.head.__dict__["forward"] = forward.own
+        if isinstance(self.model.__dict__.get("_loss_function"), _ChunkedLoss):
+            if self.own_loss is _MISSING:
+                del self.model.__dict__["_loss_function"]
+            else:
+                self.model.__dict__["_loss_function"] = self.own_loss
+
+    def describe(self) -> str:
+        chosen = f", chosen by {self.chosen_by}" if self.chosen_by else ""
+        return (f"{self.head_name or '(model)'} ({type(self.head).__qualname__}): with labels in training, the loss "
+                f"in chunks (remat.linear_cross_entropy{chosen}); output.logits is None")
+
+
+class _HeadClose:
+    """The causal LM's forward hook while routed: closes the call and takes the placeholder out of the output."""
+
+    _remat_owned = True
+
+    def __call__(self, module: nn.Module, args: Any, *rest: Any) -> Any:
+        # Called as (module, args, kwargs, output) after forward, as (module, args, None) when it raised.
+        stack = _calls.stack
+        call = stack.pop() if stack else None
+        if call is None or len(rest) != 2 or not call.deferred:
+            return None
+        return _without_placeholders(rest[1], call.deferred)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+
+_MISSING: Any = _Missing()
+
+
+def _without_placeholders(output: Any, deferred: list[DeferredLogits]) -> Any:
+    """`output` with `logits` None (a `ModelOutput`) or left out (a tuple), where it is a placeholder."""
+    def placeholder(value: Any) -> bool:
+        return isinstance(value, DeferredLogits) and any(value is d for d in deferred)
+
+    if isinstance(output, collections.OrderedDict):  # transformers' ModelOutput
+        for key in [key for key, value in output.items() if placeholder(value)]:
+            collections.OrderedDict.__delitem__(output, key)  # ModelOutput forbids `del`; a None field has no key
+            object.__setattr__(output, key, None)
+        return output
+    if isinstance(output, tuple) and any(placeholder(value) for value in output):
+        return type(output)(value for value in output if not placeholder(value)) if type(output) is tuple \
+            else output
+    return None
+
+
+def _is_causal_lm_loss(function: Any) -> bool:
+    return (getattr(function, "__module__", None), getattr(function, "__name__", None)) == _LOSS
+
+
+def _defines_loss_function(kind: type) -> bool:
+    return any("loss_function" in vars(base) for base in kind.__mro__)
+
+
+def find_causal_lm(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost transformers model inside `model` (itself included) that has a `loss_function` of its class
+    and `get_output_embeddings()`, with its qualified name; None when there is none."""
+    for name, module in model.named_modules():
+        kind = type(module)
+        if comes_from(kind, "transformers") and _defines_loss_function(kind) and callable(
+            getattr(module, "get_output_embeddings", None)
+        ):
+            return name, module
+    return None
+
+
+LOOKED_FOR = (
+    "a Hugging Face causal LM: a transformers model whose `get_output_embeddings()` is an nn.Linear and whose "
+    "forward computes its loss with `self.loss_function` (transformers' ForCausalLMLoss)"
+)
+
+
+def route(model: nn.Module, chosen_by: str | None = None) -> HeadRoute:
+    """Route the loss of the causal LM inside `model` through `linear_cross_entropy` (NOTE [ A causal LM's head ]);
+    `chosen_by` says who chose it, where not the user.
+
+    Raises:
+        ValueError: naming what was looked for and what was found instead, when there is no such model or head.
+    """
+    lm, head = check(model)
+    head_name = next(n for n, m in model.named_modules() if m is head)
+    undo(lm)
+    signature = inspect.signature(type(lm).forward)
+    positional = [p.name for p in signature.parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][1:]
+    hook = HeadRoute(lm, head, head_name, positional.index("labels") if "labels" in positional else None)
+    hook.chosen_by = chosen_by
+    hook.install()
+    lm.register_forward_pre_hook(hook, with_kwargs=True)
+    lm.register_forward_hook(_HeadClose(), with_kwargs=True, always_call=True, prepend=True)  # before others'
+    return hook
+
+
+def check(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """The causal LM inside `model` and its head, where `route` can route them (rule 3).
+
+    Raises:
+        ValueError: naming what was looked for and what was found instead, when there is no such model or head.
+    """
+    found = find_causal_lm(model)
+    if found is None:
+        raise ValueError(f"remat: apply(head=True) found no language-model head in `{type(model).__qualname__}`: "
+                         f"it looks for {LOOKED_FOR}. For another model, compute its loss with "
+                         "remat.linear_cross_entropy(hidden, head.weight, labels).")
+    _, lm = found
+    kind = type(lm).__qualname__
+    head = lm.get_output_embeddings()  # type: ignore[operator]
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        raise ValueError(
+            f"remat: apply(head=True) needs {LOOKED_FOR}, but `{kind}`'s output embeddings are "
+            f"`{type(head).__qualname__}`, not a plain nn.Linear (an adapter or a quantized layer on the head "
+            "changes what it computes)."
+        )
+    try:
+        source = inspect.getsource(type(lm).forward)
+    except (OSError, TypeError):
+        source = ""
+    loss_function = lm.loss_function
+    if _FORWARDS_LOSS not in source or not _is_causal_lm_loss(getattr(loss_function, "own", loss_function)):
+        raise ValueError(
+            f"remat: apply(head=True) needs {LOOKED_FOR}, but `{kind}`'s forward "
+            + ("does not call `self.loss_function`" if _FORWARDS_LOSS not in source
+               else f"computes its loss with {getattr(loss_function, '__name__', loss_function)!r}")
+            + ", so remat cannot tell how its loss reads the logits."
+        )
+    return lm, head
+
+
+def undo(module: nn.Module) -> None:
+    """Take a route off `module` (the causal LM itself), if it has one."""
+    for table in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in list(table.items()):
+            if isinstance(hook, (HeadRoute, _HeadClose)):
+                if isinstance(hook, HeadRoute):
+                    hook.close()
+                del table[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)

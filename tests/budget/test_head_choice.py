@@ -1,0 +1,126 @@
+"""The chunked head as a choice of budgets, memory plans and estimates (docs/guides/head.md, NOTE [ The head as a
+choice ]): a budget that only the head in chunks makes feasible is planned, not refused.
+
+The model is a small GPT-2 whose vocabulary (16,000) dominates its step, as in real language models: full remat of
+its blocks leaves the logits, which the chunked head does not hold. Needs the `hf` extra.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 16000, 64, 4
+EQUIVALENCE_HELPERS = ("trained(",)
+
+
+def make(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config).to(dtype).train()
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def trained(model: nn.Module) -> tuple[bool, int, dict[str, torch.Tensor]]:
+    """One step of a default loop (the output let go once the loss is made, gradients made by backward): whether
+    it returned logits, its peak (as a budget counts it), the gradients."""
+    for p in model.parameters():
+        p.grad = None
+    with remat.track() as tracker:
+        out = model(**batch())
+        logits, loss = out.logits is not None, out.loss
+        del out
+        loss.backward()
+    return logits, tracker.peak_bytes, {name: p.grad for name, p in model.named_parameters()}
+
+
+def no_remat_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """No remat's gradients in float64, the loss taken from the logits (the model's own upcasts to float32)."""
+    inputs = batch()
+    logits = model(input_ids=inputs["input_ids"]).logits
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), inputs["labels"][:, 1:].flatten()).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_a_budget_only_the_chunked_head_makes_feasible_is_planned_not_refused() -> None:
+    base = make()
+    _, none_peak, _ = trained(copy.deepcopy(base))
+    _, full_peak, _ = trained(remat.apply(copy.deepcopy(base)))
+    budget = 0.45
+    assert full_peak > 1.05 * budget * none_peak  # full remat of the blocks alone cannot meet it
+    with pytest.raises(remat.BudgetError):
+        remat.apply(copy.deepcopy(base), budget=budget, sample=batch(), head=False)
+    model = remat.apply(copy.deepcopy(base), budget=budget, sample=batch())
+    plan = remat.plan(model)
+    assert plan.budget is not None and "chosen by the budget" in str(plan)
+    logits, peak, _ = trained(model)
+    assert not logits
+    assert peak <= 1.05 * plan.budget.budget, (peak, plan.budget.budget)
+    assert abs(plan.budget.budget - budget * none_peak) <= 0.05 * none_peak  # a fraction of the model's own step
+
+
+def test_the_budgets_plan_with_the_head_keeps_no_remats_gradients() -> None:
+    base = make(torch.float64)
+    expected = no_remat_grads(copy.deepcopy(base))
+    model = remat.apply(copy.deepcopy(base), budget=0.6, sample=batch())  # in float64 the head holds more
+    logits, _, grads = trained(model)
+    assert not logits and "chosen by the budget" in str(remat.plan(model))
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, msg=lambda m, k=name: f"gradient of {k}: {m}")
+
+
+def test_a_budget_that_fits_without_the_head_leaves_it_alone() -> None:
+    model = remat.apply(make(), budget=0.99, sample=batch())  # full remat alone reaches 0.96 here
+    assert remat.plan(model).head is None
+    assert model(**batch()).logits is not None
+
+
+def test_head_true_with_a_budget_routes_it_as_the_users_and_the_fraction_is_of_its_own_step() -> None:
+    base = make()
+    plain = remat.plan(remat.apply(copy.deepcopy(base), budget=0.99, sample=batch(), head=False)).budget
+    assert plain is not None and plain.no_remat is not None
+    model = remat.apply(copy.deepcopy(base), budget=0.5, sample=batch(), head=True)
+    plan = remat.plan(model)
+    assert "head: lm_head" in str(plan) and "chosen by" not in str(plan)
+    assert plan.budget is not None
+    assert abs(plan.budget.budget - 0.5 * plain.no_remat[0]) <= 0.02 * plain.no_remat[0]
+
+
+def test_memory_that_only_the_chunked_head_fits_is_planned() -> None:
+    base = make()
+    full = remat.estimate(copy.deepcopy(base), batch(), optimizer="adamw", configs=("full", "full+head"))
+    with_head, without = full["full+head"].peak_bytes, full["full"].peak_bytes
+    assert with_head < 0.7 * without
+    memory = (with_head + without) // 2
+    with pytest.raises(remat.BudgetError):
+        remat.apply(copy.deepcopy(base), memory=memory, sample=batch(), optimizer="adamw", head=False)
+    model = remat.apply(copy.deepcopy(base), memory=memory, sample=batch(), optimizer="adamw")
+    assert "chosen by the budget" in str(remat.plan(model))
+
+
+def test_estimate_has_the_head_as_a_configuration_and_its_budget_chooses_it() -> None:
+    base = make()
+    report = remat.estimate(base, batch(), configs=("none", "full", "save_matmuls", "full+head", "save_matmuls+head",
+                                                    0.45))
+    assert report["full+head"].peak_bytes < 0.7 * report["full"].peak_bytes
+    assert report["save_matmuls+head"].peak_bytes < report["save_matmuls"].peak_bytes
+    assert report[0.45].peak_bytes < report["full"].peak_bytes  # the budget's planner routed the head
+    assert "full+head" in str(report)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in base.modules())  # nothing left behind
+    assert "forward" not in base.lm_head.__dict__ and "_loss_function" not in base.__dict__
+    with pytest.raises(ValueError, match="Hugging Face causal LM"):
+        remat.estimate(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(2, 4), configs=("full+head",))

@@ -1,0 +1,339 @@
+"""`remat.linear_cross_entropy` (docs/guides/head.md, NOTE [ The head in chunks ]): the value and gradients of
+`F.cross_entropy(F.linear(...).float(), ...)` over chunks of tokens, never all the logits at once."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat._core.torch_compat import host_bytes
+from remat._engine import stats as _stats
+from remat._sites.cross_entropy import CHUNK_BYTES, chunk_count
+
+EQUIVALENCE_HELPERS = ("chunks_made(",)
+
+
+def reference(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None, *,
+    softcap: float | None = None, **keywords: Any,
+) -> torch.Tensor:
+    """The plain composition, every logit at once, as a Hugging Face model computes its loss."""
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    flat = logits.reshape(-1, logits.shape[-1])
+    loss = F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), labels.reshape(-1), **keywords)
+    return loss.view(labels.shape) if keywords.get("reduction") == "none" else loss
+
+
+class chunks_made:
+    """How many chunks of logits `linear_cross_entropy` made inside the block (`.count`)."""
+
+    def __enter__(self) -> chunks_made:
+        self.before = _stats.head_chunks
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.count = _stats.head_chunks - self.before
+
+
+def inputs(
+    batch: int = 2, seq: int = 9, hidden: int = 6, vocabulary: int = 13, *, bias: bool = False, seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, seq, hidden, generator=generator, dtype=dtype).requires_grad_()
+    w = torch.randn(vocabulary, hidden, generator=generator, dtype=dtype).requires_grad_()
+    b = torch.randn(vocabulary, generator=generator, dtype=dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, vocabulary, (batch, seq), generator=generator)
+    labels[0, :6] = -100  # with chunks of 3 tokens, the first two chunks are all ignored
+    labels[-1, 4] = -100
+    return h, w, labels, b
+
+
+def grads_of(loss: torch.Tensor, tensors: list[torch.Tensor], seed: int = 3) -> tuple[torch.Tensor, ...]:
+    upstream = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed), dtype=loss.dtype)
+    return torch.autograd.grad(loss, tensors, upstream)
+
+
+@pytest.mark.parametrize(
+    ("reduction", "smoothing", "bias"), list(itertools.product(("mean", "sum", "none"), (0.0, 0.25), (False, True)))
+)
+@pytest.mark.parametrize("chunks", [1, 6, 18, 100])
+def test_value_and_gradients_equal_the_plain_composition_in_float64(
+    reduction: str, smoothing: float, bias: bool, chunks: int
+) -> None:
+    h, w, labels, b = inputs(bias=bias)
+    tensors = [t for t in (h, w, b) if t is not None]
+    keywords: dict[str, Any] = {"reduction": reduction, "label_smoothing": smoothing}
+    expected = reference(h, w, labels, b, **keywords)
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels, b, chunks=chunks, **keywords)
+        grads = grads_of(loss, tensors)
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(grads, grads_of(expected, tensors), strict=True):
+        torch.testing.assert_close(got, want)
+    passes = 2 if reduction == "none" else 1  # "none" makes each chunk's logits again in backward
+    assert made.count == passes * min(chunks, 18)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_every_token_ignored_gives_torchs_value_and_zero_gradients(reduction: str, smoothing: float) -> None:
+    h, w, labels, _ = inputs()
+    labels.fill_(-100)
+    keywords: dict[str, Any] = {"reduction": reduction, "label_smoothing": smoothing}
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels, chunks=3, **keywords)
+        grads = grads_of(loss, [h, w])
+    expected = reference(h, w, labels, **keywords)
+    torch.testing.assert_close(loss, expected, equal_nan=True)  # "mean" over no token: NaN, as torch's
+    for got, want in zip(grads, grads_of(expected, [h, w]), strict=True):
+        torch.testing.assert_close(got, want)
+        assert not got.any()
+    assert made.count >= 3
+
+
+def test_ignore_index_other_than_the_default() -> None:
+    h, w, labels, _ = inputs()
+    labels[labels == -100] = 5  # a real class becomes the ignored one
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels, ignore_index=5, chunks=4)
+        grads = grads_of(loss, [h, w])
+    expected = reference(h, w, labels, ignore_index=5)
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(grads, grads_of(expected, [h, w]), strict=True):
+        torch.testing.assert_close(got, want)
+    assert made.count == 4
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_softcap_is_gemma2s_soft_capping(reduction: str) -> None:
+    h, w, labels, b = inputs(bias=True)
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels, b, softcap=1.5, reduction=reduction, chunks=5)
+        grads = grads_of(loss, [h, w, b])  # type: ignore[list-item]
+    expected = reference(h, w, labels, b, softcap=1.5, reduction=reduction)
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(grads, grads_of(expected, [h, w, b]), strict=True):  # type: ignore[list-item]
+        torch.testing.assert_close(got, want)
+    assert made.count >= 5
+
+
+def test_int32_labels_are_class_indices_too() -> None:
+    h, w, labels, _ = inputs()
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels.int(), chunks=3)
+    torch.testing.assert_close(loss, reference(h, w, labels))
+    assert made.count == 3
+
+
+def test_2d_tokens_and_one_dimensional_labels() -> None:
+    h, w, labels, _ = inputs()
+    flat_h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(flat_h, w, flat_labels, reduction="none", chunks=2)
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(flat_h, w), flat_labels, reduction="none"))
+    assert loss.shape == (18,) and made.count == 2
+
+
+def test_only_the_gradients_asked_for_are_made() -> None:
+    h, w, labels, _ = inputs()
+    w.requires_grad_(False)  # a frozen head (LoRA): no weight gradient, and none is made
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels, chunks=3)
+    loss.backward()
+    assert h.grad is not None and w.grad is None
+    (expected,) = torch.autograd.grad(reference(h, w, labels), [h])
+    torch.testing.assert_close(h.grad, expected)
+    assert made.count == 3
+
+
+def test_without_gradients_only_the_loss_is_made() -> None:
+    h, w, labels, _ = inputs()
+    with torch.no_grad(), chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels, chunks=3)
+    assert loss.grad_fn is None and made.count == 3
+    torch.testing.assert_close(loss, reference(h, w, labels))
+
+
+def test_retain_graph_twice_and_grad_of_a_subset() -> None:
+    h, w, labels, _ = inputs()
+    for reduction in ("mean", "none"):
+        with chunks_made() as made:
+            loss = remat.linear_cross_entropy(h, w, labels, chunks=3, reduction=reduction).sum()
+            first = torch.autograd.grad(loss, [h, w], retain_graph=True)
+            second = torch.autograd.grad(loss * 1.0, [w])  # a subset, through the same graph again
+        expected = torch.autograd.grad(reference(h, w, labels, reduction=reduction).sum(), [h, w])
+        torch.testing.assert_close(first, expected)
+        torch.testing.assert_close(second[0], expected[1])
+        assert made.count >= 3
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_second_derivative_is_refused_not_silently_zero(reduction: str) -> None:
+    h, w, labels, _ = inputs()
+    loss = remat.linear_cross_entropy(h, w, labels, chunks=3, reduction=reduction).sum()
+    with pytest.raises(remat.RematError, match="no second derivative"):
+        torch.autograd.grad(loss, [h], create_graph=True)
+
+
+def test_a_scalar_loss_used_again_gets_its_gradient_scaled() -> None:
+    h, w, labels, _ = inputs()
+    with chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels, chunks=3)
+        got = torch.autograd.grad(loss.square() * 3, [h, w])
+    plain = reference(h, w, labels)
+    torch.testing.assert_close(got, torch.autograd.grad(plain.square() * 3, [h, w]))
+    assert made.count == 3
+
+
+def test_what_forward_keeps_goes_with_backward() -> None:
+    """The gradients forward kept are freed by backward, not when the loss is dropped."""
+    h, w, labels, _ = inputs(seq=64, hidden=32, vocabulary=200)
+    loss = remat.linear_cross_entropy(h, w, labels, chunks=4)
+    grad_fn = loss.grad_fn
+    assert grad_fn is not None
+    kept = [weakref.ref(t) for t in grad_fn.saved_tensors if t is not None]  # type: ignore[attr-defined]
+    assert len(kept) == 2  # the gradients of hidden and weight
+    loss.backward()
+    assert all(ref() is None for ref in kept)
+
+
+def test_the_step_peaks_at_one_chunk_of_logits_not_all() -> None:
+    """Forward and backward of 4,096 tokens x 8,000 classes: 125 MiB of float32 logits at once without remat."""
+    h, w, labels, _ = inputs(batch=4, seq=1024, hidden=32, vocabulary=8000, dtype=torch.float32)
+    logits_bytes = 4 * 1024 * 8000 * 4
+    parameters = w.numel() * 4 + h.numel() * 4  # the gradients of the weight and of the hidden states
+    for reduction in ("mean", "none"):
+        h.grad = w.grad = None
+        with remat.track() as plain:
+            reference(h, w, labels, reduction=reduction).sum().backward()
+        h.grad = w.grad = None
+        with remat.track() as tracked, chunks_made() as made:
+            remat.linear_cross_entropy(h, w, labels, reduction=reduction, chunks=16).sum().backward()
+        assert plain.peak_bytes > 2 * logits_bytes
+        assert tracked.peak_bytes <= logits_bytes / 16 * 1.5 + 2 * parameters, (reduction, tracked.peak_bytes)
+        assert tracked.peak_bytes >= logits_bytes / 16  # the tracker sees each chunk's logits
+        assert made.count == (32 if reduction == "none" else 16)
+
+
+def test_chunks_none_aims_at_64_mib_of_logits_per_chunk() -> None:
+    assert CHUNK_BYTES == 64 * 2**20
+    assert chunk_count(16384, 50257) == 50  # GPT-2 at batch 16 x 1024: 3.1 GiB of float32 logits
+    assert chunk_count(2048, 50257) == 7
+    assert chunk_count(100, 1000) == 1
+    assert chunk_count(2048, 50257, torch.float64) == 13
+    h, w, labels, _ = inputs(batch=2, seq=350, hidden=4, vocabulary=50000, dtype=torch.float32)
+    with chunks_made() as made:
+        remat.linear_cross_entropy(h, w, labels).backward()
+    assert made.count == chunk_count(700, 50000) == 3
+
+
+def test_under_autocast_the_projection_runs_in_autocasts_dtype_and_the_loss_in_float32() -> None:
+    h, w, labels, b = inputs(batch=2, seq=48, hidden=16, vocabulary=300, bias=True, dtype=torch.float32)
+    tensors: list[torch.Tensor] = [h, w, b]  # type: ignore[list-item]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with chunks_made() as made:
+            loss = remat.linear_cross_entropy(h, w, labels, b, chunks=4)
+        expected = reference(h, w, labels, b)
+    assert loss.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-2, atol=1e-2)
+    grads, wanted = grads_of(loss, tensors), grads_of(expected, tensors)
+    for got, want in zip(grads, wanted, strict=True):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    assert made.count == 4
+    # the projection ran in bfloat16: its hidden gradient is that of bfloat16 matmuls, not float32's
+    (full,) = grads_of(reference(h, w, labels, b), [h])
+    assert not torch.equal(grads[0], full)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_under_torch_compile(reduction: str) -> None:
+    h, w, labels, b = inputs(bias=True)
+    tensors: list[torch.Tensor] = [h, w, b]  # type: ignore[list-item]
+
+    def step(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        loss = remat.linear_cross_entropy(h, w, labels, b, reduction=reduction, label_smoothing=0.1, chunks=4)
+        return loss.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(h, w, labels, b)
+    expected = reference(h, w, labels, b, reduction=reduction, label_smoothing=0.1).sum()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, tensors), torch.autograd.grad(expected, tensors))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own imports
+def test_under_torch_compile_the_compiled_step_holds_one_chunk() -> None:
+    """Inductor's code keeps the chunks: a compiled step peaks near one chunk's logits too."""
+    h, w, labels, _ = inputs(batch=2, seq=512, hidden=32, vocabulary=4000, dtype=torch.float32)
+    logits_bytes = 2 * 512 * 4000 * 4
+
+    def step(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return remat.linear_cross_entropy(h, w, labels, chunks=8)
+
+    compiled = torch.compile(step, fullgraph=True)
+
+    def run() -> None:
+        h.grad = w.grad = None
+        compiled(h, w, labels).backward()
+
+    run()  # compiles
+    found = host_bytes(run)  # the CPU allocator's records: a tracker's dispatch mode would stop dynamo
+    if found is None:
+        pytest.skip("this torch cannot record the CPU allocator")
+    assert found[0] < logits_bytes / 2, found
+
+
+def test_on_another_device(accelerator: str) -> None:
+    h, w, labels, b = inputs(bias=True)
+    moved = [t.detach().to(accelerator).requires_grad_() for t in (h, w, b)]  # type: ignore[union-attr]
+    for reduction in ("mean", "none"):
+        with chunks_made() as made:
+            loss = remat.linear_cross_entropy(moved[0], moved[1], labels.to(accelerator), moved[2],
+                                              reduction=reduction, label_smoothing=0.1, chunks=3)
+            grads = grads_of(loss.cpu(), moved)  # type: ignore[arg-type]
+        assert loss.device.type == accelerator
+        expected = reference(h, w, labels, b, reduction=reduction, label_smoothing=0.1)
+        torch.testing.assert_close(loss.cpu(), expected)
+        for got, want in zip(grads, grads_of(expected, [h, w, b]), strict=True):  # type: ignore[list-item]
+            torch.testing.assert_close(got.cpu(), want)
+        assert made.count >= 3
+
+
+@pytest.mark.ignores_switch  # sets the switch itself
+def test_the_switch_off_makes_it_the_plain_composition() -> None:
+    h, w, labels, _ = inputs()
+    with remat.enabled(False), chunks_made() as made:
+        loss = remat.linear_cross_entropy(h, w, labels, chunks=3)
+    assert made.count == 0
+    torch.testing.assert_close(loss, reference(h, w, labels))
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda h, w, y: remat.linear_cross_entropy(h, w, y, reduction="avg"), "'mean', 'sum' or 'none'"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w, y, chunks=0), "positive int or None"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w, y, label_smoothing=1.5), r"in \[0, 1\]"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w.t(), y), r"`weight` \(V, H\)"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w, y[:, 1:]), "one label per token"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w, y.double()), "integer tensor"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w, y, torch.zeros(3)), r"None or \(13,\)"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w, y, softcap=0), "positive number"),
+        (lambda h, w, y: remat.linear_cross_entropy(h, w.float(), y), "one dtype"),
+    ],
+)
+def test_bad_arguments_are_named(call: Callable[..., Any], message: str) -> None:
+    h, w, labels, _ = inputs()
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(h, w, labels)
