@@ -22,7 +22,6 @@ from ._core.units import Budget, parse_budget
 from ._engine import offload as _offload
 from ._engine.region import Region
 from ._sites import checkpoint as _checkpoint
-from ._sites import cross_entropy as _cross_entropy
 from ._sites import head as _head
 from ._sites import targets as _targets
 from ._sites.partial import decorate
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from ._chain import schedule as _schedule
     from ._chain import simulate as _simulate
     from ._chain import solver as _solver
+    from ._sites import cross_entropy as _cross_entropy
     from ._estimate import estimate as _estimate
     from ._estimate import report as _estimate_report
     from ._measure import measure as _measure

@@ -51,7 +51,7 @@ PUBLIC: dict[str, Public] = {
     "checkpoint": Public("._sites.checkpoint", "checkpoint"),
     "checkpoint_sequential": Public("._sites.checkpoint", "checkpoint_sequential"),
     # The head and the loss
-    "linear_cross_entropy": Public("._sites.cross_entropy", "linear_cross_entropy"),
+    "linear_cross_entropy": Public("._sites.cross_entropy", "linear_cross_entropy", lazy=True),
     # Policies
     "policies": Public(".policies", ""),
     "tag": Public("._core.policies", "tag"),
