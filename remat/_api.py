@@ -33,12 +33,12 @@ if TYPE_CHECKING:
     from ._chain import schedule as _schedule
     from ._chain import simulate as _simulate
     from ._chain import solver as _solver
-    from ._sites import cross_entropy as _cross_entropy
     from ._estimate import estimate as _estimate
     from ._estimate import report as _estimate_report
     from ._measure import measure as _measure
     from ._measure import report as _measure_report
     from ._measure import track as _track
+    from ._sites import cross_entropy as _cross_entropy
 
 __all__ = ["Decorator", "Remat", "remat"]
 

@@ -119,8 +119,6 @@ class Outer:
         self.given: tuple[torch.Tensor, int] | None = None
 
 
-_top_hooks = top_saved_hooks
-_exec_group: Callable[[], Any] = graph_exec_group
 
 _INPLACE_KEPT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
@@ -155,7 +153,7 @@ class Frame:
         self.inner = False
         self._given: list[Outer] | None = None  # handed over while open, still holding the tensor
         # The saved-tensor hooks this frame runs inside (an enclosing site, `save_on_cpu`), or None.
-        self.outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = _top_hooks(False)
+        self.outer: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = top_saved_hooks(False)
 
     # -- forward -------------------------------------------------------------------------------------------
     def account(self, tensor: torch.Tensor) -> None:
@@ -220,7 +218,7 @@ class Frame:
         a handed-over one back through the enclosing unpack hook."""
         kind = type(packed)
         if kind is Handle:  # the common case first
-            group = _exec_group()
+            group = graph_exec_group()
             gid: Any = graph_task_id() if group is None else group
             store = self._stores.get(gid)
             if store is None or packed.index not in store:

@@ -36,10 +36,8 @@ from .transfer import Parcel, Stay
 __all__ = ["Region", "RegionFrame", "begin", "end"]
 
 
-_push_hooks = push_saved_hooks
 _storage_id: Callable[[torch.Tensor], int] = storage_id
 _ref = weakref.ref
-_pop_hooks = pop_saved_hooks
 
 # NOTE [ Kept tensors ]
 # Saved tensors that the region does not rebuild — tensors from outside, views of them, tensors the tape never
@@ -289,7 +287,7 @@ def begin(
     assert recorder is not None
     recorder.__enter__()  # type: ignore[no-untyped-call]
     try:
-        _push_hooks(frame.pack, frame.unpack)
+        push_saved_hooks(frame.pack, frame.unpack)
     except BaseException:
         recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         raise
@@ -317,7 +315,7 @@ def end(token: object, *, ok: bool = True) -> None:
             del stack[index]
             break
     try:
-        _pop_hooks()
+        pop_saved_hooks()
     finally:
         recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     if ok:

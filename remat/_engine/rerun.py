@@ -19,8 +19,7 @@ from torch import nn
 
 from .._core.errors import RematError
 from .._core.policies import Policy, tags
-from .._core.torch_compat import pop_saved_hooks, push_saved_hooks
-from .._core.torch_compat import set_grad_enabled as _set_grad_enabled
+from .._core.torch_compat import pop_saved_hooks, push_saved_hooks, set_grad_enabled
 from .autocast import AutocastState, any_autocast
 from .debug import OpTrace
 from .guard import guard_buffers, release
@@ -36,8 +35,6 @@ __all__ = ["RerunFrame", "begin", "call", "end"]
 
 
 _frame = sys._getframe
-_push_hooks = push_saved_hooks
-_pop_hooks = pop_saved_hooks
 
 # NOTE [ Recompute state ]
 # Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
@@ -172,59 +169,11 @@ class RerunFrame(Frame):
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
         args, kwargs = self._inputs()
         self.attrs = attributes(self.module) if self.module is not None else None
-        # See NOTE [ Early stop ]: tolerate what comes after `limit`; raise out at `stop`.
-        limit = stop = -1
-        if self.early_stop or self.open:
-            limit = max(wanted)
-            if self.early_stop:
-                stop = limit
-        count = 0
-        # Under debug traces a mismatch is raised once the function has run to its end, so that the trace shows
-        # every op recompute ran, also those after the point where it parted from forward.
-        parted: list[Any] = []
-        defer = self.trace is not None
-        # The function runs backward over what recompute saves: NOTE [ Recompute saves nothing ] and NOTE
-        # [ Backward inside a site ] in hooks.py (what forward keeps or hands over is kept as itself).
-        inner = self.inner
-        given = set(map(id, tensors_in(kwargs, tensors_in(args, [])))) if inner else set()
-        # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and
-        # the store holds tensors of that graph: `pack` reaches the frame and the store only through `live`,
-        # emptied when recompute ends, or they would form a cycle through C++ that gc can't see.
-        live: list[Any] = [self, store]
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor | None:
-            # See NOTE [ Recompute saves nothing ].
-            nonlocal count
-            frame, found = live
-            index, count = count, count + 1
-            kept = None
-            if inner:
-                kept = tensor if id(tensor) in given or (tensor.requires_grad and tensor.is_leaf) else None
-                if kept is None and (base := tensor._base) is not None and (
-                    id(base) in given or (base.requires_grad and base.is_leaf)
-                ):
-                    kept = tensor
-                if kept is None:
-                    kept = tensor.detach()
-            if index > limit >= 0 or parted:
-                return kept
-            if defer:
-                what = frame.differs(index, tensor)
-                if what is not None:
-                    parted.extend((index, tensor.detach(), what))  # detached: no cycle through `pack`
-                    return kept
-            else:
-                frame.expect(index, tensor)
-            if index in wanted:
-                found[index] = tensor if kept is None else kept
-            if index == stop and not returns_at_once(_frame(1), _RECOMPUTE):  # NOTE [ Stopping without raising ]
-                raise StopRecompute
-            return kept
-
+        collector = _Collector(self, wanted, store, args, kwargs)
         # See NOTE [ Recompute state ].
         caller_rng = self.rng.swap_in() if self.rng is not None else None
         grad_was = torch.is_grad_enabled()
-        _set_grad_enabled(True)
+        set_grad_enabled(True)
         extra = (
             recompute_contexts(self)
             if self.autocast is not None or self.contexts is not None or self.policy is not None
@@ -232,33 +181,103 @@ class RerunFrame(Frame):
             else None
         )
         guard = guard_buffers(self.module)
-        _push_hooks(pack, _identity)
+        push_saved_hooks(collector.pack, _identity)
         try:
-            stopped = False
-            try:
-                self.fn(*args, **kwargs)
-            except StopRecompute:
-                stopped = True  # never with `parted`: the hook stops checking once it parted
-            except Exception:
-                if not parted:
-                    raise
-            if parted:
-                raise self.mismatch(*parted)
-            if not stopped and ((limit < 0 and self.check and count < self.saved) or count <= limit):
-                raise self.mismatch(count, None, "recompute saved fewer tensors than forward did")
+            self._call_again(collector, args, kwargs)
         finally:
-            _pop_hooks()
-            live.clear()
+            pop_saved_hooks()
+            collector.close()
             release(guard)
             if extra is not None:
                 extra.close()
-            _set_grad_enabled(grad_was)
+            set_grad_enabled(grad_was)
             if caller_rng is not None:
                 caller_rng.apply()
         self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
 
+    def _call_again(self, collector: _Collector, args: Any, kwargs: Any) -> None:
+        """Run the function under the collector's hook; raise a mismatch where recompute parted from forward."""
+        stopped = False
+        try:
+            self.fn(*args, **kwargs)
+        except StopRecompute:
+            stopped = True  # never once the collector parted: it stops checking then
+        except Exception:
+            if not collector.parted:
+                raise
+        if collector.parted:
+            raise self.mismatch(*collector.parted)
+        count, limit = collector.count, collector.limit
+        if not stopped and ((limit < 0 and self.check and count < self.saved) or count <= limit):
+            raise self.mismatch(count, None, "recompute saved fewer tensors than forward did")
 
-_RECOMPUTE = RerunFrame.recompute.__code__  # the frame the function is called from: see `returns_at_once`
+
+class _Collector:
+    """Recompute's pack hook: checks each saved tensor against forward's, stores those backward wants, and stops
+    the function right after the last of them (NOTE [ Early stop ]); see NOTE [ Recompute saves nothing ] for what
+    it gives autograd."""
+
+    __slots__ = ("count", "defer", "given", "inner", "limit", "live", "parted", "stop", "wanted")
+
+    def __init__(
+        self, frame: RerunFrame, wanted: set[int], store: dict[int, torch.Tensor], args: Any, kwargs: Any
+    ) -> None:
+        self.wanted = wanted
+        # See NOTE [ Early stop ]: tolerate what comes after `limit`; raise out at `stop`.
+        self.limit = self.stop = -1
+        if frame.early_stop or frame.open:
+            self.limit = max(wanted)
+            if frame.early_stop:
+                self.stop = self.limit
+        self.count = 0
+        # Under debug traces a mismatch is raised once the function has run to its end, so that the trace shows
+        # every op recompute ran, also those after the point where it parted from forward.
+        self.parted: list[Any] = []
+        self.defer = frame.trace is not None
+        # The function runs backward over what recompute saves: NOTE [ Recompute saves nothing ] and NOTE
+        # [ Backward inside a site ] in hooks.py (what forward keeps or hands over is kept as itself).
+        self.inner = frame.inner
+        self.given = set(map(id, tensors_in(kwargs, tensors_in(args, [])))) if frame.inner else set()
+        # The recompute graph keeps `pack` alive through its saved tensors (autograd holds both hooks), and the
+        # store holds tensors of that graph: the hook reaches the frame and the store only through `live`, emptied
+        # when recompute ends (`close`), or they would form a cycle through C++ that gc can't see.
+        self.live: list[Any] = [frame, store]
+
+    def close(self) -> None:
+        self.live.clear()
+
+    def _to_keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What autograd keeps of a tensor the function saves while it runs backward itself."""
+        given = self.given
+        if id(tensor) in given or (tensor.requires_grad and tensor.is_leaf):
+            return tensor
+        base = tensor._base
+        if base is not None and (id(base) in given or (base.requires_grad and base.is_leaf)):
+            return tensor
+        return tensor.detach()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        frame, found = self.live
+        index = self.count
+        self.count = index + 1
+        kept = self._to_keep(tensor) if self.inner else None
+        if index > self.limit >= 0 or self.parted:
+            return kept
+        if self.defer:
+            what = frame.differs(index, tensor)
+            if what is not None:
+                self.parted.extend((index, tensor.detach(), what))  # detached: no cycle through the hook
+                return kept
+        else:
+            frame.expect(index, tensor)
+        if index in self.wanted:
+            found[index] = tensor if kept is None else kept
+        if index == self.stop and not returns_at_once(_frame(1), _RECOMPUTE):  # NOTE [ Stopping without raising ]
+            raise StopRecompute
+        return kept
+
+
+_RECOMPUTE = RerunFrame._call_again.__code__  # the frame the function is called from: see `returns_at_once`
 no_offload_inside(RerunFrame)  # an offload block inside the function would take what recompute rebuilds
 
 
@@ -330,13 +349,13 @@ def begin(
                 frame.saver = frame.exit.enter_context(SaveOps(policy, pack, rng=preserve_rng))
             if policy.names:
                 frame.exit.enter_context(tag_sink(frame.keep_tagged))
-    _push_hooks(frame.pack, frame.unpack)
+    push_saved_hooks(frame.pack, frame.unpack)
     return frame
 
 
 def end(frame: RerunFrame, *, ok: bool = True) -> None:
     """Close the region `begin` opened; `ok=False` after an exception (nothing differs for rerun)."""
-    _pop_hooks()
+    pop_saved_hooks()
     frame.open = False
     if frame.live is not None:  # handed over to the enclosing hooks: hold none of them any more
         frame.close()

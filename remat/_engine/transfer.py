@@ -95,7 +95,6 @@ _WALK = 16  # at most this many links followed when looking for it (past copies 
 _PENDING_BYTES = 64 << 20  # bytes of device memory held per device while its copies to host run
 _WHOLE = 4  # a storage up to this many times a saved view's elements is copied whole (NOTE [ What crosses ])
 
-_graph_task_id = graph_task_id
 
 _INPLACE = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
@@ -391,7 +390,7 @@ class _Copy:
 
     def take(self) -> torch.Tensor:
         """The device memory with the copied values: brought back now, prefetched, or still held."""
-        gid = _graph_task_id()
+        gid = graph_task_id()
         ready = self.ready
         if ready is not None:
             with _prefetch_lock:

@@ -277,7 +277,7 @@ def test_backward_waits_only_for_its_first_copy_the_others_come_ahead(
 
     def spy(copy: _transfer._Copy) -> torch.Tensor:
         ready = copy.ready
-        waited.append(ready is None or ready[0] != _transfer._graph_task_id())
+        waited.append(ready is None or ready[0] != _transfer.graph_task_id())
         return take(copy)
 
     torch.manual_seed(0)
