@@ -8,9 +8,10 @@ when no input requires grad, `torch.autograd.grad`, detached tensors). BatchNorm
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -26,6 +27,8 @@ from .._engine.compiled import compiling, torch_checkpoint
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
 _CHECKS = {"default": True, "none": False}
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 # NOTE [ Selective contexts ]
 # 1. torch's selective-checkpoint contexts given as `context_fn` (the pair `create_selective_checkpoint_contexts`
@@ -48,19 +51,61 @@ def _is_noop(context_fn: Any) -> bool:
     return context_fn is None or getattr(context_fn, "__name__", "") == "noop_context_fn"
 
 
+_Contexts = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+
+_HOOKS_TRUE = (
+    "remat: `respect_saved_tensors_hooks=True` routes what a selective policy keeps through the saved-tensor hooks "
+    "around the call (torch 2.14); remat keeps it itself and cannot honour that. Pass False or None (the same "
+    "here), and keep what the policy keeps in host memory with `remat.policies.offload(...)` on a remat site, or "
+    "put the whole call inside `remat.offload()`."
+)
+
+
+@overload
 def checkpoint(
-    function: Callable[..., Any],
+    function: Callable[..., _T],
     *args: Any,
     use_reentrant: bool | None = None,
-    context_fn: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
-    | None = None,
+    context_fn: _Contexts | None = None,
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
     preserve_rng_state: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
+    **kwargs: Any,
+) -> _T: ...
+
+
+@overload
+def checkpoint(
+    function: None = None,
+    *,
+    use_reentrant: bool | None = None,
+    context_fn: _Contexts | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
+) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]: ...
+
+
+def checkpoint(
+    function: Callable[..., Any] | None = None,
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: _Contexts | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Call `function(*args, **kwargs)` with its activations rematerialized, like torch's `checkpoint`.
+
+    Without `function` (torch 2.14's decorator form), returns a decorator that checkpoints every call of the
+    function it is given with these keywords: `remat.checkpoint(use_reentrant=False)(fn)`.
 
     Args:
         function: what to run; keyword arguments are passed through to it.
@@ -74,6 +119,9 @@ def checkpoint(
         debug: on a mismatch, show the op traces of forward and recompute side by side.
         early_stop: stop recompute as soon as every needed tensor is back.
         preserve_rng_state: recompute sees forward's RNG state on every device it touched.
+        respect_saved_tensors_hooks: torch 2.14's switch for routing what a selective policy keeps through the
+            saved-tensor hooks around the call. `None` and `False` are what remat does (it keeps those tensors
+            itself, and nothing warns); `True` cannot be honoured and raises.
 
     torch's global switches apply as they do to torch's checkpoint: inside
     `torch.utils.checkpoint.set_checkpoint_early_stop(flag)` the flag overrides `early_stop`, inside
@@ -81,23 +129,28 @@ def checkpoint(
     every backward of the group.
 
     Raises:
-        TypeError, ValueError: for a keyword of the wrong kind or value.
+        TypeError, ValueError: for a keyword of the wrong kind or value, or `respect_saved_tensors_hooks=True`.
 
     >>> import torch, remat
     >>> x = torch.randn(3, requires_grad=True)
     >>> remat.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
     """
-    if use_reentrant is not None and not isinstance(use_reentrant, bool):
-        raise TypeError(f"remat: `use_reentrant` must be a bool or None, but got {use_reentrant!r}.")
-    if determinism_check not in _CHECKS:
-        raise ValueError(
-            f"remat: `determinism_check` must be one of {tuple(_CHECKS)}, "
-            f"but got {determinism_check!r}."
-        )
-    for flag, value in (("debug", debug), ("early_stop", early_stop),
-                        ("preserve_rng_state", preserve_rng_state)):
-        if not isinstance(value, bool):
-            raise TypeError(f"remat: `{flag}` must be a bool, but got {value!r}.")
+    if function is None and not args:
+        if kwargs:
+            raise ValueError(
+                "remat: checkpoint's decorator form takes checkpoint's own keywords only, but got "
+                + ", ".join(f"`{name}`" for name in kwargs) + "."
+            )
+        options: dict[str, Any] = {
+            "use_reentrant": use_reentrant, "context_fn": context_fn, "determinism_check": determinism_check,
+            "debug": debug, "early_stop": early_stop, "preserve_rng_state": preserve_rng_state,
+            "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
+        }
+        _check_keywords(**options)  # now, not at the first call
+        return functools.partial(_decorate, keywords=options)
+    _check_keywords(use_reentrant=use_reentrant, context_fn=context_fn, determinism_check=determinism_check,
+                    debug=debug, early_stop=early_stop, preserve_rng_state=preserve_rng_state,
+                    respect_saved_tensors_hooks=respect_saved_tensors_hooks)
     if not callable(function):
         raise TypeError(f"remat: checkpoint expects a callable, but got `{type(function).__name__}`.")
     if not _switch._state[0] or not torch.is_grad_enabled():
@@ -135,6 +188,41 @@ def checkpoint(
         contexts=contexts,
         policy=policy,
     )
+
+
+def _check_keywords(
+    *, use_reentrant: Any, context_fn: Any, determinism_check: Any, debug: Any, early_stop: Any,
+    preserve_rng_state: Any, respect_saved_tensors_hooks: Any,
+) -> None:
+    """Raise for a keyword of `checkpoint` of the wrong kind or value."""
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError(f"remat: `use_reentrant` must be a bool or None, but got {use_reentrant!r}.")
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(f"remat: `context_fn` must be a callable, but got `{type(context_fn).__name__}`.")
+    if determinism_check not in _CHECKS:
+        raise ValueError(
+            f"remat: `determinism_check` must be one of {tuple(_CHECKS)}, "
+            f"but got {determinism_check!r}."
+        )
+    for flag, value in (("debug", debug), ("early_stop", early_stop),
+                        ("preserve_rng_state", preserve_rng_state)):
+        if not isinstance(value, bool):
+            raise TypeError(f"remat: `{flag}` must be a bool, but got {value!r}.")
+    if respect_saved_tensors_hooks is not None and not isinstance(respect_saved_tensors_hooks, bool):
+        raise TypeError(
+            f"remat: `respect_saved_tensors_hooks` must be a bool or None, but got {respect_saved_tensors_hooks!r}."
+        )
+    if respect_saved_tensors_hooks:
+        raise ValueError(_HOOKS_TRUE)
+
+
+def _decorate(function: Callable[_P, _T], *, keywords: dict[str, Any]) -> Callable[_P, _T]:
+    @functools.wraps(function)
+    def checkpointed(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        call: Callable[..., _T] = checkpoint
+        return call(function, *args, **keywords, **kwargs)
+
+    return checkpointed
 
 
 def checkpoint_sequential(

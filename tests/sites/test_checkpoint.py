@@ -323,3 +323,51 @@ def test_graph_exec_group_shares_one_recompute() -> None:
         assert _stats.recomputes - before == recomputes, group
         for got, want in zip(grads, expected, strict=True):
             torch.testing.assert_close(got, want)
+
+
+def test_decorator_form_of_torch_2_14() -> None:
+    """`checkpoint(use_reentrant=False)(fn)`, torch 2.14's decorator form: every call is checkpointed."""
+
+    def fn(x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        return (x.exp() * scale).sin()
+
+    decorated = remat.checkpoint(use_reentrant=False, preserve_rng_state=False)(fn)
+    assert decorated.__name__ == "fn"
+    assert_same_grads(lambda: fn, (randn(4, requires_grad=True),),
+                      lambda target: remat.checkpoint(use_reentrant=False)(target), kwargs={"scale": 2.0})
+    with pytest.raises(ValueError, match="`scale`"):
+        remat.checkpoint(use_reentrant=False, scale=2.0)
+    with pytest.raises(ValueError, match="determinism_check"):
+        remat.checkpoint(determinism_check="values")  # checked when decorating, not at the first call
+
+
+@pytest.mark.parametrize("respect", [None, False])
+def test_respect_saved_tensors_hooks_none_and_false_are_remat_s_behaviour(respect: bool | None) -> None:
+    """torch 2.14's keyword: what a selective policy keeps stays with remat, and nothing warns (the suite's
+    filterwarnings turns a warning into an error), around saved-tensor hooks of the user's too."""
+
+    def save_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).sin() @ w
+
+    inputs = (randn(4, 4, requires_grad=True), randn(4, 4, requires_grad=True, seed=1))
+    selective = partial(create_selective_checkpoint_contexts, save_mm)
+
+    def variant(target: Any) -> Any:
+        def call(*args: Any) -> Any:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                return remat.checkpoint(target, *args, context_fn=selective, use_reentrant=False,
+                                        respect_saved_tensors_hooks=respect)
+
+        return call
+
+    assert_same_grads(lambda: fn, inputs, variant)
+
+
+def test_respect_saved_tensors_hooks_true_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="respect_saved_tensors_hooks=True"):
+        remat.checkpoint(torch.sin, randn(2, requires_grad=True), respect_saved_tensors_hooks=True)
+    with pytest.raises(TypeError, match="respect_saved_tensors_hooks"):
+        remat.checkpoint(torch.sin, randn(2, requires_grad=True), respect_saved_tensors_hooks="yes")
