@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -87,6 +88,14 @@ def randn(*shape: int, requires_grad: bool = False, seed: int = 0) -> torch.Tens
     """A float64 tensor from its own generator (the global RNG stays untouched)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator, dtype=torch.float64).requires_grad_(requires_grad)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's store or torchrun: a fixed port fails with
+    EADDRINUSE while another test run on the machine holds it (two clones, or the suite on two torch versions)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def hooks_installed() -> bool:

@@ -310,7 +310,8 @@ class Chain(nn.Sequential):
             return run_lowered(list(self), self._lowered, x)
         plan = self.plan_for(x)
         run = _Run(self, plan, x, params)
-        out: torch.Tensor = _ChainFunction.apply(run, x, *params)  # type: ignore[no-untyped-call]
+        # `apply` is an untyped def up to torch 2.13, an attribute of type Any from 2.14: one ignore for both
+        out: torch.Tensor = _ChainFunction.apply(run, x, *params)  # type: ignore[no-untyped-call, unused-ignore]
         return out
 
 

@@ -66,7 +66,8 @@ def backward_stage(held: list[torch.Tensor], wrt: Sequence[torch.Tensor]) -> tup
     out, grad = held
     held.clear()
     with torch.enable_grad():
-        seed: torch.Tensor = _Seed.apply(out, [grad])  # type: ignore[no-untyped-call]
+        # `apply` is an untyped def up to torch 2.13, an attribute of type Any from 2.14: one ignore for both
+        seed: torch.Tensor = _Seed.apply(out, [grad])  # type: ignore[no-untyped-call, unused-ignore]
     del out, grad
     return torch.autograd.grad(seed, wrt, allow_unused=True)
 

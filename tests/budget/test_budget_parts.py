@@ -86,7 +86,11 @@ def test_parts_keep_what_their_derivation_says(name: str) -> None:
             assert m is not None
             where = f"{name} block {i} {LABELS[c]}"
             assert d.held_bytes == m.held_bytes, where
-            assert m.backward_peak * 0.95 <= d.backward_peak <= m.backward_peak * 1.1, where
+            # Which calls a part keeps is chosen by their measured time per byte, so it changes from run to run
+            # (and more often on some torch builds). Kept's backward bounds every choice's; on the convnet's last
+            # block a part that keeps only the 1x1 shortcut's output backs off as full remat does, 1.113 x
+            # (tests/budget/test_budget_derive.py gives the reason): the bound is that test's.
+            assert m.backward_peak * 0.95 <= d.backward_peak <= m.backward_peak * 1.15, where
             assert row[2] is not None and row[1] is not None
             assert row[2].held_bytes < d.held_bytes < row[1].held_bytes, where  # between full and save_matmuls
     # Against remat.track() on one block alone under its part: the held bytes derived.

@@ -13,7 +13,6 @@ with the rank's traceback and fails that case's test only; a rank that dies or h
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 import warnings
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import free_port
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -280,19 +280,13 @@ def _rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every rank's results: case name -> gradients after each step, or the rank's traceback."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     out = tmp_path_factory.mktemp("distributed")
-    context = mp.spawn(_rank, args=(_free_port(), str(out)), nprocs=WORLD, join=False)
+    context = mp.spawn(_rank, args=(free_port(), str(out)), nprocs=WORLD, join=False)
     deadline = time.monotonic() + DEADLINE_S
     try:
         while not context.join(timeout=1.0):  # raises ProcessRaisedException with the rank's traceback

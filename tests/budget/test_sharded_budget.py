@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import free_port
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -21,7 +22,7 @@ CFG = GPTConfig(blocks=4, d=64, heads=2, seq=64, batch=4, vocab=256, dropout=0.0
 
 @pytest.fixture
 def gloo() -> Iterator[None]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29655")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield

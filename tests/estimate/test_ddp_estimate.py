@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 from torch import nn
 
 import remat
@@ -39,8 +40,8 @@ def _lines(stdout: str) -> dict[tuple[str, str, str], tuple[float, float]]:
 
 def test_example_estimates_within_5_percent_of_two_real_ranks() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29652",
-               str(ROOT / "examples" / "ddp.py"), "--views"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(ROOT / "examples" / "ddp.py"), "--views"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     found = _lines(done.stdout)
@@ -93,7 +94,7 @@ def test_wrapped_model_with_fsdp2_shard_is_refused() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29653")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4)), gradient_as_bucket_view=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import free_port
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -108,7 +109,7 @@ def test_a_budget_on_a_meta_built_model_matches_fsdp_mem_tracker(world: int) -> 
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_sharded_model_is_estimated_and_left_as_it_was(order: str) -> None:
     """A model the user `fully_shard`-ed (and ran a real step of) is estimated per rank; nothing of it changes."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29641")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -166,7 +167,7 @@ def test_a_model_sharded_in_the_users_own_fake_process_group_is_estimated_as_in_
 
 
 def test_estimate_refuses_a_live_process_group() -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29642")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         with pytest.raises(remat.RematError, match=r"before `init_process_group`.*init_process_group\('fake'"):
@@ -179,8 +180,8 @@ def test_estimate_refuses_a_live_process_group() -> None:
 def test_example_runs_on_two_processes() -> None:
     """examples/fsdp2.py under torchrun: tracked peaks at most 5% over the estimate, one plan for all, within budget."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29643",
-               str(ROOT / "examples" / "fsdp2.py"), "--steps", "2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(ROOT / "examples" / "fsdp2.py"), "--steps", "2"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]

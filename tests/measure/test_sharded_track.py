@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
+from conftest import free_port
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import remat
 from remat._measure.fake import FakeTracker, fake_mode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_resize_to_zero_frees_and_resize_up_allocates() -> None:
@@ -57,7 +51,7 @@ def test_fsdp2_frees_are_seen_in_a_real_step() -> None:
 
     Without resizes counted, the unsharded parameters FSDP2 freed with `resize_(0)` stayed counted.
     """
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
