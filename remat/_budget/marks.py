@@ -24,7 +24,8 @@ from torch import nn
 from .._core.policies import matmuls
 from .._core.torch_compat import tree_leaves
 from .._measure.clock import now, priced
-from .._measure.track import Tracker, _storage, synchronize
+from .._measure.fake import FakeTracker
+from .._measure.track import _storage, synchronize
 from .alone import describe
 
 __all__ = ["Detail", "Recorder", "Step", "Windows", "marked_step", "mode_cost", "per_op_overhead"]
@@ -303,8 +304,9 @@ class Detail:
         self.refs: dict[int, tuple[int, object]] = {}
 
 
-class Windows(Tracker):
-    """A tracker that keeps the peak since the last `mark` and its own time (NOTE [ Timing under the tracker ]).
+class Windows(FakeTracker):
+    """A tracker that keeps the peak since the last `mark` and its own time (NOTE [ Timing under the tracker ]);
+    a fake twin's tensors count on the device they claim (NOTE [ Counting fake tensors ] in fake.py).
 
     While `detail` is set, it also records what the window allocates and releases, op by op (`Detail`).
     """
