@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.errors import RematError
+from .._core.errors import BudgetError, RematError
 from .._measure.fake import (
     FakeTracker,
     data_dependent,
@@ -213,9 +213,24 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 args = fake_sample(given, device)
                 inputs = tensors_of(args)
                 base = kept + storage_bytes(inputs, device)
-                with configured.apply(args):
-                    grads, held, output, peak, tracker = _step(
-                        model, args, loss, made, params, device, step_bytes
+                try:
+                    with configured.apply(args):
+                        grads, held, output, peak, tracker = _step(
+                            model, args, loss, made, params, device, step_bytes
+                        )
+                except BudgetError as error:  # a budget below what remat meets: a row that says so
+                    return ConfigEstimate(
+                        config=configured.config,
+                        label=configured.label,
+                        params_bytes=storage_bytes(params),
+                        buffers_bytes=storage_bytes(buffers),
+                        input_bytes=storage_bytes(inputs),
+                        grads_bytes=storage_bytes([p for p in params if p.requires_grad]),
+                        optimizer_bytes=storage_bytes(state),
+                        activation_bytes=0,
+                        peak_bytes=0,
+                        refused=str(error),
+                        least_bytes=error.least_bytes,
                     )
                 phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
                 return ConfigEstimate(
@@ -239,7 +254,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 if refine is not None:
                     row = refine(configured, row, functools.partial(one, configured))
                 rows.append(row)
-    except RematError:
+    except RematError:  # a BudgetError raised here is not a configuration's (`apply(memory=)`'s own)
         raise
     except Exception as error:
         translated = data_dependent(error, site)

@@ -40,6 +40,11 @@ class ConfigEstimate:
             state; repeated blocks folded into one line (``layers.*.mlp (32x)``).
         largest_batch, largest_seq: With ``memory=``: the largest batch size (and sequence length, with
             ``seq_dim=``) whose step fits in it; 0 when none does; None without ``memory=``.
+        refused: Why the configuration cannot be met on this sample (a budget below the least one remat can
+            meet: the `BudgetError`'s message), else None. A refused row has the state's exact bytes (params,
+            buffers, input, grads, optimizer) and no step: its activation and peak bytes are 0, and
+            ``least_bytes`` is the smallest budget that is met.
+        least_bytes: With ``refused``: the smallest budget remat can meet (the `BudgetError`'s ``least_bytes``).
     """
 
     config: Any
@@ -57,6 +62,8 @@ class ConfigEstimate:
     holders: tuple[tuple[str, int], ...] = ()
     largest_batch: int | None = None
     largest_seq: int | None = None
+    refused: str | None = None
+    least_bytes: int | None = None
 
     @property
     def step_peak_bytes(self) -> int:
@@ -80,6 +87,8 @@ class ConfigEstimate:
             "holders": [list(holder) for holder in self.holders],
             "largest_batch": self.largest_batch,
             "largest_seq": self.largest_seq,
+            "refused": self.refused,
+            "least_bytes": self.least_bytes,
         }
 
 
@@ -152,14 +161,24 @@ class EstimateReport:
         if self.device.startswith("cuda"):
             lines.append("peak = torch.cuda.max_memory_allocated (every tensor rounded up to a 512-byte block)")
         header = ("config", *(title for _, title in _COLUMNS), "peaks in")
-        rows = [header, *((r.label, *(format_bytes(getattr(r, attr)) for attr, _ in _COLUMNS), r.peak_phase)
-                          for r in self.rows)]
+        rows = [header, *((r.label, *(_cell(r, attr) for attr, _ in _COLUMNS), r.peak_phase or
+                           ("refused" if r.refused else "")) for r in self.rows)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         for row in rows:
             cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)),
                      row[-1]]
             lines.append("  ".join(cells).rstrip())
         return "\n".join([*lines, *peak_lines(self.rows, self.memory)])
+
+
+def _cell(row: ConfigEstimate, attr: str) -> str:
+    """A table cell: the bytes, or "-" for what a refused configuration has no step for."""
+    if row.refused is not None and attr in _STEP:
+        return "-"
+    return format_bytes(getattr(row, attr))
+
+
+_STEP = frozenset({"activation_bytes", "step_peak_bytes", "peak_bytes"})
 
 
 def _same(a: Any, b: Any) -> bool:

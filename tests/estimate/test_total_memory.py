@@ -177,6 +177,20 @@ def test_search_arguments() -> None:
         remat.estimate(_model(), x, loss=_loss, configs=("none",), memory="1MiB", batch_dim=3)
 
 
+def test_a_budget_that_cannot_be_met_is_a_refused_row() -> None:
+    """The default configurations include a budget (0.3 of no remat's peak); where no plan meets it, the estimate
+    still answers, with that row refused (and its largest batch searched below the sample's)."""
+    report = remat.estimate(_model(depth=2), torch.randn(4, WIDTH), loss=_loss, optimizer="adamw",
+                            memory="64KiB", batch_dim=0)
+    row = report[0.3]
+    assert row.refused is not None and "smallest feasible budget" in row.refused
+    assert row.least_bytes is not None and row.least_bytes > 0 and row.peak_bytes == 0
+    assert row.params_bytes == report["none"].params_bytes and row.optimizer_bytes == report["none"].optimizer_bytes
+    assert row.largest_batch is not None and report["none"].refused is None
+    text = str(report)
+    assert "budget 0.3: refused on this sample" in text and report.to_dict()["configs"][3]["refused"] == row.refused
+
+
 # -- where the step peaks ------------------------------------------------------------------------
 
 
