@@ -19,6 +19,18 @@ for, and nothing is allocated at the model's size. Each configuration runs the s
 sites; the engine recomputes in backward on fake tensors too, so what a configuration frees and rebuilds is
 counted, not modelled.
 
+NOTE [ The optimizer the device runs ]
+torch's optimizers left to choose (``foreach=None`` and ``fused=None``, their default) pick their implementation
+when they step, from the parameters (``_default_to_fused_or_foreach`` in torch/optim/optimizer.py): ``foreach``
+when every parameter's type is exactly a tensor, a ``Parameter`` or a ``DTensor`` on a device with foreach kernels
+(CUDA, XPU, MTIA, the PrivateUse1 backend), else the for-loop. The two hold different temporaries at their peak
+(AdamW's foreach step: one parameter-sized ``_foreach_sqrt`` of the second moments more than the for-loop's few
+per-parameter ones). A fake parameter is a ``FakeTensor``, which fails that type check, so a fake step left to
+choose would take the for-loop where the real step on a GPU takes foreach. So the choice is made here, by
+torch's rule on the real parameters (their Python types; the device predicted for), and written into each param
+group as torch reads it (``group["foreach"]``, with torch's own exception: a tensor ``lr`` without
+``capturable``); an explicit ``foreach=`` or ``fused=`` is honoured as given.
+
 NOTE [ One optimizer step ]
 The optimizer step does the same ops on the same parameters, gradients and state under every configuration: only
 what else is alive when it starts differs. So it runs (and is counted, by a tracker of its own) once, under the
@@ -30,8 +42,7 @@ running the step again, at a fraction of the time (a 7B model's AdamW step is th
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +51,7 @@ import torch
 from torch import nn
 
 from .._core.errors import BudgetError, RematError
+from .._core.torch_compat import foreach_by_default
 from .._measure.fake import (
     FakeTracker,
     data_dependent,
@@ -81,23 +93,21 @@ class Configured:
     apply: Callable[[Any], AbstractContextManager[Any]]
 
 
-def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor],
-                   device: torch.device) -> torch.optim.Optimizer | None:
-    """The optimizer over the trainable ``params``: a name of `OPTIMIZERS`, a class or factory, or None.
+def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor], device: torch.device,
+                   kinds: Collection[type] = ()) -> torch.optim.Optimizer | None:
+    """The optimizer over the trainable ``params``: a name of `OPTIMIZERS`, a class or factory, or None; it runs
+    the implementation the real one would run (NOTE [ The optimizer the device runs ]).
 
-    On CUDA, torch's optimizers default to their ``foreach`` implementation, which it cannot pick for fake
-    tensors; it is asked for explicitly so that its temporaries are counted.
+    ``kinds`` are the Python types of the real parameters the fake ``params`` stand for (plain `Parameter`s when
+    not given).
     """
     if optimizer is None:
         return None
     trainable = [p for p in params if p.requires_grad]
-    foreach: dict[str, Any] = {"foreach": True} if device.type == "cuda" else {}
     made: Any
     if isinstance(optimizer, str):
         kind, settings = OPTIMIZERS[optimizer.lower()]
-        made = kind(trainable, **settings, **foreach)
-    elif isinstance(optimizer, type) and foreach and "foreach" in inspect.signature(optimizer).parameters:
-        made = optimizer(trainable, **foreach)
+        made = kind(trainable, **settings)
     else:
         made = optimizer(trainable)
     if not isinstance(made, torch.optim.Optimizer):
@@ -105,6 +115,13 @@ def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor],
             f"remat: estimate's `optimizer` must make a torch.optim.Optimizer from the parameters, but it made "
             f"`{type(made).__name__}`."
         )
+    foreach = foreach_by_default(kinds or (nn.Parameter,), device.type)
+    for group in made.param_groups:
+        if "foreach" not in group or group["foreach"] is not None or group.get("fused") or group.get(
+                "differentiable"):
+            continue  # an optimizer without the choice, or one made explicit: as it is
+        lr = group.get("lr")
+        group["foreach"] = foreach and not (isinstance(lr, torch.Tensor) and not group.get("capturable"))
     return made
 
 
@@ -195,12 +212,14 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
     made: torch.optim.Optimizer | None = None
+    kinds = {type(p) for p in model.parameters()}  # the real ones: NOTE [ The optimizer the device runs ]
     try:
         with fake_mode(), fake_state(model, device) as params, torch.enable_grad(), real_masks(sample):
             if prepare is not None:
                 params = prepare()
+                kinds = {type(p) for p in params}  # sharded ones: DTensors, as on the real ranks
             buffers = list(model.buffers())
-            made = make_optimizer(optimizer, params, device)
+            made = make_optimizer(optimizer, params, device, kinds)
             _warm(made, params)
             state = _state_tensors(made)
             param_keys = {p.untyped_storage()._cdata for p in params}

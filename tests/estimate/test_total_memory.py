@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import recomputes
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -134,6 +135,72 @@ def test_memory_argument_errors() -> None:
         remat.apply(_model(), memory="1GiB")
     with pytest.raises(TypeError, match="memory"):
         remat.apply(_model(), memory=0.5, sample=x)
+
+
+# -- on a device whose optimizers take their foreach path --------------------------------------------------
+
+
+def _on(device: str, width: int = 256, batch: int = 512) -> tuple[Any, torch.Tensor]:
+    """The model and batch of a default loop on ``device`` (made inside the caller's tracker, as on a device)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(4)]
+    return nn.Sequential(*blocks).to(device), torch.randn(batch, width).to(device)
+
+
+def _adamw_loop(model: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()  # set_to_none=True: backward allocates the gradients again
+        _loss(model(x)).backward()
+        optimizer.step()
+
+
+def _loop_total(device: str) -> int:
+    """The peak of three steps of the default AdamW loop, everything allocated inside: what the device holds."""
+    with remat.track() as t:
+        model, x = _on(device)
+        _adamw_loop(model, x, torch.optim.AdamW(model.parameters()))
+    return t.peak(device)
+
+
+def test_the_estimate_of_a_default_adamw_loop_on_a_device_prices_its_foreach_step(test_device: str) -> None:
+    """torch's AdamW takes its foreach path on an accelerator (one parameter-sized temporary more at its peak);
+    the estimate's fake parameters would take the for-loop: it prices the path the real parameters take."""
+    model, x = _on(test_device, batch=16)  # the optimizer step is the peak
+    report = remat.estimate(model, x, loss=_loss, optimizer="adamw", configs=("none",))
+    with remat.track() as t:
+        model, x = _on(test_device, batch=16)
+        _adamw_loop(model, x, torch.optim.AdamW(model.parameters()))
+    row = report["none"]
+    assert row.peak_phase == "optimizer step"
+    assert abs(row.peak_bytes / t.peak(test_device) - 1) < 0.05, (row.peak_bytes, t.peak(test_device))
+    on_cpu = remat.estimate(_on("cpu", batch=16)[0], x.cpu(), loss=_loss, optimizer="adamw", configs=("none",))
+    assert row.peak_bytes - on_cpu["none"].peak_bytes >= row.params_bytes // 2  # the foreach temporary
+    explicit = remat.estimate(model, x, loss=_loss, configs=("none",),
+                              optimizer=lambda params: torch.optim.AdamW(params, foreach=False))
+    # an explicit choice is honoured (the bytes apart: AdamW's step counters stay on the host)
+    assert abs(explicit["none"].peak_bytes - on_cpu["none"].peak_bytes) < 1024
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.85, 0.9, 0.95])
+def test_memory_plan_and_three_adamw_steps_fit_a_device_of_that_memory(test_device: str, fraction: float) -> None:
+    """`apply(memory=M)` on a device, then the default AdamW loop, all under `track(limit=M)`: the loop runs, or
+    `apply` refuses and full remat's loop does not fit in M either (a true refusal)."""
+    memory = int(fraction * _loop_total(test_device))
+    before = recomputes()
+    try:
+        with remat.track(limit=memory) as tracked:
+            model, x = _on(test_device)
+            optimizer = torch.optim.AdamW(model.parameters())
+            remat.apply(model, memory=memory, sample=x, loss=_loss, optimizer=optimizer)
+            _adamw_loop(model, x, optimizer)
+    except remat.BudgetError as error:
+        assert error.least_bytes is not None and error.least_bytes > memory
+        with pytest.raises(torch.OutOfMemoryError), remat.track(limit=memory):
+            model, x = _on(test_device)
+            _adamw_loop(remat.apply(model), x, torch.optim.AdamW(model.parameters()))
+        return
+    assert tracked.peak(test_device) <= memory
+    assert recomputes() > before or fraction >= 0.95
 
 
 # -- the largest batch -----------------------------------------------------------------------------
