@@ -23,6 +23,7 @@ from torch import nn
 
 from .._core.policies import matmuls
 from .._core.torch_compat import tree_leaves
+from .._measure.autocast import cached_cast
 from .._measure.clock import now, priced
 from .._measure.fake import FakeTracker
 from .._measure.track import _storage, synchronize
@@ -284,6 +285,9 @@ class Detail:
         born: bytes of every storage the window allocated, by number.
         matmul: the numbers among `born` that a matmul-class op made (`remat.policies.save_matmuls`'s ops).
         calls: for each of `matmul`, which matmul-class call made it (counted from 0 in the window's order).
+        cached: the numbers among `born` that are autocast's cached casts of parameters: they live until the
+            step's autocast region ends, whatever the block's choice (NOTE [ A step's own autocast region ] in
+            remat/_measure/autocast.py).
         call_time: per matmul-class call, its seconds (from the end of the op before).
         events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released.
         ops: aten ops the window ran.
@@ -291,11 +295,12 @@ class Detail:
         refs: when the window closed, the tracker's weak reference to each storage of `live`, by number.
     """
 
-    __slots__ = ("born", "call_time", "calls", "events", "live", "matmul", "ops", "refs")
+    __slots__ = ("born", "cached", "call_time", "calls", "events", "live", "matmul", "ops", "refs")
 
     def __init__(self) -> None:
         self.born: dict[int, int] = {}
         self.matmul: set[int] = set()
+        self.cached: set[int] = set()
         self.calls: dict[int, int] = {}
         self.call_time: list[float] = []
         self.events: list[tuple[int, int]] = []
@@ -318,6 +323,7 @@ class Windows(FakeTracker):
     detail: Detail | None = None
     _last = 0.0  # when the last `_see` ended: an op's time is from there to the start of the next one's
     _in_matmul = False
+    _casting = False  # the op is autocast's cached cast of a parameter: `Detail.cached`
 
     def mark(self) -> int:
         """The window's peak; the next window starts at what is live now, gradients counted by `made` left out."""
@@ -349,6 +355,7 @@ class Windows(FakeTracker):
             super()._see(func, args, kwargs, out)
         else:
             detail.ops += 1
+            self._casting = cached_cast(func, args, kwargs)
             if matmuls(func):
                 detail.call_time.append(max(0.0, start - self._last - self.per_op))
                 self._in_matmul = True
@@ -373,6 +380,8 @@ class Windows(FakeTracker):
             if self._in_matmul:
                 detail.matmul.add(number)
                 detail.calls[number] = len(detail.call_time) - 1
+            if self._casting:
+                detail.cached.add(number)
 
     def _release(self, key: int, ref: object = None) -> None:
         start = now()

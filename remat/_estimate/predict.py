@@ -6,7 +6,11 @@ parameters and buffers, the optimizer's state and the batch are alive, and the g
 (``zero_grad(set_to_none=True)``, torch's default, ended the previous step). The step is a default loop's
 ``loss = loss_fn(model(batch)); loss.backward(); optimizer.step(); optimizer.zero_grad()``: forward, the loss,
 the model's output let go of once the loss is made (``model(batch).loss`` keeps no reference to it), backward,
-the optimizer step and ``zero_grad``; the loss is dropped before the optimizer step. What of the output backward
+the optimizer step and ``zero_grad``; the loss is dropped before the optimizer step. Under the caller's
+``torch.autocast``, the forward and the loss run in an autocast region of their own with the caller's settings,
+backward and the optimizer step outside it, as in torch's AMP recipe (NOTE [ A step's own autocast region ] in
+remat/_measure/autocast.py): so each configuration casts the weights afresh, and no prediction depends on which
+others run in the same call. What of the output backward
 needs stays alive through autograd, as in a real step; the rest (a language model's logits, typically) is freed
 before backward, and its bytes are the row's ``output_bytes``: a loop that holds on to the output (``out =
 model(batch)`` kept through backward, or until the next forward) needs up to that much more. The budget planner
@@ -52,6 +56,7 @@ from torch import nn
 
 from .._core.errors import BudgetError, RematError
 from .._core.torch_compat import foreach_by_default
+from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.fake import (
     FakeTracker,
     data_dependent,
@@ -155,19 +160,22 @@ def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor
 
 def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
           optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
-          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int, int, StepTracker]:
+          device: torch.device, step_bytes: list[int],
+          autocast: StepAutocast | None = None) -> tuple[int, int, int, int, StepTracker]:
     """Run one counted step; return (gradient bytes, activation bytes, the output's bytes freed when it is let go
     of, peak bytes the step adds on ``device``, the tracker with the forward and backward peaks and their holders:
     NOTE [ Who holds the peak ]).
 
     ``step_bytes`` holds what the optimizer step adds at its peak once it has been counted (see NOTE [ One
-    optimizer step ]); it is filled by the first call, with the bytes alive when the step starts.
+    optimizer step ]); it is filled by the first call, with the bytes alive when the step starts. The forward and
+    the loss run in an autocast region of their own under ``autocast`` (NOTE [ A step's own autocast region ]).
     """
     for p in params:
         p.grad = None
     with StepTracker(model, device) as tracker, tracker.modules():
-        out = _call(model, sample)
-        value = _scalar(out, loss)
+        with step_region(autocast):
+            out = _call(model, sample)
+            value = _scalar(out, loss)
         with_output = tracker.current(device)
         del out  # the loop keeps the loss only: NOTE [ What an estimate runs ]
         own = tracker._bytes_of([value]).get(device, 0)
@@ -213,8 +221,10 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     rows: list[ConfigEstimate] = []
     made: torch.optim.Optimizer | None = None
     kinds = {type(p) for p in model.parameters()}  # the real ones: NOTE [ The optimizer the device runs ]
+    autocast = StepAutocast.caller([device])  # each step in a region of its own: NOTE [ A step's own autocast region ]
     try:
-        with fake_mode(), fake_state(model, device) as params, torch.enable_grad(), real_masks(sample):
+        with planning(autocast, [device]), fake_mode(), fake_state(model, device) as params, torch.enable_grad(), \
+                real_masks(sample):
             if prepare is not None:
                 params = prepare()
                 kinds = {type(p) for p in params}  # sharded ones: DTensors, as on the real ranks
@@ -235,7 +245,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 try:
                     with configured.apply(args):
                         grads, held, output, peak, tracker = _step(
-                            model, args, loss, made, params, device, step_bytes
+                            model, args, loss, made, params, device, step_bytes, autocast
                         )
                 except BudgetError as error:  # a budget below what remat meets: a row that says so
                     return ConfigEstimate(
