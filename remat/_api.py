@@ -147,6 +147,7 @@ class Remat:
         memory: Budget | None = None,
         optimizer: Any = None,
         compile: bool = False,
+        headroom: float | int | str | None = None,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -173,11 +174,16 @@ class Remat:
             choices: with `budget`, more policies a block may get besides kept, save_matmuls and full remat.
             replan: with `budget`, profile and plan again when the model is called with a new input shape.
             memory: instead of `budget`, the device memory a whole training step must fit in (bytes, or a string
-                such as "80GiB"): what the parameters, buffers, `sample` and the optimizer's state take is
-                counted exactly (as `remat.estimate` does) and the rest is for the activations and gradients
-                (the plan's checked step starts without gradients, so both count).
+                such as "80GiB"), as the device counts it (what its allocator reserves): what the parameters,
+                buffers, `sample` and the optimizer's state take is counted exactly (as `remat.estimate` does) and
+                the rest, less `headroom`, is for the activations and gradients (the plan's checked step starts
+                without gradients, so both count).
             optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",
                 "adam" or "adamw" (None: no optimizer step).
+            headroom: with `memory`, what of it to leave to the device's allocator, which reserves more than its
+                tensors take (rounding, cached blocks, fragmentation): a fraction of `memory` or bytes. Default:
+                0.1 where the allocator caches (CUDA; the plan's real step is then also checked against what the
+                allocator reserved, and planned again for less where it went over), 0 on the CPU.
             compile: with `budget` or `memory`, plan for the model compiled as one graph (not block by block):
                 compiled costs, checked on compiled steps `apply` runs; a fraction is of compiled no-remat's peak.
 
@@ -203,6 +209,10 @@ class Remat:
             if memory is None and optimizer is None:
                 from ._budget.apply import apply_budget
 
+                if headroom is not None:
+                    raise ValueError("remat: `headroom` goes with `memory=` (what of the device to leave to its "
+                                     "allocator); a `budget` bounds the tensors' bytes alone.")
+
                 assert budget is not None
                 return apply_budget(
                     model, budget, sample, where, loss=loss, choices=choices, replan=replan,
@@ -216,12 +226,14 @@ class Remat:
             options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
                        "check": check, "compile": compile}
             return apply_memory(  # type: ignore[return-value]
-                model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
+                model, memory, sample, where, optimizer=optimizer, loss=loss, options=options, headroom=headroom,
             )
         if sample is not None or loss is not None or choices is not None or replan is not True or compile:
             raise ValueError(
                 "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
             )
+        if headroom is not None:
+            raise ValueError("remat: `headroom` goes with `memory=` (what of the device to leave to its allocator).")
         settings = Options(
             policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
             check=check, name=name, offload=offload,
