@@ -165,7 +165,7 @@ def where_it_peaks(tracker: StepTracker, base: int, model: nn.Module, params: Se
     return phase, phases, fold(held)
 
 
-def peak_lines(rows: Sequence[Any], memory: int | None) -> list[str]:
+def peak_lines(rows: Sequence[Any], memory: int | None, headroom: int = 0) -> list[str]:
     """The lines under an estimate's table: where each configuration peaks and who holds the bytes there, what
     remat frees when the optimizer step sets the peak, what holding on to the model's output adds, which
     configurations were refused, and the largest batches that fit in ``memory``."""
@@ -195,6 +195,7 @@ def peak_lines(rows: Sequence[Any], memory: int | None) -> list[str]:
         for row in rows:
             if row.largest_batch is not None:
                 seq = f", sequence length {row.largest_seq}" if row.largest_seq is not None else ""
-                fits = f"largest batch that fits in {format_bytes(memory)}"
+                room = f" ({format_bytes(headroom)} left to the allocator)" if headroom else ""
+                fits = f"largest batch that fits in {format_bytes(memory)}{room}"
                 lines.append(f"{row.label}: {fits}: {row.largest_batch}{seq}")
     return lines

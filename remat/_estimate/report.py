@@ -112,6 +112,8 @@ class EstimateReport:
         optimizer: The optimizer's class name, or ``None`` when the step has no optimizer step.
         rows: One `ConfigEstimate` per configuration, in the order given.
         memory: The memory the largest batch sizes were searched for, in bytes (None without ``memory=``).
+        headroom: Bytes of ``memory`` left to the device's allocator: each largest size's step peaks within
+            ``memory - headroom`` (NOTE [ The allocator's reserve ] in reserve.py).
 
     Example:
         >>> import torch, remat
@@ -129,6 +131,7 @@ class EstimateReport:
     optimizer: str | None
     rows: tuple[ConfigEstimate, ...]
     memory: int | None = None
+    headroom: int = 0
 
     def __getitem__(self, config: Any) -> ConfigEstimate:
         for row in self.rows:
@@ -153,6 +156,7 @@ class EstimateReport:
             "optimizer": self.optimizer,
             "configs": [row.to_dict() for row in self.rows],
             "memory": self.memory,
+            "headroom": self.headroom,
         }
 
     def __str__(self) -> str:
@@ -168,7 +172,7 @@ class EstimateReport:
             cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)),
                      row[-1]]
             lines.append("  ".join(cells).rstrip())
-        return "\n".join([*lines, *peak_lines(self.rows, self.memory)])
+        return "\n".join([*lines, *peak_lines(self.rows, self.memory, self.headroom)])
 
 
 def _cell(row: ConfigEstimate, attr: str) -> str:

@@ -274,6 +274,21 @@ def test_headroom_arguments() -> None:
     assert info.value.least_bytes is not None and info.value.least_bytes > full
 
 
+def test_the_largest_batch_leaves_the_allocator_its_headroom(test_device: str) -> None:
+    model, x = _on(test_device, batch=64)
+    memory = 80 << 20
+    kept = remat.estimate(model, x, loss=_loss, optimizer="adamw", configs=("none",), memory=memory, batch_dim=0)
+    bare = remat.estimate(model, x, loss=_loss, optimizer="adamw", configs=("none",), memory=memory, batch_dim=0,
+                          headroom=0)
+    assert kept.headroom == memory // 10 and bare.headroom == 0
+    assert "(8.00 MiB left to the allocator)" in str(kept)
+    batch = kept["none"].largest_batch
+    assert batch is not None and 0 < batch < bare["none"].largest_batch  # type: ignore[operator]
+    fits = remat.estimate(model, torch.randn(batch, x.shape[1]).to(test_device), loss=_loss, optimizer="adamw",
+                          configs=("none",))
+    assert fits["none"].peak_bytes <= memory - kept.headroom
+
+
 # -- the largest batch -----------------------------------------------------------------------------
 
 
