@@ -63,12 +63,15 @@ from .._measure.fake import (
     fake_mode,
     fake_sample,
     fake_state,
+    run_on,
+    stand_in,
     storage_bytes,
     tensors_of,
 )
 from .._measure.hf_fake import real_masks
 from .._measure.loss import call as _call
 from .._measure.loss import default_loss
+from .constants import first_step_bytes
 from .phases import BACKWARD, OPTIMIZER, StepTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
 
@@ -220,11 +223,15 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
     made: torch.optim.Optimizer | None = None
-    kinds = {type(p) for p in model.parameters()}  # the real ones: NOTE [ The optimizer the device runs ]
+    kinds: set[type] = {type(p) for p in model.parameters()}  # the real ones: NOTE [ The optimizer the device runs ]
     autocast = StepAutocast.caller([device])  # each step in a region of its own: NOTE [ A step's own autocast region ]
+    run = run_on(device)  # the CPU standing in for CUDA without a GPU: NOTE [ CUDA without a GPU ] in fake.py
+    if run != device and autocast is not None:
+        autocast = autocast.moved(device.type, run.type)
+    constants = first_step_bytes(device)
     try:
-        with planning(autocast, [device]), fake_mode(), fake_state(model, device) as params, torch.enable_grad(), \
-                real_masks(sample):
+        with stand_in(run, device), planning(autocast, [run]), fake_mode(), fake_state(model, run) as params, \
+                torch.enable_grad(), real_masks(sample):
             if prepare is not None:
                 params = prepare()
                 kinds = {type(p) for p in params}  # sharded ones: DTensors, as on the real ranks
@@ -239,9 +246,9 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             step_bytes: list[int] = []
 
             def one(configured: Configured, given: Any) -> ConfigEstimate:
-                args = fake_sample(given, device)
+                args = fake_sample(given, run)
                 inputs = tensors_of(args)
-                base = kept + storage_bytes(inputs, device)
+                base = kept + storage_bytes(inputs, device) + constants
                 try:
                     with configured.apply(args):
                         grads, held, output, peak, tracker = _step(
@@ -251,6 +258,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                     return ConfigEstimate(
                         config=configured.config,
                         label=configured.label,
+                        constant_bytes=constants,
                         params_bytes=storage_bytes(params),
                         buffers_bytes=storage_bytes(buffers),
                         input_bytes=storage_bytes(inputs),
@@ -265,6 +273,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 return ConfigEstimate(
                     config=configured.config,
                     label=configured.label,
+                    constant_bytes=constants,
                     params_bytes=storage_bytes(params),
                     buffers_bytes=storage_bytes(buffers),
                     input_bytes=storage_bytes(inputs),

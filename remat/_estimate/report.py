@@ -45,6 +45,9 @@ class ConfigEstimate:
             buffers, input, grads, optimizer) and no step: its activation and peak bytes are 0, and
             ``least_bytes`` is the smallest budget that is met.
         least_bytes: With ``refused``: the smallest budget remat can meet (the `BudgetError`'s ``least_bytes``).
+        constant_bytes: What the device allocates once at the first step and keeps, counted in ``peak_bytes``
+            and every phase's peak: on CUDA the cuBLAS workspaces of the forward's and autograd's threads (NOTE
+            [ A first step's constants ] in remat/_estimate/constants.py); 0 elsewhere.
     """
 
     config: Any
@@ -64,6 +67,7 @@ class ConfigEstimate:
     largest_seq: int | None = None
     refused: str | None = None
     least_bytes: int | None = None
+    constant_bytes: int = 0
 
     @property
     def step_peak_bytes(self) -> int:
@@ -89,6 +93,7 @@ class ConfigEstimate:
             "largest_seq": self.largest_seq,
             "refused": self.refused,
             "least_bytes": self.least_bytes,
+            "constant_bytes": self.constant_bytes,
         }
 
 
@@ -163,7 +168,9 @@ class EstimateReport:
         step = f"optimizer step {self.optimizer}" if self.optimizer else "no optimizer step"
         lines = [f"remat.estimate: {self.model}, one training step ({step}), predicted for {self.device}"]
         if self.device.startswith("cuda"):
-            lines.append("peak = torch.cuda.max_memory_allocated (every tensor rounded up to a 512-byte block)")
+            constants = format_bytes(self.rows[0].constant_bytes) if self.rows else "0 B"
+            lines.append("peak = torch.cuda.max_memory_allocated (every tensor rounded up to a 512-byte block; "
+                         f"{constants} of cuBLAS workspaces included)")
         header = ("config", *(title for _, title in _COLUMNS), "peaks in")
         rows = [header, *((r.label, *(_cell(r, attr) for attr, _ in _COLUMNS), r.peak_phase or
                            ("refused" if r.refused else "")) for r in self.rows)]

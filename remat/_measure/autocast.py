@@ -68,6 +68,14 @@ class StepAutocast:
         kinds = tuple((kind, torch.get_autocast_dtype(kind)) for kind in types if torch.is_autocast_enabled(kind))
         return StepAutocast(kinds, torch.is_autocast_cache_enabled()) if kinds else None
 
+    def moved(self, kind: str, to: str) -> StepAutocast:
+        """These settings with device type ``kind``'s moved to ``to`` (a device standing in for another), which
+        then takes them over its own."""
+        kinds = dict(self.kinds)
+        if kind in kinds:
+            kinds[to] = kinds.pop(kind)
+        return StepAutocast(tuple(sorted(kinds.items())), self.cache)
+
     def __str__(self) -> str:
         kinds = ", ".join(f"{kind} {str(dtype).removeprefix('torch.')}" for kind, dtype in self.kinds)
         return f"autocast ({kinds}{'' if self.cache else ', no cache'})"
