@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "gpu", "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
         "against checkpoint_sequential; tiny: per-call overhead, replay overhead and start-up; "
@@ -133,7 +133,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         "one), each row in its own process, against torch's checkpoint and compile's own budget (`python -m "
         "benchmarks.compile_sites --help`: --whole compiles the model as one graph); "
         "estimate: remat.estimate against real steps (`python -m remat estimate --help` estimates a model of "
-        "your own)",
+        "your own); gpu: the memory promises at real sizes under bf16 autocast, one table (GPT-2 124M and a "
+        "1.1B Llama with --device cuda; tiny sizes on the CPU)",
     )
     parser.add_argument(
         "--size",
@@ -181,6 +182,12 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         from .estimate import compare_main
 
         return compare_main(out, progress)
+    if args.model == "gpu":  # its own table: see benchmarks/gpu_check.py
+        from .gpu_check import main as gpu_main
+
+        status = gpu_main(device, out, progress)
+        progress.done()
+        return status
     meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress)
     progress.done()
     print(format_table(meta, rows), file=out)
