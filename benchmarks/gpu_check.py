@@ -184,11 +184,10 @@ def _torch_selective(model: nn.Module) -> nn.Module:
     """torch's selective checkpoint on each layer, matmuls and attention kept (the usual SAC policy)."""
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    aten = torch.ops.aten
-    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_cudnn_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default}
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    keep = {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
