@@ -199,7 +199,7 @@ def _torch_selective(model: nn.Module) -> nn.Module:
         def checkpointed(*args: Any, forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
             return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
-        layer.forward = checkpointed  # the instance's: NOTE [ Other libraries that look at a layer's class ]
+        layer.forward = checkpointed  # the instance's: transformers reads the class's own forward
     return model
 
 

@@ -4,14 +4,15 @@ NOTE [ A first step's constants ]
 On CUDA the first matmul a thread runs on a device allocates the workspaces of its cuBLAS handle through the
 caching allocator, and they stay allocated: `torch.cuda.max_memory_allocated` shows them in every step after. Two
 threads run a training step's matmuls: the forward's, and autograd's device thread in backward, each with its own
-handle. So the estimate's CUDA rows count, once, for each of the two threads: the cuBLAS workspace (torch's
-``CUBLAS_WORKSPACE_CONFIG`` if set, the sum of its ``:SIZE_KiB:COUNT`` entries; else 32 MiB on compute capability 9
-and up, Hopper and Blackwell, and 8 MiB + 128 KiB before) and the cuBLASLt workspace (``CUBLASLT_WORKSPACE_SIZE``
-KiB, else 1 MiB); aten/src/ATen/cuda/CublasHandlePool.cpp. Measured on an H200 (torch 2.11): a tiny stack's step read
-69.2 MB above its tensors, which is 2 x (32 + 1) MiB. Without a GPU the capability is unknown and taken as 9 (the
-larger workspace). What the estimate does not count: the CUDA context itself (not in `max_memory_allocated`), and
-workspaces of other libraries that allocate through the caching allocator on their first call (cuDNN's
-convolution workspaces are per call, and counted as tensors only where the op's fake kernel makes them).
+handle. So the estimate's CUDA rows count, once for each of `THREADS` threads, the cuBLAS workspace (torch's
+``CUBLAS_WORKSPACE_CONFIG`` if set, the sum of its ``:SIZE_KiB:COUNT`` entries; else torch's default for the
+device's compute capability, larger from Hopper on) and the cuBLASLt workspace (``CUBLASLT_WORKSPACE_SIZE`` KiB,
+else torch's default), as aten/src/ATen/cuda/CublasHandlePool.cpp sizes them. A step measured on an H200 read
+exactly two of each above its tensors (docs/benchmarks.md, "Figures behind the design notes"). Without a GPU the
+capability is unknown and taken as Hopper's (the larger workspace). What the estimate does not count: the CUDA
+context itself (not in `max_memory_allocated`), and workspaces that other libraries allocate through the caching
+allocator on a first call (cuDNN's convolution workspaces are per call, counted as tensors only where the op's
+fake kernel makes them).
 """
 
 from __future__ import annotations

@@ -36,12 +36,11 @@ from .estimate import estimate
 from .phases import OPTIMIZER
 from .predict import OptimizerLike
 from .report import ConfigEstimate
-from .reserve import TRIES, caches, headroom_bytes, reserved_peak
+from .reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, reserved_peak
 
 __all__ = ["apply_memory", "as_optimizer"]
 
 _log = logging.getLogger("remat")
-_SEGMENT, _STEP = 2 << 20, 0.01  # what a plan's allocated peak is cut by more, each time its real step went over
 
 
 def as_optimizer(optimizer: Any) -> OptimizerLike:
@@ -92,7 +91,7 @@ def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, o
             return model
         # below what that step allocated, by what it went over and a step more each time: NOTE [ The allocator's
         # reserve ], rule 2
-        step = max(_SEGMENT, math.ceil(_STEP * total)) << attempt
+        step = max(SEGMENT, math.ceil(STEP * total)) << attempt
         target = (min(target, reserved[1]) - (reserved[0] - total) if reserved is not None else target) - step
         _log.warning("remat: the plan for memory=%s %s in a real step; planning again for %s allocated.",
                      format_bytes(total), f"reserved {format_bytes(reserved[0])} on {device}" if reserved is not None

@@ -3,30 +3,29 @@ plan's real step against the allocator's own count.
 
 NOTE [ The allocator's reserve ]
 A device's size, its cap (``torch.cuda.set_per_process_memory_fraction``) and its out-of-memory error count what the
-caching allocator has reserved (segments from ``cudaMalloc``), not what tensors take: each block is rounded up to
-512 bytes and carved from 2 MiB or 20 MiB segments, freed blocks stay reserved for reuse, and fragmentation leaves
-holes. On an NVIDIA H200 (torch 2.11, bf16 autocast, AdamW; docs/benchmarks.md) that was 0.5 to 2.3 GiB above 21 to
-27 GiB allocated, 2 to 10%; a `memory=` plan that filled 28 GiB with allocated bytes ran out under a 28 GiB cap at its
-third step.
+caching allocator has reserved (segments from ``cudaMalloc``), not what tensors take: each block is rounded up
+(`CUDA_BLOCK` in remat/_measure/fake.py) and carved from larger segments, freed blocks stay reserved for reuse, and
+fragmentation leaves holes. Real runs reserve a few percent above their allocated peak, and a `memory=` plan that
+filled the device with allocated bytes ran out of memory under a cap of that size (docs/benchmarks.md, "Figures
+behind the design notes": the allocator's reserve).
 
 Rules:
 1. `remat.apply(model, memory=M)` plans the allocated peak (what `remat.estimate` and the tracker count) within M
    less a headroom (``headroom=``: a fraction of M, or bytes). The default is `DEFAULT` of M on a device whose
    allocator caches (CUDA, and any device whose module reports ``max_memory_reserved``): the most seen above the
-   allocated peak in the runs above, which a real check (rule 2) then corrects; 0 on the CPU, whose allocator
+   allocated peak in those runs, which a real check (rule 2) then corrects; nothing on the CPU, whose allocator
    reserves nothing beyond the tensors (and where ``remat.track(limit=)`` counts tensors). With
    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` the allocator maps memory into one growing segment and the
-   reserve shrinks to little more than the rounding (torchtune: 16.4 to 10.8 GiB reserved on one run): a smaller
-   ``headroom`` fits more.
+   reserve shrinks to little more than the rounding: a smaller ``headroom`` fits more.
 2. On such a device the plan is also run for real before `apply` returns, as the training loop will hold it: the
    optimizer's state made (stand-ins shaped like the parameters where the optimizer has not stepped yet), one
    forward and backward from no gradients, then the optimizer step's temporaries (stand-ins of the size the
    estimate counts), all read with the allocator's own ``max_memory_reserved`` (after ``empty_cache``: what
    planning left cached, the allocator gives back before it runs out). A step that reserves more than M, or runs
-   out of memory, plans again for an allocated peak below what that step allocated by what it went over, and by
-   1% of M (at least a 2 MiB segment) more, doubled at each try, so that the plan changes (at most `TRIES` times);
-   where no plan gets under M, that is a `BudgetError`. So an `apply` that returns has seen its loop's step fit the
-   device, up to the fragmentation later steps add (which the headroom is for).
+   out of memory, plans again for an allocated peak below what that step allocated by what it went over, and by a
+   step more (`STEP` of M, at least one small segment, doubled at each try) so that the plan changes (at most
+   `TRIES` times); where no plan gets under M, that is a `BudgetError`. So an `apply` that returns has seen its
+   loop's step fit the device, up to the fragmentation later steps add (which the headroom is for).
 """
 
 from __future__ import annotations
@@ -41,13 +40,20 @@ from torch import nn
 from .._core.units import parse_memory
 from .._measure.state import step_state
 
-__all__ = ["DEFAULT", "TRIES", "caches", "headroom_bytes", "reserved_peak"]
+__all__ = ["DEFAULT", "SEGMENT", "STEP", "TRIES", "caches", "headroom_bytes", "reserved_peak"]
 
 DEFAULT = 0.1
 """The headroom of a caching allocator, a fraction of the device's memory (NOTE [ The allocator's reserve ])."""
 
 TRIES = 3
 """How many times a plan whose real step reserved too much is made again."""
+
+STEP = 0.01
+"""A share of the device's memory: how much lower than the last, at least, a plan made again aims (doubled at each
+try; NOTE [ The allocator's reserve ], rule 2)."""
+
+SEGMENT = 2 << 20
+"""The CUDA caching allocator's small segment: the least step by which a plan made again aims lower."""
 
 
 def caches(device: torch.device) -> bool:
