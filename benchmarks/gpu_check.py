@@ -1,4 +1,4 @@
-"""`python -m benchmarks --model gpu --device cuda`: the memory promises at real sizes, in one table (spec §5.10).
+"""`python -m benchmarks --model gpu --device cuda`: the memory promises at real sizes, in one table.
 
 Run on one GPU: GPT-2 124M (batch 16, seq 1024) and a TinyLlama-shaped 1.1B (22 layers, d=2048, GQA 32/4, vocabulary
 32,000; batch 4, seq 2048), built from transformers configs with random weights, float32 weights under bf16 autocast.
@@ -12,7 +12,7 @@ NOTE [ What the GPU check measures ]
 2. Configurations, each on its own copy of the same weights: no remat; transformers' own checkpointing
    (`gradient_checkpointing_enable`, non-reentrant); torch's selective checkpoint of each layer, matmuls and
    attention kept (`create_selective_checkpoint_contexts`); remat full, `save_matmuls`, replay and per-layer
-   offload. Each row says its peak against no remat's and its step time; the targets of spec §5.10 are checked.
+   offload. Each row says its peak against no remat's and its step time; the step-time targets are checked on a GPU.
 3. The estimate: `remat.estimate` under the same autocast, for no remat, full and `save_matmuls`, against the
    measured step (the whole device's `max_memory_allocated`, parameters and the batch included; within 5%).
 4. Budgets 0.3, 0.5 and 0.7 of no remat's peak: `remat.apply(model, budget=f, sample=batch)` under autocast; what

@@ -101,7 +101,11 @@ class Allocator:
         self.live: dict[int, tuple[list[int], weakref.ref[torch.UntypedStorage]]] = {}
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
         self.limit: int | None = None
-        self._lock = threading.Lock()
+        # A storage may die (its finalizer frees its block) while this allocator is busy: collected in the middle
+        # of `hand_out`, on the same thread. That free waits in `_pending` until the allocator is done.
+        self._lock = threading.RLock()
+        self._busy = False
+        self._pending: list[int] = []
 
     def hand_out(self, storage: torch.UntypedStorage) -> None:
         """Count a new storage until it dies."""
@@ -111,11 +115,17 @@ class Allocator:
         size = -(-nbytes // _BLOCK) * _BLOCK
         key = storage._cdata
         with self._lock:
-            block = self._block(size)
-            self.live[key] = (block, weakref.ref(storage, lambda _, key=key: self._free(key)))
-            self.allocated += size
-            self.peak_allocated = max(self.peak_allocated, self.allocated)
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            self._busy = True
+            try:
+                block = self._block(size)
+                self.live[key] = (block, weakref.ref(storage, lambda _, key=key: self._free(key)))
+                self.allocated += size
+                self.peak_allocated = max(self.peak_allocated, self.allocated)
+                self.peak_reserved = max(self.peak_reserved, self.reserved)
+            finally:
+                self._busy = False
+            while self._pending:
+                self._free(self._pending.pop())
 
     def _block(self, size: int) -> list[int]:
         small = size <= _SMALL
@@ -141,6 +151,9 @@ class Allocator:
 
     def _free(self, key: int) -> None:
         with self._lock:
+            if self._busy:  # a finalizer run in the middle of `hand_out`
+                self._pending.append(key)
+                return
             found = self.live.pop(key, None)
             if found is None:
                 return
@@ -161,7 +174,13 @@ class Allocator:
     def empty_cache(self) -> None:
         """Give back the segments with no block in use."""
         with self._lock:
-            self._release()
+            self._busy = True
+            try:
+                self._release()
+            finally:
+                self._busy = False
+            while self._pending:
+                self._free(self._pending.pop())
 
     def _release(self) -> None:
         kept = [(pool, blocks) for pool, blocks in self.segments if any(b[1] for b in blocks)]
