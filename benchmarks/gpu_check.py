@@ -10,7 +10,7 @@ NOTE [ What the GPU check measures ]
    what was allocated when it began (on the CPU: `remat.track`), after one warm-up step; its time is the median of
    `STEPS` steps.
 2. Configurations, each on its own copy of the same weights: no remat; transformers' own checkpointing
-   (`gradient_checkpointing_enable`, non-reentrant); torch's selective checkpoint of each layer, matmuls and
+   (`activation_checkpointing_enable`, non-reentrant); torch's selective checkpoint of each layer, matmuls and
    attention kept (`create_selective_checkpoint_contexts`); remat full, `save_matmuls`, replay and per-layer
    offload. Each row says its peak against no remat's and its step time; the step-time targets are checked on a GPU.
 3. The estimate: `remat.estimate` under the same autocast, for no remat, full and `save_matmuls`, against the
