@@ -4,14 +4,16 @@ NOTE [ Total memory ]
 A device's memory holds, through a training step, the parameters, buffers, the batch and the optimizer's state
 (alive from one step to the next), the gradients (made in backward, dropped by ``zero_grad``), the step's
 activations, and the optimizer step's temporaries. `remat.estimate` counts the first ones exactly on fake
-tensors; what is left, ``memory`` minus them, is the budget handed to `remat.apply(budget=...)`'s planner. A
+tensors; what is left, ``memory`` minus them and minus the allocator's headroom (NOTE [ The allocator's reserve ]
+in reserve.py, which also has the check of the plan's real step against what the allocator reserved), is the
+budget handed to `remat.apply(budget=...)`'s planner. A
 plain budget leaves gradients out (its checked step runs with them already there); this one counts them, since
 they take the same memory: the plan's checked step (NOTE [ Checking the plan ] in remat/_budget/check.py) starts
 without gradients, as after ``zero_grad()``, so its measured peak is the activations, temporaries and the
 gradients made so far, at backward's highest point, and a plan over it is corrected as for any budget. Two refusals,
 both a `BudgetError` naming the least total that fits: the estimate of full remat of every block (which also
-covers the optimizer step, whatever remat does) does not fit in ``memory``; or the planner finds no plan in the
-remainder, when the least total is the state plus the least budget it names.
+covers the optimizer step, whatever remat does) does not fit in ``memory`` less the headroom; or the planner finds
+no plan in the remainder, when the least total is the state plus the least budget it names, plus the headroom.
 """
 
 from __future__ import annotations
