@@ -127,7 +127,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "head", "all"],
+        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "head", "gpu",
+                 "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
         "against checkpoint_sequential; tiny: per-call overhead, replay overhead and start-up; "
@@ -138,7 +139,9 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         "benchmarks.compile_sites --help`: --whole compiles the model as one graph); "
         "estimate: remat.estimate against real steps (`python -m remat estimate --help` estimates a model of "
         "your own); head: remat.apply(model, head=True) on a GPT-2 with the real vocabulary against full remat "
-        "(`python -m benchmarks.head --help`: --sweep times the chunk sizes)",
+        "(`python -m benchmarks.head --help`: --sweep times the chunk sizes); gpu: the memory promises at real "
+        "sizes under bf16 autocast, one table (GPT-2 124M and a 1.1B Llama with --device cuda; tiny sizes on the "
+        "CPU)",
     )
     parser.add_argument(
         "--size",
@@ -194,6 +197,12 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         from .estimate import compare_main
 
         return compare_main(out, progress)
+    if args.model == "gpu":  # its own table: see benchmarks/gpu_check.py
+        from .gpu_check import main as gpu_main
+
+        status = gpu_main(device, out, progress)
+        progress.done()
+        return status
     meta, rows = run(models, size=args.size, device=device, repeats=args.repeats, progress=progress,
                      profile=args.profile, trace=args.trace)  # fmt: skip
     progress.done()

@@ -15,7 +15,9 @@ their storages, and the tracker adds the step's own peak.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -75,10 +77,13 @@ def _optimizer(kind: str | None, params: list[nn.Parameter]) -> torch.optim.Opti
     return made
 
 
-def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed: int = SEED) -> Measured:
+def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed: int = SEED,
+                 autocast: Callable[[], AbstractContextManager[Any]] | None = None) -> Measured:
     """Run one real training step of ``case`` under ``config`` ("none", "full", "save_matmuls", a policy, a budget).
 
-    The model's weights change (the optimizer steps); its remat sites are removed afterwards.
+    With ``autocast`` (e.g. ``lambda: torch.autocast("cpu", dtype=torch.bfloat16)``), the forward and the loss run
+    in a region of it, backward and the optimizer step outside, as torch's AMP recipe writes a step. The model's
+    weights change (the optimizer steps); its remat sites are removed afterwards.
     """
     model = case.model
     params = list(model.parameters())
@@ -103,8 +108,9 @@ def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed:
     try:
         torch.manual_seed(seed)
         with switch, remat.track() as t:
-            out = _call(model, case.sample)
-            value = case.loss(out) if case.loss is not None else default_loss(out)
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                out = _call(model, case.sample)
+                value = case.loss(out) if case.loss is not None else default_loss(out)
             with_output = t.current_bytes
             del out
             held = t.current_bytes - sum(t._bytes_of([value]).values())

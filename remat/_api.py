@@ -151,6 +151,7 @@ class Remat:
         optimizer: Any = None,
         head: bool | None = None,
         compile: bool = False,
+        headroom: float | int | str | None = None,
     ) -> _M:
         """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -177,11 +178,16 @@ class Remat:
             choices: with `budget`, more policies a block may get besides kept, save_matmuls and full remat.
             replan: with `budget`, profile and plan again when the model is called with a new input shape.
             memory: instead of `budget`, the device memory a whole training step must fit in (bytes, or a string
-                such as "80GiB"): what the parameters, buffers, `sample` and the optimizer's state take is
-                counted exactly (as `remat.estimate` does) and the rest is for the activations and gradients
-                (the plan's checked step starts without gradients, so both count).
+                such as "80GiB"), as the device counts it (what its allocator reserves): what the parameters,
+                buffers, `sample` and the optimizer's state take is counted exactly (as `remat.estimate` does) and
+                the rest, less `headroom`, is for the activations and gradients (the plan's checked step starts
+                without gradients, so both count).
             optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",
                 "adam" or "adamw" (None: no optimizer step).
+            headroom: with `memory`, what of it to leave to the device's allocator, which reserves more than its
+                tensors take (rounding, cached blocks, fragmentation): a fraction of `memory` or bytes. Default:
+                0.1 where the allocator caches (CUDA; the plan's real step is then also checked against what the
+                allocator reserved, and planned again for less where it went over), 0 on the CPU.
             compile: with `budget` or `memory`, plan for the model compiled as one graph (not block by block):
                 compiled costs, checked on compiled steps `apply` runs; a fraction is of compiled no-remat's peak.
             head: `True` also computes the loss of a Hugging Face causal LM (GPT-2, Llama, Mistral, Qwen, Gemma,
@@ -211,7 +217,7 @@ class Remat:
         blocks = functools.partial(
             Remat._apply, model, where, every=every, policy=policy, preserve_rng=preserve_rng, strategy=strategy,
             enabled=enabled, check=check, name=name, offload=offload, sample=sample, loss=loss, choices=choices,
-            replan=replan, memory=memory, optimizer=optimizer, head=head, compile=compile,
+            replan=replan, memory=memory, optimizer=optimizer, head=head, compile=compile, headroom=headroom,
         )
         if not head:
             return blocks(budget=budget)
@@ -235,6 +241,7 @@ class Remat:
         enabled: bool | None, check: bool, name: str | None, offload: bool | _offload.Offload,
         budget: Budget | None, sample: Any, loss: Callable[[Any], Any] | None, choices: Sequence[PolicyLike] | None,
         replan: bool, memory: Budget | None, optimizer: Any, head: bool | None, compile: bool,
+        headroom: float | int | str | None,
     ) -> _M:
         """`apply` for the blocks: one policy for all, a budget, or a memory (the head is routed already)."""
         if budget is not None or memory is not None or optimizer is not None:
@@ -247,6 +254,10 @@ class Remat:
             # memory the whole step (leaving the activations what the state does not take)
             if memory is None and optimizer is None:
                 from ._budget.apply import apply_budget
+
+                if headroom is not None:
+                    raise ValueError("remat: `headroom` goes with `memory=` (what of the device to leave to its "
+                                     "allocator); a `budget` bounds the tensors' bytes alone.")
 
                 assert budget is not None
                 return apply_budget(
@@ -261,12 +272,14 @@ class Remat:
             options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
                        "check": check, "compile": compile, "head": head}
             return apply_memory(  # type: ignore[return-value]
-                model, memory, sample, where, optimizer=optimizer, loss=loss, options=options,
+                model, memory, sample, where, optimizer=optimizer, loss=loss, options=options, headroom=headroom,
             )
         if sample is not None or loss is not None or choices is not None or replan is not True or compile:
             raise ValueError(
                 "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
             )
+        if headroom is not None:
+            raise ValueError("remat: `headroom` goes with `memory=` (what of the device to leave to its allocator).")
         settings = Options(
             policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
             check=check, name=name, offload=offload,

@@ -10,6 +10,7 @@ index's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -146,11 +147,53 @@ def accelerator(request: pytest.FixtureRequest) -> str:
     return "cuda"
 
 
+def _switches() -> dict[str, Any]:
+    """torch's process-wide switches a test may flip: each must be as it was when the test ends."""
+    found: dict[str, Any] = {
+        "grad mode": torch.is_grad_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "autocast cache": torch.is_autocast_cache_enabled(),
+    }
+    for kind in ("cpu", "cuda"):
+        found[f"{kind} autocast"] = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+    if torch.cuda.is_initialized():  # reading it would initialise CUDA
+        found["CUDA sync debug mode"] = torch.cuda.get_sync_debug_mode()
+    return found
+
+
+_SETTERS: dict[str, Callable[[Any], None]] = {
+    "grad mode": torch.set_grad_enabled,
+    "default dtype": torch.set_default_dtype,
+    "deterministic algorithms": torch.use_deterministic_algorithms,
+    "autocast cache": torch.set_autocast_cache_enabled,
+    "cpu autocast": lambda state: (torch.set_autocast_enabled("cpu", state[0]),
+                                   torch.set_autocast_dtype("cpu", state[1])),
+    "cuda autocast": lambda state: (torch.set_autocast_enabled("cuda", state[0]),
+                                    torch.set_autocast_dtype("cuda", state[1])),
+    "CUDA sync debug mode": lambda mode: torch.cuda.set_sync_debug_mode(mode),
+}
+
+
+@contextlib.contextmanager
+def switches_kept() -> Iterator[None]:
+    """Fail if torch's process-wide switches (`_switches`) differ on exit from what they were on entry, after
+    putting them back: one test that leaves a switch on must not fail the tests after it."""
+    switches = _switches()
+    yield
+    changed = {name: value for name, value in switches.items() if _switches().get(name, value) != value}
+    for name, value in changed.items():
+        _SETTERS[name](value)
+    assert not changed, f"the test left torch's switches changed: {sorted(changed)} (restore them in `finally`)"
+
+
 @pytest.fixture(autouse=True)
 def _no_state_left_behind() -> Iterator[None]:
-    """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch as it was."""
+    """After every test: no saved-tensor hooks, no dispatch modes, no open module sites; switch as it was; torch's
+    process-wide switches (grad mode, autocast, CUDA's sync debug mode, ...) as they were, put back if not."""
     assert not hooks_installed(), "a previous test left saved-tensor hooks installed"
-    yield
+    with switches_kept():
+        yield
     left_hooks = hooks_installed()
     left_modes = dispatch_modes()
     left_sites = list(_targets._open_sites.stack)

@@ -11,6 +11,9 @@ not only on CPU), so that the paths remat takes for a tensor that is not on the 
 * A tensor on `remat_test:i` owns host memory: its storage is the memory of a CPU tensor handed over through
   DLPack with the device field rewritten, so storages, views, byte counts and `untyped_storage()` behave as on a
   real device, and a CPU alias of the same memory is made the same way.
+* The device module reports what CUDA's caching allocator would have allocated and reserved for the index's
+  storages (`memory_allocated`, `memory_reserved`, their peaks, `empty_cache`, and a size: `set_memory_limit`),
+  from a model of it (`Allocator`), so that what a device's allocator reserves beyond the tensors is tested too.
 * One boxed fallback runs every aten op that has no composite kernel: device tensors are replaced by their CPU
   aliases, the op runs on the CPU, and new outputs are handed back to the device of the inputs. View ops run
   the CPU kernel on the device tensor itself (the view shares the device tensor's storage). Random ops
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,9 +63,12 @@ def _moved(tensor: torch.Tensor, kind: int, index: int) -> torch.Tensor:
 
 
 def to_device(cpu: torch.Tensor, index: int) -> torch.Tensor:
-    """Hand a CPU tensor's memory to `remat_test:<index>` (the device tensor keeps it alive)."""
+    """Hand a CPU tensor's memory to `remat_test:<index>` (the device tensor keeps it alive); the index's allocator
+    model counts it until its storage dies."""
     DEVICE.initialized = True
-    return _moved(cpu.detach(), _DLPACK_EXT_DEV, index)
+    moved = _moved(cpu.detach(), _DLPACK_EXT_DEV, index)
+    DEVICE.allocators[index].hand_out(moved.untyped_storage())
+    return moved
 
 
 def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,10 +76,129 @@ def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return _moved(tensor.detach(), _DLPACK_CPU, 0)
 
 
-class _Device:
-    """The device module, `torch.get_device_module("remat_test")`: generators and device indices."""
+# -- a model of CUDA's caching allocator ------------------------------------------------------------------------
+
+_BLOCK, _SMALL, _SMALL_SEGMENT, _LARGE_SEGMENT, _MID = 512, 1 << 20, 2 << 20, 20 << 20, 10 << 20
+
+
+class Allocator:
+    """What CUDA's caching allocator would have allocated and reserved for one index's storages: its statistics
+    (`memory_allocated`, `memory_reserved` and their peaks), a model for the tests.
+
+    CUDA's allocator (c10/cuda/CUDACachingAllocator.cpp) rounds a request up to 512 bytes and carves it from a
+    segment it reserved with cudaMalloc: 2 MiB segments for blocks of up to 1 MiB, 20 MiB segments for up to 10 MiB,
+    its own segment (rounded up to 2 MiB) above that. A freed block stays reserved, cached for the next request that
+    fits it (the smallest such), split where what is left is worth a block (512 bytes in the small pool, more than
+    1 MiB in the large), merged with free neighbours. So reserved runs above allocated by the rounding, the cache
+    and fragmentation, as on a GPU; `empty_cache` gives back the segments with nothing in use, and so does a new
+    segment that would take the reserve over the device's size (`limit`, as `set_per_process_memory_fraction` sets
+    one), before it is reserved. Nothing here ever refuses an allocation (an exception raised in backward on this
+    device aborts the process): a test reads the peak of what was reserved against the device size it stands for.
+    """
 
     def __init__(self) -> None:
+        self.segments: list[tuple[bool, list[list[int]]]] = []  # (small pool, blocks: [size, in use])
+        self.live: dict[int, tuple[list[int], weakref.ref[torch.UntypedStorage]]] = {}
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.limit: int | None = None
+        # A storage may die (its finalizer frees its block) while this allocator is busy: collected in the middle
+        # of `hand_out`, on the same thread. That free waits in `_pending` until the allocator is done.
+        self._lock = threading.RLock()
+        self._busy = False
+        self._pending: list[int] = []
+
+    def hand_out(self, storage: torch.UntypedStorage) -> None:
+        """Count a new storage until it dies."""
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        size = -(-nbytes // _BLOCK) * _BLOCK
+        key = storage._cdata
+        with self._lock:
+            self._busy = True
+            try:
+                block = self._block(size)
+                self.live[key] = (block, weakref.ref(storage, lambda _, key=key: self._free(key)))
+                self.allocated += size
+                self.peak_allocated = max(self.peak_allocated, self.allocated)
+                self.peak_reserved = max(self.peak_reserved, self.reserved)
+            finally:
+                self._busy = False
+            while self._pending:
+                self._free(self._pending.pop())
+
+    def _block(self, size: int) -> list[int]:
+        small = size <= _SMALL
+        fits = [(block[0], n, i) for n, (pool, blocks) in enumerate(self.segments) if pool == small
+                for i, block in enumerate(blocks) if not block[1] and block[0] >= size]
+        if fits:
+            _, n, i = min(fits)
+        else:
+            segment = _SMALL_SEGMENT if small else _LARGE_SEGMENT if size <= _MID else -(-size // _SMALL_SEGMENT) * (
+                _SMALL_SEGMENT)
+            if self.limit is not None and self.reserved + segment > self.limit:
+                self._release()  # the cached segments first, as the allocator does before it runs out
+            self.segments.append((small, [[segment, 0]]))
+            self.reserved += segment
+            n, i = len(self.segments) - 1, 0
+        blocks = self.segments[n][1]
+        rest = blocks[i][0] - size
+        if rest >= _BLOCK if small else rest > _SMALL:
+            blocks[i][0] = size
+            blocks.insert(i + 1, [rest, 0])
+        blocks[i][1] = 1
+        return blocks[i]
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            if self._busy:  # a finalizer run in the middle of `hand_out`
+                self._pending.append(key)
+                return
+            found = self.live.pop(key, None)
+            if found is None:
+                return
+            block = found[0]
+            block[1] = 0
+            self.allocated -= block[0]
+            for _, blocks in self.segments:
+                if any(b is block for b in blocks):
+                    merged: list[list[int]] = []
+                    for b in blocks:  # free neighbours become one block
+                        if merged and not b[1] and not merged[-1][1]:
+                            merged[-1][0] += b[0]
+                        else:
+                            merged.append(b)
+                    blocks[:] = merged
+                    return
+
+    def empty_cache(self) -> None:
+        """Give back the segments with no block in use."""
+        with self._lock:
+            self._busy = True
+            try:
+                self._release()
+            finally:
+                self._busy = False
+            while self._pending:
+                self._free(self._pending.pop())
+
+    def _release(self) -> None:
+        kept = [(pool, blocks) for pool, blocks in self.segments if any(b[1] for b in blocks)]
+        self.reserved -= sum(b[0] for _, blocks in self.segments for b in blocks) - sum(
+            b[0] for _, blocks in kept for b in blocks)
+        self.segments = kept
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+
+class _Device:
+    """The device module, `torch.get_device_module("remat_test")`: generators, device indices, and the allocator
+    statistics of a model of CUDA's caching allocator (`Allocator`)."""
+
+    def __init__(self) -> None:
+        self.allocators = [Allocator() for _ in range(COUNT)]
         self.generators = [torch.Generator() for _ in range(COUNT)]
         self.current = 0
         self.initialized = False
@@ -122,6 +248,29 @@ class _Device:
             return device
         device = torch.device(device)
         return self.current if device.index is None else device.index
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return self.allocators[self._index(device)].allocated
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return self.allocators[self._index(device)].peak_allocated
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return self.allocators[self._index(device)].reserved
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return self.allocators[self._index(device)].peak_reserved
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        self.allocators[self._index(device)].reset_peaks()
+
+    def empty_cache(self) -> None:
+        for allocator in self.allocators:
+            allocator.empty_cache()
+
+    def set_memory_limit(self, nbytes: int | None, device: Any = None) -> None:
+        """The device's size, for its allocator model (`Allocator`); None: unlimited."""
+        self.allocators[self._index(device)].limit = nbytes
 
     def get_rng_state(self, device: Any = None) -> torch.Tensor:
         return self.generators[self._index(device)].get_state()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_grads, randn
+from conftest import assert_same_grads, randn, switches_kept
 from models import MLP
 
 import remat
@@ -45,3 +45,17 @@ def test_a_wrong_gradient_still_fails_the_helper() -> None:
     with pytest.raises(AssertionError):
         assert_same_grads(lambda: _chain, (randn(5, requires_grad=True),), wrong)
 
+
+
+def test_a_switch_left_on_fails_the_test_and_is_put_back() -> None:
+    """The guard every test runs under (`_no_state_left_behind`): a test that leaves autocast or grad mode on fails
+    itself, and the tests after it start as they should (a CUDA test once left `set_sync_debug_mode("error")` on,
+    and five tests after it failed for that alone)."""
+    with pytest.raises(AssertionError, match="cpu autocast"), switches_kept():
+        torch.set_autocast_enabled("cpu", True)
+    assert not torch.is_autocast_enabled("cpu")
+    with pytest.raises(AssertionError, match="grad mode"), switches_kept():
+        torch.set_grad_enabled(False)
+    assert torch.is_grad_enabled()
+    with switches_kept(), torch.autocast("cpu"), torch.no_grad():
+        pass  # restored by the code itself: nothing to say

@@ -35,9 +35,11 @@ from .._core.torch_compat import eager_for_now, when_traced
 from .._core.units import Budget, parse_budget
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
+from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.loss import default_loss
 from .._measure.sample import as_call, detached, signature
 from .._measure.step_peak import compiled_peak, measure_step
+from .._measure.track import placed as placed_on
 from .._sites.targets import _remove_hooks, _select, wrap_module
 from .check import AssignmentCheck, check_assignment, check_measured
 from .costs import ModelCost, with_gradients
@@ -72,11 +74,13 @@ class _Budget:
 
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
     # What a hook pickled before it had these attributes reads (the instance's own values shadow them):
-    compile = grads = told = upfront = False
+    compile = grads = told = upfront = told_autocast = False
     check: AssignmentCheck | None = None
     step: FirstStep | None = None
     sharded = warned = True  # no warning about `fully_shard` for a plan of unknown origin
     calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
+    autocast: StepAutocast | None = None
+    devices: tuple[torch.device, ...] = ()
 
     def __init__(
         self,
@@ -112,6 +116,8 @@ class _Budget:
         self.upfront = upfront  # check every plan before it is kept, never on a training step (the estimator)
         self.check: AssignmentCheck | None = None  # waiting for training steps: NOTE [ The first step ]
         self.step: FirstStep | None = None  # the training step being tracked for it
+        self.autocast: StepAutocast | None = None  # what the plan's steps ran under: NOTE [ Planned under autocast ]
+        self.devices: tuple[torch.device, ...] = ()  # where the model was when planned (its autocast types)
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
@@ -141,10 +147,13 @@ class _Budget:
         loss = self.loss or default_loss
         blocks = [model.get_submodule(name) for name in self.names]
         previous, previous_calls = self.assignment, self.calls
+        devices = placed_on(model)
+        autocast = StepAutocast.caller(devices)  # NOTE [ A step's own autocast region ]
 
         def step_on(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
             def step(run: nn.Module = model) -> torch.Tensor:
-                out = loss(run(*args, **kwargs))
+                with step_region(autocast):
+                    out = loss(run(*args, **kwargs))
                 if not isinstance(out, torch.Tensor) or out.numel() != 1:
                     raise TypeError(
                         f"remat: `loss` must return a scalar tensor, but it returned {type(out).__name__}"
@@ -159,7 +168,7 @@ class _Budget:
         self.busy = True
         restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), planning(autocast, devices):
                 rerun = self.options["strategy"] == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
                 derived = [c for c, label in enumerate(self.labels) if rerun and label in DERIVABLE]
 
@@ -212,7 +221,7 @@ class _Budget:
             if fits and not (self.upfront or self.grads or self.compile or _sharded.is_sharded(model)):
                 self.check = AssignmentCheck(plan)  # on the first training step: NOTE [ The first step ]
             else:
-                with torch.enable_grad():  # NOTE [ Planned on measured steps ]
+                with torch.enable_grad(), planning(autocast, devices):  # NOTE [ Planned on measured steps ]
                     plan = (check_measured if self.compile else check_assignment)(plan, measure, assign)
         except BaseException:
             self.calls = previous_calls
@@ -227,6 +236,7 @@ class _Budget:
             if restore is not None:
                 restore()
         self.assignment = plan
+        self.autocast, self.devices = autocast, devices
         self.signature = signature(args, kwargs)
         self.sharded = _sharded.is_sharded(model)
         return plan
@@ -253,8 +263,24 @@ class _Budget:
                     "to remat.apply to keep the first plan). Logged once per model.", type(model).__name__,
                 )
             self.fit(model, args, kwargs)
+        elif self.assignment is not None and StepAutocast.caller(self.devices) != self.autocast:
+            self.autocast_changed(model, args, kwargs)
         if self.check is not None and self.step is None and can_track():  # NOTE [ The first step ]
             self.step = FirstStep(model, self.seen)
+
+    def autocast_changed(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A training forward under other autocast settings than the plan's: NOTE [ Planned under autocast ]."""
+        now = StepAutocast.caller(self.devices)
+        planned, training = str(self.autocast or "without autocast"), str(now or "without autocast")
+        if not self.replan:
+            if not self.told_autocast:
+                self.told_autocast = True
+                warnings.warn(KEPT_UNDER_AUTOCAST.format(model=type(model).__name__, planned=planned,
+                                                         training=training), UserWarning, stacklevel=3)
+            return
+        _log.warning("remat: the budgeted %s was planned %s and trains %s: planning again for this step.",
+                     type(model).__name__, planned, training)
+        self.fit(model, args, kwargs)
 
     def seen(self, peak: int) -> None:
         """A tracked step's backward ended: its peak shows in `remat.plan(model)` at once (this rank's)."""
@@ -305,6 +331,21 @@ class _Budget:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "busy": False, "step": None}
+
+
+# NOTE [ Planned under autocast ]
+# Autocast changes what a step holds: casts of the weights (cached for the region: NOTE [ A step's own autocast
+# region ] in remat/_measure/autocast.py) and activations in the lower precision. So a plan is made for the
+# autocast settings its steps ran under (the caller's, when `remat.apply` or the re-planning forward ran), and a
+# training forward under other settings (a budget planned outside `torch.autocast` and trained inside it, the
+# common case) plans again there, before the forward goes on, with one log line; the fraction of a fractional
+# budget is then of that step's peak without remat. With `replan=False` the plan is kept and a warning says once
+# that its budget holds for the settings it was made under.
+KEPT_UNDER_AUTOCAST = (
+    "remat: the budget of `{model}` was planned {planned} and trains {training}, which holds other bytes (casts of "
+    "the weights, activations in another precision); with replan=False the plan is kept and its budget holds for "
+    "the settings it was made under. Call remat.apply under the training step's autocast, or pass replan=True."
+)
 
 
 # NOTE [ Budgets and FSDP2 ]

@@ -94,6 +94,8 @@ class ModelCost:
         outside_time: seconds of the step spent outside the blocks.
         calls: `calls[i][c]`, for a choice that keeps some of block i's matmul-class calls (NOTE [ Some matmuls ]
             in derive.py), which of them; None for every other; empty: none such anywhere.
+        priced: the times are ops priced on a nominal device (a profile on fake tensors: NOTE [ Priced time ] in
+            remat/_measure/clock.py), good for comparing plans with each other, not as seconds of this device.
 
     >>> kept, full = BlockCost(8, 12, 16, 1.0, 2.0), BlockCost(1, 12, 20, 1.0, 3.0)
     >>> cost = ModelCost(("0", "1"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 4), 0.5)
@@ -107,6 +109,7 @@ class ModelCost:
     outside_peaks: tuple[int, ...]
     outside_time: float = 0.0
     calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
+    priced: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.names)

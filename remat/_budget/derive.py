@@ -10,7 +10,10 @@ Rules:
    its costs under full remat, `save_matmuls` and the choices that keep some matmuls (NOTE [ Some matmuls ]).
    Under choice c, with "born" the storages its forward allocated:
    * held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
-     storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]);
+     storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]),
+     plus under autocast the casts of its parameters that autocast caches, which live to the end of the step's
+     autocast region, after the last forward, whatever the block does (counted through backward too, where they
+     are gone: an overestimate by those casts of the blocks before, while backward runs);
      its inputs are held by whoever made them, whatever this block does;
    * forward peak: under full remat, kept's (a bound); under `save_matmuls`, kept's allocation log replayed;
    * backward peak: the larger of recompute on top of what is live when backward starts, and kept's backward;
@@ -207,7 +210,7 @@ def derive_bytes(choice: str, kept: Kept, calls: frozenset[int] | None = None) -
     detail = kept.detail
     born = detail.born
     saved = _saved(choice, detail, calls)
-    holds = kept.outputs | saved
+    holds = kept.outputs | saved | detail.cached  # autocast's casts: to the region's end (NOTE [ Deriving choices ])
     held = sum(born[key] for key in holds)
     forward_peak = kept.forward_peak
     handed = choice != "full"

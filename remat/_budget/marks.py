@@ -23,8 +23,10 @@ from torch import nn
 
 from .._core.policies import matmuls
 from .._core.torch_compat import tree_leaves
+from .._measure.autocast import cached_cast
 from .._measure.clock import now, priced
-from .._measure.track import Tracker, _storage, synchronize
+from .._measure.fake import FakeTracker
+from .._measure.track import _storage, synchronize
 from .alone import describe
 
 __all__ = ["Detail", "Recorder", "Step", "Windows", "marked_step", "mode_cost", "per_op_overhead"]
@@ -283,6 +285,9 @@ class Detail:
         born: bytes of every storage the window allocated, by number.
         matmul: the numbers among `born` that a matmul-class op made (`remat.policies.save_matmuls`'s ops).
         calls: for each of `matmul`, which matmul-class call made it (counted from 0 in the window's order).
+        cached: the numbers among `born` that are autocast's cached casts of parameters: they live until the
+            step's autocast region ends, whatever the block's choice (NOTE [ A step's own autocast region ] in
+            remat/_measure/autocast.py).
         call_time: per matmul-class call, its seconds (from the end of the op before).
         events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released.
         ops: aten ops the window ran.
@@ -290,11 +295,12 @@ class Detail:
         refs: when the window closed, the tracker's weak reference to each storage of `live`, by number.
     """
 
-    __slots__ = ("born", "call_time", "calls", "events", "live", "matmul", "ops", "refs")
+    __slots__ = ("born", "cached", "call_time", "calls", "events", "live", "matmul", "ops", "refs")
 
     def __init__(self) -> None:
         self.born: dict[int, int] = {}
         self.matmul: set[int] = set()
+        self.cached: set[int] = set()
         self.calls: dict[int, int] = {}
         self.call_time: list[float] = []
         self.events: list[tuple[int, int]] = []
@@ -303,8 +309,9 @@ class Detail:
         self.refs: dict[int, tuple[int, object]] = {}
 
 
-class Windows(Tracker):
-    """A tracker that keeps the peak since the last `mark` and its own time (NOTE [ Timing under the tracker ]).
+class Windows(FakeTracker):
+    """A tracker that keeps the peak since the last `mark` and its own time (NOTE [ Timing under the tracker ]);
+    a fake twin's tensors count on the device they claim (NOTE [ Counting fake tensors ] in fake.py).
 
     While `detail` is set, it also records what the window allocates and releases, op by op (`Detail`).
     """
@@ -316,6 +323,7 @@ class Windows(Tracker):
     detail: Detail | None = None
     _last = 0.0  # when the last `_see` ended: an op's time is from there to the start of the next one's
     _in_matmul = False
+    _casting = False  # the op is autocast's cached cast of a parameter: `Detail.cached`
 
     def mark(self) -> int:
         """The window's peak; the next window starts at what is live now, gradients counted by `made` left out."""
@@ -347,6 +355,7 @@ class Windows(Tracker):
             super()._see(func, args, kwargs, out)
         else:
             detail.ops += 1
+            self._casting = cached_cast(func, args, kwargs)
             if matmuls(func):
                 detail.call_time.append(max(0.0, start - self._last - self.per_op))
                 self._in_matmul = True
@@ -371,6 +380,8 @@ class Windows(Tracker):
             if self._in_matmul:
                 detail.matmul.add(number)
                 detail.calls[number] = len(detail.call_time) - 1
+            if self._casting:
+                detail.cached.add(number)
 
     def _release(self, key: int, ref: object = None) -> None:
         start = now()

@@ -41,6 +41,7 @@ Implementation notes:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -163,11 +164,13 @@ def profile_blocks(
         parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
         return profile_blocks(model, names, blocks, choices, step, assign, closed=parts, compiled=compiled)
     sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None
+    times_priced = exact
     kinds = [_kind(b) for b in blocks]
     measured = [_round(a, rec, _kept(rec)) for a, rec in zip(rounds, tracked, strict=True)]
     clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
     labels = {c: choices[c] for c in derived}
     cost = combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op, compiled)
+    cost = dataclasses.replace(cost, priced=times_priced)  # NOTE [ Priced time ]: relative, not this device's
     return shifted(cost, kinds, _kind(blocks[samples[0][1]]), shifts) if shifts else cost
 
 

@@ -69,11 +69,22 @@ class Assignment:
         extra = chosen.time - kept.time if kept is not None else 0.0
         return self.cost.names[i], self.cost.choices[self.choice[i]], chosen, extra
 
+    def time(self, seconds: float, extra: bool = False) -> str:
+        """A predicted time as the plan says it: milliseconds where they were measured on this device; where the
+        profile priced ops on a nominal device (fake tensors: NOTE [ Priced time ]), relative to the step without
+        remat, which is all those prices can say."""
+        base = self.no_remat[1] if self.no_remat is not None else None
+        if not self.cost.priced or not base:
+            return f"{seconds * 1e3:+.2f} ms" if extra else f"{seconds * 1e3:.1f} ms"
+        if extra:
+            return f"{seconds / base:+.1%}"
+        return f"{seconds / base:.2f}x no remat's"
+
     def summary(self) -> list[str]:
         """The plan's figures as lines: predicted peak and time, and the two baselines."""
         lines = [
             f"predicted peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget)}), "
-            f"step {self.step_time * 1e3:.1f} ms"
+            f"step {self.time(self.step_time)}"
         ]
         if self.measured is not None:
             lines.append(f"measured peak of one real step {format_bytes(self.measured)} "
@@ -85,7 +96,10 @@ class Assignment:
                          f"{format_bytes(self.missed)} it had missed")
         for label, figures in (("no remat", self.no_remat), ("full remat", self.full_remat)):
             if figures is not None:
-                lines.append(f"{label}: peak {format_bytes(figures[0])}, step {figures[1] * 1e3:.1f} ms")
+                lines.append(f"{label}: peak {format_bytes(figures[0])}, step {self.time(figures[1])}")
+        if self.cost.priced:
+            lines.append("times are relative to no remat's step: planned on fake tensors, ops priced on a nominal "
+                         "device rather than timed on this one")
         return lines
 
 

@@ -23,7 +23,7 @@ import importlib
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -60,6 +60,7 @@ __all__ = [
     "eval_frame_callback",
     "fake_store",
     "flop_formula",
+    "foreach_by_default",
     "fsdp_state_keys",
     "local_tensor",
     "graph_exec_group",
@@ -137,6 +138,25 @@ def _autocast_maybe_on() -> bool:
 # torch-compat: `_is_any_autocast_enabled`, not relied on at 2.4. Without it every call captures the
 # autocast state of its devices (more work on every call), as if autocast might be on.
 any_autocast: Callable[[], bool] = getattr(_C, "_is_any_autocast_enabled", _autocast_maybe_on)
+
+# -- the optimizer's implementation ---------------------------------------------------------------------------
+# Present in 2.4: `torch.optim.optimizer._default_to_fused_or_foreach` reads both (torch.distributed.tensor appends
+# DTensor to the types when imported, so they are read at each call).
+
+
+def foreach_by_default(types: Iterable[type], device_type: str) -> bool:
+    """Whether torch's optimizers, left to choose (``foreach=None``, ``fused=None``), take their ``foreach`` path
+    for parameters of these Python types on this device type: torch's own rule (``_default_to_fused_or_foreach``):
+    every parameter's type exactly a plain tensor, a ``Parameter`` or a ``DTensor``, on a device with foreach
+    kernels (CUDA, XPU, MTIA, the PrivateUse1 backend)."""
+    from torch.optim import optimizer as _optimizer
+    from torch.utils import _foreach_utils
+
+    supported = tuple(_optimizer._foreach_supported_types)
+    return device_type in _foreach_utils._get_foreach_kernels_supported_devices() and all(
+        kind in supported for kind in types
+    )
+
 
 # -- storages -------------------------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from .head import split_head, with_head
 from .largest_batch import searches
 from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
 from .report import EstimateReport
+from .reserve import headroom_bytes
 
 __all__ = ["DEFAULT_CONFIGS", "estimate", "is_budget"]
 
@@ -144,6 +145,7 @@ def estimate(
     memory: int | str | None = None,
     batch_dim: int | None = None,
     seq_dim: int | None = None,
+    headroom: float | int | str | None = None,
 ) -> EstimateReport:
     """Predict the memory of one training step of `model` on `sample`, per remat configuration, without running it.
 
@@ -189,6 +191,8 @@ def estimate(
             sample's tensors) and sequence length (`largest_seq`, along `seq_dim`, at the sample's batch size)
             whose whole step peaks within it, found by bisection on fake tensors.
         batch_dim, seq_dim: the dimension of the sample's tensors that is the batch, the sequence.
+        headroom: with `memory`, what of it to leave to the device's allocator, as for `remat.apply(memory=)`: a
+            fraction of `memory` or bytes; by default 0.1 where the device's allocator caches (CUDA), else 0.
 
     Returns:
         An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
@@ -222,7 +226,12 @@ def estimate(
     if isinstance(configs, (str, Policy)) or not isinstance(configs, Sequence):
         configs = (configs,)
     target = resolve_device(model, sample, device)
-    refine = searches(sample, memory, batch_dim, seq_dim)
+    room = 0
+    if memory is not None:  # the allocator's share: NOTE [ The allocator's reserve ] in reserve.py
+        room = headroom_bytes(headroom, parse_memory(memory, "estimate's `memory`"), target)
+    elif headroom is not None:
+        raise ValueError("remat: estimate's `headroom` goes with `memory=`.")
+    refine = searches(sample, memory if not room else parse_memory(memory, "") - room, batch_dim, seq_dim)
     if shard == "ddp" or _ddp.unwrap(model) is not None:
         report = _per_rank_ddp(model, sample, loss, optimizer, configs, where, target, world_size, shard,
                                refine)
@@ -232,7 +241,9 @@ def estimate(
         resolved = [_configured(model, config, where) for config in configs]
         report = predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
                          refine=refine)
-    return report if refine is None else dataclasses.replace(report, memory=parse_memory(memory, "estimate's `memory`"))
+    if refine is None:
+        return report
+    return dataclasses.replace(report, memory=parse_memory(memory, "estimate's `memory`"), headroom=room)
 
 
 def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None, optimizer: OptimizerLike,

@@ -9,7 +9,7 @@ Rules:
    tensor of the sample whose size there is the sample's batch size), run in the same fake session, so the
    optimizer's state is made once.
 2. The answer is checked: the size fits and the next one up does not. A size whose planner refuses its budget
-   (`BudgetError`) does not fit. Sizes are capped at `CAP`.
+   (a refused row) does not fit. Sizes are capped at `CAP`.
 3. With ``seq_dim`` the same search runs along the sequence at the sample's batch size.
 
 Implementation notes:
@@ -108,15 +108,16 @@ def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int,
 
     def at(n: int) -> ConfigEstimate | None:
         try:
-            return row if n == size else run(resized(sample, dim, size, n))
+            got = row if n == size else run(resized(sample, dim, size, n))
         except BudgetError:
             return None
+        return None if got.refused is not None else got
 
     def fits(n: int) -> bool:
         got = at(n)
         return got is not None and got.peak_bytes <= memory
 
-    twice = at(2 * size) if row.peak_bytes <= memory else None
+    twice = at(2 * size) if fits(size) else None
     return largest(fits, _guess(row, twice, size, memory) if twice is not None else size)
 
 

@@ -4,19 +4,23 @@ NOTE [ Total memory ]
 A device's memory holds, through a training step, the parameters, buffers, the batch and the optimizer's state
 (alive from one step to the next), the gradients (made in backward, dropped by ``zero_grad``), the step's
 activations, and the optimizer step's temporaries. `remat.estimate` counts the first ones exactly on fake
-tensors; what is left, ``memory`` minus them, is the budget handed to `remat.apply(budget=...)`'s planner. A
+tensors; what is left, ``memory`` minus them and minus the allocator's headroom (NOTE [ The allocator's reserve ]
+in reserve.py, which also has the check of the plan's real step against what the allocator reserved), is the
+budget handed to `remat.apply(budget=...)`'s planner. A
 plain budget leaves gradients out (its checked step runs with them already there); this one counts them, since
 they take the same memory: the plan's checked step (NOTE [ Checking the plan ] in remat/_budget/check.py) starts
 without gradients, as after ``zero_grad()``, so its measured peak is the activations, temporaries and the
 gradients made so far, at backward's highest point, and a plan over it is corrected as for any budget. Two refusals,
 both a `BudgetError` naming the least total that fits: the estimate of full remat of every block (which also
-covers the optimizer step, whatever remat does) does not fit in ``memory``; or the planner finds no plan in the
-remainder, when the least total is the state plus the least budget it names.
+covers the optimizer step, whatever remat does) does not fit in ``memory`` less the headroom; or the planner finds
+no plan in the remainder, when the least total is the state plus the least budget it names, plus the headroom.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,10 +30,19 @@ from torch import nn
 from .._budget.apply import apply_budget
 from .._core.errors import BudgetError
 from .._core.units import Budget, format_bytes, parse_memory
+from .._measure.autocast import StepAutocast, planning, step_region
+from .._measure.loss import default_loss
+from .._measure.sample import as_call
+from .._measure.track import placed
 from .estimate import estimate
+from .phases import OPTIMIZER
 from .predict import OptimizerLike
+from .report import ConfigEstimate
+from .reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, reserved_peak
 
 __all__ = ["apply_memory", "as_optimizer"]
+
+_log = logging.getLogger("remat")
 
 
 def as_optimizer(optimizer: Any) -> OptimizerLike:
@@ -48,12 +61,17 @@ def as_optimizer(optimizer: Any) -> OptimizerLike:
 
 
 def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, optimizer: Any,
-                 loss: Callable[[Any], Any] | None, options: dict[str, Any]) -> nn.Module:
-    """See `remat.apply` and NOTE [ Total memory ]."""
+                 loss: Callable[[Any], Any] | None, options: dict[str, Any],
+                 headroom: float | int | str | None = None) -> nn.Module:
+    """See `remat.apply`, NOTE [ Total memory ] and NOTE [ The allocator's reserve ] in reserve.py."""
     total = parse_memory(memory, "apply's `memory`")
     if sample is None:
         raise ValueError("remat: apply with `memory` needs `sample=`: the model's inputs for one training step (a "
                          "tensor, a tuple of positional arguments, or a dict of keyword arguments).")
+    devices = placed(model)
+    device = devices[0] if devices else torch.device("cpu")
+    room = headroom_bytes(headroom, total, device)
+    usable = total - room  # for the allocated peak: the rest is the allocator's
     full = estimate(model, sample, loss=loss, optimizer=as_optimizer(optimizer), configs=("full",), where=where)
     row = full["full"]
     if row.peak_bytes > total and options.get("head") is None:  # NOTE [ The head as a choice ]
@@ -61,19 +79,73 @@ def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, o
 
         row = full_with_head(model, sample, loss, as_optimizer(optimizer), where) or row
     state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes
-    if row.peak_bytes > total:
-        raise _refused(total, row.peak_bytes, state, row.peak_phase)
-    try:
-        return apply_budget(model, total - state, sample, where, loss=loss, grads=True, **options)
-    except BudgetError as error:
-        raise _refused(total, max(row.peak_bytes, state + (error.least_bytes or 0)), state, "") from error
+    if row.peak_bytes > usable:
+        raise _refused(total, row.peak_bytes + room, state, row.peak_phase, room)
+    reserved: tuple[int, int] | None = None
+    checked = caches(device) and options.get("strategy", "rerun") == "rerun" and not options.get("compile")
+    target = total - room  # the allocated peak to plan for
+    for attempt in range(TRIES + 1 if checked else 1):
+        try:
+            apply_budget(model, target - state, sample, where, loss=loss, grads=True, **options)
+        except BudgetError as error:
+            raise _refused(total, max(row.peak_bytes, state + (error.least_bytes or 0)) + total - target, state,
+                           "", total - target) from error
+        if not checked:
+            return model
+        reserved = _reserved(model, device, sample, loss, optimizer, row)
+        if reserved is not None and reserved[0] <= total:
+            return model
+        # below what that step allocated, by what it went over and a step more each time: NOTE [ The allocator's
+        # reserve ], rule 2
+        step = max(SEGMENT, math.ceil(STEP * total)) << attempt
+        target = (min(target, reserved[1]) - (reserved[0] - total) if reserved is not None else target) - step
+        _log.warning("remat: the plan for memory=%s %s in a real step; planning again for %s allocated.",
+                     format_bytes(total), f"reserved {format_bytes(reserved[0])} on {device}" if reserved is not None
+                     else f"ran out of memory on {device}", format_bytes(target))
+        if row.peak_bytes > target:
+            break
+    raise BudgetError(
+        f"remat: a training step does not fit in memory={format_bytes(total)} on {device}: "
+        f"{'the plan that holds least still ' if row.peak_bytes <= target else 'the last plan '}"
+        f"{'reserved ' + format_bytes(reserved[0]) if reserved is not None else 'ran out of memory'} in a real "
+        f"step, and full remat of every block allocates {format_bytes(row.peak_bytes)} (what the allocator reserves "
+        "above what tensors take counts: NOTE [ The allocator's reserve ]). Give more memory, a smaller batch, or "
+        "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to waste less.",
+        least_bytes=max(total + 1, row.peak_bytes + total - target),
+    )
 
 
-def _refused(total: int, least: int, state: int, phase: str) -> BudgetError:
+def _reserved(model: nn.Module, device: torch.device, sample: Any, loss: Callable[[Any], Any] | None,
+              optimizer: Any, row: ConfigEstimate) -> tuple[int, int] | None:
+    """What the allocator reserves through one real step of the plan, the optimizer's state and its step's
+    temporaries stood in for: NOTE [ The allocator's reserve ], rule 2."""
+    existing = 0
+    if isinstance(optimizer, torch.optim.Optimizer):
+        existing = sum(t.untyped_storage().nbytes() for state in optimizer.state.values() for t in state.values()
+                       if isinstance(t, torch.Tensor) and t.device == device)
+    missing = max(0, row.optimizer_bytes - existing)
+    resident = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes + row.grads_bytes
+    temporaries = max(0, row.phase_bytes.get(OPTIMIZER, 0) - resident)
+    args, kwargs = as_call(sample)
+    autocast = StepAutocast.caller((device,))
+    scalar = loss or default_loss
+
+    def forward() -> torch.Tensor:
+        with step_region(autocast):
+            value: torch.Tensor = scalar(model(*args, **kwargs))
+        return value
+
+    with torch.enable_grad(), planning(autocast, (device,)):
+        return reserved_peak(model, device, forward, missing, temporaries)
+
+
+def _refused(total: int, least: int, state: int, phase: str, room: int = 0) -> BudgetError:
     where = f" (the step peaks in {phase} there)" if phase else ""
+    reserve = (f", and {format_bytes(room)} left to the allocator (`headroom=`: NOTE [ The allocator's reserve ])"
+               if room else "")
     return BudgetError(
         f"remat: a training step does not fit in memory={format_bytes(total)} even with full remat of every block: "
         f"it needs at least {format_bytes(least)}{where}, of which {format_bytes(state)} are parameters, buffers, "
-        "the batch and the optimizer's state. Give more memory, a smaller batch, or a leaner optimizer.",
+        f"the batch and the optimizer's state{reserve}. Give more memory, a smaller batch, or a leaner optimizer.",
         least_bytes=least,
     )

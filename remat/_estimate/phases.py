@@ -165,31 +165,37 @@ def where_it_peaks(tracker: StepTracker, base: int, model: nn.Module, params: Se
     return phase, phases, fold(held)
 
 
-def peak_lines(rows: Sequence[Any], memory: int | None) -> list[str]:
+def peak_lines(rows: Sequence[Any], memory: int | None, headroom: int = 0) -> list[str]:
     """The lines under an estimate's table: where each configuration peaks and who holds the bytes there, what
-    remat frees when the optimizer step sets the peak, what holding on to the model's output adds, and the largest
-    batches that fit in ``memory``."""
+    remat frees when the optimizer step sets the peak, what holding on to the model's output adds, which
+    configurations were refused, and the largest batches that fit in ``memory``."""
     lines: list[str] = []
-    if rows and all(row.peak_phase == OPTIMIZER for row in rows):
-        frees = ", ".join(f"{row.label} {format_bytes(row.activation_bytes)}" for row in rows)
-        lines.append(f"the optimizer step sets the peak under every configuration ({format_bytes(rows[0].peak_bytes)})"
+    met = [row for row in rows if row.refused is None]
+    if met and all(row.peak_phase == OPTIMIZER for row in met):
+        frees = ", ".join(f"{row.label} {format_bytes(row.activation_bytes)}" for row in met)
+        lines.append(f"the optimizer step sets the peak under every configuration ({format_bytes(met[0].peak_bytes)})"
                      f", and remat does not lower it: remat frees activations, the bytes held for backward ({frees}); "
                      "the memory they free goes to a larger batch (memory=, batch_dim=)")
-    same = len({(row.peak_phase, row.holders) for row in rows}) == 1
-    for row in rows[:1] if same else rows:
+    same = len({(row.peak_phase, row.holders) for row in met}) == 1
+    for row in met[:1] if same else met:
         if row.holders:
             held = ", ".join(f"{name} {format_bytes(n)}" for name, n in row.holders)
-            label = "every configuration" if same and len(rows) > 1 else row.label
+            label = "every configuration" if same and len(met) > 1 else row.label
             lines.append(f"{label}: peaks in {row.peak_phase or '?'}; largest holders there: {held}")
-    output = max((row.output_bytes for row in rows), default=0)
+    output = max((row.output_bytes for row in met), default=0)
     if output > 0:
         lines.append(f"the model's output ({format_bytes(output)}) is let go of before backward, as `loss = "
                      f"model(batch).loss` does; a loop that keeps it through backward peaks up to "
                      f"{format_bytes(output)} higher")
+    for row in rows:
+        if row.refused is not None:
+            least = f": the least budget it meets is {format_bytes(row.least_bytes)}" if row.least_bytes else ""
+            lines.append(f"{row.label}: refused on this sample{least}")
     if memory is not None:
         for row in rows:
             if row.largest_batch is not None:
                 seq = f", sequence length {row.largest_seq}" if row.largest_seq is not None else ""
-                fits = f"largest batch that fits in {format_bytes(memory)}"
+                room = f" ({format_bytes(headroom)} left to the allocator)" if headroom else ""
+                fits = f"largest batch that fits in {format_bytes(memory)}{room}"
                 lines.append(f"{row.label}: {fits}: {row.largest_batch}{seq}")
     return lines

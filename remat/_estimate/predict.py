@@ -6,7 +6,11 @@ parameters and buffers, the optimizer's state and the batch are alive, and the g
 (``zero_grad(set_to_none=True)``, torch's default, ended the previous step). The step is a default loop's
 ``loss = loss_fn(model(batch)); loss.backward(); optimizer.step(); optimizer.zero_grad()``: forward, the loss,
 the model's output let go of once the loss is made (``model(batch).loss`` keeps no reference to it), backward,
-the optimizer step and ``zero_grad``; the loss is dropped before the optimizer step. What of the output backward
+the optimizer step and ``zero_grad``; the loss is dropped before the optimizer step. Under the caller's
+``torch.autocast``, the forward and the loss run in an autocast region of their own with the caller's settings,
+backward and the optimizer step outside it, as in torch's AMP recipe (NOTE [ A step's own autocast region ] in
+remat/_measure/autocast.py): so each configuration casts the weights afresh, and no prediction depends on which
+others run in the same call. What of the output backward
 needs stays alive through autograd, as in a real step; the rest (a language model's logits, typically) is freed
 before backward, and its bytes are the row's ``output_bytes``: a loop that holds on to the output (``out =
 model(batch)`` kept through backward, or until the next forward) needs up to that much more. The budget planner
@@ -19,6 +23,18 @@ for, and nothing is allocated at the model's size. Each configuration runs the s
 sites; the engine recomputes in backward on fake tensors too, so what a configuration frees and rebuilds is
 counted, not modelled.
 
+NOTE [ The optimizer the device runs ]
+torch's optimizers left to choose (``foreach=None`` and ``fused=None``, their default) pick their implementation
+when they step, from the parameters (``_default_to_fused_or_foreach`` in torch/optim/optimizer.py): ``foreach``
+when every parameter's type is exactly a tensor, a ``Parameter`` or a ``DTensor`` on a device with foreach kernels
+(CUDA, XPU, MTIA, the PrivateUse1 backend), else the for-loop. The two hold different temporaries at their peak
+(AdamW's foreach step: one parameter-sized ``_foreach_sqrt`` of the second moments more than the for-loop's few
+per-parameter ones). A fake parameter is a ``FakeTensor``, which fails that type check, so a fake step left to
+choose would take the for-loop where the real step on a GPU takes foreach. So the choice is made here, by
+torch's rule on the real parameters (their Python types; the device predicted for), and written into each param
+group as torch reads it (``group["foreach"]``, with torch's own exception: a tensor ``lr`` without
+``capturable``); an explicit ``foreach=`` or ``fused=`` is honoured as given.
+
 NOTE [ One optimizer step ]
 The optimizer step does the same ops on the same parameters, gradients and state under every configuration: only
 what else is alive when it starts differs. So it runs (and is counted, by a tracker of its own) once, under the
@@ -30,8 +46,7 @@ running the step again, at a fraction of the time (a 7B model's AdamW step is th
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -39,19 +54,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.errors import RematError
+from .._core.errors import BudgetError, RematError
+from .._core.torch_compat import foreach_by_default
+from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.fake import (
     FakeTracker,
     data_dependent,
     fake_mode,
     fake_sample,
     fake_state,
+    run_on,
+    stand_in,
     storage_bytes,
     tensors_of,
 )
 from .._measure.hf_fake import real_masks
 from .._measure.loss import call as _call
 from .._measure.loss import default_loss
+from .constants import first_step_bytes
 from .phases import BACKWARD, OPTIMIZER, StepTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
 
@@ -81,23 +101,21 @@ class Configured:
     apply: Callable[[Any], AbstractContextManager[Any]]
 
 
-def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor],
-                   device: torch.device) -> torch.optim.Optimizer | None:
-    """The optimizer over the trainable ``params``: a name of `OPTIMIZERS`, a class or factory, or None.
+def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor], device: torch.device,
+                   kinds: Collection[type] = ()) -> torch.optim.Optimizer | None:
+    """The optimizer over the trainable ``params``: a name of `OPTIMIZERS`, a class or factory, or None; it runs
+    the implementation the real one would run (NOTE [ The optimizer the device runs ]).
 
-    On CUDA, torch's optimizers default to their ``foreach`` implementation, which it cannot pick for fake
-    tensors; it is asked for explicitly so that its temporaries are counted.
+    ``kinds`` are the Python types of the real parameters the fake ``params`` stand for (plain `Parameter`s when
+    not given).
     """
     if optimizer is None:
         return None
     trainable = [p for p in params if p.requires_grad]
-    foreach: dict[str, Any] = {"foreach": True} if device.type == "cuda" else {}
     made: Any
     if isinstance(optimizer, str):
         kind, settings = OPTIMIZERS[optimizer.lower()]
-        made = kind(trainable, **settings, **foreach)
-    elif isinstance(optimizer, type) and foreach and "foreach" in inspect.signature(optimizer).parameters:
-        made = optimizer(trainable, **foreach)
+        made = kind(trainable, **settings)
     else:
         made = optimizer(trainable)
     if not isinstance(made, torch.optim.Optimizer):
@@ -105,6 +123,13 @@ def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor],
             f"remat: estimate's `optimizer` must make a torch.optim.Optimizer from the parameters, but it made "
             f"`{type(made).__name__}`."
         )
+    foreach = foreach_by_default(kinds or (nn.Parameter,), device.type)
+    for group in made.param_groups:
+        if "foreach" not in group or group["foreach"] is not None or group.get("fused") or group.get(
+                "differentiable"):
+            continue  # an optimizer without the choice, or one made explicit: as it is
+        lr = group.get("lr")
+        group["foreach"] = foreach and not (isinstance(lr, torch.Tensor) and not group.get("capturable"))
     return made
 
 
@@ -138,19 +163,22 @@ def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor
 
 def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
           optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
-          device: torch.device, step_bytes: list[int]) -> tuple[int, int, int, int, StepTracker]:
+          device: torch.device, step_bytes: list[int],
+          autocast: StepAutocast | None = None) -> tuple[int, int, int, int, StepTracker]:
     """Run one counted step; return (gradient bytes, activation bytes, the output's bytes freed when it is let go
     of, peak bytes the step adds on ``device``, the tracker with the forward and backward peaks and their holders:
     NOTE [ Who holds the peak ]).
 
     ``step_bytes`` holds what the optimizer step adds at its peak once it has been counted (see NOTE [ One
-    optimizer step ]); it is filled by the first call, with the bytes alive when the step starts.
+    optimizer step ]); it is filled by the first call, with the bytes alive when the step starts. The forward and
+    the loss run in an autocast region of their own under ``autocast`` (NOTE [ A step's own autocast region ]).
     """
     for p in params:
         p.grad = None
     with StepTracker(model, device) as tracker, tracker.modules():
-        out = _call(model, sample)
-        value = _scalar(out, loss)
+        with step_region(autocast):
+            out = _call(model, sample)
+            value = _scalar(out, loss)
         with_output = tracker.current(device)
         del out  # the loop keeps the loss only: NOTE [ What an estimate runs ]
         own = tracker._bytes_of([value]).get(device, 0)
@@ -195,12 +223,20 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
     made: torch.optim.Optimizer | None = None
+    kinds: set[type] = {type(p) for p in model.parameters()}  # the real ones: NOTE [ The optimizer the device runs ]
+    autocast = StepAutocast.caller([device])  # each step in a region of its own: NOTE [ A step's own autocast region ]
+    run = run_on(device)  # the CPU standing in for CUDA without a GPU: NOTE [ CUDA without a GPU ] in fake.py
+    if run != device and autocast is not None:
+        autocast = autocast.moved(device.type, run.type)
+    constants = first_step_bytes(device)
     try:
-        with fake_mode(), fake_state(model, device) as params, torch.enable_grad(), real_masks(sample):
+        with stand_in(run, device), planning(autocast, [run]), fake_mode(), fake_state(model, run) as params, \
+                torch.enable_grad(), real_masks(sample):
             if prepare is not None:
                 params = prepare()
+                kinds = {type(p) for p in params}  # sharded ones: DTensors, as on the real ranks
             buffers = list(model.buffers())
-            made = make_optimizer(optimizer, params, device)
+            made = make_optimizer(optimizer, params, device, kinds)
             _warm(made, params)
             state = _state_tensors(made)
             param_keys = {p.untyped_storage()._cdata for p in params}
@@ -210,17 +246,34 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             step_bytes: list[int] = []
 
             def one(configured: Configured, given: Any) -> ConfigEstimate:
-                args = fake_sample(given, device)
+                args = fake_sample(given, run)
                 inputs = tensors_of(args)
-                base = kept + storage_bytes(inputs, device)
-                with configured.apply(args):
-                    grads, held, output, peak, tracker = _step(
-                        model, args, loss, made, params, device, step_bytes
+                base = kept + storage_bytes(inputs, device) + constants
+                try:
+                    with configured.apply(args):
+                        grads, held, output, peak, tracker = _step(
+                            model, args, loss, made, params, device, step_bytes, autocast
+                        )
+                except BudgetError as error:  # a budget below what remat meets: a row that says so
+                    return ConfigEstimate(
+                        config=configured.config,
+                        label=configured.label,
+                        constant_bytes=constants,
+                        params_bytes=storage_bytes(params),
+                        buffers_bytes=storage_bytes(buffers),
+                        input_bytes=storage_bytes(inputs),
+                        grads_bytes=storage_bytes([p for p in params if p.requires_grad]),
+                        optimizer_bytes=storage_bytes(state),
+                        activation_bytes=0,
+                        peak_bytes=0,
+                        refused=str(error),
+                        least_bytes=error.least_bytes,
                     )
                 phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
                 return ConfigEstimate(
                     config=configured.config,
                     label=configured.label,
+                    constant_bytes=constants,
                     params_bytes=storage_bytes(params),
                     buffers_bytes=storage_bytes(buffers),
                     input_bytes=storage_bytes(inputs),
@@ -239,7 +292,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 if refine is not None:
                     row = refine(configured, row, functools.partial(one, configured))
                 rows.append(row)
-    except RematError:
+    except RematError:  # a BudgetError raised here is not a configuration's (`apply(memory=)`'s own)
         raise
     except Exception as error:
         translated = data_dependent(error, site)

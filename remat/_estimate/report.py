@@ -40,6 +40,14 @@ class ConfigEstimate:
             state; repeated blocks folded into one line (``layers.*.mlp (32x)``).
         largest_batch, largest_seq: With ``memory=``: the largest batch size (and sequence length, with
             ``seq_dim=``) whose step fits in it; 0 when none does; None without ``memory=``.
+        refused: Why the configuration cannot be met on this sample (a budget below the least one remat can
+            meet: the `BudgetError`'s message), else None. A refused row has the state's exact bytes (params,
+            buffers, input, grads, optimizer) and no step: its activation and peak bytes are 0, and
+            ``least_bytes`` is the smallest budget that is met.
+        least_bytes: With ``refused``: the smallest budget remat can meet (the `BudgetError`'s ``least_bytes``).
+        constant_bytes: What the device allocates once at the first step and keeps, counted in ``peak_bytes``
+            and every phase's peak: on CUDA the cuBLAS workspaces of the forward's and autograd's threads (NOTE
+            [ A first step's constants ] in remat/_estimate/constants.py); 0 elsewhere.
     """
 
     config: Any
@@ -57,6 +65,9 @@ class ConfigEstimate:
     holders: tuple[tuple[str, int], ...] = ()
     largest_batch: int | None = None
     largest_seq: int | None = None
+    refused: str | None = None
+    least_bytes: int | None = None
+    constant_bytes: int = 0
 
     @property
     def step_peak_bytes(self) -> int:
@@ -80,6 +91,9 @@ class ConfigEstimate:
             "holders": [list(holder) for holder in self.holders],
             "largest_batch": self.largest_batch,
             "largest_seq": self.largest_seq,
+            "refused": self.refused,
+            "least_bytes": self.least_bytes,
+            "constant_bytes": self.constant_bytes,
         }
 
 
@@ -103,6 +117,8 @@ class EstimateReport:
         optimizer: The optimizer's class name, or ``None`` when the step has no optimizer step.
         rows: One `ConfigEstimate` per configuration, in the order given.
         memory: The memory the largest batch sizes were searched for, in bytes (None without ``memory=``).
+        headroom: Bytes of ``memory`` left to the device's allocator: each largest size's step peaks within
+            ``memory - headroom`` (NOTE [ The allocator's reserve ] in reserve.py).
 
     Example:
         >>> import torch, remat
@@ -120,6 +136,7 @@ class EstimateReport:
     optimizer: str | None
     rows: tuple[ConfigEstimate, ...]
     memory: int | None = None
+    headroom: int = 0
 
     def __getitem__(self, config: Any) -> ConfigEstimate:
         for row in self.rows:
@@ -144,22 +161,35 @@ class EstimateReport:
             "optimizer": self.optimizer,
             "configs": [row.to_dict() for row in self.rows],
             "memory": self.memory,
+            "headroom": self.headroom,
         }
 
     def __str__(self) -> str:
         step = f"optimizer step {self.optimizer}" if self.optimizer else "no optimizer step"
         lines = [f"remat.estimate: {self.model}, one training step ({step}), predicted for {self.device}"]
         if self.device.startswith("cuda"):
-            lines.append("peak = torch.cuda.max_memory_allocated (every tensor rounded up to a 512-byte block)")
+            constants = format_bytes(self.rows[0].constant_bytes) if self.rows else "0 B"
+            lines.append("peak = torch.cuda.max_memory_allocated (every tensor rounded up to a 512-byte block; "
+                         f"{constants} of cuBLAS workspaces included)")
         header = ("config", *(title for _, title in _COLUMNS), "peaks in")
-        rows = [header, *((r.label, *(format_bytes(getattr(r, attr)) for attr, _ in _COLUMNS), r.peak_phase)
-                          for r in self.rows)]
+        rows = [header, *((r.label, *(_cell(r, attr) for attr, _ in _COLUMNS), r.peak_phase or
+                           ("refused" if r.refused else "")) for r in self.rows)]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         for row in rows:
             cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)),
                      row[-1]]
             lines.append("  ".join(cells).rstrip())
-        return "\n".join([*lines, *peak_lines(self.rows, self.memory)])
+        return "\n".join([*lines, *peak_lines(self.rows, self.memory, self.headroom)])
+
+
+def _cell(row: ConfigEstimate, attr: str) -> str:
+    """A table cell: the bytes, or "-" for what a refused configuration has no step for."""
+    if row.refused is not None and attr in _STEP:
+        return "-"
+    return format_bytes(getattr(row, attr))
+
+
+_STEP = frozenset({"activation_bytes", "step_peak_bytes", "peak_bytes"})
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -11,6 +11,17 @@ caching allocator would hand out (rounded up to a multiple of `CUDA_BLOCK`), so 
 ``torch.cuda.max_memory_allocated``. A plain `remat.track` around an estimate still sees the fake storages on
 ``meta``, which is how the tests check that an estimate allocates nothing real.
 
+NOTE [ CUDA without a GPU ]
+A CUDA build of torch makes fake CUDA tensors without a GPU, and runs their forward, but its autograd engine asks
+CUDA about the device of every tensor in backward (``hasPrimaryContext``, torch 2.11 on), which fails where there
+is no device. So a step predicted for CUDA on a machine without one runs on fake CPU tensors standing in for the
+CUDA ones (`stand_in`): the trackers and `storage_bytes` count the CPU's fake storages on the CUDA device, as
+the allocator would (its 512-byte blocks); the optimizer takes the implementation torch picks on CUDA (NOTE [ The
+optimizer the device runs ] in remat/_estimate/predict.py); autocast set for CUDA runs as the CPU's. What differs
+from a CUDA step: ops whose CPU kernels allocate other tensors than CUDA's (attention with dropout decomposes on the
+CPU, where CUDA runs one fused kernel: its probabilities are counted), and host scalars (AdamW's step counters)
+counted as 512-byte device blocks.
+
 NOTE [ Swapping in fake state ]
 An estimate must not touch the user's model: parameters and buffers are replaced by fake ones in each module's
 ``_parameters``/``_buffers`` for the duration (a tied weight, one object in two modules, gets one fake), and the
@@ -20,6 +31,7 @@ original objects are put back in ``finally``. Nothing else of the module changes
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -39,6 +51,9 @@ from .track import Tracker
 
 __all__ = [
     "CUDA_BLOCK",
+    "counted_on",
+    "run_on",
+    "stand_in",
     "FakeTracker",
     "allocator_bytes",
     "data_dependent",
@@ -75,6 +90,37 @@ def allocator_bytes(nbytes: int, device: torch.device) -> int:
     return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
 
 
+_standing_in: contextvars.ContextVar[tuple[torch.device, torch.device] | None] = contextvars.ContextVar(
+    "remat_standing_in", default=None)
+
+
+def run_on(device: torch.device) -> torch.device:
+    """The device a fake step predicted for ``device`` runs its fake tensors on: ``device``, or the CPU standing in
+    for CUDA where no GPU is present (NOTE [ CUDA without a GPU ])."""
+    if device.type == "cuda" and torch.cuda.device_count() == 0:
+        return torch.device("cpu")
+    return device
+
+
+@contextlib.contextmanager
+def stand_in(run: torch.device, target: torch.device) -> Iterator[None]:
+    """Count storages on ``run`` as on ``target`` while inside (NOTE [ CUDA without a GPU ]); nothing if the same."""
+    if run == target:
+        yield
+        return
+    token = _standing_in.set((run, target))
+    try:
+        yield
+    finally:
+        _standing_in.reset(token)
+
+
+def counted_on(device: torch.device) -> torch.device:
+    """The device a storage on ``device`` counts on: the one it stands in for, if any."""
+    found = _standing_in.get()
+    return found[1] if found is not None and device == found[0] else device
+
+
 class FakeTracker(Tracker):
     """A `Tracker` that counts fake tensors on the device they claim; see NOTE [ Counting fake tensors ].
 
@@ -91,6 +137,7 @@ class FakeTracker(Tracker):
         device = t.device
         if device.type == "cpu":
             device = torch.device("cpu")
+        device = counted_on(device)
         self._claimed = device
         return device, allocator_bytes(st.nbytes(), device)
 
@@ -132,7 +179,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None =
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        if device is not None and t.device != device:
+        if device is not None and counted_on(torch.device("cpu") if t.device.type == "cpu" else t.device) != device:
             continue
         t = local(t)
         st = t.untyped_storage()

@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from .._core.torch_compat import can_record_host, compiling_allowed, host_bytes
+from .fake import FakeTracker
 from .state import step_state
-from .track import Tracker, placed
+from .track import placed
 
 __all__ = ["compiled_peak", "measure_step"]
 
@@ -41,7 +42,7 @@ def measure_step(model: nn.Module, step: Callable[[], torch.Tensor], *, grads: b
     without gradients as after ``zero_grad()`` (so backward's new gradients count), or from zero gradients without
     ``grads`` (an eager step lifted to one compiled graph adds them itself); the model left as it was found."""
     with step_state(model, zeros=not grads):
-        with Tracker() as tracker:
+        with FakeTracker() as tracker:  # a twin's fake tensors count where they claim to be
             loss = step()
             torch.autograd.backward(loss)
             del loss

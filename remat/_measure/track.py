@@ -41,6 +41,13 @@ NOTE [ A device's limit ]
    room for one. The raise leaves the tracker as it was before the op; outputs of the same op that were counted
    before the one that crossed are released with the op's outputs, as any dropped storage is.
 
+NOTE [ Devices that hold memory ]
+``peak_bytes`` and ``current_bytes`` answer "how much memory did this take", all devices together: a device that
+holds no memory has no place in them. The ``meta`` device is one: fake tensors (``FakeTensorMode``: the twin
+`remat.apply(budget=...)` plans on, `remat.estimate`'s step) have storages there, with the bytes a real tensor
+would have, and summing them with real ones made a `remat.track()` around ``apply(budget=...)`` read several
+times the budget although nothing was allocated. Their bytes are still counted per device (``peak("meta")``).
+
 NOTE [ Riders ]
 A tracker can count for another without a dispatch mode of its own: `_ride` shows it every op the host's mode
 sees and every resize the host is told of, from then until `_unride` or the host's exit (which tells the rider:
@@ -184,8 +191,12 @@ class Tracker:
     and keep freed blocks, which this does not see.
 
     Attributes:
-        peak_bytes: The highest number of live bytes, all devices together, seen in the block.
-        current_bytes: Bytes live now (or when the block ended), all devices together.
+        peak_bytes: The highest number of live bytes, all devices that hold memory together, seen in the block.
+        current_bytes: Bytes live now (or when the block ended), all devices that hold memory together.
+
+    The ``meta`` device holds no memory (fake tensors' storages live there, such as the twin a budget plans on):
+    its bytes are shown apart, by ``peak("meta")`` and ``current("meta")``, never in the totals (NOTE
+    [ Devices that hold memory ]).
 
     Example:
         >>> import torch, remat
@@ -483,6 +494,8 @@ class Tracker:
         self._current[device] = cur
         if cur > self._peak.get(device, -1):
             self._peak[device] = cur
+        if device.type == "meta":  # no memory: NOTE [ Devices that hold memory ]
+            return
         self.current_bytes += delta
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes

@@ -84,7 +84,7 @@ class ModelPlan:
         for i in range(len(plan.cost)):
             name, choice, cost, extra = plan.block(i)
             kind = self.classes[i] if i < len(self.classes) else ""
-            rows.append((name or "(model)", kind, choice, format_bytes(cost.held_bytes), f"{extra * 1e3:+.2f} ms"))
+            rows.append((name or "(model)", kind, choice, format_bytes(cost.held_bytes), plan.time(extra, extra=True)))
         lines = [f"remat plan for {self.model}: {len(plan.cost)} blocks under a budget"]
         lines += _aligned(rows)
         lines += plan.summary()

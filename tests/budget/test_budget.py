@@ -227,6 +227,21 @@ def test_plan_table_shows_blocks_and_baselines() -> None:
     assert "predicted peak" in text and "no remat: peak" in text and "full remat: peak" in text
 
 
+def test_a_plan_made_on_fake_tensors_prints_times_relative_to_no_remat() -> None:
+    """Planned on a fake twin, op times are priced on a nominal device: not this device's milliseconds (on an H200
+    they read 2.2x the real step), so the plan says how much slower than no remat each choice and the step are."""
+    model = remat.apply(_stack(), budget=0.5, sample=X)
+    plan = remat.plan(model).budget
+    assert plan is not None and plan.cost.priced and plan.no_remat is not None
+    text = str(remat.plan(model))
+    assert " ms" not in text, text
+    assert "no remat: peak" in text and "step 1.00x no remat's" in text
+    assert f"step {plan.step_time / plan.no_remat[1]:.2f}x no remat's" in text
+    assert "ops priced on a nominal device" in text
+    extra = [line.split()[-1] for line in text.splitlines() if line.startswith("blocks.")]
+    assert extra and all(cell.endswith("%") for cell in extra), text
+
+
 def test_undo_restores_the_model() -> None:
     model = _stack()
     keys = list(model.state_dict())

@@ -3,14 +3,18 @@ checked against a real training step tracked with `remat.track()`."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from conftest import recomputes
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import remat
+from remat._estimate.reserve import DEFAULT
 
 WIDTH = 32
 
@@ -136,6 +140,155 @@ def test_memory_argument_errors() -> None:
         remat.apply(_model(), memory=0.5, sample=x)
 
 
+# -- on a device whose optimizers take their foreach path --------------------------------------------------
+
+
+def _on(device: str, width: int = 256, batch: int = 1024) -> tuple[Any, torch.Tensor]:
+    """The model and batch of a default loop on ``device`` (made inside the caller's tracker, as on a device)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(4)]
+    return nn.Sequential(*blocks).to(device), torch.randn(batch, width).to(device)
+
+
+def _adamw_loop(model: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()  # set_to_none=True: backward allocates the gradients again
+        _loss(model(x)).backward()
+        optimizer.step()
+
+
+def _loop_total(device: str) -> int:
+    """The peak of three steps of the default AdamW loop, everything allocated inside: what the device holds."""
+    with remat.track() as t:
+        model, x = _on(device)
+        _adamw_loop(model, x, torch.optim.AdamW(model.parameters()))
+    return t.peak(device)
+
+
+def test_the_estimate_of_a_default_adamw_loop_on_a_device_prices_its_foreach_step(test_device: str) -> None:
+    """torch's AdamW takes its foreach path on an accelerator (one parameter-sized temporary more at its peak);
+    the estimate's fake parameters would take the for-loop: it prices the path the real parameters take."""
+    model, x = _on(test_device, batch=16)  # the optimizer step is the peak
+    report = remat.estimate(model, x, loss=_loss, optimizer="adamw", configs=("none",))
+    with remat.track() as t:
+        model, x = _on(test_device, batch=16)
+        _adamw_loop(model, x, torch.optim.AdamW(model.parameters()))
+    row = report["none"]
+    assert row.peak_phase == "optimizer step"
+    assert abs(row.peak_bytes / t.peak(test_device) - 1) < 0.05, (row.peak_bytes, t.peak(test_device))
+    on_cpu = remat.estimate(_on("cpu", batch=16)[0], x.cpu(), loss=_loss, optimizer="adamw", configs=("none",))
+    assert row.peak_bytes - on_cpu["none"].peak_bytes >= row.params_bytes // 2  # the foreach temporary
+    explicit = remat.estimate(model, x, loss=_loss, configs=("none",),
+                              optimizer=lambda params: torch.optim.AdamW(params, foreach=False))
+    # an explicit choice is honoured (the bytes apart: AdamW's step counters stay on the host)
+    assert abs(explicit["none"].peak_bytes - on_cpu["none"].peak_bytes) < 1024
+
+
+@contextlib.contextmanager
+def _device_of(size: int | None) -> Iterator[Callable[[], int]]:
+    """The Python device as a device of ``size`` bytes for its allocator model (cached segments given back before it
+    reserves past it, as CUDA's allocator does): yields what it has reserved at most since, above what it held."""
+    import pydevice
+
+    device = pydevice.DEVICE
+    device.empty_cache()
+    device.reset_peak_memory_stats()
+    held = device.memory_reserved()
+    device.set_memory_limit(None if size is None else size + held)
+    try:
+        yield lambda: device.max_memory_reserved() - held
+    finally:
+        device.set_memory_limit(None)
+
+
+def _full_loop_fits(device: str, memory: int) -> bool:
+    """Whether full remat's loop fits a device of ``memory``: its tensors (`track(limit=)`) and what its allocator
+    reserves."""
+    try:
+        with _device_of(memory) as reserved, remat.track(limit=memory):
+            model, x = _on(device)
+            _adamw_loop(remat.apply(model), x, torch.optim.AdamW(model.parameters()))
+    except torch.OutOfMemoryError:
+        return False
+    return reserved() <= memory
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.7, 0.8, 0.9])
+def test_memory_plan_and_three_adamw_steps_fit_a_device_of_that_memory(test_device: str, fraction: float) -> None:
+    """`apply(memory=M)` on a device, then the default AdamW loop, all on a device of M: its tensors under
+    `track(limit=M)`, and what its allocator reserves (the model of CUDA's caching allocator of tests/pydevice.py,
+    which reserves more than the tensors take) within M. Or `apply` refuses, and full remat's loop does not fit M
+    either (a true refusal), or does only without the allocator's headroom (NOTE [ The allocator's reserve ])."""
+    with _device_of(None) as reserved:
+        model, x = _on(test_device)
+        _adamw_loop(model, x, torch.optim.AdamW(model.parameters()))
+        del model, x
+    memory = int(fraction * reserved())  # of what the loop without remat holds on the device
+    before = recomputes()
+    try:
+        with _device_of(memory) as reserved, remat.track(limit=memory) as tracked:
+            model, x = _on(test_device)
+            optimizer = torch.optim.AdamW(model.parameters())
+            remat.apply(model, memory=memory, sample=x, loss=_loss, optimizer=optimizer)
+            _adamw_loop(model, x, optimizer)
+            del model, x, optimizer
+    except remat.BudgetError as error:
+        assert error.least_bytes is not None and error.least_bytes > memory
+        if _full_loop_fits(test_device, memory):
+            assert "allocator" in str(error)  # full remat fits only without the headroom it is refused for
+            assert not _full_loop_fits(test_device, int(memory * (1 - DEFAULT)))
+        return
+    assert tracked.peak(test_device) <= memory and reserved() <= memory, (tracked.peak(test_device), reserved())
+    assert recomputes() > before
+
+
+def test_the_device_model_reserves_as_a_caching_allocator(test_device: str) -> None:
+    """The allocator model of tests/pydevice.py: blocks rounded to 512 bytes in 2 MiB segments (20 MiB above 1 MiB),
+    freed blocks cached, `empty_cache` gives back what holds nothing."""
+    import pydevice
+
+    device = pydevice.DEVICE
+    device.empty_cache()
+    start = device.memory_reserved(), device.memory_allocated()
+    small = torch.empty(250, device=test_device)  # 1000 bytes: one 1024-byte block of a new 2 MiB segment
+    assert device.memory_allocated() - start[1] == 1024 and device.memory_reserved() - start[0] == 2 << 20
+    large = torch.empty(3 << 18, device=test_device)  # 3 MiB: a 20 MiB segment
+    assert device.memory_reserved() - start[0] == 22 << 20
+    del small, large
+    assert device.memory_allocated() == start[1] and device.memory_reserved() - start[0] == 22 << 20  # cached
+    device.empty_cache()
+    assert device.memory_reserved() == start[0]
+
+
+def test_headroom_arguments() -> None:
+    x = torch.randn(8, WIDTH)
+    with pytest.raises(ValueError, match="`headroom` goes with `memory=`"):
+        remat.apply(_model(), budget=0.5, sample=x, headroom=0.1)
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        remat.apply(_model(), memory="1GiB", sample=x, loss=_loss, optimizer="sgd", headroom=1.5)
+    with pytest.raises(ValueError, match="leaves nothing"):
+        remat.apply(_model(), memory="1MiB", sample=x, loss=_loss, optimizer="sgd", headroom="2MiB")
+    with pytest.raises(remat.BudgetError, match="left to the allocator") as info:  # the CPU's default is none
+        full, _ = _real_step(remat.apply(_model(), policy=None), x)
+        remat.apply(_model(), memory=full, sample=x, loss=_loss, optimizer="adamw", headroom=0.5)
+    assert info.value.least_bytes is not None and info.value.least_bytes > full
+
+
+def test_the_largest_batch_leaves_the_allocator_its_headroom(test_device: str) -> None:
+    model, x = _on(test_device, batch=64)
+    memory = 80 << 20
+    kept = remat.estimate(model, x, loss=_loss, optimizer="adamw", configs=("none",), memory=memory, batch_dim=0)
+    bare = remat.estimate(model, x, loss=_loss, optimizer="adamw", configs=("none",), memory=memory, batch_dim=0,
+                          headroom=0)
+    assert kept.headroom == memory // 10 and bare.headroom == 0
+    assert "(8.00 MiB left to the allocator)" in str(kept)
+    batch = kept["none"].largest_batch
+    assert batch is not None and 0 < batch < bare["none"].largest_batch  # type: ignore[operator]
+    fits = remat.estimate(model, torch.randn(batch, x.shape[1]).to(test_device), loss=_loss, optimizer="adamw",
+                          configs=("none",))
+    assert fits["none"].peak_bytes <= memory - kept.headroom
+
+
 # -- the largest batch -----------------------------------------------------------------------------
 
 
@@ -175,6 +328,20 @@ def test_search_arguments() -> None:
         remat.estimate(_model(), x, loss=_loss, configs=("none",), batch_dim=0)
     with pytest.raises(ValueError, match="dimension"):
         remat.estimate(_model(), x, loss=_loss, configs=("none",), memory="1MiB", batch_dim=3)
+
+
+def test_a_budget_that_cannot_be_met_is_a_refused_row() -> None:
+    """The default configurations include a budget (0.3 of no remat's peak); where no plan meets it, the estimate
+    still answers, with that row refused (and its largest batch searched below the sample's)."""
+    report = remat.estimate(_model(depth=2), torch.randn(4, WIDTH), loss=_loss, optimizer="adamw",
+                            memory="64KiB", batch_dim=0)
+    row = report[0.3]
+    assert row.refused is not None and "smallest feasible budget" in row.refused
+    assert row.least_bytes is not None and row.least_bytes > 0 and row.peak_bytes == 0
+    assert row.params_bytes == report["none"].params_bytes and row.optimizer_bytes == report["none"].optimizer_bytes
+    assert row.largest_batch is not None and report["none"].refused is None
+    text = str(report)
+    assert "budget 0.3: refused on this sample" in text and report.to_dict()["configs"][3]["refused"] == row.refused
 
 
 # -- where the step peaks ------------------------------------------------------------------------

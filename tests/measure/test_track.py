@@ -198,6 +198,35 @@ _STEP = st.one_of(
 )
 
 
+def test_fake_tensors_count_apart_from_the_totals() -> None:
+    """Fake tensors' storages live on ``meta``, which holds no memory: shown per device, never in the totals."""
+    from torch._subclasses import FakeTensorMode
+
+    with track() as t:
+        real = torch.empty(10)
+        with FakeTensorMode():
+            fake = torch.empty(1000)  # claims the CPU; its storage is on meta
+        assert t.current_bytes == 10 * F32 and t.current("meta") == 1000 * F32
+    assert t.peak_bytes == 10 * F32 and t.peak("meta") == 1000 * F32
+    assert torch.device("meta") in t.devices and real.numel() + fake.numel() == 1010
+
+
+def test_a_budget_planned_under_a_tracker_reads_what_it_allocated() -> None:
+    """`apply(budget=...)` plans on a fake twin: a user's tracker around it reads the real bytes, within the
+    budget (`docs/guides/budget.md`), not the twin's storages."""
+    pytest.importorskip("transformers")
+    import remat
+    from tests.models import build
+
+    work = build("bert")
+    with track() as t:
+        remat.apply(work.model, budget=0.6, sample=work.sample, loss=work.loss)
+    plan = remat.plan(work.model).budget
+    assert plan is not None
+    assert t.peak("meta") > plan.budget  # the twin's step was seen, on meta
+    assert t.peak_bytes == t.peak("cpu") <= plan.budget
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_STEP, max_size=25))
 def test_current_bytes_equal_the_live_distinct_storages(steps: list[tuple[str, int, torch.dtype | None]]) -> None:

@@ -457,7 +457,7 @@ def test_import_remat_loads_the_engine_not_the_planner_the_tools_or_the_benchmar
     loaded, used = done.stdout.splitlines()
     assert "remat._engine.region" in loaded.split()  # the probe sees what is imported
     late = ("benchmarks", "tests", "remat._demo", "remat.__main__", "remat._estimate", "remat._budget",
-            "remat._chain", "remat._measure", "remat._sites.cross_entropy", "remat._sites.integrations.", "transformers",
-            "peft")
+            "remat._chain", "remat._measure", "remat._sites.cross_entropy", "remat._sites.integrations.",
+            "transformers", "peft")
     assert not [m for m in loaded.split() if m.startswith(late)], loaded
     assert used.split() == ["remat._chain.chain", "remat._measure.track", "remat._estimate.estimate", "remat"]

@@ -1,0 +1,429 @@
+"""`python -m benchmarks --model gpu --device cuda`: the memory promises at real sizes, in one table.
+
+Run on one GPU: GPT-2 124M (batch 16, seq 1024) and a TinyLlama-shaped 1.1B (22 layers, d=2048, GQA 32/4, vocabulary
+32,000; batch 4, seq 2048), built from transformers configs with random weights, float32 weights under bf16 autocast.
+Without `--device cuda` (and in CI) the same rows run on the CPU at tiny sizes (`TINY`), counted with `remat.track`.
+
+NOTE [ What the GPU check measures ]
+1. A step is the AMP recipe's: forward and loss inside `torch.autocast(device, torch.bfloat16)`, backward outside,
+   gradients set to None first (as `zero_grad()` leaves them). Its peak is `torch.cuda.max_memory_allocated()` above
+   what was allocated when it began (on the CPU: `remat.track`), after one warm-up step; its time is the median of
+   `STEPS` steps.
+2. Configurations, each on its own copy of the same weights: no remat; transformers' own checkpointing
+   (`activation_checkpointing_enable`, non-reentrant); torch's selective checkpoint of each layer, matmuls and
+   attention kept (`create_selective_checkpoint_contexts`); remat full, `save_matmuls`, replay and per-layer
+   offload. Each row says its peak against no remat's and its step time; the step-time targets are checked on a GPU.
+3. The estimate: `remat.estimate` under the same autocast, for no remat, full and `save_matmuls`, against the
+   measured step (the whole device's `max_memory_allocated`, parameters and the batch included; within 5%).
+4. Budgets 0.3, 0.5 and 0.7 of no remat's peak: `remat.apply(model, budget=f, sample=batch)` under autocast; what
+   `apply` itself allocated above its start, and the first three steps' peaks, each against the budget (at most
+   1.05; or a `BudgetError`, shown with its least budget).
+5. `memory=` with AdamW under a real cap: the device capped at M (`torch.cuda.set_per_process_memory_fraction`;
+   on the CPU `remat.track(limit=M)`), `remat.apply(model, memory=M, optimizer=opt)` and three AdamW steps: the
+   most reserved (allocated on the CPU) against M, or the step that ran out of memory, or `apply`'s refusal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import gc
+import importlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+import remat
+from remat._core.units import format_bytes
+
+__all__ = ["REAL", "STEPS", "TINY", "Row", "Shape", "main", "run"]
+
+STEPS = 3
+"""Timed steps per configuration (the median is shown)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A model of the check: its transformers config, batch and sequence, and the memory sizes to cap at (bytes;
+    fractions of no remat's whole AdamW loop where below 1)."""
+
+    name: str
+    kind: str  # "gpt2" or "llama"
+    config: dict[str, Any]
+    batch: int
+    seq: int
+    memory: tuple[float, ...]
+
+
+REAL = (
+    Shape("GPT-2 124M", "gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024,
+                                 "vocab_size": 50257}, 16, 1024, (12 * 2**30, 16 * 2**30)),
+    Shape("TinyLlama 1.1B", "llama", {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                                      "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
+                                      "max_position_embeddings": 2048}, 4, 2048, (24 * 2**30, 28 * 2**30)),
+)
+TINY = (
+    Shape("GPT-2 tiny", "gpt2", {"n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 32, "vocab_size": 128},
+          2, 32, (0.75, 0.9)),
+    Shape("Llama tiny", "llama", {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 3,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+                                  "max_position_embeddings": 32}, 2, 32, (0.75, 0.9)),
+)
+BUDGETS = (0.3, 0.5, 0.7)
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table: what ran, its figures, and the target it checks (None: none)."""
+
+    model: str
+    what: str
+    figures: str
+    ok: bool | None = None
+    target: str = ""
+
+
+# -- building and stepping --------------------------------------------------------------------------------------
+
+
+def build(shape: Shape) -> nn.Module:
+    """The model, random weights from seed 0, on the CPU (copied to the device per configuration)."""
+    hf: Any = importlib.import_module("transformers")
+    torch.manual_seed(0)
+    if shape.kind == "gpt2":
+        model = hf.GPT2LMHeadModel(hf.GPT2Config(**shape.config, bos_token_id=0, eos_token_id=0))
+    else:
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(**shape.config))
+    model.config.use_cache = False
+    return model.train()  # type: ignore[no-any-return]
+
+
+def sample(shape: Shape, device: torch.device) -> dict[str, torch.Tensor]:
+    vocab = int(shape.config["vocab_size"])
+    ids = torch.randint(0, vocab, (shape.batch, shape.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def step(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> None:
+    """One training step as NOTE [ What the GPU check measures ] (rule 1) writes it, no optimizer."""
+    for p in model.parameters():
+        p.grad = None
+    with _autocast(device):
+        loss = model(**batch).loss
+    loss.backward()
+
+
+class Device:
+    """Peaks and times on the device: the allocator's statistics on CUDA, `remat.track` elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    @contextlib.contextmanager
+    def peak(self) -> Iterator[list[int]]:
+        """Yield a list that holds, after the block, the most bytes allocated in it above its start."""
+        found: list[int] = []
+        if self.cuda:
+            self.sync()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            yield found
+            self.sync()
+            found.append(torch.cuda.max_memory_allocated(self.device) - before)
+        else:
+            with remat.track() as tracked:
+                yield found
+            found.append(tracked.peak_bytes)
+
+    def allocated(self) -> int:
+        """Bytes allocated now (on the CPU: not known; callers count their tensors instead)."""
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    def timed(self, fn: Callable[[], None]) -> float:
+        times = []
+        for _ in range(STEPS if self.cuda else 1):  # the CPU's times are not checked
+            self.sync()
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+# -- configurations -------------------------------------------------------------------------------------------
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    hf: Any = model
+    inner: Any = hf.transformer.h if hasattr(hf, "transformer") else hf.model.layers
+    return list(inner)
+
+
+def _torch_selective(model: nn.Module) -> nn.Module:
+    """torch's selective checkpoint on each layer, matmuls and attention kept (the usual SAC policy)."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    keep = {getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name)}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+    for layer in _layers(model):
+        forward = layer.forward
+
+        def checkpointed(*args: Any, forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+        layer.forward = checkpointed  # the instance's: transformers reads the class's own forward
+    return model
+
+
+def _hf_checkpointing(model: nn.Module) -> nn.Module:
+    enable: Any = getattr(model, "activation_checkpointing_enable", None)  # transformers 5; earlier: its old name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+CONFIGS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "no remat": lambda model: model,
+    "transformers' checkpointing": _hf_checkpointing,
+    "torch selective (matmuls, attention)": _torch_selective,
+    "remat full": lambda model: remat.apply(model),
+    "remat save_matmuls": lambda model: remat.apply(model, policy=remat.policies.save_matmuls),
+    "remat replay": lambda model: remat.apply(model, strategy="replay"),
+    "remat offload (per layer)": lambda model: remat.apply(model, offload=True),
+}
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+# -- the rows -----------------------------------------------------------------------------------------------------
+
+
+def configurations(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -> dict[str, tuple[int, int, float]]:
+    """Each configuration's (step peak, whole device's peak, step seconds): NOTE [ What the GPU check measures ],
+    rule 2."""
+    batch = sample(shape, dev.device)
+    found: dict[str, tuple[int, int, float]] = {}
+    for label, configure in CONFIGS.items():
+        model = configure(copy.deepcopy(base).to(dev.device))
+        try:
+            step(model, batch, dev.device)  # warm-up: cuBLAS workspaces, offload's pinned blocks
+            for p in model.parameters():
+                p.grad = None
+            resident = dev.allocated() or _storage_bytes([*model.parameters(), *model.buffers(), *batch.values()])
+            one = functools.partial(step, model, batch, dev.device)
+            with remat.enabled(label != "no remat"):
+                with dev.peak() as peak:
+                    one()
+                seconds = dev.timed(one)
+            found[label] = (peak[0], resident + peak[0], seconds)
+        except Exception as error:  # a row that fails says so; the others still run
+            out.append(Row(shape.name, label, f"failed: {type(error).__name__}: {str(error)[:120]}", False))
+        finally:
+            del model
+            dev.free()
+    none = found.get("no remat")
+    for label, (nbytes, _, seconds) in found.items():
+        ratio = f" ({nbytes / none[0]:.2f} of no remat's)" if none else ""
+        out.append(Row(shape.name, label, f"peak {format_bytes(nbytes)}{ratio}, step {seconds * 1e3:.0f} ms"))
+    targets = (("remat full", "transformers' checkpointing", 1.0, "full remat's step <= transformers' own"),
+               ("remat save_matmuls", "torch selective (matmuls, attention)", 1.0,
+                "save_matmuls' step <= torch's selective checkpoint's"),
+               ("remat offload (per layer)", "remat full", 1.03, "per-layer offload's step <= 1.03x per-layer remat's"))
+    for ours, theirs, bound, target in targets:
+        if ours in found and theirs in found:
+            slower = found[ours][2] / found[theirs][2]
+            timed = slower <= bound if dev.cuda else None  # a GPU's targets: on the CPU, the figures only
+            out.append(Row(shape.name, f"target: {ours}", f"step {slower:.3f}x {theirs}'s", timed, target))
+    return found
+
+
+def estimates(shape: Shape, base: nn.Module, dev: Device, found: dict[str, tuple[int, int, float]],
+              out: list[Row]) -> None:
+    """NOTE [ What the GPU check measures ], rule 3."""
+    batch = sample(shape, dev.device)
+    names = {"none": "no remat", "full": "remat full", "save_matmuls": "remat save_matmuls"}
+    model = copy.deepcopy(base).to(dev.device)
+    try:
+        with _autocast(dev.device):
+            report = remat.estimate(model, batch, configs=tuple(names))
+    finally:
+        del model
+        dev.free()
+    for config, label in names.items():
+        if label in found:
+            ratio = report[config].peak_bytes / found[label][1]
+            out.append(Row(shape.name, f"estimate {config}", f"predicted {format_bytes(report[config].peak_bytes)}, "
+                           f"{ratio:.3f}x measured", abs(ratio - 1) <= 0.05, "estimate within 5% of the step"))
+
+
+def budgets(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -> None:
+    """NOTE [ What the GPU check measures ], rule 4."""
+    batch = sample(shape, dev.device)
+    for fraction in BUDGETS:
+        model = copy.deepcopy(base).to(dev.device)
+        label = f"budget {fraction}"
+        try:
+            with dev.peak() as planning, _autocast(dev.device):
+                remat.apply(model, budget=fraction, sample=batch)
+            plan = remat.plan(model).budget
+            assert plan is not None
+            steps = []
+            for _ in range(3):
+                with dev.peak() as peak:
+                    step(model, batch, dev.device)
+                steps.append(peak[0] / plan.budget)
+            floor = plan.full_remat[0] if plan.full_remat is not None else 0
+            ok = max(steps) <= 1.05 and planning[0] <= max(plan.budget, floor) * 1.05
+            out.append(Row(shape.name, label, f"budget {format_bytes(plan.budget)}: apply's own peak "
+                           f"{planning[0] / plan.budget:.2f}, steps " + " ".join(f"{s:.3f}" for s in steps),
+                           ok, "steps <= 1.05x budget; apply <= budget or full remat's peak"))
+        except remat.BudgetError as error:
+            least = format_bytes(error.least_bytes) if error.least_bytes else "?"
+            out.append(Row(shape.name, label, f"refused (least budget {least})", None))
+        except Exception as error:
+            out.append(Row(shape.name, label, f"failed: {type(error).__name__}: {str(error)[:120]}", False))
+        finally:
+            del model
+            dev.free()
+
+
+@contextlib.contextmanager
+def _capped(dev: Device, memory: int) -> Iterator[None]:
+    """The device as one of ``memory`` bytes: a real cap on CUDA, `remat.track(limit=)` on the CPU."""
+    if dev.cuda:
+        dev.free()
+        total = torch.cuda.get_device_properties(dev.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory / total), dev.device)
+        torch.cuda.reset_peak_memory_stats(dev.device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, dev.device)
+    else:
+        with remat.track(limit=memory):
+            yield
+
+
+def memories(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -> None:
+    """NOTE [ What the GPU check measures ], rule 5."""
+    batch = sample(shape, dev.device)
+    whole = 0
+    if any(size < 1 for size in shape.memory):  # fractions: of no remat's whole AdamW loop
+        with dev.peak() as peak:
+            model = copy.deepcopy(base).to(dev.device)
+            adamw = torch.optim.AdamW(model.parameters())
+            for _ in range(2):
+                step(model, batch, dev.device)
+                adamw.step()
+            del model, adamw
+        whole = peak[0] + _storage_bytes(list(batch.values()))
+        dev.free()
+    for size in shape.memory:
+        memory = int(size * whole) if size < 1 else int(size)
+        label = f"memory={format_bytes(memory)}, AdamW"
+        reached = 0
+        try:
+            with _capped(dev, memory):
+                model = copy.deepcopy(base).to(dev.device)
+                adamw = torch.optim.AdamW(model.parameters())
+                with _autocast(dev.device):  # planned as the loop runs
+                    remat.apply(model, memory=memory, sample=batch, optimizer=adamw)
+                for _ in range(3):
+                    reached += 1
+                    step(model, batch, dev.device)
+                    adamw.step()
+                held = torch.cuda.max_memory_reserved(dev.device) if dev.cuda else 0
+            figures = f"three steps, reserved {held / memory:.3f} of it" if dev.cuda else "three steps within it"
+            out.append(Row(shape.name, label, figures, True, "memory=: the loop runs under a cap of M, or refuses"))
+        except remat.BudgetError as error:
+            least = format_bytes(error.least_bytes) if error.least_bytes else "?"
+            out.append(Row(shape.name, label, f"refused (least {least})", True,
+                           "memory=: the loop runs under a cap of M, or refuses"))
+        except torch.OutOfMemoryError:
+            out.append(Row(shape.name, label, f"out of memory at step {reached}" if reached else
+                           "out of memory in apply", False, "memory=: the loop runs under a cap of M, or refuses"))
+        finally:
+            with contextlib.suppress(NameError):
+                del model, adamw
+            dev.free()
+
+
+def run(device: torch.device, shapes: Sequence[Shape], progress: Callable[[str], None] = lambda m: None) -> list[Row]:
+    """Every row of the check, for each model of ``shapes``."""
+    dev = Device(device)
+    out: list[Row] = []
+    for shape in shapes:
+        progress(f"{shape.name}: building")
+        base = build(shape)
+        progress(f"{shape.name}: configurations")
+        found = configurations(shape, base, dev, out)
+        progress(f"{shape.name}: estimate")
+        estimates(shape, base, dev, found, out)
+        progress(f"{shape.name}: budgets")
+        budgets(shape, base, dev, out)
+        progress(f"{shape.name}: memory=")
+        memories(shape, base, dev, out)
+        del base
+        dev.free()
+    return out
+
+
+def format_rows(device: torch.device, rows: Sequence[Row], tiny: bool) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    sizes = "tiny sizes (CI)" if tiny else "real sizes"
+    lines = [f"GPU check: {name}, torch {torch.__version__}, bf16 autocast, {sizes}"]
+    width = [max(len(r.model) for r in rows), max(len(r.what) for r in rows)] if rows else [0, 0]
+    for r in rows:
+        mark = "" if r.ok is None else ("  ok" if r.ok else "  FAILS: " + r.target)
+        lines.append(f"{r.model.ljust(width[0])}  {r.what.ljust(width[1])}  {r.figures}{mark}")
+    failed = [r for r in rows if r.ok is False]
+    lines.append(f"{len(failed)} of {sum(r.ok is not None for r in rows)} checks fail" if failed else
+                 f"every check holds ({sum(r.ok is not None for r in rows)})")
+    return "\n".join(lines)
+
+
+def main(device: torch.device, out: TextIO, progress: Callable[[str], None] = lambda m: None,
+         tiny: bool | None = None) -> int:
+    """Print the table; 1 where a check fails."""
+    if tiny is None:
+        tiny = device.type != "cuda"
+    rows = run(device, TINY if tiny else REAL, progress)
+    print(format_rows(device, rows, tiny), file=out)
+    return 1 if any(r.ok is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(torch.device("cuda" if torch.cuda.is_available() else "cpu"), sys.stdout))

@@ -1,0 +1,33 @@
+"""The GPU check (`python -m benchmarks --model gpu`, benchmarks/gpu_check.py) at its tiny CPU sizes: every row runs
+and every check that holds on a CPU holds, so that the command is ready for a GPU."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from benchmarks.cli import main
+from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY
+
+pytest.importorskip("transformers")
+
+
+def test_the_gpu_check_runs_every_row_at_tiny_sizes_on_the_cpu() -> None:
+    out = io.StringIO()
+    status = main(["--model", "gpu", "--quiet"], stdout=out)
+    text = out.getvalue()
+    assert status == 0, text
+    lines = text.splitlines()
+    assert lines[0].startswith("GPU check: CPU") and "tiny sizes" in lines[0]
+    assert "failed:" not in text and "FAILS" not in text, text
+    for shape in TINY:
+        rows = [line for line in lines if line.startswith(shape.name)]
+        for label in CONFIGS:
+            assert any(f"  {label}  " in row and "peak " in row for row in rows), (label, text)
+        for config in ("none", "full", "save_matmuls"):
+            assert any(f"estimate {config} " in row and row.endswith("ok") for row in rows), text
+        for fraction in BUDGETS:
+            assert any(f"budget {fraction} " in row for row in rows), text
+        assert sum("memory=" in row for row in rows) == len(shape.memory)
+    assert lines[-1].startswith("every check holds")
