@@ -203,7 +203,7 @@ def chunked(
     if compiling():  # implementation note 3
         losses = _operator(flat_hidden, weight, bias, flat_labels, *options, list(wanted))[0]
     elif any(wanted):
-        losses = _Eager.apply(flat_hidden, weight, bias, flat_labels, options, wanted)  # type: ignore[no-untyped-call]
+        losses = _Eager.apply(flat_hidden, weight, bias, flat_labels, options, wanted)  # type: ignore[no-untyped-call, unused-ignore]
     else:
         losses = _forward(flat_hidden, weight, bias, flat_labels, options, wanted)[0]
     return losses.view(labels.shape) if reduction == "none" else losses  # reduced by `_forward`
