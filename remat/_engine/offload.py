@@ -43,7 +43,8 @@ __all__ = ["Offload", "for_kept", "no_offload_inside", "offload", "resolve"]
 # Everything else is handed back as it is (`Stay`), with its version, so an in-place change before backward
 # still raises; so does an offloaded tensor's, while the tensor lives.
 # Offload's own copies run with the dispatch modes set aside and without grad, so a site's recorder or policy,
-# or `remat.track`, never sees them: the tracker counts device memory, `host_bytes()` counts host copies.
+# or `remat.track`, never sees them: the tracker counts device memory, `transfer.offloaded_bytes()` the host
+# copies.
 
 _INSIDE_RERUN = (
     "remat: `with remat.offload():` inside the rematerialized function `{site}`: rerun calls the function again "

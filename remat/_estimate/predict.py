@@ -72,7 +72,7 @@ from .._measure.hf_fake import real_masks
 from .._measure.loss import call as _call
 from .._measure.loss import default_loss
 from .constants import first_step_bytes
-from .phases import BACKWARD, OPTIMIZER, StepTracker, where_it_peaks
+from .phases import BACKWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
 
 __all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict"]
@@ -164,7 +164,7 @@ def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor
 def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
           optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
           device: torch.device, step_bytes: list[int],
-          autocast: StepAutocast | None = None) -> tuple[int, int, int, int, StepTracker]:
+          autocast: StepAutocast | None = None) -> tuple[int, int, int, int, PhaseTracker]:
     """Run one counted step; return (gradient bytes, activation bytes, the output's bytes freed when it is let go
     of, peak bytes the step adds on ``device``, the tracker with the forward and backward peaks and their holders:
     NOTE [ Who holds the peak ]).
@@ -175,7 +175,7 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
     """
     for p in params:
         p.grad = None
-    with StepTracker(model, device) as tracker, tracker.modules():
+    with PhaseTracker(model, device) as tracker, tracker.modules():
         with step_region(autocast):
             out = _call(model, sample)
             value = _scalar(out, loss)
