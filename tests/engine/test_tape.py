@@ -1,4 +1,4 @@
-"""Tests of the replay tape's structure: what its entries hold, and plans shared between tapes (NOTE [ What the tape
+"""Tests of the replay tape's structure: what its entries hold, and scripts shared between tapes (NOTE [ What the tape
 holds ] in remat/_engine/recorder.py, NOTE [ Shared scripts ] in remat/_engine/tape.py)."""
 # mypy: disable-error-code="no-untyped-call,no-any-return"
 
@@ -50,7 +50,7 @@ def test_tapes_of_the_same_structure_share_one_script_and_give_no_remats_gradien
         torch.testing.assert_close(x.grad, y.grad)
 
 
-def test_a_different_structure_gets_a_plan_of_its_own() -> None:
+def test_a_different_structure_gets_a_script_of_its_own() -> None:
     small, frame_small = _recorded(_block, torch.randn(4, 4, requires_grad=True))
     other, frame_other = _recorded(lambda x: _block(x).sin(), torch.randn(4, 4, requires_grad=True))
     small.sum().backward()
@@ -60,7 +60,7 @@ def test_a_different_structure_gets_a_plan_of_its_own() -> None:
 
 
 def test_values_that_compare_equal_are_replayed_from_each_tapes_own_recording() -> None:
-    # `0.0 == -0.0`, so both tapes have the same structure and share a plan; the sign still matters: atan2 of a
+    # `0.0 == -0.0`, so both tapes have the same structure and share a script; the sign still matters: atan2 of a
     # signed zero is +pi or -pi, and `w`'s gradient is that value, rebuilt by replay.
     x = torch.full((3,), -1.0, requires_grad=True)
     grads = []
@@ -80,7 +80,7 @@ def test_values_that_compare_equal_are_replayed_from_each_tapes_own_recording() 
     torch.testing.assert_close(grads[2], torch.full((3,), torch.pi))
 
 
-def test_plans_cached_are_bounded_and_hold_no_tensor() -> None:
+def test_scripts_cached_are_bounded_and_hold_no_tensor() -> None:
     for size in range(2, 2 + _tape._SCRIPTS_KEPT + 8):
         out, _ = _recorded(_block, torch.randn(size, size, requires_grad=True))
         out.sum().backward()
@@ -142,7 +142,7 @@ def test_a_write_into_a_new_tensor_at_a_dead_saved_tensors_address_clones_nothin
     torch.testing.assert_close(x.grad, y.grad)
 
 
-def test_entries_that_cannot_be_compared_get_a_plan_of_their_own() -> None:
+def test_entries_that_cannot_be_compared_get_a_script_of_their_own() -> None:
     first, frame = _recorded(_block, torch.randn(3, 3, requires_grad=True))
     first.sum().backward()
     assert frame.tape is not None and frame.tape.script is not None
