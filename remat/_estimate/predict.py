@@ -181,7 +181,7 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
             value = _scalar(out, loss)
         with_output = tracker.current(device)
         del out  # the loop keeps the loss only: NOTE [ What an estimate runs ]
-        own = tracker._bytes_of([value]).get(device, 0)
+        own = tracker.bytes_of([value]).get(device, 0)
         held = tracker.current(device) - own
         output_bytes = with_output - tracker.current(device)
         tracker.enter(BACKWARD)

@@ -84,7 +84,7 @@ def _run(
         out = fn(*args, **kwargs)
         _sync(devices)
         forward = time.perf_counter() - start
-        own = t._bytes_of(_leaves(out))
+        own = t.bytes_of(_leaves(out))
         held = {d: t.current(d) - own.get(d, 0) for d in t.devices}
         loss = _loss(out)
         recompute_before = _stats.recompute_seconds

@@ -333,8 +333,17 @@ class Tracker:
             )
         return same_type[0] if same_type else torch.device(dev.type, 0)
 
-    def _bytes_of(self, tensors: Sequence[torch.Tensor]) -> dict[torch.device, int]:
-        """Bytes of the distinct storages of ``tensors`` that this tracker counts now."""
+    def bytes_of(self, tensors: Sequence[torch.Tensor]) -> dict[torch.device, int]:
+        """Bytes of the distinct storages of ``tensors`` that this tracker counts now, per device: what of its
+        current bytes those tensors hold (a model's output, a loss), views sharing a storage counted once.
+
+        >>> import torch, remat
+        >>> with remat.track() as t:
+        ...     x = torch.zeros(256)
+        ...     held = t.bytes_of([x[:128], x[128:]])
+        >>> held
+        {device(type='cpu'): 1024}
+        """
         out: dict[torch.device, int] = {}
         seen: set[int] = set()
         with self._lock:
