@@ -1,27 +1,30 @@
 """Run one training step on fake tensors per configuration and count its bytes: the core of `remat.estimate`.
 
 NOTE [ What an estimate runs ]
-The step an estimate predicts is a steady-state training step, the one that repeats: at its start the model's
-parameters and buffers, the optimizer's state and the batch are alive, and the gradients are not
-(``zero_grad(set_to_none=True)``, torch's default, ended the previous step). The step is a default loop's
-``loss = loss_fn(model(batch)); loss.backward(); optimizer.step(); optimizer.zero_grad()``: forward, the loss,
-the model's output let go of once the loss is made (``model(batch).loss`` keeps no reference to it), backward,
-the optimizer step and ``zero_grad``; the loss is dropped before the optimizer step. Under the caller's
-``torch.autocast``, the forward and the loss run in an autocast region of their own with the caller's settings,
-backward and the optimizer step outside it, as in torch's AMP recipe (NOTE [ A step's own autocast region ] in
-remat/_measure/autocast.py): so each configuration casts the weights afresh, and no prediction depends on which
-others run in the same call. What of the output backward
-needs stays alive through autograd, as in a real step; the rest (a language model's logits, typically) is freed
-before backward, and its bytes are the row's ``output_bytes``: a loop that holds on to the output (``out =
-model(batch)`` kept through backward, or until the next forward) needs up to that much more. The budget planner
-profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in remat/_budget/apply.py), so
-``memory=`` and the largest batch that fits mean the same step as the estimate's rows. The optimizer's state is
-made by one step on zero gradients before the counted step (optimizers create it lazily), so it is alive
-throughout the counted one, as from the second step of a real run on. Everything runs on fake tensors (NOTE
-[ Counting fake tensors ]): the bytes are those of the tensors the same ops would make on the device predicted
-for, and nothing is allocated at the model's size. Each configuration runs the same step with its own remat
-sites; the engine recomputes in backward on fake tensors too, so what a configuration frees and rebuilds is
-counted, not modelled.
+Rules:
+1. An estimate predicts a steady-state training step, the one that repeats: at its start the model's parameters
+   and buffers, the optimizer's state and the batch are alive, and the gradients are not
+   (``zero_grad(set_to_none=True)``, torch's default, ended the previous step).
+2. The step is a default loop's ``loss = loss_fn(model(batch)); loss.backward(); optimizer.step();
+   optimizer.zero_grad()``: forward, the loss, the model's output let go of once the loss is made
+   (``model(batch).loss`` keeps no reference to it), backward, the optimizer step and ``zero_grad``; the loss is
+   dropped before the optimizer step. What of the output backward needs stays alive through autograd; the rest (a
+   language model's logits, typically) is freed before backward, and its bytes are the row's ``output_bytes``, what
+   a loop that holds on to the output needs at most in addition.
+3. Under the caller's ``torch.autocast``, the forward and the loss run in an autocast region of their own with the
+   caller's settings, backward and the optimizer step outside it, as in torch's AMP recipe (NOTE [ A step's own
+   autocast region ] in remat/_measure/autocast.py): each configuration casts the weights afresh, and no
+   prediction depends on which others run in the same call.
+4. The budget planner profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in
+   remat/_budget/apply.py), so ``memory=`` and the largest batch that fits mean the step of the estimate's rows.
+5. Each configuration runs the same step with its own remat sites, on fake tensors (NOTE [ Counting fake
+   tensors ]): the bytes are those of the tensors the same ops would make on the device predicted for, nothing is
+   allocated at the model's size, and what a configuration frees and rebuilds in backward is counted, not
+   modelled.
+
+Implementation notes:
+1. (rule 1) The optimizer's state is made by one step on zero gradients before the counted step (optimizers create
+   it lazily), so it is alive throughout the counted one, as from the second step of a real run on.
 
 NOTE [ The optimizer the device runs ]
 torch's optimizers left to choose (``foreach=None`` and ``fused=None``, their default) pick their implementation
