@@ -19,8 +19,8 @@ from torch import nn
 
 from .._core.errors import RematError
 from .._core.policies import Policy, tags
-from .._core.torch_compat import pop_saved_hooks, push_saved_hooks, set_grad_enabled
-from .autocast import AutocastState, any_autocast
+from .._core.torch_compat import any_autocast, pop_saved_hooks, push_saved_hooks, set_grad_enabled
+from .autocast import AutocastState
 from .debug import OpTrace
 from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain

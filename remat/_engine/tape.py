@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from .._core.errors import RematError
-from .autocast import AutocastState, any_autocast
+from .._core.torch_compat import any_autocast
+from .autocast import AutocastState
 from .debug import describe
 from .recorder import Outside, Recorder, Slot, op_info
 from .transfer import Parcel, Stay

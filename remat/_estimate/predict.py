@@ -72,7 +72,7 @@ from .._measure.fake import (
     tensors_of,
 )
 from .._measure.hf_fake import real_masks
-from .._measure.loss import call as _call
+from .._measure.loss import call as call_loss
 from .._measure.loss import default_loss
 from .constants import first_step_bytes
 from .phases import BACKWARD, OPTIMIZER, PhaseTracker, where_it_peaks
@@ -180,7 +180,7 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
         p.grad = None
     with PhaseTracker(model, device) as tracker, tracker.modules():
         with step_region(autocast):
-            out = _call(model, sample)
+            out = call_loss(model, sample)
             value = _scalar(out, loss)
         with_output = tracker.current(device)
         del out  # the loop keeps the loss only: NOTE [ What an estimate runs ]
