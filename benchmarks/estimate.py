@@ -113,7 +113,7 @@ def measure_step(case: Case, config: Any, optimizer: str | None = "adamw", seed:
                 value = case.loss(out) if case.loss is not None else default_loss(out)
             with_output = t.current_bytes
             del out
-            held = t.current_bytes - sum(t._bytes_of([value]).values())
+            held = t.current_bytes - sum(t.bytes_of([value]).values())
             output = with_output - t.current_bytes
             torch.autograd.backward(value)
             grads = _storage_bytes([p.grad for p in params if p.grad is not None])

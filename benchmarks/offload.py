@@ -38,7 +38,7 @@ from remat._core.units import format_bytes
 from remat._demo import GPT, GPTConfig, human_count, parameter_count
 from remat._engine import transfer as _transfer
 from remat._engine.offload import Offload
-from remat._engine.transfer import host_bytes, traffic
+from remat._engine.transfer import offloaded_bytes, traffic
 from remat._measure.track import track
 
 from .runner import GRAD_BOUND, note
@@ -158,22 +158,22 @@ def _measure(
         p.grad = torch.zeros_like(p)
     torch.manual_seed(SEED)
     _synchronize(device)
-    host_bytes(reset_peak=True)
+    offloaded_bytes(reset_peak=True)
     traffic(reset=True)
     theirs = dict(counts.values)
     if device.type == "cpu":  # for tests: no allocator statistics, count live tensors instead
         with track() as t:
             _step(model, batch, context, device)
-        peak, host = t.peak_bytes, host_bytes()[1]
+        peak, host = t.peak_bytes, offloaded_bytes()[1]
     else:
         module = torch.get_device_module(device.type)
         module.reset_peak_memory_stats(device)
         before = module.memory_allocated(device)
-        with track() as t:  # torch's save_on_cpu copies are seen by the tracker, ours by `host_bytes`
+        with track() as t:  # torch's save_on_cpu copies are seen by the tracker, ours by `offloaded_bytes`
             _step(model, batch, context, device)
         _synchronize(device)
         peak = module.max_memory_allocated(device) - before
-        host = max(host_bytes()[1], t.peak("cpu"))
+        host = max(offloaded_bytes()[1], t.peak("cpu"))
     moved: dict[str, int | None] = dict(traffic()._asdict())
     if counts.values["out"] > theirs["out"]:  # torch's save_on_cpu: counted in its hooks; pageable copies are
         # not (its pack hook asks for pinned memory; the profile shows what every row's copies touched)

@@ -133,7 +133,7 @@ def _tracked_step(model: BenchModel, batch: Sequence[torch.Tensor]) -> tuple[int
     torch.manual_seed(SEED)
     with track() as t:
         loss = model.loss(*batch)
-        held = t.current_bytes - sum(t._bytes_of([loss]).values())
+        held = t.current_bytes - sum(t.bytes_of([loss]).values())
         torch.autograd.backward(loss)
         del loss
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

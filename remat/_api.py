@@ -26,6 +26,7 @@ from ._sites import head as _head
 from ._sites import targets as _targets
 from ._sites.partial import decorate
 from ._sites.table import ModelPlan
+from ._sites.targets import Where
 
 if TYPE_CHECKING:
     from . import policies as _policies_module
@@ -45,7 +46,6 @@ __all__ = ["Decorator", "Remat", "remat"]
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _M = TypeVar("_M", bound=nn.Module)
-_Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 
 class Decorator(Protocol):
@@ -132,7 +132,7 @@ class Remat:
     @staticmethod
     def apply(
         model: _M,
-        where: _Where | None = None,
+        where: Where | None = None,
         *,
         every: int = 1,
         policy: PolicyLike = None,
@@ -237,7 +237,7 @@ class Remat:
 
     @staticmethod
     def _apply(
-        model: _M, where: _Where | None, *, every: int, policy: PolicyLike, preserve_rng: bool, strategy: Strategy,
+        model: _M, where: Where | None, *, every: int, policy: PolicyLike, preserve_rng: bool, strategy: Strategy,
         enabled: bool | None, check: bool, name: str | None, offload: bool | _offload.Offload,
         budget: Budget | None, sample: Any, loss: Callable[[Any], Any] | None, choices: Sequence[PolicyLike] | None,
         replan: bool, memory: Budget | None, optimizer: Any, head: bool | None, compile: bool,

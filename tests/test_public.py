@@ -57,7 +57,13 @@ def test_the_type_checkers_imports_are_the_table() -> None:
             expected[name] = f"{module or '.'}:{attribute}"
         else:
             expected[name] = f"{entry.module}:{entry.attribute}"
-    assert imported == expected
+    missing = {name: where for name, where in expected.items() if imported.get(name) != where}
+    lines = [
+        f"    {name} = {where}" if ":" not in where
+        else f"    from {where.split(':')[0]} import {where.split(':')[1]} as {name}"
+        for name, where in sorted(missing.items())
+    ]
+    assert imported == expected, "remat/__init__.py's TYPE_CHECKING block needs:\n" + "\n".join(lines)
 
 
 def test_the_decorator_carries_every_name() -> None:
@@ -67,8 +73,11 @@ def test_the_decorator_carries_every_name() -> None:
     remat_class = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Remat")
     own = {node.name for node in remat_class.body if isinstance(node, ast.FunctionDef)}
     declared_names = set(_typing_names(remat_class))
-    assert declared_names | own >= set(PUBLIC)
-    assert declared_names == set(PUBLIC) - own  # the type checker's list is the table's other names
+    wanted = set(PUBLIC) - own  # the type checker's list is the table's other names
+    assert declared_names == wanted, (
+        "the decorator's TYPE_CHECKING block in remat/_api.py lacks "
+        f"{sorted(wanted - declared_names)} and has {sorted(declared_names - wanted)} besides"
+    )
     for name in PUBLIC:
         assert getattr(decorator, name) is getattr(remat, name) or name in own, name
     assert set(PUBLIC) <= set(dir(decorator))

@@ -40,7 +40,7 @@ from .._measure.loss import default_loss
 from .._measure.sample import as_call, detached, signature
 from .._measure.step_peak import compiled_peak, measure_step
 from .._measure.track import placed as placed_on
-from .._sites.targets import _remove_hooks, _select, wrap_module
+from .._sites.targets import Where, remove_hooks, select, wrap_module
 from .check import AssignmentCheck, check_assignment, check_measured
 from .costs import ModelCost, with_gradients
 from .derive import DERIVABLE, PARTS
@@ -56,7 +56,6 @@ from .whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph
 __all__ = ["apply_budget"]
 
 _M = TypeVar("_M", bound=nn.Module)
-_Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 Loss = Callable[[Any], torch.Tensor]
 _KEPT = "kept"
 _log = logging.getLogger("remat")
@@ -121,7 +120,7 @@ class _Budget:
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
         block = model.get_submodule(self.names[i])
-        _remove_hooks(block)
+        remove_hooks(block)
         policy = self.policies[c]
         if self.labels[c] in PARTS:  # derived, never run while profiling: NOTE [ Some matmuls ]
             calls = self.calls[i][c] if self.calls else None
@@ -227,7 +226,7 @@ class _Budget:
             self.calls = previous_calls
             for i in range(len(blocks)):  # back to the previous choices, or to none
                 if previous is None:
-                    _remove_hooks(blocks[i])
+                    remove_hooks(blocks[i])
                 else:
                     self.assign(model, i, previous.choice[i])
             raise
@@ -385,7 +384,7 @@ def apply_budget(
     model: _M,
     budget: Budget,
     sample: Any,
-    where: _Where | None,
+    where: Where | None,
     *,
     loss: Loss | None,
     choices: Sequence[PolicyLike] | None,
@@ -429,12 +428,12 @@ def apply_budget(
     if strategy == "rerun" and not compile:  # eager code only: NOTE [ Some calls ] in remat/_core/policies.py
         policies.extend(PARTS)  # their policies are made per block once profiled: NOTE [ Some matmuls ]
         labels.extend(PARTS)
-    blocks = _select(model, where)
+    blocks = select(model, where)
     names = tuple(name for name, _ in blocks)
     options = {"preserve_rng": preserve_rng, "strategy": strategy, "check": check}
     Options(**options)  # type: ignore[arg-type]  # validates before any hook is placed
     for _, block in blocks:
-        _remove_hooks(block)
+        remove_hooks(block)
     for key, hook in list(model._forward_pre_hooks.items()):
         if isinstance(hook, _Budget):
             hook.close()

@@ -347,10 +347,6 @@ def _start_us(event: Any) -> int:
     return int(event.start_us())
 
 
-def _no_accelerator() -> None:
-    return None
-
-
 # torch-compat: `_accelerator_getAccelerator` (`torch.accelerator`), 2.6. Without it the accelerator this torch was
 # built for is found by asking CUDA (CUDA stands for any accelerator).
 current_accelerator: Callable[[], torch.device | None] | None = getattr(_C, "_accelerator_getAccelerator", None)

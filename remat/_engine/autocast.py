@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .._core.torch_compat import any_autocast as _any_autocast
+from .._core.torch_compat import any_autocast
 
-__all__ = ["AutocastState", "any_autocast"]
-
-any_autocast: Callable[[], bool] = _any_autocast  # bound once: asked on every call
+__all__ = ["AutocastState"]
 
 
 class AutocastState:

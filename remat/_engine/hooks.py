@@ -16,8 +16,7 @@ from .._core.errors import BUG, RecomputeMismatchError, RematError
 from .._core.torch_compat import graph_exec_group, graph_task_id, top_saved_hooks
 from . import recorder as _recording
 from . import stats as _stats
-from .mismatch import Meta as _Meta
-from .mismatch import mismatch_message
+from .mismatch import Meta, mismatch_message
 from .transfer import Parcel, Stay
 
 __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_message"]
@@ -145,7 +144,7 @@ class Frame:
         self.trace = trace  # forward's op trace under REMAT_DEBUG=1
         self.retrace: list[str] | None = None  # the running recompute's op trace
         self._handles: list[weakref.ref[Handle] | None] = []
-        self._metas: list[_Meta] = []
+        self._metas: list[Meta] = []
         self._stores: dict[Any, dict[int, torch.Tensor]] = {}  # graph task id or GraphExecGroup -> store
         self._kept: dict[int, tuple[torch.Tensor, int]] = {}
         # See NOTE [ Backward inside a site ]: forward is running; a backward read saved tensors while it ran.

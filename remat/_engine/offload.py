@@ -29,21 +29,27 @@ from .transfer import Parcel, Stay, pack, reap
 __all__ = ["Offload", "for_kept", "no_offload_inside", "offload", "resolve"]
 
 # NOTE [ What is offloaded ]
-# A saved tensor is offloaded when it is on an accelerator (or on CPU with `include_cpu`), holds at least
-# `min_bytes` (and more than none), is a plain strided tensor, and is not memory that lives anyway: not an
-# `nn.Parameter`, not a leaf that requires grad (a user's input), not a view of one of those, and not a module
-# buffer. Buffers are recognised by storage: while an offload block is open, a global forward pre-hook (torch's
-# public `register_module_forward_pre_hook`, removed when the last block exits) notes the buffers of every module
-# called (a lookup of `module._buffers`; weak references, so nothing is kept alive). A buffer that reaches a site's
-# `offload=` outside any offload block is not recognised and is copied like an activation: correct, one copy
-# more. What crosses is memory, not tensors (NOTE [ What crosses ] in transfer.py): a tensor saved twice (the
-# output of `tanh`, saved by `tanh` and by the matmul that reads it), and views of one storage (q, k and v split
-# from one projection), cross once, through one copy that their parcels point into (`_shared`, per `Offload`:
-# the id of a storage -> its last copy, weakly; the copy holds the storage weakly, to tell it from a later one).
-# Everything else is handed back as it is (`Stay`), with its version, so an in-place change before backward
-# still raises; so does an offloaded tensor's, while the tensor lives.
-# Offload's own copies run with the dispatch modes set aside and without grad, so a site's recorder or policy,
-# or `remat.track`, never sees them: the tracker counts device memory, `host_bytes()` counts host copies.
+# Rules:
+# 1. A saved tensor is offloaded when it is on an accelerator (or on CPU with `include_cpu`), holds at least
+#    `min_bytes` (and more than none), is a plain strided tensor, and is not memory that lives anyway: not an
+#    `nn.Parameter`, not a leaf that requires grad (a user's input), not a view of one of those, and not a module
+#    buffer.
+# 2. What crosses is memory, not tensors (NOTE [ What crosses ] in transfer.py): a tensor saved twice (the output
+#    of `tanh`, saved by `tanh` and by the matmul that reads it) and views of one storage (q, k and v split from
+#    one projection) cross once, through one copy their parcels point into.
+# 3. Everything else is handed back as it is (`Stay`), with its version, so an in-place change before backward
+#    still raises; so does an offloaded tensor's, while the tensor lives.
+# 4. Offload's own copies run with the dispatch modes set aside and without grad: a site's recorder or policy, or
+#    `remat.track`, never sees them (the tracker counts device memory, `transfer.offloaded_bytes()` host copies).
+#
+# Implementation notes:
+# 1. (rule 1) Buffers are recognised by storage: while an offload block is open, a global forward pre-hook
+#    (torch's public `register_module_forward_pre_hook`, removed when the last block exits) notes the buffers of
+#    every module called (a lookup of `module._buffers`; weak references, so nothing is kept alive). A buffer that
+#    reaches a site's `offload=` outside any offload block is not recognised and is copied like an activation:
+#    correct, one copy more.
+# 2. (rule 2) `_shared`, per `Offload`, maps the id of a storage to its last copy, weakly; the copy holds the
+#    storage weakly, to tell it from a later one at the same id.
 
 _INSIDE_RERUN = (
     "remat: `with remat.offload():` inside the rematerialized function `{site}`: rerun calls the function again "

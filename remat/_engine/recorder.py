@@ -32,7 +32,7 @@ __all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info"
 # the Python object: the objects an op returns inside the mode are the ones that autograd later shows to the pack
 # hook, and an in-place op returns its input object, whose marker then moves to the in-place op's output slot
 # (its new value). Entries hold no tensor, only ops, slots and plain values, so that two tapes compare in C
-# (NOTE [ Shared plans ] in tape.py).
+# (NOTE [ Shared scripts ] in tape.py).
 #
 # NOTE [ Writes to outside memory ]
 # An op that writes (in-place or `out=`) into memory of a tensor from outside the tape — BatchNorm's running

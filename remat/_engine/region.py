@@ -69,7 +69,7 @@ class RegionFrame(Frame):
         super().__init__(site, check, True, [] if debug else None)
         # Storages of the tensors handles stand for: key (`storage_key`) -> the storage, weakly. A key is an
         # address, reused once its storage is freed; the weak reference tells a new storage from a seen one.
-        # The recorder notes writes into these (NOTE [ Replay plan ]).
+        # The recorder notes writes into these (NOTE [ Replay script ]).
         self.freed: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.recorder: Recorder | None = Recorder(preserve_rng, self.trace, policy, self.freed)
         self.claimed: set[int] = set()  # kept slots (policy) that autograd saves: NOTE [ Policies on the tape ]
@@ -160,7 +160,7 @@ class RegionFrame(Frame):
         """Count the storage under `key` unless it was counted (a key is reused once its storage dies).
 
         Returns the storage's weak reference: one object per storage, so that it also identifies a storage that
-        has died (NOTE [ Replay plan ]).
+        has died (NOTE [ Replay script ]).
         """
         seen = self.freed.get(key)
         if seen is None or seen() is None:

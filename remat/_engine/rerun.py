@@ -19,8 +19,8 @@ from torch import nn
 
 from .._core.errors import RematError
 from .._core.policies import Policy, tags
-from .._core.torch_compat import pop_saved_hooks, push_saved_hooks, set_grad_enabled
-from .autocast import AutocastState, any_autocast
+from .._core.torch_compat import any_autocast, pop_saved_hooks, push_saved_hooks, set_grad_enabled
+from .autocast import AutocastState
 from .debug import OpTrace
 from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain
@@ -37,34 +37,46 @@ __all__ = ["RerunFrame", "begin", "call", "end"]
 _frame = sys._getframe
 
 # NOTE [ Recompute state ]
-# Recompute runs the function under forward's RNG state (set, then the caller's put back: a fork), with grad
-# enabled (so autograd saves, and the pack hook sees, what forward saved), under `guard_buffers` (NOTE
-# [ Writes during recompute ]), and under autocast, the user's recompute context, the policy and debug traces
-# only when those are in play: the common path sets three things and restores three, with no context-manager
-# machinery, since it runs once per site in every backward.
+# Rules:
+# 1. Recompute runs the function under forward's RNG state, set and then the caller's put back (a fork), with grad
+#    enabled (so autograd saves, and the pack hook sees, what forward saved), and under `guard_buffers` (NOTE
+#    [ Writes during recompute ]).
+# 2. Autocast, the user's recompute context, the policy and debug traces are entered only where a site has them.
+#
+# Implementation notes:
+# 1. (rule 2) The common path sets three things and restores three, with no context-manager machinery: it runs
+#    once per site in every backward.
 #
 # NOTE [ Early stop ]  (for users: the docs' design page, "Early stop")
-# With early stop on (the default), recompute stops right after the last tensor that backward wants has been
-# packed: the pack hook raises `StopRecompute`, so none of the user's code after that point runs again — also
-# when forward saved nothing after it (a trailing `clone`, a log call, a counter), as torch's checkpoint stops.
-# Whatever comes after is never checked nor kept. Where the function has nothing left to do but return, the raise
-# (which unwinds through autograd's C++) is skipped: NOTE [ Stopping without raising ] below. With it off, the
-# function runs to its end and recompute must save exactly as many tensors as forward did: a different count is a
-# mismatch, except while forward is still running (NOTE [ Backward inside a site ] in hooks.py), where only the
-# part that has run can be compared. What decides the outcome is only what was saved, never how long anything took.
+# Rules:
+# 1. With early stop on (the default), recompute stops right after the last tensor backward wants has been packed:
+#    none of the user's code after that point runs again, also where forward saved nothing after it (a trailing
+#    `clone`, a log call, a counter), as torch's checkpoint stops. What comes after is neither checked nor kept.
+# 2. With it off, the function runs to its end and recompute must save exactly as many tensors as forward did: a
+#    different count is a mismatch, except while forward is still running (NOTE [ Backward inside a site ] in
+#    hooks.py), where only the part that has run can be compared.
+# 3. What decides the outcome is only what was saved, never how long anything took.
+#
+# Implementation notes:
+# 1. (rule 1) The pack hook raises `StopRecompute`; where the function has nothing left to do but return, the
+#    raise (which unwinds through autograd's C++) is skipped: NOTE [ Stopping without raising ] below.
 
 # NOTE [ Recompute saves nothing ]
-# The recompute pack hook collects the tensors forward's graph needs and gives autograd nothing to keep (None),
-# also under `create_graph=True`: the graph recompute builds is not run backward. What the unpack hook returns is
-# only the data of a saved tensor; autograd attaches forward's grad_fn to it, so a double backward goes through
-# forward's graph. Returning the tensor itself made a cycle through C++ for every op that saves its own output
-# (exp, tanh, sigmoid: tensor -> grad_fn -> saved variable -> tensor) that held the recompute graph, and through
-# it the site's inputs and their AccumulateGrad nodes, forever. The one exception is a site whose function runs
-# backward itself (`Frame.inner`, NOTE [ Backward inside a site ]): recompute runs that backward over the graph
-# it builds, which needs its saved tensors, so the hook gives autograd each one, as torch does: the tensor itself
-# where forward kept or handed it over (an input, a parameter, a view of one: its grad_fn, if any, is not of this
-# graph), else detached (no grad_fn, so no cycle), and the store keeps that same detached tensor (so no entry
-# holds the recompute graph).
+# Rules:
+# 1. The recompute pack hook collects the tensors forward's graph needs and gives autograd nothing to keep (None),
+#    also under `create_graph=True`: the graph recompute builds is never run backward.
+# 2. The unpack hook returns only the data of a saved tensor; autograd attaches forward's grad_fn to it, so a
+#    double backward goes through forward's graph.
+# 3. The exception: a site whose function runs backward itself (`Frame.inner`, NOTE [ Backward inside a site ])
+#    runs that backward over the graph recompute builds, which needs its saved tensors. The hook gives autograd
+#    each one, as torch does: the tensor itself where forward kept or handed it over (an input, a parameter, a view
+#    of one: its grad_fn, if any, is not of this graph), else detached; the store keeps that same detached tensor.
+#
+# Implementation notes:
+# 1. (rules 1, 3) Anything else makes a cycle through C++ for every op that saves its own output (exp, tanh,
+#    sigmoid: tensor -> grad_fn -> saved variable -> tensor), which holds the recompute graph, and through it the
+#    site's inputs and their AccumulateGrad nodes, for good; a detached tensor has no grad_fn, so no store entry
+#    holds the recompute graph.
 
 _INPLACE_INPUT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "

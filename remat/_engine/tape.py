@@ -1,6 +1,6 @@
 """Replay a recorded block's aten ops in backward (strategy "replay"; see the design page, "Rerun and replay").
 
-`recorder.Recorder` records them in forward. See NOTE [ Policies on the tape ] and NOTE [ Replay plan ].
+`recorder.Recorder` records them in forward. See NOTE [ Policies on the tape ] and NOTE [ Replay script ].
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from .._core.errors import RematError
-from .autocast import AutocastState, any_autocast
+from .._core.torch_compat import any_autocast
+from .autocast import AutocastState
 from .debug import describe
 from .recorder import Outside, Recorder, Slot, op_info
 from .transfer import Parcel, Stay
@@ -32,8 +33,8 @@ __all__ = ["Tape"]
 # drew random numbers sets its generator, where replay would have run it, to the state forward left it in (NOTE
 # [ Random ops ] in rng.py), also when no saved tensor needs its outputs.
 #
-# NOTE [ Replay plan ]
-# Forward does the least it can: the plan — which ops are live (an op whose outputs feed no saved tensor is
+# NOTE [ Replay script ]
+# Forward does the least it can: the script — which ops are live (an op whose outputs feed no saved tensor is
 # skipped unless it writes memory or draws random numbers), which argument slots each op reads, after which op
 # every slot is dropped, and after which op every saved tensor is complete — is built on the first replay and
 # reused by later ones (`retain_graph`). A saved tensor is taken after the op count it was saved at; if a later
@@ -41,21 +42,21 @@ __all__ = ["Tape"]
 # writes by the storage's identity (the one weak reference the region holds to it), not by its address: an
 # address is reused once a storage dies, and a write into a new tensor there must not clone an old one.
 #
-# NOTE [ Shared plans ]
+# NOTE [ Shared scripts ]
 # A model runs the same block many times with the same shapes; each forward records a tape of its own, and each
-# tape would build the same plan (not free for a transformer block). A plan depends only on the tape's
+# tape would build the same script (not free for a transformer block). A script depends only on the tape's
 # structure — its ops, where slots are read and written, the captures — and holds no values: replay reads every
-# op and argument from its own tape. So tapes share plans: the plans of recent structures are cached, found by
+# op and argument from its own tape. So tapes share scripts: the scripts of recent structures are cached, found by
 # the tape's op count, slot count and captures, and taken only if the tape's entries equal the cached
 # structure's (one comparison in C; entries hold ops, slots and plain values, never tensors). Two tapes whose
-# values differ but compare equal (`1` and `1.0`, `0.0` and `-0.0`) share a plan and each replays its own values.
+# values differ but compare equal (`1` and `1.0`, `0.0` and `-0.0`) share a script and each replays its own values.
 # A tape with outputs kept by a policy builds its own: which of them stay differs from run to run.
 
 _Replayed = list[tuple[int, int, int, bool]]  # per capture: (handle, slot, op count at save, clone when taken)
 
 
-class _Plan:
-    """What replay runs; see NOTE [ Replay plan ]."""
+class _Script:
+    """What replay runs; see NOTE [ Replay script ]."""
 
     __slots__ = ("captures", "fills", "frees", "live")
 
@@ -72,10 +73,10 @@ class _Plan:
         self.fills = fills  # per op, the kept output slots that stand for running it (None: no policy)
 
 
-# See NOTE [ Shared plans ]: (op count, slot count, captures) -> (the entries the plan was made from, the plan).
-_PLANS: dict[tuple[int, int, tuple[tuple[int, int, int, bool], ...]], tuple[list[Any], _Plan]] = {}
-_PLANS_LOCK = threading.Lock()
-_PLANS_KEPT = 64
+# See NOTE [ Shared scripts ]: (op count, slot count, captures) -> (the entries the script was made from, the script).
+_SCRIPTS: dict[tuple[int, int, tuple[tuple[int, int, int, bool], ...]], tuple[list[Any], _Script]] = {}
+_SCRIPTS_LOCK = threading.Lock()
+_SCRIPTS_KEPT = 64
 
 
 def _slots_in(value: Any, out: list[int]) -> None:
@@ -110,7 +111,7 @@ class Tape:
     """
 
     __slots__ = (
-        "captures", "claimed", "draws", "generators", "kept", "lock", "ops", "outside", "plan", "points", "rng",
+        "captures", "claimed", "draws", "generators", "kept", "lock", "ops", "outside", "points", "rng", "script",
         "site", "slots", "snapshots", "trace", "writes",
     )
 
@@ -146,7 +147,7 @@ class Tape:
         self.rng = recorder.rng() if recorder.preserve_rng else None
         self.generators = tuple(recorder.generators.items())
         self.trace = recorder.trace
-        self.plan: _Plan | None = None
+        self.script: _Script | None = None
         self.lock = threading.Lock()
         # See NOTE [ Policies on the tape ]: a kept output written in place after it was kept is not kept.
         end = self.ops[-1][3] + max(self.ops[-1][4], 1) if self.ops else 0
@@ -169,9 +170,9 @@ class Tape:
         self.kept = {slot: pack(tensor) if isinstance(tensor, torch.Tensor) else tensor
                      for slot, tensor in self.kept.items()}
 
-    # -- plan ----------------------------------------------------------------------------------------------
+    # -- script ----------------------------------------------------------------------------------------------
     def _replayed(self) -> _Replayed:
-        """The captures as the plan sees them: a saved storage becomes whether a later op writes into it."""
+        """The captures as the script sees them: a saved storage becomes whether a later op writes into it."""
         if not self.writes:
             return [(handle, slot, point, False) for handle, slot, point, _ in self.captures]
         last: dict[int, int] = {}  # the id of a saved storage's weak reference -> the last op that writes into it
@@ -182,27 +183,27 @@ class Tape:
             for handle, slot, point, storage in self.captures
         ]
 
-    def _plan(self) -> _Plan:
-        """The plan of this tape's structure: shared with earlier tapes of the same (NOTE [ Shared plans ])."""
+    def _script(self) -> _Script:
+        """The script of this tape's structure: shared with earlier tapes of the same (NOTE [ Shared scripts ])."""
         replayed = self._replayed()
         if self.kept:
-            return self._make_plan(replayed)
+            return self._make_script(replayed)
         key = (len(self.ops), self.slots, tuple(replayed))
-        found = _PLANS.get(key)
+        found = _SCRIPTS.get(key)
         if found is not None:
             try:
                 if found[0] == self.ops:
                     return found[1]
             except (RuntimeError, TypeError):  # a value whose `==` is no bool (a tensor the recorder missed)
                 pass
-        plan = self._make_plan(replayed)
-        with _PLANS_LOCK:
-            while len(_PLANS) >= _PLANS_KEPT:
-                del _PLANS[next(iter(_PLANS))]
-            _PLANS[key] = (self.ops, plan)
-        return plan
+        script = self._make_script(replayed)
+        with _SCRIPTS_LOCK:
+            while len(_SCRIPTS) >= _SCRIPTS_KEPT:
+                del _SCRIPTS[next(iter(_SCRIPTS))]
+            _SCRIPTS[key] = (self.ops, script)
+        return script
 
-    def _make_plan(self, replayed: _Replayed) -> _Plan:
+    def _make_script(self, replayed: _Replayed) -> _Script:
         ops = self.ops
         count = len(ops)
         needed: set[int] = {slot for _, slot, _, _ in replayed}
@@ -250,7 +251,7 @@ class Tape:
             frees[index].append(slot)  # type: ignore[union-attr]
         if fills is not None:
             live = [run and fills[index] is None for index, run in enumerate(live)]
-        return _Plan(live, captures, frees, fills)
+        return _Script(live, captures, frees, fills)
 
     # -- replay --------------------------------------------------------------------------------------------
     def _outside_value(
@@ -291,19 +292,19 @@ class Tape:
             unpack: the enclosing unpack hook, for outside tensors that were handed to it.
             retrace: under REMAT_DEBUG, receives one line per replayed op.
         """
-        plan = self.plan
-        if plan is None:
+        script = self.script
+        if script is None:
             with self.lock:
-                plan = self.plan
-                if plan is None:
-                    plan = self.plan = self._plan()
+                script = self.script
+                if script is None:
+                    script = self.script = self._script()
         stop = max(self.points[index] for index in wanted)
         values: list[Any] = [None] * self.slots
         storages: dict[int, torch.UntypedStorage] = {}
         for slot, o in self.outside.items():
             if o.first < stop:
                 values[slot] = self._outside_value(o, storages, unpack, o.first)
-        ops, live, captures, frees, fills = self.ops, plan.live, plan.captures, plan.frees, plan.fills
+        ops, live, captures, frees, fills = self.ops, script.live, script.captures, script.frees, script.fills
         with ExitStack() as stack:
             if self.rng is not None:
                 stack.enter_context(self.rng.restore())
@@ -359,7 +360,7 @@ class Tape:
             if dropped:
                 for slot in dropped:
                     del self.kept[slot]
-                self.plan = None  # the next replay (retain_graph) runs those ops again
+                self.script = None  # the next replay (retain_graph) runs those ops again
 
 
 class _generator_fork:

@@ -16,7 +16,7 @@ import torch
 from .._core.errors import RematError
 from .._core.torch_compat import graph_task_id
 
-__all__ = ["Parcel", "Stay", "Traffic", "host_bytes", "live_parcels", "pack", "reap", "traffic"]
+__all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack", "reap", "traffic"]
 
 # NOTE [ What crosses ]
 # What goes to host is memory, not tensors: a stretch of a saved tensor's storage, copied as one piece.
@@ -284,10 +284,10 @@ class _Stats:
 _stats = _Stats()
 
 
-def host_bytes(reset_peak: bool = False) -> tuple[int, int]:
+def offloaded_bytes(reset_peak: bool = False) -> tuple[int, int]:
     """Bytes of host copies alive now, and the most alive at once since the last reset.
 
-    >>> host_bytes(reset_peak=True)[0] >= 0
+    >>> offloaded_bytes(reset_peak=True)[0] >= 0
     True
     """
     with _stats.lock:

@@ -25,6 +25,7 @@ from .._measure import ddp as _ddp
 from .._measure import sharded as _sharded
 from .._measure.fake import resolve_device
 from .._sites import targets as _targets
+from .._sites.targets import Where
 from .head import split_head, with_head
 from .largest_batch import searches
 from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
@@ -36,7 +37,6 @@ __all__ = ["DEFAULT_CONFIGS", "estimate", "is_budget"]
 DEFAULT_CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls", 0.3)
 """The configurations `estimate` compares by default."""
 
-_Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 # NOTE [ Applying a configuration for a while ]
 # "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
@@ -83,7 +83,7 @@ def is_budget(config: Any) -> bool:
 _NAMED: dict[str, Policy | None] = {"none": None, "full": Policy(), "save_matmuls": save_matmuls}
 
 
-def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configured:
+def _configured(model: nn.Module, config: Any, where: Where | None) -> Configured:
     """How to apply one configuration; argument errors are raised here, before any step runs."""
     base, head = split_head(config)
     if head and base in ("full", "save_matmuls"):  # the chunked head too: remat/_estimate/head.py
@@ -119,7 +119,7 @@ def _configured(model: nn.Module, config: Any, where: _Where | None) -> Configur
         raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
                         f"budget, but got `{type(config).__name__}`.")
     options = Options(policy=policy)
-    _targets._select(model, where)  # no blocks, or a `where` that matches nothing: raise now
+    _targets.select(model, where)  # no blocks, or a `where` that matches nothing: raise now
 
     @contextlib.contextmanager
     def applied(sample: Any) -> Iterator[None]:
@@ -138,7 +138,7 @@ def estimate(
     loss: Callable[[Any], torch.Tensor] | None = None,
     optimizer: OptimizerLike = None,
     configs: Sequence[Any] | None = None,
-    where: _Where | None = None,
+    where: Where | None = None,
     device: str | torch.device | None = None,
     world_size: int | None = None,
     shard: str | None = None,
@@ -247,7 +247,7 @@ def estimate(
 
 
 def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None, optimizer: OptimizerLike,
-              configs: Sequence[Any], where: _Where | None, target: torch.device, world_size: int | None,
+              configs: Sequence[Any], where: Where | None, target: torch.device, world_size: int | None,
               shard: str | None, refine: Refine | None) -> EstimateReport:
     """One rank's estimate, on a sharded shadow of the model: NOTE [ Estimating one rank of FSDP2 ]."""
     if shard not in (None, "fsdp2"):
@@ -257,7 +257,7 @@ def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor]
     size = _check_size(world_size)
     copy, settings = _sharded.shadow(model)
     if shard == "fsdp2":
-        for _, block in _targets._select(copy, where):
+        for _, block in _targets.select(copy, where):
             settings.setdefault(block, _sharded.Sharding(None, None))
         settings.setdefault(copy, _sharded.Sharding(None, None))
     resolved = [_configured(copy, config, where) for config in configs]
@@ -279,7 +279,7 @@ def _check_size(size: object) -> int:
 
 
 def _per_rank_ddp(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
-                  optimizer: OptimizerLike, configs: Sequence[Any], where: _Where | None, target: torch.device,
+                  optimizer: OptimizerLike, configs: Sequence[Any], where: Where | None, target: torch.device,
                   world_size: int | None, shard: str | None, refine: Refine | None) -> EstimateReport:
     """One rank's estimate under DDP: the plain step with the reducer's buckets, NOTE [ Estimating one rank of DDP ]."""
     if world_size is not None:

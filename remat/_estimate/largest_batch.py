@@ -34,7 +34,7 @@ import torch
 from .._core.errors import BudgetError
 from .._core.torch_compat import tree_leaves
 from .._core.units import parse_memory
-from .._measure.fake import map_tensors
+from .._measure.fake import map_sample
 from .predict import Configured, Refine
 from .report import ConfigEstimate
 
@@ -55,7 +55,7 @@ def resized(sample: Any, dim: int, old: int, new: int) -> Any:
         out = torch.empty(shape, dtype=t.dtype, device="meta")
         return out.requires_grad_(t.requires_grad and t.is_floating_point())
 
-    return map_tensors(one, sample)
+    return map_sample(sample, one)
 
 
 def size_along(sample: Any, dim: int, what: str) -> int:

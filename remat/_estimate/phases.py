@@ -1,7 +1,7 @@
 """Where a training step peaks (forward, backward, the optimizer step) and which modules hold the bytes there.
 
 NOTE [ Who holds the peak ]
-`StepTracker` is the estimate's fake tracker with two more records. Each storage is labelled, when it is made,
+`PhaseTracker` is the estimate's fake tracker with two more records. Each storage is labelled, when it is made,
 with the innermost module of the model whose forward is running (module-wide forward hooks keep the stack, so
 a block recomputed in backward labels what it rebuilds with its own name); what is made outside every module
 is labelled by the phase (the loss in forward; gradients and temporaries in backward). Whenever the live bytes
@@ -28,7 +28,7 @@ from .._core.units import format_bytes
 from .._measure.fake import FakeTracker, storage_bytes
 
 __all__ = [
-    "BACKWARD", "FORWARD", "OPTIMIZER", "StepTracker", "fold", "optimizer_holders", "peak_lines", "where_it_peaks",
+    "BACKWARD", "FORWARD", "OPTIMIZER", "PhaseTracker", "fold", "optimizer_holders", "peak_lines", "where_it_peaks",
 ]
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
@@ -37,7 +37,7 @@ TOP = 5
 """How many holders a report names."""
 
 
-class StepTracker(FakeTracker):
+class PhaseTracker(FakeTracker):
     """A `FakeTracker` that labels storages by module and keeps the bytes per label at the peak on ``device``."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
@@ -51,7 +51,7 @@ class StepTracker(FakeTracker):
         self.phase_peaks: dict[str, int] = {}
         self.at_peak: dict[str, dict[str, int]] = {}  # phase -> label -> bytes alive at the phase's peak
 
-    def __enter__(self) -> StepTracker:
+    def __enter__(self) -> PhaseTracker:
         super().__enter__()
         return self
 
@@ -147,7 +147,7 @@ def optimizer_holders(model: nn.Module, params: Sequence[torch.Tensor], optimize
     return held
 
 
-def where_it_peaks(tracker: StepTracker, base: int, model: nn.Module, params: Sequence[torch.Tensor],
+def where_it_peaks(tracker: PhaseTracker, base: int, model: nn.Module, params: Sequence[torch.Tensor],
                    optimizer: torch.optim.Optimizer | None,
                    step_bytes: Sequence[int]) -> tuple[str, dict[str, int], tuple[tuple[str, int], ...]]:
     """The phase of the step's peak, the peak bytes of each phase (``base``, the state alive throughout, added),

@@ -1,27 +1,30 @@
 """Run one training step on fake tensors per configuration and count its bytes: the core of `remat.estimate`.
 
 NOTE [ What an estimate runs ]
-The step an estimate predicts is a steady-state training step, the one that repeats: at its start the model's
-parameters and buffers, the optimizer's state and the batch are alive, and the gradients are not
-(``zero_grad(set_to_none=True)``, torch's default, ended the previous step). The step is a default loop's
-``loss = loss_fn(model(batch)); loss.backward(); optimizer.step(); optimizer.zero_grad()``: forward, the loss,
-the model's output let go of once the loss is made (``model(batch).loss`` keeps no reference to it), backward,
-the optimizer step and ``zero_grad``; the loss is dropped before the optimizer step. Under the caller's
-``torch.autocast``, the forward and the loss run in an autocast region of their own with the caller's settings,
-backward and the optimizer step outside it, as in torch's AMP recipe (NOTE [ A step's own autocast region ] in
-remat/_measure/autocast.py): so each configuration casts the weights afresh, and no prediction depends on which
-others run in the same call. What of the output backward
-needs stays alive through autograd, as in a real step; the rest (a language model's logits, typically) is freed
-before backward, and its bytes are the row's ``output_bytes``: a loop that holds on to the output (``out =
-model(batch)`` kept through backward, or until the next forward) needs up to that much more. The budget planner
-profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in remat/_budget/apply.py), so
-``memory=`` and the largest batch that fits mean the same step as the estimate's rows. The optimizer's state is
-made by one step on zero gradients before the counted step (optimizers create it lazily), so it is alive
-throughout the counted one, as from the second step of a real run on. Everything runs on fake tensors (NOTE
-[ Counting fake tensors ]): the bytes are those of the tensors the same ops would make on the device predicted
-for, and nothing is allocated at the model's size. Each configuration runs the same step with its own remat
-sites; the engine recomputes in backward on fake tensors too, so what a configuration frees and rebuilds is
-counted, not modelled.
+Rules:
+1. An estimate predicts a steady-state training step, the one that repeats: at its start the model's parameters
+   and buffers, the optimizer's state and the batch are alive, and the gradients are not
+   (``zero_grad(set_to_none=True)``, torch's default, ended the previous step).
+2. The step is a default loop's ``loss = loss_fn(model(batch)); loss.backward(); optimizer.step();
+   optimizer.zero_grad()``: forward, the loss, the model's output let go of once the loss is made
+   (``model(batch).loss`` keeps no reference to it), backward, the optimizer step and ``zero_grad``; the loss is
+   dropped before the optimizer step. What of the output backward needs stays alive through autograd; the rest (a
+   language model's logits, typically) is freed before backward, and its bytes are the row's ``output_bytes``, what
+   a loop that holds on to the output needs at most in addition.
+3. Under the caller's ``torch.autocast``, the forward and the loss run in an autocast region of their own with the
+   caller's settings, backward and the optimizer step outside it, as in torch's AMP recipe (NOTE [ A step's own
+   autocast region ] in remat/_measure/autocast.py): each configuration casts the weights afresh, and no
+   prediction depends on which others run in the same call.
+4. The budget planner profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in
+   remat/_budget/apply.py), so ``memory=`` and the largest batch that fits mean the step of the estimate's rows.
+5. Each configuration runs the same step with its own remat sites, on fake tensors (NOTE [ Counting fake
+   tensors ]): the bytes are those of the tensors the same ops would make on the device predicted for, nothing is
+   allocated at the model's size, and what a configuration frees and rebuilds in backward is counted, not
+   modelled.
+
+Implementation notes:
+1. (rule 1) The optimizer's state is made by one step on zero gradients before the counted step (optimizers create
+   it lazily), so it is alive throughout the counted one, as from the second step of a real run on.
 
 NOTE [ The optimizer the device runs ]
 torch's optimizers left to choose (``foreach=None`` and ``fused=None``, their default) pick their implementation
@@ -69,10 +72,10 @@ from .._measure.fake import (
     tensors_of,
 )
 from .._measure.hf_fake import real_masks
-from .._measure.loss import call as _call
+from .._measure.loss import call as call_loss
 from .._measure.loss import default_loss
 from .constants import first_step_bytes
-from .phases import BACKWARD, OPTIMIZER, StepTracker, where_it_peaks
+from .phases import BACKWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
 
 __all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict"]
@@ -164,7 +167,7 @@ def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor
 def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
           optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
           device: torch.device, step_bytes: list[int],
-          autocast: StepAutocast | None = None) -> tuple[int, int, int, int, StepTracker]:
+          autocast: StepAutocast | None = None) -> tuple[int, int, int, int, PhaseTracker]:
     """Run one counted step; return (gradient bytes, activation bytes, the output's bytes freed when it is let go
     of, peak bytes the step adds on ``device``, the tracker with the forward and backward peaks and their holders:
     NOTE [ Who holds the peak ]).
@@ -175,13 +178,13 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
     """
     for p in params:
         p.grad = None
-    with StepTracker(model, device) as tracker, tracker.modules():
+    with PhaseTracker(model, device) as tracker, tracker.modules():
         with step_region(autocast):
-            out = _call(model, sample)
+            out = call_loss(model, sample)
             value = _scalar(out, loss)
         with_output = tracker.current(device)
         del out  # the loop keeps the loss only: NOTE [ What an estimate runs ]
-        own = tracker._bytes_of([value]).get(device, 0)
+        own = tracker.bytes_of([value]).get(device, 0)
         held = tracker.current(device) - own
         output_bytes = with_output - tracker.current(device)
         tracker.enter(BACKWARD)

@@ -63,7 +63,7 @@ __all__ = [
     "fake_state",
     "NO_DEVICE",
     "local",
-    "map_tensors",
+    "map_sample",
     "resolve_device",
     "storage_bytes",
     "tensors_of",
@@ -218,9 +218,10 @@ def fake_state(model: nn.Module, device: torch.device) -> Iterator[list[torch.Te
             table[name] = value
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], sample: Any) -> Any:
+def map_sample(sample: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``sample`` (a tensor, a tuple/list, or a mapping of keyword arguments, made a dict) with ``fn`` applied to
     each tensor, once per tensor object: one tensor passed twice (``input_ids`` that is also ``labels``) stays one.
+    (`remat._engine.tree.map_tensors` maps a site's arguments, one call per occurrence, through dataclasses too.)
     """
     if isinstance(sample, Mapping) and not isinstance(sample, dict):
         sample = dict(sample)  # a BatchEncoding and the like
@@ -242,7 +243,7 @@ def fake_sample(sample: Any, device: torch.device) -> Any:
     Floating-point tensors keep ``requires_grad``; nothing else of their values survives (fake tensors have none).
     One tensor object met twice becomes one fake tensor, so its bytes count once.
     """
-    return map_tensors(lambda x: fake_like(x, device), sample)
+    return map_sample(sample, lambda x: fake_like(x, device))
 
 
 DATA_DEPENDENT = (

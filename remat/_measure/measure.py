@@ -28,8 +28,7 @@ from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
 from .loss import default_loss
 from .report import Measurement, Report
-from .track import synchronize as _sync
-from .track import track
+from .track import synchronize, track
 
 __all__ = ["measure"]
 
@@ -78,19 +77,19 @@ def _run(
     label: str,
     devices: set[torch.device],
 ) -> Measurement:
-    _sync(devices)
+    synchronize(devices)
     with track() as t:
         start = time.perf_counter()
         out = fn(*args, **kwargs)
-        _sync(devices)
+        synchronize(devices)
         forward = time.perf_counter() - start
-        own = t._bytes_of(_leaves(out))
+        own = t.bytes_of(_leaves(out))
         held = {d: t.current(d) - own.get(d, 0) for d in t.devices}
         loss = _loss(out)
         recompute_before = _stats.recompute_seconds
         start = time.perf_counter()
         torch.autograd.backward(loss)
-        _sync(devices)
+        synchronize(devices)
         backward = time.perf_counter() - start
         recompute_after = _stats.recompute_seconds
         del out, loss

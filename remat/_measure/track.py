@@ -14,8 +14,8 @@ that C++ alone keeps alive (a saved activation). torch preserves the Python obje
 tensors): ``t.untyped_storage()`` returns the same object for every view of the storage, and that
 object is deallocated exactly when the C++ storage is. A ``weakref.finalize`` on it is thus a
 correct "storage released" event, also for storages that only autograd holds (tested in
-tests/test_track.py). A plain ``weakref.ref`` with a callback is used rather than
-``weakref.finalize`` (four times cheaper); the tracker keeps the reference, and dropping it when the
+tests/measure/test_track.py). A plain ``weakref.ref`` with a callback is used rather than
+``weakref.finalize`` (cheaper: docs/benchmarks.md); the tracker keeps the reference, and dropping it when the
 block ends drops the callback. Storages are keyed by ``untyped_storage()._cdata`` (the address of the
 ``StorageImpl``): unique among live storages, and the key is dropped when the finalizer fires,
 before the address can be reused.
@@ -333,8 +333,17 @@ class Tracker:
             )
         return same_type[0] if same_type else torch.device(dev.type, 0)
 
-    def _bytes_of(self, tensors: Sequence[torch.Tensor]) -> dict[torch.device, int]:
-        """Bytes of the distinct storages of ``tensors`` that this tracker counts now."""
+    def bytes_of(self, tensors: Sequence[torch.Tensor]) -> dict[torch.device, int]:
+        """Bytes of the distinct storages of ``tensors`` that this tracker counts now, per device: what of its
+        current bytes those tensors hold (a model's output, a loss), views sharing a storage counted once.
+
+        >>> import torch, remat
+        >>> with remat.track() as t:
+        ...     x = torch.zeros(256)
+        ...     held = t.bytes_of([x[:128], x[128:]])
+        >>> held
+        {device(type='cpu'): 1024}
+        """
         out: dict[torch.device, int] = {}
         seen: set[int] = set()
         with self._lock:

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._core.public import claim
-from .._core.units import aligned as _aligned
-from .._core.units import format_bytes
+from .._core.units import aligned, format_bytes
 
 if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`
     from .._budget.solve import Assignment
@@ -75,7 +74,7 @@ class ModelPlan:
         header = ("block", "class", "choice")
         rows = [header, *((site.name or "(model)", site.kind, site.choice) for site in self.sites)]
         lines = [f"remat plan for {self.model}: {len(self.sites)} rematerialized sites"]
-        lines += _aligned(rows)
+        lines += aligned(rows)
         return "\n".join(lines)
 
     def _budget_table(self, plan: Assignment) -> str:
@@ -86,7 +85,7 @@ class ModelPlan:
             kind = self.classes[i] if i < len(self.classes) else ""
             rows.append((name or "(model)", kind, choice, format_bytes(cost.held_bytes), plan.time(extra, extra=True)))
         lines = [f"remat plan for {self.model}: {len(plan.cost)} blocks under a budget"]
-        lines += _aligned(rows)
+        lines += aligned(rows)
         lines += plan.summary()
         return "\n".join(lines)
 

@@ -27,7 +27,12 @@ from .head import describe_head
 from .integrations import comes_from
 from .table import ModelPlan, Site
 
-__all__ = ["apply", "plan", "undo", "wrap", "wrap_class", "wrap_function", "wrap_module"]
+__all__ = ["Where", "apply", "plan", "remove_hooks", "select", "undo", "wrap", "wrap_class", "wrap_function",
+           "wrap_module"]
+
+#: What `remat.apply` (and `remat.estimate`) take as `where`: a module type, a tuple of them, or a predicate on
+#: `(qualified name, module)`; None picks the model's repeated blocks (NOTE [ Picking blocks ]).
+Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 _M = TypeVar("_M", bound=nn.Module)
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -212,7 +217,7 @@ def _is_ours(hook: Any) -> bool:
     return isinstance(hook, (_Open, _Close)) or getattr(hook, "_remat_owned", False)
 
 
-def _remove_hooks(module: nn.Module) -> None:
+def remove_hooks(module: nn.Module) -> None:
     ids = [
         key
         for name in ("_forward_pre_hooks", "_forward_hooks")
@@ -252,7 +257,7 @@ def wrap_module(module: _M, options: Options, owner: nn.Module | None = None) ->
     share one cache rule; the module itself by default)."""
     if hasattr(type(module).forward, _MARK):
         return module  # the class is rematerialized already
-    _remove_hooks(module)
+    remove_hooks(module)
     site = options.name or type(module).__qualname__
     # A layer rematerialized alone (`remat(layer)` in a loop over a model's layers) shares its class's rule, so
     # the loop logs one line, not one per layer.
@@ -289,13 +294,13 @@ def undo(module: _M) -> _M:
     if not isinstance(module, nn.Module):
         raise TypeError(f"remat: undo expects an nn.Module, but got `{type(module).__name__}`.")
     for submodule in module.modules():
-        _remove_hooks(submodule)
+        remove_hooks(submodule)
     return module
 
 
 def apply(
     model: _M,
-    where: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None,
+    where: Where | None,
     every: int,
     options: Options,
 ) -> _M:
@@ -304,16 +309,16 @@ def apply(
         raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
-    chosen = _select(model, where)
+    chosen = select(model, where)
     for index, (_, module) in enumerate(chosen):
         if index % every == 0:
             wrap_module(module, options, model)
     return model
 
 
-def _select(
+def select(
     model: nn.Module,
-    where: type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None,
+    where: Where | None,
 ) -> list[tuple[str, nn.Module]]:
     """The outermost submodules `where` selects (see NOTE [ Picking blocks ] when it is None)."""
     if where is None:

@@ -80,7 +80,7 @@ def _nothing_left_on_the_host() -> Iterator[None]:
     yield
     gc.collect()
     assert _transfer.live_parcels() == 0, "a host copy outlived its graph"
-    assert _transfer.host_bytes()[0] == 0
+    assert _transfer.offloaded_bytes()[0] == 0
 
 
 def in_context(offload: AbstractContextManager[Any]) -> Callable[[Any], Callable[..., Any]]:
@@ -122,10 +122,10 @@ def test_offloaded_tensors_leave_in_forward_and_come_back_in_backward(copies: Co
     del h
     gc.collect()
     assert storage() is None, "the device tensor was not freed once copied"
-    assert _transfer.live_parcels() == 1 and _transfer.host_bytes()[0] == 16 * 16 * 8  # exp and sin share h
+    assert _transfer.live_parcels() == 1 and _transfer.offloaded_bytes()[0] == 16 * 16 * 8  # exp and sin share h
     y.backward()
     assert len(copies.back) == len(copies.out)
-    assert _transfer.live_parcels() == 0 and _transfer.host_bytes()[0] == 0
+    assert _transfer.live_parcels() == 0 and _transfer.offloaded_bytes()[0] == 0
 
 
 def test_without_offload_the_same_tensor_stays() -> None:
@@ -375,7 +375,7 @@ def test_views_of_one_storage_cross_once_as_one_copy(copies: Copies) -> None:
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v).sum() + (q * k * v).sum()
     assert len(copies.storages[id(q.untyped_storage())]) == 1, "q, k and v crossed separately"
     moved = _transfer.traffic()
-    assert moved.out == len(copies.out) and moved.out_bytes == _transfer.host_bytes()[0]
+    assert moved.out == len(copies.out) and moved.out_bytes == _transfer.offloaded_bytes()[0]
     assert sum(parcel().nbytes == 2 * 6 * 24 * 8 for parcel in copies.parcels) == 1  # type: ignore[union-attr]
     y.backward()
     assert _transfer.traffic().back == moved.out
@@ -566,7 +566,7 @@ def test_a_graph_dropped_while_its_copies_run_frees_the_host_at_once_and_the_dev
     del h
     assert _transfer.live_parcels() == 6 and len(lane.pending) == 6
     del y  # no cycle: the host copies go with the graph, without gc
-    assert _transfer.live_parcels() == 0 and _transfer.host_bytes()[0] == 0
+    assert _transfer.live_parcels() == 0 and _transfer.offloaded_bytes()[0] == 0
     assert storages[0]() is not None, "the device memory went back to the allocator while its copy still read it"
     fake.finish()
     _transfer.reap()

@@ -69,14 +69,14 @@ def in_context(offload: AbstractContextManager[Any]) -> Callable[[Any], Callable
 
 def held_and_moved(model: nn.Module, offload: AbstractContextManager[Any]) -> tuple[int, int]:
     """Bytes live on the device after forward (counted by `remat.track`), and bytes of host copies made."""
-    host = _transfer.host_bytes()[0]
+    host = _transfer.offloaded_bytes()[0]
     with remat.track() as tracker:
         x = randn(32, WIDTH).to(D0).requires_grad_() * 2  # an activation: the user's leaf is never offloaded
         with offload:
             y = model(x).sum()
         del x
         held = tracker.current(D0)
-    moved = _transfer.host_bytes()[0] - host
+    moved = _transfer.offloaded_bytes()[0] - host
     y.backward()
     return held, moved
 
@@ -126,10 +126,10 @@ def test_offloading_sites_hold_their_inputs_on_the_host(strategy: str) -> None:
     ids=["apply", "apply_replay", "policy_offload", "both"],
 )
 def test_offloading_sites_give_the_gradients_and_masks_of_no_remat(variant: Callable[[Any], Any]) -> None:
-    host = _transfer.host_bytes(reset_peak=True)[0]
+    host = _transfer.offloaded_bytes(reset_peak=True)[0]
     base, _ = assert_same_on_device(stack, (x0(),), variant)
     assert base.drew[1]
-    assert _transfer.host_bytes()[1] > host, "nothing went to host"
+    assert _transfer.offloaded_bytes()[1] > host, "nothing went to host"
 
 
 class Attention(nn.Module):

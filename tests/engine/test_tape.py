@@ -1,5 +1,5 @@
-"""Tests of the replay tape's structure: what its entries hold, and plans shared between tapes (NOTE [ What the tape
-holds ] in remat/_engine/recorder.py, NOTE [ Shared plans ] in remat/_engine/tape.py)."""
+"""Tests of the replay tape's structure: what its entries hold, and scripts shared between tapes (NOTE [ What the tape
+holds ] in remat/_engine/recorder.py, NOTE [ Shared scripts ] in remat/_engine/tape.py)."""
 # mypy: disable-error-code="no-untyped-call,no-any-return"
 
 from __future__ import annotations
@@ -34,33 +34,33 @@ def _block(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(h, dim=-1).exp()
 
 
-def test_tapes_of_the_same_structure_share_one_plan_and_give_no_remats_gradients() -> None:
+def test_tapes_of_the_same_structure_share_one_script_and_give_no_remats_gradients() -> None:
     xs = [torch.randn(5, 5, requires_grad=True) for _ in range(3)]
     frames = []
     for x in xs:
         out, frame = _recorded(_block, x)
         out.sum().backward()
         frames.append(frame)
-    plans = [frame.tape.plan for frame in frames if frame.tape is not None]
-    assert len(plans) == 3 and plans[0] is not None
-    assert plans[1] is plans[0] and plans[2] is plans[0]
+    scripts = [frame.tape.script for frame in frames if frame.tape is not None]
+    assert len(scripts) == 3 and scripts[0] is not None
+    assert scripts[1] is scripts[0] and scripts[2] is scripts[0]
     for x in xs:
         y = x.detach().requires_grad_()
         _block(y).sum().backward()
         torch.testing.assert_close(x.grad, y.grad)
 
 
-def test_a_different_structure_gets_a_plan_of_its_own() -> None:
+def test_a_different_structure_gets_a_script_of_its_own() -> None:
     small, frame_small = _recorded(_block, torch.randn(4, 4, requires_grad=True))
     other, frame_other = _recorded(lambda x: _block(x).sin(), torch.randn(4, 4, requires_grad=True))
     small.sum().backward()
     other.sum().backward()
     assert frame_small.tape is not None and frame_other.tape is not None
-    assert frame_small.tape.plan is not frame_other.tape.plan
+    assert frame_small.tape.script is not frame_other.tape.script
 
 
 def test_values_that_compare_equal_are_replayed_from_each_tapes_own_recording() -> None:
-    # `0.0 == -0.0`, so both tapes have the same structure and share a plan; the sign still matters: atan2 of a
+    # `0.0 == -0.0`, so both tapes have the same structure and share a script; the sign still matters: atan2 of a
     # signed zero is +pi or -pi, and `w`'s gradient is that value, rebuilt by replay.
     x = torch.full((3,), -1.0, requires_grad=True)
     grads = []
@@ -80,12 +80,12 @@ def test_values_that_compare_equal_are_replayed_from_each_tapes_own_recording() 
     torch.testing.assert_close(grads[2], torch.full((3,), torch.pi))
 
 
-def test_plans_cached_are_bounded_and_hold_no_tensor() -> None:
-    for size in range(2, 2 + _tape._PLANS_KEPT + 8):
+def test_scripts_cached_are_bounded_and_hold_no_tensor() -> None:
+    for size in range(2, 2 + _tape._SCRIPTS_KEPT + 8):
         out, _ = _recorded(_block, torch.randn(size, size, requires_grad=True))
         out.sum().backward()
-    assert len(_tape._PLANS) <= _tape._PLANS_KEPT
-    entries = [entry for ops, _ in _tape._PLANS.values() for entry in ops]
+    assert len(_tape._SCRIPTS) <= _tape._SCRIPTS_KEPT
+    entries = [entry for ops, _ in _tape._SCRIPTS.values() for entry in ops]
     held = [value for entry in entries for value in (*entry[1], *(entry[2] or {}).values())]
     assert not any(isinstance(value, torch.Tensor) for value in held)
 
@@ -142,17 +142,17 @@ def test_a_write_into_a_new_tensor_at_a_dead_saved_tensors_address_clones_nothin
     torch.testing.assert_close(x.grad, y.grad)
 
 
-def test_entries_that_cannot_be_compared_get_a_plan_of_their_own() -> None:
+def test_entries_that_cannot_be_compared_get_a_script_of_their_own() -> None:
     first, frame = _recorded(_block, torch.randn(3, 3, requires_grad=True))
     first.sum().backward()
-    assert frame.tape is not None and frame.tape.plan is not None
-    cached = next(ops for ops, plan in _tape._PLANS.values() if plan is frame.tape.plan)
+    assert frame.tape is not None and frame.tape.script is not None
+    cached = next(ops for ops, script in _tape._SCRIPTS.values() if script is frame.tape.script)
     func, args, *rest = cached[0]
     cached[0] = (func, [torch.ones(2), *args[1:]], *rest)  # `==` on it raises: a tensor is no bool
     x = torch.randn(3, 3, requires_grad=True)
     out, other = _recorded(_block, x)
     out.sum().backward()
-    assert other.tape is not None and other.tape.plan is not frame.tape.plan
+    assert other.tape is not None and other.tape.script is not frame.tape.script
     y = x.detach().requires_grad_()
     _block(y).sum().backward()
     torch.testing.assert_close(x.grad, y.grad)

@@ -98,7 +98,7 @@ def test_backward_inside_the_block_is_tracked() -> None:
         before_backward = t.current_bytes
         torch.autograd.backward(loss)
         assert w.grad is not None
-        assert t._bytes_of([w.grad]) == {torch.device("cpu"): w.grad.nbytes}
+        assert t.bytes_of([w.grad]) == {torch.device("cpu"): w.grad.nbytes}
     assert t.peak_bytes > before_backward + w.grad.nbytes - 1
     assert t.current_bytes == loss.nbytes + w.grad.nbytes
 
