@@ -11,8 +11,16 @@ NOTE [ What the GPU check measures ]
    `STEPS` steps.
 2. Configurations, each on its own copy of the same weights: no remat; transformers' own checkpointing
    (`activation_checkpointing_enable`, non-reentrant); torch's selective checkpoint of each layer, matmuls and
-   attention kept (`create_selective_checkpoint_contexts`); remat full, `save_matmuls`, replay and per-layer
-   offload. Each row says its peak against no remat's and its step time; the step-time targets are checked on a GPU.
+   attention kept (`create_selective_checkpoint_contexts`); remat full, `save_matmuls`, replay, per-layer offload,
+   and full remat with the head and the loss in chunks (`head=True`). Each row says its peak against no remat's,
+   its step time and how far its gradients are from no remat's; the step-time and head targets are checked on a
+   GPU.
+2b. Gradients: every configuration's measured step starts from the same seed, so with dropout on (the models'
+   default configs) each draws the same masks as no remat's exactly when recompute draws what forward drew. The
+   largest relative difference of any parameter's gradient from no remat's (|g - g0|max / |g0|max) is shown; a
+   remat row is checked against `GRADIENT_BOUND`, bf16 autocast's own noise being well below it and a shifted
+   dropout mask well above (torch's selective checkpoint is shown, not checked: it keeps the fused attention with
+   dropout and shifts the stream).
 3. The estimate: `remat.estimate` under the same autocast, for no remat, full and `save_matmuls`, against the
    measured step (the whole device's `max_memory_allocated`, parameters and the batch included; within 5%).
 4. Budgets 0.3, 0.5 and 0.7 of no remat's peak: `remat.apply(model, budget=f, sample=batch)` under autocast; what
@@ -77,6 +85,11 @@ TINY = (
                                   "max_position_embeddings": 32}, 2, 32, (0.75, 0.9)),
 )
 BUDGETS = (0.3, 0.5, 0.7)
+GRADIENT_BOUND = 0.05
+"""The largest relative gradient difference from no remat's a remat configuration may show (NOTE [ What the GPU
+check measures ], rule 2b)."""
+HEAD_PEAK = {"GPT-2 124M": 0.25, "TinyLlama 1.1B": 0.2}
+"""Full remat with the chunked head: its step's peak as a fraction of no remat's, at most (spec'd on a GPU)."""
 
 
 @dataclasses.dataclass
@@ -221,6 +234,7 @@ CONFIGS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "remat save_matmuls": lambda model: remat.apply(model, policy=remat.policies.save_matmuls),
     "remat replay": lambda model: remat.apply(model, strategy="replay"),
     "remat offload (per layer)": lambda model: remat.apply(model, offload=True),
+    "remat full + head": lambda model: remat.apply(model, head=True),
 }
 
 
@@ -231,11 +245,26 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 # -- the rows -----------------------------------------------------------------------------------------------------
 
 
+def _gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().float().cpu() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _gradient_gap(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    """The largest relative difference of one parameter's gradient (rule 2b); inf where the sets differ."""
+    if ours.keys() != theirs.keys():
+        return float("inf")
+    return max(
+        ((ours[name] - want).abs().max() / want.abs().max().clamp_min(1e-30)).item() for name, want in theirs.items()
+    )
+
+
 def configurations(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -> dict[str, tuple[int, int, float]]:
     """Each configuration's (step peak, whole device's peak, step seconds): NOTE [ What the GPU check measures ],
-    rule 2."""
+    rules 2 and 2b."""
     batch = sample(shape, dev.device)
     found: dict[str, tuple[int, int, float]] = {}
+    gaps: dict[str, float] = {}
+    reference: dict[str, torch.Tensor] = {}
     for label, configure in CONFIGS.items():
         model = configure(copy.deepcopy(base).to(dev.device))
         try:
@@ -245,8 +274,14 @@ def configurations(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -
             resident = dev.allocated() or _storage_bytes([*model.parameters(), *model.buffers(), *batch.values()])
             one = functools.partial(step, model, batch, dev.device)
             with remat.enabled(label != "no remat"):
+                torch.manual_seed(1)  # every configuration's measured step draws from the same state (rule 2b)
                 with dev.peak() as peak:
                     one()
+                grads = _gradients(model)
+                if label == "no remat":
+                    reference = grads
+                gaps[label] = _gradient_gap(grads, reference) if reference else float("nan")
+                del grads
                 seconds = dev.timed(one)
             found[label] = (peak[0], resident + peak[0], seconds)
         except Exception as error:  # a row that fails says so; the others still run
@@ -257,16 +292,26 @@ def configurations(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -
     none = found.get("no remat")
     for label, (nbytes, _, seconds) in found.items():
         ratio = f" ({nbytes / none[0]:.2f} of no remat's)" if none else ""
-        out.append(Row(shape.name, label, f"peak {format_bytes(nbytes)}{ratio}, step {seconds * 1e3:.0f} ms"))
+        gap = "" if label == "no remat" else f", gradients {gaps[label]:.2g} from no remat's"
+        checked = label.startswith("remat") and label != "no remat"
+        out.append(Row(shape.name, label, f"peak {format_bytes(nbytes)}{ratio}, step {seconds * 1e3:.0f} ms{gap}",
+                       gaps[label] <= GRADIENT_BOUND if checked else None,
+                       f"gradients within {GRADIENT_BOUND} of no remat's (dropout on)"))
     targets = (("remat full", "transformers' checkpointing", 1.0, "full remat's step <= transformers' own"),
                ("remat save_matmuls", "torch selective (matmuls, attention)", 1.0,
                 "save_matmuls' step <= torch's selective checkpoint's"),
-               ("remat offload (per layer)", "remat full", 1.03, "per-layer offload's step <= 1.03x per-layer remat's"))
+               ("remat offload (per layer)", "remat full", 1.03, "per-layer offload's step <= 1.03x per-layer remat's"),
+               ("remat full + head", "remat full", 1.05, "full remat + head's step <= 1.05x full remat's"))
     for ours, theirs, bound, target in targets:
         if ours in found and theirs in found:
             slower = found[ours][2] / found[theirs][2]
             timed = slower <= bound if dev.cuda else None  # a GPU's targets: on the CPU, the figures only
             out.append(Row(shape.name, f"target: {ours}", f"step {slower:.3f}x {theirs}'s", timed, target))
+    head, most = found.get("remat full + head"), HEAD_PEAK.get(shape.name)
+    if head is not None and none is not None and most is not None:
+        share = head[0] / none[0]
+        out.append(Row(shape.name, "target: remat full + head", f"peak {share:.3f} of no remat's",
+                       share <= most if dev.cuda else None, f"full remat + head peaks <= {most} of no remat's"))
     return found
 
 

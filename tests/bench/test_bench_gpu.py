@@ -25,6 +25,8 @@ def test_the_gpu_check_runs_every_row_at_tiny_sizes_on_the_cpu() -> None:
         rows = [line for line in lines if line.startswith(shape.name)]
         for label in CONFIGS:
             assert any(f"  {label}  " in row and "peak " in row for row in rows), (label, text)
+            if label != "no remat":  # NOTE [ What the GPU check measures ], rule 2b
+                assert any(f"  {label}  " in row and "from no remat's" in row for row in rows), (label, text)
         for config in ("none", "full", "save_matmuls"):
             assert any(f"estimate {config} " in row and row.endswith("ok") for row in rows), text
         for fraction in BUDGETS:
