@@ -225,7 +225,7 @@ class Remat:
             raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
         fraction = parse_budget(budget) if budget is not None and memory is None else None
         if isinstance(fraction, float) and sample is not None:  # of the model's own step: NOTE [ The head as a
-            from ._estimate.head_budget import plain_budget  # choice ] in remat/_budget/head.py, rule 2
+            from ._estimate.head_budget import plain_budget  # choice ] in remat/_budget/solve_head.py, rule 2
 
             budget = plain_budget(model, fraction, sample, loss, where)
         _head.route_head(model)  # before the blocks: a budget's profile runs the step with the head routed
@@ -252,6 +252,12 @@ class Remat:
                 )
             # the profiler and planner load with the first planned apply: a budget bounds the activations, a
             # memory the whole step (leaving the activations what the state does not take)
+            from ._budget.modes import Config, mode_for
+
+            def config() -> Config:
+                return Config(loss=loss, choices=choices, replan=replan, preserve_rng=preserve_rng,
+                              strategy=strategy, check=check, head=head, compile=compile)
+
             if memory is None and optimizer is None:
                 from ._budget.apply import apply_budget
 
@@ -260,20 +266,13 @@ class Remat:
                                      "allocator); a `budget` bounds the tensors' bytes alone.")
 
                 assert budget is not None
-                return apply_budget(
-                    model, budget, sample, where, loss=loss, choices=choices, replan=replan,
-                    preserve_rng=preserve_rng, strategy=strategy, check=check, compile=compile, head=head,
-                )
+                return apply_budget(model, budget, sample, where, mode_for(config()))
             if memory is None or budget is not None:
                 raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
                                  "with `optimizer`), not both; `optimizer` goes with `memory`.")
             from ._estimate.memory import apply_memory
 
-            options = {"choices": choices, "replan": replan, "preserve_rng": preserve_rng, "strategy": strategy,
-                       "check": check, "compile": compile, "head": head}
-            return apply_memory(  # type: ignore[return-value]
-                model, memory, sample, where, optimizer=optimizer, loss=loss, options=options, headroom=headroom,
-            )
+            return apply_memory(model, memory, sample, where, config(), optimizer=optimizer, headroom=headroom)
         if sample is not None or loss is not None or choices is not None or replan is not True or compile:
             raise ValueError(
                 "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."

@@ -405,12 +405,23 @@ def assert_same_on_device(
     return base, ours
 
 
+def budget_hook(names: tuple[str, ...], policies: tuple[Any, ...], labels: tuple[str, ...]) -> Any:
+    """A budget's hook on blocks `names` whose choices are `policies` (labelled `labels`), without the recompute
+    check, for tests that profile or place choices themselves."""
+    from remat._budget.apply import BudgetHook
+    from remat._budget.modes import BudgetMode, Config
+
+    hook = BudgetHook(1.0, names, BudgetMode(Config(check=False)))
+    hook.policies, hook.labels = policies, labels
+    return hook
+
+
 def optimistic_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every choice of a budget's profile predicted to hold a tenth of what it does: a plan that fits on paper and
     not in a real step (what the budget's checks of real steps must catch)."""
     from remat._budget import apply as _fit
 
-    real = _fit.profile_blocks  # type: ignore[attr-defined]
+    real = _fit.measured_costs
 
     def optimistic(*args: Any, **kwargs: Any) -> Any:
         cost = real(*args, **kwargs)
@@ -426,4 +437,4 @@ def optimistic_profile(monkeypatch: pytest.MonkeyPatch) -> None:
         )
         return dataclasses.replace(cost, blocks=rows)
 
-    monkeypatch.setattr(_fit, "profile_blocks", optimistic)
+    monkeypatch.setattr(_fit, "measured_costs", optimistic)

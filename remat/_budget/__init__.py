@@ -1,1 +1,2 @@
-"""`remat.apply(model, budget=..., memory=...)`: profile, cost, solve and check a plan for a whole model."""
+"""`remat.apply(model, budget=..., memory=...)`: a plan for a whole model, made in four stages (profile, costs,
+solve, verify) by the driver in apply.py."""

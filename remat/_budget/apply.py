@@ -1,19 +1,27 @@
-"""`remat.apply(model, budget=..., sample=...)`: choose per block how it is rematerialized so a step fits a budget.
+"""`remat.apply(model, budget=..., sample=...)`: the budget's driver. `apply_budget` puts a `BudgetHook` on the model,
+whose `fit_blocks` runs the stages in order, each in the files named after it:
 
-See NOTE [ Budgeted models ] and the docs' guide "Fit a memory budget".
+1. profile (profile.py, profile_step.py, profile_alone.py): a few tracked training steps on the sample, marked block
+   by block, on a fake twin of the model where one stands in: a `Profile`;
+2. costs (costs.py, costs_derived.py, compiled.py): the bytes and times of every block under every choice, with the
+   gradients the mode's steps hold: a `ModelCost`;
+3. solve (solve.py, solve_head.py): one choice per block, the fastest predicted to fit: an `Assignment`, put on
+   the blocks, with the head routed where only that fits;
+4. verify (verify.py, first_step.py): real tracked steps, before `remat.apply` returns or on the model's first
+   training step, that correct the assignment where one went over.
+
+The mode (modes.py) says how each stage runs for `budget=`, `memory=`, `compile=True` and a sharded model.
 
 NOTE [ Budgeted models ]
-A `_Budget` forward pre-hook on the model holds what the budget needs: the blocks (by qualified name, so that
-`deepcopy` and pickling keep pointing at the copy's own blocks), the choices, the loss, the options, and the
-plan for the last input signature (shapes, dtypes, devices of the tensors among the inputs). Each block's
-choice is put on it with the same hooks `remat(module)` uses (none for "kept"), so `remat.plan`, `remat.undo`,
-`state_dict` (no key changes) and `deepcopy` treat a budgeted model like any other. When the model is called in
-training with gradients on and a new input signature (and `replan=True`), the hook profiles one step on
-(detached copies of) those inputs and re-plans before the forward goes on; the profile's own calls of the
-model pass through the hook untouched. A plan is checked on a real tracked step: the model's first training step
-with it (NOTE [ The first step ] in remat/_budget/first_step.py), or one more step of the sample before the plan is
-returned where that cannot stand in (NOTE [ Checking the plan ] in remat/_budget/check.py). A failed re-plan
-(BudgetError) puts the previous choices back.
+1. A `BudgetHook`, a forward pre-hook on the model, holds what the budget needs: the blocks by qualified name (so
+   that `deepcopy` and pickling keep pointing at the copy's own blocks), the choices, the mode, and the assignment
+   for the last input signature (shapes, dtypes, devices of the tensors among the inputs).
+2. Each block's choice is put on it with the hooks `remat(module)` uses (none for "kept"), so `remat.plan`,
+   `remat.undo`, `state_dict` (no key changes) and `deepcopy` treat a budgeted model like any other.
+3. A training call (gradients on) with a new input signature plans again before the forward goes on (with
+   `replan=True`), on detached copies of the inputs; the planner's own calls of the model pass through the hook
+   untouched.
+4. A failed plan (`BudgetError`) puts the previous choices back.
 """
 
 from __future__ import annotations
@@ -22,43 +30,91 @@ import dataclasses
 import itertools
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from .._core.errors import BudgetError
-from .._core.options import Options, Strategy
+from .._core.options import Options
 from .._core.policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
 from .._core.torch_compat import eager_for_now, when_traced
 from .._core.units import Budget, parse_budget
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
-from .._measure.autocast import StepAutocast, planning, step_region
-from .._measure.loss import default_loss
+from .._measure.autocast import StepAutocast
 from .._measure.sample import as_call, detached, signature
-from .._measure.step_peak import compiled_peak, measure_step
-from .._measure.track import placed as placed_on
 from .._sites.targets import Where, remove_hooks, select, wrap_module
-from .check import AssignmentCheck, check_assignment, check_measured
-from .costs import ModelCost, with_gradients
-from .derive import DERIVABLE, PARTS
-from .fake_profile import on_fake, profile_fake
+from .compiled import warn_one_graph
+from .costs import ModelCost, Profile, measured_costs
+from .costs_derived import DERIVABLE, PARTS
 from .first_step import WINDOW, FirstStep, can_track, tidy
-from .gradients import accumulation_order, gradient_steps
-from .head import fit_choosing_head
-from .profile import profile_blocks
-from .ranks import from_rank_zero, max_over_ranks
+from .modes import SHARDED_LATER, BudgetMode, Config, ShardedMode
+from .profile import TrainingStep, profile
 from .solve import Assignment, least_assignment, resolve_budget, solve_budget
-from .whole_graph import gradient_bytes, graph_extra, warn_one_graph, with_graph_gradients
+from .solve_head import fit_choosing_head
+from .verify import Verification, from_rank_zero, max_over_ranks
 
-__all__ = ["apply_budget"]
+__all__ = ["BudgetHook", "apply_budget"]
 
 _M = TypeVar("_M", bound=nn.Module)
-Loss = Callable[[Any], torch.Tensor]
 _KEPT = "kept"
 _log = logging.getLogger("remat")
+
+
+def apply_budget(model: _M, budget: Budget, sample: Any, where: Where | None, mode: BudgetMode) -> _M:
+    """See `remat.apply`: plan `model`'s blocks for `budget` on one training step of `sample`, and keep planning
+    on new input signatures (NOTE [ Budgeted models ]).
+
+    Args:
+        model: the model; its blocks are those `where` selects.
+        budget: bytes, a string of bytes, or a fraction of the step's peak without remat.
+        sample: the model's inputs for one training step.
+        mode: how its plans are made and verified (`mode_for(config)`, or a `MemoryMode`).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
+    value = parse_budget(budget)
+    if sample is None:
+        raise ValueError(
+            "remat: apply with a `budget` needs `sample=`: the model's inputs for one training step (a tensor, "
+            "a tuple of positional arguments, or a dict of keyword arguments), to profile the blocks on."
+        )
+    _no_meta(model)
+    blocks = select(model, where)
+    for _, block in blocks:
+        remove_hooks(block)
+    for key, old in list(model._forward_pre_hooks.items()):
+        if isinstance(old, BudgetHook):
+            old.close()
+            del model._forward_pre_hooks[key]
+            model._forward_pre_hooks_with_kwargs.pop(key, None)
+    hook = BudgetHook(value, tuple(name for name, _ in blocks), mode)
+    args, kwargs = as_call(sample)
+    hook.fit(model, args, kwargs)
+    model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    return model
+
+
+def choices_of(mode: BudgetMode) -> tuple[tuple[PolicyLike | str, ...], tuple[str, ...]]:
+    """The choices a block may take under `mode`, and their labels: kept, `save_matmuls` (rerun), full remat, the
+    config's `choices`, and the parts (NOTE [ Some matmuls ] in costs_derived.py: made per block once profiled)."""
+    config = mode.config
+    policies: list[PolicyLike | str] = [_KEPT]
+    labels = [_KEPT]
+    if config.strategy == "rerun":
+        policies.append(save_matmuls)
+        labels.append("save_matmuls")
+    policies.append(None)
+    labels.append("full")
+    for extra in config.choices or ():
+        labels.append(_label(extra, set(labels) | set(PARTS)))
+        policies.append(extra)
+    if config.strategy == "rerun" and mode.offers_parts:
+        policies.extend(PARTS)
+        labels.extend(PARTS)
+    return tuple(policies), tuple(labels)
 
 
 def _label(policy: PolicyLike, taken: set[str]) -> str:
@@ -68,57 +124,108 @@ def _label(policy: PolicyLike, taken: set[str]) -> str:
     return label
 
 
-class _Budget:
-    """The model's forward pre-hook that holds its budget plan and re-plans on a new input signature."""
+class BudgetHook:
+    """The model's forward pre-hook that holds its budget's assignment and plans again on a new input signature
+    (NOTE [ Budgeted models ])."""
 
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
-    # What a hook pickled before it had these attributes reads (the instance's own values shadow them):
-    compile = grads = told = upfront = told_autocast = False
-    check: AssignmentCheck | None = None
-    step: FirstStep | None = None
-    sharded = warned = True  # no warning about `fully_shard` for a plan of unknown origin
-    calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
-    autocast: StepAutocast | None = None
-    devices: tuple[torch.device, ...] = ()
 
-    def __init__(
-        self,
-        budget: int | float,
-        names: tuple[str, ...],
-        policies: tuple[PolicyLike | str, ...],
-        labels: tuple[str, ...],
-        loss: Loss | None,
-        replan: bool,
-        options: dict[str, Any],
-        compile: bool = False,
-        grads: bool = False,
-        upfront: bool = False,
-    ) -> None:
-        self.budget = budget
-        self.head: bool | None = None  # apply's `head`: NOTE [ The head as a choice ] in head.py
-        self.resolved: int | None = None  # the budget in bytes on the last profile (the same NOTE)
+    def __init__(self, budget: int | float, names: tuple[str, ...], mode: BudgetMode) -> None:
+        self.budget = budget  # parsed (`parse_budget`)
         self.names = names
-        self.policies = policies
-        self.labels = labels
-        self.loss = loss
-        self.replan = replan
-        self.options = options
-        self.compile = compile  # plan for one compiled graph: NOTE [ Compiled as one graph ]
+        self.mode = mode
+        self.policies, self.labels = choices_of(mode)
+        self.resolved: int | None = None  # the budget in bytes on the last costs: NOTE [ The head as a choice ]
         self.assignment: Assignment | None = None
+        self.calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()  # the parts' calls: NOTE [ Some matmuls ]
         self.signature: tuple[Any, ...] | None = None
-        self.busy = False
-        self.told = False  # whether re-planning inside a forward was logged (once per model)
-        self.sharded = False  # whether the plan was made on a `fully_shard`-ed model: NOTE [ Budgets and FSDP2 ]
-        self.warned = False
-        self.grads = grads  # whether the checked step counts new gradients (`memory=`: NOTE [ Total memory ])
-        self.calls = ()  # the parts' calls: NOTE [ Some matmuls ]
-        self.upfront = upfront  # check every plan before it is kept, never on a training step (the estimator)
-        self.check: AssignmentCheck | None = None  # waiting for training steps: NOTE [ The first step ]
-        self.step: FirstStep | None = None  # the training step being tracked for it
         self.autocast: StepAutocast | None = None  # what the plan's steps ran under: NOTE [ Planned under autocast ]
         self.devices: tuple[torch.device, ...] = ()  # where the model was when planned (its autocast types)
+        self.sharded = False  # whether the plan was made on a `fully_shard`-ed model: NOTE [ Budgets and FSDP2 ]
+        self.verification: Verification | None = None  # waiting for training steps: NOTE [ The first step ]
+        self.step: FirstStep | None = None  # the training step being tracked for it
+        self.busy = False  # planning: the planner's own calls of the model pass
+        self.told = self.told_autocast = self.warned = False  # one log line or warning per model
+
+    @property
+    def config(self) -> Config:
+        return self.mode.config
+
+    @property
+    def head(self) -> bool | None:
+        """apply's `head` (NOTE [ The head as a choice ] in solve_head.py)."""
+        return self.config.head
+
+    # -- planning: the stages in order ---------------------------------------------------------------------------
+
+    def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
+        """Plan for these inputs: `fit_blocks`, with the head routed where only that fits (NOTE [ The head as a
+        choice ] in solve_head.py)."""
+        return fit_choosing_head(self, model, args, kwargs)
+
+    def fit_blocks(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
+        """Plan the blocks for these inputs, stage by stage, and put the assignment on them."""
+        mode = self.mode.planning(model)
+        step = TrainingStep(model, self.config.loss, detached(args), detached(kwargs))
+        blocks = [model.get_submodule(name) for name in self.names]
+        previous, previous_calls = self.assignment, self.calls
+        self.busy = True
+        restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
+        try:
+            with step.planning():
+                found = self._profile(model, blocks, step, mode)
+            measured = measured_costs(found)
+            cost = mode.with_gradients(model, blocks, measured, found)
+            self.verification = None
+            self.close()
+            assignment, fits = self._solve(cost)
+            self.place(model, assignment)
+            if fits and mode.verifies_later():  # NOTE [ The first step ]
+                self.verification = Verification(assignment)
+            else:
+                with step.planning():  # NOTE [ Verifying the plan ]
+                    assignment = mode.verify(assignment,
+                                             lambda a: mode.measure(model, step, measured, cost, a),
+                                             lambda a: self.place(model, a))
+        except BaseException:
+            self.calls = previous_calls
+            for i, block in enumerate(blocks):  # back to the previous choices, or to none
+                if previous is None:
+                    remove_hooks(block)
+                else:
+                    self.assign(model, i, previous.choice[i])
+            raise
+        finally:
+            self.busy = False
+            if restore is not None:
+                restore()
+        self.assignment = assignment
+        self.autocast, self.devices = step.autocast, step.devices
+        self.signature = signature(args, kwargs)
+        self.sharded = isinstance(mode, ShardedMode)
+        return assignment
+
+    def _profile(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, mode: BudgetMode) -> Profile:
+        """Stage 1: the profile of every block under every choice (NOTE [ Profiling rounds ] in profile.py)."""
+        rerun = self.config.strategy == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
+        derived = [c for c, label in enumerate(self.labels) if rerun and label in DERIVABLE]
+        return profile(model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c),
+                       derived=derived, compiled=mode.compiled, fake=mode.profiles_on_fake(model))
+
+    def _solve(self, cost: ModelCost) -> tuple[Assignment, bool]:
+        """Stage 3: the fastest assignment predicted to fit, and True; where none is, the one that holds least, and
+        False (only a measured step may refuse a budget: NOTE [ Verifying the plan ]). Rank 0's on every rank."""
+        self.resolved = resolve_budget(self.budget, cost)  # NOTE [ The head as a choice ] in solve_head.py
+        try:
+            assignment, fits = solve_budget(cost, self.budget), True
+        except BudgetError:
+            assignment, fits = least_assignment(cost, self.budget), False
+        assignment = from_rank_zero(assignment)  # NOTE [ The same plan on every rank ] in verify.py
+        self.calls = assignment.cost.calls  # rank 0's calls too
+        return assignment, fits
 
     def assign(self, model: nn.Module, i: int, c: int) -> None:
+        """Put block i under choice c."""
         block = model.get_submodule(self.names[i])
         remove_hooks(block)
         policy = self.policies[c]
@@ -128,124 +235,21 @@ class _Budget:
                 raise ValueError(f"remat: choice {self.labels[c]!r} is not open to block {self.names[i]!r}.")
             policy = Policy(ops=(matmuls,), calls=calls)
         if policy != _KEPT:
-            wrap_module(block, Options(policy=policy, **self.options), model)  # type: ignore[arg-type]
+            wrap_module(block, Options(policy=policy, **self.config.options), model)  # type: ignore[arg-type]
 
-    def place(self, model: nn.Module, plan: Assignment) -> None:
-        """Put `plan`'s choices on the blocks."""
-        for i, c in enumerate(plan.choice):
+    def place(self, model: nn.Module, assignment: Assignment) -> None:
+        """Put `assignment`'s choices on the blocks."""
+        for i, c in enumerate(assignment.choice):
             self.assign(model, i, c)
 
-    def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
-        """Plan for these inputs: `fit_blocks`, with the head routed where only that fits (NOTE [ The head as a
-        choice ] in head.py)."""
-        return fit_choosing_head(self, model, args, kwargs)
-
-    def fit_blocks(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
-        """Profile one step on these inputs, solve, and put the chosen options on the blocks."""
-        args, kwargs = detached(args), detached(kwargs)
-        loss = self.loss or default_loss
-        blocks = [model.get_submodule(name) for name in self.names]
-        previous, previous_calls = self.assignment, self.calls
-        devices = placed_on(model)
-        autocast = StepAutocast.caller(devices)  # NOTE [ A step's own autocast region ]
-
-        def step_on(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
-            def step(run: nn.Module = model) -> torch.Tensor:
-                with step_region(autocast):
-                    out = loss(run(*args, **kwargs))
-                if not isinstance(out, torch.Tensor) or out.numel() != 1:
-                    raise TypeError(
-                        f"remat: `loss` must return a scalar tensor, but it returned {type(out).__name__}"
-                        f"{'' if not isinstance(out, torch.Tensor) else f' of shape {tuple(out.shape)}'}."
-                    )
-                return out
-
-            return step
-
-        step = step_on(args, kwargs)
-
-        self.busy = True
-        restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
-        try:
-            with torch.enable_grad(), planning(autocast, devices):
-                rerun = self.options["strategy"] == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
-                derived = [c for c, label in enumerate(self.labels) if rerun and label in DERIVABLE]
-
-                def profile(run: Callable[[], torch.Tensor]) -> ModelCost:  # NOTE [ Gradients in the budget ]
-                    with accumulation_order(model) as order:
-                        found = profile_blocks(
-                            model, self.names, blocks, self.labels, run, lambda i, c: self.assign(model, i, c),
-                            derived, compiled=self.compile,
-                        )
-                    if self.compile:  # one graph's backward: NOTE [ Compiled as one graph ]
-                        return found
-                    return with_gradients(found, gradient_steps(blocks, order))
-
-                fake = on_fake(model, self.compile, self.options["strategy"])  # NOTE [ Planning on fake tensors ]
-                cost = profile_fake(model, args, kwargs, step_on, profile) if fake else None
-                if cost is None:
-                    cost = profile(step)
-            eager = cost
-            if self.compile:
-                cost = with_graph_gradients(cost, *gradient_bytes(model, blocks))
-            self.check = None
-            self.close()
-            fits = True
-            self.resolved = resolve_budget(self.budget, cost)  # NOTE [ The head as a choice ] in head.py
-            try:
-                plan = solve_budget(cost, self.budget)
-            except BudgetError:  # checked on a real step before it is refused: NOTE [ Checking the plan ]
-                plan, fits = least_assignment(cost, self.budget), False
-            plan = from_rank_zero(plan)  # NOTE [ The same plan on every rank ]
-            self.calls = plan.cost.calls  # rank 0's calls too
-            self.place(model, plan)
-            placed = [plan.choice]
-
-            def assign(p: Assignment) -> None:
-                self.place(model, p)
-                placed[0] = p.choice
-
-            def measure() -> int:
-                if self.grads:  # from no gradients, eager code keeps each one as a one-graph backward does
-                    return max_over_ranks(measure_step(model, step))
-                if self.compile:  # NOTE [ Measuring a compiled step ]
-                    peak = compiled_peak(model, step)
-                    if peak is not None:
-                        return max_over_ranks(peak)
-                measured = max_over_ranks(measure_step(model, step, grads=not self.compile))
-                if self.compile:  # an eager step, lifted to one compiled graph: NOTE [ Compiled as one graph ]
-                    measured += graph_extra(eager, cost, placed[0])
-                return measured
-
-            if fits and not (self.upfront or self.grads or self.compile or _sharded.is_sharded(model)):
-                self.check = AssignmentCheck(plan)  # on the first training step: NOTE [ The first step ]
-            else:
-                with torch.enable_grad(), planning(autocast, devices):  # NOTE [ Planned on measured steps ]
-                    plan = (check_measured if self.compile else check_assignment)(plan, measure, assign)
-        except BaseException:
-            self.calls = previous_calls
-            for i in range(len(blocks)):  # back to the previous choices, or to none
-                if previous is None:
-                    remove_hooks(blocks[i])
-                else:
-                    self.assign(model, i, previous.choice[i])
-            raise
-        finally:
-            self.busy = False
-            if restore is not None:
-                restore()
-        self.assignment = plan
-        self.autocast, self.devices = autocast, devices
-        self.signature = signature(args, kwargs)
-        self.sharded = _sharded.is_sharded(model)
-        return plan
+    # -- at every forward ------------------------------------------------------------------------------------------
 
     def __call__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.sharded and not self.warned and self._now_sharded(model):
             self.warned = True
             warnings.warn(SHARDED_LATER.format(model=type(model).__name__), UserWarning, stacklevel=2)
         if compiling():  # the model's root is traced: compiled as one graph (NOTE [ Compiled as one graph ])
-            if not self.compile and model.training and torch.is_grad_enabled():
+            if not self.mode.compiled and model.training and torch.is_grad_enabled():
                 when_traced(warn_one_graph)
             return
         if self.busy:
@@ -253,7 +257,7 @@ class _Budget:
         self.settle(model)
         if not model.training or not torch.is_grad_enabled():
             return
-        if self.replan and signature(args, kwargs) != self.signature:
+        if self.config.replan and signature(args, kwargs) != self.signature:
             if not self.told:
                 self.told = True
                 _log.warning(
@@ -264,14 +268,14 @@ class _Budget:
             self.fit(model, args, kwargs)
         elif self.assignment is not None and StepAutocast.caller(self.devices) != self.autocast:
             self.autocast_changed(model, args, kwargs)
-        if self.check is not None and self.step is None and can_track():  # NOTE [ The first step ]
+        if self.verification is not None and self.step is None and can_track():  # NOTE [ The first step ]
             self.step = FirstStep(model, self.seen)
 
     def autocast_changed(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A training forward under other autocast settings than the plan's: NOTE [ Planned under autocast ]."""
         now = StepAutocast.caller(self.devices)
         planned, training = str(self.autocast or "without autocast"), str(now or "without autocast")
-        if not self.replan:
+        if not self.config.replan:
             if not self.told_autocast:
                 self.told_autocast = True
                 warnings.warn(KEPT_UNDER_AUTOCAST.format(model=type(model).__name__, planned=planned,
@@ -289,8 +293,8 @@ class _Budget:
     def settle(self, model: nn.Module) -> None:
         """At a forward: pop what tracked steps left, and act on a tracked step's peak (NOTE [ The first step ])."""
         tidy()
-        step, check = self.step, self.check
-        if step is None or check is None:
+        step, verification = self.step, self.verification
+        if step is None or verification is None:
             return
         if step.dropped:  # a forward alone, its graph gone: the next training forward starts a step
             self.close()
@@ -298,21 +302,20 @@ class _Budget:
         if step.peak is None:  # no backward through the outputs yet: the step goes on
             step.forwards += 1
             if step.forwards > WINDOW:
-                _log.info("remat: no backward through %s's outputs in %d forwards; its plan stays unchecked.",
+                _log.info("remat: no backward through %s's outputs in %d forwards; its plan stays unverified.",
                           type(model).__name__, WINDOW)
-                self.check = None
+                self.verification = None
                 self.close()
             return
         self.close()
-        measured = max_over_ranks(step.peak)
         try:
-            following = check.after(measured)
+            following = verification.after(max_over_ranks(step.peak))
         except BudgetError as e:  # the least choice is on the blocks: training goes on with it
             following = None
             warnings.warn(f"{e} Training goes on with that choice.", UserWarning, stacklevel=4)
-        self.assignment = check.plan
+        self.assignment = verification.assignment
         if following is None:
-            self.check = None
+            self.verification = None
         else:
             self.place(model, following)
 
@@ -347,26 +350,6 @@ KEPT_UNDER_AUTOCAST = (
 )
 
 
-# NOTE [ Budgets and FSDP2 ]
-# A budget bounds what forward and backward allocate on top of what lives before the step. Planned on an
-# unsharded model, that is the activations and the whole gradients; once `fully_shard` is applied, one rank's
-# step allocates differently: gradients at their shard's size, but each block's parameters all-gathered for its
-# forward and again for its backward, the root's kept unsharded throughout, and each block's whole gradients
-# until they are reduce-scattered. Neither the sign nor the size of the difference follows from the unsharded
-# step (tests/budget/test_sharded_budget.py: a plan made unsharded went over in the sharded step, one made after
-# `fully_shard` for the same bytes did not; docs/benchmarks.md), and re-planning inside the sharded root's forward
-# would nest a step in FSDP's own. So the plan is
-# kept, and the first forward after sharding warns once, asking for `remat.apply(model, budget=...)` after
-# `fully_shard`, which plans on the rank's own step. DDP needs nothing: its buckets exist before the step and
-# its gradients are the plain step's (or views into the buckets).
-SHARDED_LATER = (
-    "remat: the budget of `{model}` was planned by remat.apply(model, budget=...) before `fully_shard`, on the "
-    "unsharded step; one rank's sharded step allocates differently (parameters all-gathered per block, gradients "
-    "sharded), so the budget does not hold per rank. Call remat.apply(model, budget=..., sample=...) after "
-    "`fully_shard` (on every rank) to plan on this rank's step."
-)
-
-
 def _no_meta(model: nn.Module) -> None:
     """A budget is planned on a real step: refuse a model whose weights are on the meta device (no bytes to
     count, so every plan would look free). Fake tensors (the estimator's) report the device they stand for."""
@@ -378,70 +361,3 @@ def _no_meta(model: nn.Module) -> None:
                 "(`model.to_empty(device=...)` and initialise it), or use `remat.estimate(model, sample, ...)`, "
                 "which takes a meta model."
             )
-
-
-def apply_budget(
-    model: _M,
-    budget: Budget,
-    sample: Any,
-    where: Where | None,
-    *,
-    loss: Loss | None,
-    choices: Sequence[PolicyLike] | None,
-    replan: bool,
-    preserve_rng: bool,
-    strategy: Strategy,
-    check: bool,
-    grads: bool = False,
-    compile: bool = False,
-    upfront: bool = False,
-    head: bool | None = None,
-) -> _M:
-    """See `remat.apply`: profile, solve, and keep re-planning on new input shapes (NOTE [ Budgeted models ])."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
-    value = parse_budget(budget)
-    if sample is None:
-        raise ValueError(
-            "remat: apply with a `budget` needs `sample=`: the model's inputs for one training step (a tensor, "
-            "a tuple of positional arguments, or a dict of keyword arguments), to profile the blocks on."
-        )
-    if loss is not None and not callable(loss):
-        raise TypeError(f"remat: `loss` must be a callable from the output to a scalar, but got {loss!r}.")
-    for flag, given in (("replan", replan), ("compile", compile)):
-        if not isinstance(given, bool):
-            raise TypeError(f"remat: `{flag}` must be a bool, but got `{type(given).__name__}`.")
-    _no_meta(model)
-    policies: list[PolicyLike | str] = [_KEPT]
-    labels = [_KEPT]
-    if strategy == "rerun":
-        policies.append(save_matmuls)
-        labels.append("save_matmuls")
-    policies.append(None)
-    labels.append("full")
-    for extra in choices or ():
-        as_policy(extra)  # a TypeError for anything else
-        if strategy != "rerun":
-            raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
-        labels.append(_label(extra, set(labels) | set(PARTS)))
-        policies.append(extra)
-    if strategy == "rerun" and not compile:  # eager code only: NOTE [ Some calls ] in remat/_core/policies.py
-        policies.extend(PARTS)  # their policies are made per block once profiled: NOTE [ Some matmuls ]
-        labels.extend(PARTS)
-    blocks = select(model, where)
-    names = tuple(name for name, _ in blocks)
-    options = {"preserve_rng": preserve_rng, "strategy": strategy, "check": check}
-    Options(**options)  # type: ignore[arg-type]  # validates before any hook is placed
-    for _, block in blocks:
-        remove_hooks(block)
-    for key, hook in list(model._forward_pre_hooks.items()):
-        if isinstance(hook, _Budget):
-            hook.close()
-            del model._forward_pre_hooks[key]
-            model._forward_pre_hooks_with_kwargs.pop(key, None)
-    hook = _Budget(value, names, tuple(policies), tuple(labels), loss, replan, options, compile, grads, upfront)
-    hook.head = head  # NOTE [ The head as a choice ] in head.py
-    args, kwargs = as_call(sample)
-    hook.fit(model, args, kwargs)
-    model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
-    return model

@@ -1,9 +1,11 @@
-"""What a model's blocks cost under each way of rematerializing them: the data between profiling and planning.
+"""Stage 2, costs: what a model's blocks cost under each way of rematerializing them, made from what the profile
+measured, and the records that join the stages.
 
-`remat.apply(model, budget=...)` works in two steps joined by these plain records, so that either side can be
-swapped: `remat._budget.profile.profile_blocks` runs one real training step and fills a `ModelCost`; a
-profile on fake tensors (`remat.estimate`) may fill one the same way; `remat._budget.solve.solve_budget` reads a
-`ModelCost` and chooses one option per block under a budget, never touching a tensor.
+The stages are joined by plain records, so that either side can be swapped: the profile (profile.py) fills a
+`Profile`, on a fake twin of the model or on the real one; `measured_costs` turns it into a `ModelCost` (bytes and
+times of every block under every choice, measured or derived: costs_derived.py); the mode adds the gradients
+(`with_gradients`: NOTE [ Gradients in the budget ]); and solve.py chooses one option per block under a budget,
+never touching a tensor.
 
 NOTE [ Budget model ]
 A training step runs blocks 0..n-1 in order in forward and in reverse in backward; a plan's peak and time follow
@@ -28,16 +30,126 @@ Implementation notes:
    are outside them).
 2. (rule 4) A block's output is kept alive by the next block whatever that block's choice, so it counts in h.
    Where the blocks' forwards leave less alive than this assumes, the profile runs the choices instead of
-   deriving them (NOTE [ Deriving choices ] in derive.py).
+   deriving them (NOTE [ Deriving choices ] in costs_derived.py).
+
+NOTE [ Gradients in the budget ]
+Rules:
+1. A budget bounds what a step allocates as the device counts it (`remat.track()`, or
+   `torch.cuda.max_memory_allocated()` minus what was allocated before the step): gradients that backward makes
+   count, gradients that already exist do not (an in-place accumulation allocates nothing that lives on).
+2. A plan assumes the loop almost everyone writes: `optimizer.zero_grad()` sets gradients to None, so every
+   backward allocates each parameter's gradient when it reaches that parameter, and it lives to the step's end.
+   A loop that keeps its gradients (`zero_grad(set_to_none=False)`, accumulation) peaks lower, never higher.
+3. The profile itself runs without new gradients (each parameter has a zero `.grad` that backward adds into:
+   `step_state`), so what a block costs does not depend on where it sits. Inside each window of the profile, a
+   parameter's gradient counts from the moment backward first accumulates it (where a default loop's backward
+   would make it) to the window's end; the gradients made before a window are added here, by position, from the
+   order in which the profiled backward reached the parameters.
+
+Implementation notes:
+1. `accumulation_order` (profile.py) records the parameters in the order their gradients were first accumulated
+   (a post-accumulate-grad hook); every round of a profile runs the same backward order, so the first-seen order
+   is the first round's. `gradient_steps` turns it into bytes by position while the profile still runs (on a fake
+   twin, the parameters it reached are the twin's).
+2. A window's own gradients are in its measured peak (`Windows.made` in profile_step.py, at the first accumulation of
+   each parameter in the step). Added here: while block i runs backward, the gradients of every parameter
+   accumulated before block i's first; in the window between block k's backward and block k-1's
+   (`outside_peaks[k]`, which also covers the forward between them, where no gradient exists yet), those
+   accumulated up to block k's last; in window 0 (after block 0's backward), the same up to block 0's last; in
+   window n (the head, the loss and their backward) none. A block without parameters takes the bounds of the
+   next block below it that has some.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["BlockCost", "GradientSteps", "ModelCost", "with_gradients"]
+import torch
+from torch import nn
+
+from .costs_derived import PARTS, KeptRun, compiled_times, derive_bytes, derive_times, output_calls, part_calls
+from .profile_alone import Shift
+
+__all__ = [
+    "BlockCost", "GradientSteps", "ModelCost", "Profile", "Round", "gradient_steps", "measured_costs",
+    "shifted", "with_gradients",
+]
+
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one profiled step measured (`Marks` in profile_step.py).
+
+    Args:
+        choice: the choice each block ran under.
+        held: per block, the bytes its forward left alive.
+        base: per block, the bytes live at its forward start beyond what the blocks before it held.
+        peaks: per window (("fwd" | "bwd" | "out", index)), its peak above what the blocks before it held.
+        times: per window, its seconds.
+        kept: per block that ran kept and was recorded in detail, what derivations start from.
+    """
+
+    choice: Sequence[int]
+    held: Sequence[int]
+    base: Sequence[int]
+    peaks: Mapping[tuple[str, int], int]
+    times: Mapping[tuple[str, int], float]
+    kept: Mapping[int, KeptRun] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GradientSteps:
+    """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
+    blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`): NOTE [ Gradients in the budget ], and
+    NOTE [ Compiled as one graph ] in compiled.py."""
+
+    blocks: tuple[int, ...]
+    outside: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the profile measured (stage 1, profile.py), for `measured_costs` (stage 2).
+
+    Args:
+        names: the blocks' qualified names, in forward order.
+        kinds: per block, its kind (blocks of one kind cost the same up to where they sit).
+        choices: the choices' labels.
+        derived: the choices derived rather than run, index to label (NOTE [ Deriving choices ] in
+            costs_derived.py).
+        tracked: the rounds that measured bytes.
+        timed: the rounds that measured times, in the same order (the same rounds where one step did both).
+        alone: per choice run, a block of kind `sample_kind` timed alone (forward, backward seconds), or nothing
+            (NOTE [ Timing under the tracker ] in profile_step.py).
+        sample_kind: the kind of that block (None where no block ran alone).
+        per_op: seconds per op of `save_matmuls`' dispatch mode.
+        gradients: where backward's new gradients are alive (NOTE [ Gradients in the budget ]).
+        compiled: derived choices are priced for one compiled graph (NOTE [ Compiled costs ] in costs_derived.py).
+        priced: the times are ops priced on a nominal device (NOTE [ Priced time ] in remat/_measure/clock.py).
+        shifts: per choice, what compiling adds to the bytes of a block of `sample_kind` (NOTE [ Compiled bytes ] in
+            compiled.py); empty where nothing is shifted.
+    """
+
+    names: tuple[str, ...]
+    kinds: tuple[Any, ...]
+    choices: tuple[str, ...]
+    derived: Mapping[int, str]
+    tracked: Sequence[Round]
+    timed: Sequence[Round]
+    alone: Mapping[int, tuple[float, float]]
+    sample_kind: Any
+    per_op: float
+    gradients: GradientSteps
+    compiled: bool = False
+    priced: bool = False
+    shifts: Mapping[int, Shift] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,7 +205,7 @@ class ModelCost:
         outside_peaks: n + 1 numbers; see NOTE [ Budget model ].
         outside_time: seconds of the step spent outside the blocks.
         calls: `calls[i][c]`, for a choice that keeps some of block i's matmul-class calls (NOTE [ Some matmuls ]
-            in derive.py), which of them; None for every other; empty: none such anywhere.
+            in costs_derived.py), which of them; None for every other; empty: none such anywhere.
         priced: the times are ops priced on a nominal device (a profile on fake tensors: NOTE [ Priced time ] in
             remat/_measure/clock.py), good for comparing plans with each other, not as seconds of this device.
 
@@ -132,14 +244,236 @@ class ModelCost:
         return len(self.names)
 
 
-@dataclass(frozen=True)
-class GradientSteps:
-    """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
-    blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`): NOTE [ Gradients in the budget ] in
-    remat/_budget/gradients.py, and NOTE [ Compiled as one graph ] in whole_graph.py."""
+# -- from a profile to costs: `measured_costs`, its steps in the order they run -----------------------------------
 
-    blocks: tuple[int, ...]
-    outside: tuple[int, ...]
+Entry = tuple[int, int, int]  # held bytes, forward peak above base, backward peak above base + held
+
+
+@dataclass
+class _Bytes:
+    """What the tracked rounds say of the blocks' bytes (NOTE [ Profiling rounds ] in profile.py, rule 3).
+
+    Attributes:
+        base: per block, the most bytes live at its forward start beyond what the blocks before it held.
+        own: per block and choice, what it adds itself where it ran under that choice or was derived.
+        of_kind: per kind and choice, every `own` entry of the blocks of that kind.
+        parts: per kind and part, the matmul-class calls the part keeps, or None where it is not offered (NOTE
+            [ Some matmuls ] in costs_derived.py).
+        part_times: per kind and part, the seconds of those calls in each run kept.
+        matmul: per kind, the seconds of all matmul-class calls in each run kept.
+        ops: per kind, the ops of each run kept.
+    """
+
+    base: list[int]
+    own: dict[tuple[int, int], Entry] = field(default_factory=dict)
+    of_kind: defaultdict[tuple[Any, int], list[Entry]] = field(default_factory=lambda: defaultdict(list))
+    parts: dict[tuple[Any, int], frozenset[int] | None] = field(default_factory=dict)
+    part_times: defaultdict[tuple[Any, int], list[float]] = field(default_factory=lambda: defaultdict(list))
+    matmul: defaultdict[Any, list[float]] = field(default_factory=lambda: defaultdict(list))
+    ops: defaultdict[Any, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+
+def measured_costs(profile: Profile) -> ModelCost:
+    """The `ModelCost` of what `profile` measured, before the gradients (the mode adds them): each block's bytes
+    under each choice it ran or was derived under (else the median of its kind's), the times of its kind, scaled
+    by the runs alone, and what lies outside the blocks; a compiled profile's shifts applied last."""
+    found = _bytes(profile)
+    scale, outside_scale = _clock_scale(profile)
+    seconds = _seconds(profile, found, scale)
+    rows = tuple(_row(profile, found, seconds, i) for i in range(len(profile.names)))
+    outside = [max(rnd.peaks.get(("out", k), 0) for rnd in profile.tracked) for k in range(len(profile.names) + 1)]
+    outside_time = statistics.median(
+        sum(v for key, v in rnd.times.items() if key[0] == "out") for rnd in profile.timed
+    )
+    calls = tuple(
+        tuple(found.parts.get((profile.kinds[i], c)) if row[c] is not None else None for c in range(len(row)))
+        for i, row in enumerate(rows)
+    )
+    cost = ModelCost(profile.names, profile.choices, rows, tuple(outside), max(0.0, outside_time * outside_scale),
+                     calls, priced=profile.priced)
+    return shifted(cost, profile.kinds, profile.sample_kind, profile.shifts) if profile.shifts else cost
+
+
+def _bytes(profile: Profile) -> _Bytes:
+    """Each block's own bytes under every choice it ran, and under the derived ones where it ran kept."""
+    found = _Bytes(base=[0] * len(profile.names))
+    for rnd in profile.tracked:
+        for i, c in enumerate(rnd.choice):
+            b, h = rnd.base[i], rnd.held[i]
+            found.base[i] = max(found.base[i], b)
+            forward, backward = rnd.peaks.get(("fwd", i), b + h), rnd.peaks.get(("bwd", i), b + h)
+            entries = {c: (h, forward - b, backward - b - h)}
+            kept = rnd.kept.get(i)
+            if kept is not None:
+                entries.update(_derived(profile, found, profile.kinds[i], kept, b))
+            for choice, entry in entries.items():
+                found.own[(i, choice)] = entry
+                found.of_kind[(profile.kinds[i], choice)].append(entry)
+    return found
+
+
+def _derived(profile: Profile, found: _Bytes, kind: Any, kept: KeptRun, base: int) -> dict[int, Entry]:
+    """The derived choices' entries of a block from its run kept; records the run's matmul times and the parts'
+    calls (chosen once per kind, from the first of its kind recorded kept: NOTE [ Some matmuls ])."""
+    found.matmul[kind].append(sum(kept.detail.call_time))
+    found.ops[kind].append(kept.detail.ops)
+    entries: dict[int, Entry] = {}
+    for d, label in profile.derived.items():
+        calls = None
+        if label in PARTS:
+            if (kind, d) not in found.parts:
+                chosen = _part(PARTS[label], kept)
+                same = any(found.parts.get((kind, e)) == chosen for e in profile.derived if e < d)
+                found.parts[(kind, d)] = None if same else chosen  # a part twice is offered once
+            calls = found.parts[(kind, d)]
+            if calls is None:
+                continue  # keeps nothing or everything: not offered
+            times = kept.detail.call_time
+            found.part_times[(kind, d)].append(sum(times[call] for call in calls if call < len(times)))
+        held, forward, backward = derive_bytes(label, kept, calls)
+        entries[d] = (held, forward - base, backward - base - held)
+    return entries
+
+
+def _part(share: float, kept: KeptRun) -> frozenset[int] | None:
+    """The calls a part keeps, or None where that is none or all it may (NOTE [ Some matmuls ])."""
+    calls = part_calls(share, kept.detail, kept.outputs)
+    may = len(kept.detail.call_time) - len(output_calls(kept.detail, kept.outputs))
+    return calls if 0 < len(calls) < may else None
+
+
+def _clock_scale(profile: Profile) -> tuple[list[tuple[float, float]], float]:
+    """Per choice, how much faster its forward and backward ran alone than tracked, and the same over all choices
+    run for the time outside the blocks (NOTE [ Timing under the tracker ] in profile_step.py); 1 without runs
+    alone."""
+    scale = [(1.0, 1.0)] * len(profile.choices)
+    if not profile.alone:
+        return scale, 1.0
+    times = _times(profile)
+    for choice, (forward, backward) in profile.alone.items():
+        tracked_forward, tracked_backward = times[(profile.sample_kind, choice)]
+        scale[choice] = (_ratio(forward, statistics.median(tracked_forward)),
+                         _ratio(backward, statistics.median(tracked_backward)))
+    outside = _ratio(
+        sum(f + b for f, b in profile.alone.values()),
+        sum(sum(map(statistics.median, times[(profile.sample_kind, choice)])) for choice in profile.alone),
+    )
+    return scale, outside
+
+
+def _times(profile: Profile) -> defaultdict[tuple[Any, int], tuple[list[float], list[float]]]:
+    """Per kind and choice run, the forward and the backward seconds of each of its blocks in the timed rounds."""
+    times: defaultdict[tuple[Any, int], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for rnd in profile.timed:
+        for i, c in enumerate(rnd.choice):
+            times[(profile.kinds[i], c)][0].append(rnd.times.get(("fwd", i), 0.0))
+            times[(profile.kinds[i], c)][1].append(rnd.times.get(("bwd", i), 0.0))
+    return times
+
+
+def _ratio(alone: float, tracked: float) -> float:
+    """How much faster a run alone was than under the tracker, between 0.5 and 1."""
+    return 1.0 if tracked <= 0 else min(1.0, max(0.5, alone / tracked))
+
+
+Seconds = dict[tuple[Any, int], tuple[float, float]]  # per kind and choice: forward and backward
+
+
+def _seconds(profile: Profile, found: _Bytes, scale: list[tuple[float, float]]) -> Seconds:
+    """Per kind and choice, forward and backward seconds: the median of the runs, scaled; a derived choice's from
+    its kind's runs kept (NOTE [ Deriving choices ], NOTE [ Compiled costs ] in costs_derived.py)."""
+    seconds = {
+        key: (statistics.median(forward) * scale[key[1]][0], statistics.median(backward) * scale[key[1]][1])
+        for key, (forward, backward) in _times(profile).items()
+    }
+    for kind, matmul in found.matmul.items():
+        if (kind, 0) not in seconds:
+            continue
+        forward, backward = seconds[(kind, 0)]
+        for d, label in profile.derived.items():
+            kept_time = found.part_times.get((kind, d), matmul) if label in PARTS else matmul
+            if not kept_time:
+                continue
+            if profile.compiled:
+                every = statistics.median(matmul) * scale[0][0]
+                keeps = statistics.median(kept_time) * scale[0][0] if label in PARTS else every
+                seconds[(kind, d)] = compiled_times(label, forward, backward, every, keeps)
+            else:
+                seconds[(kind, d)] = derive_times(label, forward, backward, statistics.median(kept_time) * scale[0][0],
+                                                  statistics.median(found.ops[kind]), profile.per_op)
+    return seconds
+
+
+def _row(profile: Profile, found: _Bytes, seconds: Seconds, i: int) -> tuple[BlockCost | None, ...]:
+    """Block i's cost under each choice: its own bytes, else the median of its kind's; None where neither ran nor
+    was derived (not open to it)."""
+    row: list[BlockCost | None] = []
+    kind = profile.kinds[i]
+    for c in range(len(profile.choices)):
+        entry = found.own.get((i, c))
+        if entry is None and found.of_kind.get((kind, c)):
+            entry = _median(found.of_kind[(kind, c)])
+        if entry is None:
+            row.append(None)
+            continue
+        held, forward_peak, backward_peak = entry
+        forward, backward = seconds.get((kind, c), (0.0, 0.0))
+        row.append(BlockCost(
+            held_bytes=held,
+            forward_peak=max(0, found.base[i] + forward_peak),
+            backward_peak=max(0, found.base[i] + held + backward_peak),
+            forward_time=forward,
+            backward_time=backward,
+        ))
+    return tuple(row)
+
+
+def _median(entries: list[Entry]) -> Entry:
+    ordered = [sorted(column) for column in zip(*entries, strict=True)]
+    middle = len(entries) // 2
+    return (ordered[0][middle], ordered[1][middle], ordered[2][middle])
+
+
+# -- what the costs add to a profile's: gradients, and a compiled block's bytes ------------------------------------
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -> GradientSteps:
+    """Where backward's new gradients are alive, from the order it made them (NOTE [ Gradients in the budget ]).
+
+    >>> import torch
+    >>> blocks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]   # 24 bytes of gradients each
+    >>> head = torch.nn.Parameter(torch.ones(4))                  # 16 bytes, reached first
+    >>> order = [head, *blocks[1].parameters(), *blocks[0].parameters()]
+    >>> steps = gradient_steps(blocks, order)
+    >>> steps.blocks, steps.outside
+    ((40, 16), (64, 40, 0))
+    """
+    n, total = len(blocks), len(order)
+    position = {id(p): q for q, p in enumerate(order)}
+    before = [0]
+    for p in order:
+        before.append(before[-1] + _nbytes(p))  # before[q]: bytes of the first q gradients made
+    first: list[int | None] = []
+    last: list[int | None] = []
+    for block in blocks:
+        found = [position[id(p)] for p in block.parameters() if id(p) in position]
+        first.append(min(found) if found else None)
+        last.append(max(found) if found else None)
+    start = [total] * n  # where block i's backward starts, in gradients made (a block without any: the next below)
+    end = [total] * n
+    below_first = total
+    for i in range(n):  # from block 0 up: a parameterless block takes the bounds of the next one below it
+        opened, closed = first[i], last[i]
+        if opened is None or closed is None:
+            start[i] = end[i] = below_first
+        else:
+            below_first = start[i] = opened
+            end[i] = closed + 1
+    outside = [before[end[k]] for k in range(n)] + [0]
+    return GradientSteps(tuple(before[s] for s in start), tuple(outside))
 
 
 def with_gradients(cost: ModelCost, steps: GradientSteps) -> ModelCost:
@@ -162,3 +496,29 @@ def with_gradients(cost: ModelCost, steps: GradientSteps) -> ModelCost:
     )
     peaks = tuple(peak + steps.outside[k] for k, peak in enumerate(cost.outside_peaks))
     return dataclasses.replace(cost, blocks=blocks, outside_peaks=peaks)
+
+
+def shifted(cost: ModelCost, kinds: Sequence[Any], kind: Any, shifts: Mapping[int, Shift]) -> ModelCost:
+    """`cost` with the blocks of `kind` shifted by `shifts` per choice, never below zero (NOTE [ Compiled bytes ] in
+    compiled.py).
+
+    >>> cost = ModelCost(("0",), ("kept",), ((BlockCost(8, 12, 16, 1.0, 2.0),),), (0, 0))
+    >>> shifted(cost, ["mlp"], "mlp", {0: (-2, 0, -20)}).blocks[0][0]
+    BlockCost(held_bytes=6, forward_peak=12, backward_peak=0, forward_time=1.0, backward_time=2.0)
+    """
+
+    def one(c: int, block: BlockCost | None) -> BlockCost | None:
+        if block is None or c not in shifts:
+            return block
+        held, forward, backward = shifts[c]
+        return dataclasses.replace(
+            block,
+            held_bytes=max(0, block.held_bytes + held),
+            forward_peak=max(0, block.forward_peak + forward),
+            backward_peak=max(0, block.backward_peak + backward),
+        )
+
+    rows = tuple(
+        tuple(one(c, b) for c, b in enumerate(row)) if kinds[i] == kind else row for i, row in enumerate(cost.blocks)
+    )
+    return dataclasses.replace(cost, blocks=rows)

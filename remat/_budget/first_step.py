@@ -1,54 +1,58 @@
-"""A budgeted model's first training step is tracked, and its plan corrected from it before the next step.
+"""Stage 4, verify, on the model's own step: a budgeted model's first training step is tracked, and its assignment
+corrected from it before the next step.
 
 NOTE [ The first step ]
-A plan's peak is a prediction; the budget's promise is about real steps (NOTE [ Checking the plan ] in
-remat/_budget/check.py). Checking a plan on one more step of the sample before `remat.apply` returns costs a step of
-the plan itself on top of the profile's step: planning would take about three training steps. So where the
-prediction fits the budget, the plan is returned unchecked, and the model's first training step checks it.
-1. The window. From the forward that starts the step (a call of the model in training mode with gradients on) to
-   the end of the first backward through its outputs, a `StepTracker` counts what the step allocates above what
-   was live when it began, new gradients included, as `remat.track()` around the step counts it. The end of the
-   backward is an autograd final callback, queued by a gradient hook on the model's outputs; the peak shows in
-   `remat.plan(model)` at once, and the decision waits for the model's next forward (on every rank: the peak is
-   the largest over them), which runs with the corrected plan where the step went over the budget, and is
-   tracked in turn, up to the up-front check's number of steps. Where even the choice that holds least measures
-   over the budget's slack, a `UserWarning` carries the `BudgetError` text and that choice stays on the blocks:
-   raising in the middle of training would not leave the user a model that trains.
-2. How it counts. Under the user's own `remat.track()` (its mode on top of the stack when the forward starts)
-   the step's tracker rides on the user's (NOTE [ Riders ] in remat/_measure/track.py): no mode is pushed, the
-   user's numbers are those of their block, and the check works as without it. Where no dispatch mode is on but
-   other tracked steps', the step pushes a mode of its own. Under any other mode (a FLOP counter, a fake-tensor
-   mode) the check waits for a later step: a mode pushed in a forward and popped at a later one could be popped
-   in its place by the `__exit__` of a mode the user entered before it (torch pops the top of the stack).
-3. Nothing outlives the step. A mode of its own cannot be popped when the backward ends: autograd runs final
-   callbacks under the thread-local state it saved when the backward began, mode stack included, and puts that
-   state back after them (on an accelerator they may also run on another thread). So the mode stops counting
-   there and is popped at the first of: the next `optimizer.step()` of any optimizer, before its update (a global
-   step pre-hook, registered when the backward ends and taken out in the same step, after the update: torch
-   iterates over the table that holds it before that); the death of the step's graph outside a backward (a token
-   in the metadata of the outputs' autograd nodes dies with them: a loss let go of after backward); the model's
-   next forward; `remat.undo(model)` or a new `remat.apply`. It is popped on the thread that pushed it and only
-   from the top of the stack (a mode the user pushed since stays, and ours waits for a later chance). A forward
-   that raises, or whose outputs need no gradient, ends the window at once, untracked (an always-called forward
-   hook); so does a forward whose graph dies with no backward through it (evaluation with gradients on), and a
-   user's tracker that ends before the backward does; the next training forward starts another. A window kept
-   open by forwards whose graphs live on with no backward through them is dropped after `WINDOW` of them, and
-   with it the check. Between steps no hook of remat's is in torch's global tables and no mode of its own is on
-   a stack (a loop without an optimizer that keeps its loss alive keeps the paused mode until the next forward).
-4. Compiled blocks. Dynamo does not compile a frame it meets under a dispatch mode: it runs it in eager code,
-   and marks its code to run in eager code for good. A block compiled with `block.compile()` whose first call
-   fell in a step tracked under remat's own mode would never be compiled. So while that mode is on, compiled
-   code runs in eager code by dynamo's "force_eager" stance, which marks nothing (the step measures the blocks'
-   eager code, as the up-front check did on a model not yet compiled), and the stance is put back when the mode
-   is popped; the step after it compiles. On a torch without stances (before 2.6), no step is tracked under
-   remat's own mode once dynamo is in use, and the plan stays unchecked; nor is one that starts inside a
-   compiled call (a model called from compiled code after a graph break), where no stance can be set. The
-   profile and the up-front check run under the same stance, for the same reason. A step riding on the user's
-   tracker sets no stance: the user's mode is on either way.
-5. Where the first step cannot stand in for the up-front check: a budget whose prediction does not fit (only a
-   measured step may refuse it: NOTE [ Checking the plan ]), `memory=` (the device's whole memory: going over is
-   an out-of-memory error, not a missed promise), a model planned for one compiled graph (its steps run in
-   compiled code, which a dispatch mode cannot count), and a model sharded by `fully_shard`.
+Verifying an assignment on one more step of the sample before `remat.apply` returns costs a step of it on top of
+the profile's. So where the prediction fits the budget and the mode allows it (modes.py), the assignment is
+returned unverified, and the model's first training step verifies it (NOTE [ Verifying the plan ] in verify.py).
+
+Rules:
+1. The window runs from the forward that starts a step (a call of the model in training mode with gradients on)
+   to the end of the first backward through its outputs. It counts what the step allocates above what was live
+   when it began, new gradients included, as `remat.track()` around the step counts it; the peak shows in
+   `remat.plan(model)` at once.
+2. The decision waits for the model's next forward (on every rank: the peak is the largest over them), which runs
+   with the corrected assignment where the step went over the budget and is tracked in turn, up to `STEPS` steps
+   (verify.py). Where even the choice that holds least measures over the budget's slack, a `UserWarning` carries
+   the `BudgetError` text and that choice stays on the blocks: the model still trains.
+3. Under the user's own `remat.track()` (its mode on top of the stack when the forward starts) the step's tracker
+   rides on the user's (NOTE [ Riders ] in remat/_measure/track.py): no mode is pushed, the user's numbers are
+   those of their block. Where no dispatch mode is on but other tracked steps', the step pushes a mode of its own.
+   Under any other mode (a FLOP counter, a fake-tensor mode) the verification waits for a later step.
+4. Nothing outlives the step: between steps no hook of remat's is in torch's global tables and no mode of its own
+   is on a stack, except that a loop without an optimizer that keeps its loss alive keeps the paused mode until
+   the next forward.
+5. A window ends at once, untracked, where its forward raises or its outputs need no gradient, where its graph
+   dies with no backward through it (evaluation with gradients on), and where the user's tracker it rides on ends
+   before the backward does; the next training forward starts another. A window kept open by forwards whose
+   graphs live on with no backward through them is dropped after `WINDOW` of them, and with it the verification.
+6. Compiled blocks stay compiled: while remat's own mode is on, compiled code runs in eager code, and the step
+   after it compiles.
+
+Implementation notes:
+1. (rule 1) The end of the backward is an autograd final callback, queued by a gradient hook on the model's
+   outputs.
+2. (rule 3) A mode pushed in a forward and popped at a later one could be popped in its place by the `__exit__` of
+   a mode the user entered before it (torch pops the top of the stack): so no mode of ours goes under another's.
+3. (rule 4) A mode of its own cannot be popped when the backward ends: autograd runs final callbacks under the
+   thread-local state it saved when the backward began, mode stack included, and puts that state back after them
+   (on an accelerator they may also run on another thread). So the mode stops counting there and is popped at the
+   first of: the next `optimizer.step()` of any optimizer, before its update (a global step pre-hook, registered
+   when the backward ends and taken out in the same step after the update: torch iterates over the table that
+   holds it before that); the death of the step's graph outside a backward (a token in the metadata of the
+   outputs' autograd nodes dies with them: a loss let go of after backward); the model's next forward;
+   `remat.undo(model)` or a new `remat.apply`. It is popped on the thread that pushed it, and only from the top
+   of the stack (a mode the user pushed since stays, and ours waits for a later chance).
+4. (rule 5) The forward's end is an always-called forward hook.
+5. (rule 6) Dynamo does not compile a frame it meets under a dispatch mode and marks its code to run in eager code
+   for good, so a block compiled with `block.compile()` whose first call fell in a tracked step would never be
+   compiled. While remat's own mode is on, dynamo's "force_eager" stance runs compiled code in eager code and
+   marks nothing (the step measures the blocks' eager code, as the up-front verification does on a model not yet
+   compiled); it is put back when the mode is popped. On a torch without stances (before 2.6), no step is
+   tracked under remat's own mode once dynamo is in use, and the assignment stays unverified; nor is one that
+   starts inside a compiled call (a model called from compiled code after a graph break), where no stance can be
+   set. The profile and the up-front verification run under the same stance, for the same reason. A step riding
+   on the user's tracker sets no stance: the user's mode is on either way.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ _PUSHED: dict[int, FirstStep] = {}  # the tracked steps whose own mode is on a s
 
 
 def can_track() -> bool:
-    """Whether a step may be tracked now (NOTE [ The first step ], rule 2): it can ride on the user's tracker, or
+    """Whether a step may be tracked now (NOTE [ The first step ], rule 3): it can ride on the user's tracker, or
     every dispatch mode on this thread's stack is a tracked step's and compiled code can be made to run in eager
     code while its own is on."""
     if in_compiled_call():
@@ -102,7 +106,7 @@ def can_track() -> bool:
 
 def tidy() -> None:
     """Pop the modes of finished steps that are on top of this thread's stack, and take out the optimizer hook
-    once no mode waits (NOTE [ The first step ], rule 3). Called at a budgeted model's forward."""
+    once no mode waits (NOTE [ The first step ], rule 4). Called at a budgeted model's forward."""
     _pop_finished()
     _optimizer_hook.release()
 
@@ -130,7 +134,7 @@ def _waiting() -> bool:
 
 class _OptimizerHook:
     """The global optimizer-step pre-hook that pops finished steps' modes before an update: in torch's table only
-    while such a mode waits (NOTE [ The first step ], rule 3)."""
+    while such a mode waits (NOTE [ The first step ], implementation note 3)."""
 
     def __init__(self) -> None:
         self._handle: RemovableHandle | None = None
@@ -225,11 +229,11 @@ class FirstStep:
         self._host: Tracker | None = riding_host()
         self._forward = _Hook(self._outputs)
         self._handle = model.register_forward_hook(self._forward, always_call=True)
-        if self._host is not None:  # NOTE [ The first step ], rule 2
+        if self._host is not None:  # NOTE [ The first step ], rule 3
             self._tracker.on_host_exit = self._host_gone
             self._host._ride(self._tracker)
             return
-        self._restore = eager_for_now()  # compiled code under our mode: rule 4
+        self._restore = eager_for_now()  # compiled code under our mode: rule 6
         try:
             self._tracker.__enter__()
         except BaseException:
@@ -276,7 +280,7 @@ class FirstStep:
 
     def _dropped(self, key: int, ref: object = None) -> None:
         # A graph the step made died: after its backward, where the user let go of the loss, or with no backward
-        # through it (a forward alone: the window ends untracked). NOTE [ The first step ], rule 3
+        # through it (a forward alone: the window ends untracked). NOTE [ The first step ], rule 5
         self._watched.pop(key, None)
         if graph_task_id() >= 0:
             return  # inside a backward: the window's end or the next forward settles it

@@ -1,6 +1,5 @@
-"""Profile a model's blocks under each choice in one or a few real training steps: a `ModelCost`.
-
-See NOTE [ Budget model ] in costs.py for what is measured.
+"""Stage 1, profile: a few tracked training steps of the model, marked block by block, that measure what every block
+costs under each choice (a `Profile`; costs.py turns it into costs), on a fake twin of the model where one stands in.
 
 NOTE [ Profiling rounds ]
 A profile measures many (block, choice) pairs in each tracked training step, and derives what it need not run:
@@ -8,19 +7,19 @@ planning costs one tracked step with every block kept, and one block run alone t
 
 Rules:
 1. Full remat, `save_matmuls` and the choices that keep some matmuls (under the rerun strategy) are not run: they
-   are derived from each block's run kept (NOTE [ Deriving choices ] and NOTE [ Some matmuls ] in derive.py). The
-   choices that run are kept and those that cannot be derived (policies passed as `choices=`, and full remat
-   under the replay strategy); where more than `_EARLY` of the bytes the blocks' forwards left alive died before
-   the first backward, the derivable choices are run too.
+   are derived from each block's run kept (NOTE [ Deriving choices ] and NOTE [ Some matmuls ] in
+   costs_derived.py). The choices that run are kept and those that cannot be derived (policies passed as
+   `choices=`, and full remat under the replay strategy); where more than `_EARLY` of the bytes the blocks'
+   forwards left alive died before the first backward, the derivable choices are run too.
 2. Blocks of one kind (same class, same parameter shapes) cost the same wherever they sit, up to what lies around
    them. So one tracked step measures many (block, choice) pairs at once: each choice to run is run by two blocks
    of each kind, the other blocks kept; as many rounds run as the smallest kind needs to see every choice.
 3. A block's numbers are split into what depends on its position (the bytes live at its forward start beyond
    what the blocks before it hold: the "base") and what it adds itself (its held bytes, its peaks above its
    start); the second part is the block's own where it ran (or was derived) under that choice, else the (upper)
-   median over the blocks of its kind that did; the first is always the block's own (combine.py).
-4. The same step also keeps the clock (NOTE [ Timing under the tracker ] in marks.py): times are the median over
-   blocks of a kind.
+   median over the blocks of its kind that did; the first is always the block's own (costs.py).
+4. The same step also keeps the clock (NOTE [ Timing under the tracker ] in profile_step.py): times are the median
+   over blocks of a kind.
 5. Profiling leaves the model as it found it: the RNG streams, the buffers (BatchNorm statistics) and `.grad`.
 
 Implementation notes:
@@ -29,42 +28,183 @@ Implementation notes:
    rather than a third of the blocks each: the rematerialized blocks are what makes the profiled step slower than
    a plain one.
 2. (rules 1, 2) With only kept to run, that is one round whatever the kinds: one tracked step, every block kept,
-   each recorded in detail for the derivations (marks.py's `Detail`). That step peaks at no remat's activation
-   peak (running two blocks of each kind under save_matmuls and full remat keeps it below that, not by much):
-   profiling needs the memory of a plain training step.
+   each recorded in detail for the derivations (`Detail` in profile_step.py). That step peaks at no remat's
+   activation peak (running two blocks of each kind under save_matmuls and full remat keeps it below that, not by
+   much): profiling needs the memory of a plain training step.
 3. (rule 3) In each round, hooks mark where every block's forward and backward start and end (a forward pre-hook
    and hook; gradient hooks on its first input and first output tensor), and a tracker records the peak of every
    window between two marks. Outside windows give `outside_peaks` (the largest over rounds) and `outside_time`.
 4. (rule 4) What planning costs in training steps is what `python -m benchmarks --model budget` prints (column
    "plan (steps)"; figures in docs/benchmarks.md).
+
+NOTE [ Planning on fake tensors ]
+Rules:
+1. `remat.apply(model, budget=B)` itself allocates no more than the larger of B and full remat's peak (with the
+   verification's `SLACK`) above what was live when it began, and `apply(memory=M)` keeps the process within M: a
+   model that fits only with remat can be planned on the device it will train on.
+2. So the profile (one training step with every block kept, which needs no remat's memory) runs on fake tensors:
+   the model's parameters and buffers are swapped for fake ones for the duration, the sample is made fake, and
+   the step is timed by priced time (NOTE [ Priced time ] in remat/_measure/clock.py). The user's tensors are
+   never touched and nothing is allocated on the device. The plan goes on the real blocks; the first real
+   training step is tracked as a safety net (NOTE [ The first step ] in first_step.py).
+3. Where a fake step cannot stand in for the real one, the profile runs on the real model and needs
+   the memory of a plain training step: a model planned for one compiled graph (its costs are shifted by real
+   compiled runs), a model sharded by `fully_shard` or wrapped in DDP (their collectives need real tensors), the
+   replay strategy (its tape runs its recorded ops on the tensors it kept, which a fake profile mixes with real
+   ones), a model that is fake, on meta or made of DTensors already (`remat.estimate`), and a step with a
+   data-dependent op (`.item()`, `nonzero`), which fake tensors cannot run: that one is logged.
+
+Implementation notes:
+1. The fake twin is `fake_state` (NOTE [ Swapping in fake state ] in remat/_measure/fake.py); hooks and module
+   attributes stay, so the blocks' choices are placed on the user's own modules while the profile runs and stay
+   there after it.
+2. The fake sample keeps one fake per tensor object (an `input_ids` that is also `labels` stays one tensor), and
+   transformers' packed-sequence detection is kept off fake position ids (`real_masks`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import logging
 from collections import defaultdict
-from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from .._core.policies import save_matmuls
+from .._core.torch_compat import FakeTensor, local_tensor
 from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
+from .._measure import ddp as _ddp
+from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.clock import clock_for, priced
+from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state, resolve_device
+from .._measure.hf_fake import real_masks
+from .._measure.loss import default_loss
 from .._measure.state import step_state
 from .._measure.track import placed
-from .alone import mode_alone, time_alone
-from .combine import Round, combine
-from .compiled_block import Shift, compiled_shifts, shifted
-from .costs import ModelCost
-from .derive import PARTS, Kept, mode_overhead
-from .marks import Recorder, Step, marked_step
+from .costs import Profile, Round, gradient_steps
+from .costs_derived import PARTS, KeptRun, mode_overhead
+from .profile_alone import Shift, compiled_shifts, mode_alone, time_alone
+from .profile_step import Marks, marked_step
 
-__all__ = ["profile_blocks"]
+__all__ = ["Loss", "TrainingStep", "accumulation_order", "fake_stands_in", "profile", "profile_blocks"]
 
+_T = TypeVar("_T")
+_log = logging.getLogger("remat")
+Loss = Callable[[Any], torch.Tensor]
 Assign = Callable[[int, int], None]  # put block i under choice c
+
+
+class TrainingStep:
+    """One training step of `model` on the inputs: the scalar loss of its forward, under the autocast settings of
+    the caller of `remat.apply` (NOTE [ A step's own autocast region ] in remat/_measure/autocast.py), ready for
+    backward. Every step the planner runs (the profile's, a verification's) is one of these."""
+
+    def __init__(self, model: nn.Module, loss: Loss | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 autocast: StepAutocast | None = None, devices: tuple[torch.device, ...] | None = None) -> None:
+        self.model = model
+        self.loss = loss or default_loss
+        self.args, self.kwargs = args, kwargs
+        self.devices = placed(model) if devices is None else devices
+        self.autocast = StepAutocast.caller(self.devices) if devices is None else autocast
+
+    def __call__(self, run: nn.Module | None = None) -> torch.Tensor:
+        """The loss of `run` (the model, or a compiled copy of it) on the inputs."""
+        with step_region(self.autocast):
+            out = self.loss((self.model if run is None else run)(*self.args, **self.kwargs))
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            raise TypeError(
+                f"remat: `loss` must return a scalar tensor, but it returned {type(out).__name__}"
+                f"{'' if not isinstance(out, torch.Tensor) else f' of shape {tuple(out.shape)}'}."
+            )
+        return out
+
+    def on(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TrainingStep:
+        """The same step on other inputs (a fake copy of them), under the same autocast settings."""
+        return TrainingStep(self.model, self.loss, args, kwargs, self.autocast, self.devices)
+
+    @contextlib.contextmanager
+    def planning(self) -> Iterator[None]:
+        """Gradients on, and the caller's autocast settings for every step run inside (`planning`)."""
+        with torch.enable_grad(), planning(self.autocast, self.devices):
+            yield
+
+
+def profile(
+    model: nn.Module,
+    names: Sequence[str],
+    blocks: Sequence[nn.Module],
+    choices: Sequence[str],
+    step: TrainingStep,
+    assign: Assign,
+    *,
+    derived: Collection[int],
+    compiled: bool,
+    fake: bool,
+) -> Profile:
+    """Profile `blocks` under every choice (`profile_blocks`), on a fake twin of `model` where `fake` and the step
+    runs there (NOTE [ Planning on fake tensors ]), else on `model` itself."""
+
+    def measured(run: TrainingStep) -> Profile:
+        with accumulation_order(model) as order:  # NOTE [ Gradients in the budget ] in costs.py
+            return profile_blocks(model, names, blocks, choices, run, assign, order, derived, compiled=compiled)
+
+    found = _on_fake_twin(model, step, measured) if fake else None
+    return measured(step) if found is None else found
+
+
+def fake_stands_in(model: nn.Module, strategy: str) -> bool:
+    """Whether a fake twin of `model` can stand in for it in a profile (NOTE [ Planning on fake tensors ], rule 3;
+    a compiled mode never asks)."""
+    if strategy != "rerun" or _ddp.unwrap(model) is not None:
+        return False
+    for t in (*model.parameters(), *model.buffers()):
+        local = local_tensor(t)  # a DTensor (a sharded model) has a local shard that is another tensor
+        if local is not t or isinstance(t, FakeTensor) or t.device.type == "meta":
+            return False
+    return True
+
+
+def _on_fake_twin(model: nn.Module, step: TrainingStep, measure: Callable[[TrainingStep], _T]) -> _T | None:
+    """`measure(step)` with `step` on a fake twin of `model` and a fake copy of its inputs; None where the step
+    reads tensor values, which fake tensors do not have (NOTE [ Planning on fake tensors ]). The model's tensors
+    are swapped for fake ones while `measure` runs and put back after."""
+    device = resolve_device(model, (step.args, step.kwargs), None)
+    try:
+        with fake_mode(), fake_state(model, device), real_masks(step.kwargs), torch.enable_grad():
+            fake_args, fake_kwargs = fake_sample((step.args, step.kwargs), device)
+            return measure(step.on(tuple(fake_args), fake_kwargs))
+    except Exception as error:
+        if data_dependent(error, type(model).__name__) is None:
+            raise
+        _log.warning("remat: %s's step reads tensor values, which fake tensors lack (%s); its budget is profiled "
+                     "on a real step, which needs the memory of a plain training step.", type(model).__name__,
+                     type(error).__name__)
+        return None
+
+
+@contextlib.contextmanager
+def accumulation_order(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Inside: the list of `model`'s parameters in the order backward first accumulated their gradients (NOTE
+    [ Gradients in the budget ] in costs.py)."""
+    order: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def accumulated(param: torch.Tensor) -> None:
+        if id(param) not in seen:
+            seen.add(id(param))
+            order.append(param)
+
+    handles = [p.register_post_accumulate_grad_hook(accumulated)  # type: ignore[no-untyped-call]
+               for p in model.parameters() if p.requires_grad]
+    try:
+        yield order
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _kind(block: nn.Module) -> tuple[Any, ...]:
@@ -96,12 +236,13 @@ def profile_blocks(
     names: Sequence[str],
     blocks: Sequence[nn.Module],
     choices: Sequence[str],
-    step: Step,
+    step: Callable[[], torch.Tensor],
     assign: Assign,
+    order: Sequence[torch.Tensor],
     derived: Collection[int] = (),
     closed: Collection[int] = (),
     compiled: bool = False,
-) -> ModelCost:
+) -> Profile:
     """Profile `blocks` of `model` under every choice on the training step `step` (NOTE [ Profiling rounds ]).
 
     Args:
@@ -111,14 +252,17 @@ def profile_blocks(
         choices: labels of the choices, in the order `assign` numbers them; choice 0 keeps the block as it is.
         step: runs the model's forward on the sample and returns the scalar loss.
         assign: `assign(i, c)` puts block i under choice c (the caller applies or removes the hooks).
+        order: the parameters in the order backward reached them, filled while the steps run
+            (`accumulation_order`).
         derived: choices derived from the blocks' runs kept instead of run (labelled "full" or "save_matmuls",
-            with the rerun strategy: NOTE [ Deriving choices ] in derive.py). The parts (`PARTS`, NOTE [ Some
-            matmuls ]) can only be derived: where derivations do not hold, they are open to no block.
+            with the rerun strategy: NOTE [ Deriving choices ] in costs_derived.py). The parts (`PARTS`, NOTE
+            [ Some matmuls ]) can only be derived: where derivations do not hold, they are open to no block.
         closed: choices neither run nor derived: open to no block.
-        compiled: price the derived choices for one compiled graph (NOTE [ Compiled costs ] in derive.py).
+        compiled: for one compiled graph: derived choices priced as compiled code runs them (NOTE [ Compiled
+            costs ]), and the sample block's bytes measured compiled (NOTE [ Compiled bytes ] in compiled.py).
 
     Returns:
-        The `ModelCost` of every block under every choice.
+        What the steps measured, for `measured_costs` in costs.py.
     """
     run = [c for c in range(len(choices)) if c not in derived and c not in closed]
     if derived and run[:1] != [0]:
@@ -130,23 +274,24 @@ def profile_blocks(
     # gradients are outside the budget; RNG streams put back; fake tensors priced: NOTE [ Priced time ] in clock.py
     with clock_for([*model.parameters(), *model.buffers()]), step_state(model):
         exact = priced()  # the tracked step's times: nothing to correct them with
-        apart = not exact and bool(placed(model))  # NOTE [ Timing under the tracker ] in marks.py
+        apart = not exact and bool(placed(model))  # NOTE [ Timing under the tracker ] in profile_step.py
         samples = {} if apart or exact else _samples(blocks, rounds, len(run))
-        tracked: list[Recorder] = []
-        timed: list[Recorder] = []
-        for assignment in rounds:
-            for i, c in enumerate(assignment):
+        tracked: list[Marks] = []
+        timed: list[Marks] = []
+        for choice in rounds:
+            for i, c in enumerate(choice):
                 assign(i, c)
             here = {b for r, b in samples.values() if r == len(tracked)}
-            kept = [i for i, c in enumerate(assignment) if c == 0] if derived else []
+            kept = [i for i, c in enumerate(choice) if c == 0] if derived else []
             made = () if compiled else params  # one graph keeps every gradient: NOTE [ Compiled as one graph ]
             tracked.append(marked_step(step, blocks, True, not apart, devices, here, kept, made))
             timed.append(marked_step(step, blocks, False, True, devices) if apart else tracked[-1])
-        again = derived and any(rec.early is not None and rec.early[1] > _EARLY * rec.early[0] for rec in tracked)
-        for choice, (r, sample) in ({} if again else samples).items():  # no block timed alone for a profile redone
-            assign(sample, choice)
+        again = derived and any(marks.early is not None and marks.early[1] > _EARLY * marks.early[0]
+                                for marks in tracked)
+        for choice_run, (r, sample) in ({} if again else samples).items():  # none alone for a profile redone
+            assign(sample, choice_run)
             try:
-                alone[choice] = time_alone(blocks[sample], tracked[r].specs[sample], devices)
+                alone[choice_run] = time_alone(blocks[sample], tracked[r].specs[sample], devices)
             except Exception:  # only a refinement: NOTE [ Timing under the tracker ]
                 alone.clear()
                 break
@@ -156,30 +301,36 @@ def profile_blocks(
             moded = not compiled and any(choices[c] != "full" for c in derived)
             per_op = mode_overhead() if moded else 0.0
         shifts: dict[int, Shift] = {}
-        if compiled and not again and 0 in samples:  # NOTE [ Compiled bytes ] in compiled_block.py
+        if compiled and not again and 0 in samples:  # NOTE [ Compiled bytes ] in compiled.py
             r, sample = samples[0]
             shifts = compiled_shifts(blocks[sample], tracked[r].specs[sample], [0, *derived, *run[1:]],
                                      lambda c: assign(sample, c))
     if again:
         parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
-        return profile_blocks(model, names, blocks, choices, step, assign, closed=parts, compiled=compiled)
-    sample_kind = _kind(blocks[next(iter(samples.values()))[1]]) if alone else None
-    times_priced = exact
-    kinds = [_kind(b) for b in blocks]
-    measured = [_round(a, rec, _kept(rec)) for a, rec in zip(rounds, tracked, strict=True)]
-    clocks = [_round(a, rec, {}) for a, rec in zip(rounds, timed, strict=True)]
-    labels = {c: choices[c] for c in derived}
-    cost = combine(names, kinds, choices, measured, clocks, alone, sample_kind, labels, per_op, compiled)
-    cost = dataclasses.replace(cost, priced=times_priced)  # NOTE [ Priced time ]: relative, not this device's
-    return shifted(cost, kinds, _kind(blocks[samples[0][1]]), shifts) if shifts else cost
+        return profile_blocks(model, names, blocks, choices, step, assign, order, closed=parts, compiled=compiled)
+    return Profile(
+        names=tuple(names),
+        kinds=tuple(_kind(b) for b in blocks),
+        choices=tuple(choices),
+        derived={c: choices[c] for c in derived},
+        tracked=[_round(choice, marks, _kept_runs(marks)) for choice, marks in zip(rounds, tracked, strict=True)],
+        timed=[_round(choice, marks, {}) for choice, marks in zip(rounds, timed, strict=True)],
+        alone=alone,
+        sample_kind=_kind(blocks[samples[0][1]]) if samples else None,
+        per_op=per_op,
+        gradients=gradient_steps(blocks, order),
+        compiled=compiled,
+        priced=exact,  # NOTE [ Priced time ]: relative, not this device's
+        shifts=shifts,
+    )
 
 
 def _per_op(
-    blocks: Sequence[nn.Module], choices: Sequence[str], derived: Collection[int], tracked: Sequence[Recorder],
-    samples: dict[int, tuple[int, int]], assign: Callable[[int, int], None], devices: Sequence[torch.device],
+    blocks: Sequence[nn.Module], choices: Sequence[str], derived: Collection[int], tracked: Sequence[Marks],
+    samples: dict[int, tuple[int, int]], assign: Assign, devices: Sequence[torch.device],
 ) -> float | None:
     """Seconds per op of `save_matmuls`' dispatch mode on the sample block kept: NOTE [ Mode cost in place ] in
-    derive.py. None where no derived choice runs the mode, or the block cannot tell."""
+    costs_derived.py. None where no derived choice runs the mode, or the block cannot tell."""
     if 0 not in samples or all(choices[c] == "full" for c in derived):
         return None
     r, sample = samples[0]
@@ -194,20 +345,22 @@ def _per_op(
     return max(mode_overhead(), added / found[0].ops)
 
 
-def _round(assignment: list[int], rec: Recorder, kept: dict[int, Kept]) -> Round:
-    return Round(assignment, rec.held, rec.base, rec.peaks, rec.times, kept)
+def _round(choice: list[int], marks: Marks, kept: dict[int, KeptRun]) -> Round:
+    return Round(choice, marks.held, marks.base, marks.peaks, marks.times, kept)
 
 
-def _kept(rec: Recorder) -> dict[int, Kept]:
-    out: dict[int, Kept] = {}
-    for i, (detail, outputs) in rec.details.items():
-        if i not in rec.at_backward:
+def _kept_runs(marks: Marks) -> dict[int, KeptRun]:
+    """The runs kept recorded in detail whose backward ran: what derivations start from."""
+    out: dict[int, KeptRun] = {}
+    for i, (detail, outputs) in marks.details.items():
+        if i not in marks.at_backward:
             continue  # its backward never ran: nothing to derive from
-        at, alive, live = rec.at_backward[i]
-        h = rec.held[i]
-        fwd = rec.peaks.get(("fwd", i), rec.base[i] + h)
-        bwd = rec.peaks.get(("bwd", i), rec.base[i] + h)
-        out[i] = Kept(rec.base[i], h, fwd, bwd, at, alive, frozenset(k for k, _ in outputs), live, detail)
+        at, alive, live = marks.at_backward[i]
+        held = marks.held[i]
+        forward = marks.peaks.get(("fwd", i), marks.base[i] + held)
+        backward = marks.peaks.get(("bwd", i), marks.base[i] + held)
+        out[i] = KeptRun(marks.base[i], held, forward, backward, at, alive, frozenset(k for k, _ in outputs), live,
+                         detail)
     return out
 
 
@@ -218,7 +371,7 @@ def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> di
         members[_kind(block)].append(i)
     largest = max(members.values(), key=len)
     out: dict[int, tuple[int, int]] = {}
-    for r, assignment in enumerate(rounds):
+    for r, choice in enumerate(rounds):
         for b in largest:
-            out.setdefault(assignment[b], (r, b))
+            out.setdefault(choice[b], (r, b))
     return out if len(out) == k else {}

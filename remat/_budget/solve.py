@@ -1,48 +1,52 @@
-"""The whole-model budget front end of the solver: one choice per block under a memory budget.
+"""Stage 3, solve: one rematerialization choice per block so that the predicted peak fits a budget at the least
+predicted time (NOTE [ Block recurrence ]), read from a `ModelCost` (costs.py).
 
-Two steps joined by plain data (costs.py): a profile fills a `ModelCost` (bytes and times of
-every block under every choice), and `solve_budget` chooses one choice per block so that the predicted peak
-fits the budget at the least predicted time, with the dynamic program of NOTE [ Block recurrence ] in
-blocks_dp.py. Nothing here touches a tensor, so a profile made on fake tensors plans the same way:
+Nothing here touches a tensor, so costs measured on fake tensors plan the same way:
 
 >>> from remat._budget.costs import BlockCost, ModelCost
 >>> kept, full = BlockCost(8, 12, 16, 1.0, 2.0), BlockCost(1, 12, 20, 1.0, 3.0)
 >>> cost = ModelCost(("0", "1"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 4), 0.5)
->>> plan = solve_budget(cost, 22)
->>> [plan.choices[c] for c in plan.choice], plan.peak_bytes, plan.step_time
+>>> assignment = solve_budget(cost, 22)
+>>> [assignment.choices[c] for c in assignment.choice], assignment.peak_bytes, assignment.step_time
 (['full', 'kept'], 20, 7.5)
+
+The chain front end, `remat._chain.solver`, shares this solver's discretisation rule (NOTE [ Discretisation ]) and
+its `check_bytes`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._core.errors import BudgetError
-from .._core.units import Budget, format_bytes, parse_budget
-from .blocks_dp import evaluate_blocks, least_budget_blocks, solve_blocks
+from .._chain.simulate import check_bytes
+from .._core.errors import BUG, BudgetError, RematError
+from .._core.units import format_bytes
 from .costs import BlockCost, ModelCost
 
-__all__ = ["Assignment", "least_assignment", "resolve_budget", "solve_budget"]
+__all__ = [
+    "Assignment", "evaluate_blocks", "least_assignment", "least_budget_blocks", "resolve_budget", "solve_blocks",
+    "solve_budget",
+]
 
 
 @dataclass(frozen=True)
 class Assignment:
-    """A budget's assignment: one choice per block, with its predicted peak and the two uniform baselines'.
-
-    Not to be confused with `remat.Plan` (rotor's schedule for a chain) or `remat.plan(model)` (a model's sites).
+    """One choice assigned to each block under a budget, with its predicted peak and the two uniform baselines'
+    (what `remat.plan(model).budget` shows).
 
     Attributes:
-        cost: the profile the plan was solved on.
+        cost: the costs it was solved on.
         choice: the index into `cost.choices` chosen for each block.
         budget: the budget in bytes.
-        peak_bytes, step_time: the plan's predicted peak (bytes) and step time (seconds).
+        peak_bytes, step_time: its predicted peak (bytes) and step time (seconds).
         no_remat, full_remat: `(peak_bytes, step_time)` of every block kept, and of every block fully
             rematerialized (None when a choice is missing from the profile).
-        measured: the tracked peak of one real training step with this plan (None until one ran; see
-            NOTE [ Checking the plan ] in check.py).
-        missed: bytes a measured step of an earlier plan held beyond its prediction, which `peak_bytes` includes
-            (0 unless the plan corrects one that went over its budget).
+        measured: the tracked peak of one real training step with these choices (None until one ran: NOTE
+            [ Verifying the plan ] in verify.py).
+        missed: bytes a measured step of an earlier assignment held beyond its prediction, which `peak_bytes`
+            includes (0 unless it corrects one that went over its budget).
     """
 
     cost: ModelCost
@@ -70,9 +74,9 @@ class Assignment:
         return self.cost.names[i], self.cost.choices[self.choice[i]], chosen, extra
 
     def time(self, seconds: float, extra: bool = False) -> str:
-        """A predicted time as the plan says it: milliseconds where they were measured on this device; where the
-        profile priced ops on a nominal device (fake tensors: NOTE [ Priced time ]), relative to the step without
-        remat, which is all those prices can say."""
+        """A predicted time as `remat.plan(model)` says it: milliseconds where they were measured on this device;
+        where the profile priced ops on a nominal device (fake tensors: NOTE [ Priced time ]), relative to the step
+        without remat, which is all those prices can say."""
         base = self.no_remat[1] if self.no_remat is not None else None
         if not self.cost.priced or not base:
             return f"{seconds * 1e3:+.2f} ms" if extra else f"{seconds * 1e3:.1f} ms"
@@ -81,7 +85,7 @@ class Assignment:
         return f"{seconds / base:.2f}x no remat's"
 
     def summary(self) -> list[str]:
-        """The plan's figures as lines: predicted peak and time, and the two baselines."""
+        """Its figures as lines: predicted peak and time, and the two baselines."""
         lines = [
             f"predicted peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget)}), "
             f"step {self.time(self.step_time)}"
@@ -90,7 +94,7 @@ class Assignment:
             lines.append(f"measured peak of one real step {format_bytes(self.measured)} "
                          f"({self.measured / self.budget:.2f} of the budget)")
         else:
-            lines.append("not measured yet: the model's first training step checks this plan")
+            lines.append("not measured yet: the model's first training step verifies this plan")
         if self.missed:
             lines.append(f"re-planned after a measured step went over the budget: the prediction counts "
                          f"{format_bytes(self.missed)} it had missed")
@@ -112,31 +116,31 @@ def _uniform(cost: ModelCost, label: str) -> tuple[int, float] | None:
     return evaluate_blocks(cost, [c] * len(cost))
 
 
-def resolve_budget(budget: Budget, cost: ModelCost) -> int:
-    """Bytes for `budget`: as given, or a fraction of the predicted peak of keeping every block.
+def resolve_budget(budget: int | float, cost: ModelCost) -> int:
+    """Bytes for `budget` (parsed: `parse_budget`): as given, or a fraction of the predicted peak of keeping every
+    block.
 
     Raises:
-        ValueError: a fraction was given but the profile has no "kept" choice for every block.
+        ValueError: a fraction was given but the costs have no "kept" choice for every block.
     """
-    value = parse_budget(budget)
-    if isinstance(value, int):
-        return value
+    if isinstance(budget, int):
+        return budget
     base = _uniform(cost, "kept")
     if base is None:
         raise ValueError(
             "remat: a fractional budget is a fraction of the activation peak without remat, which this profile "
             "lacks (no 'kept' choice for every block); give the budget in bytes instead."
         )
-    return max(1, math.floor(value * base[0]))
+    return max(1, math.floor(budget * base[0]))
 
 
-def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Assignment:
+def solve_budget(cost: ModelCost, budget: int | float, *, slots: int = 4096) -> Assignment:
     """Choose one option per block so that the predicted peak fits `budget` at the least predicted time.
 
     Args:
-        cost: the profile (see NOTE [ Budget model ] in costs.py).
-        budget: bytes (an int, or a string with a unit such as "1.5GiB"), or a float in (0, 1]: that
-            fraction of the predicted activation peak with every block kept.
+        cost: the blocks' costs (NOTE [ Budget model ] in costs.py).
+        budget: bytes (an int), or a float in (0, 1]: that fraction of the predicted activation peak with every
+            block kept (`parse_budget` turns what a user writes into one of these).
         slots: the largest Pareto front kept per block before sizes are rounded (NOTE [ Block recurrence ]).
 
     Returns:
@@ -167,9 +171,128 @@ def solve_budget(cost: ModelCost, budget: Budget, *, slots: int = 4096) -> Assig
     return Assignment(cost, tuple(choice), nbytes, peak, time, _uniform(cost, "kept"), _uniform(cost, "full"))
 
 
-def least_assignment(cost: ModelCost, budget: Budget) -> Assignment:
+def least_assignment(cost: ModelCost, budget: int | float) -> Assignment:
     """The choice per block with the least predicted peak, under `budget` (which it may not fit)."""
     choice = least_budget_blocks(cost)[1]
     peak, time = evaluate_blocks(cost, choice)
     return Assignment(cost, choice, resolve_budget(budget, cost), peak, time, _uniform(cost, "kept"),
                       _uniform(cost, "full"))
+
+
+# -- the dynamic program over blocks -------------------------------------------------------------------------------
+
+_INF = math.inf
+
+
+def evaluate_blocks(cost: ModelCost, choice: Sequence[int]) -> tuple[int, float]:
+    """The predicted peak bytes and step time of one choice per block (NOTE [ Budget model ])."""
+    held, peak, time = 0, 0, cost.outside_time
+    for i, (row, c) in enumerate(zip(cost.blocks, choice, strict=True)):
+        block = row[c]
+        if block is None:
+            raise ValueError(f"remat: choice {cost.choices[c]!r} is not open to block {cost.names[i]!r}.")
+        peak = max(peak, held + cost.outside_peaks[i], held + block.need)
+        held += block.held_bytes
+        time += block.time
+    return max(peak, held + cost.outside_peaks[-1]), time
+
+
+# NOTE [ Block recurrence ]
+# `remat.apply(model, budget=...)` asks for one choice c_i per block under the model of NOTE [ Budget model ]
+# in costs.py: with S_i the bytes held by blocks 0..i-1, a plan fits M when S_i + need(i, c_i)
+# <= M for every block and S_k + outside_peaks[k] <= M for every k; its time is the sum of the blocks' times.
+# The only state that links block i to the ones after it is S_i, so the dynamic program runs over blocks,
+# keeping for every reachable S the least time (and dropping any (S, time) that another beats on both): the
+# Pareto front of (bytes held, time). That is exact in bytes. Fronts stay small on real models (repeated
+# blocks make repeated sums); if one grows past `slots` states, its S are rounded UP to multiples of
+# M / slots before merging, as the chain solver's slots are (NOTE [ Discretisation ]): a plan that fits with
+# rounded sums fits in bytes, and the solution is then at worst slightly slower, never over budget.
+# The smallest feasible budget is exact too: for a given M, keeping the smallest reachable S is enough
+# (every constraint only gets harder as S grows), so feasibility is a greedy pass, and the smallest M is
+# found by bisection over integers.
+
+
+def _fits_greedy(cost: ModelCost, budget: int) -> list[int] | None:
+    held, choice = 0, []
+    for i, row in enumerate(cost.blocks):
+        if held + cost.outside_peaks[i] > budget:
+            return None
+        open_ = [(b.held_bytes, b.time, c) for c, b in enumerate(row) if b is not None and held + b.need <= budget]
+        if not open_:
+            return None
+        h, _, c = min(open_)
+        held += h
+        choice.append(c)
+    return choice if held + cost.outside_peaks[-1] <= budget else None
+
+
+def least_budget_blocks(cost: ModelCost) -> tuple[int, tuple[int, ...]]:
+    """The smallest budget under which some choice per block fits, in bytes, and such a choice."""
+    low, high = 0, 1 + max(cost.outside_peaks) + sum(
+        max(b.held_bytes for b in row if b is not None) + max(b.need for b in row if b is not None)
+        for row in cost.blocks
+    )
+    while low < high:  # the smallest M with a feasible plan; feasibility is monotone in M
+        mid = (low + high) // 2
+        if _fits_greedy(cost, mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    found = _fits_greedy(cost, low)
+    if found is None:  # pragma: no cover
+        raise RematError(f"remat: the budget bisection found no plan; {BUG}.")
+    return low, tuple(found)
+
+
+def solve_blocks(cost: ModelCost, budget: int, *, slots: int = 4096) -> tuple[tuple[int, ...], float] | None:
+    """The fastest choice per block that fits `budget` (NOTE [ Block recurrence ]), or None if none is found."""
+    check_bytes("budget", budget)
+    grain = max(1, -(-budget // slots))
+    # The front: S -> (time, index of the back pointer); back pointers are (parent, choice) per block.
+    front: dict[int, tuple[float, int]] = {0: (0.0, -1)}
+    parents: list[list[tuple[int, int]]] = []
+    for i, row in enumerate(cost.blocks):
+        out: dict[int, tuple[float, int]] = {}
+        links: list[tuple[int, int]] = []
+        for held, (time, ptr) in front.items():
+            if held + cost.outside_peaks[i] > budget:
+                continue
+            for c, block in enumerate(row):
+                if block is None or held + block.need > budget:
+                    continue
+                new, t = held + block.held_bytes, time + block.time
+                if new not in out or t < out[new][0]:
+                    links.append((ptr, c))
+                    out[new] = (t, len(links) - 1)
+        front = _pareto(out)
+        if len(front) > slots:
+            coarse: dict[int, tuple[float, int]] = {}
+            for held, entry in front.items():
+                key = -(-held // grain) * grain
+                if key not in coarse or entry[0] < coarse[key][0]:
+                    coarse[key] = entry
+            front = _pareto(coarse)
+        parents.append(links)
+        if not front:
+            return None
+    ends = [(time, ptr) for held, (time, ptr) in front.items() if held + cost.outside_peaks[-1] <= budget]
+    if not ends:
+        return None
+    time, ptr = min(ends)
+    choice: list[int] = []
+    for links in reversed(parents):
+        ptr, c = links[ptr]
+        choice.append(c)
+    return tuple(reversed(choice)), cost.outside_time + time
+
+
+def _pareto(states: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:
+    """Keep the states that no state with fewer bytes held beats on time."""
+    kept: dict[int, tuple[float, int]] = {}
+    best = _INF
+    for held in sorted(states):
+        entry = states[held]
+        if entry[0] < best:
+            kept[held] = entry
+            best = entry[0]
+    return kept

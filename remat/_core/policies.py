@@ -33,7 +33,7 @@ __all__ = ["Policy", "PolicyLike", "as_policy", "offload", "save_all", "save_mat
 # (counted from 0) is kept when k is in `calls`, and recompute, which makes the same calls in the same order,
 # runs the others again. `remat.apply(model, budget=...)` builds such policies for a block from its profiled
 # run (the matmuls worth the most recompute time per byte: NOTE [ Deriving choices ] in
-# remat/_budget/derive.py). A policy may instead decide per call once the op ran (`chooses`): that is how
+# remat/_budget/costs_derived.py). A policy may instead decide per call once the op ran (`chooses`): that is how
 # `remat.checkpoint` carries out torch's selective-checkpoint policy functions (`context_fn`), which see each
 # call's arguments and outputs. Both carry out in eager code under the rerun strategy only, so they are not public
 # and do not combine with `|`.

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .._budget.apply import apply_budget
+from .._budget.modes import Config, mode_for
 from .._chain.chain import parse_budget
 from .._core.options import Options
 from .._core.policies import Policy, save_matmuls
@@ -106,10 +107,9 @@ def _configured(model: nn.Module, config: Any, where: Where | None) -> Configure
         @contextlib.contextmanager
         def planned(sample: Any) -> Iterator[None]:
             with _restoring(model):
-                # the planner of remat.apply(budget=), on fake tensors; the plan checked at once, as a real model's
-                # first training step would check it (NOTE [ The first step ])
-                apply_budget(model, config, sample, where, loss=None, choices=None, replan=True, preserve_rng=True,
-                             strategy="rerun", check=True, upfront=True)
+                # the planner of remat.apply(budget=), on fake tensors; the plan verified at once, as a real model's
+                # first training step would verify it (NOTE [ The first step ])
+                apply_budget(model, config, sample, where, mode_for(Config(first_step=False)))
                 with enabled(True):
                     yield
 

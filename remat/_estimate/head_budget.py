@@ -1,5 +1,5 @@
 """The chunked head in budget and memory plans, where they need an estimate: NOTE [ The head as a choice ] in
-remat/_budget/head.py.
+remat/_budget/solve_head.py.
 
 A fractional budget with `head=True` is a fraction of the step without remat with the model's own head, turned into
 bytes here on fake tensors before the head is routed; `remat.apply(model, memory=...)` refuses a memory only where

@@ -5,10 +5,10 @@ A device's memory holds, through a training step, the parameters, buffers, the b
 (alive from one step to the next), the gradients (made in backward, dropped by ``zero_grad``), the step's
 activations, and the optimizer step's temporaries. `remat.estimate` counts the first ones exactly on fake
 tensors; what is left, ``memory`` minus them and minus the allocator's headroom (NOTE [ The allocator's reserve ]
-in reserve.py, which also has the check of the plan's real step against what the allocator reserved), is the
+in reserve.py, which also has the verification of the plan's real step against what the allocator reserved), is the
 budget handed to `remat.apply(budget=...)`'s planner. A
-plain budget leaves gradients out (its checked step runs with them already there); this one counts them, since
-they take the same memory: the plan's checked step (NOTE [ Checking the plan ] in remat/_budget/check.py) starts
+plain budget leaves gradients out (its verified step runs with them already there); this one counts them, since
+they take the same memory: the plan's verified step (NOTE [ Verifying the plan ] in remat/_budget/verify.py) starts
 without gradients, as after ``zero_grad()``, so its measured peak is the activations, temporaries and the
 gradients made so far, at backward's highest point, and a plan over it is corrected as for any budget. Two refusals,
 both a `BudgetError` naming the least total that fits: the estimate of full remat of every block (which also
@@ -22,12 +22,13 @@ import inspect
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from .._budget.apply import apply_budget
+from .._budget.modes import Config, MemoryMode, mode_for
 from .._core.errors import BudgetError
 from .._core.units import Budget, format_bytes, parse_memory
 from .._measure.autocast import StepAutocast, planning, step_region
@@ -43,6 +44,7 @@ from .reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, reserved_peak
 __all__ = ["apply_memory", "as_optimizer"]
 
 _log = logging.getLogger("remat")
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def as_optimizer(optimizer: Any) -> OptimizerLike:
@@ -60,10 +62,11 @@ def as_optimizer(optimizer: Any) -> OptimizerLike:
     return same
 
 
-def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, optimizer: Any,
-                 loss: Callable[[Any], Any] | None, options: dict[str, Any],
-                 headroom: float | int | str | None = None) -> nn.Module:
-    """See `remat.apply`, NOTE [ Total memory ] and NOTE [ The allocator's reserve ] in reserve.py."""
+def apply_memory(model: _M, memory: Budget, sample: Any, where: Any, config: Config, *, optimizer: Any,
+                 headroom: float | int | str | None = None) -> _M:
+    """See `remat.apply`, NOTE [ Total memory ] and NOTE [ The allocator's reserve ] in reserve.py: the budget's
+    planner in its `MemoryMode`, for what the step's state leaves."""
+    loss = config.loss
     total = parse_memory(memory, "apply's `memory`")
     if sample is None:
         raise ValueError("remat: apply with `memory` needs `sample=`: the model's inputs for one training step (a "
@@ -74,7 +77,7 @@ def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, o
     usable = total - room  # for the allocated peak: the rest is the allocator's
     full = estimate(model, sample, loss=loss, optimizer=as_optimizer(optimizer), configs=("full",), where=where)
     row = full["full"]
-    if row.peak_bytes > total and options.get("head") is None:  # NOTE [ The head as a choice ]
+    if row.peak_bytes > total and config.head is None:  # NOTE [ The head as a choice ]
         from .head_budget import full_with_head
 
         row = full_with_head(model, sample, loss, as_optimizer(optimizer), where) or row
@@ -82,15 +85,15 @@ def apply_memory(model: nn.Module, memory: Budget, sample: Any, where: Any, *, o
     if row.peak_bytes > usable:
         raise _refused(total, row.peak_bytes + room, state, row.peak_phase, room)
     reserved: tuple[int, int] | None = None
-    checked = caches(device) and options.get("strategy", "rerun") == "rerun" and not options.get("compile")
+    verified = caches(device) and config.strategy == "rerun" and not config.compile
     target = total - room  # the allocated peak to plan for
-    for attempt in range(TRIES + 1 if checked else 1):
+    for attempt in range(TRIES + 1 if verified else 1):
         try:
-            apply_budget(model, target - state, sample, where, loss=loss, grads=True, **options)
+            apply_budget(model, target - state, sample, where, MemoryMode(mode_for(config)))
         except BudgetError as error:
             raise _refused(total, max(row.peak_bytes, state + (error.least_bytes or 0)) + total - target, state,
                            "", total - target) from error
-        if not checked:
+        if not verified:
             return model
         reserved = _reserved(model, device, sample, loss, optimizer, row)
         if reserved is not None and reserved[0] <= total:

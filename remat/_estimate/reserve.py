@@ -1,5 +1,5 @@
-"""What a device's allocator reserves beyond what tensors take: the headroom `memory=` leaves it, and the check of a
-plan's real step against the allocator's own count.
+"""What a device's allocator reserves beyond what tensors take: the headroom `memory=` leaves it, and the verification
+of a plan's real step against the allocator's own count.
 
 NOTE [ The allocator's reserve ]
 A device's size, its cap (``torch.cuda.set_per_process_memory_fraction``) and its out-of-memory error count what the
@@ -13,7 +13,7 @@ Rules:
 1. `remat.apply(model, memory=M)` plans the allocated peak (what `remat.estimate` and the tracker count) within M
    less a headroom (``headroom=``: a fraction of M, or bytes). The default is `DEFAULT` of M on a device whose
    allocator caches (CUDA, and any device whose module reports ``max_memory_reserved``): the most seen above the
-   allocated peak in those runs, which a real check (rule 2) then corrects; nothing on the CPU, whose allocator
+   allocated peak in those runs, which a real step (rule 2) then corrects; nothing on the CPU, whose allocator
    reserves nothing beyond the tensors (and where ``remat.track(limit=)`` counts tensors). With
    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` the allocator maps memory into one growing segment and the
    reserve shrinks to little more than the rounding: a smaller ``headroom`` fits more.

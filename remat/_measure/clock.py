@@ -26,14 +26,14 @@ Implementation notes:
    elements out at ELEMENTS per second (a GELU, a softmax, a dropout mask are compute-bound on a CPU); bytes are
    those of the op's tensor arguments and outputs; a view costs LAUNCH alone. The choices that keep matmul
    outputs run a Python dispatch mode over every op, at MODE_PER_OP each (in place of the calibration of NOTE
-   [ Mode cost in place ] in remat/_budget/derive.py).
+   [ Mode cost in place ] in remat/_budget/costs_derived.py).
 2. (rule 2) The CPU's numbers are one small x86 core's, rounded (how they were measured: docs/benchmarks.md); the
    accelerator's are a nominal GPU's.
 3. (rule 1) The clock is entered below every mode the profile enters (the tracker, `save_matmuls`' mode), just
    above the fake mode: an op reaches it from inside the tracker's dispatch, so its price is on the clock before
    the tracker reads the clock for it (as the op's kernel would have run by then). The corrections for the wall
    clock's errors (the tracker's own time, a block timed alone: NOTE [ Timing under the tracker ] in
-   remat/_budget/marks.py) have nothing to correct on this clock and are skipped.
+   remat/_budget/profile_step.py) have nothing to correct on this clock and are skipped.
 """
 
 from __future__ import annotations

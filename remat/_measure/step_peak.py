@@ -4,13 +4,14 @@ NOTE [ Measuring a compiled step ]
 remat's tracker counts bytes through a dispatch mode, and compiled code allocates its buffers where no mode sees
 them (inductor's kernels write into buffers it allocates itself); dynamo also runs a frame it meets under a mode
 in eager code. So a budget planned for one compiled graph (`remat.apply(..., compile=True)`: NOTE [ Compiled as
-one graph ] in remat/_budget/whole_graph.py) checks its plan on a real compiled step: the model is compiled with
+one graph ] in remat/_budget/compiled.py) verifies its plan on a real compiled step: the model is compiled with
 `torch.compile(model)` (inductor, default options), one step runs to compile it, and the next is measured, by the
 allocator's own statistics on an accelerator (`max_memory_allocated`) and, on the CPU, by the autograd profiler's
 records of the CPU allocator (`host_bytes`), which agree with what the process's resident memory rises by in a
 fresh process (the benchmark's measure; docs/benchmarks.md); the step runs as fast as one not measured. The step
 starts with zero gradients and leaves the model as it found it (gradients, buffers, RNG streams), as an eager
-check does. The compiled code stays in dynamo's cache: a later `torch.compile(model)` with the same plan reuses it.
+verification does. The compiled code stays in dynamo's cache: a later `torch.compile(model)` with the same plan
+reuses it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ __all__ = ["compiled_peak", "measure_step"]
 
 def _no_grads(model: nn.Module) -> None:
     """Start a step as a default loop's `zero_grad()` leaves it: no gradients, so backward's new ones count
-    (NOTE [ Gradients in the budget ] in remat/_budget/gradients.py)."""
+    (NOTE [ Gradients in the budget ] in remat/_budget/costs.py)."""
     for p in model.parameters():
         if p.requires_grad:
             p.grad = None

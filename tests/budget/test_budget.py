@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import remat
-from remat._budget.blocks_dp import evaluate_blocks, least_budget_blocks, solve_blocks
 from remat._budget.costs import BlockCost, ModelCost
-from remat._budget.solve import solve_budget
+from remat._budget.solve import evaluate_blocks, least_budget_blocks, solve_blocks, solve_budget
 from tests.conftest import assert_same_grads, randn
 from tests.models import ConvBN, TransformerBlock
 
@@ -333,7 +332,7 @@ def test_planning_identical_blocks_runs_the_model_once_and_times_every_block() -
 
 
 def test_a_block_is_timed_alone_on_fresh_inputs_shaped_like_its_own() -> None:
-    from remat._budget.alone import describe, time_alone
+    from remat._budget.profile_alone import describe, time_alone
 
     seen: list[tuple[torch.Tensor, torch.Tensor, str]] = []
 

@@ -11,19 +11,16 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_grads, randn, recomputes
+from conftest import assert_same_grads, budget_hook, randn, recomputes
 from test_budget import Stack, _peak
 from torch import nn
 
 import remat
-from remat._budget.apply import _Budget
-from remat._budget.blocks_dp import evaluate_blocks
-from remat._budget.costs import ModelCost, with_gradients
-from remat._budget.gradients import accumulation_order, gradient_steps
-from remat._budget.profile import profile_blocks
+from remat._budget.costs import ModelCost, measured_costs, with_gradients
+from remat._budget.profile import accumulation_order, profile_blocks
+from remat._budget.solve import evaluate_blocks
 
 LABELS = ("kept", "save_matmuls", "full")
-OPTIONS = {"preserve_rng": True, "strategy": "rerun", "check": False}
 
 
 class Residual(nn.Module):
@@ -69,12 +66,13 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], torch.Tensor]] = {
 
 def _profile(model: nn.Module, x: torch.Tensor, derived: tuple[int, ...]) -> ModelCost:
     names = tuple(f"blocks.{i}" for i in range(len(model.blocks)))  # type: ignore[arg-type]
-    hook = _Budget(1.0, names, ("kept", remat.policies.save_matmuls, None), LABELS, None, False, OPTIONS)
+    hook = budget_hook(names, ("kept", remat.policies.save_matmuls, None), LABELS)
     blocks = [model.get_submodule(name) for name in names]
     step = lambda: model(x).sum()  # noqa: E731
     with accumulation_order(model) as order:  # as apply profiles: NOTE [ Gradients in the budget ]
-        found = profile_blocks(model, names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), derived)
-    return with_gradients(found, gradient_steps(blocks, order))
+        found = profile_blocks(model, names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), order,
+                               derived)
+    return with_gradients(measured_costs(found), found.gradients)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -98,8 +96,8 @@ def test_derived_bytes_match_the_bytes_of_running_each_choice(name: str) -> None
     assert derived.outside_peaks == measured.outside_peaks
     # The step's peak predicted from derived costs, against a real tracked step with those choices put on the
     # blocks: within 5%. Every uniform plan and a spread of mixed ones (all of them would take a while).
-    hook = _Budget(1.0, tuple(f"blocks.{i}" for i in range(len(measured))), ("kept", remat.policies.save_matmuls,
-                   None), LABELS, None, False, OPTIONS)
+    hook = budget_hook(tuple(f"blocks.{i}" for i in range(len(measured))), ("kept", remat.policies.save_matmuls,
+                       None), LABELS)
     choices = list(itertools.product(range(len(LABELS)), repeat=len(measured)))
     for choice in choices[:: max(1, len(choices) // 12)] + [(c,) * len(measured) for c in range(len(LABELS))]:
         for i, c in enumerate(choice):

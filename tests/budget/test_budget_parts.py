@@ -9,34 +9,34 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_grads, randn, recomputes
+from conftest import assert_same_grads, budget_hook, randn, recomputes
 from test_budget import _peak
 from test_budget_derive import MODELS
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
-from remat._budget.apply import _Budget
-from remat._budget.blocks_dp import evaluate_blocks
-from remat._budget.costs import ModelCost
-from remat._budget.derive import PARTS
+from remat._budget.apply import BudgetHook
+from remat._budget.costs import ModelCost, measured_costs
+from remat._budget.costs_derived import PARTS
 from remat._budget.profile import profile_blocks
+from remat._budget.solve import evaluate_blocks
 from remat._core.policies import Policy, matmuls
 
 LABELS = ("kept", "save_matmuls", "full", *PARTS)
-OPTIONS = {"preserve_rng": True, "strategy": "rerun", "check": False}
 POLICIES: tuple[Any, ...] = ("kept", remat.policies.save_matmuls, None, *PARTS)
 
 
-def _hook(model: nn.Module) -> _Budget:
+def _hook(model: nn.Module) -> BudgetHook:
     names = tuple(f"blocks.{i}" for i in range(len(model.blocks)))  # type: ignore[arg-type]
-    return _Budget(1.0, names, POLICIES, LABELS, None, False, OPTIONS)
+    return budget_hook(names, POLICIES, LABELS)  # type: ignore[no-any-return]
 
 
-def _profile(model: nn.Module, x: torch.Tensor, hook: _Budget, derived: tuple[int, ...]) -> ModelCost:
+def _profile(model: nn.Module, x: torch.Tensor, hook: BudgetHook, derived: tuple[int, ...]) -> ModelCost:
     blocks = [model.get_submodule(name) for name in hook.names]
     step = lambda: model(x).sum()  # noqa: E731
-    return profile_blocks(model, hook.names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), derived)
+    found = profile_blocks(model, hook.names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), [], derived)
+    return measured_costs(found)
 
 
 class _Matmuls(TorchDispatchMode):
@@ -59,7 +59,7 @@ def _held(block: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     return held, out
 
 
-def _derived(name: str) -> tuple[nn.Module, torch.Tensor, _Budget, ModelCost]:
+def _derived(name: str) -> tuple[nn.Module, torch.Tensor, BudgetHook, ModelCost]:
     """Model `name`, its sample, a budget hook on it and its costs with every choice but kept derived."""
     make, x = MODELS[name]
     torch.manual_seed(0)
@@ -203,7 +203,7 @@ def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPa
     # blocks do not fit, and what is tested is that their real step keeps the budget.
     from remat._budget import apply as _fit
 
-    real = _fit.profile_blocks  # type: ignore[attr-defined]
+    real = _fit.measured_costs
 
     def parts_cheap(*args: Any, **kwargs: Any) -> ModelCost:
         cost = real(*args, **kwargs)
@@ -218,7 +218,7 @@ def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPa
         )
         return dataclasses.replace(cost, blocks=rows)
 
-    monkeypatch.setattr(_fit, "profile_blocks", parts_cheap)
+    monkeypatch.setattr(_fit, "measured_costs", parts_cheap)
     x = randn(2048, 128, seed=3)  # activations well above the gradients, which a budget counts
     used: set[str] = set()
     for fraction in (0.7, 0.8, 0.9):

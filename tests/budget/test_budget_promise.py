@@ -70,8 +70,9 @@ def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pyt
     # Make the prediction miss: the profile's kept blocks claim to hold 40% less than they do, so the first plan
     # keeps too many of them, and its first training step measures over the budget.
     from remat._budget import apply as _fit
+    from remat._budget import modes as _modes
 
-    real = _fit.profile_blocks  # type: ignore[attr-defined]
+    real = _fit.measured_costs
 
     def optimistic(*args: Any, **kwargs: Any) -> ModelCost:
         cost = real(*args, **kwargs)
@@ -84,8 +85,8 @@ def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pyt
     def unused(*args: Any, **kwargs: Any) -> int:
         raise AssertionError("a plan whose prediction fits is checked on the first training step, not before")
 
-    monkeypatch.setattr(_fit, "profile_blocks", optimistic)
-    monkeypatch.setattr(_fit, "measure_step", unused)
+    monkeypatch.setattr(_fit, "measured_costs", optimistic)
+    monkeypatch.setattr(_modes, "measure_step", unused)
     base = build("convnet")
     none = tracked_peak(_copy(base))
     budget = int(0.65 * none)
@@ -120,7 +121,7 @@ def _copy_with(work: Workload, plan: remat.Assignment) -> Workload:
     twin = _copy(work)
     hook = next(h for h in twin.model._forward_pre_hooks.values() if hasattr(h, "place"))
     hook.place(twin.model, plan)
-    hook.check = None
+    hook.verification = None
     return twin
 
 

@@ -1,4 +1,4 @@
-"""A budgeted model's first training step checks its plan (NOTE [ The first step ] in remat/_budget/first_step.py):
+"""A budgeted model's first training step verifies its plan (NOTE [ The first step ] in remat/_budget/first_step.py):
 measured as an outside tracker measures it, corrected before the next step, and nothing left behind."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _grads_none_step(model: nn.Module) -> None:
 
 
 def _hook(model: nn.Module) -> Any:
-    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "check"))
+    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "verification"))
 
 
 def _no_step_hooks(model: nn.Module) -> bool:
@@ -45,11 +45,11 @@ def _no_step_hooks(model: nn.Module) -> bool:
 def test_the_first_step_measures_what_a_tracker_around_it_measures() -> None:
     model = remat.apply(_stack(), budget=0.6, sample=X)
     plan = remat.plan(model).budget
-    assert plan is not None and plan.measured is None and _hook(model).check is not None  # not checked yet
-    assert "not measured yet: the model's first training step checks this plan" in str(remat.plan(model))
+    assert plan is not None and plan.measured is None and _hook(model).verification is not None  # not checked yet
+    assert "not measured yet: the model's first training step verifies this plan" in str(remat.plan(model))
     assert any(plan.choices[c] != "kept" for c in plan.choice)  # remat is on some blocks
     twin = copy.deepcopy(model)  # the same plan, measured from the outside
-    _hook(twin).check = None
+    _hook(twin).verification = None
     outside = _peak(twin, X)
     _grads_none_step(model)  # new gradients are made and left out, as the outside step's are
     measured = remat.plan(model).budget.measured  # type: ignore[union-attr]
@@ -57,7 +57,7 @@ def test_the_first_step_measures_what_a_tracker_around_it_measures() -> None:
     assert dispatch_modes_on() == 0 and _no_step_hooks(model)  # the graph died: the mode is popped
     fitted = measured <= plan.budget
     model(X)  # the next forward acts on the check: done if the step fitted, else a corrected plan is placed
-    assert (_hook(model).check is None) == fitted
+    assert (_hook(model).verification is None) == fitted
     if fitted:
         assert remat.plan(model).budget.measured == measured  # type: ignore[union-attr]
 
@@ -81,7 +81,7 @@ def test_a_step_under_a_users_mode_waits_and_leaves_the_users_mode_alone() -> No
         _grads_none_step(model)
         assert dispatch_modes_on() == 1  # the user's own
     assert dispatch_modes_on() == 0 and flops.get_total_flops() > 0
-    assert remat.plan(model).budget.measured is None and _hook(model).check is not None  # type: ignore[union-attr]
+    assert remat.plan(model).budget.measured is None and _hook(model).verification is not None  # type: ignore[union-attr]
     _grads_none_step(model)  # the next plain step checks the plan
     assert remat.plan(model).budget.measured is not None  # type: ignore[union-attr]
     assert dispatch_modes_on() == 0
@@ -90,7 +90,7 @@ def test_a_step_under_a_users_mode_waits_and_leaves_the_users_mode_alone() -> No
 def test_a_forward_alone_is_not_a_step() -> None:
     model = remat.apply(_stack(), budget=0.6, sample=X)
     model(X)  # its graph dies at once: no step to measure, and nothing left on the stack
-    assert dispatch_modes_on() == 0 and _no_step_hooks(model) and _hook(model).check is not None
+    assert dispatch_modes_on() == 0 and _no_step_hooks(model) and _hook(model).verification is not None
     _grads_none_step(model)  # the next training step is tracked
     assert remat.plan(model).budget.measured is not None  # type: ignore[union-attr]
 
@@ -98,9 +98,9 @@ def test_a_forward_alone_is_not_a_step() -> None:
 def test_forwards_without_backward_drop_the_check_after_a_window() -> None:
     model = remat.apply(_stack(), budget=0.6, sample=X)
     outs = [model(X) for _ in range(_first_step.WINDOW)]  # graphs kept, never differentiated
-    assert _hook(model).check is not None
+    assert _hook(model).verification is not None
     outs.append(model(X))
-    assert _hook(model).check is None and _hook(model).step is None
+    assert _hook(model).verification is None and _hook(model).step is None
     assert dispatch_modes_on() == 0 and _no_step_hooks(model)
     del outs
 
@@ -129,7 +129,7 @@ def test_a_model_copied_while_a_step_is_tracked_copies_no_tracking() -> None:
     out.sum().backward()
     del out
     outside = copy.deepcopy(twin)
-    _hook(outside).check = None
+    _hook(outside).verification = None
     _grads_none_step(twin)  # its copied hooks do nothing; its own first step is tracked
     assert remat.plan(twin).budget.measured == _peak(outside, X)  # type: ignore[union-attr]
     assert dispatch_modes_on() == 0
@@ -157,7 +157,7 @@ def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(m
     assert len(caught) == 1 and "Training goes on with that choice" in str(caught[0].message)
     plan = remat.plan(model).budget
     assert plan is not None and all(plan.choices[c] == "full" for c in plan.choice)
-    assert _hook(model).check is None and dispatch_modes_on() == 0
+    assert _hook(model).verification is None and dispatch_modes_on() == 0
 
 
 class _MLP(nn.Module):

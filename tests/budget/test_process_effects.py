@@ -73,7 +73,7 @@ def two_threads() -> Iterator[int]:
 
 
 def _hook(model: nn.Module) -> Any:
-    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "check"))
+    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "verification"))
 
 
 def _stack() -> nn.Module:
@@ -161,7 +161,7 @@ def test_a_forward_that_raises_leaves_nothing_and_the_next_step_is_checked() -> 
     with pytest.raises(ValueError, match="the user's forward fails"):
         model(X)
     assert _process() == before
-    assert _measured(model) is None and _hook(model).check is not None  # no step was measured: the check waits
+    assert _measured(model) is None and _hook(model).verification is not None  # no step was measured: the check waits
     model.fail = False
     model(X).sum().backward()
     assert _measured(model) is not None
@@ -262,7 +262,7 @@ def test_the_first_step_under_the_users_tracker_is_checked_as_without_it(monkeyp
     first = remat.plan(plain).budget.choice  # type: ignore[union-attr]
     mine = copy.deepcopy(plain)
     unchecked = copy.deepcopy(plain)
-    _hook(unchecked).check = None  # the same plan, never checked
+    _hook(unchecked).verification = None  # the same plan, never checked
     expected, expected_warnings, _ = _train(plain, 4, tracked=False)
     assert expected[0] != first or expected_warnings  # the check acted on the plan made wrong
     choices, caught, peaks = _train(mine, 4, tracked=True)

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat._budget.apply import _Budget
-from remat._budget.check import check_measured
+from remat._budget.apply import BudgetHook
 from remat._budget.costs import BlockCost, ModelCost
+from remat._budget.modes import MemoryMode
 from remat._budget.solve import Assignment, solve_budget
+from remat._budget.verify import verify_both_ways
 from remat._core.errors import BudgetError
 
 
@@ -28,7 +29,7 @@ class Block(nn.Module):
 
 
 def _plan(model: nn.Module) -> Assignment:
-    hooks = [h for h in model._forward_pre_hooks.values() if isinstance(h, _Budget)]
+    hooks = [h for h in model._forward_pre_hooks.values() if isinstance(h, BudgetHook)]
     assert len(hooks) == 1 and hooks[0].assignment is not None
     return hooks[0].assignment
 
@@ -83,8 +84,7 @@ def test_compile_plans_are_checked_on_a_compiled_step() -> None:
 def test_compiled_bytes_shift_what_fused_code_does_not_allocate() -> None:
     """NOTE [ Compiled bytes ]: compiled code fuses GELU's backward temporaries away, so the backward peak under
     every choice drops (against the same block in eager code, both read from the CPU allocator)."""
-    from remat._budget.alone import describe
-    from remat._budget.compiled_block import compiled_shifts
+    from remat._budget.profile_alone import compiled_shifts, describe
 
     torch._dynamo.reset()
     block = Block()
@@ -110,7 +110,7 @@ def test_a_prediction_over_the_measured_step_is_taken_both_ways(both_kept: int, 
     assert plan.choice == (1, 0)
     measured = {(1, 0): 16, (0, 0): both_kept}  # full then kept measures 4 under its prediction
     on = [plan.choice]
-    final = check_measured(plan, lambda: measured[on[-1]], lambda p: on.append(p.choice))
+    final = verify_both_ways(plan, lambda a: measured[on[-1]], lambda p: on.append(p.choice))
     assert final.choice == expected and final.measured == measured[expected]
     assert on[-1] == expected  # what is on the blocks is what was kept
 
@@ -120,7 +120,7 @@ def test_nothing_measured_within_the_budget_is_refused_with_the_least() -> None:
     cost = ModelCost(("0", "1"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 4), 0.5)
     plan = solve_budget(cost, 20)  # every choice measures 30: even full remat of both is over the slack
     with pytest.raises(BudgetError, match="measured 30 bytes"):
-        check_measured(plan, lambda: 30, lambda p: None)
+        verify_both_ways(plan, lambda a: 30, lambda p: None)
 
 
 def test_without_allocation_records_compile_plans_on_eager_steps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,7 +128,7 @@ def test_without_allocation_records_compile_plans_on_eager_steps(monkeypatch: py
     is checked on an eager step lifted by the gradients a one-graph backward keeps (NOTE [ Compiled as one graph ])."""
     import types
 
-    from remat._budget.compiled_block import compiled_shifts
+    from remat._budget.profile_alone import compiled_shifts
     from remat._core import torch_compat as _torch_compat
     from remat._measure.step_peak import compiled_peak
 
@@ -160,8 +160,8 @@ def test_memory_with_compile_checks_a_step_from_no_gradients_once() -> None:
     x = torch.randn(4, 64)  # few rows: the gradients outweigh the activations, so a one-graph backward adds some
     model = remat.apply(nn.Sequential(*[Block() for _ in range(4)]), Block, memory="64MiB", sample=x,
                         loss=lambda out: out.square().mean(), compile=True)
-    hook = next(h for h in model._forward_pre_hooks.values() if isinstance(h, _Budget))
-    assert hook.compile and hook.grads
+    hook = next(h for h in model._forward_pre_hooks.values() if isinstance(h, BudgetHook))
+    assert isinstance(hook.mode, MemoryMode) and hook.mode.compiled
     checked = remat.plan(model).budget
     assert checked is not None and checked.measured is not None
     model.zero_grad(set_to_none=True)

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import remat
-from remat._budget.apply import _Budget
+from remat._budget.apply import BudgetHook
 from remat._budget.solve import Assignment
 from remat._chain.profile import profile
 from remat._demo import GPT, GPTConfig
@@ -37,7 +37,7 @@ def _slowed(model: nn.Module, blocks: list[nn.Module], sleep: float) -> None:
 
 
 def _plan(model: nn.Module) -> Assignment:
-    hooks = [h for h in model._forward_pre_hooks.values() if isinstance(h, _Budget)]
+    hooks = [h for h in model._forward_pre_hooks.values() if isinstance(h, BudgetHook)]
     assert len(hooks) == 1 and hooks[0].assignment is not None
     return hooks[0].assignment
 

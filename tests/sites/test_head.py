@@ -9,7 +9,9 @@ takes it (labels shifted, -100 ignored); the model's own loss upcasts float64 lo
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -288,6 +290,26 @@ def test_the_step_peaks_far_below_full_remat(monkeypatch: pytest.MonkeyPatch) ->
         peaks.append(tracker.peak_bytes)
     logits = 4 * 128 * 16000 * 4
     assert peaks[0] > 2 * logits and peaks[1] < peaks[0] / 4, peaks
+
+
+def test_a_routed_step_leaves_no_cycle_holding_the_hidden_states() -> None:
+    """The head's placeholder and its call referred to each other: the last hidden states stayed alive after the
+    step until the garbage collector ran (a budget's measured step read 0.5 MiB more on a 4-layer GPT-2)."""
+    model = remat.apply(fresh(gpt2), head=True)
+    seen: list[weakref.ref[torch.Tensor]] = []
+    handle = model.transformer.ln_f.register_forward_hook(  # type: ignore[union-attr,operator]
+        lambda module, args, out: seen.append(weakref.ref(out)))
+    made = _stats.head_chunks
+    gc.disable()
+    try:
+        out = model(**batch())
+        assert out.logits is None and _stats.head_chunks > made  # the head was routed
+        out.loss.backward()
+        del out
+        assert seen and seen[0]() is None, "the hidden states outlived the step without the garbage collector"
+    finally:
+        gc.enable()
+        handle.remove()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # dynamo's and inductor's own

@@ -302,9 +302,14 @@ class _HeadClose:
         # Called as (module, args, kwargs, output) after forward, as (module, args, None) when it raised.
         stack = _calls.stack
         call = stack.pop() if stack else None
-        if call is None or len(rest) != 2 or not call.deferred:
+        if call is None:
             return None
-        return _without_placeholders(rest[1], call.deferred)
+        # A placeholder holds its call and the call its placeholders: the cycle would keep the head's input (the
+        # last hidden states) alive until the garbage collector runs, into the next step. Broken here.
+        deferred, call.deferred = call.deferred, []
+        if len(rest) != 2 or not deferred:
+            return None
+        return _without_placeholders(rest[1], deferred)
 
 
 class _Missing:

@@ -1,4 +1,5 @@
-"""Derive what a block costs under full remat and under `save_matmuls` from one tracked run of it kept.
+"""Costs derived rather than run: what a block costs under full remat, `save_matmuls` and the parts, from one tracked
+run of it kept.
 
 NOTE [ Deriving choices ]
 What a rematerialized block does is a replay of what it does kept, and the tracker sees every op of that: so one
@@ -6,7 +7,8 @@ tracked run of a block kept gives its other choices, in the terms of NOTE [ Budg
 the tracked round per choice (each slower than a plain step) that running them would take.
 
 Rules:
-1. One tracked run of a block kept (`Kept`, filled by profile.py from the window's `Detail` in marks.py) gives
+1. One tracked run of a block kept (`KeptRun`, filled by profile.py from the window's `Detail` in
+   profile_step.py) gives
    its costs under full remat, `save_matmuls` and the choices that keep some matmuls (NOTE [ Some matmuls ]).
    Under choice c, with "born" the storages its forward allocated:
    * held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
@@ -53,7 +55,7 @@ Implementation notes:
    (CUDA) the tracked step is not timed and its matmul times are only the launches: recompute under
    `save_matmuls` then counts as much as a whole forward (an overestimate).
 4. (rule 2) Hugging Face decoder layers free some of what their forwards left alive before the first backward
-   starts, and derived plans' peaks then come out low (docs/benchmarks.md). The check is marks.py's
+   starts, and derived plans' peaks then come out low (docs/benchmarks.md). The check is profile_step.py's
    `_early_deaths`; where more than `_EARLY` of those bytes died early (profile.py), the choices are run.
 5. (rule 3) Derived backward times of full remat and `save_matmuls` come out low against running each choice
    (docs/benchmarks.md): a recompute runs slower than the forward it repeats, and rerun's hooks cost something
@@ -68,10 +70,10 @@ from dataclasses import dataclass
 from .._core.policies import save_matmuls
 from .._engine.selective import SaveOps
 from .._measure.clock import MODE_PER_OP, priced
-from .marks import Detail, mode_cost
+from .profile_step import Detail, mode_cost
 
 __all__ = [
-    "DERIVABLE", "PARTS", "Kept", "compiled_times", "derive_bytes", "derive_times", "mode_overhead", "output_calls",
+    "DERIVABLE", "PARTS", "KeptRun", "compiled_times", "derive_bytes", "derive_times", "mode_overhead", "output_calls",
     "part_calls",
 ]
 
@@ -136,7 +138,7 @@ def part_calls(share: float, detail: Detail, outputs: frozenset[int] = frozenset
 
 
 @dataclass(frozen=True)
-class Kept:
+class KeptRun:
     """One block's tracked run kept: the numbers a derivation starts from (bytes above S_i: NOTE [ Budget model ]).
 
     Args:
@@ -196,14 +198,14 @@ def _saved(choice: str, detail: Detail, calls: frozenset[int] | None) -> frozens
     )
 
 
-def derive_bytes(choice: str, kept: Kept, calls: frozenset[int] | None = None) -> tuple[int, int, int]:
+def derive_bytes(choice: str, kept: KeptRun, calls: frozenset[int] | None = None) -> tuple[int, int, int]:
     """Held bytes, forward peak and backward peak (above S_i) of a block under `choice`, from its run kept.
 
     `calls`: for a part (`PARTS`), the matmul-class calls it keeps (`part_calls`).
 
     >>> d = Detail()
     >>> d.born, d.matmul, d.calls, d.events = {1: 8, 2: 4}, {1}, {1: 0}, [(1, 8), (2, 4)]  # a matmul, the output
-    >>> kept = Kept(0, 12, 12, 20, 16, 12, frozenset({2}), frozenset({2}), d)
+    >>> kept = KeptRun(0, 12, 12, 20, 16, 12, frozenset({2}), frozenset({2}), d)
     >>> derive_bytes("full", kept), derive_bytes("save_matmuls", kept), derive_bytes("save_matmuls/2", kept, {0})
     ((4, 12, 20), (12, 12, 20), (12, 12, 20))
     """
@@ -244,13 +246,16 @@ def derive_times(
 
 
 # NOTE [ Compiled costs ]
-# Inside one compiled graph (`remat.apply(..., compile=True)`) a choice runs as torch's checkpoint operator with a
-# selective policy, and the compiler fuses the pointwise ops of a block into the kernels around them: what a
-# recompute repeats at a cost is its matmul-class calls; no dispatch mode runs. So there a derived choice's
-# backward is kept's plus the seconds of the matmul-class calls it does not keep (all of them under full remat,
-# none under `save_matmuls`): compiled, `save_matmuls` runs about as fast as kept, which eager costs (with the
-# dispatch mode's price per op) would not say (docs/benchmarks.md). Choices run rather than derived keep their
-# eager times.
+# 1. Inside one compiled graph (`remat.apply(..., compile=True)`) a choice runs as torch's checkpoint operator with a
+#    selective policy, and the compiler fuses a block's pointwise ops into the kernels around them: a recompute
+#    repeats at a cost only its matmul-class calls, and no dispatch mode runs.
+# 2. So there a derived choice's backward is kept's plus the seconds of the matmul-class calls it does not keep (all
+#    of them under full remat, none under `save_matmuls`); its forward is kept's. Choices run rather than derived
+#    keep their eager times.
+#
+# Implementation notes:
+# 1. (rule 2) Compiled, `save_matmuls` runs about as fast as kept, which eager costs (with the dispatch mode's price
+#    per op) would not say (docs/benchmarks.md).
 
 
 def compiled_times(choice: str, forward: float, backward: float, every: float, kept: float) -> tuple[float, float]:
@@ -273,13 +278,15 @@ def compiled_times(choice: str, forward: float, backward: float, every: float, k
 
 
 # NOTE [ Mode cost in place ]
-# `save_matmuls` and the parts run a dispatch mode over every op of the block, in forward and in recompute. Its
-# cost per op is calibrated on a small op with two arguments (`mode_overhead`), but a mode's Python sees every
-# argument of every op, and a Hugging Face layer's ops carry many: there the mode costs several times the
-# calibrated price per op, and the derived recompute of `save_matmuls` came out cheaper than full remat's where
-# the two measured the same (docs/benchmarks.md). So where the profile times a block alone (NOTE [ Timing under
-# the tracker ] in marks.py), it also times that block's forward under the mode, and the cost per op is the
-# larger of the two.
+# 1. `save_matmuls` and the parts run a dispatch mode over every op of the block, in forward and in recompute; their
+#    derived times count its cost per op, calibrated once on a small op with two arguments (`mode_overhead`): a floor.
+# 2. A mode's Python sees every argument of every op, so it costs more per op on ops that carry many (a Hugging Face
+#    layer's). Where the profile times a block alone (NOTE [ Timing under the tracker ] in profile_step.py), it also
+#    times that block's forward under the mode, and the cost per op is the larger of the two.
+#
+# Implementation notes:
+# 1. (rule 2) On the floor alone, the derived recompute of `save_matmuls` came out cheaper than full remat's on
+#    layers where the two measured the same (docs/benchmarks.md).
 
 
 def mode_overhead() -> float:

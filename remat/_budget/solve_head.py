@@ -1,6 +1,5 @@
-"""The chunked head as a choice of a budget's plan (`remat.apply(model, budget=... | memory=...)`).
-
-See NOTE [ The head as a choice ].
+"""Stage 3, solve, with the head: the chunked head as a choice of a budget's plan (`remat.apply(model, budget=... |
+memory=...)`), routed where only that fits (NOTE [ The head as a choice ]).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ __all__ = ["BY_BUDGET", "Fitting", "fit_choosing_head"]
 #    step, not to change what the model returns where it need not.
 #
 # Implementation notes:
-# 1. (rule 1) `_Budget.fit_blocks` records the bytes its budget resolved to on the profile (`resolved`); the
+# 1. (rule 1) `BudgetHook.fit_blocks` records the bytes its budget resolved to on the costs (`resolved`); the
 #    second plan is made for those bytes, with the budget given back afterwards so that a re-plan resolves a
 #    fraction again.
 # 2. (rule 1) A second plan that made no chunk of logits (the sample has no `labels`, so the routed head never
@@ -48,10 +47,14 @@ BY_BUDGET = "the budget"
 
 
 class Fitting(Protocol):
-    """What `fit_choosing_head` needs of a budget's hook (`_Budget` in apply.py; `resolved` and `head` are read
-    with `getattr`, so that a hook pickled before them plans as before)."""
+    """What `fit_choosing_head` needs of a budget's hook (`BudgetHook` in apply.py)."""
 
-    budget: Any
+    budget: int | float  # the budget it plans for, parsed
+    resolved: int | None  # that budget in bytes on the last costs
+
+    @property
+    def head(self) -> bool | None:
+        """apply's `head`."""
 
     def fit_blocks(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment: ...
 
@@ -59,7 +62,7 @@ class Fitting(Protocol):
 def fit_choosing_head(hook: Fitting, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
     """`hook.fit_blocks(model, args, kwargs)`, with the head routed where only that fits (NOTE [ The head as a
     choice ])."""
-    if getattr(hook, "head", None) is not None or not can_route_head(model):
+    if hook.head is not None or not can_route_head(model):
         return hook.fit_blocks(model, args, kwargs)
     chosen = routed_by(model)
     if chosen is not None and chosen != BY_BUDGET:  # routed by an earlier `remat.apply(model, head=True)`: kept
@@ -69,14 +72,14 @@ def fit_choosing_head(hook: Fitting, model: nn.Module, args: tuple[Any, ...], kw
     try:
         return hook.fit_blocks(model, args, kwargs)
     except BudgetError as refused:
-        resolved = getattr(hook, "resolved", None)
+        resolved = hook.resolved
         if resolved is None:
             raise
         given, made = hook.budget, _stats.head_chunks
         route_head(model, chosen_by=BY_BUDGET)
         hook.budget = resolved  # implementation note 1
         try:
-            plan = hook.fit_blocks(model, args, kwargs)
+            assignment = hook.fit_blocks(model, args, kwargs)
         except BudgetError:
             unroute_head(model)
             if _stats.head_chunks == made:
@@ -90,4 +93,4 @@ def fit_choosing_head(hook: Fitting, model: nn.Module, args: tuple[Any, ...], kw
         if _stats.head_chunks == made:  # cannot happen with a plan that fits where the first did not; be safe
             unroute_head(model)
             raise refused from None
-        return plan
+        return assignment

@@ -1,10 +1,10 @@
-"""One training step with marks where each block's forward and backward start and end (NOTE [ Profiling rounds ]
-in profile.py): tracked for bytes, timed, or both (NOTE [ Timing under the tracker ] in marks.py).
+"""The profile's instrument: one training step with marks where each block's forward and backward start and end
+(NOTE [ Profiling rounds ] in profile.py), tracked for bytes, timed, or both (NOTE [ Timing under the tracker ]).
 
 A forward pre-hook and hook on each block and gradient hooks on its first input and first output tensor switch
-the tracker's window; `Recorder` keeps each window's peak and clock, the blocks' inputs described for a run alone
-(`describe`), and for the blocks recorded in detail (run kept, to derive their other choices) what their forward
-allocated and which of it was still alive when backward started.
+the tracker's window (`Windows`); `Marks` keeps each window's peak and clock, the blocks' inputs described for a
+run alone (`describe` in profile_alone.py), and for the blocks recorded in detail (run kept, to derive their other
+choices) what their forward allocated and which of it was still alive when backward started (`Detail`).
 """
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ from .._measure.autocast import cached_cast
 from .._measure.clock import now, priced
 from .._measure.fake import FakeTracker
 from .._measure.track import _storage, synchronize
-from .alone import describe
+from .profile_alone import describe
 
-__all__ = ["Detail", "Recorder", "Step", "Windows", "marked_step", "mode_cost", "per_op_overhead"]
+__all__ = ["Detail", "Marks", "Step", "Windows", "marked_step", "mode_cost", "per_op_overhead"]
 
 
 Step = Callable[[], torch.Tensor]  # runs the forward and returns the scalar loss
 
 
-class Recorder:
-    """The marks of one step: forward/backward start and end of each block (see NOTE [ Profiling rounds ])."""
+class Marks:
+    """The marks of one step: forward/backward start and end of each block (NOTE [ Profiling rounds ] in
+    profile.py), and what each window between two marks measured."""
 
     def __init__(self, n: int, tracker: Windows | None, timing: bool, devices: tuple[torch.device, ...]) -> None:
         self.n = n
@@ -52,10 +53,10 @@ class Recorder:
         self.times: dict[tuple[str, int], float] = defaultdict(float)
         self.clock = now()
         self.grad_events: dict[int, tuple[weakref.ref[torch.Tensor], list[tuple[int, int]]]] = {}
-        self.describe: set[int] = set()  # blocks whose inputs to describe (see alone.py)
+        self.describing: set[int] = set()  # blocks whose inputs to describe (profile_alone.py)
         self.specs: dict[int, tuple[Any, Any]] = {}
-        self.detailed: set[int] = set()  # blocks to record in detail (NOTE [ Deriving choices ] in derive.py)
-        # their forward, and its outputs' storages (weakly: NOTE [ Deriving choices ] in derive.py)
+        self.detailed: set[int] = set()  # blocks to record in detail (NOTE [ Deriving choices ] in costs_derived.py)
+        # their forward, and its outputs' storages (weakly: NOTE [ Deriving choices ] in costs_derived.py)
         self.details: dict[int, tuple[Detail, list[tuple[int, weakref.ref[torch.Tensor]]]]] = {}
         self.at_backward: dict[int, tuple[int, int, frozenset[int]]] = {}  # live, own live, outputs live
         self.early: tuple[int, int] | None = None  # at the first backward: bytes the others held, and lost since
@@ -76,7 +77,7 @@ class Recorder:
             self.peaks[self.owner] = max(self.peaks.get(self.owner, 0), peak - base)
         self.owner = owner
         if self.timing:
-            self.clock = now()  # what the recorder does between windows counts in none
+            self.clock = now()  # the marks' own work between windows counts in none
         return level
 
     def forward_start(self, i: int) -> None:
@@ -112,7 +113,7 @@ class Recorder:
 
     def gradient_made(self, param: torch.Tensor) -> None:
         """A parameter's gradient was accumulated: the first time in this step, a default loop would have made it
-        here (NOTE [ Gradients in the budget ] in gradients.py)."""
+        here (NOTE [ Gradients in the budget ] in costs.py)."""
         if self.tracker is not None and id(param) not in self.made:
             self.made.add(id(param))
             self.tracker.made(param.numel() * param.element_size())
@@ -183,23 +184,23 @@ def _first_grad_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _hooks(blocks: Sequence[nn.Module], recorder: Recorder) -> list[Any]:
+def _hooks(blocks: Sequence[nn.Module], marks: Marks) -> list[Any]:
     handles: list[Any] = []
     for i, block in enumerate(blocks):
 
         def pre(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
-            if i in recorder.describe:
-                recorder.specs[i] = describe(args, kwargs)
-            recorder.forward_start(i)
+            if i in marks.describing:
+                marks.specs[i] = describe(args, kwargs)
+            marks.forward_start(i)
             first = _first_grad_tensor((args, kwargs))
             if first is not None and torch.is_grad_enabled():
-                recorder.on_grad(first, 0, i)
+                marks.on_grad(first, 0, i)
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None, i: int = i) -> None:
-            recorder.forward_end(i, output)
+            marks.forward_end(i, output)
             first = _first_grad_tensor(output)
             if first is not None:
-                recorder.on_grad(first, 1, i)
+                marks.on_grad(first, 1, i)
 
         handles.append(block.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
         handles.append(block.register_forward_hook(post, with_kwargs=True, always_call=True))
@@ -215,7 +216,7 @@ def marked_step(
     describe: Collection[int] = (),
     detailed: Collection[int] = (),
     params: Sequence[torch.Tensor] = (),
-) -> Recorder:
+) -> Marks:
     """One step with window marks: tracked for bytes, timed, or both (NOTE [ Timing under the tracker ]).
 
     The gradients of `params` count in the window where backward makes them (NOTE [ Gradients in the budget ]).
@@ -226,29 +227,27 @@ def marked_step(
             tracker = Windows()
             stack.enter_context(tracker)
             tracker.per_op = per_op_overhead() if timing else 0.0
-        recorder = Recorder(len(blocks), tracker, timing, devices)
-        recorder.describe = set(describe)
-        recorder.detailed = set(detailed)
-        handles = _hooks(blocks, recorder)
+        marks = Marks(len(blocks), tracker, timing, devices)
+        marks.describing = set(describe)
+        marks.detailed = set(detailed)
+        handles = _hooks(blocks, marks)
         if tracker is not None:
-            handles += [p.register_post_accumulate_grad_hook(recorder.gradient_made)  # type: ignore[no-untyped-call]
+            handles += [p.register_post_accumulate_grad_hook(marks.gradient_made)  # type: ignore[no-untyped-call]
                         for p in params]
         try:
             if timing:
                 synchronize(devices)
                 if tracker is not None:
                     tracker.take_overhead()
-                recorder.clock = now()
+                marks.clock = now()
             torch.autograd.backward(step())
-            recorder.finish()
+            marks.finish()
         finally:
             for handle in handles:
                 handle.remove()
-    return recorder
+    return marks
 
 
-# A tracker that also marks windows and keeps its own time: what profile.py runs one step under.
-#
 # NOTE [ Timing under the tracker ]
 # The tracker runs Python for every aten op, which a plain step does not. Rather than run each profiling round
 # twice (once tracked for bytes, once bare for time), the tracked step keeps the clock too, and its times are
@@ -257,7 +256,7 @@ def marked_step(
 # Rules:
 # 1. The tracker's own time is taken out of every window: what its bookkeeping (`_see`, the release callbacks)
 #    measurably took, plus, per op, the cost of entering the mode and calling back into the op, which no clock
-#    inside the mode can see. The recorder's own work between windows is kept out of every window.
+#    inside the mode can see. The marks' own work between windows is kept out of every window.
 # 2. What is left still runs slow on CPU (most in backward, more for blocks under remat: docs/benchmarks.md): the
 #    tracked ops themselves run slower than bare ones, by more than small ops show. So after the rounds, one block
 #    of the largest kind runs alone and untracked once per choice that ran, and scales the tracked times.
@@ -270,13 +269,15 @@ def marked_step(
 # Implementation notes:
 # 1. (rule 1) The per-op constant is calibrated once per process on a few hundred small ops (`per_op_overhead`).
 # 2. (rule 2) profile.py runs the block once in all when only kept ran (the derived choices' times are made of
-#    kept's, NOTE [ Deriving choices ] in derive.py), on fresh inputs shaped like the ones it saw (alone.py), and
-#    scales each choice's forward and backward times, for every kind, by the ratio of that run to the tracked
-#    median (never up, never below half), and the outside time by the ratio over all choices run. For a stack of
-#    identical layers this costs one block's forward and backward (a twelfth of a step for 12 blocks).
+#    kept's, NOTE [ Deriving choices ] in costs_derived.py), on fresh inputs shaped like the ones it saw
+#    (profile_alone.py); costs.py scales each choice's forward and backward times, for every kind, by the ratio of
+#    that run to the tracked median (never up, never below half), and the outside time by the ratio over all
+#    choices run. For a stack of identical layers this costs one block's forward and backward.
+
 
 class Detail:
-    """What one window saw, op by op, for deriving other choices from it (NOTE [ Deriving choices ] in derive.py).
+    """What one window saw, op by op, for deriving other choices from it (NOTE [ Deriving choices ] in
+    costs_derived.py).
 
     Storages are numbered in the order the window allocated them (a storage key, its address, may be reused
     once it is freed).
@@ -337,7 +338,7 @@ class Windows(FakeTracker):
 
     def made(self, nbytes: int) -> None:
         """Count `nbytes` of a gradient a default loop's backward would have made here, to the window's end
-        (NOTE [ Gradients in the budget ] in gradients.py). The peak moves with the next allocation: the gradient
+        (NOTE [ Gradients in the budget ] in costs.py). The peak moves with the next allocation: the gradient
         that was just added in place into a zero one is released right after this is called, and a real step
         keeps that very tensor as the gradient."""
         with self._lock:

@@ -1,19 +1,20 @@
-"""Time one block alone, without the tracker, on inputs shaped like the ones it saw in a profiled step.
+"""Runs of one block alone, on fresh inputs shaped like the ones it saw in a profiled step: its time without the
+tracker (NOTE [ Timing under the tracker ] in profile_step.py), what a dispatch mode costs on its own ops (NOTE
+[ Mode cost in place ] in costs_derived.py), and its bytes in eager and in compiled code (NOTE [ Compiled bytes ] in
+compiled.py).
 
-See NOTE [ Timing under the tracker ] in marks.py for why: the tracked step's clock, with the tracker's own time taken
-out, still runs slow (the tracked ops themselves are slower; most in backward), and one untracked run of a block per
-choice that was run (derived choices take kept's) tells by how much. A block alone also shows what compiling it changes
-in its bytes (`bytes_alone`: NOTE [ Compiled bytes ] in compiled_block.py).
+Rules:
+1. The profiled step keeps no input of a block alive, only its description (`describe`): what the tracker measures
+   after the block is the step's own.
+2. A run alone makes fresh inputs from the description: random values of the same shape, dtype and device for a
+   floating tensor (a block's time and bytes do not depend on the values); any other argument (integer or boolean
+   tensors such as masks and positions, other objects) is held weakly and is the very object while it lives, else
+   zeros of its shape and dtype for a tensor, None for another object.
 
-The block's inputs are not kept from the step (holding them would change what the tracker measures): only
-their description is (`describe`), and `time_alone` makes fresh ones: random values of the same shape, dtype
-and device for floating tensors (a block's time does not depend on the values). Anything else (integer or
-boolean tensors such as masks and positions, and other objects) is held weakly, and is the very object where
-it is still alive when the block runs alone: zeros of its shape and dtype for a tensor that died with the
-step, None for another object. Held strongly, a mask the model makes inside the step, or a Hugging Face cache
-object (which the layers fill with every key and value of the step), stayed alive through the profiled step
-and counted in every byte the tracker measured after it (a sizeable share of a Hugging Face model's peak: see
-docs/benchmarks.md, "Figures behind the design notes").
+Implementation notes:
+1. (rule 1) A mask the model makes inside the step, or a Hugging Face cache object (which the layers fill with every
+   key and value of the step), would otherwise live through the profiled step and count in every byte measured
+   after it (docs/benchmarks.md, "Figures behind the design notes").
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.torch_compat import host_bytes, tree_leaves, tree_map
+from .._core.torch_compat import can_record_host, compiling_allowed, host_bytes, tree_leaves, tree_map
 from .._measure.clock import now
 from .._measure.track import synchronize
 
-__all__ = ["bytes_alone", "describe", "mode_alone", "time_alone"]
+__all__ = ["Shift", "bytes_alone", "compiled_shifts", "describe", "mode_alone", "time_alone"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class _Like:
 
 @dataclass(frozen=True)
 class _Weak:
-    """Any other argument, held weakly; what stands in for it once it is dead (see the module's docstring)."""
+    """Any other argument, held weakly; what stands in for it once it is dead (rule 2)."""
 
     ref: weakref.ref[Any]
     like: _Like | None  # for a tensor: zeros of its shape and dtype; else None
@@ -132,7 +133,7 @@ def mode_alone(
 ) -> float:
     """Seconds that running under `mode()` adds to one forward of `block` on fresh inputs (the least of `tries`
     runs each way, never below zero): what a dispatch mode costs on this block's own ops, whose arguments make
-    it dearer than on the small ops `mode_cost` calibrates with (NOTE [ Mode cost in place ] in derive.py).
+    it dearer than on the small ops `mode_cost` calibrates with (NOTE [ Mode cost in place ] in costs_derived.py).
 
     >>> from remat._engine.selective import SaveOps
     >>> from remat.policies import save_matmuls
@@ -154,3 +155,35 @@ def mode_alone(
 
     bare = min(once(False) for _ in range(tries))
     return max(0.0, min(once(True) for _ in range(tries)) - bare)
+
+
+Shift = tuple[int, int, int]  # bytes compiling adds to a block's held bytes, forward peak and backward peak
+
+
+def compiled_shifts(
+    block: nn.Module, spec: tuple[Any, Any], choices: Sequence[int], assign: Callable[[int], None]
+) -> dict[int, Shift]:
+    """Per choice, what compiling `block` adds to its bytes (NOTE [ Compiled bytes ] in compiled.py); empty where
+    it cannot tell.
+
+    Args:
+        spec: its inputs in the profiled step (`describe`).
+        choices: the choices to measure (each is put on `block` with `assign`; kept is put back after).
+    """
+    if any(p.device.type != "cpu" for p in block.parameters()) or not can_record_host():
+        return {}
+    compiled = torch.compile(block)
+    shifts: dict[int, Shift] = {}
+    try:
+        for c in choices:
+            assign(c)
+            eager = bytes_alone(block, spec)
+            with compiling_allowed():
+                bytes_alone(compiled, spec)  # compiles: what the compiler allocates is not the block's
+                fused = bytes_alone(compiled, spec)
+            if eager is None or fused is None:
+                return {}
+            shifts[c] = (fused[0] - eager[0], fused[1] - eager[1], fused[2] - eager[2])
+    finally:
+        assign(0)
+    return shifts

@@ -1,4 +1,5 @@
-"""A budget for a model compiled as one graph: its backward returns every parameter gradient at once.
+"""The compiled mode's costs (`Compiled` in modes.py): a model compiled as one graph, whose backward returns every
+parameter gradient at once, and whose compiled code allocates less than eager code.
 
 NOTE [ Compiled as one graph ]
 When `torch.compile` turns the whole training step into one forward and one backward graph, the gradients of the
@@ -14,7 +15,7 @@ Rules:
    gradients of every parameter of blocks i+1..n-1 (and of the layers outside the blocks) are alive on top of
    what the eager profile counted, and a plan made on eager costs misses (docs/benchmarks.md).
 2. With `remat.apply(..., compile=True)` the profile is planned with these gradients added, shifted by what
-   compiling saves, priced as compiled code runs, and checked on real compiled steps; where even full remat does
+   compiling saves, priced as compiled code runs, and verified on real compiled steps; where even full remat does
    not fit, `BudgetError` says so.
 3. Block by block compilation (`block.compile()`) needs none of this: each block's backward graph returns only
    its own gradients, as in eager code, so it is planned on eager costs either way (with `compile=True` the plan
@@ -28,13 +29,27 @@ Implementation notes:
    the bytes outside the blocks at k gain those of blocks k..n-1; the gradients of parameters outside the blocks
    are counted as alive throughout (a head's are made first).
 2. (rule 2) The profile itself is an eager one, so it is also shifted by what compiling saves in the bytes of the
-   sample block (NOTE [ Compiled bytes ] in compiled_block.py) and its derived choices are priced as compiled code
-   runs them (NOTE [ Compiled costs ] in derive.py). The plan is checked on real compiled steps (NOTE [ Measuring
+   sample block (NOTE [ Compiled bytes ]) and its derived choices are priced as compiled code runs them (NOTE
+   [ Compiled costs ] in costs_derived.py). The plan is verified on real compiled steps (NOTE [ Measuring
    a compiled step ] in remat/_measure/step_peak.py), the prediction's miss taken both ways (NOTE [ Planned on
-   measured steps ] in check.py). Where this torch cannot measure a compiled step, the check runs in eager code
+   measured steps ] in verify.py). Where this torch cannot measure a compiled step, it is verified on eager code
    and its tracked peak is lifted by what the gradients add to the plan's prediction (`graph_extra`); that
    overstates compiled code, which fuses what eager code allocates.
 3. (rule 4) `warn_one_graph`, through `when_traced`: a warning in traced code would break the graph.
+
+NOTE [ Compiled bytes ]
+1. A plan for one compiled graph is solved on an eager profile, but compiled code allocates less: the compiler
+   fuses a block's pointwise ops, in forward and in recompute, into the kernels around them, so their temporaries
+   never exist, and its backward graph returns the block's parameter gradients together.
+2. So with `compile=True` the profile's sample block (one of the most common kind) runs alone under each choice
+   twice, in eager code and compiled by `torch.compile` (inductor), on fresh inputs shaped like those of the
+   profiled step (`compiled_shifts` in profile_alone.py), and the CPU allocator's records of both (`bytes_alone`)
+   give, per choice, what compiling adds to the bytes it holds after forward, to its forward peak and to its
+   backward peak (negative where it saves). Every block of that kind has its profiled numbers shifted by them,
+   never below zero (`shifted` in costs.py); blocks of other kinds keep theirs.
+3. On an accelerator, or where this torch cannot record allocations, nothing is shifted: the verification on
+   compiled steps (NOTE [ Planned on measured steps ] in verify.py) still holds the plan to the budget, with less
+   room.
 """
 
 from __future__ import annotations
@@ -44,15 +59,15 @@ from collections.abc import Sequence
 from torch import nn
 
 from .._engine.compiled import warn_once
-from .blocks_dp import evaluate_blocks
 from .costs import GradientSteps, ModelCost, with_gradients
+from .solve import evaluate_blocks
 
 __all__ = ["ONE_GRAPH", "gradient_bytes", "graph_extra", "warn_one_graph", "with_graph_gradients"]
 
 ONE_GRAPH = (
     "remat: a model with a budget planned for eager code (`remat.apply(model, budget=...)`) is being compiled as "
     "one graph, whose backward keeps every parameter gradient alive until it returns; the plan does not count "
-    "them and can peak well over its budget (1.59x measured). Plan it with `compile=True` "
+    "them and can peak well over its budget. Plan it with `compile=True` "
     "(`remat.apply(model, budget=..., sample=..., compile=True)`), or compile its blocks one by one "
     "(`block.compile()`), which needs no flag."
 )

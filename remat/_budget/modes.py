@@ -1,0 +1,249 @@
+"""How a budget's plans are made and verified: one class per mode, each with the rules it adds to the stages
+that the driver runs (apply.py: profile, costs, solve, verify).
+
+* `BudgetMode`, `remat.apply(model, budget=..., sample=...)`: profiled on a fake twin where one stands in,
+  gradients counted by position, verified on the model's first training step where the prediction fits.
+* `ShardedMode`, the same after `fully_shard`: profiled on the rank's real step, verified before `apply` returns.
+* `CompiledMode`, `budget=` with `compile=True`: profiled on the real model, one graph's gradients, verified on
+  compiled steps with the prediction's miss taken both ways.
+* `MemoryMode`, `remat.apply(model, memory=...)`: the mode it wraps, verified before `apply` returns from no
+  gradients.
+
+A `Config` holds what every mode is given besides the budget; `mode_for` picks the mode `remat.apply`'s arguments
+ask for, and a mode's `planning(model)` the one a plan of the model runs under now (`ShardedMode` once
+`fully_shard` was applied to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .._core.options import Options, Strategy
+from .._core.policies import PolicyLike, as_policy
+from .._measure.sharded import is_sharded
+from .._measure.step_peak import compiled_peak, measure_step
+from .compiled import gradient_bytes, graph_extra, with_graph_gradients
+from .costs import ModelCost, Profile, with_gradients
+from .profile import Loss, TrainingStep, fake_stands_in
+from .solve import Assignment
+from .verify import Measure, max_over_ranks, verify, verify_both_ways
+
+__all__ = ["SHARDED_LATER", "BudgetMode", "CompiledMode", "Config", "MemoryMode", "ShardedMode", "mode_for"]
+
+Place = Callable[[Assignment], None]  # puts an assignment's choices on the blocks
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a budget's plans are asked for besides the budget: `remat.apply`'s arguments as given (`apply_budget`
+    in apply.py checks them before it plans).
+
+    Attributes:
+        loss: from the model's output to the scalar loss (None: its `.loss`, else the sum of its floating tensors).
+        choices: more policies a block may get besides kept, `save_matmuls` and full remat.
+        replan: plan again when the model is called in training with a new input signature.
+        preserve_rng, strategy, check: the blocks' options besides their policy, as for `remat` (`check` is the
+            recompute check; a plan's own check on a real step is its verification: verify.py).
+        head: apply's `head` (NOTE [ The head as a choice ] in solve_head.py).
+        compile: plan for the model compiled as one graph (`CompiledMode`).
+        first_step: where the prediction fits, leave the verification to the model's first training step (NOTE
+            [ The first step ] in first_step.py); False verifies every plan on the sample before it is kept, as
+            `remat.estimate` does, whose model trains no step.
+    """
+
+    loss: Loss | None = None
+    choices: Sequence[PolicyLike] | None = None
+    replan: bool = True
+    preserve_rng: bool = True
+    strategy: Strategy = "rerun"
+    check: bool = True
+    head: bool | None = None
+    compile: bool = False
+    first_step: bool = True
+
+    def __post_init__(self) -> None:
+        if self.loss is not None and not callable(self.loss):
+            raise TypeError(f"remat: `loss` must be a callable from the output to a scalar, but got {self.loss!r}.")
+        for flag in ("replan", "compile"):
+            given = getattr(self, flag)
+            if not isinstance(given, bool):
+                raise TypeError(f"remat: `{flag}` must be a bool, but got `{type(given).__name__}`.")
+        Options(**self.options)  # validates the blocks' options before any hook is placed
+        for extra in self.choices or ():
+            as_policy(extra)  # a TypeError for anything else
+            if self.strategy != "rerun":
+                raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The blocks' options besides their policy (`remat._core.options.Options`)."""
+        return {"preserve_rng": self.preserve_rng, "strategy": self.strategy, "check": self.check}
+
+
+def mode_for(config: Config) -> BudgetMode:
+    """The mode `config` asks for: `CompiledMode` with `compile`, else `BudgetMode`."""
+    return CompiledMode(config) if config.compile else BudgetMode(config)
+
+
+class BudgetMode:
+    """`remat.apply(model, budget=..., sample=...)` on eager steps: the default mode.
+
+    1. A block may be kept, under `save_matmuls` (rerun), fully rematerialized, under a policy of `choices=`, and
+       under rerun keep some of its matmuls (the parts: NOTE [ Some matmuls ] in costs_derived.py).
+    2. It is profiled on a fake twin of the model where one stands in (NOTE [ Planning on fake tensors ] in
+       profile.py).
+    3. Gradients count where a default loop's backward makes them (NOTE [ Gradients in the budget ] in costs.py).
+    4. An assignment whose prediction fits is verified on the model's first training step (NOTE [ The first step ]
+       in first_step.py), unless `Config.first_step` is False; one that does not fit, on the sample before
+       `remat.apply` returns (NOTE [ Verifying the plan ] in verify.py).
+    """
+
+    compiled = False  # whether its steps run as one compiled graph
+    offers_parts = True  # whether a block may keep some of its matmuls (rule 1)
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def planning(self, model: nn.Module) -> BudgetMode:
+        """The mode a plan of `model` runs under now: `ShardedMode` once `fully_shard` was applied to it."""
+        return ShardedMode(self.config) if is_sharded(model) else self
+
+    def profiles_on_fake(self, model: nn.Module) -> bool:
+        """Whether the profile runs on a fake twin of `model` (rule 2)."""
+        return fake_stands_in(model, self.config.strategy)
+
+    def with_gradients(self, model: nn.Module, blocks: Sequence[nn.Module], measured: ModelCost,
+                       profile: Profile) -> ModelCost:
+        """The costs with the gradients that its steps hold added (rule 3)."""
+        return with_gradients(measured, profile.gradients)
+
+    def verifies_later(self) -> bool:
+        """Whether an assignment whose prediction fits is left to the model's first training step (rule 4)."""
+        return self.config.first_step
+
+    def measure(self, model: nn.Module, step: TrainingStep, measured: ModelCost, cost: ModelCost,
+                assignment: Assignment) -> int:
+        """The tracked peak of one real step with `assignment` on the blocks, from no gradients as after
+        `zero_grad()`: the largest over the ranks (NOTE [ The same plan on every rank ] in verify.py)."""
+        return max_over_ranks(measure_step(model, step))
+
+    def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
+        """Verify `assignment` on real steps before it is kept (NOTE [ Verifying the plan ])."""
+        return verify(assignment, measure, place)
+
+
+class ShardedMode(BudgetMode):
+    """A plan of a model that `fully_shard` was applied to (NOTE [ Budgets and FSDP2 ]): as `BudgetMode`, but profiled
+    on the rank's real step (its collectives need real tensors: NOTE [ Planning on fake tensors ] in profile.py)
+    and verified on the sample before `remat.apply` returns, since its first step cannot stand in."""
+
+    def planning(self, model: nn.Module) -> BudgetMode:
+        return self if is_sharded(model) else BudgetMode(self.config)
+
+    def verifies_later(self) -> bool:
+        return False
+
+
+# NOTE [ Budgets and FSDP2 ]
+# 1. A budget bounds what forward and backward allocate on top of what lives before the step. A plan made on the
+#    model `fully_shard` was applied to (`ShardedMode`) is made on the rank's own step, and holds per rank.
+# 2. A plan made before `fully_shard` is kept when the model is sharded later, and the first forward after sharding
+#    warns once (`SHARDED_LATER`), asking for `remat.apply(model, budget=...)` after `fully_shard`.
+# 3. DDP needs nothing: its buckets exist before the step and its gradients are the plain step's (or views into
+#    the buckets).
+#
+# Implementation notes:
+# 1. (rule 2) Planned on an unsharded model, a step allocates the activations and the whole gradients; sharded, one
+#    rank's step allocates gradients at their shard's size, but each block's parameters all-gathered for its
+#    forward and again for its backward, the root's kept unsharded throughout, and each block's whole gradients
+#    until they are reduce-scattered. Neither the sign nor the size of the difference follows from the unsharded
+#    step (tests/budget/test_sharded_budget.py; docs/benchmarks.md), and planning again inside the sharded root's
+#    forward would nest a step in FSDP's own: so the plan is kept and the user is told.
+SHARDED_LATER = (
+    "remat: the budget of `{model}` was planned by remat.apply(model, budget=...) before `fully_shard`, on the "
+    "unsharded step; one rank's sharded step allocates differently (parameters all-gathered per block, gradients "
+    "sharded), so the budget does not hold per rank. Call remat.apply(model, budget=..., sample=...) after "
+    "`fully_shard` (on every rank) to plan on this rank's step."
+)
+
+
+class CompiledMode(BudgetMode):
+    """`remat.apply(model, budget=..., compile=True)`: a plan for the model compiled as one graph (NOTE [ Compiled as
+    one graph ] in compiled.py).
+
+    1. No part is offered: a policy that keeps some calls works in eager code only (NOTE [ Some calls ] in
+       remat/_core/policies.py).
+    2. It is profiled on the real model, in eager code; its derived choices are priced as compiled code runs them
+       (NOTE [ Compiled costs ] in costs_derived.py), and the sample block's bytes are shifted by what compiling
+       saves (NOTE [ Compiled bytes ] in compiled.py).
+    3. Every parameter's gradient is alive until the one backward graph returns.
+    4. It is verified before `remat.apply` returns, on real compiled steps, the prediction's miss taken both ways
+       (NOTE [ Planned on measured steps ] in verify.py).
+    """
+
+    compiled = True
+    offers_parts = False
+
+    def planning(self, model: nn.Module) -> BudgetMode:
+        return self
+
+    def profiles_on_fake(self, model: nn.Module) -> bool:
+        return False  # its costs are shifted by real compiled runs: NOTE [ Planning on fake tensors ], rule 3
+
+    def with_gradients(self, model: nn.Module, blocks: Sequence[nn.Module], measured: ModelCost,
+                       profile: Profile) -> ModelCost:
+        return with_graph_gradients(measured, *gradient_bytes(model, blocks))
+
+    def verifies_later(self) -> bool:
+        return False
+
+    def measure(self, model: nn.Module, step: TrainingStep, measured: ModelCost, cost: ModelCost,
+                assignment: Assignment) -> int:
+        """The peak of a real compiled step (NOTE [ Measuring a compiled step ] in remat/_measure/step_peak.py);
+        where this torch cannot measure one, an eager step lifted by what one graph's gradients add to the
+        prediction (NOTE [ Compiled as one graph ], implementation note 2)."""
+        peak = compiled_peak(model, step)
+        if peak is not None:
+            return max_over_ranks(peak)
+        eager = max_over_ranks(measure_step(model, step, grads=False))
+        return eager + graph_extra(measured, cost, assignment.choice)
+
+    def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
+        return verify_both_ways(assignment, measure, place)
+
+
+class MemoryMode(BudgetMode):
+    """The plans of `remat.apply(model, memory=...)` for what a step's state leaves (NOTE [ Total memory ] in
+    memory.py): those of the mode it wraps (`BudgetMode` or `CompiledMode`), except that
+
+    1. every one is verified on the sample before `remat.apply` returns: going over is an out-of-memory error, not
+       a missed promise;
+    2. on eager steps from no gradients, compiled or not: the gradients take from the same memory, and eager code
+       keeps each one to the step's end, as a one-graph backward does.
+    """
+
+    def __init__(self, inner: BudgetMode) -> None:
+        super().__init__(inner.config)
+        self.inner = inner
+        self.compiled = inner.compiled
+        self.offers_parts = inner.offers_parts
+
+    def planning(self, model: nn.Module) -> BudgetMode:
+        return self
+
+    def profiles_on_fake(self, model: nn.Module) -> bool:
+        return self.inner.profiles_on_fake(model)
+
+    def with_gradients(self, model: nn.Module, blocks: Sequence[nn.Module], measured: ModelCost,
+                       profile: Profile) -> ModelCost:
+        return self.inner.with_gradients(model, blocks, measured, profile)
+
+    def verifies_later(self) -> bool:
+        return False
+
+    def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
+        return self.inner.verify(assignment, measure, place)
