@@ -50,7 +50,7 @@ from .compiled import warn_one_graph
 from .costs import ModelCost, Profile, measured_costs
 from .costs_derived import DERIVABLE, PARTS
 from .first_step import WINDOW, FirstStep, can_track, tidy
-from .modes import SHARDED_LATER, BudgetMode, Config, ShardedMode
+from .modes import SHARDED_LATER, BudgetMode, Config
 from .profile import TrainingStep, profile
 from .solve import Assignment, least_assignment, resolve_budget, solve_budget
 from .solve_head import fit_choosing_head
@@ -202,7 +202,7 @@ class BudgetHook:
         self.assignment = assignment
         self.autocast, self.devices = step.autocast, step.devices
         self.signature = signature(args, kwargs)
-        self.sharded = isinstance(mode, ShardedMode)
+        self.sharded = _sharded.is_sharded(model)  # NOTE [ Budgets and FSDP2 ], rule 2
         return assignment
 
     def _profile(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, mode: BudgetMode) -> Profile:
