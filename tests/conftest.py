@@ -22,6 +22,7 @@ import pydevice
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat._engine import stats as _stats
@@ -403,6 +404,19 @@ def assert_same_on_device(
     for name, want, have in zip(names, base.states, ours.states, strict=True):
         assert torch.equal(have, want), f"the {name} generator after backward differs from a run without remat"
     return base, ours
+
+
+class CountOps(TorchDispatchMode):
+    """Inside the block, `count` is the number of aten calls that `which(func)` picks."""
+
+    def __init__(self, which: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.which = which
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += bool(self.which(func))
+        return func(*args, **(kwargs or {}))
 
 
 def budget_hook(names: tuple[str, ...], policies: tuple[Any, ...], labels: tuple[str, ...]) -> Any:

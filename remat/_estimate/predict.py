@@ -252,6 +252,11 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 args = fake_sample(given, run)
                 inputs = tensors_of(args)
                 base = kept + storage_bytes(inputs, device) + constants
+                given_state = {  # the state's exact bytes, in every row
+                    "config": configured.config, "label": configured.label, "constant_bytes": constants,
+                    "params_bytes": storage_bytes(params), "buffers_bytes": storage_bytes(buffers),
+                    "input_bytes": storage_bytes(inputs), "optimizer_bytes": storage_bytes(state),
+                }
                 try:
                     with configured.apply(args):
                         grads, held, output, peak, tracker = _step(
@@ -259,14 +264,8 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                         )
                 except BudgetError as error:  # a budget below what remat meets: a row that says so
                     return ConfigEstimate(
-                        config=configured.config,
-                        label=configured.label,
-                        constant_bytes=constants,
-                        params_bytes=storage_bytes(params),
-                        buffers_bytes=storage_bytes(buffers),
-                        input_bytes=storage_bytes(inputs),
+                        **given_state,
                         grads_bytes=storage_bytes([p for p in params if p.requires_grad]),
-                        optimizer_bytes=storage_bytes(state),
                         activation_bytes=0,
                         peak_bytes=0,
                         refused=str(error),
@@ -274,14 +273,8 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                     )
                 phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
                 return ConfigEstimate(
-                    config=configured.config,
-                    label=configured.label,
-                    constant_bytes=constants,
-                    params_bytes=storage_bytes(params),
-                    buffers_bytes=storage_bytes(buffers),
-                    input_bytes=storage_bytes(inputs),
+                    **given_state,
                     grads_bytes=grads,
-                    optimizer_bytes=storage_bytes(state),
                     activation_bytes=held,
                     output_bytes=output,
                     peak_bytes=base + peak,

@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_grads, budget_hook, randn, recomputes
+from conftest import CountOps, assert_same_grads, budget_hook, randn, recomputes
 from test_budget import _peak
 from test_budget_derive import MODELS
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat._budget.apply import BudgetHook
@@ -37,18 +36,6 @@ def _profile(model: nn.Module, x: torch.Tensor, hook: BudgetHook, derived: tuple
     step = lambda: model(x).sum()  # noqa: E731
     found = profile_blocks(model, hook.names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), [], derived)
     return measured_costs(found)
-
-
-class _Matmuls(TorchDispatchMode):
-    """Counts matmul-class calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls += matmuls(func)
-        return func(*args, **(kwargs or {}))
 
 
 def _held(block: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -135,9 +122,9 @@ def test_parts_give_the_gradients_of_no_remat_and_recompute_fewer_matmuls(name: 
         for i, k in enumerate(chosen):
             hook.assign(model, i, k)
         loss = model(x).sum()
-        with _Matmuls() as counter:
+        with CountOps(matmuls) as counter:
             loss.backward()
-        return counter.calls
+        return counter.count
 
     full = backward_matmuls([2] * len(choice))
     assert backward_matmuls(choice) == full - kept_calls  # the kept calls were not run again
@@ -167,9 +154,9 @@ def test_a_policy_keeps_only_its_calls() -> None:
     counts = []
     for chosen in (Policy(ops=(matmuls,), calls=frozenset({1})), remat.policies.save_matmuls, None):
         out = remat.remat(f, policy=chosen)(x).sum()
-        with _Matmuls() as counter:
+        with CountOps(matmuls) as counter:
             out.backward()
-        counts.append(counter.calls)
+        counts.append(counter.count)
     # recompute ran some of the calls: fewer than full remat, more than save_matmuls (which ran none)
     assert counts[1] < counts[0] < counts[2], counts
 

@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_grads, randn, recomputes
+from conftest import CountOps, assert_same_grads, randn, recomputes
 from models import MLP, TransformerBlock
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import policies
@@ -31,17 +30,6 @@ class TaggedMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = remat.tag(torch.tanh(self.fc2(torch.relu(self.fc1(x)))), "hidden")
         return self.fc3(hidden)
-
-
-class _CountMatmuls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if policies.Policy(ops=[remat._core.policies.matmuls]).saves_op(func):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _site(strategy: str, policy: Any) -> Callable[[nn.Module], Callable[..., Any]]:
@@ -84,7 +72,7 @@ def _backward_matmuls(policy: Any, strategy: str = "rerun") -> int:
     model = MLP().double()
     step = _site(strategy, policy)(model) if policy is not None else model
     loss = step(randn(4, 8, requires_grad=True)).sum()
-    with _CountMatmuls() as counter:
+    with CountOps(policies.Policy(ops=[remat._core.policies.matmuls]).saves_op) as counter:
         loss.backward()
     return counter.count
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_grads, assert_same_on_device, randn, recomputes
+from conftest import CountOps, assert_same_grads, assert_same_on_device, randn, recomputes
 from seeded import OP, keeps_noisy, noisy_scale
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -156,7 +156,7 @@ def test_the_drop_in_with_torch_selective_contexts_keeps_the_random_op_and_draws
     assert_same_grads(Noisy, (randn(4, 8, requires_grad=True),), _checkpoint(None, "rerun"))
     module, x = Noisy().double(), randn(4, 8, requires_grad=True)
     out = _checkpoint(None, "rerun")(module)(x)
-    with _CountOp() as counter:
+    with CountOps(lambda func: func is OP) as counter:
         out.sum().backward()
     assert counter.count == 0, "the random op the policy keeps ran again in recompute"
 
@@ -263,16 +263,6 @@ def test_a_generator_outside_the_stash_is_put_back_after_recompute() -> None:
     out.sum().backward()
     assert recomputes() > before
     assert torch.equal(generator.get_state(), after_forward)
-
-
-class _CountOp(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func is OP
-        return func(*args, **(kwargs or {}))
 
 
 # -- on the device written in Python: per-index generators ----------------------------------------------------------

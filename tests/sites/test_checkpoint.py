@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_grads, randn
+from conftest import CountOps, assert_same_grads, randn
 from models import MLP, ConvBN, TransformerBlock
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
@@ -82,32 +81,31 @@ def test_context_fn_with_two_null_contexts() -> None:
     assert entered == ["forward", "recompute"]
 
 
-class CountMatmuls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A torch selective-checkpoint policy: matmuls kept, the rest recomputed."""
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += func is torch.ops.aten.mm.default
-        return func(*args, **(kwargs or {}))
+
+_SELECTIVE_MATMULS = partial(create_selective_checkpoint_contexts, _save_matmuls)
+
+
+def _matmul_sin_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w).sin() @ w
+
+
+def _two_matrices() -> tuple[torch.Tensor, torch.Tensor]:
+    return randn(4, 4, requires_grad=True), randn(4, 4, requires_grad=True, seed=1)
 
 
 def test_context_fn_with_torch_selective_checkpoint_contexts() -> None:
-    def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
-
-    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (x @ w).sin() @ w
-
-    inputs = (randn(4, 4, requires_grad=True), randn(4, 4, requires_grad=True, seed=1))
-    selective = partial(create_selective_checkpoint_contexts, save_matmuls)
+    fn, inputs, selective = _matmul_sin_matmul, _two_matrices(), _SELECTIVE_MATMULS
     assert_same_grads(lambda: fn, inputs, checkpointed(context_fn=selective, use_reentrant=False))
 
     counts = []
     for context_fn in (selective, None):
         x, w = (t.detach().clone().requires_grad_() for t in inputs)
         y = remat.checkpoint(fn, x, w, context_fn=context_fn, use_reentrant=False)
-        with CountMatmuls() as counter:
+        with CountOps(lambda func: func is torch.ops.aten.mm.default) as counter:
             y.sum().backward()
         counts.append(counter.count)
     assert counts[0] < counts[1], "the saved matmul must not run again in recompute"
@@ -134,7 +132,7 @@ def test_torch_selective_policy_is_asked_once_per_call_in_forward_only() -> None
     y = remat.checkpoint(fn, *inputs, context_fn=selective, use_reentrant=False)
     in_forward = len(asked)
     assert in_forward > 0 and not any(recompute for _, recompute, _ in asked)
-    with CountMatmuls() as counter:
+    with CountOps(lambda func: func is torch.ops.aten.mm.default) as counter:
         y.sum().backward()
     assert len(asked) == in_forward, "the policy was asked again in recompute"
     assert counter.count == 1 + 6, "recompute ran the one matmul the policy did not keep (and backward its six)"
@@ -345,15 +343,7 @@ def test_decorator_form_of_torch_2_14() -> None:
 def test_respect_saved_tensors_hooks_none_and_false_are_remat_s_behaviour(respect: bool | None) -> None:
     """torch 2.14's keyword: what a selective policy keeps stays with remat, and nothing warns (the suite's
     filterwarnings turns a warning into an error), around saved-tensor hooks of the user's too."""
-
-    def save_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
-
-    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (x @ w).sin() @ w
-
-    inputs = (randn(4, 4, requires_grad=True), randn(4, 4, requires_grad=True, seed=1))
-    selective = partial(create_selective_checkpoint_contexts, save_mm)
+    fn, inputs, selective = _matmul_sin_matmul, _two_matrices(), _SELECTIVE_MATMULS
 
     def variant(target: Any) -> Any:
         def call(*args: Any) -> Any:
