@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import sys
 import threading
 import weakref
@@ -467,16 +468,17 @@ def fake_store() -> Any:
 # torch-compat: `torch.utils.checkpoint._CachingTorchDispatchMode` (the forward context that
 # `create_selective_checkpoint_contexts` makes; its `policy_fn`, 2.4) and `SAC_IGNORED_OPS` (2.5; before it the
 # `detach` that checkpointing itself inserts). `SelectiveCheckpointContext` takes `op_output=` since 2.12 or so:
-# `_sac_context` tries it first. Without the mode class, remat's drop-in enters a user's selective contexts as
-# given: torch's modes keep what the policy keeps, under remat's hooks (torch 2.14 warns there, and a random op they
-# keep shifts the random stream of recompute: NOTE [ Random ops ] in _engine/rng.py).
-def _sac_context(out: Any) -> Any:
+# `_sac_context` asks its signature once. Without the mode class, remat's drop-in enters a user's selective
+# contexts as given: torch's modes keep what the policy keeps, under remat's hooks (torch 2.14 warns there, and a
+# random op they keep shifts the random stream of recompute: NOTE [ Random ops ] in _engine/rng.py).
+@functools.cache
+def _sac_context() -> Callable[[Any], Any]:
+    """Makes the context a policy function is called with in forward, from the op's output (where torch takes it)."""
     from torch.utils.checkpoint import SelectiveCheckpointContext
 
-    try:
-        return SelectiveCheckpointContext(is_recompute=False, op_output=out)
-    except TypeError:  # a torch whose context has no `op_output`
-        return SelectiveCheckpointContext(is_recompute=False)
+    if "op_output" in inspect.signature(SelectiveCheckpointContext).parameters:
+        return lambda out: SelectiveCheckpointContext(is_recompute=False, op_output=out)
+    return lambda out: SelectiveCheckpointContext(is_recompute=False)
 
 
 def selective_policy(
@@ -504,8 +506,10 @@ def selective_policy(
     def counts(op: Any) -> bool:
         return op not in ignored
 
+    context = _sac_context()
+
     def keeps(op: Any, args: Any, kwargs: Any, out: Any) -> bool:
-        return policy_fn(_sac_context(out), op, *args, **(kwargs or {})) in kept
+        return policy_fn(context(out), op, *args, **(kwargs or {})) in kept
 
     return counts, keeps
 
