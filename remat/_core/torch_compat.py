@@ -72,6 +72,7 @@ __all__ = [
     "push_saved_hooks",
     "selective_policy",
     "set_grad_enabled",
+    "shared_detach",
     "storage_id",
     "top_saved_hooks",
     "when_traced",
@@ -169,6 +170,23 @@ def _storage_cdata(tensor: torch.Tensor) -> int:
 # torch-compat: `_storage_id`, not relied on at 2.4. Without it the identity of a storage is read from
 # `untyped_storage()._cdata` (the same storage pointer, through a Python storage object: slower per call).
 storage_id: Callable[[torch.Tensor], int] = getattr(_C, "_storage_id", _storage_cdata)
+
+# -- version counters -----------------------------------------------------------------------------------------
+# Present in 2.4: `_SetExcludeDispatchKeyGuard` and `DispatchKey.ADInplaceOrView` (torch.utils.checkpoint's selective
+# checkpointing detaches what it caches under them since 2.4, for the same reason).
+_exclude_keys: Any = _C._SetExcludeDispatchKeyGuard
+_in_place_or_view: Any = _C.DispatchKey.ADInplaceOrView
+
+
+def shared_detach(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor.detach()` sharing `tensor`'s version counter, also inside a dispatch mode's handler.
+
+    There a plain `detach` runs below autograd's view tracking (the ADInplaceOrView key is excluded) and gets a version
+    counter of its own, blind to every later in-place change of `tensor`; this one sees them (NOTE [ A kept output
+    changed in place ] in _engine/selective.py).
+    """
+    with _exclude_keys(_in_place_or_view, False):
+        return tensor.detach()
 
 # -- dispatch and function modes ------------------------------------------------------------------------------
 # Present in 2.4: the length of the dispatch-mode stack (`torch.utils._python_dispatch` reads it since 2.0).

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._core.policies import Policy
+from .._core.torch_compat import shared_detach
 from .debug import describe
 from .guard import storage_key, written_arguments
 from .modes import Mode
@@ -149,8 +150,12 @@ class Recorder(Mode):
     ) -> None:
         super().__init__()
         self.policy = policy
-        # Outputs of the ops the policy keeps, detached, with their version (see NOTE [ Policies on the tape ]).
+        # Outputs of the ops the policy keeps, detached, with their version (see NOTE [ Policies on the tape ]; the
+        # detached tensor shares the output's version counter: NOTE [ A kept output changed in place ] in
+        # selective.py).
         self.kept: dict[int, tuple[torch.Tensor, int]] = {}
+        # the kept ops that drew random numbers while `preserve_rng` is off: replay cannot run them again as they ran
+        self.unrepeatable: set[int] = set()
         self.refs: dict[int, Marker] = {}
         self.ops: list[Entry] = []
         self.slots = 0
@@ -256,9 +261,12 @@ class Recorder(Mode):
         if self.policy is not None and count != 0 and self.policy.saves_op(func):
             for index, item in enumerate((out,) if count < 0 else out):
                 if isinstance(item, _Tensor):
-                    self.kept[first + index] = (item.detach(), item._version)
-            if info.seeded and self.preserve_rng and draws(func, args, kwargs):
-                self.draws[len(self.ops) - 1] = Draw.after(args, kwargs)
+                    self.kept[first + index] = (shared_detach(item), item._version)
+            if info.seeded and draws(func, args, kwargs):
+                if self.preserve_rng:
+                    self.draws[len(self.ops) - 1] = Draw.after(args, kwargs)
+                else:
+                    self.unrepeatable.add(len(self.ops) - 1)
         return out
 
     # -- the slow paths ------------------------------------------------------------------------------------

@@ -115,7 +115,9 @@ class RegionFrame(Frame):
                 ):
                     if recorder.kept:
                         kept_slot = slot if base is None else refs[id(base)][1]
-                        if kept_slot in recorder.kept:
+                        output = recorder.kept.get(kept_slot)
+                        # not one changed since it was kept: NOTE [ A kept output changed in place ] in selective.py
+                        if output is not None and output[0]._version == output[1]:
                             return self._keep_claimed(recorder, tensor, kept_slot)
                     return self._capture(recorder, tensor, slot)
             elif self.outer is None:

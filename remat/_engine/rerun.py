@@ -27,7 +27,7 @@ from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .offload import Offload, for_kept, no_offload_inside
 from .rng import Draw, RngStash, devices_of
-from .selective import ReuseOps, SaveOps
+from .selective import KeptOutput, ReuseOps, SaveOps, keep_output
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
@@ -110,11 +110,14 @@ class RerunFrame(Frame):
     module: nn.Module | None  # the module whose forward runs, for its buffers: NOTE [ Writes during recompute ]
     policy: Policy | None
     saver: SaveOps | None  # forward's notes of the policy's ops (NOTE [ What a policy keeps ])
-    kept: list[Any]  # per call of a policy op, its kept outputs (None once dropped); after forward
+    kept: list[KeptOutput | None]  # per call of a policy op, its kept outputs (None once dropped); after forward
     claimed: set[int]  # the calls in `kept` whose outputs autograd saves
     draws: dict[int, Draw]  # the calls in `kept` that drew random numbers: their generator's state after them
-    kept_ids: dict[int, weakref.ref[torch.Tensor]]  # tensors kept through `remat.tag`, by id
-    kept_tags: list[Any]  # tensors kept through `remat.tag`, detached (or offloaded), in order
+    # tensors kept through `remat.tag`, by id: the tensor (weakly) and what keeps it
+    kept_ids: dict[int, tuple[weakref.ref[torch.Tensor], KeptOutput]]
+    # tensors kept through `remat.tag`, detached (or offloaded), in order (None once dropped: NOTE [ A kept output
+    # changed in place ] in selective.py)
+    kept_tags: list[KeptOutput | None]
     offload: Offload | None  # where what the policy keeps goes: NOTE [ Offloaded sites ] in offload.py
     attrs: Attributes | None  # the module's Python attributes before recompute: NOTE [ Mismatch hints ]
 
@@ -142,17 +145,20 @@ class RerunFrame(Frame):
         return self.handle(tensor)
 
     def _kept_by_policy(self, tensor: torch.Tensor) -> bool:
-        ref = self.kept_ids.get(id(tensor))
-        if ref is not None and ref() is tensor:
-            return True
+        found = self.kept_ids.get(id(tensor))
+        if found is not None and found[0]() is tensor:
+            # changed since it was tagged: rebuilt (NOTE [ A kept output changed in place ] in selective.py)
+            return not found[1].moved()
         return self.saver is not None and self.saver.claim(tensor)
 
     def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Forward's `remat.tag`: keep `tensor` when the policy saves `name`."""
         if self.policy is not None and self.policy.saves_name(name):
-            # detached: no cycle through forward's graph; offloaded at once, as the tensor autograd saves
-            self.kept_tags.append(tensor.detach() if self.offload is None else self.offload.pack(tensor))
-            self.kept_ids[id(tensor)] = weakref.ref(tensor)
+            # detached: no cycle through forward's graph; offloaded at once, as the tensor autograd saves; with its
+            # version (NOTE [ A kept output changed in place ] in selective.py)
+            kept = keep_output(tensor, None if self.offload is None else self.offload.pack)
+            self.kept_tags.append(kept)
+            self.kept_ids[id(tensor)] = (weakref.ref(tensor), kept)
         return tensor
 
     def _inputs(self) -> tuple[Any, Any]:
@@ -378,6 +384,12 @@ def end(frame: RerunFrame, *, ok: bool = True) -> None:
     if frame.saver is not None:
         frame.kept, frame.claimed, frame.draws = frame.saver.finish()
         frame.saver = None
+    if frame.policy is not None and frame.kept_tags:
+        # a tagged tensor changed since: nothing to hand back (NOTE [ A kept output changed in place ] in selective.py)
+        tags = frame.kept_tags
+        for index, kept in enumerate(tags):
+            if kept is not None and kept.moved():
+                tags[index] = None
 
 
 def call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any) -> Any:
@@ -409,20 +421,23 @@ def recompute_contexts(self: RerunFrame) -> ExitStack:
     if self.policy is not None:
         unpack = None if self.offload is None else self.offload.unpack_one
         if self.kept:
-            stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed, unpack, self.draws))
+            stack.enter_context(ReuseOps(self.policy, self.kept, self.claimed, unpack, self.draws, self.site))
         if self.inner and self.policy.names:
             # The function runs backward through what it tagged: a kept tensor put in its place would cut
             # that graph, so recompute rebuilds it (and forward's sink, if forward still runs, is not fed).
             stack.enter_context(tag_sink(_as_is))
         elif self.kept_tags:
-            kept_tags = iter(self.kept_tags if unpack is None else map(unpack, self.kept_tags))
+            kept_tags = iter(self.kept_tags)
             policy = self.policy
 
             def hand_back(tensor: torch.Tensor, name: str) -> torch.Tensor:
                 if not policy.saves_name(name):
                     return tensor
-                kept: torch.Tensor = next(kept_tags)
-                return kept.detach().requires_grad_(tensor.requires_grad)
+                kept = next(kept_tags, None)
+                if kept is None or kept.moved():  # changed in place since it was tagged: what recompute rebuilt
+                    return tensor
+                value: torch.Tensor = kept.value if unpack is None else unpack(kept.value)
+                return value.detach().requires_grad_(tensor.requires_grad)
 
             stack.enter_context(tag_sink(hand_back))
     if self.trace is not None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from .._core.torch_compat import FakeTensor, current_accelerator, torch_function_mode_on
 
-__all__ = ["Draw", "Draws", "RngStash", "devices_of", "draws", "with_index"]
+__all__ = ["Draw", "Draws", "RngStash", "devices_of", "draws", "own_generator", "with_index"]
 
 # NOTE [ Which generators a region draws on ]
 # Rerun calls the function again in backward, so every generator forward drew from must be set back to the state
@@ -321,7 +321,9 @@ def _write(source: torch.Generator | torch.device, state: Any) -> None:
 
 
 class Draw:
-    """The state of the generator a random op drew from, read right after the op ran (NOTE [ Random ops ]).
+    """The state of the generator a random op drew from, read right after the op ran (NOTE [ Random ops ]); for an op
+    given its own `generator=`, which no stash covers, also the state right before it (`before`), so that recompute
+    can run the op again drawing what it drew (NOTE [ A kept output changed in place ] in selective.py).
 
     >>> x = torch.ones(1000)
     >>> start = torch.get_rng_state()
@@ -335,23 +337,46 @@ class Draw:
     True
     """
 
-    __slots__ = ("source", "state")
+    __slots__ = ("before", "source", "state")
 
-    def __init__(self, source: torch.Generator | torch.device, state: Any) -> None:
+    def __init__(self, source: torch.Generator | torch.device, state: Any, before: Any = None) -> None:
         self.source = source
         self.state = state
+        self.before = before
 
     @classmethod
-    def after(cls, args: Sequence[Any], kwargs: dict[str, Any] | None) -> Draw:
-        """Read the state of the generator an op with these arguments drew from (rule 2), now."""
+    def after(cls, args: Sequence[Any], kwargs: dict[str, Any] | None, before: Any = None) -> Draw:
+        """Read the state of the generator an op with these arguments drew from (rule 2), now; `before`: its state
+        read before the op ran, if any (`own_generator`)."""
         source = _source(args, kwargs)
-        return cls(source, _read(source))
+        return cls(source, _read(source), before)
 
     def set(self, forked: Draws | None) -> None:
         """Set the generator to this state, in place of running the op; `forked` remembers what it had first."""
         if forked is not None:
             forked.fork(self.source)
         _write(self.source, self.state)
+
+    def rewind(self, forked: Draws | None) -> None:
+        """Before the op runs again: set its own generator to the state it had before the op in forward (nothing for
+        a default generator, which recompute's stash and the draws before it already put there)."""
+        if self.before is not None:
+            if forked is not None:
+                forked.fork(self.source)
+            _write(self.source, self.before)
+
+
+def own_generator(kwargs: dict[str, Any] | None) -> torch.Generator | None:
+    """The `generator=` an op is given, which no stash covers (rule 2), or None.
+
+    >>> own_generator({"generator": torch.Generator()}) is not None, own_generator(None)
+    (True, None)
+    """
+    if kwargs:
+        generator = kwargs.get("generator")
+        if isinstance(generator, torch.Generator):
+            return generator
+    return None
 
 
 class Draws:

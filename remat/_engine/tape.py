@@ -18,6 +18,7 @@ from .._core.torch_compat import any_autocast
 from .autocast import AutocastState
 from .debug import describe
 from .recorder import Outside, Recorder, Slot, op_info
+from .selective import CHANGED_RANDOM, version_probe
 from .transfer import Parcel, Stay
 
 __all__ = ["Tape"]
@@ -29,9 +30,11 @@ __all__ = ["Tape"]
 # kept output, or a view of one, is kept by reference instead of being rebuilt ("claimed"). As in rerun
 # (NOTE [ What a policy keeps ] in selective.py), a kept output that autograd does not save is dropped after
 # the replay that used it, so that it and what replay rebuilt from it do not outlive that backward; a second
-# replay (`retain_graph`) runs its op. A kept output written in place later in forward is not kept. A kept op that
-# drew random numbers sets its generator, where replay would have run it, to the state forward left it in (NOTE
-# [ Random ops ] in rng.py), also when no saved tensor needs its outputs.
+# replay (`retain_graph`) runs its op. A kept output changed in place after it was kept, in forward or after it,
+# is not kept: its op is replayed (NOTE [ A kept output changed in place ] in selective.py; checked when forward
+# ends and before every replay). A kept op that drew random numbers sets its generator, where replay would have
+# run it, to the state forward left it in (NOTE [ Random ops ] in rng.py), also when no saved tensor needs its
+# outputs.
 #
 # NOTE [ Replay script ]
 # Forward does the least it can: the script — which ops are live (an op whose outputs feed no saved tensor is
@@ -111,8 +114,8 @@ class Tape:
     """
 
     __slots__ = (
-        "captures", "claimed", "draws", "generators", "kept", "lock", "ops", "outside", "points", "rng", "script",
-        "site", "slots", "snapshots", "trace", "writes",
+        "captures", "claimed", "draws", "generators", "kept", "lock", "ops", "outside", "points", "refused", "rng",
+        "script", "site", "slots", "snapshots", "trace", "unrepeatable", "versions", "writes",
     )
 
     def __init__(
@@ -149,14 +152,20 @@ class Tape:
         self.trace = recorder.trace
         self.script: _Script | None = None
         self.lock = threading.Lock()
-        # See NOTE [ Policies on the tape ]: a kept output written in place after it was kept is not kept.
+        # See NOTE [ Policies on the tape ]: a kept output changed in place after it was kept is not kept.
         end = self.ops[-1][3] + max(self.ops[-1][4], 1) if self.ops else 0
-        self.kept: dict[int, torch.Tensor | Parcel | Stay] = {
-            slot: tensor for slot, (tensor, version) in recorder.kept.items()
-            if slot < end and tensor._version == version
-        }
+        kept = {slot: entry for slot, entry in recorder.kept.items() if slot < end}
+        self.kept: dict[int, torch.Tensor | Parcel | Stay] = {slot: tensor for slot, (tensor, _) in kept.items()}
+        # per kept slot: a tensor sharing its version counter, and its version when kept
+        self.versions: dict[int, tuple[torch.Tensor, int]] = kept
+        # kept random ops that replay cannot run again as they ran (no `preserve_rng`), and those of them whose
+        # outputs changed: op -> (version kept, version now); replay raises if it must run one
+        self.unrepeatable = frozenset(op for op in recorder.unrepeatable if op < stop)
+        self.refused: dict[int, tuple[int, int]] = {}
         self.claimed = claimed
         self.draws = {op: draw for op, draw in recorder.draws.items() if op < stop} if recorder.draws else {}
+        if kept:
+            self._drop_changed()
 
     def hand_to(self, pack: Callable[[torch.Tensor], Any]) -> None:
         """Give the outside tensors to an enclosing pack hook (see NOTE [ Inputs of nested sites ])."""
@@ -166,9 +175,34 @@ class Tape:
                 o.version = -1
 
     def offload_kept(self, pack: Callable[[torch.Tensor], Parcel | Stay]) -> None:
-        """Hold the outputs the policy keeps through an offload's `pack` (NOTE [ Offloaded sites ])."""
-        self.kept = {slot: pack(tensor) if isinstance(tensor, torch.Tensor) else tensor
-                     for slot, tensor in self.kept.items()}
+        """Hold the outputs the policy keeps through an offload's `pack` (NOTE [ Offloaded sites ]); an offloaded one's
+        version is read from a probe that holds none of its device memory (NOTE [ A kept output changed in place ])."""
+        kept: dict[int, torch.Tensor | Parcel | Stay] = {}
+        for slot, tensor in self.kept.items():
+            value = pack(tensor) if isinstance(tensor, torch.Tensor) else tensor
+            kept[slot] = value
+            if type(value) is Parcel and isinstance(tensor, torch.Tensor):
+                self.versions[slot] = (version_probe(tensor), self.versions[slot][1])
+        self.kept = kept
+
+    def _drop_changed(self) -> None:
+        """Stop keeping the outputs changed in place since they were kept: replay runs their ops (NOTE [ A kept output
+        changed in place ] in selective.py). Called when forward ends and before each replay."""
+        versions = self.versions
+        moved = {slot: (version, watch._version) for slot, (watch, version) in versions.items()
+                 if watch._version != version}
+        if not moved:
+            return
+        with self.lock:
+            for slot in moved:
+                self.kept.pop(slot, None)
+                versions.pop(slot, None)
+            self.script = None
+        for op in self.unrepeatable:
+            _, _, _, first, outputs, _ = self.ops[op]
+            for slot in range(first, first + (1 if outputs < 0 else outputs)):
+                if slot in moved:
+                    self.refused[op] = moved[slot]
 
     # -- script ----------------------------------------------------------------------------------------------
     def _replayed(self) -> _Replayed:
@@ -292,13 +326,19 @@ class Tape:
             unpack: the enclosing unpack hook, for outside tensors that were handed to it.
             retrace: under REMAT_DEBUG, receives one line per replayed op.
         """
+        stop = max(self.points[index] for index in wanted)
+        if self.versions:
+            self._drop_changed()
+        for op, (before, after) in self.refused.items():
+            if op < stop:
+                func = self.ops[op][0]
+                raise RematError(CHANGED_RANDOM.format(site=self.site, op=func, before=before, after=after))
         script = self.script
         if script is None:
             with self.lock:
                 script = self.script
                 if script is None:
                     script = self.script = self._script()
-        stop = max(self.points[index] for index in wanted)
         values: list[Any] = [None] * self.slots
         storages: dict[int, torch.UntypedStorage] = {}
         for slot, o in self.outside.items():
@@ -360,6 +400,7 @@ class Tape:
             if dropped:
                 for slot in dropped:
                     del self.kept[slot]
+                    self.versions.pop(slot, None)
                 self.script = None  # the next replay (retain_graph) runs those ops again
 
 
