@@ -18,6 +18,7 @@ present in 2.4; torch imports it itself) and `torch._ops.OpOverload` (an aten ov
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import inspect
@@ -70,6 +71,7 @@ __all__ = [
     "in_optimizer_step",
     "pop_saved_hooks",
     "push_saved_hooks",
+    "rerun_changed",
     "selective_policy",
     "set_grad_enabled",
     "shared_detach",
@@ -530,6 +532,53 @@ def selective_policy(
         return policy_fn(context(out), op, *args, **(kwargs or {})) in kept
 
     return counts, keeps
+
+
+@functools.cache
+def _rerun_changed_mode() -> type | None:
+    """torch's recompute mode of selective checkpointing, made to run again the ops whose cached output was changed in
+    place (`rerun_changed`); None where torch's names are not there."""
+    checkpoint = importlib.import_module("torch.utils.checkpoint")
+    cached = getattr(checkpoint, "_CachedTorchDispatchMode", None)
+    wrapper = getattr(checkpoint, "_VersionWrapper", None)
+    again = getattr(checkpoint, "_RECOMPUTE", None)
+    if cached is None or wrapper is None or again is None:
+        return None
+
+    def changed(entry: Any) -> bool:
+        return any(
+            isinstance(leaf, wrapper) and leaf.version is not None and leaf.val._version != leaf.version
+            for leaf in tree_leaves(entry)
+        )
+
+    class RerunChanged(cached):  # type: ignore[misc, valid-type]
+        def __enter__(self) -> Any:
+            for entries in self.storage.values():
+                for index, entry in list(entries.items()):
+                    if changed(entry):
+                        entries[index] = again  # torch's own mark for "run this call again"
+            return super().__enter__()
+
+    return RerunChanged
+
+
+def rerun_changed(contexts: tuple[Any, Any]) -> tuple[Any, Any]:
+    """torch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`), with the recompute one made to
+    run again every op whose cached output was changed in place since it was cached, instead of raising "Tensor cached
+    during selective activation checkpoint has been mutated" or handing the changed tensor back (NOTE [ A kept output
+    changed in place ] in _engine/selective.py).
+
+    Where torch runs its checkpoint operator eagerly (`backend="eager"`) these modes run; compiled code functionalises
+    in-place ops and saves each op's own value. Other contexts, or a torch without these names
+    (`_CachedTorchDispatchMode`, `_VersionWrapper`, `_RECOMPUTE`), are returned as they are: torch's own error then.
+    """
+    forward, recompute = contexts
+    kind = _rerun_changed_mode()
+    if kind is None or type(recompute) is not kind.__base__ or not hasattr(recompute, "storage"):
+        return contexts
+    mode = copy.copy(recompute)
+    mode.__class__ = kind
+    return forward, mode
 
 
 # -- FLOP formulas ---------------------------------------------------------------------------------------------

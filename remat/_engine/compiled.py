@@ -12,10 +12,10 @@ import torch
 
 from .._core.errors import RematError
 from .._core.policies import Policy
-from .._core.torch_compat import eval_frame_callback
+from .._core.torch_compat import eval_frame_callback, rerun_changed
 
 __all__ = [
-    "SiteForward", "compiled_key", "compiling", "context_for", "in_compiled_call", "route_module",
+    "SiteForward", "compiled_key", "compiling", "context_for", "in_compiled_call", "rerunning_contexts", "route_module",
     "torch_checkpoint", "unroute_module", "warn_once",
 ]
 
@@ -36,6 +36,10 @@ __all__ = [
 #    `remat(module)` changes the instance and nothing else: no class attribute of the user's classes is replaced
 #    or added. A class's `forward` is read by other code (transformers checkpoints a layer only while
 #    `type(layer).forward` is its own wrapper; accelerate and PEFT wrap it), and every instance shares it.
+# 4. What a selective context keeps and the function then changes in place is never handed back (NOTE [ A kept
+#    output changed in place ] in selective.py): compiled code functionalises in-place ops, so what it saves is the
+#    op's own value; where torch runs its operator eagerly (`backend="eager"`), its recompute mode runs such an op
+#    again (`rerun_changed`) instead of raising "has been mutated".
 #
 # Implementation notes:
 # 1. (rule 3) The instance's `__dict__` gets `forward`: a `SiteForward`, which `nn.Module._call_impl` finds as
@@ -111,9 +115,16 @@ def context_for(policy: Policy | None, site: str, offload: bool = False) -> Call
             index, counted[phase] = counted[phase], counted[phase] + 1
             return save if index in calls else recompute
 
-        return create_selective_checkpoint_contexts(choose)  # type: ignore[no-untyped-call]
+        return rerun_changed(create_selective_checkpoint_contexts(choose))  # type: ignore[no-untyped-call]
 
     return contexts
+
+
+def rerunning_contexts(context_fn: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """A user's `context_fn` under torch.compile, called: torch's selective contexts among them run again an op whose
+    cached output was changed in place (NOTE [ Under torch.compile ], rule 4); any other contexts as they are. Given to
+    torch's checkpoint as `functools.partial(rerunning_contexts, context_fn)`, a form dynamo takes."""
+    return rerun_changed(context_fn())
 
 
 # NOTE [ Guarding on the policy ]

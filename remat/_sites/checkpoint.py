@@ -22,7 +22,7 @@ from .._core.policies import Policy
 from .._core.public import claim
 from .._core.torch_compat import selective_policy
 from .._engine import rerun as _rerun
-from .._engine.compiled import compiling, torch_checkpoint
+from .._engine.compiled import compiling, rerunning_contexts, torch_checkpoint
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -40,7 +40,11 @@ _T = TypeVar("_T")
 #    route the tensors they keep through them), and a kept op that draws random numbers is handled as any kept
 #    random op (NOTE [ Random ops ] in remat/_engine/rng.py), where torch's own modes skip it and shift the stream.
 # 3. Any other `context_fn` is entered as given, around forward and around recompute. Under torch.compile the
-#    contexts go to torch's checkpoint operator as they are (NOTE [ Under torch.compile ]).
+#    contexts go to torch's checkpoint operator (NOTE [ Under torch.compile ]), torch's selective ones with their
+#    recompute mode made to run again an op whose kept output was changed in place (rule 4 there).
+# 4. What the user's policy keeps and the function then changes in place is never handed back: the op runs again
+#    (NOTE [ A kept output changed in place ] in remat/_engine/selective.py), whatever `allow_cache_entry_mutation`
+#    says, where torch raises "has been mutated" (or, with that flag, hands back the changed tensor).
 
 
 def _site(function: Any) -> str:
@@ -158,8 +162,8 @@ def checkpoint(
     if compiling():  # see NOTE [ Under torch.compile ]
         keywords: dict[str, Any] = {"determinism_check": determinism_check, "debug": debug,
                                     "preserve_rng_state": preserve_rng_state}
-        if not _is_noop(context_fn):
-            keywords["context_fn"] = context_fn
+        if context_fn is not None and not _is_noop(context_fn):
+            keywords["context_fn"] = functools.partial(rerunning_contexts, context_fn)
         return torch_checkpoint(function, args, kwargs, **keywords)
     # torch's global switches win over the keywords, as in torch.utils.checkpoint.
     if _torch_checkpoint._enable_checkpoint_early_stop is not None:
