@@ -73,7 +73,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .costs_derived import PARTS, KeptRun, compiled_times, derive_bytes, derive_times, output_calls, part_calls
+from .costs_derived import (
+    PARTS,
+    KeptRun,
+    changed_calls,
+    compiled_times,
+    derive_bytes,
+    derive_times,
+    output_calls,
+    part_calls,
+)
 from .profile_alone import Shift
 
 __all__ = [
@@ -261,6 +270,8 @@ class _Bytes:
             [ Some matmuls ] in costs_derived.py).
         part_times: per kind and part, the seconds of those calls in each run kept.
         matmul: per kind, the seconds of all matmul-class calls in each run kept.
+        unchanged: per kind, the seconds of those whose output the block did not change in place (what `save_matmuls`
+            keeps in eager code: NOTE [ Deriving choices ] in costs_derived.py).
         ops: per kind, the ops of each run kept.
     """
 
@@ -270,6 +281,7 @@ class _Bytes:
     parts: dict[tuple[Any, int], frozenset[int] | None] = field(default_factory=dict)
     part_times: defaultdict[tuple[Any, int], list[float]] = field(default_factory=lambda: defaultdict(list))
     matmul: defaultdict[Any, list[float]] = field(default_factory=lambda: defaultdict(list))
+    unchanged: defaultdict[Any, list[float]] = field(default_factory=lambda: defaultdict(list))
     ops: defaultdict[Any, list[float]] = field(default_factory=lambda: defaultdict(list))
 
 
@@ -315,30 +327,33 @@ def _bytes(profile: Profile) -> _Bytes:
 def _derived(profile: Profile, found: _Bytes, kind: Any, kept: KeptRun, base: int) -> dict[int, Entry]:
     """The derived choices' entries of a block from its run kept; records the run's matmul times and the parts'
     calls (chosen once per kind, from the first of its kind recorded kept: NOTE [ Some matmuls ])."""
-    found.matmul[kind].append(sum(kept.detail.call_time))
+    times = kept.detail.call_time
+    changed = set() if profile.compiled else changed_calls(kept.detail)  # NOTE [ Compiled costs ]
+    found.matmul[kind].append(sum(times))
+    found.unchanged[kind].append(sum(t for call, t in enumerate(times) if call not in changed))
     found.ops[kind].append(kept.detail.ops)
     entries: dict[int, Entry] = {}
     for d, label in profile.derived.items():
         calls = None
         if label in PARTS:
             if (kind, d) not in found.parts:
-                chosen = _part(PARTS[label], kept)
+                chosen = _part(PARTS[label], kept, changed)
                 same = any(found.parts.get((kind, e)) == chosen for e in profile.derived if e < d)
                 found.parts[(kind, d)] = None if same else chosen  # a part twice is offered once
             calls = found.parts[(kind, d)]
             if calls is None:
                 continue  # keeps nothing or everything: not offered
-            times = kept.detail.call_time
             found.part_times[(kind, d)].append(sum(times[call] for call in calls if call < len(times)))
-        held, forward, backward = derive_bytes(label, kept, calls)
+        held, forward, backward = derive_bytes(label, kept, calls, profile.compiled)
         entries[d] = (held, forward - base, backward - base - held)
     return entries
 
 
-def _part(share: float, kept: KeptRun) -> frozenset[int] | None:
-    """The calls a part keeps, or None where that is none or all it may (NOTE [ Some matmuls ])."""
-    calls = part_calls(share, kept.detail, kept.outputs)
-    may = len(kept.detail.call_time) - len(output_calls(kept.detail, kept.outputs))
+def _part(share: float, kept: KeptRun, changed: set[int]) -> frozenset[int] | None:
+    """The calls a part keeps, or None where that is none or all it may (NOTE [ Some matmuls ]); never one of
+    `changed` (`changed_calls`)."""
+    calls = part_calls(share, kept.detail, kept.outputs, changed)
+    may = len(kept.detail.call_time) - len(output_calls(kept.detail, kept.outputs) | changed)
     return calls if 0 < len(calls) < may else None
 
 
@@ -391,7 +406,7 @@ def _seconds(profile: Profile, found: _Bytes, scale: list[tuple[float, float]]) 
             continue
         forward, backward = seconds[(kind, 0)]
         for d, label in profile.derived.items():
-            kept_time = found.part_times.get((kind, d), matmul) if label in PARTS else matmul
+            kept_time = found.part_times.get((kind, d), matmul) if label in PARTS else found.unchanged[kind]
             if not kept_time:
                 continue
             if profile.compiled:

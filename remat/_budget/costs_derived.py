@@ -12,7 +12,9 @@ Rules:
    its costs under full remat, `save_matmuls` and the choices that keep some matmuls (NOTE [ Some matmuls ]).
    Under choice c, with "born" the storages its forward allocated:
    * held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
-     storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]),
+     storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]) but
+     those a later op of the block changed in place, which the policy does not keep and recompute rebuilds, as
+     under full remat (NOTE [ A kept output changed in place ] in remat/_engine/selective.py),
      plus under autocast the casts of its parameters that autocast caches, which live to the end of the step's
      autocast region, after the last forward, whatever the block does (counted through backward too, where they
      are gone: an overestimate by those casts of the blocks before, while backward runs);
@@ -20,7 +22,8 @@ Rules:
    * forward peak: under full remat, kept's (a bound); under `save_matmuls`, kept's allocation log replayed;
    * backward peak: the larger of recompute on top of what is live when backward starts, and kept's backward;
    * times: the forward is kept's; the backward is kept's plus a recompute, which is kept's forward less its
-     matmul-class ops under `save_matmuls`, plus the dispatch mode's cost per op where c runs one.
+     matmul-class ops under `save_matmuls` (those whose output the block changes in place run again: not less
+     them), plus the dispatch mode's cost per op where c runs one.
 2. This rests on NOTE [ Budget model ]'s premise that a block holds what its forward left alive until its own
    backward. Where that fails, blocks' numbers depend on the choices around them, so the profiled step checks it
    when backward starts, and the derivable choices are run instead where it fails (NOTE [ Profiling rounds ]):
@@ -65,6 +68,7 @@ Implementation notes:
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .._core.policies import save_matmuls
@@ -73,8 +77,8 @@ from .._measure.clock import MODE_PER_OP, priced
 from .profile_step import Detail, mode_cost
 
 __all__ = [
-    "DERIVABLE", "PARTS", "KeptRun", "compiled_times", "derive_bytes", "derive_times", "mode_overhead", "output_calls",
-    "part_calls",
+    "DERIVABLE", "PARTS", "KeptRun", "changed_calls", "compiled_times", "derive_bytes", "derive_times", "mode_overhead",
+    "output_calls", "part_calls",
 ]
 
 #: Choices that keep some of the matmul outputs `save_matmuls` keeps (NOTE [ Some matmuls ]): label -> the
@@ -94,8 +98,10 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 # 2. The calls are numbered in the order the block's forward makes them, chosen per kind of block from the first
 #    of its kind recorded kept (so that blocks of a kind keep the same calls), and carried out by a policy that
 #    keeps just those calls (NOTE [ Some calls ] in remat/_core/policies.py).
-# 3. A call that makes one of the block's outputs is never picked. A share that picks no call, or every call it
-#    may, is not offered (it would be full remat or `save_matmuls` again).
+# 3. A call that makes one of the block's outputs is never picked, nor in eager code one whose output the block
+#    changes in place (the policy would not keep it: NOTE [ A kept output changed in place ] in
+#    remat/_engine/selective.py). A share that picks no call, or every call it may, is not offered (it would be full
+#    remat or `save_matmuls` again).
 #
 # Implementation notes:
 # 1. (rule 2) The derivation is `save_matmuls`' with their storages in place of every matmul output's, and their
@@ -108,14 +114,29 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 #    `save_matmuls`.
 
 
+def changed_calls(detail: Detail) -> set[int]:
+    """The matmul-class calls whose output the block changed in place after the call (`Detail.changed`): eager code
+    keeps none of them (NOTE [ A kept output changed in place ] in remat/_engine/selective.py).
+
+    >>> d = Detail()
+    >>> d.calls, d.changed = {3: 0, 5: 1}, {5}
+    >>> changed_calls(d)
+    {1}
+    """
+    return {detail.calls[number] for number in detail.changed if number in detail.calls}
+
+
 def output_calls(detail: Detail, outputs: frozenset[int]) -> set[int]:
     """The matmul-class calls that made one of `outputs` (storages of `detail`): never a part's (NOTE [ Some
     matmuls ])."""
     return {call for number, call in detail.calls.items() if number in outputs}
 
 
-def part_calls(share: float, detail: Detail, outputs: frozenset[int] = frozenset()) -> frozenset[int]:
-    """The matmul-class calls (numbered in order) that a part keeps: NOTE [ Some matmuls ].
+def part_calls(
+    share: float, detail: Detail, outputs: frozenset[int] = frozenset(), changed: Collection[int] = frozenset()
+) -> frozenset[int]:
+    """The matmul-class calls (numbered in order) that a part keeps: NOTE [ Some matmuls ]; never one of `changed`
+    (`changed_calls`, in eager code).
 
     >>> d = Detail()
     >>> d.born, d.calls, d.call_time = {0: 8, 1: 2, 2: 8}, {0: 0, 1: 1, 2: 2}, [1.0, 1.0, 3.0]
@@ -127,7 +148,7 @@ def part_calls(share: float, detail: Detail, outputs: frozenset[int] = frozenset
     size = [0] * len(detail.call_time)
     for number, call in detail.calls.items():
         size[call] += detail.born[number]
-    ends = output_calls(detail, outputs)
+    ends = output_calls(detail, outputs) | set(changed)
     room = share * sum(size)
     chosen = []
     for call in sorted(range(len(size)), key=lambda c: (-detail.call_time[c] / max(1, size[c]), c)):
@@ -185,23 +206,30 @@ def _replay(detail: Detail, saved: frozenset[int] | set[int], handed: bool, keep
     return peak
 
 
-def _saved(choice: str, detail: Detail, calls: frozenset[int] | None) -> frozenset[int] | set[int]:
-    """The storages of `detail` that `choice` keeps besides the outputs."""
+def _saved(
+    choice: str, detail: Detail, calls: frozenset[int] | None, compiled: bool = False
+) -> frozenset[int] | set[int]:
+    """The storages of `detail` that `choice` keeps besides the outputs: in eager code not those the block changed in
+    place (NOTE [ Deriving choices ]); compiled code functionalises the change and keeps them."""
     if choice == "full":
         return frozenset()
+    changed = frozenset() if compiled else detail.changed
     if choice == "save_matmuls":
-        return detail.matmul
+        return detail.matmul - changed if changed else detail.matmul
     if choice in PARTS and calls is not None:
-        return frozenset(n for n, call in detail.calls.items() if call in calls)
+        return frozenset(n for n, call in detail.calls.items() if call in calls and n not in changed)
     raise ValueError(
         f"remat: cannot derive choice {choice!r}; derivable: {', '.join(DERIVABLE)} (the parts with their calls)."
     )
 
 
-def derive_bytes(choice: str, kept: KeptRun, calls: frozenset[int] | None = None) -> tuple[int, int, int]:
+def derive_bytes(
+    choice: str, kept: KeptRun, calls: frozenset[int] | None = None, compiled: bool = False
+) -> tuple[int, int, int]:
     """Held bytes, forward peak and backward peak (above S_i) of a block under `choice`, from its run kept.
 
-    `calls`: for a part (`PARTS`), the matmul-class calls it keeps (`part_calls`).
+    `calls`: for a part (`PARTS`), the matmul-class calls it keeps (`part_calls`). `compiled`: the choice runs in
+    compiled code, which keeps the matmul outputs the block changes in place too (NOTE [ Compiled costs ]).
 
     >>> d = Detail()
     >>> d.born, d.matmul, d.calls, d.events = {1: 8, 2: 4}, {1}, {1: 0}, [(1, 8), (2, 4)]  # a matmul, the output
@@ -211,7 +239,7 @@ def derive_bytes(choice: str, kept: KeptRun, calls: frozenset[int] | None = None
     """
     detail = kept.detail
     born = detail.born
-    saved = _saved(choice, detail, calls)
+    saved = _saved(choice, detail, calls, compiled)
     holds = kept.outputs | saved | detail.cached  # autocast's casts: to the region's end (NOTE [ Deriving choices ])
     held = sum(born[key] for key in holds)
     forward_peak = kept.forward_peak
@@ -252,6 +280,9 @@ def derive_times(
 # 2. So there a derived choice's backward is kept's plus the seconds of the matmul-class calls it does not keep (all
 #    of them under full remat, none under `save_matmuls`); its forward is kept's. Choices run rather than derived
 #    keep their eager times.
+# 3. A matmul output the block changes in place is kept there like any other: the compiler functionalises the change
+#    and saves the op's own value (NOTE [ Under torch.compile ] in remat/_engine/compiled.py), where eager code runs
+#    the op again (NOTE [ Deriving choices ]).
 #
 # Implementation notes:
 # 1. (rule 2) Compiled, `save_matmuls` runs about as fast as kept, which eager costs (with the dispatch mode's price

@@ -23,6 +23,7 @@ from torch import nn
 
 from .._core.policies import matmuls
 from .._core.torch_compat import tree_leaves
+from .._engine.recorder import op_info
 from .._measure.autocast import cached_cast
 from .._measure.clock import now, priced
 from .._measure.fake import FakeTracker
@@ -290,13 +291,15 @@ class Detail:
             step's autocast region ends, whatever the block's choice (NOTE [ A step's own autocast region ] in
             remat/_measure/autocast.py).
         call_time: per matmul-class call, its seconds (from the end of the op before).
+        changed: the numbers among `matmul` that a later op of the window wrote into (in place, through any view):
+            a policy does not keep those (NOTE [ A kept output changed in place ] in remat/_engine/selective.py).
         events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released.
         ops: aten ops the window ran.
         live: the storages of `born` live now (while the window is open) or when it closed: key -> number.
         refs: when the window closed, the tracker's weak reference to each storage of `live`, by number.
     """
 
-    __slots__ = ("born", "cached", "call_time", "calls", "events", "live", "matmul", "ops", "refs")
+    __slots__ = ("born", "cached", "call_time", "calls", "changed", "events", "live", "matmul", "ops", "refs")
 
     def __init__(self) -> None:
         self.born: dict[int, int] = {}
@@ -304,6 +307,7 @@ class Detail:
         self.cached: set[int] = set()
         self.calls: dict[int, int] = {}
         self.call_time: list[float] = []
+        self.changed: set[int] = set()
         self.events: list[tuple[int, int]] = []
         self.ops = 0
         self.live: dict[int, int] = {}
@@ -356,6 +360,8 @@ class Windows(FakeTracker):
             super()._see(func, args, kwargs, out)
         else:
             detail.ops += 1
+            if detail.matmul and op_info(func).writes:
+                _note_writes(detail, func, args, kwargs)
             self._casting = cached_cast(func, args, kwargs)
             if matmuls(func):
                 detail.call_time.append(max(0.0, start - self._last - self.per_op))
@@ -415,6 +421,17 @@ class Windows(FakeTracker):
             if entry is not None and entry[2] is ref:
                 out.append(number)
         return out
+
+
+def _note_writes(detail: Detail, func: Any, args: Any, kwargs: dict[str, Any] | None) -> None:
+    """Note the matmul-class outputs of `detail` that the op `func` writes into (`Detail.changed`)."""
+    for position, name in op_info(func).writes:
+        value = args[position] if position < len(args) else (kwargs or {}).get(name)
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            storage = _storage(tensor) if isinstance(tensor, torch.Tensor) else None
+            number = detail.live.get(storage._cdata) if storage is not None else None
+            if number is not None and number in detail.matmul:
+                detail.changed.add(number)
 
 
 def mode_cost(mode: Callable[[], Any], seen: Callable[[Any], float] = lambda mode: 0.0, ops: int = 128,
