@@ -27,7 +27,7 @@ from .._engine.compiled import compiling
 from .._engine.guard import keep_buffers
 from .._engine.rng import RngStash, devices_of
 from .compiled import lower, run_lowered
-from .profile import backward_stage, check_tensor, grad_input, profile, stage_params
+from .profile import backward_stage, check_tensor, grad_input, profile, stage_params, writer
 from .solver import Plan, solve
 
 _log = logging.getLogger("remat")
@@ -75,6 +75,15 @@ class _Call(nn.Module):
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
 
+_CHANGED_INPUT = (
+    "remat: stage {i} of the chain ({stage}) changed its input in place ({op}: its version went from {before} to "
+    "{after}), on an input where profiling it on the chain's sample did not. remat.chain keeps the outputs of the "
+    "stages before it to recompute from them, and a recompute would start from the changed value: wrong gradients. "
+    "Make that operation out of place (for example `inplace=False`), or profile the chain on an input where the "
+    "stage changes its input too (`sample=`), so that it runs on a copy of its input."
+)
+
+
 class _Run:
     """One forward and backward of a chain under a plan (see NOTE [ Chain execution ])."""
 
@@ -95,6 +104,7 @@ class _Run:
         self.grads: list[torch.Tensor | None] = [None] * len(params)
         self.grad: torch.Tensor | None = None  # the current delta_{i+1}
         self.autocast = AutocastState.capture(self.devices)
+        self.copies = chain.copies  # stages run on a copy of their input: NOTE [ A stage that changes its input ]
 
     def _input(self, i: int) -> torch.Tensor:
         if i in self.acts:
@@ -103,22 +113,24 @@ class _Run:
 
     def _run(self, i: int, inp: torch.Tensor) -> torch.Tensor:
         version = inp._version
+        given = inp.clone() if i in self.copies else inp  # NOTE [ A stage that changes its input ] in profile.py
         if i not in self.rng:  # the first run: in forward, from the caller's generators
             self.rng[i] = RngStash.capture(self.devices)
-            out = self.stages[i](inp)
+            out = self.stages[i](given)
         else:
             with (
                 self.rng[i].restore(),
                 keep_buffers(),
                 AutocastState.enter(self.autocast, self.devices),
             ):
-                out = self.stages[i](inp)
+                out = self.stages[i](given)
         if inp._version != version:
-            raise RematError(
-                f"remat: stage {i} of the chain modified its input in place; remat.chain keeps "
-                "stage inputs to recompute from them. Make that operation out of place "
-                "(for example inplace=False)."
-            )
+            with self.rng[i].restore(), keep_buffers(), torch.no_grad():
+                op = writer(self.stages[i], inp)
+            raise RematError(_CHANGED_INPUT.format(
+                i=i, stage=type(self.stages[i]).__name__, op=op or "an in-place op", before=version,
+                after=inp._version,
+            ))
         return check_tensor(out, f"the output of stage {i}")
 
     def apply(self, kind: str, i: int) -> None:
@@ -254,8 +266,11 @@ class Chain(nn.Sequential):
         super().__init__(named)
         self._budget = None if budget is None else parse_budget(budget)
         self._segments = segments
-        self._plans: dict[tuple[Any, ...], Plan] = {}
+        self._plans: dict[tuple[Any, ...], tuple[Plan, frozenset[int]]] = {}
         self.plan: Plan | None = None
+        # the stages run on a copy of their input, for the last input shape profiled (NOTE [ A stage that changes its
+        # input ] in profile.py)
+        self.copies: frozenset[int] = frozenset()
         self._told = False  # whether profiling a new shape inside a forward was logged (once per chain)
         self._lowered = lower(None, len(self))  # the plan inside compiled frames: NOTE [ Chains under compile ]
 
@@ -273,8 +288,8 @@ class Chain(nn.Sequential):
             BudgetError: no schedule fits the budget for this input shape.
         """
         key = self._key(x)
-        plan = self._plans.get(key)
-        if plan is None:
+        found = self._plans.get(key)
+        if found is None:
             if self._plans and not getattr(self, "_told", False):
                 self._told = True
                 _log.warning(
@@ -284,7 +299,7 @@ class Chain(nn.Sequential):
                 )
             stages = list(self)
             with RngStash.capture(devices_of([x], module=self)).restore(), keep_buffers():
-                costs, input_bytes = profile(stages, x)
+                costs, input_bytes, copies = profile(stages, x)
             if self._segments is not None:
                 plan = Plan.segments(costs, self._segments, input_bytes=input_bytes)
             else:
@@ -294,7 +309,8 @@ class Chain(nn.Sequential):
                     budget = max(1, math.floor(budget * full))
                 assert budget is not None
                 plan = solve(costs, budget, input_bytes=input_bytes)
-            self._plans[key] = plan
+            found = self._plans[key] = (plan, copies)
+        plan, self.copies = found
         self.plan = plan
         self._lowered = lower(plan, len(self))
         return plan

@@ -14,11 +14,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._engine.guard import storage_key
+from .._engine.modes import Mode
+from .._engine.recorder import op_info
 from .._measure.clock import clock_for, now, priced
 from .._measure.track import synchronize, track
 from .simulate import StageCost
 
-__all__ = ["backward_stage", "check_tensor", "grad_input", "nbytes", "profile", "stage_params"]
+__all__ = ["backward_stage", "check_tensor", "grad_input", "nbytes", "profile", "stage_params", "writer"]
+
+# NOTE [ A stage that changes its input ]
+# A chain keeps stage outputs as the inputs of the stages after them (`forward_checkpoint`, `forward_save`) and
+# recomputes stages from them: a kept output (NOTE [ A kept output changed in place ] in remat/_engine/selective.py).
+# A stage that changes its input in place (`nn.ReLU(inplace=True)` as a stage of its own, `x.mul_(s)` first thing)
+# would change that kept tensor, and every recompute from it would start from the changed value.
+#
+# Rules:
+# 1. The profile runs every stage on a copy of its input and sees whether the stage changed it (its version moved).
+#    Such a stage is run on a copy of its input wherever the chain runs it (forward, recompute, the profile's own
+#    measures, which then count the copy): the kept tensor stays what the stage before made, gradients are exact.
+# 2. The profile never changes the caller's sample.
+# 3. A stage that changes its input only on inputs other than the sample's is caught where it runs: a clear error
+#    naming the stage and the op that changed its input, never a silent difference.
 
 # NOTE [ Backward frees as it goes ]
 # Plain autograd frees a tensor as soon as nothing needs it: the gradient reaching a node is dropped once
@@ -99,10 +116,17 @@ def grad_input(a: torch.Tensor, want: bool) -> torch.Tensor:
     return inp.requires_grad_() if want and inp.is_floating_point() else inp
 
 
-def _memory(stage: nn.Module, n: int, a: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
-    """(output, output bytes, saved bytes, forward temp, backward temp) of one stage (NOTE [ Chain profile ])."""
+def _memory(stage: nn.Module, n: int, a: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int, bool]:
+    """(output, output bytes, saved bytes, forward temp, backward temp, whether it changes its input) of one stage
+    (NOTE [ Chain profile ], NOTE [ A stage that changes its input ])."""
+    trial = a.clone()  # never the caller's sample, nor the input the next measure reads
     with torch.no_grad(), track() as plain:
-        nxt = check_tensor(stage(a), f"the output of stage {n}")
+        nxt = check_tensor(stage(trial), f"the output of stage {n}")
+    copied = trial._version != 0
+    del trial
+    if copied:  # measured again as the chain runs it: on a copy made inside the stage's window
+        with torch.no_grad(), track() as plain:
+            nxt = check_tensor(stage(a.clone()), f"the output of stage {n}")
     out_bytes = nbytes(nxt)
     nosave_temp = max(0, plain.peak_bytes - out_bytes)
     inp = grad_input(a, True)
@@ -111,7 +135,7 @@ def _memory(stage: nn.Module, n: int, a: torch.Tensor) -> tuple[torch.Tensor, in
     backward_temp = 0
     with track() as t:
         with torch.enable_grad():
-            out = check_tensor(stage(inp), f"the output of stage {n}")
+            out = check_tensor(stage(inp.clone() if copied else inp), f"the output of stage {n}")
         saved = t.current_bytes
         save_temp = max(0, t.peak_bytes - saved)
         if out.requires_grad and wrt:
@@ -124,21 +148,26 @@ def _memory(stage: nn.Module, n: int, a: torch.Tensor) -> tuple[torch.Tensor, in
             del grads
         else:
             del out
-    return nxt.detach(), out_bytes, max(saved, out_bytes), max(save_temp, nosave_temp), backward_temp
+    return nxt.detach(), out_bytes, max(saved, out_bytes), max(save_temp, nosave_temp), backward_temp, copied
 
 
-def profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCost], int]:
-    """Measure every stage on `x` in turn (NOTE [ Chain profile ]): `StageCost`s and the input's bytes."""
+def profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCost], int, frozenset[int]]:
+    """Measure every stage on `x` in turn (NOTE [ Chain profile ]): `StageCost`s, the input's bytes, and the stages
+    that change their input in place, which the chain runs on a copy of it (NOTE [ A stage that changes its
+    input ])."""
     a = x.detach()
     input_bytes = nbytes(a)
     sizes = []
+    copies: set[int] = set()
     for n, stage in enumerate(stages):
-        a, *size = _memory(stage, n, a)
+        a, *size, copied = _memory(stage, n, a)
         sizes.append(size)
+        if copied:
+            copies.add(n)
     forward: list[list[float]] = [[] for _ in stages]
     backward: list[list[float]] = [[] for _ in stages]
     with clock_for([x, *(p for stage in stages for p in stage.parameters())]):  # NOTE [ Priced time ]
-        _time(stages, x, forward, backward, 1 if priced() else _TIMINGS)  # priced: the same every time
+        _time(stages, x, forward, backward, 1 if priced() else _TIMINGS, copies)  # priced: the same every time
     costs = [
         StageCost(
             forward_time=statistics.median(forward[n]),
@@ -150,12 +179,13 @@ def profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCos
         )
         for n, (out_bytes, saved, forward_temp, backward_temp) in enumerate(sizes)
     ]
-    return costs, input_bytes
+    return costs, input_bytes, frozenset(copies)
 
 
 def _time(stages: Sequence[nn.Module], x: torch.Tensor, forward: list[list[float]], backward: list[list[float]],
-          times: int) -> None:
-    """Append each stage's forward and backward seconds on `x`'s chain of activations, `times` times over."""
+          times: int, copies: set[int]) -> None:
+    """Append each stage's forward and backward seconds on `x`'s chain of activations, `times` times over; the
+    stages of `copies` on a copy of their input."""
     device = x.device
     for _ in range(times):
         a = x.detach()
@@ -164,7 +194,7 @@ def _time(stages: Sequence[nn.Module], x: torch.Tensor, forward: list[list[float
             synchronize((device,))
             start = now()
             with torch.enable_grad():
-                out = stage(inp)
+                out = stage(inp.clone() if n in copies else inp)
             synchronize((device,))
             forward[n].append(now() - start)
             a = out.detach()
@@ -178,3 +208,30 @@ def _time(stages: Sequence[nn.Module], x: torch.Tensor, forward: list[list[float
                 synchronize((device,))
                 backward[n].append(now() - start)
             del inp
+
+
+class _FirstWrite(Mode):
+    """Notes the first op that writes into the memory of `tensor`."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self.key = storage_key(tensor)
+        self.found: str | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.found is None and self.key is not None:
+            for position, name in op_info(func).writes:
+                value = args[position] if position < len(args) else (kwargs or {}).get(name)
+                if isinstance(value, torch.Tensor) and storage_key(value) == self.key:
+                    self.found = str(func)
+        return func(*args, **(kwargs or {}))
+
+
+def writer(stage: nn.Module, a: torch.Tensor) -> str | None:
+    """The first op of `stage` that writes into its input, run on a copy of `a` without grad (for an error message:
+    NOTE [ A stage that changes its input ], rule 3); None where none does."""
+    copy = a.detach().clone()
+    mode = _FirstWrite(copy)
+    with torch.no_grad(), mode:
+        stage(copy)
+    return mode.found
