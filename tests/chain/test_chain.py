@@ -190,3 +190,45 @@ def test_profiled_time_is_not_one_slow_run() -> None:
     net = chain([Stalls(), nn.Tanh()], budget=1.0, sample=torch.randn(2, 4))
     assert net.plan is not None
     assert net.plan.stages[0].forward_time < 0.1
+
+
+def _in_place_stages(seed: int = 0) -> nn.Sequential:
+    """A convnet's habit: activations in place, each its own stage (NOTE [ A stage that changes its input ])."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Dropout(0.2)]
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize("how", ["segments", "budget"])
+def test_a_stage_that_changes_its_input_in_place_runs_on_a_copy(how: str) -> None:
+    """Before: torch's "a leaf Variable that requires grad is being used in an in-place operation", naming no stage.
+    Now the chain's kept outputs stay what their stages made, and gradients are plain autograd's."""
+    reference = _in_place_stages()
+    x = torch.randn(32, 16, dtype=torch.float64)
+    sample = x.clone()
+    options = {"segments": 4} if how == "segments" else {"budget": 0.5}
+    built = chain(copy.deepcopy(reference), sample=sample, **options)  # type: ignore[arg-type]
+    torch.testing.assert_close(sample, x)  # profiling never changes the caller's sample
+    assert built.copies == frozenset({1, 4, 7, 10})
+    assert built.plan is not None and built.plan.extra_forwards() > 0, "the chain recomputed nothing"
+    _grads_match(reference, built, x)
+
+
+def test_a_stage_that_changes_its_input_only_off_the_sample_is_a_clear_error() -> None:
+    """NOTE [ A stage that changes its input ], rule 3: named with the stage and the op, never a silent difference."""
+
+    def sometimes(x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2) if bool(x.sum() > 0) else x * 2
+
+    first = nn.Linear(8, 8).double()
+    with torch.no_grad():
+        first.weight.abs_()
+        first.bias.zero_()  # a positive input makes a positive output, a negative one a negative one
+    built = chain([first, sometimes, nn.Linear(8, 8).double()], segments=3)
+    built.plan_for(-torch.ones(4, 8, dtype=torch.float64))  # profiled where the stage does not change its input
+    assert built.copies == frozenset()
+    with pytest.raises(RematError, match=r"stage 1 of the chain \(_Call\) changed its input in place "
+                                         r"\(aten\.mul_\.Tensor"):
+        built(torch.ones(4, 8, dtype=torch.float64, requires_grad=True))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 from typing import Any
 
 import pytest
 import torch
-from conftest import randn
+from conftest import CountOps, randn
 from models import MLP
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
 
@@ -116,3 +118,43 @@ def test_a_compiled_model_that_keeps_a_random_op_matches_eager(backend: str) -> 
     finally:
         torch._inductor.config.fallback_random = previous
     torch.testing.assert_close(got, expected)
+
+
+def _scaled(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Issue 51's first row: a matmul output the policy keeps, changed in place after the matmul."""
+    h = x @ w1
+    h.mul_(2)
+    return (h.sin() @ w2).cos()
+
+
+def _keep_mm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    keep = op is torch.ops.aten.mm.default
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("site", ["@remat save_matmuls", "checkpoint, torch's selective contexts"])
+@pytest.mark.parametrize("backend", [pytest.param("eager", marks=pytest.mark.equivalence), "aot_eager"])
+def test_a_kept_output_changed_in_place_under_compile(backend: str, site: str) -> None:
+    """Compiled code functionalises the change and saves the op's own value; where torch runs its checkpoint operator
+    eagerly (`backend="eager"`), the recompute mode runs the changed matmul again (one more in backward than no
+    remat's) where torch raised "Tensor cached during selective activation checkpoint has been mutated" (NOTE
+    [ Under torch.compile ], rule 4)."""
+    if site == "@remat save_matmuls":
+        fn = remat.remat(_scaled, policy=remat.policies.save_matmuls)
+    else:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_mm)
+        fn = functools.partial(remat.checkpoint, _scaled, use_reentrant=False, context_fn=context_fn)
+
+    def grads(run: Any) -> tuple[tuple[torch.Tensor, ...], int]:
+        args = (randn(8, 16, requires_grad=True), randn(16, 16, requires_grad=True, seed=1),
+                randn(16, 16, requires_grad=True, seed=2))
+        out = run(*args).sum()
+        with CountOps(lambda func: func is torch.ops.aten.mm.default) as counter:
+            found = torch.autograd.grad(out, args)
+        return found, counter.count
+
+    expected, plain = grads(_scaled)
+    got, matmuls = grads(torch.compile(fn, backend=backend, fullgraph=True))
+    torch.testing.assert_close(got, expected)
+    if backend == "eager":
+        assert matmuls == plain + 1

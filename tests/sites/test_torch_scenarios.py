@@ -7,12 +7,14 @@ recomputed, so it fails when remat does nothing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from conftest import assert_same_grads, randn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
 from remat._engine import stats as _stats
@@ -122,3 +124,27 @@ def test_reading_a_saved_result_outside_backward_recomputes_each_time() -> None:
     (got,) = torch.autograd.grad(out.sum(), a)
     (expected,) = torch.autograd.grad(fn(a).sum(), a)
     torch.testing.assert_close(got, expected)
+
+
+def _keep_sin(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.sin.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["default", "allow_cache_entry_mutation"])
+def test_version_counter(allow: bool) -> None:
+    """PyTorch's TestSelectiveActivationCheckpoint::test_version_counter: `sin` is kept and `mul_` then changes it.
+    torch raises "Tensor cached during selective activation checkpoint has been mutated", and with
+    `allow_cache_entry_mutation=True` hands the changed tensor back (wrong gradients). remat runs `sin` again in
+    recompute either way: the gradients of plain autograd (NOTE [ A kept output changed in place ])."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.sin().mul_(2).cos().exp()
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_sin, allow_cache_entry_mutation=allow)
+    assert_same_grads(lambda: fn, (randn(3, requires_grad=True),),
+                      lambda f: functools.partial(remat.checkpoint, f, use_reentrant=False, context_fn=context_fn))
+    x = randn(3, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False, context_fn=context_fn)
+    if not allow:
+        with pytest.raises(RuntimeError, match="has been mutated"):
+            out.sum().backward()
