@@ -14,7 +14,7 @@ Rules:
    * held bytes: the born storages of its outputs (what the next block reads), plus, for `save_matmuls`, every
      storage a matmul-class op made (the policy keeps them all until recompute; NOTE [ What a policy keeps ]) but
      those a later op of the block changed in place, which the policy does not keep and recompute rebuilds, as
-     under full remat (NOTE [ A kept output changed in place ] in remat/_engine/selective.py),
+     under full remat (NOTE [ A kept output changed in place ] in remat/_engine/kept.py),
      plus under autocast the casts of its parameters that autocast caches, which live to the end of the step's
      autocast region, after the last forward, whatever the block does (counted through backward too, where they
      are gone: an overestimate by those casts of the blocks before, while backward runs);
@@ -100,7 +100,7 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 #    keeps just those calls (NOTE [ Some calls ] in remat/_core/policies.py).
 # 3. A call that makes one of the block's outputs is never picked, nor in eager code one whose output the block
 #    changes in place (the policy would not keep it: NOTE [ A kept output changed in place ] in
-#    remat/_engine/selective.py). A share that picks no call, or every call it may, is not offered (it would be full
+#    remat/_engine/kept.py). A share that picks no call, or every call it may, is not offered (it would be full
 #    remat or `save_matmuls` again).
 #
 # Implementation notes:
@@ -116,7 +116,7 @@ DERIVABLE = ("full", "save_matmuls", *PARTS)
 
 def changed_calls(detail: Detail) -> set[int]:
     """The matmul-class calls whose output the block changed in place after the call (`Detail.changed`): eager code
-    keeps none of them (NOTE [ A kept output changed in place ] in remat/_engine/selective.py).
+    keeps none of them (NOTE [ A kept output changed in place ] in remat/_engine/kept.py).
 
     >>> d = Detail()
     >>> d.calls, d.changed = {3: 0, 5: 1}, {5}

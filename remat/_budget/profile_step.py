@@ -292,7 +292,7 @@ class Detail:
             remat/_measure/autocast.py).
         call_time: per matmul-class call, its seconds (from the end of the op before).
         changed: the numbers among `matmul` that a later op of the window wrote into (in place, through any view):
-            a policy does not keep those (NOTE [ A kept output changed in place ] in remat/_engine/selective.py).
+            a policy does not keep those (NOTE [ A kept output changed in place ] in remat/_engine/kept.py).
         events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released.
         ops: aten ops the window ran.
         live: the storages of `born` live now (while the window is open) or when it closed: key -> number.

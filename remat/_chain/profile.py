@@ -25,7 +25,7 @@ __all__ = ["backward_stage", "check_tensor", "grad_input", "nbytes", "profile", 
 
 # NOTE [ A stage that changes its input ]
 # A chain keeps stage outputs as the inputs of the stages after them (`forward_checkpoint`, `forward_save`) and
-# recomputes stages from them: a kept output (NOTE [ A kept output changed in place ] in remat/_engine/selective.py).
+# recomputes stages from them: a kept output (NOTE [ A kept output changed in place ] in remat/_engine/kept.py).
 # A stage that changes its input in place (`nn.ReLU(inplace=True)` as a stage of its own, `x.mul_(s)` first thing)
 # would change that kept tensor, and every recompute from it would start from the changed value.
 #

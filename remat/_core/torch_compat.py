@@ -185,7 +185,7 @@ def shared_detach(tensor: torch.Tensor) -> torch.Tensor:
 
     There a plain `detach` runs below autograd's view tracking (the ADInplaceOrView key is excluded) and gets a version
     counter of its own, blind to every later in-place change of `tensor`; this one sees them (NOTE [ A kept output
-    changed in place ] in _engine/selective.py).
+    changed in place ] in _engine/kept.py).
     """
     with _exclude_keys(_in_place_or_view, False):
         return tensor.detach()
@@ -566,7 +566,7 @@ def rerun_changed(contexts: tuple[Any, Any]) -> tuple[Any, Any]:
     """torch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`), with the recompute one made to
     run again every op whose cached output was changed in place since it was cached, instead of raising "Tensor cached
     during selective activation checkpoint has been mutated" or handing the changed tensor back (NOTE [ A kept output
-    changed in place ] in _engine/selective.py).
+    changed in place ] in _engine/kept.py).
 
     Where torch runs its checkpoint operator eagerly (`backend="eager"`) these modes run; compiled code functionalises
     in-place ops and saves each op's own value. Other contexts, or a torch without these names

@@ -37,7 +37,7 @@ __all__ = [
 #    or added. A class's `forward` is read by other code (transformers checkpoints a layer only while
 #    `type(layer).forward` is its own wrapper; accelerate and PEFT wrap it), and every instance shares it.
 # 4. What a selective context keeps and the function then changes in place is never handed back (NOTE [ A kept
-#    output changed in place ] in selective.py): compiled code functionalises in-place ops, so what it saves is the
+#    output changed in place ] in kept.py): compiled code functionalises in-place ops, so what it saves is the
 #    op's own value; where torch runs its operator eagerly (`backend="eager"`), its recompute mode runs such an op
 #    again (`rerun_changed`) instead of raising "has been mutated".
 #

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from .._core.policies import Policy
-from .._core.torch_compat import shared_detach
 from .debug import describe
 from .guard import storage_key, written_arguments
+from .kept import KeptOutput, keep_output
 from .modes import Mode
 from .rng import Draw, RngStash, draws, with_index
 
@@ -150,10 +150,9 @@ class Recorder(Mode):
     ) -> None:
         super().__init__()
         self.policy = policy
-        # Outputs of the ops the policy keeps, detached, with their version (see NOTE [ Policies on the tape ]; the
-        # detached tensor shares the output's version counter: NOTE [ A kept output changed in place ] in
-        # selective.py).
-        self.kept: dict[int, tuple[torch.Tensor, int]] = {}
+        # Outputs of the ops the policy keeps, by slot, detached, with their version (see NOTE [ Policies on the tape ]
+        # and NOTE [ A kept output changed in place ] in kept.py).
+        self.kept: dict[int, KeptOutput] = {}
         # the kept ops that drew random numbers while `preserve_rng` is off: replay cannot run them again as they ran
         self.unrepeatable: set[int] = set()
         self.refs: dict[int, Marker] = {}
@@ -261,7 +260,7 @@ class Recorder(Mode):
         if self.policy is not None and count != 0 and self.policy.saves_op(func):
             for index, item in enumerate((out,) if count < 0 else out):
                 if isinstance(item, _Tensor):
-                    self.kept[first + index] = (shared_detach(item), item._version)
+                    self.kept[first + index] = keep_output(item)
             if info.seeded and draws(func, args, kwargs):
                 if self.preserve_rng:
                     self.draws[len(self.ops) - 1] = Draw.after(args, kwargs)
@@ -338,7 +337,7 @@ class Recorder(Mode):
         if self.policy.saves_name(name):
             slot = self.lookup(tensor)
             if slot is not None:
-                self.kept[slot] = (tensor.detach(), tensor._version)
+                self.kept[slot] = keep_output(tensor)
         return tensor
 
     def lookup(self, tensor: torch.Tensor) -> int | None:

@@ -116,8 +116,8 @@ class RegionFrame(Frame):
                     if recorder.kept:
                         kept_slot = slot if base is None else refs[id(base)][1]
                         output = recorder.kept.get(kept_slot)
-                        # not one changed since it was kept: NOTE [ A kept output changed in place ] in selective.py
-                        if output is not None and output[0]._version == output[1]:
+                        # not one changed since it was kept: NOTE [ A kept output changed in place ] in kept.py
+                        if output is not None and not output.moved():
                             return self._keep_claimed(recorder, tensor, kept_slot)
                     return self._capture(recorder, tensor, slot)
             elif self.outer is None:
@@ -143,7 +143,7 @@ class RegionFrame(Frame):
             if self.offload is not None:
                 # The kept output itself is the object the tape keeps: one host copy serves both.
                 kept = recorder.kept.get(slot) if tensor._base is None else None
-                return self.offload.pack(kept[0] if kept is not None else tensor.detach())
+                return self.offload.pack(kept.value if kept is not None else tensor.detach())
             return self.keep(tensor.detach())  # detached: an op may save its own output
         finally:
             recorder.paused = False

@@ -25,9 +25,10 @@ from .debug import OpTrace
 from .guard import guard_buffers, release
 from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
+from .kept import KeptOutput, keep_output
 from .offload import Offload, for_kept, no_offload_inside
 from .rng import Draw, RngStash, devices_of
-from .selective import KeptOutput, ReuseOps, SaveOps, keep_output
+from .selective import ReuseOps, SaveOps
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
@@ -116,7 +117,7 @@ class RerunFrame(Frame):
     # tensors kept through `remat.tag`, by id: the tensor (weakly) and what keeps it
     kept_ids: dict[int, tuple[weakref.ref[torch.Tensor], KeptOutput]]
     # tensors kept through `remat.tag`, detached (or offloaded), in order (None once dropped: NOTE [ A kept output
-    # changed in place ] in selective.py)
+    # changed in place ] in kept.py)
     kept_tags: list[KeptOutput | None]
     offload: Offload | None  # where what the policy keeps goes: NOTE [ Offloaded sites ] in offload.py
     attrs: Attributes | None  # the module's Python attributes before recompute: NOTE [ Mismatch hints ]
@@ -147,7 +148,7 @@ class RerunFrame(Frame):
     def _kept_by_policy(self, tensor: torch.Tensor) -> bool:
         found = self.kept_ids.get(id(tensor))
         if found is not None and found[0]() is tensor:
-            # changed since it was tagged: rebuilt (NOTE [ A kept output changed in place ] in selective.py)
+            # changed since it was tagged: rebuilt (NOTE [ A kept output changed in place ] in kept.py)
             return not found[1].moved()
         return self.saver is not None and self.saver.claim(tensor)
 
@@ -155,7 +156,7 @@ class RerunFrame(Frame):
         """Forward's `remat.tag`: keep `tensor` when the policy saves `name`."""
         if self.policy is not None and self.policy.saves_name(name):
             # detached: no cycle through forward's graph; offloaded at once, as the tensor autograd saves; with its
-            # version (NOTE [ A kept output changed in place ] in selective.py)
+            # version (NOTE [ A kept output changed in place ] in kept.py)
             kept = keep_output(tensor, None if self.offload is None else self.offload.pack)
             self.kept_tags.append(kept)
             self.kept_ids[id(tensor)] = (weakref.ref(tensor), kept)
@@ -385,7 +386,7 @@ def end(frame: RerunFrame, *, ok: bool = True) -> None:
         frame.kept, frame.claimed, frame.draws = frame.saver.finish()
         frame.saver = None
     if frame.policy is not None and frame.kept_tags:
-        # a tagged tensor changed since: nothing to hand back (NOTE [ A kept output changed in place ] in selective.py)
+        # a tagged tensor changed since: nothing to hand back (NOTE [ A kept output changed in place ] in kept.py)
         tags = frame.kept_tags
         for index, kept in enumerate(tags):
             if kept is not None and kept.moved():

@@ -323,7 +323,7 @@ def _write(source: torch.Generator | torch.device, state: Any) -> None:
 class Draw:
     """The state of the generator a random op drew from, read right after the op ran (NOTE [ Random ops ]); for an op
     given its own `generator=`, which no stash covers, also the state right before it (`before`), so that recompute
-    can run the op again drawing what it drew (NOTE [ A kept output changed in place ] in selective.py).
+    can run the op again drawing what it drew (NOTE [ A kept output changed in place ] in kept.py).
 
     >>> x = torch.ones(1000)
     >>> start = torch.get_rng_state()

@@ -1,7 +1,7 @@
 """Dispatch modes that carry out a policy: keep the chosen ops' outputs in forward, hand them back in recompute.
 
-See NOTE [ Policies ] in remat/_core/policies.py, NOTE [ What a policy keeps ] and NOTE [ A kept output changed in
-place ] below.
+See NOTE [ Policies ] in remat/_core/policies.py, NOTE [ What a policy keeps ] below, and NOTE [ A kept output
+changed in place ] in kept.py.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import torch
 
 from .._core.errors import RematError
 from .._core.policies import Policy
-from .._core.torch_compat import shared_detach
 from .guard import storage_key
+from .kept import CHANGED_RANDOM, KeptOutput, keep_output
 from .modes import Mode
 from .recorder import op_info
 from .rng import Draw, Draws, draws, own_generator
-from .transfer import Parcel
 
-__all__ = ["CHANGED_RANDOM", "KeptOutput", "ReuseOps", "SaveOps", "keep_output", "reuse", "version_probe"]
+__all__ = ["ReuseOps", "SaveOps", "reuse"]
 
 # NOTE [ What a policy keeps ]
 # A policy names ops whose outputs are kept from forward instead of rebuilt (`save_matmuls`), so that recompute
@@ -50,132 +49,6 @@ __all__ = ["CHANGED_RANDOM", "KeptOutput", "ReuseOps", "SaveOps", "keep_output",
 # 2. (rule 4) A kept output with its grad_fn would reach the site's saved-tensor hooks, a cycle through C++ that
 #    kept everything alive when the graph was dropped without backward.
 
-# NOTE [ A kept output changed in place ]
-# A policy keeps the op's output tensor itself. When the function then changes it in place (`h = x @ w; h += b`,
-# `h.mul_(s)`, `scores.masked_fill_(...)`, a write through a view of it, or a change after the site returned), the
-# kept tensor no longer holds what the op made; handed back in recompute, the change would be applied to it a second
-# time and everything after it rebuilt from wrong values, silently.
-#
-# Rules:
-# 1. Every kept output, whatever keeps it (a policy's op in either strategy, a `remat.tag` for a saved name, a budget
-#    plan's calls, torch's selective contexts through `remat.checkpoint`, an offloaded policy), is noted with its
-#    version when it is kept. `tensor._version` counts every in-place change of its memory made through autograd,
-#    through any view.
-# 2. Recompute hands a kept output back only while its version is the one noted. Where it moved, recompute runs the
-#    op again from its rebuilt inputs (a tagged tensor: takes what recompute rebuilt): exact gradients, and only
-#    that op loses its saving.
-# 3. What moved by the end of forward is dropped then, and a tensor that autograd saves in its memory is rebuilt
-#    like any other rather than kept by reference (`claim`): the site holds for it what full remat holds. A budget
-#    prices it so (NOTE [ Deriving choices ] in remat/_budget/costs_derived.py).
-# 4. A kept op that drew random numbers runs again drawing what it drew in forward: with `preserve_rng`, recompute's
-#    generator stands where forward's stood before that op (every random op before it ran again or set its draw:
-#    NOTE [ Random ops ] in rng.py). Without `preserve_rng` it would draw another mask, so running it again is
-#    impossible: recompute raises an error that names the site, the op and the change, never a silent difference.
-# 5. Under torch.compile the compiler functionalises in-place ops, and what it saves is the op's own value: nothing
-#    to note (NOTE [ Under torch.compile ] in compiled.py).
-# 6. An op that writes into its arguments (in place, `out=`: `bernoulli_`, chosen by a callable policy) is never
-#    kept: its output is the tensor it wrote, which recompute rebuilds and the op must write into again. It runs
-#    again, drawing what it drew (rule 4).
-#
-# Implementation notes:
-# 1. (rule 1) A dispatch mode's handler runs below autograd's view tracking, where a plain `detach` makes a tensor
-#    with a version counter of its own, blind to every later change (so the tape's old check never fired). The kept
-#    tensor is detached with that tracking on (`shared_detach`, as torch's selective checkpoint does): it shares the
-#    output's counter. An offloaded kept output (a `Parcel`) holds no device memory; its version is read from a
-#    probe, a detached tensor whose data is swapped for an empty one, which keeps the counter and none of the memory
-#    (`version_probe`).
-# 2. (rule 2) One version read per kept output per recompute; ops that are not kept pay nothing, and the per-op
-#    paths (the tape's recorder, a site without a policy) are untouched.
-# 3. (rule 3) Not claiming matters: claimed, the saved tensor would hold the changed value for good, the op would
-#    still run again in recompute, and the site would hold more than either full remat or the policy without it.
-# 4. (rules 4, 6) An op given its own `generator=`, which no stash covers, has that generator's state read before
-#    it too (`Draw.before`): running again, it is set there first and put back when recompute ends.
-# 5. torch's own selective checkpoint checks the same counter and raises "Tensor cached during selective activation
-#    checkpoint has been mutated" (with `allow_cache_entry_mutation=True` it hands the changed tensor back: wrong
-#    gradients). remat's drop-in carries out torch's contexts itself (NOTE [ Selective contexts ] in
-#    remat/_sites/checkpoint.py), so the rule above applies there too, with or without that flag.
-
-CHANGED_RANDOM = (
-    "remat: `{site}` keeps the output of {op}, which draws random numbers, and the function changed that output in "
-    "place after the op (its version went from {before} to {after}: `h.mul_(...)`, `h += ...`, `h.masked_fill_(...)` "
-    "or a write through a view of it). Recompute must run {op} again, and without `preserve_rng` it would draw other "
-    "random numbers than forward did: wrong gradients. Keep `preserve_rng=True` (`preserve_rng_state=True` for "
-    "remat.checkpoint), or make the change out of place (`h = h * s`)."
-)
-
-
-def version_probe(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor that shares `tensor`'s version counter and holds none of its memory (NOTE [ A kept output changed in
-    place ], implementation note 1).
-
-    >>> h = torch.ones(1024)
-    >>> probe = version_probe(h)
-    >>> h.mul_(2)[0].add_(1)  # changed in place, also through a view
-    tensor(3.)
-    >>> probe._version == h._version, probe.untyped_storage().nbytes()
-    (True, 0)
-    """
-    probe = shared_detach(tensor)
-    probe.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # the same kind of tensor
-    return probe
-
-
-class KeptOutput:
-    """One kept output (a tensor, or the tensors of a call's outputs) and its version when it was kept (NOTE [ A
-    kept output changed in place ]).
-
-    `value` is what recompute gets back (detached, or offloaded); `watch` shares the version counter of each kept
-    tensor; `repeatable` says whether running its op again gives what forward gave (False: a random op without
-    `preserve_rng`).
-    """
-
-    __slots__ = ("repeatable", "value", "version", "watch")
-
-    def __init__(self, value: Any, watch: Any, version: int, repeatable: bool = True) -> None:
-        self.value = value
-        self.watch = watch
-        self.version = version
-        self.repeatable = repeatable
-
-    def now(self) -> int:
-        """The version of the kept tensor(s) now (a sum over a call's outputs: versions only grow)."""
-        watch = self.watch
-        if type(watch) is tuple:
-            return sum(t._version for t in watch)
-        return watch._version  # type: ignore[no-any-return]
-
-    def moved(self) -> bool:
-        """Whether the kept tensor(s) were changed in place since they were kept."""
-        return self.now() != self.version
-
-
-def keep_output(out: Any, pack: Callable[[torch.Tensor], Any] | None = None, repeatable: bool = True) -> KeptOutput:
-    """Keep an op's output (a tensor, or a tuple or list with tensors), each tensor detached sharing its version
-    counter (`shared_detach`) or handed to `pack` (an offload), with its version now."""
-    if isinstance(out, torch.Tensor):
-        value, watch = _keep(out, pack)
-        return KeptOutput(value, watch, out._version, repeatable)
-    values: list[Any] = []
-    watches: list[torch.Tensor] = []
-    version = 0
-    for t in out:
-        if isinstance(t, torch.Tensor):
-            value, watch = _keep(t, pack)
-            values.append(value)
-            watches.append(watch)
-            version += t._version
-        else:
-            values.append(t)
-    return KeptOutput(tuple(values), tuple(watches), version, repeatable)
-
-
-def _keep(tensor: torch.Tensor, pack: Callable[[torch.Tensor], Any] | None) -> tuple[Any, torch.Tensor]:
-    alias = shared_detach(tensor)
-    if pack is None:
-        return alias, alias
-    value = pack(alias)
-    return value, version_probe(alias) if type(value) is Parcel else alias
-
 
 class SaveOps(Mode):
     """Forward: keep the outputs of the ops `policy` chooses, in order (see NOTE [ What a policy keeps ]), each a
@@ -202,10 +75,11 @@ class SaveOps(Mode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         before = None
-        if kwargs:  # an op's own generator: its state before the op too (NOTE [ A kept output changed in place ])
-            generator = own_generator(kwargs)
-            if generator is not None and self.rng and self.saves_op(func):
-                before = generator.get_state()
+        if kwargs:
+            if self.rng and "generator" in kwargs and self.saves_op(func):
+                # an op's own generator: its state before the op too (NOTE [ A kept output changed in place ])
+                generator = own_generator(kwargs)
+                before = None if generator is None else generator.get_state()
             out = func._op(*args, **kwargs)
         else:
             out = func._op(*args)  # `_op`: no Python frame of `__call__`

@@ -17,8 +17,8 @@ from .._core.errors import RematError
 from .._core.torch_compat import any_autocast
 from .autocast import AutocastState
 from .debug import describe
+from .kept import CHANGED_RANDOM, KeptOutput
 from .recorder import Outside, Recorder, Slot, op_info
-from .selective import CHANGED_RANDOM, version_probe
 from .transfer import Parcel, Stay
 
 __all__ = ["Tape"]
@@ -31,7 +31,7 @@ __all__ = ["Tape"]
 # (NOTE [ What a policy keeps ] in selective.py), a kept output that autograd does not save is dropped after
 # the replay that used it, so that it and what replay rebuilt from it do not outlive that backward; a second
 # replay (`retain_graph`) runs its op. A kept output changed in place after it was kept, in forward or after it,
-# is not kept: its op is replayed (NOTE [ A kept output changed in place ] in selective.py; checked when forward
+# is not kept: its op is replayed (NOTE [ A kept output changed in place ] in kept.py; checked when forward
 # ends and before every replay). A kept op that drew random numbers sets its generator, where replay would have
 # run it, to the state forward left it in (NOTE [ Random ops ] in rng.py), also when no saved tensor needs its
 # outputs.
@@ -115,7 +115,7 @@ class Tape:
 
     __slots__ = (
         "captures", "claimed", "draws", "generators", "kept", "lock", "ops", "outside", "points", "refused", "rng",
-        "script", "site", "slots", "snapshots", "trace", "unrepeatable", "versions", "writes",
+        "script", "site", "slots", "snapshots", "trace", "unrepeatable", "writes",
     )
 
     def __init__(
@@ -154,17 +154,14 @@ class Tape:
         self.lock = threading.Lock()
         # See NOTE [ Policies on the tape ]: a kept output changed in place after it was kept is not kept.
         end = self.ops[-1][3] + max(self.ops[-1][4], 1) if self.ops else 0
-        kept = {slot: entry for slot, entry in recorder.kept.items() if slot < end}
-        self.kept: dict[int, torch.Tensor | Parcel | Stay] = {slot: tensor for slot, (tensor, _) in kept.items()}
-        # per kept slot: a tensor sharing its version counter, and its version when kept
-        self.versions: dict[int, tuple[torch.Tensor, int]] = kept
+        self.kept: dict[int, KeptOutput] = {slot: kept for slot, kept in recorder.kept.items() if slot < end}
         # kept random ops that replay cannot run again as they ran (no `preserve_rng`), and those of them whose
         # outputs changed: op -> (version kept, version now); replay raises if it must run one
         self.unrepeatable = frozenset(op for op in recorder.unrepeatable if op < stop)
         self.refused: dict[int, tuple[int, int]] = {}
         self.claimed = claimed
         self.draws = {op: draw for op, draw in recorder.draws.items() if op < stop} if recorder.draws else {}
-        if kept:
+        if self.kept:
             self._drop_changed()
 
     def hand_to(self, pack: Callable[[torch.Tensor], Any]) -> None:
@@ -175,28 +172,19 @@ class Tape:
                 o.version = -1
 
     def offload_kept(self, pack: Callable[[torch.Tensor], Parcel | Stay]) -> None:
-        """Hold the outputs the policy keeps through an offload's `pack` (NOTE [ Offloaded sites ]); an offloaded one's
-        version is read from a probe that holds none of its device memory (NOTE [ A kept output changed in place ])."""
-        kept: dict[int, torch.Tensor | Parcel | Stay] = {}
-        for slot, tensor in self.kept.items():
-            value = pack(tensor) if isinstance(tensor, torch.Tensor) else tensor
-            kept[slot] = value
-            if type(value) is Parcel and isinstance(tensor, torch.Tensor):
-                self.versions[slot] = (version_probe(tensor), self.versions[slot][1])
-        self.kept = kept
+        """Hold the outputs the policy keeps through an offload's `pack` (NOTE [ Offloaded sites ]), each with the
+        version noted when it was kept (NOTE [ A kept output changed in place ] in kept.py)."""
+        self.kept = {slot: kept.packed(pack) for slot, kept in self.kept.items()}
 
     def _drop_changed(self) -> None:
         """Stop keeping the outputs changed in place since they were kept: replay runs their ops (NOTE [ A kept output
-        changed in place ] in selective.py). Called when forward ends and before each replay."""
-        versions = self.versions
-        moved = {slot: (version, watch._version) for slot, (watch, version) in versions.items()
-                 if watch._version != version}
+        changed in place ] in kept.py). Called when forward ends and before each replay."""
+        moved = {slot: (kept.version, kept.now()) for slot, kept in self.kept.items() if kept.moved()}
         if not moved:
             return
         with self.lock:
             for slot in moved:
                 self.kept.pop(slot, None)
-                versions.pop(slot, None)
             self.script = None
         for op in self.unrepeatable:
             _, _, _, first, outputs, _ = self.ops[op]
@@ -327,7 +315,7 @@ class Tape:
             retrace: under REMAT_DEBUG, receives one line per replayed op.
         """
         stop = max(self.points[index] for index in wanted)
-        if self.versions:
+        if self.kept:
             self._drop_changed()
         for op, (before, after) in self.refused.items():
             if op < stop:
@@ -376,7 +364,7 @@ class Tape:
                         retrace.append(describe(func, out))
                 elif fills is not None and (filled := fills[index]) is not None:
                     for slot in filled:
-                        kept = self.kept[slot]
+                        kept = self.kept[slot].value
                         values[slot] = kept.detach() if isinstance(kept, torch.Tensor) else kept.get()
                     if self.draws and (draw := self.draws.get(index)) is not None:
                         draw.set(None)  # within the stash's fork: the recorder stashed this generator
@@ -400,7 +388,6 @@ class Tape:
             if dropped:
                 for slot in dropped:
                     del self.kept[slot]
-                    self.versions.pop(slot, None)
                 self.script = None  # the next replay (retain_graph) runs those ops again
 
 

@@ -43,7 +43,7 @@ _T = TypeVar("_T")
 #    contexts go to torch's checkpoint operator (NOTE [ Under torch.compile ]), torch's selective ones with their
 #    recompute mode made to run again an op whose kept output was changed in place (rule 4 there).
 # 4. What the user's policy keeps and the function then changes in place is never handed back: the op runs again
-#    (NOTE [ A kept output changed in place ] in remat/_engine/selective.py), whatever `allow_cache_entry_mutation`
+#    (NOTE [ A kept output changed in place ] in remat/_engine/kept.py), whatever `allow_cache_entry_mutation`
 #    says, where torch raises "has been mutated" (or, with that flag, hands back the changed tensor).
 
 

@@ -58,7 +58,7 @@ class ConvNet(nn.Module):
 
 class Scaled(nn.Module):
     """Issue 51's block: its first matmul's output is changed in place, which no policy keeps (NOTE [ A kept output
-    changed in place ] in remat/_engine/selective.py), so a budget prices it as recomputed."""
+    changed in place ] in remat/_engine/kept.py), so a budget prices it as recomputed."""
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()

@@ -1,5 +1,5 @@
 """A kept output that the function changes in place after it was kept (NOTE [ A kept output changed in place ] in
-remat/_engine/selective.py; docs/guides/policies.md, "A kept output changed in place").
+remat/_engine/kept.py; docs/guides/policies.md, "A kept output changed in place").
 
 A policy keeps the op's output tensor itself. Before the fix, a function that changed it afterwards (`h = x @ w;
 h.mul_(2)`, `h += 1`, `s.masked_fill_(...)`) got it back in recompute with the change applied, and the change was
