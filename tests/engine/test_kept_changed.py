@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from conftest import CountOps, assert_same_grads, assert_same_on_device, randn, recomputes
 from seeded import keeps_noisy, noisy_scale
-from torch import nn
+from test_random_kept import Noisy
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import remat
@@ -209,14 +209,9 @@ def test_a_tagged_tensor_changed_in_place_gives_the_gradients_of_no_remat(keepin
 # -- random ops: NOTE [ Random ops ] in remat/_engine/rng.py --------------------------------------------------------
 
 
-class NoisyChanged(nn.Module):
+class NoisyChanged(Noisy):
     """A matmul, the random op a policy keeps (one op drawing its mask, as fused attention with dropout on CUDA),
     its output changed in place, then an ordinary dropout recomputed."""
-
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, 2 * width)
-        self.fc2 = nn.Linear(2 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = noisy_scale(self.fc1(x), 0.3)
