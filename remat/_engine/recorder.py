@@ -257,7 +257,8 @@ class Recorder(Mode):
         self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
         if self.trace is not None:
             self.trace.append(describe(func, out))
-        if self.policy is not None and count != 0 and self.policy.saves_op(func):
+        # an op that writes into its arguments is never kept (NOTE [ A kept output changed in place ] in kept.py)
+        if self.policy is not None and count != 0 and not info.writes and self.policy.saves_op(func):
             for index, item in enumerate((out,) if count < 0 else out):
                 if isinstance(item, _Tensor):
                     self.kept[first + index] = keep_output(item)

@@ -241,10 +241,12 @@ def test_without_preserve_rng_a_changed_random_op_is_a_clear_error(strategy: str
         out.sum().backward()
 
 
-def test_an_op_that_writes_its_argument_is_never_kept() -> None:
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_an_op_that_writes_its_argument_is_never_kept(strategy: str) -> None:
     """`bernoulli_` with its own generator, chosen by a callable policy: recompute must write into the tensor it
-    rebuilt (before the fix it handed back forward's and left the rebuilt one unwritten), drawing what it drew, and
-    the generator is put back after recompute."""
+    rebuilt (before the fix rerun handed back forward's and left the rebuilt one unwritten), drawing what it drew,
+    and the generator is put back after recompute. Without `preserve_rng` it is not kept either: it runs again, as
+    every random op a site does not keep."""
     generator = torch.Generator()
 
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -255,13 +257,17 @@ def test_an_op_that_writes_its_argument_is_never_kept() -> None:
         generator.manual_seed(7)
         return fn
 
-    keeps = _decorated(policy=lambda op: op is torch.ops.aten.bernoulli_.float)
+    def keeps_bernoulli(op: Any) -> bool:
+        return op is torch.ops.aten.bernoulli_.float
+
+    keeps = _decorated(policy=keeps_bernoulli, strategy=strategy)
     x = randn(64, requires_grad=True)
     assert_same_grads(make, (x,), keeps)
     out = keeps(make())(x.detach().requires_grad_())
     after_forward = generator.get_state()
     out.sum().backward()
     assert torch.equal(generator.get_state(), after_forward)
+    remat.remat(make(), policy=keeps_bernoulli, strategy=strategy, preserve_rng=False)(x).sum().backward()
 
 
 # -- the device written in Python ---------------------------------------------------------------------------------
