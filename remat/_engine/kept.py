@@ -38,8 +38,10 @@ __all__ = ["CHANGED_RANDOM", "KeptOutput", "keep_output", "version_probe"]
 #    generator stands where forward's stood before that op (every random op before it ran again or set its draw:
 #    NOTE [ Random ops ] in rng.py). Without `preserve_rng` it would draw another mask, so running it again is
 #    impossible: recompute raises an error that names the site, the op and the change, never a silent difference.
-# 5. Under torch.compile the compiler functionalises in-place ops, and what it saves is the op's own value: nothing
-#    to note (NOTE [ Under torch.compile ] in compiled.py).
+# 5. Under torch.compile the compiler functionalises in-place ops, and what it saves is the op's own value; where
+#    torch runs its checkpoint operator eagerly, its own recompute mode is made to run such an op again (NOTE [ Under
+#    torch.compile ] in compiled.py). A chain keeps stage outputs, and runs a stage that changes its input on a copy
+#    of it (NOTE [ A stage that changes its input ] in remat/_chain/profile.py).
 # 6. An op that writes into its arguments (in place, `out=`: `bernoulli_`, chosen by a callable policy) is never
 #    kept: its output is the tensor it wrote, which recompute rebuilds and the op must write into again. It runs
 #    again, drawing what it drew (rule 4).

@@ -52,9 +52,9 @@ __all__ = ["ReuseOps", "SaveOps", "reuse"]
 
 class SaveOps(Mode):
     """Forward: keep the outputs of the ops `policy` chooses, in order (see NOTE [ What a policy keeps ]), each a
-    `KeptOutput` with its version (NOTE [ A kept output changed in place ]); a call the policy's `calls` (or its
-    per-call choice) leave out is kept as None. With `rng`, the state of the generator each kept random op drew from
-    is read right after it (NOTE [ Random ops ] in rng.py)."""
+    `KeptOutput` with its version (NOTE [ A kept output changed in place ] in kept.py); a call the policy's `calls`
+    (or its per-call choice) leave out is kept as None. With `rng`, the state of the generator each kept random op
+    drew from is read right after it (NOTE [ Random ops ] in rng.py)."""
 
     def __init__(
         self, policy: Policy, pack: Callable[[torch.Tensor], Any] | None = None, rng: bool = False
@@ -96,7 +96,7 @@ class SaveOps(Mode):
                     self.draws[index] = Draw.after(args, kwargs, before)
                 else:  # running it again would draw afresh: NOTE [ A kept output changed in place ], rule 4
                     repeatable = False
-            if op_info(func).writes:  # it writes into its arguments: never kept (rule 6 of the NOTE)
+            if op_info(func).writes:  # it writes into its arguments: never kept (rule 6 of the NOTE in kept.py)
                 self.kept.append(None)
                 return out
             self.kept.append(keep_output(out, self.pack, repeatable))
@@ -152,8 +152,8 @@ class ReuseOps(Mode):
 
     An output autograd does not save is dropped from `kept` as it is handed back (NOTE [ What a policy keeps ]);
     an op whose output was dropped runs again, and so does one whose output was changed in place since it was kept
-    (NOTE [ A kept output changed in place ]). A kept random op's generator is set to the state forward left it in
-    (`draws`; NOTE [ Random ops ] in rng.py), and put back as it was when recompute ends.
+    (NOTE [ A kept output changed in place ] in kept.py). A kept random op's generator is set to the state forward
+    left it in (`draws`; NOTE [ Random ops ] in rng.py), and put back as it was when recompute ends.
     """
 
     def __init__(
