@@ -422,10 +422,11 @@ class CountOps(TorchDispatchMode):
 def budget_hook(names: tuple[str, ...], policies: tuple[Any, ...], labels: tuple[str, ...]) -> Any:
     """A budget's hook on blocks `names` whose choices are `policies` (labelled `labels`), without the recompute
     check, for tests that profile or place choices themselves."""
-    from remat._budget.apply import BudgetHook
-    from remat._budget.modes import BudgetMode, Config
+    from remat._budget.driver import BudgetHook
+    from remat._budget.modes import BudgetMode
+    from remat._core.requests import BudgetRequest
 
-    hook = BudgetHook(1.0, names, BudgetMode(Config(check=False)))
+    hook = BudgetHook(1.0, names, BudgetMode(BudgetRequest(budget=1.0, sample=(), check=False)))
     hook.policies, hook.labels = policies, labels
     return hook
 
@@ -433,7 +434,7 @@ def budget_hook(names: tuple[str, ...], policies: tuple[Any, ...], labels: tuple
 def optimistic_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every choice of a budget's profile predicted to hold a tenth of what it does: a plan that fits on paper and
     not in a real step (what the budget's checks of real steps must catch)."""
-    from remat._budget import apply as _fit
+    from remat._budget import driver as _fit
 
     real = _fit.measured_costs
 

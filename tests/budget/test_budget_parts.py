@@ -15,9 +15,9 @@ from test_budget_derive import MODELS
 from torch import nn
 
 import remat
-from remat._budget.apply import BudgetHook
+from remat._budget.driver import BudgetHook
 from remat._budget.costs import ModelCost, measured_costs
-from remat._budget.costs_derived import PARTS
+from remat._budget.profile import PARTS
 from remat._budget.profile import profile_blocks
 from remat._budget.solve import evaluate_blocks
 from remat._core.policies import Policy, matmuls
@@ -188,7 +188,7 @@ def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPa
     # that beats full remat here is a matter of timing (the parts' dispatch mode is priced per run, and costs more
     # once dynamo is imported), so the parts are priced as fast as kept blocks: the solver takes them wherever kept
     # blocks do not fit, and what is tested is that their real step keeps the budget.
-    from remat._budget import apply as _fit
+    from remat._budget import driver as _fit
 
     real = _fit.measured_costs
 

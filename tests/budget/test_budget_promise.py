@@ -69,7 +69,7 @@ def _train_step(work: Workload) -> remat.Assignment:
 def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # Make the prediction miss: the profile's kept blocks claim to hold 40% less than they do, so the first plan
     # keeps too many of them, and its first training step measures over the budget.
-    from remat._budget import apply as _fit
+    from remat._budget import driver as _fit
     from remat._budget import modes as _modes
 
     real = _fit.measured_costs
