@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from ._apply import apply as _apply
+from ._apply.drive import drive
 from ._core import errors as _errors
 from ._core import policies as _policies
 from ._core import switch as _switch
@@ -159,7 +159,7 @@ def apply(
     """
     keywords = dict(locals())  # every keyword once: remat/_core/requests.py sorts them into one request
     del keywords["model"]
-    return _apply.apply(model, request_for(**keywords))
+    return drive(model, request_for(**keywords))
 
 
 def plan(model: nn.Module) -> ModelPlan:

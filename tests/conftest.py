@@ -419,16 +419,16 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def budget_hook(names: tuple[str, ...], policies: tuple[Any, ...], labels: tuple[str, ...]) -> Any:
-    """A budget's hook on blocks `names` whose choices are `policies` (labelled `labels`), without the recompute
-    check, for tests that profile or place choices themselves."""
-    from remat._budget.driver import BudgetHook
+def budget_choices(names: tuple[str, ...], policies: tuple[Any, ...], labels: tuple[str, ...]) -> Any:
+    """The choices of a budget on blocks `names` (`policies`, labelled `labels`), without the recompute check, for
+    tests that profile or place choices themselves."""
+    from remat._budget.choices import Choices
     from remat._budget.modes import BudgetMode
     from remat._core.requests import BudgetRequest
 
-    hook = BudgetHook(1.0, names, BudgetMode(BudgetRequest(budget=1.0, sample=(), check=False)))
-    hook.policies, hook.labels = policies, labels
-    return hook
+    choices = Choices(names, BudgetMode(BudgetRequest(budget=1.0, sample=(), check=False)))
+    choices.policies, choices.labels = policies, labels
+    return choices
 
 
 def optimistic_profile(monkeypatch: pytest.MonkeyPatch) -> None:

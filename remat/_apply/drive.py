@@ -1,10 +1,10 @@
-"""`remat.apply(model, ...)`: one dispatch on the request's type to the driver of its mode (NOTE [ One request per
-mode ] in remat/_core/requests.py), with the head routed first where the request asks for it.
+"""`remat.apply(model, ...)`: `drive` takes the request and makes one dispatch on its type to its driver (NOTE [ The
+requests of remat.apply ] in remat/_core/requests.py), with the head routed first where the request asks for it.
 
-* `BlocksRequest`: every `every`-th block under one policy (`_sites/targets.apply`);
 * `BudgetRequest`: the budget's driver (`_budget/driver.apply_budget`), which `remat.estimate` runs too;
 * `MemoryRequest`: the memory's driver (`memory.apply_memory`), which sizes the step's state with the estimator and
-  hands what is left to the budget's driver.
+  hands what is left to the budget's driver;
+* `BlocksRequest`: every `every`-th block under one policy (`_sites/targets.apply`).
 """
 
 from __future__ import annotations
@@ -19,32 +19,22 @@ from .._core.requests import BlocksRequest, BudgetRequest, MemoryRequest, Reques
 from .._sites import targets as _targets
 from .._sites.head import route_head, unroute_head
 
-__all__ = ["apply", "own_step_bytes"]
+__all__ = ["drive", "own_step_bytes"]
 
 _M = TypeVar("_M", bound=nn.Module)
 
 
-def apply(model: _M, request: Request) -> _M:
-    """Apply `request` to `model` (see `remat.apply`): the head first where the request routes it (`head=True`: NOTE
-    [ The head as a choice ] in remat/_budget/head_choice.py, rule 2), then the driver of the request's mode;
-    nothing is left half done where it raises."""
+def drive(model: _M, request: Request) -> _M:
+    """Apply `request` to `model` (see `remat.apply`): the driver of the request's mode, with the head routed first
+    where the request asks for it; nothing is left half done where it raises."""
     _check_model(model)
     if not request.head:
-        return _drive(model, request)
-    if isinstance(request, BudgetRequest) and isinstance(request.budget, float):
-        request = dataclasses.replace(request, budget=own_step_bytes(model, request))
-    route_head(model)  # before the blocks: a budget's profile runs the step with the head routed
-    try:
-        return _drive(model, request)
-    except BaseException:
-        unroute_head(model)
-        raise
+        return _driver(model, request)
+    return _with_head(model, request)
 
 
-def _drive(model: _M, request: Request) -> _M:
-    """The driver of the request's mode. The planners load with the first request that needs them."""
-    if isinstance(request, BlocksRequest):
-        return _targets.apply(model, request.where, request.every, request.options(request.policy))
+def _driver(model: _M, request: Request) -> _M:
+    """The one dispatch on the request's type. The planners load with the first request that needs them."""
     if isinstance(request, BudgetRequest):
         from .._budget.driver import apply_budget
 
@@ -53,7 +43,23 @@ def _drive(model: _M, request: Request) -> _M:
         from .memory import apply_memory
 
         return apply_memory(model, request)
+    if isinstance(request, BlocksRequest):
+        return _targets.apply(model, request.where, request.every, request.options(request.policy))
     raise TypeError(f"remat: apply takes a blocks, budget or memory request, but got `{type(request).__name__}`.")
+
+
+def _with_head(model: _M, request: Request) -> _M:
+    """`head=True`: the head routed before the blocks (a budget's profile runs the step with it), a fractional budget
+    turned into bytes of the step with the model's own head first (NOTE [ The head as a choice ] in
+    remat/_budget/head_choice.py, rule 2), and the head put back where the driver raises."""
+    if isinstance(request, BudgetRequest) and isinstance(request.budget, float):
+        request = dataclasses.replace(request, budget=own_step_bytes(model, request))
+    route_head(model)
+    try:
+        return _driver(model, request)
+    except BaseException:
+        unroute_head(model)
+        raise
 
 
 def own_step_bytes(model: nn.Module, request: BudgetRequest) -> int:

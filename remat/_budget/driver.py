@@ -39,27 +39,26 @@ import torch
 from torch import nn
 
 from .._core.errors import BudgetError
-from .._core.policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
 from .._core.requests import FitRequest
 from .._core.torch_compat import eager_for_now, when_traced
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
 from .._measure.autocast import StepAutocast
 from .._measure.sample import as_call, detached, signature
-from .._sites.targets import remove_hooks, select, wrap_module
+from .._sites.targets import remove_hooks, select
+from .choices import Choices
 from .compiled import warn_one_graph
 from .costs import ModelCost, measured_costs
 from .first_step import WINDOW, FirstStep, can_track, tidy
 from .head_choice import HeadChoice
 from .modes import SHARDED_LATER, BudgetMode, mode_for
-from .profile import DERIVABLE, PARTS, Profile, TrainingStep, profile
+from .profile import TrainingStep, profile
 from .solve import Assignment, least_assignment, solve_budget
 from .verify import Verification, from_rank_zero, max_over_ranks
 
-__all__ = ["BudgetHook", "apply_budget", "choices_of"]
+__all__ = ["BudgetHook", "Solved", "apply_budget"]
 
 _M = TypeVar("_M", bound=nn.Module)
-_KEPT = "kept"
 _log = logging.getLogger("remat")
 
 
@@ -82,38 +81,11 @@ def apply_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
             old.close()
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
-    hook = BudgetHook(budget, tuple(name for name, _ in blocks), mode_for(request))
+    hook = BudgetHook(budget, tuple(name for name, _ in blocks), mode_for(request.kept()))
     args, kwargs = as_call(request.sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     return model
-
-
-def choices_of(mode: BudgetMode) -> tuple[tuple[PolicyLike | str, ...], tuple[str, ...]]:
-    """The choices a block may take under `mode`, and their labels: kept, `save_matmuls` (rerun), full remat, the
-    request's `choices`, and the parts (NOTE [ Some matmuls ] in costs_derived.py: made per block once profiled)."""
-    request = mode.request
-    policies: list[PolicyLike | str] = [_KEPT]
-    labels = [_KEPT]
-    if request.strategy == "rerun":
-        policies.append(save_matmuls)
-        labels.append("save_matmuls")
-    policies.append(None)
-    labels.append("full")
-    for extra in request.choices or ():
-        labels.append(_label(extra, set(labels) | set(PARTS)))
-        policies.append(extra)
-    if request.strategy == "rerun" and mode.offers_parts:
-        policies.extend(PARTS)
-        labels.extend(PARTS)
-    return tuple(policies), tuple(labels)
-
-
-def _label(policy: PolicyLike, taken: set[str]) -> str:
-    label = repr(as_policy(policy))
-    while label in taken:
-        label += "'"
-    return label
 
 
 @dataclass(frozen=True)
@@ -142,9 +114,8 @@ class BudgetHook:
         self.budget = budget  # parsed (`parse_budget`)
         self.names = names
         self.mode = mode
-        self.policies, self.labels = choices_of(mode)
+        self.choices = Choices(names, mode)
         self.assignment: Assignment | None = None
-        self.calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()  # the parts' calls: NOTE [ Some matmuls ]
         self.signature: tuple[Any, ...] | None = None
         self.autocast: StepAutocast | None = None  # what the plan's steps ran under: NOTE [ Planned under autocast ]
         self.devices: tuple[torch.device, ...] = ()  # where the model was when planned (its autocast types)
@@ -163,12 +134,12 @@ class BudgetHook:
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
         """Plan the blocks for these inputs, stage by stage, and put the assignment on them: profile, costs and
         solve (`_solved`); where nothing is predicted to fit, the same with the head routed, before any real step
-        (NOTE [ The head as a choice ] in head_choice.py); then verify (`_verified`)."""
+        (the head's choice: NOTE [ The head as a choice ] in head_choice.py); then verify (`_verified`)."""
         mode = self.mode.planning(model)
         step = TrainingStep(model, self.request.loss, detached(args), detached(kwargs))
         blocks = [model.get_submodule(name) for name in self.names]
         head = HeadChoice(model, self.request.head)
-        previous, previous_calls = self.assignment, self.calls
+        previous, previous_calls = self.assignment, self.choices.calls
         self.verification = None
         self.close()
         self.busy = True
@@ -177,23 +148,22 @@ class BudgetHook:
             with step.planning():
                 own = solved = self._solved(model, blocks, step, mode, self.budget)
                 if not own.fits and head.open:
-                    solved = head.with_head(lambda: self._solved(model, blocks, step, mode, own.budget)) or own
+                    solved = self._with_head(head, model, blocks, step, mode, own.budget) or own
                 try:
                     assignment = self._verified(model, step, mode, solved)
-                except BudgetError:
-                    routed = head.with_head(lambda: self._solved(model, blocks, step, mode, own.budget)) \
-                        if head.open else None
+                except BudgetError:  # measured over where the prediction fitted: the head, if it is still open
+                    routed = self._with_head(head, model, blocks, step, mode, own.budget) if head.open else None
                     if routed is None:
                         raise
                     assignment = self._verified(model, step, mode, routed)
         except BaseException:
             head.take_back()
-            self.calls = previous_calls
+            self.choices.calls = previous_calls
             for i, block in enumerate(blocks):  # back to the previous choices, or to none
                 if previous is None:
                     remove_hooks(block)
                 else:
-                    self.assign(model, i, previous.choice[i])
+                    self.choices.assign(model, i, previous.choice[i])
             raise
         finally:
             self.busy = False
@@ -210,50 +180,44 @@ class BudgetHook:
         """Stages 1 to 3: the profile of every block under every choice (NOTE [ Profiling rounds ] in profile.py),
         their costs, and the fastest assignment predicted to fit `budget`; where none is, the one that holds least.
         Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
-        rerun = self.request.strategy == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
-        derived = [c for c, label in enumerate(self.labels) if rerun and label in DERIVABLE]
-        found: Profile = profile(model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c),
-                                 derived=derived, compiled=mode.compiled, fake=mode.profiles_on_fake(model))
+        found = profile(model, self.names, blocks, self.choices.labels, step,
+                        lambda i, c: self.choices.assign(model, i, c), derived=self.choices.derived(),
+                        compiled=mode.compiled, fake=mode.profiles_on_fake(model))
         measured = measured_costs(found)
         cost = mode.with_gradients(model, blocks, measured, found)
         try:
             assignment, fits = solve_budget(cost, budget), True
         except BudgetError:
             assignment, fits = least_assignment(cost, budget), False
-        assignment = from_rank_zero(assignment)
-        return Solved(measured, cost, assignment, fits)
+        return Solved(measured, cost, from_rank_zero(assignment), fits)
+
+    def _with_head(self, head: HeadChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
+                   mode: BudgetMode, budget: int) -> Solved | None:
+        """Stages 1 to 3 again with the model's head routed, for the bytes the budget resolved to with the model's
+        own head (NOTE [ The head as a choice ], rule 1); None, the head put back, where that is no plan
+        (implementation note 2)."""
+        head.route()
+        try:
+            routed: Solved | None = self._solved(model, blocks, step, mode, budget)
+        except Exception:
+            routed = None
+        if routed is None or not head.ran():
+            head.take_back()
+            return None
+        return routed
 
     def _verified(self, model: nn.Module, step: TrainingStep, mode: BudgetMode, solved: Solved) -> Assignment:
         """Stage 4: `solved`'s assignment on the blocks, verified on real steps now, or on the model's first training
         step where its prediction fits and the mode allows it (NOTE [ Verifying the plan ] in verify.py)."""
-        self.calls = solved.assignment.cost.calls  # rank 0's calls too
-        self.place(model, solved.assignment)
+        self.choices.calls = solved.assignment.cost.calls  # rank 0's calls too
+        self.choices.place(model, solved.assignment)
         if solved.fits and mode.verifies_later():  # NOTE [ The first step ]
             self.verification = Verification(solved.assignment)
             return solved.assignment
         with step.planning():  # NOTE [ Verifying the plan ]
             return mode.verify(solved.assignment,
                                lambda a: mode.measure(model, step, solved.measured, solved.cost, a),
-                               lambda a: self.place(model, a))
-
-    def assign(self, model: nn.Module, i: int, c: int) -> None:
-        """Put block i under choice c."""
-        block = model.get_submodule(self.names[i])
-        remove_hooks(block)
-        policy = self.policies[c]
-        if self.labels[c] in PARTS:  # derived, never run while profiling: NOTE [ Some matmuls ]
-            calls = self.calls[i][c] if self.calls else None
-            if calls is None:
-                raise ValueError(f"remat: choice {self.labels[c]!r} is not open to block {self.names[i]!r}.")
-            policy = Policy(ops=(matmuls,), calls=calls)
-        if policy != _KEPT:
-            wrap_module(block, self.request.options(policy), model)  # type: ignore[arg-type]
-
-    def place(self, model: nn.Module, assignment: Assignment) -> None:
-        """Put `assignment`'s choices on the blocks."""
-        for i, c in enumerate(assignment.choice):
-            self.assign(model, i, c)
-
+                               lambda a: self.choices.place(model, a))
 
     # -- at every forward ------------------------------------------------------------------------------------------
 
@@ -330,7 +294,7 @@ class BudgetHook:
         if following is None:
             self.verification = None
         else:
-            self.place(model, following)
+            self.choices.place(model, following)
 
     def close(self) -> None:
         """Stop tracking a step (its mode is popped now or at a later forward)."""

@@ -1,12 +1,9 @@
 """The head as a choice of a budget's plan (`remat.apply(model, budget=... | memory=...)`): whether the driver may
-route the model's head, and the plan made with it routed (NOTE [ The head as a choice ]). The driver (driver.py)
-takes the step; this module answers it.
+route the model's head, routing it, and whether the routed head ran (NOTE [ The head as a choice ]). The driver
+(driver.py) takes the step; this module answers it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import TypeVar
 
 from torch import nn
 
@@ -14,8 +11,6 @@ from .._engine import stats as _stats
 from .._sites.head import can_route_head, route_head, routed_by, unroute_head
 
 __all__ = ["BY_BUDGET", "HeadChoice"]
-
-_T = TypeVar("_T")
 
 # NOTE [ The head as a choice ]
 # `remat.apply(model, head=True)` computes a causal LM's loss in chunks (`linear_cross_entropy`), which lowers the
@@ -46,7 +41,7 @@ _T = TypeVar("_T")
 #    routed head never ran) or raised (a `loss=` that reads the logits) is no plan: the head is put back and the
 #    plan without it goes on (verified, or refused, on its own).
 # 3. (rule 2) The bytes of a fractional budget with `head=True` are found by `own_step_bytes` in
-#    remat/_apply/apply.py, which needs the estimator (above this layer).
+#    remat/_apply/drive.py, which needs the estimator (above this layer).
 
 BY_BUDGET = "the budget"
 """What a head routed by the planner says chose it (`remat.plan(model)`)."""
@@ -63,26 +58,22 @@ class HeadChoice:
     def __init__(self, model: nn.Module, head: bool | None) -> None:
         self.model = model
         self.routed = False  # whether this plan routed the head
+        self.made = 0  # the chunks of logits made by then (`remat._engine.stats`)
         chosen = routed_by(model) if head is None else None
         self.open = head is None and chosen in (None, BY_BUDGET) and can_route_head(model)
         if self.open and chosen == BY_BUDGET:  # rule 3: a re-plan chooses again
             unroute_head(model)
 
-    def with_head(self, plan: Callable[[], _T]) -> _T | None:
-        """`plan()` with the head routed, or None, with the head put back, where that is no plan (implementation
-        note 2). Closes the choice: a plan routes the head once."""
+    def route(self) -> None:
+        """Route the model's head for the plan (rule 1). Closes the choice: a plan routes the head once."""
         self.open = False
-        made = _stats.head_chunks
+        self.made = _stats.head_chunks
         route_head(self.model, chosen_by=BY_BUDGET)
         self.routed = True
-        try:
-            found = plan()
-        except Exception:
-            found = None
-        if found is None or _stats.head_chunks == made:
-            self.take_back()
-            return None
-        return found
+
+    def ran(self) -> bool:
+        """Whether the routed head made a chunk of logits since `route` (implementation note 2)."""
+        return self.routed and _stats.head_chunks != self.made
 
     def take_back(self) -> None:
         """Put back the model's own head, where this plan routed it (a plan that fails leaves nothing behind)."""

@@ -7,7 +7,7 @@ construction raises the argument errors, before anything touches the model:
 * `BudgetRequest`: `budget=`, the bytes a training step may allocate (profiled on `sample`);
 * `MemoryRequest`: `memory=`, a device's whole memory for the step (with `optimizer=`, `headroom=`).
 
-NOTE [ One request per mode ]
+NOTE [ The requests of remat.apply ]
 1. Every keyword of `remat.apply` is a field of the requests, declared once, on the class whose requests take it:
    `Request` holds what every request takes (`where`, the head, the blocks' `preserve_rng`, `strategy`, `check`),
    `FitRequest` what budget and memory requests take (`sample`, `loss`, `choices`, `replan`, `compile`).
@@ -17,18 +17,19 @@ NOTE [ One request per mode ]
 3. A request is checked whole when it is made: a value of the wrong kind is a `TypeError`, one out of range a
    `ValueError`, with the words `remat.apply`'s users know (`budget=`, `sample=`). Its fields hold the values read
    (a budget of "6GiB" as its bytes).
-4. One dispatch on the request's type picks the driver (remat/_apply/apply.py). A new option is one field here, on
+4. One dispatch on the request's type picks the driver (remat/_apply/drive.py). A new option is one field here, on
    the class whose requests take it, and one keyword in `remat.apply`'s signature.
 
 Implementation notes:
-1. (rule 4) Users write keywords; requests are not public (docs/design.md, "One request per mode", says why).
+1. (rule 4) Users write keywords; requests are not public (docs/design.md, "The requests of remat.apply", says why).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -43,10 +44,12 @@ __all__ = ["BlocksRequest", "BudgetRequest", "FitRequest", "MemoryRequest", "Req
 #: remat/_sites/blocks.py).
 Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
+_F = TypeVar("_F", bound="FitRequest")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Request:
-    """What every `remat.apply` takes (NOTE [ One request per mode ]).
+    """What every `remat.apply` takes (NOTE [ The requests of remat.apply ]).
 
     Attributes:
         where: which submodules are the blocks (None: the model's repeated blocks).
@@ -132,6 +135,15 @@ class FitRequest(Request):
             if self.strategy != "rerun":
                 raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
 
+    def kept(self: _F) -> _F:
+        """The request as a model's budget keeps it for its later plans: without what belongs to this call alone (the
+        sample, `where`, an optimizer object), which must not live as long as the model."""
+        kept = copy.copy(self)
+        for name in ("sample", "where", "optimizer"):
+            if hasattr(kept, name):
+                object.__setattr__(kept, name, None)
+        return kept
+
     def _needs_sample(self, keyword: str) -> None:
         if self.sample is None:
             raise ValueError(
@@ -188,7 +200,7 @@ _FITTED = ("sample", "loss", "choices", "replan", "compile")
 
 
 def request_for(**keywords: Any) -> Request:
-    """The request `remat.apply`'s keywords make (NOTE [ One request per mode ]), checked.
+    """The request `remat.apply`'s keywords make (NOTE [ The requests of remat.apply ]), checked.
 
     >>> request_for(budget="1KiB", sample=1).budget, type(request_for(every=2)).__name__
 (1024, 'BlocksRequest')

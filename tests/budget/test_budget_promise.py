@@ -119,8 +119,8 @@ def _train_step_after(work: Workload) -> remat.Assignment:
 def _copy_with(work: Workload, plan: remat.Assignment) -> Workload:
     """A copy of `work` running `plan`'s choices, its check dropped (so that only the outside tracker counts)."""
     twin = _copy(work)
-    hook = next(h for h in twin.model._forward_pre_hooks.values() if hasattr(h, "place"))
-    hook.place(twin.model, plan)
+    hook = next(h for h in twin.model._forward_pre_hooks.values() if hasattr(h, "choices"))
+    hook.choices.place(twin.model, plan)
     hook.verification = None
     return twin
 
