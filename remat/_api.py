@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
 from torch import nn
 
-from ._apply.drive import drive
 from ._core import errors as _errors
 from ._core import policies as _policies
 from ._core import switch as _switch
 from ._core.options import Options, Strategy
 from ._core.policies import PolicyLike
 from ._core.public import claim, names
-from ._core.requests import Where, request_for
 from ._core.units import Budget
 from ._engine import offload as _offload
 from ._engine.region import Region
@@ -35,6 +33,7 @@ if TYPE_CHECKING:
     from ._chain import schedule as _schedule
     from ._chain import simulate as _simulate
     from ._chain import solver as _solver
+    from ._core.requests import Where
     from ._estimate import estimate as _estimate
     from ._estimate import report as _estimate_report
     from ._measure import measure as _measure
@@ -159,6 +158,9 @@ def apply(
     """
     keywords = dict(locals())  # every keyword once: remat/_core/requests.py sorts them into one request
     del keywords["model"]
+    from ._apply.drive import drive  # with the requests, loaded by the first call: `import remat` stays cheap
+    from ._core.requests import request_for
+
     return drive(model, request_for(**keywords))
 
 

@@ -9,7 +9,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -18,7 +18,6 @@ from .._core import switch as _switch
 from .._core.errors import check_runs_when_called
 from .._core.options import Options
 from .._core.policies import as_policy
-from .._core.requests import Where
 from .._engine import region as _region
 from .._engine import rerun as _rerun
 from .._engine.compiled import compiled_key, compiling, context_for, route_module, torch_checkpoint, unroute_module
@@ -28,7 +27,10 @@ from .head import describe_head
 from .integrations import comes_from
 from .table import ModelPlan, Site
 
-__all__ = ["Where", "apply", "plan", "remove_hooks", "select", "undo", "wrap", "wrap_class", "wrap_function",
+if TYPE_CHECKING:
+    from .._core.requests import Where
+
+__all__ = ["apply", "plan", "remove_hooks", "select", "undo", "wrap", "wrap_class", "wrap_function",
            "wrap_module"]
 
 
