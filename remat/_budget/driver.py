@@ -214,10 +214,9 @@ class BudgetHook:
         if solved.fits and mode.verifies_later():  # NOTE [ The first step ]
             self.verification = Verification(solved.assignment)
             return solved.assignment
-        with step.planning():  # NOTE [ Verifying the plan ]
-            return mode.verify(solved.assignment,
-                               lambda a: mode.measure(model, step, solved.measured, solved.cost, a),
-                               lambda a: self.choices.place(model, a))
+        return mode.verify(solved.assignment,  # NOTE [ Verifying the plan ]; in `fit`'s `step.planning()`
+                           lambda a: mode.measure(model, step, solved.measured, solved.cost, a),
+                           lambda a: self.choices.place(model, a))
 
     # -- at every forward ------------------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ Implementation notes:
 NOTE [ Planning on fake tensors ]
 Rules:
 1. `remat.apply(model, budget=B)` itself allocates no more than the larger of B and full remat's peak (with the
+   chunked head where the head may be routed: NOTE [ The head as a choice ] in head_choice.py; with the
    verification's `SLACK`) above what was live when it began, and `apply(memory=M)` keeps the process within M: a
    model that fits only with remat can be planned on the device it will train on.
 2. So the profile (one training step with every block kept, which needs no remat's memory) runs on fake tensors:
