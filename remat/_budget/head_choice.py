@@ -20,10 +20,10 @@ __all__ = ["BY_BUDGET", "HeadChoice"]
 # 1. With `head=None` (apply's default) a budget or memory plan of a model whose head `head=True` routes plans
 #    with the model's own head first; where no choice per block is predicted to fit, it routes the head and plans
 #    again for the same bytes (a fraction is of the step's peak without remat with the model's own head: what the
-#    user's loop measures without remat), before any real step: a real step of the blocks without the head would go
-#    over the budget (spec §2.8, "Planning needs no more than the plan"). Where a plan predicted to fit without the
-#    head is refused by its real steps, the head is routed and the plan made again the same way. A refusal of the
-#    plan with the routed head is its own, and names a smaller least budget; the head is put back.
+#    user's loop measures without remat), before any real step: a real step of the blocks without the head would
+#    go over the budget (NOTE [ Planning on fake tensors ] in profile.py, rule 1). Where a plan predicted to fit
+#    without the head is refused by its real steps, the head is routed and the plan made again the same way. A
+#    refusal of the plan with the routed head is its own, and names a smaller least budget; the head is put back.
 # 2. `head=True` routes the head before planning, whatever the budget, and a fractional budget is still of the
 #    step without remat with the model's own head (`remat.apply` turns it into bytes on the sample first, on fake
 #    tensors: a re-plan for a new input shape then keeps those bytes); a head routed by an earlier

@@ -16,7 +16,7 @@ NOTE [ The requests of remat.apply ]
    that the request does not take is a `ValueError` that says where it belongs.
 3. A request is checked whole when it is made: a value of the wrong kind is a `TypeError`, one out of range a
    `ValueError`, with the words `remat.apply`'s users know (`budget=`, `sample=`). Its fields hold the values read
-   (a budget of "6GiB" as its bytes).
+   (a budget given as a string with a unit, as its bytes).
 4. One dispatch on the request's type picks the driver (remat/_apply/drive.py). A new option is one field here, on
    the class whose requests take it, and one keyword in `remat.apply`'s signature.
 

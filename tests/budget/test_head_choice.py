@@ -132,16 +132,23 @@ def _state_bytes(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
     return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
 
 
-def test_apply_plans_with_the_head_before_a_real_step_would_go_over_the_budget() -> None:
-    """Planning needs no more than the plan (spec §2.8): where only the chunked head fits, `apply` itself stays within
-    the larger of the budget and the least it can plan (full remat with the head in chunks), +5%, as a device of that
-    size would make it: no real step of the blocks without the head first."""
+@pytest.mark.parametrize("fraction", [0.45, 0.3])
+def test_apply_plans_with_the_head_before_a_real_step_would_go_over_the_budget(fraction: float) -> None:
+    """Planning needs no more than the plan (NOTE [ Planning on fake tensors ], rule 1): where only the chunked
+    head fits, `apply` itself stays within the larger of the budget and the least it can plan (full remat with the
+    head in chunks), +5%, as a device of that size would make it: no real step of the blocks without the head
+    first. At 0.45 the plan with the head fits; at 0.3 nothing does, and the refusal names the head's least."""
     base = make()
     _, none_peak, _ = trained(copy.deepcopy(base))
     _, least, _ = trained(remat.apply(copy.deepcopy(base), head=True))  # full remat, the head in chunks
-    fraction = 0.45
+    assert 0.3 * none_peak < least < 0.45 * none_peak
     limit = int(1.05 * max(fraction * none_peak, least))
     model, inputs = copy.deepcopy(base), batch()
+    if fraction < 0.4:
+        with remat.track(limit=limit), pytest.raises(remat.BudgetError) as refused:
+            remat.apply(model, budget=fraction, sample=inputs)
+        assert refused.value.least_bytes is not None and refused.value.least_bytes <= 1.05 * least
+        return
     with remat.track(limit=limit):
         remat.apply(model, budget=fraction, sample=inputs)
     assert "chosen by the budget" in str(remat.plan(model))
@@ -150,7 +157,7 @@ def test_apply_plans_with_the_head_before_a_real_step_would_go_over_the_budget()
 
 
 def test_apply_with_memory_plans_with_the_head_before_a_real_step_would_go_over_it() -> None:
-    """`apply(memory=M)` keeps the process within M (spec §2.8) where only the chunked head fits: its real steps
+    """`apply(memory=M)` keeps the process within M (the same NOTE) where only the chunked head fits: its real steps
     allocate no more than what M leaves beside the parameters, buffers and sample that were there before."""
     base = make()
     full = remat.estimate(copy.deepcopy(base), batch(), optimizer="adamw", configs=("full", "full+head"))
