@@ -1,4 +1,5 @@
-"""The public decorator object: `remat`, with `region`, `apply`, `undo` and the switch as attributes.
+"""The public decorator object: `remat`, with `apply`, `plan`, `undo` and `region` (defined here, each also a name of
+the package) and every other public name as attributes.
 
 `import remat; @remat` and `from remat import remat; @remat` are the same object (the package module forwards
 calls to it), so every spelling takes the same options, validated when decorating, never first at call time.
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from ._measure import track as _track
     from ._sites import cross_entropy as _cross_entropy
 
-__all__ = ["Decorator", "Remat", "remat"]
+__all__ = ["Decorator", "Remat", "apply", "plan", "region", "remat", "undo"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
