@@ -29,12 +29,12 @@ def drive(model: _M, request: Request) -> _M:
     where the request asks for it; nothing is left half done where it raises."""
     _check_model(model)
     if not request.head:
-        return _driver(model, request)
+        return _dispatch(model, request)
     return _with_head(model, request)
 
 
-def _driver(model: _M, request: Request) -> _M:
-    """The one dispatch on the request's type. The planners load with the first request that needs them."""
+def _dispatch(model: _M, request: Request) -> _M:
+    """The one dispatch on the request's type to its driver; the planners load with the first request needing them."""
     if isinstance(request, BudgetRequest):
         from .._budget.driver import apply_budget
 
@@ -56,7 +56,7 @@ def _with_head(model: _M, request: Request) -> _M:
         request = dataclasses.replace(request, budget=own_step_bytes(model, request))
     route_head(model)
     try:
-        return _driver(model, request)
+        return _dispatch(model, request)
     except BaseException:
         unroute_head(model)
         raise

@@ -81,7 +81,7 @@ def apply_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
             old.close()
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
-    hook = BudgetHook(budget, tuple(name for name, _ in blocks), mode_for(request.kept()))
+    hook = BudgetHook(budget, tuple(name for name, _ in blocks), mode_for(request.for_replans()))
     args, kwargs = as_call(request.sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

@@ -135,14 +135,14 @@ class FitRequest(Request):
             if self.strategy != "rerun":
                 raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
 
-    def kept(self: _F) -> _F:
+    def for_replans(self: _F) -> _F:
         """The request as a model's budget keeps it for its later plans: without what belongs to this call alone (the
         sample, `where`, an optimizer object), which must not live as long as the model."""
-        kept = copy.copy(self)
+        lasting = copy.copy(self)
         for name in ("sample", "where", "optimizer"):
-            if hasattr(kept, name):
-                object.__setattr__(kept, name, None)
-        return kept
+            if hasattr(lasting, name):
+                object.__setattr__(lasting, name, None)
+        return lasting
 
     def _needs_sample(self, keyword: str) -> None:
         if self.sample is None:
