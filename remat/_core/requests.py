@@ -203,7 +203,7 @@ def request_for(**keywords: Any) -> Request:
     """The request `remat.apply`'s keywords make (NOTE [ The requests of remat.apply ]), checked.
 
     >>> request_for(budget="1KiB", sample=1).budget, type(request_for(every=2)).__name__
-(1024, 'BlocksRequest')
+    (1024, 'BlocksRequest')
     """
     given = {key for key, value in keywords.items() if not _is_default(key, value)}
     kind: type[Request]
