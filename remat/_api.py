@@ -1,4 +1,5 @@
-"""The public decorator object: `remat`, with `region`, `apply`, `undo` and the switch as attributes.
+"""The public decorator object: `remat`, with `apply`, `plan`, `undo` and `region` (defined here, each also a name of
+the package) and every other public name as attributes.
 
 `import remat; @remat` and `from remat import remat; @remat` are the same object (the package module forwards
 calls to it), so every spelling takes the same options, validated when decorating, never first at call time.
@@ -6,7 +7,8 @@ calls to it), so every spelling takes the same options, validated when decoratin
 
 from __future__ import annotations
 
-import functools
+import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
@@ -17,16 +19,14 @@ from ._core import policies as _policies
 from ._core import switch as _switch
 from ._core.options import Options, Strategy
 from ._core.policies import PolicyLike
-from ._core.public import PUBLIC, claim, resolve
-from ._core.units import Budget, parse_budget
+from ._core.public import claim, names
+from ._core.units import Budget
 from ._engine import offload as _offload
 from ._engine.region import Region
 from ._sites import checkpoint as _checkpoint
-from ._sites import head as _head
 from ._sites import targets as _targets
 from ._sites.partial import decorate
 from ._sites.table import ModelPlan
-from ._sites.targets import Where
 
 if TYPE_CHECKING:
     from . import policies as _policies_module
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ._chain import schedule as _schedule
     from ._chain import simulate as _simulate
     from ._chain import solver as _solver
+    from ._core.requests import Where
     from ._estimate import estimate as _estimate
     from ._estimate import report as _estimate_report
     from ._measure import measure as _measure
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from ._measure import track as _track
     from ._sites import cross_entropy as _cross_entropy
 
-__all__ = ["Decorator", "Remat", "remat"]
+__all__ = ["Decorator", "Remat", "apply", "plan", "region", "remat", "undo"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -72,6 +73,159 @@ class _PoliciesModule(Protocol):
     @property
     def save_matmuls(self) -> _policies.Policy: ...
     def save_tagged(self, *names: str) -> _policies.Policy: ...
+
+
+def apply(
+    model: _M,
+    where: Where | None = None,
+    *,
+    every: int = 1,
+    policy: PolicyLike = None,
+    preserve_rng: bool = True,
+    strategy: Strategy = "rerun",
+    enabled: bool | None = None,
+    check: bool = True,
+    name: str | None = None,
+    offload: bool | _offload.Offload = False,
+    budget: Budget | None = None,
+    sample: Any = None,
+    loss: Callable[[Any], Any] | None = None,
+    choices: Sequence[PolicyLike] | None = None,
+    replan: bool = True,
+    memory: Budget | None = None,
+    optimizer: Any = None,
+    head: bool | None = None,
+    compile: bool = False,
+    headroom: float | int | str | None = None,
+) -> _M:
+    """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
+
+    A submodule inside one already selected is not selected again (no nested regions). Without `where`,
+    the model's repeated blocks are chosen: on a Hugging Face model the layers its own gradient
+    checkpointing wraps, elsewhere the children of the longest `nn.ModuleList`/`nn.Sequential` whose
+    children share one class; `remat.plan(model)` lists them.
+
+    Args:
+        model: the model; it is changed in place and returned.
+        where: an `nn.Module` type, a tuple of types, a predicate `(name, module) -> bool`, or None.
+        every: keep every `every`-th match, counting from the first (`every=2`: 1st, 3rd, ...).
+        policy, preserve_rng, strategy, enabled, check, name, offload: as for `remat`.
+        budget: instead of one `policy` for all, fit a memory budget: bytes (an int, or a string
+            such as "1.5GiB"), or a float in (0, 1], that fraction of the activation peak of a training step
+            without remat. One training step on `sample` is profiled and each block gets the choice — kept,
+            `save_matmuls`, full remat, or one of `choices` — that makes the predicted peak fit at the least
+            predicted time; `remat.plan(model)` shows the plan. The model's first training step is tracked and
+            checks the plan, which is corrected before the next step if that step went over the budget (or,
+            where the prediction does not fit, one step of `sample` is measured before `apply` returns).
+        sample: with `budget`, the model's inputs for one step: a tensor, a tuple, or a dict of keywords.
+        loss: with `budget`, a callable from the model's output to the scalar loss (default: the output's
+            `.loss` if it has one, else the sum of its floating tensors).
+        choices: with `budget`, more policies a block may get besides kept, save_matmuls and full remat.
+        replan: with `budget`, profile and plan again when the model is called with a new input shape.
+        memory: instead of `budget`, the device memory a whole training step must fit in (bytes, or a string
+            such as "80GiB"), as the device counts it (what its allocator reserves): what the parameters,
+            buffers, `sample` and the optimizer's state take is counted exactly (as `remat.estimate` does) and
+            the rest, less `headroom`, is for the activations and gradients (the plan's checked step starts
+            without gradients, so both count).
+        optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",
+            "adam" or "adamw" (None: no optimizer step).
+        headroom: with `memory`, what of it to leave to the device's allocator, which reserves more than its
+            tensors take (rounding, cached blocks, fragmentation): a fraction of `memory` or bytes. Default:
+            0.1 where the allocator caches (CUDA; the plan's real step is then also checked against what the
+            allocator reserved, and planned again for less where it went over), 0 on the CPU.
+        compile: with `budget` or `memory`, plan for the model compiled as one graph (not block by block):
+            compiled costs, checked on compiled steps `apply` runs; a fraction is of compiled no-remat's peak.
+        head: `True` also computes the loss of a Hugging Face causal LM (GPT-2, Llama, Mistral, Qwen, Gemma,
+            ...; tied embeddings and PEFT-wrapped ones too) through `remat.linear_cross_entropy`: in training, a
+            forward given `labels` computes its loss over chunks of tokens (labels shifted and ignored as the
+            model's own loss does; Gemma 2's soft-capping and logit scales kept), never holding all the
+            logits, and its output's `logits` is None; a forward without labels, or in eval, is unchanged.
+            Combines with every other option (a fractional budget stays a fraction of the step with the
+            model's own head, turned into bytes on `sample`). `None` (the default): only a `budget`/`memory`
+            plan routes the head, and only where no plan fits without it (`remat.plan(model)` says so);
+            `False`: never. `remat.undo` removes it.
+
+    Raises:
+        ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
+            or `every` is not a positive int; with `head=True`, when the model has no head it can route (the
+            message says what it looked for).
+        BudgetError: with `budget`, no choice per block fits; the message names the smallest budget that does.
+            With `memory`, the step does not fit even with full remat; `least_bytes` is the least total.
+
+    >>> import torch, remat
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    >>> model = remat.apply(model, torch.nn.Linear)
+    >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
+    """
+    keywords = dict(locals())  # every keyword once: remat/_core/requests.py sorts them into one request
+    del keywords["model"]
+    from ._apply.drive import drive  # with the requests, loaded by the first call: `import remat` stays cheap
+    from ._core.requests import request_for
+
+    return drive(model, request_for(**keywords))
+
+
+def plan(model: nn.Module) -> ModelPlan:
+    """List the rematerialized sites of `model` (block, class, choice); `str()` is a table.
+
+    >>> import torch, remat
+    >>> model = remat.apply(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    >>> print(remat.plan(model))
+    remat plan for Sequential: 2 rematerialized sites
+    block  class   choice
+    0      Linear  full
+    1      Linear  full
+    """
+    return _targets.plan(model)
+
+
+def undo(module: _M) -> _M:
+    """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules.
+
+    Their hooks go, and each gets back the `forward` it had: none of its own (its class's), or the one it had
+    of its own before `remat`. Classes were never changed.
+
+    >>> import torch, remat
+    >>> layer = remat.undo(remat(torch.nn.Linear(2, 2)))
+    """
+    return _targets.undo(module)
+
+
+def region(
+    *,
+    policy: PolicyLike = None,
+    preserve_rng: bool = True,
+    enabled: bool | None = None,
+    check: bool = True,
+    name: str | None = None,
+    offload: bool | _offload.Offload = False,
+) -> Region:
+    """Rematerialize a block of code: `with remat.region(): ...`.
+
+    Every activation made inside the block and saved by autograd is dropped at the end of forward and
+    rebuilt in backward by replaying the aten ops recorded while the block ran. Tensors created before
+    the block are kept by reference. Also a decorator: `@remat.region()`.
+
+    Args:
+        policy, preserve_rng, enabled, check, name: as for `remat`.
+        offload: keep the tensors from before the block that it reads in host memory (`True`, or
+            `remat.offload(...)`).
+
+    Returns:
+        A `Region`; after the block, `r.ops` is the number of ops recorded and `r.freed_bytes` the
+        bytes of activations not kept.
+
+    >>> import torch, remat
+    >>> x = torch.randn(8, 8, requires_grad=True)
+    >>> with remat.region() as r:
+    ...     y = x.sin().cos()
+    >>> y.sum().backward()
+    """
+    settings = Options(
+        policy=policy, preserve_rng=preserve_rng, strategy="replay", enabled=enabled,
+        check=check, name=name, offload=offload,
+    )
+    return Region(settings)
 
 
 class Remat:
@@ -129,228 +283,15 @@ class Remat:
     def __call__(self, target: Any = None, /, **options: Any) -> Any:
         return decorate(target, options)
 
-    @staticmethod
-    def apply(
-        model: _M,
-        where: Where | None = None,
-        *,
-        every: int = 1,
-        policy: PolicyLike = None,
-        preserve_rng: bool = True,
-        strategy: Strategy = "rerun",
-        enabled: bool | None = None,
-        check: bool = True,
-        name: str | None = None,
-        offload: bool | _offload.Offload = False,
-        budget: Budget | None = None,
-        sample: Any = None,
-        loss: Callable[[Any], Any] | None = None,
-        choices: Sequence[PolicyLike] | None = None,
-        replan: bool = True,
-        memory: Budget | None = None,
-        optimizer: Any = None,
-        head: bool | None = None,
-        compile: bool = False,
-        headroom: float | int | str | None = None,
-    ) -> _M:
-        """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
+    # The decorator's own names (defined below the class, each also a module-level name of the package).
+    apply = staticmethod(apply)
+    plan = staticmethod(plan)
+    undo = staticmethod(undo)
+    region = staticmethod(region)
 
-        A submodule inside one already selected is not selected again (no nested regions). Without `where`,
-        the model's repeated blocks are chosen: on a Hugging Face model the layers its own gradient
-        checkpointing wraps, elsewhere the children of the longest `nn.ModuleList`/`nn.Sequential` whose
-        children share one class; `remat.plan(model)` lists them.
-
-        Args:
-            model: the model; it is changed in place and returned.
-            where: an `nn.Module` type, a tuple of types, a predicate `(name, module) -> bool`, or None.
-            every: keep every `every`-th match, counting from the first (`every=2`: 1st, 3rd, ...).
-            policy, preserve_rng, strategy, enabled, check, name, offload: as for `remat`.
-            budget: instead of one `policy` for all, fit a memory budget: bytes (an int, or a string
-                such as "1.5GiB"), or a float in (0, 1], that fraction of the activation peak of a training step
-                without remat. One training step on `sample` is profiled and each block gets the choice — kept,
-                `save_matmuls`, full remat, or one of `choices` — that makes the predicted peak fit at the least
-                predicted time; `remat.plan(model)` shows the plan. The model's first training step is tracked and
-                checks the plan, which is corrected before the next step if that step went over the budget (or,
-                where the prediction does not fit, one step of `sample` is measured before `apply` returns).
-            sample: with `budget`, the model's inputs for one step: a tensor, a tuple, or a dict of keywords.
-            loss: with `budget`, a callable from the model's output to the scalar loss (default: the output's
-                `.loss` if it has one, else the sum of its floating tensors).
-            choices: with `budget`, more policies a block may get besides kept, save_matmuls and full remat.
-            replan: with `budget`, profile and plan again when the model is called with a new input shape.
-            memory: instead of `budget`, the device memory a whole training step must fit in (bytes, or a string
-                such as "80GiB"), as the device counts it (what its allocator reserves): what the parameters,
-                buffers, `sample` and the optimizer's state take is counted exactly (as `remat.estimate` does) and
-                the rest, less `headroom`, is for the activations and gradients (the plan's checked step starts
-                without gradients, so both count).
-            optimizer: with `memory`, the optimizer the step runs: an optimizer object, its class, "sgd",
-                "adam" or "adamw" (None: no optimizer step).
-            headroom: with `memory`, what of it to leave to the device's allocator, which reserves more than its
-                tensors take (rounding, cached blocks, fragmentation): a fraction of `memory` or bytes. Default:
-                0.1 where the allocator caches (CUDA; the plan's real step is then also checked against what the
-                allocator reserved, and planned again for less where it went over), 0 on the CPU.
-            compile: with `budget` or `memory`, plan for the model compiled as one graph (not block by block):
-                compiled costs, checked on compiled steps `apply` runs; a fraction is of compiled no-remat's peak.
-            head: `True` also computes the loss of a Hugging Face causal LM (GPT-2, Llama, Mistral, Qwen, Gemma,
-                ...; tied embeddings and PEFT-wrapped ones too) through `remat.linear_cross_entropy`: in training, a
-                forward given `labels` computes its loss over chunks of tokens (labels shifted and ignored as the
-                model's own loss does; Gemma 2's soft-capping and logit scales kept), never holding all the
-                logits, and its output's `logits` is None; a forward without labels, or in eval, is unchanged.
-                Combines with every other option (a fractional budget stays a fraction of the step with the
-                model's own head, turned into bytes on `sample`). `None` (the default): only a `budget`/`memory`
-                plan routes the head, and only where no plan fits without it (`remat.plan(model)` says so);
-                `False`: never. `remat.undo` removes it.
-
-        Raises:
-            ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
-                or `every` is not a positive int; with `head=True`, when the model has no head it can route (the
-                message says what it looked for).
-            BudgetError: with `budget`, no choice per block fits; the message names the smallest budget that does.
-                With `memory`, the step does not fit even with full remat; `least_bytes` is the least total.
-
-        >>> import torch, remat
-        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
-        >>> model = remat.apply(model, torch.nn.Linear)
-        >>> model = remat.apply(remat.undo(model), torch.nn.Linear, budget=1.0, sample=torch.randn(8, 4))
-        """
-        if head is not None and not isinstance(head, bool):
-            raise TypeError(f"remat: `head` must be a bool or None, but got `{type(head).__name__}`.")
-        blocks = functools.partial(
-            Remat._apply, model, where, every=every, policy=policy, preserve_rng=preserve_rng, strategy=strategy,
-            enabled=enabled, check=check, name=name, offload=offload, sample=sample, loss=loss, choices=choices,
-            replan=replan, memory=memory, optimizer=optimizer, head=head, compile=compile, headroom=headroom,
-        )
-        if not head:
-            return blocks(budget=budget)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
-        fraction = parse_budget(budget) if budget is not None and memory is None else None
-        if isinstance(fraction, float) and sample is not None:  # of the model's own step: NOTE [ The head as a
-            from ._estimate.head_budget import plain_budget  # choice ] in remat/_budget/solve_head.py, rule 2
-
-            budget = plain_budget(model, fraction, sample, loss, where)
-        _head.route_head(model)  # before the blocks: a budget's profile runs the step with the head routed
-        try:
-            return blocks(budget=budget)
-        except BaseException:
-            _head.unroute_head(model)  # nothing is left half done
-            raise
-
-    @staticmethod
-    def _apply(
-        model: _M, where: Where | None, *, every: int, policy: PolicyLike, preserve_rng: bool, strategy: Strategy,
-        enabled: bool | None, check: bool, name: str | None, offload: bool | _offload.Offload,
-        budget: Budget | None, sample: Any, loss: Callable[[Any], Any] | None, choices: Sequence[PolicyLike] | None,
-        replan: bool, memory: Budget | None, optimizer: Any, head: bool | None, compile: bool,
-        headroom: float | int | str | None,
-    ) -> _M:
-        """`apply` for the blocks: one policy for all, a budget, or a memory (the head is routed already)."""
-        if budget is not None or memory is not None or optimizer is not None:
-            if every != 1 or policy is not None or enabled is not None or name is not None or offload is not False:
-                raise ValueError(
-                    "remat: apply with a `budget` chooses the policy of every block itself; leave out `every`, "
-                    "`policy`, `enabled`, `name` and `offload` (add policies to choose from with `choices=`)."
-                )
-            # the profiler and planner load with the first planned apply: a budget bounds the activations, a
-            # memory the whole step (leaving the activations what the state does not take)
-            from ._budget.modes import Config, mode_for
-
-            def config() -> Config:
-                return Config(loss=loss, choices=choices, replan=replan, preserve_rng=preserve_rng,
-                              strategy=strategy, check=check, head=head, compile=compile)
-
-            if memory is None and optimizer is None:
-                from ._budget.apply import apply_budget
-
-                if headroom is not None:
-                    raise ValueError("remat: `headroom` goes with `memory=` (what of the device to leave to its "
-                                     "allocator); a `budget` bounds the tensors' bytes alone.")
-
-                assert budget is not None
-                return apply_budget(model, budget, sample, where, mode_for(config()))
-            if memory is None or budget is not None:
-                raise ValueError("remat: apply takes either `budget` (activations) or `memory` (the whole step, "
-                                 "with `optimizer`), not both; `optimizer` goes with `memory`.")
-            from ._estimate.memory import apply_memory
-
-            return apply_memory(model, memory, sample, where, config(), optimizer=optimizer, headroom=headroom)
-        if sample is not None or loss is not None or choices is not None or replan is not True or compile:
-            raise ValueError(
-                "remat: `sample`, `loss`, `choices`, `replan` and `compile` go with `budget=`; give a budget too."
-            )
-        if headroom is not None:
-            raise ValueError("remat: `headroom` goes with `memory=` (what of the device to leave to its allocator).")
-        settings = Options(
-            policy=policy, preserve_rng=preserve_rng, strategy=strategy, enabled=enabled,
-            check=check, name=name, offload=offload,
-        )
-        return _targets.apply(model, where, every, settings)
-
-    @staticmethod
-    def plan(model: nn.Module) -> ModelPlan:
-        """List the rematerialized sites of `model` (block, class, choice); `str()` is a table.
-
-        >>> import torch, remat
-        >>> model = remat.apply(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
-        >>> print(remat.plan(model))
-        remat plan for Sequential: 2 rematerialized sites
-        block  class   choice
-        0      Linear  full
-        1      Linear  full
-        """
-        return _targets.plan(model)
-
-    @staticmethod
-    def undo(module: _M) -> _M:
-        """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules.
-
-        Their hooks go, and each gets back the `forward` it had: none of its own (its class's), or the one it had
-        of its own before `remat`. Classes were never changed.
-
-        >>> import torch, remat
-        >>> layer = remat.undo(remat(torch.nn.Linear(2, 2)))
-        """
-        return _targets.undo(module)
-
-    @staticmethod
-    def region(
-        *,
-        policy: PolicyLike = None,
-        preserve_rng: bool = True,
-        enabled: bool | None = None,
-        check: bool = True,
-        name: str | None = None,
-        offload: bool | _offload.Offload = False,
-    ) -> Region:
-        """Rematerialize a block of code: `with remat.region(): ...`.
-
-        Every activation made inside the block and saved by autograd is dropped at the end of forward and
-        rebuilt in backward by replaying the aten ops recorded while the block ran. Tensors created before
-        the block are kept by reference. Also a decorator: `@remat.region()`.
-
-        Args:
-            policy, preserve_rng, enabled, check, name: as for `remat`.
-            offload: keep the tensors from before the block that it reads in host memory (`True`, or
-                `remat.offload(...)`).
-
-        Returns:
-            A `Region`; after the block, `r.ops` is the number of ops recorded and `r.freed_bytes` the
-            bytes of activations not kept.
-
-        >>> import torch, remat
-        >>> x = torch.randn(8, 8, requires_grad=True)
-        >>> with remat.region() as r:
-        ...     y = x.sin().cos()
-        >>> y.sum().backward()
-        """
-        settings = Options(
-            policy=policy, preserve_rng=preserve_rng, strategy="replay", enabled=enabled,
-            check=check, name=name, offload=offload,
-        )
-        return Region(settings)
-
-    # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__`: set from
-    # remat/_core/public.py's table below (eager names) or on first use (`__getattr__`); declared here for the
-    # type checker only (tests/test_public.py keeps the two in step).
+    # The rest of the package, so that `from remat import remat` carries every name of `remat.__all__` (NOTE [ The
+    # public surface ], rule 4 in remat/_core/public.py): looked up on the package at first use (`__getattr__`);
+    # declared here for the type checker, which runs no code (tests/test_public.py says which line is missing).
     if TYPE_CHECKING:
         offload = staticmethod(_offload.offload)
         checkpoint = staticmethod(_checkpoint.checkpoint)
@@ -383,10 +324,14 @@ class Remat:
     else:
 
         def __getattr__(self, name: str) -> Any:
-            return _attach(name, resolve(name))
+            if name.startswith("__"):  # copy, pickle and inspect ask for dunders the class does not have
+                raise AttributeError(name)
+            value = getattr(sys.modules["remat"], name)
+            setattr(Remat, name, staticmethod(value) if inspect.isfunction(value) else value)  # later lookups are plain
+            return value
 
         def __dir__(self) -> list[str]:
-            return sorted({*super().__dir__(), *PUBLIC})
+            return sorted({*super().__dir__(), *names()})
 
     @property
     def remat(self) -> Remat:
@@ -404,22 +349,10 @@ class Remat:
 
 # A TypeError from Python names a function by its qualified name: show `remat.apply()`, not `Remat.apply()`.
 for _name in ("apply", "plan", "undo", "region"):
-    _function = vars(Remat)[_name].__func__
+    _function = globals()[_name]
     _function.__qualname__ = f"remat.{_name}"
     if hasattr(_function.__code__, "co_qualname"):  # Python 3.11+
         _function.__code__ = _function.__code__.replace(co_qualname=f"remat.{_name}")
-
-
-def _attach(name: str, value: Any) -> Any:
-    """Make `value` the decorator's attribute `name` (a function as a static method): later lookups are plain."""
-    function = callable(value) and not isinstance(value, type)
-    setattr(Remat, name, staticmethod(value) if function else value)
-    return value
-
-
-for _name, _entry in PUBLIC.items():
-    if not _entry.lazy and _name not in vars(Remat):  # apply, plan, undo, region, remat and Remat are its own
-        _attach(_name, resolve(_name))
 
 
 remat = Remat()

@@ -419,21 +419,22 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def budget_hook(names: tuple[str, ...], policies: tuple[Any, ...], labels: tuple[str, ...]) -> Any:
-    """A budget's hook on blocks `names` whose choices are `policies` (labelled `labels`), without the recompute
-    check, for tests that profile or place choices themselves."""
-    from remat._budget.apply import BudgetHook
-    from remat._budget.modes import BudgetMode, Config
+def budget_choices(names: tuple[str, ...], policies: tuple[Any, ...], labels: tuple[str, ...]) -> Any:
+    """The choices of a budget on blocks `names` (`policies`, labelled `labels`), without the recompute check, for
+    tests that profile or place choices themselves."""
+    from remat._budget.choices import Choices
+    from remat._budget.modes import BudgetMode
+    from remat._core.requests import BudgetRequest
 
-    hook = BudgetHook(1.0, names, BudgetMode(Config(check=False)))
-    hook.policies, hook.labels = policies, labels
-    return hook
+    choices = Choices(names, BudgetMode(BudgetRequest(budget=1.0, sample=(), check=False)))
+    choices.policies, choices.labels = policies, labels
+    return choices
 
 
 def optimistic_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every choice of a budget's profile predicted to hold a tenth of what it does: a plan that fits on paper and
     not in a real step (what the budget's checks of real steps must catch)."""
-    from remat._budget import apply as _fit
+    from remat._budget import driver as _fit
 
     real = _fit.measured_costs
 

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_api_reference_covers_every_public_name() -> None:
-    """docs/api.md documents each name of remat's table once, by its public path (docs/_ext/public_names.py finds
-    the definition) or a heading of its own, and nothing by a private path."""
+    """docs/api.md documents each name of `remat.__all__` once, by its public path (mkdocstrings follows
+    remat/__init__.py's imports to the definition) or a heading of its own, and nothing by a private path."""
     text = (ROOT / "docs" / "api.md").read_text()
     documented = re.findall(r"^(?:::: |#+ )remat\.(\w+)\s*$", text, flags=re.MULTILINE)
     assert sorted(documented) == sorted(remat.__all__), "docs/api.md and remat.__all__ differ"

@@ -59,7 +59,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from .._engine.compiled import warn_once
-from .costs import GradientSteps, ModelCost, with_gradients
+from .costs import ModelCost, with_gradients
+from .profile import GradientSteps
 from .solve import evaluate_blocks
 
 __all__ = ["ONE_GRAPH", "gradient_bytes", "graph_extra", "warn_one_graph", "with_graph_gradients"]

@@ -67,24 +67,12 @@ Implementation notes:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Collection
-from dataclasses import dataclass
 
-from .._core.policies import save_matmuls
-from .._engine.selective import SaveOps
-from .._measure.clock import MODE_PER_OP, priced
-from .profile_step import Detail, mode_cost
+from .profile import DERIVABLE, PARTS, KeptRun
+from .profile_step import Detail
 
-__all__ = [
-    "DERIVABLE", "PARTS", "KeptRun", "changed_calls", "compiled_times", "derive_bytes", "derive_times", "mode_overhead",
-    "output_calls", "part_calls",
-]
-
-#: Choices that keep some of the matmul outputs `save_matmuls` keeps (NOTE [ Some matmuls ]): label -> the
-#: share of save_matmuls' matmul bytes they may keep.
-PARTS = {"save_matmuls/4": 0.25, "save_matmuls/2": 0.5}
-DERIVABLE = ("full", "save_matmuls", *PARTS)
+__all__ = ["changed_calls", "compiled_times", "derive_bytes", "derive_times", "output_calls", "part_calls"]
 
 # NOTE [ Some matmuls ]
 # Between full remat (keep nothing but the output) and `save_matmuls` (keep every matmul-class output) a block
@@ -156,33 +144,6 @@ def part_calls(
             chosen.append(call)
             room -= size[call]
     return frozenset(chosen)
-
-
-@dataclass(frozen=True)
-class KeptRun:
-    """One block's tracked run kept: the numbers a derivation starts from (bytes above S_i: NOTE [ Budget model ]).
-
-    Args:
-        base: bytes live at its forward start.
-        held: bytes its forward left alive.
-        forward_peak: the peak while its forward ran.
-        backward_peak: the peak while its backward ran.
-        at_backward: bytes live when its backward started.
-        alive: bytes of its born storages still live when its backward started.
-        outputs: its outputs' born storages (numbered as in `detail`).
-        live_outputs: those of them that something outside the block still held when its backward started.
-        detail: its forward window's allocations, op by op.
-    """
-
-    base: int
-    held: int
-    forward_peak: int
-    backward_peak: int
-    at_backward: int
-    alive: int
-    outputs: frozenset[int]
-    live_outputs: frozenset[int]
-    detail: Detail
 
 
 def _replay(detail: Detail, saved: frozenset[int] | set[int], handed: bool, keep: bool,
@@ -320,12 +281,3 @@ def compiled_times(choice: str, forward: float, backward: float, every: float, k
 #    layers where the two measured the same (docs/benchmarks.md).
 
 
-def mode_overhead() -> float:
-    """Seconds per op that `save_matmuls`' dispatch mode adds to a small op (a floor: NOTE [ Mode cost in
-    place ]); on priced time, the nominal device's (NOTE [ Priced time ] in clock.py)."""
-    return MODE_PER_OP if priced() else _calibrated()
-
-
-@functools.cache  # calibrated once per process
-def _calibrated() -> float:
-    return mode_cost(lambda: SaveOps(save_matmuls))

@@ -1,5 +1,5 @@
 """How a budget's plans are made and verified: one class per mode, each with the rules it adds to the stages
-that the driver runs (apply.py: profile, costs, solve, verify).
+that the driver runs (driver.py: profile, costs, solve, verify).
 
 * `BudgetMode`, `remat.apply(model, budget=..., sample=...)`: profiled on a fake twin where one stands in,
   gradients counted by position, verified on the model's first training step where the prediction fits.
@@ -9,84 +9,36 @@ that the driver runs (apply.py: profile, costs, solve, verify).
 * `MemoryMode`, `remat.apply(model, memory=...)`: the mode it wraps, verified before `apply` returns from no
   gradients.
 
-A `Config` holds what every mode is given besides the budget; `mode_for` picks the mode `remat.apply`'s arguments
-ask for, and a mode's `planning(model)` the one a plan of the model runs under now (`ShardedMode` once
-`fully_shard` was applied to it).
+Each mode holds the request it serves (remat/_core/requests.py: what `remat.apply` was asked besides the budget);
+`mode_for` picks the mode a request asks for, and a mode's `planning(model)` the one a plan of the model runs under
+now (`ShardedMode` once `fully_shard` was applied to it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
-from .._core.options import Options, Strategy
-from .._core.policies import PolicyLike, as_policy
+from .._core.requests import FitRequest, MemoryRequest
 from .._measure.sharded import is_sharded
 from .._measure.step_peak import compiled_peak, measure_step
 from .compiled import gradient_bytes, graph_extra, with_graph_gradients
-from .costs import ModelCost, Profile, with_gradients
-from .profile import Loss, TrainingStep, fake_stands_in
+from .costs import ModelCost, with_gradients
+from .profile import Profile, TrainingStep, fake_stands_in
 from .solve import Assignment
 from .verify import Measure, max_over_ranks, verify, verify_both_ways
 
-__all__ = ["SHARDED_LATER", "BudgetMode", "CompiledMode", "Config", "MemoryMode", "ShardedMode", "mode_for"]
+__all__ = ["SHARDED_LATER", "BudgetMode", "CompiledMode", "MemoryMode", "ShardedMode", "mode_for"]
 
 Place = Callable[[Assignment], None]  # puts an assignment's choices on the blocks
 
 
-@dataclass(frozen=True)
-class Config:
-    """What a budget's plans are asked for besides the budget: `remat.apply`'s arguments as given (`apply_budget`
-    in apply.py checks them before it plans).
-
-    Attributes:
-        loss: from the model's output to the scalar loss (None: its `.loss`, else the sum of its floating tensors).
-        choices: more policies a block may get besides kept, `save_matmuls` and full remat.
-        replan: plan again when the model is called in training with a new input signature.
-        preserve_rng, strategy, check: the blocks' options besides their policy, as for `remat` (`check` is the
-            recompute check; a plan's own check on a real step is its verification: verify.py).
-        head: apply's `head` (NOTE [ The head as a choice ] in solve_head.py).
-        compile: plan for the model compiled as one graph (`CompiledMode`).
-        first_step: where the prediction fits, leave the verification to the model's first training step (NOTE
-            [ The first step ] in first_step.py); False verifies every plan on the sample before it is kept, as
-            `remat.estimate` does, whose model trains no step.
-    """
-
-    loss: Loss | None = None
-    choices: Sequence[PolicyLike] | None = None
-    replan: bool = True
-    preserve_rng: bool = True
-    strategy: Strategy = "rerun"
-    check: bool = True
-    head: bool | None = None
-    compile: bool = False
-    first_step: bool = True
-
-    def __post_init__(self) -> None:
-        if self.loss is not None and not callable(self.loss):
-            raise TypeError(f"remat: `loss` must be a callable from the output to a scalar, but got {self.loss!r}.")
-        for flag in ("replan", "compile"):
-            given = getattr(self, flag)
-            if not isinstance(given, bool):
-                raise TypeError(f"remat: `{flag}` must be a bool, but got `{type(given).__name__}`.")
-        Options(**self.options)  # validates the blocks' options before any hook is placed
-        for extra in self.choices or ():
-            as_policy(extra)  # a TypeError for anything else
-            if self.strategy != "rerun":
-                raise ValueError("remat: `choices` (policies) work with strategy='rerun' only; leave out `strategy`.")
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """The blocks' options besides their policy (`remat._core.options.Options`)."""
-        return {"preserve_rng": self.preserve_rng, "strategy": self.strategy, "check": self.check}
-
-
-def mode_for(config: Config) -> BudgetMode:
-    """The mode `config` asks for: `CompiledMode` with `compile`, else `BudgetMode`."""
-    return CompiledMode(config) if config.compile else BudgetMode(config)
+def mode_for(request: FitRequest) -> BudgetMode:
+    """The mode `request` asks for: `CompiledMode` with `compile`, else `BudgetMode`; for a `MemoryRequest`, that mode
+    in a `MemoryMode`."""
+    mode = CompiledMode(request) if request.compile else BudgetMode(request)
+    return MemoryMode(mode) if isinstance(request, MemoryRequest) else mode
 
 
 class BudgetMode:
@@ -98,23 +50,23 @@ class BudgetMode:
        profile.py).
     3. Gradients count where a default loop's backward makes them (NOTE [ Gradients in the budget ] in costs.py).
     4. An assignment whose prediction fits is verified on the model's first training step (NOTE [ The first step ]
-       in first_step.py), unless `Config.first_step` is False; one that does not fit, on the sample before
+       in first_step.py), unless the request's `first_step` is False; one that does not fit, on the sample before
        `remat.apply` returns (NOTE [ Verifying the plan ] in verify.py).
     """
 
     compiled = False  # whether its steps run as one compiled graph
     offers_parts = True  # whether a block may keep some of its matmuls (rule 1)
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
+    def __init__(self, request: FitRequest) -> None:
+        self.request = request
 
     def planning(self, model: nn.Module) -> BudgetMode:
         """The mode a plan of `model` runs under now: `ShardedMode` once `fully_shard` was applied to it."""
-        return ShardedMode(self.config) if is_sharded(model) else self
+        return ShardedMode(self.request) if is_sharded(model) else self
 
     def profiles_on_fake(self, model: nn.Module) -> bool:
         """Whether the profile runs on a fake twin of `model` (rule 2)."""
-        return fake_stands_in(model, self.config.strategy)
+        return fake_stands_in(model, self.request.strategy)
 
     def with_gradients(self, model: nn.Module, blocks: Sequence[nn.Module], measured: ModelCost,
                        profile: Profile) -> ModelCost:
@@ -123,7 +75,7 @@ class BudgetMode:
 
     def verifies_later(self) -> bool:
         """Whether an assignment whose prediction fits is left to the model's first training step (rule 4)."""
-        return self.config.first_step
+        return self.request.first_step
 
     def measure(self, model: nn.Module, step: TrainingStep, measured: ModelCost, cost: ModelCost,
                 assignment: Assignment) -> int:
@@ -142,7 +94,7 @@ class ShardedMode(BudgetMode):
     and verified on the sample before `remat.apply` returns, since its first step cannot stand in."""
 
     def planning(self, model: nn.Module) -> BudgetMode:
-        return self if is_sharded(model) else BudgetMode(self.config)
+        return self if is_sharded(model) else BudgetMode(self.request)
 
     def verifies_later(self) -> bool:
         return False
@@ -218,7 +170,7 @@ class CompiledMode(BudgetMode):
 
 class MemoryMode(BudgetMode):
     """The plans of `remat.apply(model, memory=...)` for what a step's state leaves (NOTE [ Total memory ] in
-    memory.py): those of the mode it wraps (`BudgetMode` or `CompiledMode`), except that
+    remat/_apply/memory.py): those of the mode it wraps (`BudgetMode` or `CompiledMode`), except that
 
     1. every one is verified on the sample before `remat.apply` returns: going over is an out-of-memory error, not
        a missed promise;
@@ -227,7 +179,7 @@ class MemoryMode(BudgetMode):
     """
 
     def __init__(self, inner: BudgetMode) -> None:
-        super().__init__(inner.config)
+        super().__init__(inner.request)
         self.inner = inner
         self.compiled = inner.compiled
         self.offers_parts = inner.offers_parts

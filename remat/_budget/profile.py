@@ -40,6 +40,7 @@ Implementation notes:
 NOTE [ Planning on fake tensors ]
 Rules:
 1. `remat.apply(model, budget=B)` itself allocates no more than the larger of B and full remat's peak (with the
+   chunked head where the head may be routed: NOTE [ The head as a choice ] in head_choice.py; with the
    verification's `SLACK`) above what was live when it began, and `apply(memory=M)` keeps the process within M: a
    model that fits only with remat can be planned on the device it will train on.
 2. So the profile (one training step with every block kept, which needs no remat's memory) runs on fake tensors:
@@ -67,7 +68,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -85,17 +87,120 @@ from .._measure.hf_fake import real_masks
 from .._measure.loss import default_loss
 from .._measure.state import step_state
 from .._measure.track import placed
-from .costs import Profile, Round, gradient_steps
-from .costs_derived import PARTS, KeptRun, mode_overhead
 from .profile_alone import Shift, compiled_shifts, mode_alone, time_alone
-from .profile_step import Marks, marked_step
+from .profile_step import Detail, Marks, marked_step, mode_overhead
 
-__all__ = ["Loss", "TrainingStep", "accumulation_order", "fake_stands_in", "profile", "profile_blocks"]
+__all__ = [
+    "DERIVABLE", "PARTS", "GradientSteps", "KeptRun", "Loss", "Profile", "Round", "TrainingStep", "accumulation_order",
+    "fake_stands_in", "gradient_steps", "profile", "profile_blocks",
+]
 
 _T = TypeVar("_T")
 _log = logging.getLogger("remat")
 Loss = Callable[[Any], torch.Tensor]
 Assign = Callable[[int, int], None]  # put block i under choice c
+
+
+#: Choices that keep some of the matmul outputs `save_matmuls` keeps (NOTE [ Some matmuls ]): label -> the
+#: share of save_matmuls' matmul bytes they may keep.
+PARTS = {"save_matmuls/4": 0.25, "save_matmuls/2": 0.5}
+DERIVABLE = ("full", "save_matmuls", *PARTS)
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one profiled step measured (`Marks` in profile_step.py).
+
+    Args:
+        choice: the choice each block ran under.
+        held: per block, the bytes its forward left alive.
+        base: per block, the bytes live at its forward start beyond what the blocks before it held.
+        peaks: per window (("fwd" | "bwd" | "out", index)), its peak above what the blocks before it held.
+        times: per window, its seconds.
+        kept: per block that ran kept and was recorded in detail, what derivations start from.
+    """
+
+    choice: Sequence[int]
+    held: Sequence[int]
+    base: Sequence[int]
+    peaks: Mapping[tuple[str, int], int]
+    times: Mapping[tuple[str, int], float]
+    kept: Mapping[int, KeptRun] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GradientSteps:
+    """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
+    blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`): NOTE [ Gradients in the budget ], and
+    NOTE [ Compiled as one graph ] in compiled.py."""
+
+    blocks: tuple[int, ...]
+    outside: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the profile measured (stage 1, profile.py), for `measured_costs` (stage 2).
+
+    Args:
+        names: the blocks' qualified names, in forward order.
+        kinds: per block, its kind (blocks of one kind cost the same up to where they sit).
+        choices: the choices' labels.
+        derived: the choices derived rather than run, index to label (NOTE [ Deriving choices ] in
+            costs_derived.py).
+        tracked: the rounds that measured bytes.
+        timed: the rounds that measured times, in the same order (the same rounds where one step did both).
+        alone: per choice run, a block of kind `sample_kind` timed alone (forward, backward seconds), or nothing
+            (NOTE [ Timing under the tracker ] in profile_step.py).
+        sample_kind: the kind of that block (None where no block ran alone).
+        per_op: seconds per op of `save_matmuls`' dispatch mode.
+        gradients: where backward's new gradients are alive (NOTE [ Gradients in the budget ]).
+        compiled: derived choices are priced for one compiled graph (NOTE [ Compiled costs ] in costs_derived.py).
+        priced: the times are ops priced on a nominal device (NOTE [ Priced time ] in remat/_measure/clock.py).
+        shifts: per choice, what compiling adds to the bytes of a block of `sample_kind` (NOTE [ Compiled bytes ] in
+            compiled.py); empty where nothing is shifted.
+    """
+
+    names: tuple[str, ...]
+    kinds: tuple[Any, ...]
+    choices: tuple[str, ...]
+    derived: Mapping[int, str]
+    tracked: Sequence[Round]
+    timed: Sequence[Round]
+    alone: Mapping[int, tuple[float, float]]
+    sample_kind: Any
+    per_op: float
+    gradients: GradientSteps
+    compiled: bool = False
+    priced: bool = False
+    shifts: Mapping[int, Shift] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KeptRun:
+    """One block's tracked run kept: the numbers a derivation starts from (bytes above S_i: NOTE [ Budget model ]).
+
+    Args:
+        base: bytes live at its forward start.
+        held: bytes its forward left alive.
+        forward_peak: the peak while its forward ran.
+        backward_peak: the peak while its backward ran.
+        at_backward: bytes live when its backward started.
+        alive: bytes of its born storages still live when its backward started.
+        outputs: its outputs' born storages (numbered as in `detail`).
+        live_outputs: those of them that something outside the block still held when its backward started.
+        detail: its forward window's allocations, op by op.
+    """
+
+    base: int
+    held: int
+    forward_peak: int
+    backward_peak: int
+    at_backward: int
+    alive: int
+    outputs: frozenset[int]
+    live_outputs: frozenset[int]
+    detail: Detail
 
 
 class TrainingStep:
@@ -375,3 +480,45 @@ def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> di
         for b in largest:
             out.setdefault(choice[b], (r, b))
     return out if len(out) == k else {}
+
+
+# -- where backward's new gradients are alive: NOTE [ Gradients in the budget ] in costs.py ---------------------------
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -> GradientSteps:
+    """Where backward's new gradients are alive, from the order it made them (NOTE [ Gradients in the budget ]).
+
+    >>> import torch
+    >>> blocks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]   # 24 bytes of gradients each
+    >>> head = torch.nn.Parameter(torch.ones(4))                  # 16 bytes, reached first
+    >>> order = [head, *blocks[1].parameters(), *blocks[0].parameters()]
+    >>> steps = gradient_steps(blocks, order)
+    >>> steps.blocks, steps.outside
+    ((40, 16), (64, 40, 0))
+    """
+    n, total = len(blocks), len(order)
+    position = {id(p): q for q, p in enumerate(order)}
+    before = [0]
+    for p in order:
+        before.append(before[-1] + _nbytes(p))  # before[q]: bytes of the first q gradients made
+    first: list[int | None] = []
+    last: list[int | None] = []
+    for block in blocks:
+        found = [position[id(p)] for p in block.parameters() if id(p) in position]
+        first.append(min(found) if found else None)
+        last.append(max(found) if found else None)
+    start = [total] * n  # where block i's backward starts, in gradients made (a block without any: the next below)
+    end = [total] * n
+    below_first = total
+    for i in range(n):  # from block 0 up: a parameterless block takes the bounds of the next one below it
+        opened, closed = first[i], last[i]
+        if opened is None or closed is None:
+            start[i] = end[i] = below_first
+        else:
+            below_first = start[i] = opened
+            end[i] = closed + 1
+    outside = [before[end[k]] for k in range(n)] + [0]
+    return GradientSteps(tuple(before[s] for s in start), tuple(outside))

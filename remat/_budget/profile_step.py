@@ -21,16 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.policies import matmuls
+from .._core.policies import matmuls, save_matmuls
 from .._core.torch_compat import tree_leaves
 from .._engine.recorder import op_info
+from .._engine.selective import SaveOps
 from .._measure.autocast import cached_cast
-from .._measure.clock import now, priced
+from .._measure.clock import MODE_PER_OP, now, priced
 from .._measure.fake import FakeTracker
 from .._measure.track import _storage, synchronize
 from .profile_alone import describe
 
-__all__ = ["Detail", "Marks", "Step", "Windows", "marked_step", "mode_cost", "per_op_overhead"]
+__all__ = ["Detail", "Marks", "Step", "Windows", "marked_step", "mode_cost", "mode_overhead", "per_op_overhead"]
 
 
 Step = Callable[[], torch.Tensor]  # runs the forward and returns the scalar loss
@@ -463,3 +464,15 @@ def per_op_overhead() -> float:
 @functools.cache  # calibrated once per process: NOTE [ Timing under the tracker ]
 def _calibrated() -> float:
     return mode_cost(Windows, lambda tracker: float(tracker.overhead))
+
+
+def mode_overhead() -> float:
+    """Seconds per op that `save_matmuls`' dispatch mode adds to a small op (a floor: NOTE [ Mode cost in
+    place ]); on priced time, the nominal device's (NOTE [ Priced time ] in remat/_measure/clock.py)."""
+    return MODE_PER_OP if priced() else _calibrated_mode()
+
+
+
+@functools.cache  # calibrated once per process: NOTE [ Mode cost in place ] in costs_derived.py
+def _calibrated_mode() -> float:
+    return mode_cost(lambda: SaveOps(save_matmuls))

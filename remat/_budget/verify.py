@@ -25,7 +25,7 @@ Implementation notes:
    `memory=`, one compiled graph, a model sharded by `fully_shard`, and `remat.estimate` (on fake tensors, the
    assignment a real model ends with once its first step has verified it).
 2. (rule 2) With `remat.apply(model, memory=...)` the budget is what the step's state leaves, and gradients take
-   from it too: its verified step starts without gradients (NOTE [ Total memory ] in memory.py).
+   from it too: its verified step starts without gradients (NOTE [ Total memory ] in remat/_apply/memory.py).
 3. (rule 4) Below the least predicted peak, the choice that holds least is verified, and kept if it measures
    within the budget. "Full remat of every block" is where the costs have it; else the choice predicted to hold
    least.

@@ -175,8 +175,14 @@ def _solve_dp(
     value = float(E[n, 0, top])
     if value == _INF:
         return None
-    # Rebuild the schedule from the choices; `todo` holds sub-chains (a, b, m) and, as (-1, i, 0),
-    # a backward(i) to emit once the sub-chain pushed after it is done.
+    return value, _schedule(choice, n, top, xs, xbs)
+
+
+def _schedule(choice: Sequence[torch.Tensor], n: int, top: int, xs: Sequence[int],
+              xbs: Sequence[int]) -> list[tuple[str, int]]:
+    """The ops of the schedule the dynamic program chose (`choice[d][a, m]`: 0 to save stage a, else the split).
+    `todo` holds sub-chains (a, b, m) and, as (-1, i, 0), a backward(i) to emit once the sub-chain pushed after it
+    is done."""
     ops: list[tuple[str, int]] = []
     todo: list[tuple[int, int, int]] = [(0, n, top)]
     while todo:
@@ -192,7 +198,7 @@ def _solve_dp(
             j = a + t
             ops += [("forward_checkpoint", a)] + [("forward_nosave", k) for k in range(a + 1, j)]
             todo += [(a, j - 1, m), (j, b, m - xs[j])]
-    return value, ops
+    return ops
 
 
 def _best_split(

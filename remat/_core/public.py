@@ -1,107 +1,107 @@
-"""remat's public names: one table, read by everything that lists them.
+"""remat's public names are the imports of `remat/__init__.py`; this module reads them for what needs them at run time.
 
-`PUBLIC` maps each name of ``remat.__all__`` to where it is defined. The package (`remat/__init__.py`) re-exports
-from it, loading the eager names with ``import remat`` and the rest on first use; the decorator object carries the
-same names as attributes (``from remat import remat; remat.estimate``); the API reference (docs/api.md) writes
-``::: remat.NAME`` and the docs build finds the definition here (docs/_ext/public_names.py). Two lists remain for
-the type checker, which reads no table: the ``TYPE_CHECKING`` imports of `remat/__init__.py` and the decorator's
-``TYPE_CHECKING`` attributes; tests/test_public.py fails when either differs from the table.
+NOTE [ The public surface ]
+1. A public name is one line of `remat/__init__.py`: `from ._x import y as y`, at module level where
+   `import remat` loads it, under `if TYPE_CHECKING:` where it loads on first use (the measuring, planning and
+   estimating wings: `import remat` stays cheap). `remat.__all__` is those names.
+2. The package is callable (`import remat; @remat`), and a name of the `TYPE_CHECKING` block is imported from where
+   its line says the first time it is looked up on the package (`serve`).
+3. Public classes and functions carry ``__module__ = "remat"``, so that they show as ``remat.Tracker`` in reprs,
+   help and tracebacks, however their module is reached: each module that defines one ends with
+   ``claim(__name__)``.
+4. The decorator object (`from remat import remat`) carries the same names: it looks up on the package what it
+   lacks (remat/_api.py), and declares them for the type checker, which runs no code (tests/test_public.py says
+   which declaration is missing).
 
-Public classes and functions carry ``__module__ = "remat"``, so that they show as ``remat.Tracker`` in reprs, help
-and tracebacks: each module that defines one ends with ``claim(__name__)``, which sets it on the objects the table
-lists there when the module is first imported, however it is reached.
+Implementation notes:
+1. (rules 1-3) The lines are read from the file's syntax tree (`names`), once per process, not from the package's
+   namespace: `claim` runs while `remat/__init__.py` is still importing the modules it names.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import inspect
 import sys
+import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["PUBLIC", "Public", "claim", "resolve"]
+__all__ = ["Public", "claim", "names", "serve"]
+
+_INIT = Path(__file__).resolve().parent.parent / "__init__.py"
 
 
 @dataclass(frozen=True)
 class Public:
-    """Where a public name is defined: a module of the package and a (dotted) attribute in it."""
+    """Where a public name comes from: one import line of `remat/__init__.py`."""
 
     module: str  # relative to the package, as `importlib.import_module(module, "remat")` takes it
-    attribute: str  # "" for the module itself
-    lazy: bool = False  # loaded on first use: the measuring, planning and estimating wings
-    doc: str = ""  # the path the API reference documents, where it is not module.attribute
+    attribute: str  # "" for the module itself (`from . import policies as policies`)
+    lazy: bool  # imported under `TYPE_CHECKING`: loaded on first use
 
     @property
     def path(self) -> str:
-        """The dotted path the API reference documents."""
-        return self.doc or f"remat{self.module}.{self.attribute}".rstrip(".")
+        """The dotted path of its definition (what the API reference documents)."""
+        return f"remat{self.module}.{self.attribute}".rstrip(".")
 
 
-PUBLIC: dict[str, Public] = {
-    # Sites
-    "remat": Public("._api", "remat", doc="remat._api.Remat"),
-    "Remat": Public("._api", "Remat"),
-    "apply": Public("._api", "remat.apply", doc="remat._api.Remat.apply"),
-    "plan": Public("._api", "remat.plan", doc="remat._api.Remat.plan"),
-    "undo": Public("._api", "remat.undo", doc="remat._api.Remat.undo"),
-    "region": Public("._api", "remat.region", doc="remat._api.Remat.region"),
-    "Region": Public("._engine.region", "Region"),
-    "ModelPlan": Public("._sites.table", "ModelPlan"),
-    "checkpoint": Public("._sites.checkpoint", "checkpoint"),
-    "checkpoint_sequential": Public("._sites.checkpoint", "checkpoint_sequential"),
-    # The head and the loss
-    "linear_cross_entropy": Public("._sites.cross_entropy", "linear_cross_entropy", lazy=True),
-    # Policies
-    "policies": Public(".policies", ""),
-    "tag": Public("._core.policies", "tag"),
-    # The switch
-    "is_enabled": Public("._core.switch", "is_enabled"),
-    "set_enabled": Public("._core.switch", "set_enabled"),
-    "enabled": Public("._core.switch", "enabled"),
-    # Offload
-    "offload": Public("._engine.offload", "offload"),
-    "Offload": Public("._engine.offload", "Offload"),
-    # Chains
-    "chain": Public("._chain.chain", "chain", lazy=True),
-    "Chain": Public("._chain.chain", "Chain", lazy=True),
-    "solve": Public("._chain.solver", "solve", lazy=True),
-    "Plan": Public("._chain.schedule", "Plan", lazy=True),
-    "StageCost": Public("._chain.simulate", "StageCost", lazy=True),
-    # Estimate
-    "estimate": Public("._estimate.estimate", "estimate", lazy=True),
-    "EstimateReport": Public("._estimate.report", "EstimateReport", lazy=True),
-    "ConfigEstimate": Public("._estimate.report", "ConfigEstimate", lazy=True),
-    # Measuring
-    "track": Public("._measure.track", "track", lazy=True),
-    "Tracker": Public("._measure.track", "Tracker", lazy=True),
-    "measure": Public("._measure.measure", "measure", lazy=True),
-    "Report": Public("._measure.report", "Report", lazy=True),
-    "Measurement": Public("._measure.report", "Measurement", lazy=True),
-    # Errors
-    "RematError": Public("._core.errors", "RematError"),
-    "RecomputeMismatchError": Public("._core.errors", "RecomputeMismatchError"),
-    "BudgetError": Public("._core.errors", "BudgetError"),
-}
+@functools.cache
+def names() -> dict[str, Public]:
+    """The public names (NOTE [ The public surface ], rule 1), read from `remat/__init__.py`."""
+    tree = ast.parse(_INIT.read_text(encoding="utf-8"))
+    found: dict[str, Public] = {}
+
+    def read(statements: list[ast.stmt], lazy: bool) -> None:
+        for node in statements:
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                for alias in node.names:
+                    if alias.asname == alias.name:  # an explicit re-export
+                        module, attribute = (f".{node.module}", alias.name) if node.module else (f".{alias.name}", "")
+                        found[alias.name] = Public(module, attribute, lazy)
+            elif isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+                read(node.body, lazy=True)
+
+    read(tree.body, lazy=False)
+    return found
 
 
-def resolve(name: str) -> Any:
-    """The object `PUBLIC[name]` names, importing its module (`AttributeError` for any other name)."""
-    try:
-        entry = PUBLIC[name]
-    except KeyError:
-        raise AttributeError(f"module 'remat' has no attribute {name!r}") from None
+def _load(entry: Public) -> Any:
     value: Any = importlib.import_module(entry.module, "remat")
-    for part in filter(None, entry.attribute.split(".")):
-        value = getattr(value, part)
-    return value
+    return getattr(value, entry.attribute) if entry.attribute else value
+
+
+class _Package(types.ModuleType):
+    """The package's class (NOTE [ The public surface ], rule 2)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.remat(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        entry = names().get(name)
+        if entry is None or not entry.lazy:
+            raise AttributeError(f"module 'remat' has no attribute {name!r}")
+        value = _load(entry)
+        setattr(self, name, value)
+        return value
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *names()})
+
+
+def serve(package: types.ModuleType) -> None:
+    """Make `package` (remat) callable and its lazy names load on first use."""
+    package.__class__ = _Package
 
 
 def claim(module: str) -> None:
-    """Give the public classes and functions that `module` defines ``__module__ = "remat"`` (see above)."""
+    """Give the public classes and functions that `module` defines ``__module__ = "remat"`` (rule 3)."""
     namespace = vars(sys.modules[module])
-    for entry in PUBLIC.values():
-        if f"remat{entry.module}" == module and "." not in entry.attribute:
+    for entry in names().values():
+        if f"remat{entry.module}" == module and entry.attribute:
             value = namespace[entry.attribute]
             if inspect.isclass(value) or inspect.isfunction(value):
                 value.__module__ = "remat"

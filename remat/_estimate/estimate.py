@@ -14,19 +14,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._budget.apply import apply_budget
-from .._budget.modes import Config, mode_for
+from .._budget.driver import apply_budget
 from .._chain.chain import parse_budget
 from .._core.options import Options
 from .._core.policies import Policy, save_matmuls
 from .._core.public import claim
+from .._core.requests import BudgetRequest, Where
 from .._core.switch import enabled
 from .._core.units import parse_memory
 from .._measure import ddp as _ddp
 from .._measure import sharded as _sharded
 from .._measure.fake import resolve_device
 from .._sites import targets as _targets
-from .._sites.targets import Where
 from .head import split_head, with_head
 from .largest_batch import searches
 from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
@@ -109,7 +108,8 @@ def _configured(model: nn.Module, config: Any, where: Where | None) -> Configure
             with _restoring(model):
                 # the planner of remat.apply(budget=), on fake tensors; the plan verified at once, as a real model's
                 # first training step would verify it (NOTE [ The first step ])
-                apply_budget(model, config, sample, where, mode_for(Config(first_step=False)))
+                request = BudgetRequest(budget=config, sample=sample, where=where, first_step=False)
+                apply_budget(model, request, request.budget)
                 with enabled(True):
                     yield
 

@@ -1,5 +1,5 @@
 """The chunked head as a configuration of `remat.estimate` ("full+head", "save_matmuls+head"): see NOTE [ The head
-as a choice ] in remat/_budget/solve_head.py."""
+as a choice ] in remat/_budget/head_choice.py."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Rules:
    autocast region ] in remat/_measure/autocast.py): each configuration casts the weights afresh, and no
    prediction depends on which others run in the same call.
 4. The budget planner profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in
-   remat/_budget/apply.py), so ``memory=`` and the largest batch that fits mean the step of the estimate's rows.
+   remat/_budget/driver.py), so ``memory=`` and the largest batch that fits mean the step of the estimate's rows.
 5. Each configuration runs the same step with its own remat sites, on fake tensors (NOTE [ Counting fake
    tensors ]): the bytes are those of the tensors the same ops would make on the device predicted for, nothing is
    allocated at the model's size, and what a configuration frees and rebuilds in backward is counted, not
@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -211,6 +211,64 @@ Refine = Callable[[Configured, ConfigEstimate, Callable[[Any], ConfigEstimate]],
 configuration on another sample (real or meta tensors) in the same fake session, return the row to report."""
 
 
+@dataclass
+class _Steps:
+    """What every configuration's step shares in `predict`: the fake model, its optimizer and state, the bytes that
+    live throughout (`kept`: parameters, buffers, the optimizer's state, resident tensors) and a first step's
+    constants; `row` runs one configuration's step on a sample."""
+
+    model: nn.Module
+    loss: Callable[[Any], torch.Tensor] | None
+    made: torch.optim.Optimizer | None
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+    state: list[torch.Tensor]
+    kept: int
+    constants: int
+    device: torch.device
+    run: torch.device
+    autocast: StepAutocast | None
+    step_bytes: list[int] = field(default_factory=list)
+
+    def row(self, configured: Configured, given: Any) -> ConfigEstimate:
+        """One configuration's row: its step on (a fake copy of) `given`, or the refusal of a budget below what
+        remat meets."""
+        args = fake_sample(given, self.run)
+        inputs = tensors_of(args)
+        constants = self.constants
+        base = self.kept + storage_bytes(inputs, self.device) + constants
+        given_state = {  # the state's exact bytes, in every row
+            "config": configured.config, "label": configured.label, "constant_bytes": constants,
+            "params_bytes": storage_bytes(self.params), "buffers_bytes": storage_bytes(self.buffers),
+            "input_bytes": storage_bytes(inputs), "optimizer_bytes": storage_bytes(self.state),
+        }
+        try:
+            with configured.apply(args):
+                grads, held, output, peak, tracker = _step(
+                    self.model, args, self.loss, self.made, self.params, self.device, self.step_bytes, self.autocast
+                )
+        except BudgetError as error:  # a budget below what remat meets: a row that says so
+            return ConfigEstimate(
+                **given_state,
+                grads_bytes=storage_bytes([p for p in self.params if p.requires_grad]),
+                activation_bytes=0,
+                peak_bytes=0,
+                refused=str(error),
+                least_bytes=error.least_bytes,
+            )
+        phase, phases, holders = where_it_peaks(tracker, base, self.model, self.params, self.made, self.step_bytes)
+        return ConfigEstimate(
+            **given_state,
+            grads_bytes=grads,
+            activation_bytes=held,
+            output_bytes=output,
+            peak_bytes=base + peak,
+            peak_phase=phase,
+            phase_bytes=phases,
+            holders=holders,
+        )
+
+
 def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
             optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
             prepare: Callable[[], list[torch.Tensor]] | None = None,
@@ -246,47 +304,11 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             state = [t for t in state if t.untyped_storage()._cdata not in param_keys]
             extra = resident(params) if resident is not None else []
             kept = storage_bytes([*params, *buffers, *state, *extra], device)
-            step_bytes: list[int] = []
-
-            def one(configured: Configured, given: Any) -> ConfigEstimate:
-                args = fake_sample(given, run)
-                inputs = tensors_of(args)
-                base = kept + storage_bytes(inputs, device) + constants
-                given_state = {  # the state's exact bytes, in every row
-                    "config": configured.config, "label": configured.label, "constant_bytes": constants,
-                    "params_bytes": storage_bytes(params), "buffers_bytes": storage_bytes(buffers),
-                    "input_bytes": storage_bytes(inputs), "optimizer_bytes": storage_bytes(state),
-                }
-                try:
-                    with configured.apply(args):
-                        grads, held, output, peak, tracker = _step(
-                            model, args, loss, made, params, device, step_bytes, autocast
-                        )
-                except BudgetError as error:  # a budget below what remat meets: a row that says so
-                    return ConfigEstimate(
-                        **given_state,
-                        grads_bytes=storage_bytes([p for p in params if p.requires_grad]),
-                        activation_bytes=0,
-                        peak_bytes=0,
-                        refused=str(error),
-                        least_bytes=error.least_bytes,
-                    )
-                phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
-                return ConfigEstimate(
-                    **given_state,
-                    grads_bytes=grads,
-                    activation_bytes=held,
-                    output_bytes=output,
-                    peak_bytes=base + peak,
-                    peak_phase=phase,
-                    phase_bytes=phases,
-                    holders=holders,
-                )
-
+            steps = _Steps(model, loss, made, params, buffers, state, kept, constants, device, run, autocast)
             for configured in configs:
-                row = one(configured, sample)
+                row = steps.row(configured, sample)
                 if refine is not None:
-                    row = refine(configured, row, functools.partial(one, configured))
+                    row = refine(configured, row, functools.partial(steps.row, configured))
                 rows.append(row)
     except RematError:  # a BudgetError raised here is not a configuration's (`apply(memory=)`'s own)
         raise

@@ -10,7 +10,7 @@ would share its cache, so the first step paid for the casts and the next ones di
 through backward.
 
 Rules:
-1. The steps remat runs for a budget's profile and checks (remat/_budget/apply.py) and for each configuration of
+1. The steps remat runs for a budget's profile and checks (remat/_budget/driver.py) and for each configuration of
    an estimate (remat/_estimate/predict.py) run as a real step does: forward and loss in a region of their own
    (`step_region`) with the caller's autocast settings (`StepAutocast.caller`: each enabled device type's dtype,
    and the cache switch), nothing cached before it and nothing after; backward and the optimizer step outside any
@@ -24,7 +24,7 @@ Rules:
 3. The settings a step runs under are the ones `planning` was given: a planner nested in another (the budget row
    of an estimate) reads them from there.
 4. The settings are part of a plan: a budget planned under one autocast state and trained under another is
-   planned again (remat/_budget/apply.py).
+   planned again (remat/_budget/driver.py).
 """
 
 from __future__ import annotations

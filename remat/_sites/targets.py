@@ -9,7 +9,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,12 +27,12 @@ from .head import describe_head
 from .integrations import comes_from
 from .table import ModelPlan, Site
 
-__all__ = ["Where", "apply", "plan", "remove_hooks", "select", "undo", "wrap", "wrap_class", "wrap_function",
+if TYPE_CHECKING:
+    from .._core.requests import Where
+
+__all__ = ["apply", "plan", "remove_hooks", "select", "undo", "wrap", "wrap_class", "wrap_function",
            "wrap_module"]
 
-#: What `remat.apply` (and `remat.estimate`) take as `where`: a module type, a tuple of them, or a predicate on
-#: `(qualified name, module)`; None picks the model's repeated blocks (NOTE [ Picking blocks ]).
-Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 _M = TypeVar("_M", bound=nn.Module)
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -304,11 +304,8 @@ def apply(
     every: int,
     options: Options,
 ) -> _M:
-    """Rematerialize each `every`-th submodule of `model` that `where` selects; see `remat.apply`."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"remat: `every` must be a positive int, but got {every!r}.")
+    """Rematerialize each `every`-th submodule of `model` that `where` selects; see `remat.apply` (whose request
+    checked the arguments: remat/_core/requests.py)."""
     chosen = select(model, where)
     for index, (_, module) in enumerate(chosen):
         if index % every == 0:
@@ -380,7 +377,7 @@ def plan(model: nn.Module) -> ModelPlan:
     head = describe_head(model)
     hooks: list[Any] = list(model._forward_pre_hooks.values())
     budget = next((hook.assignment for hook in hooks if _is_ours(hook)
-                   and getattr(hook, "assignment", None) is not None), None)  # see remat/_budget/apply.py
+                   and getattr(hook, "assignment", None) is not None), None)  # see remat/_budget/driver.py
     if budget is not None:
         classes = tuple(type(model.get_submodule(name)).__qualname__ for name in budget.cost.names)
         off = not _switch.is_enabled()

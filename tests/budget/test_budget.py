@@ -214,7 +214,7 @@ def test_choices_are_honoured() -> None:
     # And a block given the extra choice runs under it: its gradients still equal no remat.
     hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "assignment"))
     for i in range(len(plan.cost)):
-        hook.assign(model, i, 3)
+        hook.choices.assign(model, i, 3)
     assert all(site.choice == repr(tagged) for site in remat.plan(model))
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_grads, budget_hook, randn, recomputes
+from conftest import assert_same_grads, budget_choices, randn, recomputes
 from test_budget import Stack, _peak
 from torch import nn
 
@@ -90,11 +90,11 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], torch.Tensor]] = {
 
 def _profile(model: nn.Module, x: torch.Tensor, derived: tuple[int, ...]) -> ModelCost:
     names = tuple(f"blocks.{i}" for i in range(len(model.blocks)))  # type: ignore[arg-type]
-    hook = budget_hook(names, ("kept", remat.policies.save_matmuls, None), LABELS)
+    choices = budget_choices(names, ("kept", remat.policies.save_matmuls, None), LABELS)
     blocks = [model.get_submodule(name) for name in names]
     step = lambda: model(x).sum()  # noqa: E731
     with accumulation_order(model) as order:  # as apply profiles: NOTE [ Gradients in the budget ]
-        found = profile_blocks(model, names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), order,
+        found = profile_blocks(model, names, blocks, LABELS, step, lambda i, c: choices.assign(model, i, c), order,
                                derived)
     return with_gradients(measured_costs(found), found.gradients)
 
@@ -120,12 +120,12 @@ def test_derived_bytes_match_the_bytes_of_running_each_choice(name: str) -> None
     assert derived.outside_peaks == measured.outside_peaks
     # The step's peak predicted from derived costs, against a real tracked step with those choices put on the
     # blocks: within 5%. Every uniform plan and a spread of mixed ones (all of them would take a while).
-    hook = budget_hook(tuple(f"blocks.{i}" for i in range(len(measured))), ("kept", remat.policies.save_matmuls,
-                       None), LABELS)
+    placed = budget_choices(tuple(f"blocks.{i}" for i in range(len(measured))), ("kept", remat.policies.save_matmuls,
+                            None), LABELS)
     choices = list(itertools.product(range(len(LABELS)), repeat=len(measured)))
     for choice in choices[:: max(1, len(choices) // 12)] + [(c,) * len(measured) for c in range(len(LABELS))]:
         for i, c in enumerate(choice):
-            hook.assign(model, i, c)
+            placed.assign(model, i, c)
         before = recomputes()
         tracked = _peak(model, x)  # a default loop's step: the gradients it makes count
         assert (recomputes() > before) == any(c != 0 for c in choice), choice  # the choices were really on

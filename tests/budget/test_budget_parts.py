@@ -9,16 +9,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CountOps, assert_same_grads, budget_hook, randn, recomputes
+from conftest import CountOps, assert_same_grads, budget_choices, randn, recomputes
 from test_budget import _peak
 from test_budget_derive import MODELS
 from torch import nn
 
 import remat
-from remat._budget.apply import BudgetHook
+from remat._budget.choices import Choices
 from remat._budget.costs import ModelCost, measured_costs
-from remat._budget.costs_derived import PARTS
-from remat._budget.profile import profile_blocks
+from remat._budget.profile import PARTS, profile_blocks
 from remat._budget.solve import evaluate_blocks
 from remat._core.policies import Policy, matmuls
 
@@ -26,15 +25,16 @@ LABELS = ("kept", "save_matmuls", "full", *PARTS)
 POLICIES: tuple[Any, ...] = ("kept", remat.policies.save_matmuls, None, *PARTS)
 
 
-def _hook(model: nn.Module) -> BudgetHook:
+def _choices(model: nn.Module) -> Choices:
     names = tuple(f"blocks.{i}" for i in range(len(model.blocks)))  # type: ignore[arg-type]
-    return budget_hook(names, POLICIES, LABELS)  # type: ignore[no-any-return]
+    return budget_choices(names, POLICIES, LABELS)  # type: ignore[no-any-return]
 
 
-def _profile(model: nn.Module, x: torch.Tensor, hook: BudgetHook, derived: tuple[int, ...]) -> ModelCost:
-    blocks = [model.get_submodule(name) for name in hook.names]
+def _profile(model: nn.Module, x: torch.Tensor, choices: Choices, derived: tuple[int, ...]) -> ModelCost:
+    blocks = [model.get_submodule(name) for name in choices.names]
     step = lambda: model(x).sum()  # noqa: E731
-    found = profile_blocks(model, hook.names, blocks, LABELS, step, lambda i, c: hook.assign(model, i, c), [], derived)
+    found = profile_blocks(model, choices.names, blocks, LABELS, step, lambda i, c: choices.assign(model, i, c), [],
+                           derived)
     return measured_costs(found)
 
 
@@ -46,25 +46,25 @@ def _held(block: nn.Module, x: torch.Tensor) -> tuple[int, torch.Tensor]:
     return held, out
 
 
-def _derived(name: str) -> tuple[nn.Module, torch.Tensor, BudgetHook, ModelCost]:
-    """Model `name`, its sample, a budget hook on it and its costs with every choice but kept derived."""
+def _derived(name: str) -> tuple[nn.Module, torch.Tensor, Choices, ModelCost]:
+    """Model `name`, its sample, a budget's choices on it and its costs with every choice but kept derived."""
     make, x = MODELS[name]
     torch.manual_seed(0)
     model = make()
-    hook = _hook(model)
-    return model, x, hook, _profile(model, x, hook, (1, 2, 3, 4))
+    choices = _choices(model)
+    return model, x, choices, _profile(model, x, choices, (1, 2, 3, 4))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_parts_keep_what_their_derivation_says(name: str) -> None:
-    model, x, hook, derived = _derived(name)
+    model, x, choices, derived = _derived(name)
     parts = [c for c in range(3, len(LABELS)) if any(row[c] is not None for row in derived.blocks)]
     assert parts, "no part was offered"
     # Each part run for real in the profile (not derived) against its derivation; where a part is not offered,
     # one that keeps no call stands in.
-    hook.calls = tuple(tuple(frozenset() if c >= 3 and v is None else v for c, v in enumerate(row))
+    choices.calls = tuple(tuple(frozenset() if c >= 3 and v is None else v for c, v in enumerate(row))
                        for row in derived.calls)
-    measured = _profile(model, x, hook, ())
+    measured = _profile(model, x, choices, ())
     for i, row in enumerate(derived.blocks):
         for c in parts:
             d, m = row[c], measured.blocks[i][c]
@@ -81,7 +81,7 @@ def test_parts_keep_what_their_derivation_says(name: str) -> None:
             assert row[2] is not None and row[1] is not None
             assert row[2].held_bytes < d.held_bytes < row[1].held_bytes, where  # between full and save_matmuls
     # Against remat.track() on one block alone under its part: the held bytes derived.
-    block = model.get_submodule(hook.names[0])
+    block = model.get_submodule(choices.names[0])
     first = model.blocks[0]  # type: ignore[index]
     inputs: list[torch.Tensor] = []
     handle = first.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))
@@ -91,7 +91,7 @@ def test_parts_keep_what_their_derivation_says(name: str) -> None:
     for c in parts:
         if derived.blocks[0][c] is None:
             continue
-        hook.assign(model, 0, c)
+        choices.assign(model, 0, c)
         held, out = _held(block, entry)
         assert held == derived.blocks[0][c].held_bytes, LABELS[c]  # type: ignore[union-attr]
         del out
@@ -99,7 +99,7 @@ def test_parts_keep_what_their_derivation_says(name: str) -> None:
     for c in parts:
         choice = [c if row[c] is not None else 2 for row in derived.blocks]
         for i, k in enumerate(choice):
-            hook.assign(model, i, k)
+            choices.assign(model, i, k)
         before = recomputes()
         tracked = _peak(model, x, grads=False)  # the profile's raw costs leave gradients out
         assert recomputes() > before
@@ -109,9 +109,9 @@ def test_parts_keep_what_their_derivation_says(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_parts_give_the_gradients_of_no_remat_and_recompute_fewer_matmuls(name: str) -> None:
-    model, x, hook, cost = _derived(name)
+    model, x, choices, cost = _derived(name)
     make = MODELS[name][0]
-    hook.calls = cost.calls
+    choices.calls = cost.calls
     c = next(c for c in range(len(LABELS) - 1, 2, -1) if any(row[c] is not None for row in cost.blocks))
     choice = [c if row[c] is not None else 2 for row in cost.blocks]
     assert c in choice
@@ -120,7 +120,7 @@ def test_parts_give_the_gradients_of_no_remat_and_recompute_fewer_matmuls(name: 
 
     def backward_matmuls(chosen: list[int]) -> int:
         for i, k in enumerate(chosen):
-            hook.assign(model, i, k)
+            choices.assign(model, i, k)
         loss = model(x).sum()
         with CountOps(matmuls) as counter:
             loss.backward()
@@ -131,7 +131,7 @@ def test_parts_give_the_gradients_of_no_remat_and_recompute_fewer_matmuls(name: 
     remat.undo(model)
 
     def variant(m: nn.Module) -> nn.Module:
-        h = _hook(m)
+        h = _choices(m)
         h.calls = cost.calls
         for i, k in enumerate(choice):
             h.assign(m, i, k)
@@ -188,7 +188,7 @@ def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPa
     # that beats full remat here is a matter of timing (the parts' dispatch mode is priced per run, and costs more
     # once dynamo is imported), so the parts are priced as fast as kept blocks: the solver takes them wherever kept
     # blocks do not fit, and what is tested is that their real step keeps the budget.
-    from remat._budget import apply as _fit
+    from remat._budget import driver as _fit
 
     real = _fit.measured_costs
 

@@ -69,7 +69,7 @@ def _train_step(work: Workload) -> remat.Assignment:
 def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # Make the prediction miss: the profile's kept blocks claim to hold 40% less than they do, so the first plan
     # keeps too many of them, and its first training step measures over the budget.
-    from remat._budget import apply as _fit
+    from remat._budget import driver as _fit
     from remat._budget import modes as _modes
 
     real = _fit.measured_costs
@@ -119,8 +119,8 @@ def _train_step_after(work: Workload) -> remat.Assignment:
 def _copy_with(work: Workload, plan: remat.Assignment) -> Workload:
     """A copy of `work` running `plan`'s choices, its check dropped (so that only the outside tracker counts)."""
     twin = _copy(work)
-    hook = next(h for h in twin.model._forward_pre_hooks.values() if hasattr(h, "place"))
-    hook.place(twin.model, plan)
+    hook = next(h for h in twin.model._forward_pre_hooks.values() if hasattr(h, "choices"))
+    hook.choices.place(twin.model, plan)
     hook.verification = None
     return twin
 

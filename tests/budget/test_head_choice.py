@@ -124,3 +124,45 @@ def test_estimate_has_the_head_as_a_configuration_and_its_budget_chooses_it() ->
     assert "forward" not in base.lm_head.__dict__ and "_loss_function" not in base.__dict__
     with pytest.raises(ValueError, match="Hugging Face causal LM"):
         remat.estimate(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(2, 4), configs=("full+head",))
+
+
+def _state_bytes(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """What lives on the device before `remat.apply` runs: parameters, buffers and the sample."""
+    tensors = [*model.parameters(), *model.buffers(), *inputs.values()]
+    return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+
+
+@pytest.mark.parametrize("fraction", [0.45, 0.3])
+def test_apply_plans_with_the_head_before_a_real_step_would_go_over_the_budget(fraction: float) -> None:
+    """Planning needs no more than the plan (NOTE [ Planning on fake tensors ], rule 1): where only the chunked
+    head fits, `apply` itself stays within the larger of the budget and the least it can plan (full remat with the
+    head in chunks), +5%, as a device of that size would make it: no real step of the blocks without the head
+    first. At 0.45 the plan with the head fits; at 0.3 nothing does, and the refusal names the head's least."""
+    base = make()
+    _, none_peak, _ = trained(copy.deepcopy(base))
+    _, least, _ = trained(remat.apply(copy.deepcopy(base), head=True))  # full remat, the head in chunks
+    assert 0.3 * none_peak < least < 0.45 * none_peak
+    limit = int(1.05 * max(fraction * none_peak, least))
+    model, inputs = copy.deepcopy(base), batch()
+    if fraction < 0.4:
+        with remat.track(limit=limit), pytest.raises(remat.BudgetError) as refused:
+            remat.apply(model, budget=fraction, sample=inputs)
+        assert refused.value.least_bytes is not None and refused.value.least_bytes <= 1.05 * least
+        return
+    with remat.track(limit=limit):
+        remat.apply(model, budget=fraction, sample=inputs)
+    assert "chosen by the budget" in str(remat.plan(model))
+    _, peak, _ = trained(model)
+    assert peak <= limit
+
+
+def test_apply_with_memory_plans_with_the_head_before_a_real_step_would_go_over_it() -> None:
+    """`apply(memory=M)` keeps the process within M (the same NOTE) where only the chunked head fits: its real steps
+    allocate no more than what M leaves beside the parameters, buffers and sample that were there before."""
+    base = make()
+    full = remat.estimate(copy.deepcopy(base), batch(), optimizer="adamw", configs=("full", "full+head"))
+    memory = (full["full+head"].peak_bytes + full["full"].peak_bytes) // 2
+    model, inputs = copy.deepcopy(base), batch()
+    with remat.track(limit=memory - _state_bytes(model, inputs)):
+        remat.apply(model, memory=memory, sample=inputs, optimizer="adamw")
+    assert "chosen by the budget" in str(remat.plan(model))

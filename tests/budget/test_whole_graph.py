@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat._budget.apply import BudgetHook
 from remat._budget.costs import BlockCost, ModelCost
+from remat._budget.driver import BudgetHook
 from remat._budget.modes import MemoryMode
 from remat._budget.solve import Assignment, solve_budget
 from remat._budget.verify import verify_both_ways

@@ -96,3 +96,18 @@ def test_plan_says_when_the_switch_is_off() -> None:
         text = str(remat.plan(model))
     assert "2 rematerialized sites" in text and "The REMAT switch is off" in text
     assert "switch is off" not in str(remat.plan(nn.Linear(2, 2))), "no sites, nothing to say about them"
+
+
+def _mlp(x: torch.Tensor) -> torch.Tensor:
+    return x.relu()
+
+
+@pytest.mark.parametrize(("target", "said"), [(_mlp, "`function`"), (nn.Linear, "the class `Linear`")])
+def test_apply_on_a_function_or_a_class_points_to_the_decorator(target: object, said: str) -> None:
+    with pytest.raises(TypeError) as info:
+        remat.apply(target, budget=0.5, sample=torch.randn(2, 2))  # type: ignore[type-var]
+    message = str(info.value)
+    assert message.startswith("remat: apply expects an nn.Module") and said in message
+    assert "`@remat`" in message, "it says what to do instead"
+    with pytest.raises(TypeError, match="`@remat`"):
+        remat.apply(target)  # type: ignore[type-var]

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import remat
-from remat._budget.apply import BudgetHook
+from remat._budget.driver import BudgetHook
 from remat._budget.solve import Assignment
 from remat._chain.profile import profile
 from remat._demo import GPT, GPTConfig

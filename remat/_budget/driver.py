@@ -1,16 +1,17 @@
-"""`remat.apply(model, budget=..., sample=...)`: the budget's driver. `apply_budget` puts a `BudgetHook` on the model,
-whose `fit_blocks` runs the stages in order, each in the files named after it:
+"""`remat.apply(model, budget=...)` and `memory=`: the budget's driver. `apply_budget` puts a `BudgetHook` on the
+model, whose `fit` runs the stages in order, each in the files named after it:
 
 1. profile (profile.py, profile_step.py, profile_alone.py): a few tracked training steps on the sample, marked block
    by block, on a fake twin of the model where one stands in: a `Profile`;
 2. costs (costs.py, costs_derived.py, compiled.py): the bytes and times of every block under every choice, with the
    gradients the mode's steps hold: a `ModelCost`;
-3. solve (solve.py, solve_head.py): one choice per block, the fastest predicted to fit: an `Assignment`, put on
-   the blocks, with the head routed where only that fits;
+3. solve (solve.py): one choice per block, the fastest predicted to fit: an `Assignment`; where none is predicted to
+   fit, the head's choice (head_choice.py): the stages again with the model's head routed;
 4. verify (verify.py, first_step.py): real tracked steps, before `remat.apply` returns or on the model's first
    training step, that correct the assignment where one went over.
 
 The mode (modes.py) says how each stage runs for `budget=`, `memory=`, `compile=True` and a sharded model.
+`remat.estimate` runs the same driver for its budget rows.
 
 NOTE [ Budgeted models ]
 1. A `BudgetHook`, a forward pre-hook on the model, holds what the budget needs: the blocks by qualified name (so
@@ -21,7 +22,7 @@ NOTE [ Budgeted models ]
 3. A training call (gradients on) with a new input signature plans again before the forward goes on (with
    `replan=True`), on detached copies of the inputs; the planner's own calls of the model pass through the hook
    untouched.
-4. A failed plan (`BudgetError`) puts the previous choices back.
+4. A failed plan (`BudgetError`) puts the previous choices back, and the model's own head where the plan routed it.
 """
 
 from __future__ import annotations
@@ -31,58 +32,48 @@ import itertools
 import logging
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from .._core.errors import BudgetError
-from .._core.options import Options
-from .._core.policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
+from .._core.requests import FitRequest
 from .._core.torch_compat import eager_for_now, when_traced
-from .._core.units import Budget, parse_budget
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
 from .._measure.autocast import StepAutocast
 from .._measure.sample import as_call, detached, signature
-from .._sites.targets import Where, remove_hooks, select, wrap_module
+from .._sites.targets import remove_hooks, select
+from .choices import Choices
 from .compiled import warn_one_graph
-from .costs import ModelCost, Profile, measured_costs
-from .costs_derived import DERIVABLE, PARTS
+from .costs import ModelCost, measured_costs
 from .first_step import WINDOW, FirstStep, can_track, tidy
-from .modes import SHARDED_LATER, BudgetMode, Config
+from .head_choice import HeadChoice
+from .modes import SHARDED_LATER, BudgetMode, mode_for
 from .profile import TrainingStep, profile
-from .solve import Assignment, least_assignment, resolve_budget, solve_budget
-from .solve_head import fit_choosing_head
+from .solve import Assignment, least_assignment, solve_budget
 from .verify import Verification, from_rank_zero, max_over_ranks
 
-__all__ = ["BudgetHook", "apply_budget"]
+__all__ = ["BudgetHook", "Solved", "apply_budget"]
 
 _M = TypeVar("_M", bound=nn.Module)
-_KEPT = "kept"
 _log = logging.getLogger("remat")
 
 
-def apply_budget(model: _M, budget: Budget, sample: Any, where: Where | None, mode: BudgetMode) -> _M:
-    """See `remat.apply`: plan `model`'s blocks for `budget` on one training step of `sample`, and keep planning
-    on new input signatures (NOTE [ Budgeted models ]).
+def apply_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
+    """See `remat.apply`: plan `model`'s blocks for `budget` on one training step of the request's sample, and keep
+    planning on new input signatures (NOTE [ Budgeted models ]).
 
     Args:
-        model: the model; its blocks are those `where` selects.
-        budget: bytes, a string of bytes, or a fraction of the step's peak without remat.
-        sample: the model's inputs for one training step.
-        mode: how its plans are made and verified (`mode_for(config)`, or a `MemoryMode`).
+        model: the model; its blocks are those the request's `where` selects.
+        request: what the plan is asked for (a `BudgetRequest`, or a `MemoryRequest` for what the step's state
+            leaves); its type and `compile` pick the mode (`mode_for`).
+        budget: bytes, or a fraction of the step's peak without remat (as `parse_budget` reads it).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"remat: apply expects an nn.Module, but got `{type(model).__name__}`.")
-    value = parse_budget(budget)
-    if sample is None:
-        raise ValueError(
-            "remat: apply with a `budget` needs `sample=`: the model's inputs for one training step (a tensor, "
-            "a tuple of positional arguments, or a dict of keyword arguments), to profile the blocks on."
-        )
     _no_meta(model)
-    blocks = select(model, where)
+    blocks = select(model, request.where)
     for _, block in blocks:
         remove_hooks(block)
     for key, old in list(model._forward_pre_hooks.items()):
@@ -90,38 +81,27 @@ def apply_budget(model: _M, budget: Budget, sample: Any, where: Where | None, mo
             old.close()
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
-    hook = BudgetHook(value, tuple(name for name, _ in blocks), mode)
-    args, kwargs = as_call(sample)
+    hook = BudgetHook(budget, tuple(name for name, _ in blocks), mode_for(request.for_replans()))
+    args, kwargs = as_call(request.sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
     return model
 
 
-def choices_of(mode: BudgetMode) -> tuple[tuple[PolicyLike | str, ...], tuple[str, ...]]:
-    """The choices a block may take under `mode`, and their labels: kept, `save_matmuls` (rerun), full remat, the
-    config's `choices`, and the parts (NOTE [ Some matmuls ] in costs_derived.py: made per block once profiled)."""
-    config = mode.config
-    policies: list[PolicyLike | str] = [_KEPT]
-    labels = [_KEPT]
-    if config.strategy == "rerun":
-        policies.append(save_matmuls)
-        labels.append("save_matmuls")
-    policies.append(None)
-    labels.append("full")
-    for extra in config.choices or ():
-        labels.append(_label(extra, set(labels) | set(PARTS)))
-        policies.append(extra)
-    if config.strategy == "rerun" and mode.offers_parts:
-        policies.extend(PARTS)
-        labels.extend(PARTS)
-    return tuple(policies), tuple(labels)
+@dataclass(frozen=True)
+class Solved:
+    """What stages 1 to 3 give the driver: the costs, the assignment solved on them, and whether it is predicted to
+    fit (only a measured step may refuse a budget: NOTE [ Verifying the plan ] in verify.py)."""
 
+    measured: ModelCost  # the profile's costs, before the mode adds its gradients
+    cost: ModelCost
+    assignment: Assignment
+    fits: bool
 
-def _label(policy: PolicyLike, taken: set[str]) -> str:
-    label = repr(as_policy(policy))
-    while label in taken:
-        label += "'"
-    return label
+    @property
+    def budget(self) -> int:
+        """The budget in bytes on these costs (a fraction resolved: NOTE [ The head as a choice ], rule 1)."""
+        return self.assignment.budget
 
 
 class BudgetHook:
@@ -134,10 +114,8 @@ class BudgetHook:
         self.budget = budget  # parsed (`parse_budget`)
         self.names = names
         self.mode = mode
-        self.policies, self.labels = choices_of(mode)
-        self.resolved: int | None = None  # the budget in bytes on the last costs: NOTE [ The head as a choice ]
+        self.choices = Choices(names, mode)
         self.assignment: Assignment | None = None
-        self.calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()  # the parts' calls: NOTE [ Some matmuls ]
         self.signature: tuple[Any, ...] | None = None
         self.autocast: StepAutocast | None = None  # what the plan's steps ran under: NOTE [ Planned under autocast ]
         self.devices: tuple[torch.device, ...] = ()  # where the model was when planned (its autocast types)
@@ -148,52 +126,44 @@ class BudgetHook:
         self.told = self.told_autocast = self.warned = False  # one log line or warning per model
 
     @property
-    def config(self) -> Config:
-        return self.mode.config
+    def request(self) -> FitRequest:
+        return self.mode.request
 
-    @property
-    def head(self) -> bool | None:
-        """apply's `head` (NOTE [ The head as a choice ] in solve_head.py)."""
-        return self.config.head
-
-    # -- planning: the stages in order ---------------------------------------------------------------------------
+    # -- the driver: the stages in order -------------------------------------------------------------------------
 
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
-        """Plan for these inputs: `fit_blocks`, with the head routed where only that fits (NOTE [ The head as a
-        choice ] in solve_head.py)."""
-        return fit_choosing_head(self, model, args, kwargs)
-
-    def fit_blocks(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
-        """Plan the blocks for these inputs, stage by stage, and put the assignment on them."""
+        """Plan the blocks for these inputs, stage by stage, and put the assignment on them: profile, costs and
+        solve (`_solved`); where nothing is predicted to fit, the same with the head routed, before any real step
+        (the head's choice: NOTE [ The head as a choice ] in head_choice.py); then verify (`_verified`)."""
         mode = self.mode.planning(model)
-        step = TrainingStep(model, self.config.loss, detached(args), detached(kwargs))
+        step = TrainingStep(model, self.request.loss, detached(args), detached(kwargs))
         blocks = [model.get_submodule(name) for name in self.names]
-        previous, previous_calls = self.assignment, self.calls
+        head = HeadChoice(model, self.request.head)
+        previous, previous_calls = self.assignment, self.choices.calls
+        self.verification = None
+        self.close()
         self.busy = True
         restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
         try:
             with step.planning():
-                found = self._profile(model, blocks, step, mode)
-            measured = measured_costs(found)
-            cost = mode.with_gradients(model, blocks, measured, found)
-            self.verification = None
-            self.close()
-            assignment, fits = self._solve(cost)
-            self.place(model, assignment)
-            if fits and mode.verifies_later():  # NOTE [ The first step ]
-                self.verification = Verification(assignment)
-            else:
-                with step.planning():  # NOTE [ Verifying the plan ]
-                    assignment = mode.verify(assignment,
-                                             lambda a: mode.measure(model, step, measured, cost, a),
-                                             lambda a: self.place(model, a))
+                own = solved = self._solved(model, blocks, step, mode, self.budget)
+                if not own.fits and head.open:
+                    solved = self._with_head(head, model, blocks, step, mode, own.budget) or own
+                try:
+                    assignment = self._verified(model, step, mode, solved)
+                except BudgetError:  # measured over where the prediction fitted: the head, if it is still open
+                    routed = self._with_head(head, model, blocks, step, mode, own.budget) if head.open else None
+                    if routed is None:
+                        raise
+                    assignment = self._verified(model, step, mode, routed)
         except BaseException:
-            self.calls = previous_calls
+            head.take_back()
+            self.choices.calls = previous_calls
             for i, block in enumerate(blocks):  # back to the previous choices, or to none
                 if previous is None:
                     remove_hooks(block)
                 else:
-                    self.assign(model, i, previous.choice[i])
+                    self.choices.assign(model, i, previous.choice[i])
             raise
         finally:
             self.busy = False
@@ -205,42 +175,48 @@ class BudgetHook:
         self.sharded = _sharded.is_sharded(model)  # NOTE [ Budgets and FSDP2 ], rule 2
         return assignment
 
-    def _profile(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, mode: BudgetMode) -> Profile:
-        """Stage 1: the profile of every block under every choice (NOTE [ Profiling rounds ] in profile.py)."""
-        rerun = self.config.strategy == "rerun"  # NOTE [ Deriving choices ]: rerun's recompute
-        derived = [c for c, label in enumerate(self.labels) if rerun and label in DERIVABLE]
-        return profile(model, self.names, blocks, self.labels, step, lambda i, c: self.assign(model, i, c),
-                       derived=derived, compiled=mode.compiled, fake=mode.profiles_on_fake(model))
-
-    def _solve(self, cost: ModelCost) -> tuple[Assignment, bool]:
-        """Stage 3: the fastest assignment predicted to fit, and True; where none is, the one that holds least, and
-        False (only a measured step may refuse a budget: NOTE [ Verifying the plan ]). Rank 0's on every rank."""
-        self.resolved = resolve_budget(self.budget, cost)  # NOTE [ The head as a choice ] in solve_head.py
+    def _solved(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, mode: BudgetMode,
+                budget: int | float) -> Solved:
+        """Stages 1 to 3: the profile of every block under every choice (NOTE [ Profiling rounds ] in profile.py),
+        their costs, and the fastest assignment predicted to fit `budget`; where none is, the one that holds least.
+        Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
+        found = profile(model, self.names, blocks, self.choices.labels, step,
+                        lambda i, c: self.choices.assign(model, i, c), derived=self.choices.derived(),
+                        compiled=mode.compiled, fake=mode.profiles_on_fake(model))
+        measured = measured_costs(found)
+        cost = mode.with_gradients(model, blocks, measured, found)
         try:
-            assignment, fits = solve_budget(cost, self.budget), True
+            assignment, fits = solve_budget(cost, budget), True
         except BudgetError:
-            assignment, fits = least_assignment(cost, self.budget), False
-        assignment = from_rank_zero(assignment)  # NOTE [ The same plan on every rank ] in verify.py
-        self.calls = assignment.cost.calls  # rank 0's calls too
-        return assignment, fits
+            assignment, fits = least_assignment(cost, budget), False
+        return Solved(measured, cost, from_rank_zero(assignment), fits)
 
-    def assign(self, model: nn.Module, i: int, c: int) -> None:
-        """Put block i under choice c."""
-        block = model.get_submodule(self.names[i])
-        remove_hooks(block)
-        policy = self.policies[c]
-        if self.labels[c] in PARTS:  # derived, never run while profiling: NOTE [ Some matmuls ]
-            calls = self.calls[i][c] if self.calls else None
-            if calls is None:
-                raise ValueError(f"remat: choice {self.labels[c]!r} is not open to block {self.names[i]!r}.")
-            policy = Policy(ops=(matmuls,), calls=calls)
-        if policy != _KEPT:
-            wrap_module(block, Options(policy=policy, **self.config.options), model)  # type: ignore[arg-type]
+    def _with_head(self, head: HeadChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
+                   mode: BudgetMode, budget: int) -> Solved | None:
+        """Stages 1 to 3 again with the model's head routed, for the bytes the budget resolved to with the model's
+        own head (NOTE [ The head as a choice ], rule 1); None, the head put back, where that is no plan
+        (implementation note 2)."""
+        head.route()
+        try:
+            routed: Solved | None = self._solved(model, blocks, step, mode, budget)
+        except Exception:
+            routed = None
+        if routed is None or not head.ran():
+            head.take_back()
+            return None
+        return routed
 
-    def place(self, model: nn.Module, assignment: Assignment) -> None:
-        """Put `assignment`'s choices on the blocks."""
-        for i, c in enumerate(assignment.choice):
-            self.assign(model, i, c)
+    def _verified(self, model: nn.Module, step: TrainingStep, mode: BudgetMode, solved: Solved) -> Assignment:
+        """Stage 4: `solved`'s assignment on the blocks, verified on real steps now, or on the model's first training
+        step where its prediction fits and the mode allows it (NOTE [ Verifying the plan ] in verify.py)."""
+        self.choices.calls = solved.assignment.cost.calls  # rank 0's calls too
+        self.choices.place(model, solved.assignment)
+        if solved.fits and mode.verifies_later():  # NOTE [ The first step ]
+            self.verification = Verification(solved.assignment)
+            return solved.assignment
+        return mode.verify(solved.assignment,  # NOTE [ Verifying the plan ]; in `fit`'s `step.planning()`
+                           lambda a: mode.measure(model, step, solved.measured, solved.cost, a),
+                           lambda a: self.choices.place(model, a))
 
     # -- at every forward ------------------------------------------------------------------------------------------
 
@@ -257,7 +233,7 @@ class BudgetHook:
         self.settle(model)
         if not model.training or not torch.is_grad_enabled():
             return
-        if self.config.replan and signature(args, kwargs) != self.signature:
+        if self.request.replan and signature(args, kwargs) != self.signature:
             if not self.told:
                 self.told = True
                 _log.warning(
@@ -275,7 +251,7 @@ class BudgetHook:
         """A training forward under other autocast settings than the plan's: NOTE [ Planned under autocast ]."""
         now = StepAutocast.caller(self.devices)
         planned, training = str(self.autocast or "without autocast"), str(now or "without autocast")
-        if not self.config.replan:
+        if not self.request.replan:
             if not self.told_autocast:
                 self.told_autocast = True
                 warnings.warn(KEPT_UNDER_AUTOCAST.format(model=type(model).__name__, planned=planned,
@@ -317,7 +293,7 @@ class BudgetHook:
         if following is None:
             self.verification = None
         else:
-            self.place(model, following)
+            self.choices.place(model, following)
 
     def close(self) -> None:
         """Stop tracking a step (its mode is popped now or at a later forward)."""

@@ -5,15 +5,16 @@ A device's memory holds, through a training step, the parameters, buffers, the b
 (alive from one step to the next), the gradients (made in backward, dropped by ``zero_grad``), the step's
 activations, and the optimizer step's temporaries. `remat.estimate` counts the first ones exactly on fake
 tensors; what is left, ``memory`` minus them and minus the allocator's headroom (NOTE [ The allocator's reserve ]
-in reserve.py, which also has the verification of the plan's real step against what the allocator reserved), is the
-budget handed to `remat.apply(budget=...)`'s planner. A
-plain budget leaves gradients out (its verified step runs with them already there); this one counts them, since
-they take the same memory: the plan's verified step (NOTE [ Verifying the plan ] in remat/_budget/verify.py) starts
-without gradients, as after ``zero_grad()``, so its measured peak is the activations, temporaries and the
-gradients made so far, at backward's highest point, and a plan over it is corrected as for any budget. Two refusals,
-both a `BudgetError` naming the least total that fits: the estimate of full remat of every block (which also
-covers the optimizer step, whatever remat does) does not fit in ``memory`` less the headroom; or the planner finds
-no plan in the remainder, when the least total is the state plus the least budget it names, plus the headroom.
+in remat/_estimate/reserve.py, which also has the verification of the plan's real step against what the allocator
+reserved), is the budget handed to the budget's driver (remat/_budget/driver.py). A plain budget leaves gradients
+out (its verified step runs with them already there); this one counts them, since they take the same memory: the
+plan's verified step (NOTE [ Verifying the plan ] in remat/_budget/verify.py) starts without gradients, as after
+``zero_grad()``, so its measured peak is the activations, temporaries and the gradients made so far, at backward's
+highest point, and a plan over it is corrected as for any budget. Two refusals, both a `BudgetError` naming the
+least total that fits: the estimate of full remat of every block (which also covers the optimizer step, whatever
+remat does; with the head in chunks where only that fits and the head may be routed) does not fit in ``memory``
+less the headroom; or the planner finds no plan in the remainder, when the least total is the state plus the least
+budget it names, plus the headroom.
 """
 
 from __future__ import annotations
@@ -27,19 +28,21 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .._budget.apply import apply_budget
-from .._budget.modes import Config, MemoryMode, mode_for
+from .._budget.driver import apply_budget
 from .._core.errors import BudgetError
-from .._core.units import Budget, format_bytes, parse_memory
+from .._core.requests import MemoryRequest
+from .._core.units import format_bytes
+from .._estimate.estimate import estimate
+from .._estimate.head import HEAD
+from .._estimate.phases import OPTIMIZER
+from .._estimate.predict import OptimizerLike
+from .._estimate.report import ConfigEstimate
+from .._estimate.reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, reserved_peak
 from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.loss import default_loss
 from .._measure.sample import as_call
 from .._measure.track import placed
-from .estimate import estimate
-from .phases import OPTIMIZER
-from .predict import OptimizerLike
-from .report import ConfigEstimate
-from .reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, reserved_peak
+from .._sites.head import can_route_head
 
 __all__ = ["apply_memory", "as_optimizer"]
 
@@ -62,34 +65,24 @@ def as_optimizer(optimizer: Any) -> OptimizerLike:
     return same
 
 
-def apply_memory(model: _M, memory: Budget, sample: Any, where: Any, config: Config, *, optimizer: Any,
-                 headroom: float | int | str | None = None) -> _M:
-    """See `remat.apply`, NOTE [ Total memory ] and NOTE [ The allocator's reserve ] in reserve.py: the budget's
-    planner in its `MemoryMode`, for what the step's state leaves."""
-    loss = config.loss
-    total = parse_memory(memory, "apply's `memory`")
-    if sample is None:
-        raise ValueError("remat: apply with `memory` needs `sample=`: the model's inputs for one training step (a "
-                         "tensor, a tuple of positional arguments, or a dict of keyword arguments).")
+def apply_memory(model: _M, request: MemoryRequest) -> _M:
+    """See `remat.apply`, NOTE [ Total memory ] and NOTE [ The allocator's reserve ] in remat/_estimate/reserve.py:
+    the budget's driver in its `MemoryMode`, for what the step's state leaves."""
+    total, sample, loss, optimizer = request.memory, request.sample, request.loss, request.optimizer
     devices = placed(model)
     device = devices[0] if devices else torch.device("cpu")
-    room = headroom_bytes(headroom, total, device)
+    room = headroom_bytes(request.headroom, total, device)
     usable = total - room  # for the allocated peak: the rest is the allocator's
-    full = estimate(model, sample, loss=loss, optimizer=as_optimizer(optimizer), configs=("full",), where=where)
-    row = full["full"]
-    if row.peak_bytes > total and config.head is None:  # NOTE [ The head as a choice ]
-        from .head_budget import full_with_head
-
-        row = full_with_head(model, sample, loss, as_optimizer(optimizer), where) or row
+    row = _least(model, request, total)
     state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes
     if row.peak_bytes > usable:
         raise _refused(total, row.peak_bytes + room, state, row.peak_phase, room)
     reserved: tuple[int, int] | None = None
-    verified = caches(device) and config.strategy == "rerun" and not config.compile
+    verified = caches(device) and request.strategy == "rerun" and not request.compile
     target = total - room  # the allocated peak to plan for
     for attempt in range(TRIES + 1 if verified else 1):
         try:
-            apply_budget(model, target - state, sample, where, MemoryMode(mode_for(config)))
+            apply_budget(model, request, target - state)
         except BudgetError as error:
             raise _refused(total, max(row.peak_bytes, state + (error.least_bytes or 0)) + total - target, state,
                            "", total - target) from error
@@ -116,6 +109,20 @@ def apply_memory(model: _M, memory: Budget, sample: Any, where: Any, config: Con
         "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to waste less.",
         least_bytes=max(total + 1, row.peak_bytes + total - target),
     )
+
+
+def _least(model: nn.Module, request: MemoryRequest, total: int) -> ConfigEstimate:
+    """The estimate of full remat of every block; where that does not fit in `total` and the head may be routed
+    (NOTE [ The head as a choice ] in remat/_budget/head_choice.py), of full remat with the head in chunks."""
+    optimizer = as_optimizer(request.optimizer)
+    config = "full"
+    row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
+                   where=request.where)[config]
+    if row.peak_bytes > total and request.head is None and can_route_head(model):
+        config += HEAD
+        row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
+                       where=request.where)[config]
+    return row
 
 
 def _reserved(model: nn.Module, device: torch.device, sample: Any, loss: Callable[[Any], Any] | None,

@@ -1,0 +1,82 @@
+"""The head as a choice of a budget's plan (`remat.apply(model, budget=... | memory=...)`): whether the driver may
+route the model's head, routing it, and whether the routed head ran (NOTE [ The head as a choice ]). The driver
+(driver.py) takes the step; this module answers it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .._engine import stats as _stats
+from .._sites.head import can_route_head, route_head, routed_by, unroute_head
+
+__all__ = ["BY_BUDGET", "HeadChoice"]
+
+# NOTE [ The head as a choice ]
+# `remat.apply(model, head=True)` computes a causal LM's loss in chunks (`linear_cross_entropy`), which lowers the
+# peak of every plan by the logits it never holds, at no cost in time (the same matmuls). A budget may need it.
+#
+# Rules:
+# 1. With `head=None` (apply's default) a budget or memory plan of a model whose head `head=True` routes plans
+#    with the model's own head first; where no choice per block is predicted to fit, it routes the head and plans
+#    again for the same bytes (a fraction is of the step's peak without remat with the model's own head: what the
+#    user's loop measures without remat), before any real step: a real step of the blocks without the head would
+#    go over the budget (NOTE [ Planning on fake tensors ] in profile.py, rule 1). Where a plan predicted to fit
+#    without the head is refused by its real steps, the head is routed and the plan made again the same way. A
+#    refusal of the plan with the routed head is its own, and names a smaller least budget; the head is put back.
+# 2. `head=True` routes the head before planning, whatever the budget, and a fractional budget is still of the
+#    step without remat with the model's own head (`remat.apply` turns it into bytes on the sample first, on fake
+#    tensors: a re-plan for a new input shape then keeps those bytes); a head routed by an earlier
+#    `remat.apply(model, head=True)` stays routed; `head=False` never routes the head.
+# 3. A head the budget routed shows in `remat.plan(model)` as chosen by it, and every re-plan (a new input shape)
+#    chooses again: first without it.
+# 4. Only where it is needed, although it costs no time: a routed head changes the model's output (`logits` is
+#    None in training with labels), which a loop that reads the logits would notice; a budget is asked to fit the
+#    step, not to change what the model returns where it need not.
+#
+# Implementation notes:
+# 1. (rule 1) The driver solves the plan with the head routed for the bytes its budget resolved to on the costs
+#    with the model's own head; the budget itself is never changed, so a re-plan resolves a fraction again.
+# 2. (rule 1) A plan with the routed head whose profile made no chunk of logits (the sample has no `labels`, so the
+#    routed head never ran) or raised (a `loss=` that reads the logits) is no plan: the head is put back and the
+#    plan without it goes on (verified, or refused, on its own).
+# 3. (rule 2) The bytes of a fractional budget with `head=True` are found by `own_step_bytes` in
+#    remat/_apply/drive.py, which needs the estimator (above this layer).
+
+BY_BUDGET = "the budget"
+"""What a head routed by the planner says chose it (`remat.plan(model)`)."""
+
+
+class HeadChoice:
+    """The head's choice for one plan of `model` (NOTE [ The head as a choice ]).
+
+    `open` says whether the plan may still route the head: apply's `head` is None, the model has a head to route,
+    and no earlier `remat.apply(model, head=True)` routed it. Made at the start of a plan, it takes back a head
+    that an earlier plan routed (rule 3).
+    """
+
+    def __init__(self, model: nn.Module, head: bool | None) -> None:
+        self.model = model
+        self.routed = False  # whether this plan routed the head
+        self.made = 0  # the chunks of logits made by then (`remat._engine.stats`)
+        chosen = routed_by(model) if head is None else None
+        self.open = head is None and chosen in (None, BY_BUDGET) and can_route_head(model)
+        if self.open and chosen == BY_BUDGET:  # rule 3: a re-plan chooses again
+            unroute_head(model)
+
+    def route(self) -> None:
+        """Route the model's head for the plan (rule 1). Closes the choice: a plan routes the head once."""
+        self.open = False
+        self.made = _stats.head_chunks
+        route_head(self.model, chosen_by=BY_BUDGET)
+        self.routed = True
+
+    def ran(self) -> bool:
+        """Whether the routed head made a chunk of logits since `route` (implementation note 2)."""
+        return self.routed and _stats.head_chunks != self.made
+
+    def take_back(self) -> None:
+        """Put back the model's own head, where this plan routed it (a plan that fails leaves nothing behind)."""
+        if self.routed:
+            unroute_head(self.model)
+            self.routed = False
