@@ -8,6 +8,8 @@ that the driver runs (apply.py: profile, costs, solve, verify).
   compiled steps with the prediction's miss taken both ways.
 * `MemoryMode`, `remat.apply(model, memory=...)`: the mode it wraps, verified before `apply` returns from no
   gradients.
+* `EngineMode`, a model whose parameters and gradients an engine owns (DeepSpeed ZeRO), for `budget=` and `memory=`:
+  profiled on the engine's fake twin, gradients as the engine keeps them, verified on the first training step.
 
 A `Config` holds what every mode is given besides the budget; `mode_for` picks the mode `remat.apply`'s arguments
 ask for, and a mode's `planning(model)` the one a plan of the model runs under now (`ShardedMode` once
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -26,13 +28,18 @@ from .._core.options import Options, Strategy
 from .._core.policies import PolicyLike, as_policy
 from .._measure.sharded import is_sharded
 from .._measure.step_peak import compiled_peak, measure_step
+from .._sites.integrations import engine_of
 from .compiled import gradient_bytes, graph_extra, with_graph_gradients
 from .costs import ModelCost, Profile, with_gradients
-from .profile import Loss, TrainingStep, fake_stands_in
+from .profile import Loss, TrainingStep, Twin, fake_stands_in
 from .solve import Assignment
 from .verify import Measure, max_over_ranks, verify, verify_both_ways
 
-__all__ = ["SHARDED_LATER", "BudgetMode", "CompiledMode", "Config", "MemoryMode", "ShardedMode", "mode_for"]
+if TYPE_CHECKING:
+    from .._sites.integrations.deepspeed import DeepSpeed
+
+__all__ = ["SHARDED_LATER", "BudgetMode", "CompiledMode", "Config", "EngineMode", "MemoryMode", "ShardedMode",
+           "mode_for"]
 
 Place = Callable[[Assignment], None]  # puts an assignment's choices on the blocks
 
@@ -104,13 +111,20 @@ class BudgetMode:
 
     compiled = False  # whether its steps run as one compiled graph
     offers_parts = True  # whether a block may keep some of its matmuls (rule 1)
+    real_steps = True  # whether remat may run a real step of the model to verify a plan (not under an engine)
+    twin: Twin | None = None  # how its profile's fake twin is made (None: `fake_state`)
+    gradients_kept = True  # whether a step's new gradients live to its end (NOTE [ Gradients in the budget ])
 
     def __init__(self, config: Config) -> None:
         self.config = config
 
     def planning(self, model: nn.Module) -> BudgetMode:
-        """The mode a plan of `model` runs under now: `ShardedMode` once `fully_shard` was applied to it."""
-        return ShardedMode(self.config) if is_sharded(model) else self
+        """The mode a plan of `model` runs under now: `ShardedMode` once `fully_shard` was applied to it,
+        `EngineMode` while an engine owns it."""
+        if is_sharded(model):
+            return ShardedMode(self.config)
+        engine = engine_of(model)
+        return self if engine is None else EngineMode(self.config, engine)
 
     def profiles_on_fake(self, model: nn.Module) -> bool:
         """Whether the profile runs on a fake twin of `model` (rule 2)."""
@@ -142,7 +156,7 @@ class ShardedMode(BudgetMode):
     and verified on the sample before `remat.apply` returns, since its first step cannot stand in."""
 
     def planning(self, model: nn.Module) -> BudgetMode:
-        return self if is_sharded(model) else BudgetMode(self.config)
+        return self if is_sharded(model) else BudgetMode(self.config).planning(model)
 
     def verifies_later(self) -> bool:
         return False
@@ -233,7 +247,8 @@ class MemoryMode(BudgetMode):
         self.offers_parts = inner.offers_parts
 
     def planning(self, model: nn.Module) -> BudgetMode:
-        return self
+        engine = engine_of(model)  # verified on its first step: NOTE [ Budgets under DeepSpeed ZeRO ], rule 4
+        return self if engine is None else EngineMode(self.config, engine)
 
     def profiles_on_fake(self, model: nn.Module) -> bool:
         return self.inner.profiles_on_fake(model)
@@ -247,3 +262,38 @@ class MemoryMode(BudgetMode):
 
     def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
         return self.inner.verify(assignment, measure, place)
+
+
+class EngineMode(BudgetMode):
+    """A plan of a model whose parameters and gradients an engine owns, or will (DeepSpeed ZeRO: NOTE [ Budgets
+    under DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py), for `budget=` and `memory=` alike.
+
+    1. It is profiled on the engine's fake twin: each parameter at the shape the step computes with (ZeRO-3's
+       partitioned ones too), none of the engine's hooks on the modules, so the engine sees no step.
+    2. Where the engine takes each gradient as backward makes it (ZeRO-2, ZeRO-3), gradients count only while
+       backward makes them.
+    3. It is verified on the model's first training step, the engine's own buffers set apart there (NOTE [ Set
+       apart ] in remat/_measure/step_tracker.py), also where the prediction does not fit: remat runs no real
+       step that the engine would see.
+    """
+
+    real_steps = False
+
+    def __init__(self, config: Config, engine: DeepSpeed) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.twin = engine.twin
+        self.gradients_kept = not engine.hands_over
+
+    def planning(self, model: nn.Module) -> BudgetMode:
+        return self
+
+    def profiles_on_fake(self, model: nn.Module) -> bool:
+        return True
+
+    def with_gradients(self, model: nn.Module, blocks: Sequence[nn.Module], measured: ModelCost,
+                       profile: Profile) -> ModelCost:
+        return super().with_gradients(model, blocks, measured, profile) if self.gradients_kept else measured
+
+    def verifies_later(self) -> bool:
+        return True
