@@ -69,6 +69,13 @@ class StepTracker(Tracker):
             if entry is not None:
                 self.apart_bytes -= entry[0]
 
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            with self._lock:
+                self._apart.clear()  # dropping the weak references drops their callbacks
+
     def _host_exited(self) -> None:
         if self.on_host_exit is not None:
             self.on_host_exit()
