@@ -88,7 +88,10 @@ def test_trains_as_without_checkpointing_within_budget(name: str, runs: dict[str
             assert plan["peak"] <= plan["budget"], f"step {step}: the prediction does not fit: {plan}"
 
 
-@pytest.mark.parametrize("name", [name for name, case in ranks.CASES.items() if len(set(case.seqs)) > 1 and case.replan])
+REPLANNED = [name for name, case in ranks.CASES.items() if len(set(case.seqs)) > 1 and case.replan]
+
+
+@pytest.mark.parametrize("name", REPLANNED)
 def test_new_shape_plans_again_on_fake_tensors(name: str, runs: dict[str, list[Any]]) -> None:
     """A shorter second step plans again, on the engine's fake twin (no real step the engine sees: the gradients
     are the reference's, in the test above), for what a rank's step under the engine holds: each plan's prediction
