@@ -43,11 +43,9 @@ class Case:
     Attributes:
         path: "engine" (`deepspeed.initialize` and the engine's loop) or "trainer" (the Hugging Face Trainer).
         stage: ZeRO's stage, 2 or 3.
-        remat: "none" (the reference), "budget" (`remat.apply(model, budget=...)`), "checkpoint" (transformers'
-            checkpointing with `remat.checkpoint` as its function).
+        remat: "none" (the reference) or "budget" (`remat.apply(model, budget=...)`, or `memory=`).
         when: where remat.apply is called: "before" `deepspeed.initialize` (for the Trainer: before `Trainer`),
             "after" it (on `engine.module`), "gathered" (before, inside `GatheredParameters`: ZeRO-3).
-        zero_init: the model is built inside `deepspeed.zero.Init` (ZeRO-3; the Trainer always does).
         lora: LoRA adapters (peft) on the attention's q and v projections; the rest frozen.
         seqs: the sequence length of each step's batch (a new one makes the budget plan again).
         budget: the budget given to remat.apply.
@@ -60,7 +58,6 @@ class Case:
     stage: int = 3
     remat: str = "budget"
     when: str = "before"
-    zero_init: bool = False
     lora: bool = False
     seqs: tuple[int, ...] = (SEQ, SEQ)
     budget: float | str = 0.5
@@ -196,14 +193,9 @@ def apply_budget(model: Any, case: Case, sample: dict[str, torch.Tensor]) -> Non
 
 
 def build(case: Case, directory: Path) -> Any:
-    import deepspeed
     from transformers import LlamaForCausalLM
 
-    if case.zero_init:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config(case)):
-            model = LlamaForCausalLM.from_pretrained(directory)
-    else:
-        model = LlamaForCausalLM.from_pretrained(directory)
+    model = LlamaForCausalLM.from_pretrained(directory)
     return with_lora(model) if case.lora else model
 
 
