@@ -35,6 +35,7 @@ from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.loss import default_loss
 from .._measure.sample import as_call
 from .._measure.track import placed
+from .._sites.integrations import engine_of
 from .estimate import estimate
 from .phases import OPTIMIZER
 from .predict import OptimizerLike
@@ -81,11 +82,13 @@ def apply_memory(model: _M, memory: Budget, sample: Any, where: Any, config: Con
         from .head_budget import full_with_head
 
         row = full_with_head(model, sample, loss, as_optimizer(optimizer), where) or row
-    state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes
+    # an engine's own buffers too (DeepSpeed ZeRO): a plan's first step sets them apart, as it does this state
+    state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes + row.engine_bytes
     if row.peak_bytes > usable:
         raise _refused(total, row.peak_bytes + room, state, row.peak_phase, room)
     reserved: tuple[int, int] | None = None
-    verified = caches(device) and config.strategy == "rerun" and not config.compile
+    # no real step of remat's under an engine (NOTE [ Budgets under DeepSpeed ZeRO ], rule 4)
+    verified = caches(device) and config.strategy == "rerun" and not config.compile and engine_of(model) is None
     target = total - room  # the allocated peak to plan for
     for attempt in range(TRIES + 1 if verified else 1):
         try:

@@ -48,11 +48,12 @@ running the step again, at a fraction of the time (a 7B model's AdamW step is th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -77,6 +78,9 @@ from .._measure.loss import default_loss
 from .constants import first_step_bytes
 from .phases import BACKWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
+
+if TYPE_CHECKING:
+    from .._sites.integrations.deepspeed import DeepSpeed, RankState
 
 __all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict"]
 
@@ -215,13 +219,15 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
             prepare: Callable[[], list[torch.Tensor]] | None = None,
             resident: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-            refine: Refine | None = None) -> EstimateReport:
+            refine: Refine | None = None, engine: DeepSpeed | None = None) -> EstimateReport:
     """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes.
 
     ``prepare``, if given, runs once the model holds fake parameters (``fully_shard`` for a per-rank estimate)
     and returns the parameters the step trains; ``resident``, if given, makes from them tensors that live
     throughout the step besides the model's and the optimizer's (DDP's gradient buckets), counted in the peak.
-    ``refine``, if given, takes a second look at each row (the largest batch that fits).
+    ``refine``, if given, takes a second look at each row (the largest batch that fits). ``engine``, the engine
+    that owns the model (DeepSpeed ZeRO), makes it one rank's estimate on the engine's fake twin (NOTE [ One rank's
+    state under DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py).
     """
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
@@ -232,9 +238,15 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     if run != device and autocast is not None:
         autocast = autocast.moved(device.type, run.type)
     constants = first_step_bytes(device)
+    rank: RankState | None = None
+    twin: Callable[[nn.Module, torch.device], AbstractContextManager[list[torch.Tensor]]] = fake_state
+    if engine is not None:  # only a model DeepSpeed owns loads its integration
+        from .._sites.integrations.deepspeed import gradients_taken, rank_state
+
+        rank, twin = rank_state(engine, model), engine.twin  # read before the twin stands in
     try:
-        with stand_in(run, device), planning(autocast, [run]), fake_mode(), fake_state(model, run) as params, \
-                torch.enable_grad(), real_masks(sample):
+        with stand_in(run, device), planning(autocast, [run]), fake_mode(), twin(model, run) as params, \
+                torch.enable_grad(), real_masks(sample), contextlib.ExitStack() as taken:
             if prepare is not None:
                 params = prepare()
                 kinds = {type(p) for p in params}  # sharded ones: DTensors, as on the real ranks
@@ -246,17 +258,26 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             state = [t for t in state if t.untyped_storage()._cdata not in param_keys]
             extra = resident(params) if resident is not None else []
             kept = storage_bytes([*params, *buffers, *state, *extra], device)
+            params_bytes, optimizer_bytes, engine_bytes = storage_bytes(params), storage_bytes(state), 0
+            if rank is not None:  # one rank's state: NOTE [ One rank's state under DeepSpeed ZeRO ]
+                params_bytes, engine_bytes = rank.params, rank.kept + rank.step
+                optimizer_bytes = round(storage_bytes(state) * rank.share) + rank.master
+                kept = params_bytes + storage_bytes(buffers, device) + optimizer_bytes + rank.kept
+                if engine is not None and engine.hands_over:
+                    taken.enter_context(gradients_taken(params))
             step_bytes: list[int] = []
 
             def one(configured: Configured, given: Any) -> ConfigEstimate:
                 args = fake_sample(given, run)
                 inputs = tensors_of(args)
-                base = kept + storage_bytes(inputs, device) + constants
+                base = kept + storage_bytes(inputs, device) + constants + (0 if rank is None else rank.step)
                 given_state = {  # the state's exact bytes, in every row
                     "config": configured.config, "label": configured.label, "constant_bytes": constants,
-                    "params_bytes": storage_bytes(params), "buffers_bytes": storage_bytes(buffers),
-                    "input_bytes": storage_bytes(inputs), "optimizer_bytes": storage_bytes(state),
+                    "params_bytes": params_bytes, "buffers_bytes": storage_bytes(buffers),
+                    "input_bytes": storage_bytes(inputs), "optimizer_bytes": optimizer_bytes,
+                    "engine_bytes": engine_bytes,
                 }
+                gradients = storage_bytes([p for p in params if p.requires_grad]) if rank is None else rank.gradients
                 try:
                     with configured.apply(args):
                         grads, held, output, peak, tracker = _step(
@@ -265,7 +286,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 except BudgetError as error:  # a budget below what remat meets: a row that says so
                     return ConfigEstimate(
                         **given_state,
-                        grads_bytes=storage_bytes([p for p in params if p.requires_grad]),
+                        grads_bytes=gradients,
                         activation_bytes=0,
                         peak_bytes=0,
                         refused=str(error),
@@ -274,7 +295,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 phase, phases, holders = where_it_peaks(tracker, base, model, params, made, step_bytes)
                 return ConfigEstimate(
                     **given_state,
-                    grads_bytes=grads,
+                    grads_bytes=grads if rank is None else gradients,
                     activation_bytes=held,
                     output_bytes=output,
                     peak_bytes=base + peak,

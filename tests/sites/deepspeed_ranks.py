@@ -200,6 +200,16 @@ def build(case: Case, directory: Path) -> Any:
 
 
 def run_engine(case: Case, rank: int, directory: Path) -> dict[str, Any]:
+    """Train on the engine; a reference (no remat) also tracks the rank's live bytes from before the model is
+    built, and estimates its last step (`remat.estimate` on the engine's model, AdamW, no remat)."""
+    if case.remat != "none":
+        return _run_engine(case, rank, directory, None)
+    with remat.track() as tracker:
+        result = _run_engine(case, rank, directory, tracker)
+    return result
+
+
+def _run_engine(case: Case, rank: int, directory: Path, tracker: Any) -> dict[str, Any]:
     import deepspeed
 
     model = build(case, directory)
@@ -213,15 +223,24 @@ def run_engine(case: Case, rank: int, directory: Path) -> dict[str, Any]:
     if case.remat == "budget" and case.when == "after":
         apply_budget(engine.module, case, first)
     losses, plans, recomputes = [], [], []
+    result: dict[str, Any] = {}
     for step, seq in enumerate(case.seqs):
         before = stats.recomputes
-        loss = engine(**batch(rank, step, seq)).loss
+        if tracker is not None:
+            tracker._restart_peak()  # the last step's peak, the state it starts with included
+        inputs = batch(rank, step, seq)
+        loss = engine(**inputs).loss
         engine.backward(loss)
         engine.step()
         recomputes.append(stats.recomputes - before)
         losses.append(loss.item())
         plans.append(plan_of(engine.module))
-    return {"losses": losses, "plans": plans, "recomputes": recomputes, "params": full_params(engine.module)}
+        del loss
+    if tracker is not None:
+        row = remat.estimate(engine.module, inputs, optimizer="adamw", configs=("none",))["none"]
+        result.update(tracked=tracker.peak_bytes, estimated=row.peak_bytes, engine_bytes=row.engine_bytes)
+    return {**result, "losses": losses, "plans": plans, "recomputes": recomputes,
+            "params": full_params(engine.module)}
 
 
 def trainer_state() -> None:

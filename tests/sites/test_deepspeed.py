@@ -114,3 +114,17 @@ def test_trainer_keyword_plans_nothing_again(name: str, runs: dict[str, list[Any
         assert not any("new input shapes" in line for line in result["log"]), result["log"]
         first, second = result["plans"]
         assert first["choice"] == second["choice"]
+
+
+ENGINE_REFERENCES = sorted({ranks.reference_name(name) for name, case in ranks.CASES.items() if case.path == "engine"})
+
+
+@pytest.mark.parametrize("name", ENGINE_REFERENCES)
+def test_estimate_is_one_ranks_step(name: str, runs: dict[str, list[Any]]) -> None:
+    """`remat.estimate` on the engine's model predicts one rank's steady step within 5% of its tracked peak (the
+    rank's parameters, gradient partitions, optimizer state and the engine's buckets included): NOTE [ One rank's
+    state under DeepSpeed ZeRO ]."""
+    for result in _results(runs, name):
+        assert result["engine_bytes"] > 0, result["engine_bytes"]
+        assert result["estimated"] == pytest.approx(result["tracked"], rel=0.05), (result["estimated"],
+                                                                                   result["tracked"])

@@ -49,13 +49,34 @@ Implementation notes:
 3. (rule 2) With the gradients taken as they are made, the profile adds none by position (`GradientSteps` of
    zeros) and counts none to a window's end: what backward allocates for a gradient and frees once it is added
    into the profile's zero gradient is the gradient the engine's hook takes.
+
+NOTE [ One rank's state under DeepSpeed ZeRO ]
+`remat.estimate` and `remat.apply(memory=...)` count, for a model DeepSpeed owns, what one rank holds, as
+DeepSpeed 0.19 lays it out (`RankState`), around the step the fake twin runs (rule 1, the gradients taken as
+backward makes them):
+1. Parameters: ZeRO-3's partition of each (its ``ds_tensor``, or ``ds_numel`` over the ranks), whole below
+   ZeRO-3. The optimizer's state and an fp32 copy of the trainable parameters (its "master" weights, kept even in
+   fp32 training) are partitioned over the ranks from ZeRO-1 on: the optimizer's state is the one the fake optimizer
+   makes, times the rank's share of the trainable elements.
+2. Gradients: the rank's partition of the reduced gradients; ZeRO-3 keeps their flat buffer and its reduction
+   bucket (``reduce_bucket_size`` elements) from `deepspeed.initialize` on, ZeRO-2 makes its bucket in each
+   backward and the partitions as the bucket is reduced (done by backward's end, after the activations' peak: the
+   `grads_bytes` row, not the peak); ZeRO-3 also gathers parameters in the step (the largest module's own, at once).
+3. What the engine holds besides parameters, gradients and optimizer state (its buckets, the gathered
+   parameters) is the estimate's `engine_bytes`, in every phase's peak and in `memory=`'s state, since a budget's
+   first step sets it apart (rule 3). The bucket's size is the engine's (``zero_reduce_bucket_size()``, found
+   through its forward prologue on the model) once `deepspeed.initialize` ran, DeepSpeed's default before.
+Not modelled: parameters ZeRO-3 keeps whole (``stage3_param_persistence_threshold``, ``ds_persist``), more than one
+module's parameters gathered at once (``stage3_max_live_parameters``, prefetching), offload to the CPU or NVMe,
+and bf16/fp16 optimizers' extra copies; a budget's own first step still sets the engine's buffers apart and checks
+the plan whatever they are.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +85,7 @@ from torch import nn
 
 from ..._measure.fake import fake_state
 
-__all__ = ["DeepSpeed", "carries_marks", "owner"]
+__all__ = ["DEFAULT_BUCKET", "DeepSpeed", "RankState", "carries_marks", "gradients_taken", "owner", "rank_state"]
 
 _LIBRARY = "deepspeed"
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -74,6 +95,32 @@ _OWN = ("deepspeed.runtime.zero.", "deepspeed.runtime.engine", "deepspeed.runtim
         "deepspeed.runtime.fp16.", "deepspeed.runtime.utils", "deepspeed.runtime.comm.")
 _COMPUTE = ("deepspeed.runtime.zero.linear", "deepspeed.runtime.zero.tiling")
 _TRANSPARENT = ("torch.", "remat.", "contextlib", "functools", "threading", "typing", "abc")
+
+DEFAULT_BUCKET = 500_000_000
+"""DeepSpeed's default ``reduce_bucket_size`` (elements), for a model no engine has taken yet."""
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Bytes one rank holds under the engine (NOTE [ One rank's state under DeepSpeed ZeRO ]).
+
+    Attributes:
+        params: the rank's parameters (ZeRO-3: their partitions).
+        gradients: the rank's partition of the trainable parameters' reduced gradients.
+        master: the fp32 copy of the rank's partition of the trainable parameters.
+        share: the rank's share of the trainable elements: its part of the optimizer's state.
+        kept: what the engine keeps for itself between steps besides the above (ZeRO-3: gradient partitions and
+            the bucket).
+        step: what the engine allocates for itself within a step (ZeRO-2: its bucket; ZeRO-3: gathered
+            parameters).
+    """
+
+    params: int
+    gradients: int
+    master: int
+    share: float
+    kept: int
+    step: int
 
 
 def _from_deepspeed(hook: Any) -> bool:
@@ -155,6 +202,81 @@ class DeepSpeed:
                 return False  # the model's code (or the user's loop)
             frame = frame.f_back  # type: ignore[assignment]
         return False
+
+
+def _engine_config(model: nn.Module) -> Any:
+    """The `DeepSpeedEngine` whose forward prologue is on `model`'s root (a closure's cell), or None."""
+    for hook in getattr(model, "_forward_pre_hooks", {}).values():
+        if not _from_deepspeed(hook):
+            continue
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                found = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(getattr(found, "zero_reduce_bucket_size", None)):
+                return found
+    return None
+
+
+def _world(model: nn.Module) -> int:
+    for p in model.parameters():
+        size = getattr(p, "ds_zero_partition_world_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+    dist = torch.distributed
+    return int(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank_state(engine: DeepSpeed, model: nn.Module) -> RankState:
+    """What one rank of `model` holds under `engine` (NOTE [ One rank's state under DeepSpeed ZeRO ]); read from the
+    real model, before a fake twin stands in."""
+    world = _world(model)
+    params = gradients = master = trainable = rank_trainable = 0
+    largest = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        own = 0
+        for p in module.parameters(recurse=False):
+            full = int(getattr(p, "ds_numel", p.numel()))
+            own += full * p.element_size()
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            shard = getattr(p, "ds_tensor", None)
+            mine = int(shard.numel()) if shard is not None else -(-full // world)
+            params += (mine if engine.partitioned else full) * p.element_size()
+            if p.requires_grad:
+                trainable += full
+                rank_trainable += mine
+                gradients += mine * p.element_size()
+                master += mine * 4
+        largest = max(largest, own)
+    found = _engine_config(model)
+    elements = int(found.zero_reduce_bucket_size()) if found is not None else DEFAULT_BUCKET
+    size = next((p.element_size() for p in model.parameters() if p.requires_grad), 4)
+    bucket = elements * size if engine.hands_over else 0
+    share = rank_trainable / trainable if trainable else 0.0
+    if engine.partitioned:
+        return RankState(params, gradients, master, share, kept=gradients + bucket, step=largest)
+    return RankState(params, gradients, master, share, kept=0, step=bucket)
+
+
+@contextlib.contextmanager
+def gradients_taken(params: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Inside: each of `params` gives its gradient up as soon as backward accumulates it, as the engine's hook
+    takes it (rule 2), on a fake twin's parameters."""
+
+    def take(param: torch.Tensor) -> None:
+        param.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(take)  # type: ignore[no-untyped-call]
+               for p in params if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def owner(model: nn.Module) -> DeepSpeed:
