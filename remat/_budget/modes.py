@@ -38,8 +38,8 @@ from .verify import Measure, max_over_ranks, verify, verify_both_ways
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed
 
-__all__ = ["SHARDED_LATER", "BudgetMode", "CompiledMode", "Config", "EngineMode", "MemoryMode", "ShardedMode",
-           "mode_for"]
+__all__ = ["COMPILED_ENGINE", "SHARDED_LATER", "BudgetMode", "CompiledMode", "Config", "EngineMode", "MemoryMode",
+           "ShardedMode", "mode_for"]
 
 Place = Callable[[Assignment], None]  # puts an assignment's choices on the blocks
 
@@ -185,6 +185,13 @@ SHARDED_LATER = (
 )
 
 
+COMPILED_ENGINE = (
+    "remat: apply(..., compile=True) verifies its plan on real compiled steps of `{model}` before it returns, and "
+    "{engine} would see them (its gradient reduction, its gathers): leave out compile=True; a plan made in eager "
+    "code holds when the model is compiled (its measured peak within the budget +5%)."
+)
+
+
 class CompiledMode(BudgetMode):
     """`remat.apply(model, budget=..., compile=True)`: a plan for the model compiled as one graph (NOTE [ Compiled as
     one graph ] in compiled.py).
@@ -203,6 +210,9 @@ class CompiledMode(BudgetMode):
     offers_parts = False
 
     def planning(self, model: nn.Module) -> BudgetMode:
+        engine = engine_of(model)
+        if engine is not None:  # its plans are verified on real compiled steps: NOTE [ Budgets under DeepSpeed ZeRO ]
+            raise ValueError(COMPILED_ENGINE.format(model=type(model).__name__, engine=engine.name))
         return self
 
     def profiles_on_fake(self, model: nn.Module) -> bool:

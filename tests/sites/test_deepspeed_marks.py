@@ -151,3 +151,11 @@ def test_the_trainers_loss_keyword_changes_no_signature() -> None:
     x = torch.zeros(2, 8, dtype=torch.long)
     assert signature((), {"input_ids": x}) == signature((), {"input_ids": x, "num_items_in_batch": torch.tensor(9)})
     assert signature((), {"input_ids": x}) != signature((), {"input_ids": x, "logits_to_keep": 1})
+
+
+def test_a_compiled_plan_of_an_engines_model_is_refused(deepspeed_loaded: None) -> None:
+    """`compile=True` verifies on real compiled steps, which the engine would see: a clear error instead."""
+    model = _partitioned(Net())
+    with pytest.raises(ValueError, match=r"compile=True.*DeepSpeed ZeRO-3 would see them"):
+        remat.apply(model, budget=0.5, sample=torch.randn(8, 64, WIDTH), compile=True)
+    assert remat.plan(model).budget is None
