@@ -159,3 +159,12 @@ def test_a_compiled_plan_of_an_engines_model_is_refused(deepspeed_loaded: None) 
     with pytest.raises(ValueError, match=r"compile=True.*DeepSpeed ZeRO-3 would see them"):
         remat.apply(model, budget=0.5, sample=torch.randn(8, 64, WIDTH), compile=True)
     assert remat.plan(model).budget is None
+
+
+def test_the_engine_itself_is_refused(deepspeed_loaded: None) -> None:
+    """A budget is for the model the engine runs (`engine.module`), not for DeepSpeed's engine module around it."""
+    engine_class = type("DeepSpeedEngine", (nn.Module,), {"__module__": "deepspeed.runtime.engine"})
+    engine = engine_class()
+    engine.module = _partitioned(Net())
+    with pytest.raises(ValueError, match=r"DeepSpeedEngine.*engine\.module"):
+        remat.apply(engine, budget=0.5, sample=torch.randn(8, 64, WIDTH))

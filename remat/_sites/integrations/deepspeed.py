@@ -84,8 +84,10 @@ import torch
 from torch import nn
 
 from ..._measure.fake import fake_state
+from . import comes_from
 
-__all__ = ["DEFAULT_BUCKET", "DeepSpeed", "RankState", "carries_marks", "gradients_taken", "owner", "rank_state"]
+__all__ = ["DEFAULT_BUCKET", "ENGINE_ITSELF", "DeepSpeed", "RankState", "carries_marks", "gradients_taken", "owner",
+           "rank_state"]
 
 _LIBRARY = "deepspeed"
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -279,8 +281,20 @@ def gradients_taken(params: Iterable[torch.Tensor]) -> Iterator[None]:
             handle.remove()
 
 
+ENGINE_ITSELF = (
+    "remat: `{kind}` is DeepSpeed's engine; a budget or an estimate is for the model it runs: pass `engine.module` "
+    "(the model you gave deepspeed.initialize), e.g. remat.apply(engine.module, budget=..., sample=batch)."
+)
+
+
 def owner(model: nn.Module) -> DeepSpeed:
-    """The `DeepSpeed` view of a model that carries DeepSpeed's marks (`carries_marks`)."""
+    """The `DeepSpeed` view of a model that carries DeepSpeed's marks (`carries_marks`).
+
+    Raises:
+        ValueError: `model` is DeepSpeed's engine itself, not the model it runs.
+    """
+    if comes_from(type(model), _LIBRARY):
+        raise ValueError(ENGINE_ITSELF.format(kind=type(model).__name__))
     partitioned = False
     hands_over = False
     for p in model.parameters():
