@@ -79,7 +79,9 @@ CASES: dict[str, Case] = {
     "engine_zero2_memory_after": Case(stage=2, when="after", seqs=(SEQ, 96), memory="12MiB"),
     # the Trainer: the model built inside zero.Init (ZeRO-3), LoRA; the Trainer adds `num_items_in_batch`
     "trainer_zero3_lora": Case(path="trainer", lora=True),
-    # the Trainer, ZeRO-2, full fine-tuning, planned inside GatheredParameters is for ZeRO-3 only: plain here
+    # the Trainer, ZeRO-3, full fine-tuning, planned inside GatheredParameters (the parameters whole for a while)
+    "trainer_zero3_gathered": Case(path="trainer", when="gathered"),
+    # the Trainer, ZeRO-2, full fine-tuning; a bucket larger than the activations
     "trainer_zero2": Case(path="trainer", stage=2, bucket=5_000_000),
 }
 
