@@ -43,6 +43,7 @@ from .._measure.loss import default_loss
 from .._measure.sample import as_call
 from .._measure.track import placed
 from .._sites.head import can_route_head
+from .._sites.integrations import engine_of
 
 __all__ = ["apply_memory", "as_optimizer"]
 
@@ -74,11 +75,13 @@ def apply_memory(model: _M, request: MemoryRequest) -> _M:
     room = headroom_bytes(request.headroom, total, device)
     usable = total - room  # for the allocated peak: the rest is the allocator's
     row = _least(model, request, total)
-    state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes
+    # an engine's own buffers too (DeepSpeed ZeRO): a plan's first step sets them apart, as it does this state
+    state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes + row.engine_bytes
     if row.peak_bytes > usable:
         raise _refused(total, row.peak_bytes + room, state, row.peak_phase, room)
     reserved: tuple[int, int] | None = None
-    verified = caches(device) and request.strategy == "rerun" and not request.compile
+    # no real step of remat's under an engine (NOTE [ Budgets under DeepSpeed ZeRO ], rule 4)
+    verified = caches(device) and request.strategy == "rerun" and not request.compile and engine_of(model) is None
     target = total - room  # the allocated peak to plan for
     for attempt in range(TRIES + 1 if verified else 1):
         try:

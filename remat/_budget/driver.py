@@ -33,7 +33,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -41,10 +41,12 @@ from torch import nn
 from .._core.errors import BudgetError
 from .._core.requests import FitRequest
 from .._core.torch_compat import eager_for_now, when_traced
+from .._core.units import format_bytes
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
 from .._measure.autocast import StepAutocast
 from .._measure.sample import as_call, detached, signature
+from .._sites.integrations import engine_of
 from .._sites.targets import remove_hooks, select
 from .choices import Choices
 from .compiled import warn_one_graph
@@ -55,6 +57,9 @@ from .modes import SHARDED_LATER, BudgetMode, mode_for
 from .profile import TrainingStep, profile
 from .solve import Assignment, least_assignment, solve_budget
 from .verify import Verification, from_rank_zero, max_over_ranks
+
+if TYPE_CHECKING:
+    from .._sites.integrations.deepspeed import DeepSpeed
 
 __all__ = ["BudgetHook", "Solved", "apply_budget"]
 
@@ -120,10 +125,11 @@ class BudgetHook:
         self.autocast: StepAutocast | None = None  # what the plan's steps ran under: NOTE [ Planned under autocast ]
         self.devices: tuple[torch.device, ...] = ()  # where the model was when planned (its autocast types)
         self.sharded = False  # whether the plan was made on a `fully_shard`-ed model: NOTE [ Budgets and FSDP2 ]
+        self.engine: DeepSpeed | None = None  # the engine that owned the model when planned: `engine_changed`
         self.verification: Verification | None = None  # waiting for training steps: NOTE [ The first step ]
         self.step: FirstStep | None = None  # the training step being tracked for it
         self.busy = False  # planning: the planner's own calls of the model pass
-        self.told = self.told_autocast = self.warned = False  # one log line or warning per model
+        self.told = self.told_autocast = self.told_engine = self.told_apart = self.warned = False  # once per model
 
     @property
     def request(self) -> FitRequest:
@@ -173,6 +179,7 @@ class BudgetHook:
         self.autocast, self.devices = step.autocast, step.devices
         self.signature = signature(args, kwargs)
         self.sharded = _sharded.is_sharded(model)  # NOTE [ Budgets and FSDP2 ], rule 2
+        self.engine = engine_of(model)  # NOTE [ Budgets under DeepSpeed ZeRO ], rule 5
         return assignment
 
     def _solved(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, mode: BudgetMode,
@@ -182,7 +189,8 @@ class BudgetHook:
         Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
         found = profile(model, self.names, blocks, self.choices.labels, step,
                         lambda i, c: self.choices.assign(model, i, c), derived=self.choices.derived(),
-                        compiled=mode.compiled, fake=mode.profiles_on_fake(model))
+                        compiled=mode.compiled, fake=mode.profiles_on_fake(model), twin=mode.twin,
+                        gradients_kept=mode.gradients_kept)
         measured = measured_costs(found)
         cost = mode.with_gradients(model, blocks, measured, found)
         try:
@@ -211,7 +219,7 @@ class BudgetHook:
         step where its prediction fits and the mode allows it (NOTE [ Verifying the plan ] in verify.py)."""
         self.choices.calls = solved.assignment.cost.calls  # rank 0's calls too
         self.choices.place(model, solved.assignment)
-        if solved.fits and mode.verifies_later():  # NOTE [ The first step ]
+        if (solved.fits or not mode.real_steps) and mode.verifies_later():  # NOTE [ The first step ]
             self.verification = Verification(solved.assignment)
             return solved.assignment
         return mode.verify(solved.assignment,  # NOTE [ Verifying the plan ]; in `fit`'s `step.planning()`
@@ -244,8 +252,11 @@ class BudgetHook:
             self.fit(model, args, kwargs)
         elif self.assignment is not None and StepAutocast.caller(self.devices) != self.autocast:
             self.autocast_changed(model, args, kwargs)
+        elif self.assignment is not None and (engine := engine_of(model)) != self.engine:
+            self.engine_changed(model, engine, args, kwargs)
         if self.verification is not None and self.step is None and can_track():  # NOTE [ The first step ]
-            self.step = FirstStep(model, self.seen)
+            engine = engine_of(model)  # its own buffers set apart: NOTE [ Set apart ] in step_tracker.py
+            self.step = FirstStep(model, self.seen, None if engine is None else engine.allocating)
 
     def autocast_changed(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A training forward under other autocast settings than the plan's: NOTE [ Planned under autocast ]."""
@@ -261,10 +272,37 @@ class BudgetHook:
                      type(model).__name__, planned, training)
         self.fit(model, args, kwargs)
 
+    def engine_changed(self, model: nn.Module, engine: DeepSpeed | None, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> None:
+        """A training forward of a model an engine owns now and did not when planned, or the other way round
+        (`remat.apply` before `deepspeed.initialize`): NOTE [ Budgets under DeepSpeed ZeRO ], rule 5."""
+        now = "under " + engine.name if engine is not None else "without an engine"
+        planned = "under " + self.engine.name if self.engine is not None else "without an engine"
+        if not self.request.replan:
+            if not self.told_engine:
+                self.told_engine = True
+                _log.warning("remat: the budgeted %s was planned %s and trains %s; with replan=False the plan is "
+                             "kept (its first training step checks it).", type(model).__name__, planned, now)
+            self.engine = engine
+            return
+        _log.warning("remat: the budgeted %s was planned %s and trains %s: planning again for this step, on fake "
+                     "tensors.", type(model).__name__, planned, now)
+        self.fit(model, args, kwargs)
+
     def seen(self, peak: int) -> None:
-        """A tracked step's backward ended: its peak shows in `remat.plan(model)` at once (this rank's)."""
+        """A tracked step's backward ended: its peak shows in `remat.plan(model)` at once (this rank's), and what it
+        set apart as an engine's is said once (NOTE [ Budgets under DeepSpeed ZeRO ], rule 3)."""
         if self.assignment is not None:
             self.assignment = dataclasses.replace(self.assignment, measured=peak)
+        step = self.step
+        if step is not None and step.set_apart and not self.told_apart:
+            self.told_apart = True
+            _log.warning(
+                "remat: the first training step of the budgeted %s set apart %s that %s allocated for itself "
+                "(gradient buckets and partitions, gathered parameters), as the optimizer's state is; the budget "
+                "bounds the rest: %s of activations and gradients at the step's peak.", step.model_name,
+                format_bytes(step.set_apart), self.engine.name if self.engine is not None else "its engine",
+                format_bytes(peak))
 
     def settle(self, model: nn.Module) -> None:
         """At a forward: pop what tracked steps left, and act on a tracked step's peak (NOTE [ The first step ])."""

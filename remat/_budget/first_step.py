@@ -209,20 +209,26 @@ def _nothing(*args: Any) -> None:
 class FirstStep:
     """Track one training step of `model`, from now to the end of the first backward through its outputs.
 
+    Args:
+        set_apart: asked at each new storage whether an engine allocates it for itself (NOTE [ Set apart ] in
+            remat/_measure/step_tracker.py); None: nothing is set apart.
+
     Attributes:
-        peak: the step's tracked peak above what was live when it started; None until a backward through the
-            model's outputs has ended.
+        peak: the step's tracked peak above what was live when it started, without what was set apart; None until
+            a backward through the model's outputs has ended.
         forwards: the model's forwards seen in this window.
     """
 
-    def __init__(self, model: nn.Module, ended: Callable[[int], None]) -> None:
+    def __init__(self, model: nn.Module, ended: Callable[[int], None],
+                 set_apart: Callable[[], bool] | None = None) -> None:
         self.peak: int | None = None
         self.forwards = 1
+        self.model_name = type(model).__name__
         self._ended_with = ended
         self._queued = False
         self._counting = True
         self._owner = threading.get_ident()
-        self._tracker = StepTracker()
+        self._tracker = StepTracker(set_apart)  # an engine's own buffers: NOTE [ Set apart ] in step_tracker.py
         self._watched: dict[int, weakref.ref[_Token]] = {}  # the tokens of the outputs' graphs, by id
         self._mode: Any = None  # our own mode, while it is on the stack
         self._restore: Callable[[], None] | None = None
@@ -243,6 +249,12 @@ class FirstStep:
         self._mode = top_dispatch_mode()
         with _LOCK:
             _PUSHED[id(self)] = self
+
+    @property
+    def set_apart(self) -> int:
+        """The most bytes an engine's own buffers held at once in the window, set apart from `peak` (NOTE [ Set
+        apart ] in remat/_measure/step_tracker.py)."""
+        return self._tracker.apart_peak
 
     @property
     def dropped(self) -> bool:

@@ -8,6 +8,8 @@ that the driver runs (driver.py: profile, costs, solve, verify).
   compiled steps with the prediction's miss taken both ways.
 * `MemoryMode`, `remat.apply(model, memory=...)`: the mode it wraps, verified before `apply` returns from no
   gradients.
+* `EngineMode`, a model whose parameters and gradients an engine owns (DeepSpeed ZeRO), for `budget=` and `memory=`:
+  profiled on the engine's fake twin, gradients as the engine keeps them, verified on the first training step.
 
 Each mode holds the request it serves (remat/_core/requests.py: what `remat.apply` was asked besides the budget);
 `mode_for` picks the mode a request asks for, and a mode's `planning(model)` the one a plan of the model runs under
@@ -17,19 +19,25 @@ now (`ShardedMode` once `fully_shard` was applied to it).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from .._core.requests import FitRequest, MemoryRequest
 from .._measure.sharded import is_sharded
 from .._measure.step_peak import compiled_peak, measure_step
+from .._sites.integrations import engine_of
 from .compiled import gradient_bytes, graph_extra, with_graph_gradients
 from .costs import ModelCost, with_gradients
-from .profile import Profile, TrainingStep, fake_stands_in
+from .profile import Profile, TrainingStep, Twin, fake_stands_in
 from .solve import Assignment
 from .verify import Measure, max_over_ranks, verify, verify_both_ways
 
-__all__ = ["SHARDED_LATER", "BudgetMode", "CompiledMode", "MemoryMode", "ShardedMode", "mode_for"]
+if TYPE_CHECKING:
+    from .._sites.integrations.deepspeed import DeepSpeed
+
+__all__ = ["COMPILED_ENGINE", "SHARDED_LATER", "BudgetMode", "CompiledMode", "EngineMode", "MemoryMode", "ShardedMode",
+           "mode_for"]
 
 Place = Callable[[Assignment], None]  # puts an assignment's choices on the blocks
 
@@ -56,13 +64,20 @@ class BudgetMode:
 
     compiled = False  # whether its steps run as one compiled graph
     offers_parts = True  # whether a block may keep some of its matmuls (rule 1)
+    real_steps = True  # whether remat may run a real step of the model to verify a plan (not under an engine)
+    twin: Twin | None = None  # how its profile's fake twin is made (None: `fake_state`)
+    gradients_kept = True  # whether a step's new gradients live to its end (NOTE [ Gradients in the budget ])
 
     def __init__(self, request: FitRequest) -> None:
         self.request = request
 
     def planning(self, model: nn.Module) -> BudgetMode:
-        """The mode a plan of `model` runs under now: `ShardedMode` once `fully_shard` was applied to it."""
-        return ShardedMode(self.request) if is_sharded(model) else self
+        """The mode a plan of `model` runs under now: `ShardedMode` once `fully_shard` was applied to it,
+        `EngineMode` while an engine owns it."""
+        if is_sharded(model):
+            return ShardedMode(self.request)
+        engine = engine_of(model)
+        return self if engine is None else EngineMode(self.request, engine)
 
     def profiles_on_fake(self, model: nn.Module) -> bool:
         """Whether the profile runs on a fake twin of `model` (rule 2)."""
@@ -94,7 +109,7 @@ class ShardedMode(BudgetMode):
     and verified on the sample before `remat.apply` returns, since its first step cannot stand in."""
 
     def planning(self, model: nn.Module) -> BudgetMode:
-        return self if is_sharded(model) else BudgetMode(self.request)
+        return self if is_sharded(model) else BudgetMode(self.request).planning(model)
 
     def verifies_later(self) -> bool:
         return False
@@ -123,6 +138,13 @@ SHARDED_LATER = (
 )
 
 
+COMPILED_ENGINE = (
+    "remat: apply(..., compile=True) verifies its plan on real compiled steps of `{model}` before it returns, and "
+    "{engine} would see them (its gradient reduction, its gathers): leave out compile=True; a plan made in eager "
+    "code holds when the model is compiled (its measured peak within the budget +5%)."
+)
+
+
 class CompiledMode(BudgetMode):
     """`remat.apply(model, budget=..., compile=True)`: a plan for the model compiled as one graph (NOTE [ Compiled as
     one graph ] in compiled.py).
@@ -141,6 +163,9 @@ class CompiledMode(BudgetMode):
     offers_parts = False
 
     def planning(self, model: nn.Module) -> BudgetMode:
+        engine = engine_of(model)
+        if engine is not None:  # its plans are verified on real compiled steps: NOTE [ Budgets under DeepSpeed ZeRO ]
+            raise ValueError(COMPILED_ENGINE.format(model=type(model).__name__, engine=engine.name))
         return self
 
     def profiles_on_fake(self, model: nn.Module) -> bool:
@@ -185,7 +210,8 @@ class MemoryMode(BudgetMode):
         self.offers_parts = inner.offers_parts
 
     def planning(self, model: nn.Module) -> BudgetMode:
-        return self
+        engine = engine_of(model)  # verified on its first step: NOTE [ Budgets under DeepSpeed ZeRO ], rule 4
+        return self if engine is None else EngineMode(self.request, engine)
 
     def profiles_on_fake(self, model: nn.Module) -> bool:
         return self.inner.profiles_on_fake(model)
@@ -199,3 +225,38 @@ class MemoryMode(BudgetMode):
 
     def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
         return self.inner.verify(assignment, measure, place)
+
+
+class EngineMode(BudgetMode):
+    """A plan of a model whose parameters and gradients an engine owns, or will (DeepSpeed ZeRO: NOTE [ Budgets
+    under DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py), for `budget=` and `memory=` alike.
+
+    1. It is profiled on the engine's fake twin: each parameter at the shape the step computes with (ZeRO-3's
+       partitioned ones too), none of the engine's hooks on the modules, so the engine sees no step.
+    2. Where the engine takes each gradient as backward makes it (ZeRO-2, ZeRO-3), gradients count only while
+       backward makes them.
+    3. It is verified on the model's first training step, the engine's own buffers set apart there (NOTE [ Set
+       apart ] in remat/_measure/step_tracker.py), also where the prediction does not fit: remat runs no real
+       step that the engine would see.
+    """
+
+    real_steps = False
+
+    def __init__(self, request: FitRequest, engine: DeepSpeed) -> None:
+        super().__init__(request)
+        self.engine = engine
+        self.twin = engine.twin
+        self.gradients_kept = not engine.hands_over
+
+    def planning(self, model: nn.Module) -> BudgetMode:
+        return self
+
+    def profiles_on_fake(self, model: nn.Module) -> bool:
+        return True
+
+    def with_gradients(self, model: nn.Module, blocks: Sequence[nn.Module], measured: ModelCost,
+                       profile: Profile) -> ModelCost:
+        return super().with_gradients(model, blocks, measured, profile) if self.gradients_kept else measured
+
+    def verifies_later(self) -> bool:
+        return True

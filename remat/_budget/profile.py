@@ -69,6 +69,7 @@ import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -91,14 +92,16 @@ from .profile_alone import Shift, compiled_shifts, mode_alone, time_alone
 from .profile_step import Detail, Marks, marked_step, mode_overhead
 
 __all__ = [
-    "DERIVABLE", "PARTS", "GradientSteps", "KeptRun", "Loss", "Profile", "Round", "TrainingStep", "accumulation_order",
-    "fake_stands_in", "gradient_steps", "profile", "profile_blocks",
+    "DERIVABLE", "PARTS", "GradientSteps", "KeptRun", "Loss", "Profile", "Round", "TrainingStep", "Twin",
+    "accumulation_order", "fake_stands_in", "gradient_steps", "profile", "profile_blocks",
 ]
 
 _T = TypeVar("_T")
 _log = logging.getLogger("remat")
 Loss = Callable[[Any], torch.Tensor]
 Assign = Callable[[int, int], None]  # put block i under choice c
+Twin = Callable[[nn.Module, torch.device], AbstractContextManager[list[torch.Tensor]]]
+"""Swaps a fake twin's state into the model for a profile and yields its fake parameters (`fake_state`'s form)."""
 
 
 #: Choices that keep some of the matmul outputs `save_matmuls` keeps (NOTE [ Some matmuls ]): label -> the
@@ -249,15 +252,22 @@ def profile(
     derived: Collection[int],
     compiled: bool,
     fake: bool,
+    twin: Twin | None = None,
+    gradients_kept: bool = True,
 ) -> Profile:
     """Profile `blocks` under every choice (`profile_blocks`), on a fake twin of `model` where `fake` and the step
-    runs there (NOTE [ Planning on fake tensors ]), else on `model` itself."""
+    runs there (NOTE [ Planning on fake tensors ]), else on `model` itself.
+
+    `twin` makes the fake twin where an engine owns the model (NOTE [ Budgets under DeepSpeed ZeRO ] in
+    remat/_sites/integrations/deepspeed.py): the step runs there or not at all. Without `gradients_kept`, the
+    gradients backward makes count only while it makes them (the engine takes each one)."""
 
     def measured(run: TrainingStep) -> Profile:
         with accumulation_order(model) as order:  # NOTE [ Gradients in the budget ] in costs.py
-            return profile_blocks(model, names, blocks, choices, run, assign, order, derived, compiled=compiled)
+            return profile_blocks(model, names, blocks, choices, run, assign, order, derived, compiled=compiled,
+                                  gradients_kept=gradients_kept)
 
-    found = _on_fake_twin(model, step, measured) if fake else None
+    found = _on_fake_twin(model, step, measured, twin) if fake else None
     return measured(step) if found is None else found
 
 
@@ -273,18 +283,23 @@ def fake_stands_in(model: nn.Module, strategy: str) -> bool:
     return True
 
 
-def _on_fake_twin(model: nn.Module, step: TrainingStep, measure: Callable[[TrainingStep], _T]) -> _T | None:
-    """`measure(step)` with `step` on a fake twin of `model` and a fake copy of its inputs; None where the step
-    reads tensor values, which fake tensors do not have (NOTE [ Planning on fake tensors ]). The model's tensors
-    are swapped for fake ones while `measure` runs and put back after."""
+def _on_fake_twin(model: nn.Module, step: TrainingStep, measure: Callable[[TrainingStep], _T],
+                  twin: Twin | None = None) -> _T | None:
+    """`measure(step)` with `step` on a fake twin of `model` (`twin`'s, else `fake_state`'s) and a fake copy of its
+    inputs; None where the step reads tensor values, which fake tensors do not have (NOTE [ Planning on fake
+    tensors ]), unless an engine's `twin` is given: a real step is then no option, and the error says so. The
+    model's tensors are swapped for fake ones while `measure` runs and put back after."""
     device = resolve_device(model, (step.args, step.kwargs), None)
     try:
-        with fake_mode(), fake_state(model, device), real_masks(step.kwargs), torch.enable_grad():
+        with fake_mode(), (twin or fake_state)(model, device), real_masks(step.kwargs), torch.enable_grad():
             fake_args, fake_kwargs = fake_sample((step.args, step.kwargs), device)
             return measure(step.on(tuple(fake_args), fake_kwargs))
     except Exception as error:
-        if data_dependent(error, type(model).__name__) is None:
+        translated = data_dependent(error, type(model).__name__)
+        if translated is None:
             raise
+        if twin is not None:  # an engine's model is never profiled on a real step it would see
+            raise translated from error
         _log.warning("remat: %s's step reads tensor values, which fake tensors lack (%s); its budget is profiled "
                      "on a real step, which needs the memory of a plain training step.", type(model).__name__,
                      type(error).__name__)
@@ -347,6 +362,7 @@ def profile_blocks(
     derived: Collection[int] = (),
     closed: Collection[int] = (),
     compiled: bool = False,
+    gradients_kept: bool = True,
 ) -> Profile:
     """Profile `blocks` of `model` under every choice on the training step `step` (NOTE [ Profiling rounds ]).
 
@@ -365,6 +381,9 @@ def profile_blocks(
         closed: choices neither run nor derived: open to no block.
         compiled: for one compiled graph: derived choices priced as compiled code runs them (NOTE [ Compiled
             costs ]), and the sample block's bytes measured compiled (NOTE [ Compiled bytes ] in compiled.py).
+        gradients_kept: a default loop's gradients, alive from where backward makes them to the step's end (NOTE
+            [ Gradients in the budget ]); False where an engine takes each one as it is made (NOTE [ Budgets under
+            DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py): only the bytes backward allocates count.
 
     Returns:
         What the steps measured, for `measured_costs` in costs.py.
@@ -388,7 +407,8 @@ def profile_blocks(
                 assign(i, c)
             here = {b for r, b in samples.values() if r == len(tracked)}
             kept = [i for i, c in enumerate(choice) if c == 0] if derived else []
-            made = () if compiled else params  # one graph keeps every gradient: NOTE [ Compiled as one graph ]
+            # one graph keeps every gradient (NOTE [ Compiled as one graph ]); an engine takes each one
+            made = params if gradients_kept and not compiled else ()
             tracked.append(marked_step(step, blocks, True, not apart, devices, here, kept, made))
             timed.append(marked_step(step, blocks, False, True, devices) if apart else tracked[-1])
         again = derived and any(marks.early is not None and marks.early[1] > _EARLY * marks.early[0]
@@ -412,7 +432,8 @@ def profile_blocks(
                                      lambda c: assign(sample, c))
     if again:
         parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
-        return profile_blocks(model, names, blocks, choices, step, assign, order, closed=parts, compiled=compiled)
+        return profile_blocks(model, names, blocks, choices, step, assign, order, closed=parts, compiled=compiled,
+                              gradients_kept=gradients_kept)
     return Profile(
         names=tuple(names),
         kinds=tuple(_kind(b) for b in blocks),

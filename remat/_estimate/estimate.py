@@ -26,6 +26,7 @@ from .._measure import ddp as _ddp
 from .._measure import sharded as _sharded
 from .._measure.fake import resolve_device
 from .._sites import targets as _targets
+from .._sites.integrations import engine_of
 from .head import split_head, with_head
 from .largest_batch import searches
 from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
@@ -240,7 +241,7 @@ def estimate(
     else:
         resolved = [_configured(model, config, where) for config in configs]
         report = predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
-                         refine=refine)
+                         refine=refine, engine=engine_of(model))  # one rank's, under DeepSpeed
     if refine is None:
         return report
     return dataclasses.replace(report, memory=parse_memory(memory, "estimate's `memory`"), headroom=room)

@@ -48,11 +48,12 @@ running the step again, at a fraction of the time (a 7B model's AdamW step is th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -77,6 +78,9 @@ from .._measure.loss import default_loss
 from .constants import first_step_bytes
 from .phases import BACKWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
+
+if TYPE_CHECKING:
+    from .._sites.integrations.deepspeed import DeepSpeed, RankState
 
 __all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict"]
 
@@ -211,6 +215,16 @@ Refine = Callable[[Configured, ConfigEstimate, Callable[[Any], ConfigEstimate]],
 configuration on another sample (real or meta tensors) in the same fake session, return the row to report."""
 
 
+@dataclass(frozen=True)
+class _State:
+    """The bytes of a row's state that `predict` counts once: parameters, the optimizer's state and an engine's own
+    buffers (one rank's under DeepSpeed ZeRO: NOTE [ One rank's state under DeepSpeed ZeRO ])."""
+
+    params: int
+    optimizer: int
+    engine: int
+
+
 @dataclass
 class _Steps:
     """What every configuration's step shares in `predict`: the fake model, its optimizer and state, the bytes that
@@ -228,6 +242,8 @@ class _Steps:
     device: torch.device
     run: torch.device
     autocast: StepAutocast | None
+    state_bytes: _State
+    rank: RankState | None = None
     step_bytes: list[int] = field(default_factory=list)
 
     def row(self, configured: Configured, given: Any) -> ConfigEstimate:
@@ -235,13 +251,15 @@ class _Steps:
         remat meets."""
         args = fake_sample(given, self.run)
         inputs = tensors_of(args)
-        constants = self.constants
-        base = self.kept + storage_bytes(inputs, self.device) + constants
+        constants, rank, state = self.constants, self.rank, self.state_bytes
+        base = self.kept + storage_bytes(inputs, self.device) + constants + (0 if rank is None else rank.step)
         given_state = {  # the state's exact bytes, in every row
             "config": configured.config, "label": configured.label, "constant_bytes": constants,
-            "params_bytes": storage_bytes(self.params), "buffers_bytes": storage_bytes(self.buffers),
-            "input_bytes": storage_bytes(inputs), "optimizer_bytes": storage_bytes(self.state),
+            "params_bytes": state.params, "buffers_bytes": storage_bytes(self.buffers),
+            "input_bytes": storage_bytes(inputs), "optimizer_bytes": state.optimizer, "engine_bytes": state.engine,
         }
+        gradients = (storage_bytes([p for p in self.params if p.requires_grad]) if rank is None
+                     else rank.gradients)
         try:
             with configured.apply(args):
                 grads, held, output, peak, tracker = _step(
@@ -250,7 +268,7 @@ class _Steps:
         except BudgetError as error:  # a budget below what remat meets: a row that says so
             return ConfigEstimate(
                 **given_state,
-                grads_bytes=storage_bytes([p for p in self.params if p.requires_grad]),
+                grads_bytes=gradients,
                 activation_bytes=0,
                 peak_bytes=0,
                 refused=str(error),
@@ -259,7 +277,7 @@ class _Steps:
         phase, phases, holders = where_it_peaks(tracker, base, self.model, self.params, self.made, self.step_bytes)
         return ConfigEstimate(
             **given_state,
-            grads_bytes=grads,
+            grads_bytes=grads if rank is None else gradients,
             activation_bytes=held,
             output_bytes=output,
             peak_bytes=base + peak,
@@ -273,13 +291,15 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
             prepare: Callable[[], list[torch.Tensor]] | None = None,
             resident: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-            refine: Refine | None = None) -> EstimateReport:
+            refine: Refine | None = None, engine: DeepSpeed | None = None) -> EstimateReport:
     """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes.
 
     ``prepare``, if given, runs once the model holds fake parameters (``fully_shard`` for a per-rank estimate)
     and returns the parameters the step trains; ``resident``, if given, makes from them tensors that live
     throughout the step besides the model's and the optimizer's (DDP's gradient buckets), counted in the peak.
-    ``refine``, if given, takes a second look at each row (the largest batch that fits).
+    ``refine``, if given, takes a second look at each row (the largest batch that fits). ``engine``, the engine
+    that owns the model (DeepSpeed ZeRO), makes it one rank's estimate on the engine's fake twin (NOTE [ One rank's
+    state under DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py).
     """
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
@@ -290,9 +310,15 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     if run != device and autocast is not None:
         autocast = autocast.moved(device.type, run.type)
     constants = first_step_bytes(device)
+    rank: RankState | None = None
+    twin: Callable[[nn.Module, torch.device], AbstractContextManager[list[torch.Tensor]]] = fake_state
+    if engine is not None:  # only a model DeepSpeed owns loads its integration
+        from .._sites.integrations.deepspeed import gradients_taken, rank_state
+
+        rank, twin = rank_state(engine, model), engine.twin  # read before the twin stands in
     try:
-        with stand_in(run, device), planning(autocast, [run]), fake_mode(), fake_state(model, run) as params, \
-                torch.enable_grad(), real_masks(sample):
+        with stand_in(run, device), planning(autocast, [run]), fake_mode(), twin(model, run) as params, \
+                torch.enable_grad(), real_masks(sample), contextlib.ExitStack() as taken:
             if prepare is not None:
                 params = prepare()
                 kinds = {type(p) for p in params}  # sharded ones: DTensors, as on the real ranks
@@ -304,7 +330,15 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             state = [t for t in state if t.untyped_storage()._cdata not in param_keys]
             extra = resident(params) if resident is not None else []
             kept = storage_bytes([*params, *buffers, *state, *extra], device)
-            steps = _Steps(model, loss, made, params, buffers, state, kept, constants, device, run, autocast)
+            params_bytes, optimizer_bytes, engine_bytes = storage_bytes(params), storage_bytes(state), 0
+            if rank is not None:  # one rank's state: NOTE [ One rank's state under DeepSpeed ZeRO ]
+                params_bytes, engine_bytes = rank.params, rank.kept + rank.step
+                optimizer_bytes = round(storage_bytes(state) * rank.share) + rank.master
+                kept = params_bytes + storage_bytes(buffers, device) + optimizer_bytes + rank.kept
+                if engine is not None and engine.hands_over:
+                    taken.enter_context(gradients_taken(params))
+            steps = _Steps(model, loss, made, params, buffers, state, kept, constants, device, run, autocast,
+                           _State(params_bytes, optimizer_bytes, engine_bytes), rank)
             for configured in configs:
                 row = steps.row(configured, sample)
                 if refine is not None:

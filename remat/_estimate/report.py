@@ -48,6 +48,10 @@ class ConfigEstimate:
         constant_bytes: What the device allocates once at the first step and keeps, counted in ``peak_bytes``
             and every phase's peak: on CUDA the cuBLAS workspaces of the forward's and autograd's threads (NOTE
             [ A first step's constants ] in remat/_estimate/constants.py); 0 elsewhere.
+        engine_bytes: Under an engine that owns the model (DeepSpeed ZeRO), what it holds for itself besides the
+            rows above, counted in ``peak_bytes`` and every phase's peak: its gradient buckets and partitions,
+            the parameters it gathers (NOTE [ One rank's state under DeepSpeed ZeRO ] in
+            remat/_sites/integrations/deepspeed.py); 0 elsewhere.
     """
 
     config: Any
@@ -68,6 +72,7 @@ class ConfigEstimate:
     refused: str | None = None
     least_bytes: int | None = None
     constant_bytes: int = 0
+    engine_bytes: int = 0
 
     @property
     def step_peak_bytes(self) -> int:
@@ -94,6 +99,7 @@ class ConfigEstimate:
             "refused": self.refused,
             "least_bytes": self.least_bytes,
             "constant_bytes": self.constant_bytes,
+            "engine_bytes": self.engine_bytes,
         }
 
 

@@ -25,7 +25,11 @@ counted as 512-byte device blocks.
 NOTE [ Swapping in fake state ]
 An estimate must not touch the user's model: parameters and buffers are replaced by fake ones in each module's
 ``_parameters``/``_buffers`` for the duration (a tied weight, one object in two modules, gets one fake), and the
-original objects are put back in ``finally``. Nothing else of the module changes; hooks and attributes stay.
+original objects are put back in ``finally``. Nothing else of the module changes; hooks and attributes stay. A
+parameter an engine keeps partitioned (DeepSpeed ZeRO-3: an empty tensor on each rank, its full shape in its
+attributes) is faked at the shape the step computes with, which the caller names (``full``): an estimate or a
+profile plans what the step computes, not how the engine stores it (NOTE [ Budgets under DeepSpeed ZeRO ] in
+remat/_sites/integrations/deepspeed.py).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ __all__ = [
     "run_on",
     "stand_in",
     "FakeTracker",
+    "FullShape",
     "allocator_bytes",
     "data_dependent",
     "fake_like",
@@ -162,9 +167,14 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A fake tensor of ``t``'s shape, strides, dtype and ``requires_grad`` on ``device`` (inside a fake mode)."""
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+def fake_like(t: torch.Tensor, device: torch.device, shape: torch.Size | None = None) -> torch.Tensor:
+    """A fake tensor of ``t``'s shape, strides, dtype and ``requires_grad`` on ``device`` (inside a fake mode); with
+    ``shape``, contiguous of that shape instead (a parameter an engine keeps partitioned: NOTE [ Swapping in fake
+    state ])."""
+    if shape is not None and tuple(shape) != tuple(t.shape):
+        out = torch.empty(shape, dtype=t.dtype, device=device)
+    else:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     if t.requires_grad and t.is_floating_point():
         out.requires_grad_(True)
     return out
@@ -189,11 +199,17 @@ def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None =
     return total
 
 
+FullShape = Callable[[torch.Tensor], "torch.Size | None"]
+"""The shape a tensor of the model stands for where it is not its own (an engine's partitioned parameter), or None."""
+
+
 @contextlib.contextmanager
-def fake_state(model: nn.Module, device: torch.device) -> Iterator[list[torch.Tensor]]:
+def fake_state(model: nn.Module, device: torch.device, full: FullShape | None = None) -> Iterator[list[torch.Tensor]]:
     """Swap fake parameters and buffers into ``model`` (inside a fake mode); yield the fake parameters.
 
-    See NOTE [ Swapping in fake state ]. The fake parameters are yielded in ``model.parameters()`` order.
+    See NOTE [ Swapping in fake state ]. The fake parameters are yielded in ``model.parameters()`` order. With
+    ``full``, a tensor for which it gives a shape is faked at that shape (DeepSpeed ZeRO-3's partitioned
+    parameters, empty on the rank, at the shape the step computes with).
     """
     fakes: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict[str, Any], str, Any]] = []  # (module's table, name, the original)
@@ -206,7 +222,7 @@ def fake_state(model: nn.Module, device: torch.device) -> Iterator[list[torch.Te
                         continue
                     fake = fakes.get(id(value))
                     if fake is None:
-                        fake = fake_like(value.detach(), device)  # a leaf
+                        fake = fake_like(value.detach(), device, None if full is None else full(value))  # a leaf
                         if parameter:
                             fake = nn.Parameter(fake, requires_grad=value.requires_grad)
                         fakes[id(value)] = fake

@@ -9,7 +9,7 @@ import torch
 
 from .._core.torch_compat import tree_leaves, tree_map
 
-__all__ = ["as_call", "detached", "signature"]
+__all__ = ["PLAN_FREE", "as_call", "detached", "signature"]
 
 
 def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -35,8 +35,29 @@ def detached(value: Any) -> Any:
     return tree_map(one, value)
 
 
+# NOTE [ Keywords a plan does not depend on ]
+# A training forward whose signature differs from the plan's is planned again (NOTE [ Budgeted models ] in
+# remat/_budget/driver.py). Some keywords change nothing a plan depends on, and a loop passes them where the sample
+# did not: the Hugging Face Trainer calls a model that takes loss keywords with `num_items_in_batch` (a count, as
+# an int or a one-element tensor), which only divides the loss. They are left out of the signature, so that the
+# Trainer's first step runs the plan made on the sample (and is its check) instead of planning again. Only names
+# whose meaning is known are left out: an unknown keyword may change the step (transformers' `logits_to_keep`
+# shrinks the head's logits), so it plans again.
+PLAN_FREE = frozenset({"num_items_in_batch"})
+"""Keywords a step's memory does not depend on: left out of `signature`."""
+
+
 def signature(args: Any, kwargs: Any) -> tuple[Any, ...]:
-    """Shape, dtype and device of each tensor in a call: a forward with another signature is planned again."""
+    """Shape, dtype and device of each tensor in a call: a forward with another signature is planned again
+    (keywords of `PLAN_FREE` left out: NOTE [ Keywords a plan does not depend on ]).
+
+    >>> import torch
+    >>> x = torch.zeros(2, 3)
+    >>> signature((x,), {}) == signature((x,), {"num_items_in_batch": torch.tensor(6)})
+    True
+    """
+    if isinstance(kwargs, Mapping) and PLAN_FREE.intersection(kwargs):
+        kwargs = {key: value for key, value in kwargs.items() if key not in PLAN_FREE}
     return tuple(
         (tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
         for t in tree_leaves((args, kwargs))
