@@ -20,7 +20,8 @@ from .._core.public import claim
 from .._engine import stats as _stats
 from .._engine.compiled import compiling
 
-__all__ = ["CHUNK_BYTES", "Transform", "chunk_count", "chunked", "linear_cross_entropy", "softcap_transform"]
+__all__ = ["CHUNK_BYTES", "Transform", "chunk_count", "chunked", "linear_cross_entropy", "logits_dtype",
+           "softcap_transform"]
 
 Reduction = Literal["mean", "sum", "none"]
 Transform = tuple[tuple[str, float], ...]
@@ -263,6 +264,15 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     except RuntimeError:  # a device type autocast does not know
         return None
     return None
+
+
+def logits_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype of `F.linear(hidden, weight)` here and now: autocast's where it casts `hidden`, else its own.
+
+    >>> logits_dtype(torch.zeros(2, 3, dtype=torch.float64))
+    torch.float64
+    """
+    return _projected(hidden.dtype, _autocast_dtype(hidden.device.type))
 
 
 def _projected(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
