@@ -8,7 +8,7 @@ import io
 import pytest
 
 from benchmarks.cli import main
-from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY
+from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY, UNIFORM
 
 pytest.importorskip("transformers")
 
@@ -31,5 +31,12 @@ def test_the_gpu_check_runs_every_row_at_tiny_sizes_on_the_cpu() -> None:
             assert any(f"estimate {config} " in row and row.endswith("ok") for row in rows), text
         for fraction in BUDGETS:
             assert any(f"budget {fraction} " in row for row in rows), text
+            planned = any(f"budget {fraction}  budget " in row for row in rows)  # not refused
+            if planned:  # NOTE [ What the GPU check measures ], rule 4b
+                assert any(f"target: budget {fraction} " in row and ("fastest uniform" in row or "no uniform" in row)
+                           for row in rows), text
+                assert any(f"budget {fraction} time " in row and "predicted/measured" in row for row in rows), text
+                fitting = [row for row in rows if f"budget {fraction} against " in row]
+                assert all(any(u in row for u in UNIFORM) and "x its (its peak" in row for row in fitting), text
         assert sum("memory=" in row for row in rows) == len(shape.memory)
     assert lines[-1].startswith("every check holds")
