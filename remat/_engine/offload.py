@@ -244,11 +244,12 @@ def offload(min_bytes: int = 1024, pin_memory: bool = True, include_cpu: bool = 
 
     Every tensor autograd saves for backward inside the block that lives on an accelerator, holds at least
     `min_bytes`, and is not a parameter, a buffer, a leaf that requires grad or a view of one of those, is
-    copied to host memory in forward, on a side stream of its device (so the copy overlaps compute), and
-    copied back in backward ahead of its use. The device tensor is freed once its copy is done. Wrap
+    copied to host memory in forward, on a side stream of its device, and copied back in backward when its node
+    needs it; the device holds what `torch.autograd.graph.save_on_cpu` would, and the host never waits. Wrap
     rematerialized sites in it, or give a site `offload=True`, and what those sites keep (their inputs, what
-    a policy saves) goes to host while what they recompute is never copied. Device-generic (CUDA, XPU, ...:
-    `torch.get_device_module`).
+    a policy saves) goes to host while what they recompute is never copied; their copies overlap compute and
+    come back ahead of their use (NOTE [ Offload lifecycle ], rule 6, in transfer.py). Device-generic (CUDA,
+    XPU, ...: `torch.get_device_module`).
 
     Args:
         min_bytes: smaller tensors stay where they are (a copy costs more than it frees).

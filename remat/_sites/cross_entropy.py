@@ -60,9 +60,9 @@ rule 3)."""
 #    whole of its gradient, a cost per chunk that only the chunk's rows pay off: a matmul of M rows against the
 #    weight does 2M flops per weight element it reads, so it runs at the device's full speed only from M of the
 #    order of the device's flops per byte of memory traffic, tens on a CPU and about a thousand on a GPU of the
-#    H100's class. Where the vocabulary is large the floor wins and a chunk holds more than `CHUNK_BYTES` (a
-#    thousand rows of 256k classes: 1 GiB in float32): still a constant, and a small part of the logits it
-#    replaces at the sequences where they matter. The step times behind both numbers are in docs/benchmarks.md
+#    H100's class. Where the vocabulary is large the floor wins and a chunk holds more than `CHUNK_BYTES` (the
+#    floor's rows times the vocabulary): still a constant, and a small part of the logits it replaces at the
+#    sequences where they matter. The step times behind both numbers are in docs/benchmarks.md
 #    ("Figures behind the design notes").
 # 4. The result does not depend on the chunk count beyond the order of float sums.
 # 5. `REMAT=0` (the switch) makes it the plain composition of rule 1 (the full logits), as every site.
