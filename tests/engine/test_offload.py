@@ -1148,3 +1148,35 @@ def test_cuda_profile_shows_pinned_copies_only_each_crossing_once_each_way(per_b
     assert names.count("Memcpy DtoH (Device -> Pinned)") == moved.out > 0
     assert names.count("Memcpy HtoD (Pinned -> Device)") == moved.back
     assert moved.back + moved.kept == moved.out and moved.back_bytes + moved.kept_bytes == moved.out_bytes
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_offload_block_peaks_as_save_on_cpu() -> None:
+    """NOTE [ Offload lifecycle ], rule 6, on a GPU: `max_memory_allocated` above the step's start (the quantity
+    of the offload benchmark, where the block once peaked 1.33x `save_on_cpu`'s), within 1.05x."""
+    from remat._demo import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(blocks=4, d=512, heads=8, seq=512, batch=8, vocab=1024)).cuda().train()
+    batch = base.sample(torch.device("cuda"))
+    peaks: dict[str, int] = {}
+    contexts: dict[str, Callable[[], AbstractContextManager[Any]]] = {
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
+        "offload": remat.offload,
+    }
+    for name, context in contexts.items():
+        model = copy.deepcopy(base)
+        for _ in range(2):  # the second step: pinned host blocks cached, as in a training loop
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            with context(), torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model.loss(*batch)
+            loss.backward()
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated() - before
+        del model, loss
+    assert peaks["offload"] <= 1.05 * peaks["save_on_cpu"], peaks

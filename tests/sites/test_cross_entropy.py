@@ -449,3 +449,22 @@ def test_bad_arguments_are_named(call: Callable[..., Any], message: str) -> None
     h, w, labels, _ = inputs()
     with pytest.raises((ValueError, TypeError), match=message):
         call(h, w, labels)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_under_autocast_chunks_of_the_accelerators_rows_give_the_plain_value_and_gradients() -> None:
+    """NOTE [ The head in chunks ], rules 3 and 6 on a GPU: 4,096 tokens of GPT-2's head in chunks of 1,024 rows,
+    the shift made in float32 from bfloat16 logits and the softmax written back into them."""
+    h, w, labels, b = inputs(batch=4, seq=1024, hidden=768, vocabulary=50257, bias=True, dtype=torch.float32)
+    moved = [t.detach().cuda().requires_grad_() for t in (h, w, b)]  # type: ignore[union-attr]
+    labels = labels.cuda()
+    assert chunk_count(4096, 50257, torch.float32, "cuda") == 4
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with chunks_made() as made:
+            loss = remat.linear_cross_entropy(moved[0] * 0.05, moved[1], labels, moved[2])
+        expected = reference(moved[0] * 0.05, moved[1], labels, moved[2])
+    assert made.count == 4 and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-2, atol=1e-2)
+    for got, want in zip(grads_of(loss.cpu(), moved), grads_of(expected.cpu(), moved), strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
