@@ -281,6 +281,17 @@ def test_backward_waits_only_for_its_first_copy_the_others_come_ahead(
     # order it was made: prefetch brings back the earlier copy and the next one, so only backward's first unpack
     # finds nothing on its way (one block ahead with per-block remat). What autograd saves straight into
     # `with remat.offload():` is not brought back ahead (the next test).
+    torch.manual_seed(0)
+    model = variant(Blocks(4, 8).double())
+    x = randn(4, 8, requires_grad=True)
+    y = model(x * 2).sum()
+    waited = unpacks_that_waited(monkeypatch)
+    y.backward()
+    assert len(waited) > 4 and waited.count(True) == 1, waited
+
+
+def unpacks_that_waited(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """From now on, one entry per unpack of an offloaded tensor: whether nothing had brought it back ahead."""
     waited: list[bool] = []
     take = _transfer._Copy.take
 
@@ -289,30 +300,17 @@ def test_backward_waits_only_for_its_first_copy_the_others_come_ahead(
         waited.append(ready is None or ready[0] != _transfer.graph_task_id())
         return take(copy)
 
-    torch.manual_seed(0)
-    model = variant(Blocks(4, 8).double())
-    x = randn(4, 8, requires_grad=True)
-    y = model(x * 2).sum()
     monkeypatch.setattr(_transfer._Copy, "take", spy)
-    y.backward()
-    assert len(waited) > 4 and waited.count(True) == 1, waited
+    return waited
 
 
 def test_what_autograd_saves_in_the_block_comes_back_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [ Offload lifecycle ], rule 6: nothing brought back ahead, so the device holds what save_on_cpu's
     would (tests/engine/test_offload_device.py measures it)."""
-    asked: list[bool] = []
-    take = _transfer._Copy.take
-
-    def spy(copy: _transfer._Copy) -> torch.Tensor:
-        ready = copy.ready
-        asked.append(ready is None or ready[0] != _transfer.graph_task_id())
-        return take(copy)
-
     x = randn(8, 8, requires_grad=True)
     with CPU:
         y = chain_of_sines(x * 2, 6).sum()
-    monkeypatch.setattr(_transfer._Copy, "take", spy)
+    asked = unpacks_that_waited(monkeypatch)
     y.backward()
     assert len(asked) == 6 and all(asked), asked
 
