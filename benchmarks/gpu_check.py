@@ -26,6 +26,11 @@ NOTE [ What the GPU check measures ]
 4. Budgets 0.3, 0.5 and 0.7 of no remat's peak: `remat.apply(model, budget=f, sample=batch)` under autocast; what
    `apply` itself allocated above its start, and the first three steps' peaks, each against the budget (at most
    1.05; or a `BudgetError`, shown with its least budget).
+4b. Each plan's time: its step (the median of `STEPS`, after the three above) against the step of every uniform
+   choice of rule 2 whose measured peak fits the same budget (`UNIFORM`: no remat, full remat, full remat of every
+   other layer, `save_matmuls`), at most `PLAN_STEP` times the fastest of them on a GPU; and the step time the plan
+   predicted against the one measured, both as multiples of no remat's step (a plan made on fake tensors prices a
+   nominal device, NOTE [ Priced time ] in remat/_measure/clock.py: only that ratio can be compared).
 5. `memory=` with AdamW under a real cap: the device capped at M (`torch.cuda.set_per_process_memory_fraction`;
    on the CPU `remat.track(limit=M)`), `remat.apply(model, memory=M, optimizer=opt)` and three AdamW steps: the
    most reserved (allocated on the CPU) against M, or the step that ran out of memory, or `apply`'s refusal.
@@ -88,6 +93,10 @@ BUDGETS = (0.3, 0.5, 0.7)
 GRADIENT_BOUND = 0.05
 """The largest relative gradient difference from no remat's a remat configuration may show (NOTE [ What the GPU
 check measures ], rule 2b)."""
+UNIFORM = ("no remat", "remat full", "remat full, every other layer", "remat save_matmuls")
+"""The uniform choices a budget's plan is timed against (NOTE [ What the GPU check measures ], rule 4b)."""
+PLAN_STEP = 1.03
+"""A plan's step at most this multiple of the fastest uniform choice that fits its budget (rule 4b, on a GPU)."""
 HEAD_PEAK = {"GPT-2 124M": 0.25, "TinyLlama 1.1B": 0.2}
 """Full remat with the chunked head: its step's peak as a fraction of no remat's, at most (spec'd on a GPU)."""
 
@@ -231,6 +240,7 @@ CONFIGS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "transformers' checkpointing": _hf_checkpointing,
     "torch selective (matmuls, attention)": _torch_selective,
     "remat full": lambda model: remat.apply(model),
+    "remat full, every other layer": lambda model: remat.apply(model, every=2),
     "remat save_matmuls": lambda model: remat.apply(model, policy=remat.policies.save_matmuls),
     "remat replay": lambda model: remat.apply(model, strategy="replay"),
     "remat offload (per layer)": lambda model: remat.apply(model, offload=True),
@@ -360,6 +370,8 @@ def budgets(shape: Shape, base: nn.Module, dev: Device, out: list[Row],
             out.append(Row(shape.name, label, f"budget {format_bytes(plan.budget)}: apply's own peak "
                            f"{planning[0] / plan.budget:.2f}, steps " + " ".join(f"{s:.3f}" for s in steps),
                            ok, "steps <= 1.05x budget; apply <= budget or full remat's peak"))
+            seconds = dev.timed(functools.partial(step, model, batch, dev.device))
+            out.extend(plan_times(shape, label, plan, seconds, found or {}, dev.cuda))
         except remat.BudgetError as error:
             least = format_bytes(error.least_bytes) if error.least_bytes else "?"
             out.append(Row(shape.name, label, f"refused (least budget {least})", None))
@@ -368,6 +380,30 @@ def budgets(shape: Shape, base: nn.Module, dev: Device, out: list[Row],
         finally:
             del model
             dev.free()
+
+
+def plan_times(shape: Shape, label: str, plan: Any, seconds: float, found: dict[str, tuple[int, int, float]],
+               checked: bool) -> list[Row]:
+    """NOTE [ What the GPU check measures ], rule 4b: a plan's step (`seconds`) against each uniform choice of
+    `found` whose peak fits its budget, and its predicted step against the measured one; `checked` on a GPU."""
+    rows = []
+    fits = {name: found[name] for name in UNIFORM if name in found and found[name][0] <= plan.budget}
+    target = f"a plan's step <= {PLAN_STEP}x the fastest uniform choice that fits its budget"
+    for name, (peak, _, theirs) in fits.items():
+        rows.append(Row(shape.name, f"{label} against {name}",
+                        f"step {seconds / theirs:.3f}x its (its peak {peak / plan.budget:.2f} of the budget)"))
+    if fits:
+        fastest, (_, _, theirs) = min(fits.items(), key=lambda item: item[1][2])
+        rows.append(Row(shape.name, f"target: {label}", f"step {seconds / theirs:.3f}x the fastest uniform "
+                        f"that fits ({fastest})", seconds <= PLAN_STEP * theirs if checked else None, target))
+    else:
+        rows.append(Row(shape.name, f"target: {label}", "no uniform choice fits its budget"))
+    none = found.get("no remat")
+    if none is not None and plan.no_remat is not None and plan.no_remat[1] > 0:
+        predicted, measured = plan.step_time / plan.no_remat[1], seconds / none[2]
+        rows.append(Row(shape.name, f"{label} time", f"predicted {predicted:.2f}x no remat's step, measured "
+                        f"{measured:.2f}x: predicted/measured {predicted / measured:.2f}"))
+    return rows
 
 
 @contextlib.contextmanager

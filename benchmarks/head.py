@@ -14,8 +14,11 @@ Targets (issue 45): full remat + head peaks at most 0.5x full remat's peak, its 
 and its gradients equal no remat's.
 
 `--sweep` times the head and the loss alone (`linear_cross_entropy`'s forward and backward on the same 2,048 tokens
-of width 128 and the 50,257 classes) at chunk sizes from 4 MiB of logits to all of them in one chunk, against the
-plain `F.cross_entropy(F.linear(...))`, with each one's peak: what `chunks=None`'s 64 MiB is defended with.
+of width 128 and the 50,257 classes, or `--batch`, `--seq`, `--width`, `--vocabulary`) at chunks of 32 to 2,048 rows
+(tokens) and at the rows `chunks=None` picks, against the plain `F.cross_entropy(F.linear(...).float())`, with each
+one's peak as `remat.track` counts it: what NOTE [ The head in chunks ]'s rows per chunk are defended with.
+`--device cuda --autocast` runs it on a GPU under bf16 autocast; `--against REV` also times each chunk count through
+`linear_cross_entropy` as it was at git revision REV, interleaved in the same run.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import os
 import statistics
+import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -35,6 +41,7 @@ from torch import nn
 
 import remat
 from remat._core.units import format_bytes
+from remat._sites.cross_entropy import chunk_count
 
 __all__ = ["CONFIGS", "PEAK_TARGET", "STEP_TARGET", "main", "measure", "sweep"]
 
@@ -161,55 +168,115 @@ def targets_hold(result: dict[str, Any]) -> bool:
                 and head["step_seconds"] <= STEP_TARGET * full["step_seconds"] and head.get("grads_equal"))
 
 
-SWEEP_MIB = (4, 16, 64, 256)
+SWEEP_ROWS = (32, 64, 128, 256, 512, 1024, 2048)
+"""Rows (tokens) per chunk that `--sweep` times, where there are that many tokens."""
 
 
-def sweep(repeats: int = 3, tokens: int = BATCH * SEQ) -> list[tuple[str, int, float]]:
-    """(row, peak bytes, median seconds) of the head and the loss alone, per chunk size (see the docstring)."""
+def _before(rev: str) -> Callable[..., torch.Tensor]:
+    """`linear_cross_entropy` as it was at git revision `rev`, loaded beside today's (its operators renamed), so
+    that one run times both."""
+    tag = "".join(c for c in rev if c.isalnum())
+    name = f"remat._sites._cross_entropy_{tag}"
+    if name in sys.modules:  # loaded before in this process: its operators are registered already
+        loaded: Callable[..., torch.Tensor] = sys.modules[name].linear_cross_entropy
+        return loaded
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(["git", "show", f"{rev}:remat/_sites/cross_entropy.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    source = source.replace('"remat::linear_cross_entropy', f'"remat_{tag}::linear_cross_entropy')
+    module = types.ModuleType(name)
+    module.__package__ = "remat._sites"
+    sys.modules[name] = module
+    exec(compile(source, f"{rev}:remat/_sites/cross_entropy.py", "exec"), module.__dict__)
+    function: Callable[..., torch.Tensor] = module.linear_cross_entropy
+    return function
+
+
+def sweep(
+    repeats: int = 3, tokens: int = BATCH * SEQ, *, width: int = D, vocabulary: int = VOCAB,
+    rows: Sequence[int] = SWEEP_ROWS, against: str | None = None, device: str = "cpu", autocast: bool = False,
+) -> list[dict[str, Any]]:
+    """The head and the loss alone, per rows of a chunk (see the module's docstring): one dict per row, with
+    `label`, `rows`, `chunks`, `peak_bytes`, `seconds` (median) and, with `against`, `before_seconds` (the same
+    chunks through `linear_cross_entropy` at that git revision)."""
+    dev = torch.device(device)
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(tokens, D, generator=generator)
-    weight = torch.randn(VOCAB, D, generator=generator) * 0.02
-    labels = torch.randint(0, VOCAB, (tokens,), generator=generator)
-    full = tokens * VOCAB * 4
+    hidden = torch.randn(tokens, width, generator=generator).to(dev)
+    weight = (torch.randn(vocabulary, width, generator=generator) * 0.02).to(dev)
+    labels = torch.randint(0, vocabulary, (tokens,), generator=generator).to(dev)
+    before = None if against is None else _before(against)
 
     def plain(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(F.linear(h, w), labels)
+        return F.cross_entropy(F.linear(h, w).float(), labels)
 
-    def chunked(mib: int | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        count = 1 if mib is None else max(1, -(-full // (mib * 2**20)))
-        return lambda h, w: remat.linear_cross_entropy(h, w, labels, chunks=count)
+    def chunked(count: int | None, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return lambda h, w: function(h, w, labels, chunks=count)
 
-    rows: list[tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = [
-        ("F.cross_entropy(F.linear(...))", plain),
-        *((f"chunks of {mib} MiB" + (" (chunks=None)" if mib == 64 else ""), chunked(mib)) for mib in SWEEP_MIB),
-        (f"one chunk ({full / 2**20:.0f} MiB)", chunked(None)),
-    ]
-    peaks: dict[str, int] = {}
-    seconds: dict[str, list[float]] = {label: [] for label, _ in rows}
+    default = chunk_count(tokens, vocabulary, torch.float32, dev.type)
+    cases: list[dict[str, Any]] = [{"label": "F.cross_entropy(F.linear(...))", "rows": tokens, "chunks": 0,
+                                    "run": plain}]
+    counts = sorted({-(-tokens // r) for r in rows if r <= tokens} | {default}, reverse=True)
+    for count in counts:
+        size = -(-tokens // count)
+        case: dict[str, Any] = {"label": f"{size} rows" + (" (chunks=None)" if count == default else ""),
+                                "rows": size, "chunks": count, "run": chunked(count, remat.linear_cross_entropy)}
+        if before is not None:
+            case["before"] = chunked(count, before)
+        cases.append(case)
 
-    def step(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+    def step(fn: Callable[..., torch.Tensor]) -> float:
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        _synchronize(dev)
         start = time.perf_counter()
-        torch.autograd.backward(fn(h, w))
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(h, w)
+        torch.autograd.backward(loss)
+        _synchronize(dev)
         return time.perf_counter() - start
 
-    for label, fn in rows:
+    for case in cases:
+        step(case["run"])  # warm-up
         with remat.track() as tracker:
-            step(fn)
-        peaks[label] = tracker.peak_bytes
+            step(case["run"])
+        case["peak_bytes"] = tracker.peak(dev.type) if dev.type != "cpu" else tracker.peak_bytes
+        case["times"], case["before_times"] = [], []
     for _ in range(repeats):
-        for label, fn in rows:
-            seconds[label].append(step(fn))
-    return [(label, peaks[label], statistics.median(seconds[label])) for label, _ in rows]
+        for case in cases:
+            case["times"].append(step(case["run"]))
+            if "before" in case:
+                case["before_times"].append(step(case["before"]))
+    for case in cases:
+        case["seconds"] = statistics.median(case.pop("times"))
+        times = case.pop("before_times")
+        if times:
+            case["before_seconds"] = statistics.median(times)
+        case.pop("run")
+        case.pop("before", None)
+    return cases
 
 
-def format_sweep(rows: list[tuple[str, int, float]]) -> str:
-    lines = [f"the head and the loss alone: {BATCH * SEQ:,} tokens, width {D}, {VOCAB:,} classes, float32, CPU, "
-             f"{torch.get_num_threads()} thread(s); median of interleaved steps",
-             f"{'configuration':36s} {'peak':>11s} {'step':>9s} {'vs plain':>9s}"]
-    plain = rows[0][2]
-    for label, peak, seconds in rows:
-        lines.append(f"{label:36s} {format_bytes(peak):>11s} {seconds * 1e3:7.0f}ms {seconds / plain:8.2f}x")
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
+def format_sweep(cases: list[dict[str, Any]], *, tokens: int = BATCH * SEQ, width: int = D,
+                 vocabulary: int = VOCAB, device: str = "cpu", autocast: bool = False,
+                 against: str | None = None) -> str:
+    kind = "bf16 autocast" if autocast else "float32"
+    lines = [f"the head and the loss alone: {tokens:,} tokens, width {width}, {vocabulary:,} classes, {kind}, "
+             f"{device}, {torch.get_num_threads()} thread(s); median of interleaved steps; peak: remat.track",
+             f"{'configuration':34s} {'chunks':>6s} {'chunk logits':>12s} {'peak':>11s} {'step':>9s} {'vs plain':>9s}"
+             + (f" {'at ' + against:>14s} {'now/then':>9s}" if against else "")]
+    plain = cases[0]["seconds"]
+    for case in cases:
+        logits = case["rows"] * vocabulary * 4
+        line = (f"{case['label']:34s} {case['chunks'] or '-':>6} {format_bytes(logits):>12s} "
+                f"{format_bytes(case['peak_bytes']):>11s} {case['seconds'] * 1e3:7.0f}ms "
+                f"{case['seconds'] / plain:8.2f}x")
+        if "before_seconds" in case:
+            line += f" {case['before_seconds'] * 1e3:12.0f}ms {case['seconds'] / case['before_seconds']:8.2f}x"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -221,12 +288,21 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--seq", type=int, default=SEQ)
     parser.add_argument("--check", action="store_true", help="exit with status 1 when a target does not hold")
-    parser.add_argument("--sweep", action="store_true", help="the head and the loss alone, per chunk size")
+    parser.add_argument("--sweep", action="store_true", help="the head and the loss alone, per rows of a chunk")
+    parser.add_argument("--width", type=int, default=D, help="--sweep: the head's input width")
+    parser.add_argument("--vocabulary", type=int, default=VOCAB, help="--sweep: classes")
+    parser.add_argument("--device", default="cpu", help="--sweep: where to run (cuda on a GPU)")
+    parser.add_argument("--autocast", action="store_true", help="--sweep: under bf16 autocast")
+    parser.add_argument("--against", metavar="REV", help="--sweep: also time linear_cross_entropy at git REV")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.sweep:
-        print(format_sweep(sweep(args.repeats, args.batch * args.seq)), file=out or sys.stdout)
+        tokens = args.batch * args.seq
+        cases = sweep(args.repeats, tokens, width=args.width, vocabulary=args.vocabulary, against=args.against,
+                      device=args.device, autocast=args.autocast)
+        print(format_sweep(cases, tokens=tokens, width=args.width, vocabulary=args.vocabulary, device=args.device,
+                           autocast=args.autocast, against=args.against), file=out or sys.stdout)
         return 0
     result = measure(args.repeats, args.batch, args.seq)
     print(format_result(result), file=out or sys.stdout)

@@ -208,7 +208,8 @@ def bench_offload(
         config: the size of the GPT-like stack.
         offload: the settings of the offloading rows (default `remat.offload()`).
         profile: profile one more step per row after the timed ones (`profile_step`).
-        trace: a folder to write each profiled step's Chrome trace to (`offload-<row>.json`).
+        trace: a folder to write each profiled step's Chrome trace to (`offload-<row>.json`), and on an
+            accelerator its memory timeline (`offload-<row>-memory.json.gz`: bytes live by kind over the step).
     """
     offload = offload or Offload()
     if device.type == "cpu" and not offload.include_cpu:
@@ -309,8 +310,9 @@ def profile_step(step: Callable[[], object], device: torch.device, trace: str | 
     activity = {"cuda": "CUDA", "xpu": "XPU"}.get(device.type)
     if activity is not None and hasattr(ProfilerActivity, activity):
         activities.append(getattr(ProfilerActivity, activity))
+    timeline = trace is not None and device.type != "cpu"  # the memory timeline: what is live when, by kind
     _synchronize(device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, profile_memory=timeline, record_shapes=timeline, with_stack=timeline) as prof:
         start = time.perf_counter()
         with record_function(STEP):
             step()
@@ -319,6 +321,9 @@ def profile_step(step: Callable[[], object], device: torch.device, trace: str | 
     if trace is not None:
         os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
         prof.export_chrome_trace(trace)
+        if timeline:  # issue 55: where a row's peak comes from (activations, copies in flight, brought back ahead)
+            index = device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+            prof.export_memory_timeline(trace.removesuffix(".json") + "-memory.json.gz", f"{device.type}:{index}")
     events = prof.events()
     ranges = [e.time_range for e in events if e.name == STEP]
     low, high = (ranges[0].start, ranges[0].end) if ranges else (float("-inf"), float("inf"))

@@ -5,6 +5,7 @@ See NOTE [ What is offloaded ] and NOTE [ Offloaded sites ] here, NOTE [ Offload
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from types import TracebackType
@@ -24,6 +25,8 @@ from .._core.torch_compat import (
     top_saved_hooks,
 )
 from .guard import storage_key
+from .hooks import Frame
+from .tape import Tape
 from .transfer import Parcel, Stay, pack, reap
 
 __all__ = ["Offload", "for_kept", "no_offload_inside", "offload", "resolve"]
@@ -92,6 +95,11 @@ def _unwatch_buffers() -> None:
             _watch_handle = None
 
 
+_HAND_OVER = frozenset({Frame.hand_over.__code__, Tape.hand_to.__code__})
+"""Where a nested site hands a tensor to the enclosing pack hook (NOTE [ Inputs of nested sites ] in hooks.py): a
+rerun frame, and a region's tape at the end of its forward. The block's pack hook, called from there, packs at a
+site's pace."""
+
 # The engine's seam for sites that push saved-tensor hooks of their own: a frame class registered here (rerun's)
 # makes `with remat.offload():` raise when its pack hook is the innermost one (see `_INSIDE_RERUN`).
 _no_offload_inside: list[type] = []
@@ -147,6 +155,7 @@ class Offload:
         self.pin_memory = pin_memory
         self.include_cpu = include_cpu
         self._shared: dict[int, weakref.ref[Any]] = {}  # storage -> its last copy
+        self._block_hooks = (self._pack_saved, self.unpack)  # what `with` pushes (NOTE [ Offload lifecycle ], rule 6)
 
     def __repr__(self) -> str:
         return (
@@ -179,13 +188,23 @@ class Offload:
         return not _lives_anyway(tensor) and not (_buffers and _is_buffer(tensor))
 
     def pack(self, tensor: torch.Tensor) -> Parcel | Stay:
-        """The pack hook: a `Parcel` (a place in a host copy) for a qualifying tensor, a `Stay` for the rest."""
+        """The pack hook of a site: a `Parcel` (a place in a host copy) for a qualifying tensor, a `Stay` for the
+        rest. Its copies may stay in flight and come back ahead of their use (NOTE [ Offload lifecycle ], rule 6)."""
+        return self._pack(tensor, True)
+
+    def _pack_saved(self, tensor: torch.Tensor) -> Parcel | Stay:
+        """The pack hook of the block (`with remat.offload():`): what autograd saves in it holds no device memory
+        past its copy and comes back when asked; what a nested site hands over goes as `pack` (implementation
+        note 6 of NOTE [ Offload lifecycle ] in transfer.py)."""
+        return self._pack(tensor, sys._getframe(1).f_code in _HAND_OVER)
+
+    def _pack(self, tensor: torch.Tensor, early: bool) -> Parcel | Stay:
         if not self.qualifies(tensor):
             return Stay(tensor)
         if dispatch_modes_on() or torch.is_grad_enabled():  # a site packing in forward: no op of ours recorded
             with disable_current_modes(), torch.no_grad():
-                return pack(tensor, self.pin_memory, self._shared)
-        return pack(tensor, self.pin_memory, self._shared)
+                return pack(tensor, self.pin_memory, self._shared, early)
+        return pack(tensor, self.pin_memory, self._shared, early)
 
     @staticmethod
     def unpack(packed: Parcel | Stay) -> torch.Tensor:
@@ -208,7 +227,7 @@ class Offload:
             frame = getattr(top[0], "__self__", None)
             if isinstance(frame, tuple(_no_offload_inside)):
                 raise RematError(_INSIDE_RERUN.format(site=getattr(frame, "site", "?")))
-        push_saved_hooks(self.pack, self.unpack)
+        push_saved_hooks(*self._block_hooks)
         _watch_buffers()
         return self
 
@@ -225,11 +244,12 @@ def offload(min_bytes: int = 1024, pin_memory: bool = True, include_cpu: bool = 
 
     Every tensor autograd saves for backward inside the block that lives on an accelerator, holds at least
     `min_bytes`, and is not a parameter, a buffer, a leaf that requires grad or a view of one of those, is
-    copied to host memory in forward, on a side stream of its device (so the copy overlaps compute), and
-    copied back in backward ahead of its use. The device tensor is freed once its copy is done. Wrap
+    copied to host memory in forward, on a side stream of its device, and copied back in backward when its node
+    needs it; the device holds what `torch.autograd.graph.save_on_cpu` would, and the host never waits. Wrap
     rematerialized sites in it, or give a site `offload=True`, and what those sites keep (their inputs, what
-    a policy saves) goes to host while what they recompute is never copied. Device-generic (CUDA, XPU, ...:
-    `torch.get_device_module`).
+    a policy saves) goes to host while what they recompute is never copied; their copies overlap compute and
+    come back ahead of their use (NOTE [ Offload lifecycle ], rule 6, in transfer.py). Device-generic (CUDA,
+    XPU, ...: `torch.get_device_module`).
 
     Args:
         min_bytes: smaller tensors stay where they are (a copy costs more than it frees).

@@ -57,6 +57,15 @@ __all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack
 #    next backward, which copies again. What a backward brought back is its own and dies with it.
 # 5. Devices without streams (the CPU with `include_cpu=True`, for tests; MPS; a backend written in Python) run
 #    the same functions with synchronous copies.
+# 6. Two paces. A site's copies (its inputs, what its policy keeps: `early`) go as rules 2 and 3 say: they may stay
+#    in flight while forward runs on, and come back one ahead of their use, because a site's recompute runs a
+#    whole block between two of its unpacks, compute that hides a copy, and a copy is small next to the block it
+#    rebuilds. What autograd saves straight into an offload block (everything else) is consumed node by node,
+#    with little compute between two unpacks: a copy in flight or brought back ahead would sit on the device
+#    beside the node's own tensors and raise the step's peak by up to the largest saved tensor. So such a copy
+#    holds no device memory past its pack (the compute stream waits for it, on the device) and comes back only
+#    when its node asks: the device holds what `torch.autograd.graph.save_on_cpu` would, and the host never
+#    waits.
 #
 # Implementation notes:
 # 1. (rule 1) Copies to host run on the device's out stream, copies back on its back stream (two streams, so
@@ -89,6 +98,11 @@ __all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack
 #    pending. A device without streams copies into host memory that is not pinned: with synchronous copies
 #    pinning gains nothing, and such a backend may have no pinned allocator at all (the device of
 #    tests/pydevice.py has none: torch asks its C++ hooks for one).
+# 6. (rule 6) The offload block's pack hook tells the two paces apart by who calls it: a nested site hands its
+#    inputs to the enclosing pack hook from two places (`Frame.hand_over` for rerun frames, before their own hooks
+#    are pushed and from inside them; `Tape.hand_to` for a region's tape: NOTE [ Inputs of nested sites ] in
+#    hooks.py); any other caller is autograd saving a tensor in the block. An unpack brings ahead only copies
+#    of the early pace, and stops at the first of the other.
 
 _AHEAD = 1  # copies brought back ahead of the one being unpacked
 _WALK = 16  # at most this many links followed when looking for it (past copies this backward brought back)
@@ -130,8 +144,10 @@ class _Lane:
     def _compute(self) -> Any:
         return self.module.current_stream(self.device if self.module is not torch.cpu else None)
 
-    def out(self, source: torch.Tensor, pin: bool, copy: weakref.ref[_Copy], nbytes: int) -> torch.Tensor:
-        """Copy the contiguous `source` into a new host tensor; hold `source` until the copy is done."""
+    def out(self, source: torch.Tensor, pin: bool, copy: weakref.ref[_Copy], nbytes: int,
+            early: bool = True) -> torch.Tensor:
+        """Copy the contiguous `source` into a new host tensor; hold `source` until the copy is done (`early`), or
+        make the compute stream wait for the copy at once (NOTE [ Offload lifecycle ], rule 6)."""
         pin = pin and self.asynchronous  # pinned memory only helps copies that run asynchronously
         host = _host(source, pin)
         compute = self._compute()
@@ -141,7 +157,9 @@ class _Lane:
             host.copy_(source, non_blocking=pin)
             event = stream.record_event()
         _stats.made(nbytes, self.asynchronous and not pin)
-        if event is not None:
+        if event is not None and not early:
+            compute.wait_event(event)  # on the device: what the compute stream runs next sees the copy done
+        elif event is not None:
             with self.lock:
                 self.pending.append((event, source, compute, nbytes, copy))
                 self.pending_bytes += nbytes
@@ -340,14 +358,15 @@ class _Copy:
     """The host copy of a stretch of device memory, and its way back (NOTE [ What crosses ])."""
 
     __slots__ = (
-        "__weakref__", "device", "fetched", "host", "lane", "nbytes", "next", "pinned", "prev", "ready", "ref",
-        "start", "storage", "users", "version", "view",
+        "__weakref__", "device", "early", "fetched", "host", "lane", "nbytes", "next", "pinned", "prev", "ready",
+        "ref", "start", "storage", "users", "version", "view",
     )
 
     def __init__(
-        self, lane: _Lane, source: torch.Tensor, start: int, version: int, view: Any, pin: bool
+        self, lane: _Lane, source: torch.Tensor, start: int, version: int, view: Any, pin: bool, early: bool = True
     ) -> None:
         self.lane = lane
+        self.early = early  # its pace: may stay in flight and come back ahead of its use (NOTE [ Offload lifecycle ])
         self.start = start  # where the stretch begins in its storage, in elements
         self.version = version  # of the saved tensor: a later view of the same storage shares only at that version
         self.view = view  # for a gather: the (sizes, strides, offset) it holds, the only view it serves
@@ -361,9 +380,10 @@ class _Copy:
         self.storage: Callable[[], Any] = _dead  # the storage it copies, when views of it may share it
         pinned = self.pinned = pin and lane.asynchronous
         # the device memory while its copy to host runs (cleared by the lane when it lets go)
-        self.device: tuple[torch.Tensor, int] | None = (source, source._version) if lane.asynchronous else None
+        self.device: tuple[torch.Tensor, int] | None = (
+            (source, source._version) if lane.asynchronous and early else None)
         nbytes = source.numel() * source.element_size()
-        self.host = lane.out(source, pinned, ref, nbytes)
+        self.host = lane.out(source, pinned, ref, nbytes, early)
         self.nbytes = nbytes
         self.next: weakref.ref[_Copy] | None = None
         last = _chain.last
@@ -442,7 +462,7 @@ class _Copy:
         link = self.next
         if link is not None:
             copy = link()
-            if copy is not None and copy.fetched != gid:
+            if copy is not None and copy.early and copy.fetched != gid:
                 copy._fetch(gid)
         ahead = walked = 0
         link = self.prev
@@ -454,6 +474,8 @@ class _Copy:
             link = copy.prev
             if copy.fetched == gid:  # this backward brought it back already: NOTE [ What crosses ], rule 3
                 continue
+            if not copy.early:  # it comes back when its node asks for it (NOTE [ Offload lifecycle ], rule 6)
+                return
             copy._fetch(gid)
             ahead += 1
 
@@ -512,10 +534,11 @@ class Parcel:
         return memory.as_strided(self.shape, self.stride, memory.storage_offset() + self.offset)
 
 
-def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, weakref.ref[_Copy]]) -> Parcel:
+def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, weakref.ref[_Copy]], early: bool = True) -> Parcel:
     """Copy `tensor`'s memory to host, or point into a copy already made of it (NOTE [ What crosses ]).
 
-    `shared` maps a storage (its id) to the last copy made of it, for one `remat.offload` object.
+    `shared` maps a storage (its id) to the last copy made of it, for one `remat.offload` object; `early` is the
+    copy's pace (NOTE [ Offload lifecycle ], rule 6).
     """
     memory = tensor.detach()  # what the lane holds while the copy runs: the memory, not the graph
     lane = _lane(tensor.device)
@@ -524,7 +547,7 @@ def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, weakref.ref[_Copy]])
     if tensor.is_conj() or tensor.is_neg():  # the bits live on the tensor, not in its memory: a gather, unshared
         source = memory.resolve_conj().resolve_neg().contiguous().view(-1)
         lane.reap()
-        gather = _Copy(lane, source, 0, version, (shape, stride, int(tensor.storage_offset())), pin)
+        gather = _Copy(lane, source, 0, version, (shape, stride, int(tensor.storage_offset())), pin, early)
         return Parcel(gather, tensor, shape, _contiguous(shape), 0)
     storage = tensor.untyped_storage()
     offset = int(tensor.storage_offset())
@@ -554,7 +577,7 @@ def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, weakref.ref[_Copy]])
         view = (shape, stride, offset)
         place = (_contiguous(shape), 0)
         source = memory.contiguous().view(-1)
-    copy = _Copy(lane, source, start, version, view, pin)
+    copy = _Copy(lane, source, start, version, view, pin, early)
     copy.storage = weakref.ref(storage)
     shared[key] = copy.ref
     if len(shared) > 4096:

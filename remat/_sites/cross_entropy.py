@@ -20,7 +20,8 @@ from .._core.public import claim
 from .._engine import stats as _stats
 from .._engine.compiled import compiling
 
-__all__ = ["CHUNK_BYTES", "Transform", "chunk_count", "chunked", "linear_cross_entropy", "softcap_transform"]
+__all__ = ["ACCELERATOR_ROWS", "CHUNK_BYTES", "MIN_ROWS", "Transform", "chunk_count", "chunked",
+           "linear_cross_entropy", "logits_dtype", "min_rows", "softcap_transform"]
 
 Reduction = Literal["mean", "sum", "none"]
 Transform = tuple[tuple[str, float], ...]
@@ -50,21 +51,37 @@ rule 3)."""
 #    backward is the size of `hidden`, `weight` and `bias` (their gradients), never of the logits. For "none" the
 #    loss's gradient differs per token and cannot scale a sum already made, so forward keeps only the inputs and
 #    backward makes each chunk's logits again: the rematerialization proper, one more matmul per chunk.
-# 3. `chunks=None` makes each chunk's logits about `CHUNK_BYTES` in the loss's dtype. What a chunk holds at its
-#    peak is its logits in the loss's dtype (softmax and gradient are made in place) plus, under autocast, one copy
-#    in the projection's dtype: a constant, whatever the batch, sequence or vocabulary, where the full logits grow
-#    with all three (gigabytes at real sizes). It is as large as it can be while staying small next to them,
-#    because a chunk's matmuls must stay efficient: at the largest vocabularies a chunk still has enough tokens
-#    (rows) for a matmul to run at full speed, and fewer, larger chunks pay less per-chunk overhead. The step times
-#    per chunk size behind it are in docs/benchmarks.md ("Figures behind the design notes").
+# 3. `chunks=None` sizes a chunk in rows (tokens): as many as make `CHUNK_BYTES` of logits in the loss's dtype, and
+#    never fewer than the device's floor (`min_rows`: `MIN_ROWS` per device type, `ACCELERATOR_ROWS` on the others),
+#    the tokens spread evenly over the chunks (each with the floor's rows at least, where there are that many).
+#    Memory: what a chunk holds at its peak is its logits in the loss's dtype plus, under autocast, one copy in the
+#    projection's dtype, a constant whatever the batch and sequence, where the full logits grow with both
+#    (gigabytes at real sizes). Speed: each chunk's three matmuls read the whole weight (V x H) and add into the
+#    whole of its gradient, a cost per chunk that only the chunk's rows pay off: a matmul of M rows against the
+#    weight does 2M flops per weight element it reads, so it runs at the device's full speed only from M of the
+#    order of the device's flops per byte of memory traffic, tens on a CPU and about a thousand on a GPU of the
+#    H100's class. Where the vocabulary is large the floor wins and a chunk holds more than `CHUNK_BYTES` (the
+#    floor's rows times the vocabulary): still a constant, and a small part of the logits it replaces at the
+#    sequences where they matter. The step times behind both numbers are in docs/benchmarks.md
+#    ("Figures behind the design notes").
 # 4. The result does not depend on the chunk count beyond the order of float sums.
 # 5. `REMAT=0` (the switch) makes it the plain composition of rule 1 (the full logits), as every site.
+# 6. A chunk's elementwise work (the loss, the softmax, the gradient of its logits) goes over its logits in as few
+#    passes as eager kernels allow: their maximum; the logits less it, made in the loss's dtype (under autocast this
+#    pass is the upcast, into the chunk's one float32 buffer); exp and sum in place; and the softmax divided by the
+#    sum straight into the projection's dtype for the matmuls that follow (over the projection's own output, which
+#    is no longer needed). Each token's weight in the loss (1 / tokens for "mean", the loss's gradient for "none",
+#    0 for an ignored token) never touches the chunk: it scales rows of `hidden` and of `hidden`'s gradient, H
+#    wide, instead of rows of the logits, V wide.
 #
 # Implementation notes:
-# 1. (rule 2) The gradient of the loss for the logits z of one token with label y, smoothing e and V classes is
-#    softmax(z) - (1 - e) onehot(y) - e / V, times the token's weight: 0 for an ignored token, 1 / (tokens not
-#    ignored) for "mean", 1 for "sum", the loss's gradient for that token for "none". The softmax is made in place
-#    from the logits (max, exp, divide), after the label's logit and the logits' sum are read for the loss.
+# 1. (rules 2, 6) The gradient of the loss for the logits z of one token with label y, smoothing e and V classes
+#    is softmax(z) - (1 - e) onehot(y) - e / V, times the token's weight w. The loss reads the label's logit and,
+#    with smoothing, the logits' mean, from the shifted logits before exp. The softmax less the label's share is
+#    made for every token (an ignored token's w is 0); the label's entry is set once (`scatter_`) from the label's
+#    logit, computed in the loss's dtype, so that softmax(z)_y - 1 does not lose its digits to the projection's
+#    dtype. w goes to the matmuls' small side: the gradient for `hidden` is (g @ W) * w, the weight's is
+#    g^T @ (hidden * w), the bias's (w @ g) times a factor shared by all tokens (1 / tokens for "mean") in float32.
 # 2. (rule 1) Under autocast the gradient of the logits is cast to the projection's dtype and the matmuls of the
 #    gradients run in it, as autograd runs them there; each chunk's share of the weight's (and bias's) gradient is
 #    added in float32 at least, then given the weight's dtype. A model's elementwise steps on its logits
@@ -100,14 +117,38 @@ def softcap_transform(cap: float) -> Transform:
     return (("div", float(cap)), ("tanh", 0.0), ("mul", float(cap)))
 
 
-def chunk_count(tokens: int, vocabulary: int, dtype: torch.dtype = torch.float32) -> int:
-    """How many chunks `chunks=None` takes for `tokens` rows of `vocabulary` logits in the loss's `dtype`.
+MIN_ROWS = {"cpu": 64}
+"""The fewest rows (tokens) of a chunk per device type, where a chunk of `CHUNK_BYTES` would hold fewer (NOTE [ The
+head in chunks ], rule 3); device types not named take `ACCELERATOR_ROWS`."""
 
-    >>> chunk_count(2048, 50257), chunk_count(16, 50257)
-    (7, 1)
+ACCELERATOR_ROWS = 1024
+"""The fewest rows of a chunk on an accelerator (CUDA, XPU, ...): rule 3."""
+
+
+def min_rows(device: str | torch.device) -> int:
+    """The fewest rows of a chunk that `chunks=None` takes on `device` (a device or its type).
+
+    >>> min_rows("cpu"), min_rows("cuda:0")
+    (64, 1024)
     """
-    size = tokens * vocabulary * dtype.itemsize
-    return max(1, math.ceil(size / CHUNK_BYTES))
+    kind = device.partition(":")[0] if isinstance(device, str) else device.type
+    return MIN_ROWS.get(kind, ACCELERATOR_ROWS)
+
+
+def chunk_count(tokens: int, vocabulary: int, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> int:
+    """How many chunks `chunks=None` takes for `tokens` rows of `vocabulary` logits in the loss's `dtype` on
+    `device` (NOTE [ The head in chunks ], rule 3).
+
+    >>> chunk_count(16384, 50257), chunk_count(16384, 50257, device="cuda"), chunk_count(16, 50257)
+    (50, 16, 1)
+    """
+    floor = min_rows(device)
+    rows = max(floor, CHUNK_BYTES // max(1, vocabulary * dtype.itemsize))
+    count = math.ceil(tokens / rows)
+    if tokens >= floor:  # every chunk has at least `floor` rows
+        count = min(count, tokens // floor)
+    return max(1, count)
 
 
 def linear_cross_entropy(
@@ -192,7 +233,8 @@ def chunked(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).long()  # gather's indices, and F.cross_entropy's targets, are int64
     loss_dtype = torch.promote_types(_projected(hidden.dtype, cast), torch.float32)
-    count = chunk_count(tokens, vocabulary, loss_dtype) if chunks is None else min(chunks, max(tokens, 1))
+    count = (chunk_count(tokens, vocabulary, loss_dtype, hidden.device) if chunks is None
+             else min(chunks, max(tokens, 1)))
     size = max(1, math.ceil(tokens / count))
     grad = torch.is_grad_enabled()
     wanted = (grad and hidden.requires_grad, grad and weight.requires_grad,
@@ -265,6 +307,15 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def logits_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype of `F.linear(hidden, weight)` here and now: autocast's where it casts `hidden`, else its own.
+
+    >>> logits_dtype(torch.zeros(2, 3, dtype=torch.float64))
+    torch.float64
+    """
+    return _projected(hidden.dtype, _autocast_dtype(hidden.device.type))
+
+
 def _projected(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
     """The dtype autocast gives a tensor of `dtype` for a matmul: floating and not float64 are cast."""
     return cast if cast is not None and dtype.is_floating_point and dtype != torch.float64 else dtype
@@ -312,8 +363,8 @@ class _Chunk:
         self.safe = labels.masked_fill(~self.valid, 0)  # a class index for every token; ignored ones weigh 0
 
     def logits(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The chunk's logits after the model's steps, in the loss's dtype, and the outputs of its `tanh` steps
-        (what their gradients need)."""
+        """The chunk's logits after the model's steps, in the projection's dtype, and the outputs of its `tanh`
+        steps (what their gradients need)."""
         logits = F.linear(self.hidden[start:end].to(self.compute), self.weight, self.bias)
         if not compiling():  # a counter changed in traced code would be a guard that fails on every call
             _stats.add_head_chunk()
@@ -326,73 +377,96 @@ class _Chunk:
                 logits = logits * value if step == "mul" else logits / value
             else:
                 logits = logits.mul_(value) if step == "mul" else logits.div_(value)
-        return logits.to(self.loss_dtype), kept
+        return logits, kept
 
     def run(
-        self, scale: torch.Tensor | None, wanted: tuple[bool, bool, bool],
+        self, scale: tuple[torch.Tensor, torch.Tensor | float] | None, wanted: tuple[bool, bool, bool],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The loss per token; with `scale` (each token's weight in the loss), the gradients of hidden, weight and
-        bias that `wanted` asks for."""
+        """The loss per token; with `scale` (each token's weight in the loss: a vector in the loss's dtype, times a
+        factor that applies to all), the gradients of hidden, weight and bias that `wanted` asks for."""
         spec, hidden, weight = self.spec, self.hidden, self.weight
-        tokens, classes = self.safe.shape[0], weight.shape[0]
+        tokens = self.safe.shape[0]
         losses = torch.empty(tokens, dtype=self.loss_dtype, device=hidden.device)
         grad_hidden = grad_weight = grad_bias = None
         if scale is not None:
+            weights, factor = scale
+            scaled = weights * factor
             if wanted[0]:
                 grad_hidden = torch.empty_like(hidden)
             if wanted[1]:
                 grad_weight = torch.zeros(weight.shape, dtype=self.sums, device=weight.device)
             if wanted[2] and self.bias is not None:
-                grad_bias = torch.zeros(classes, dtype=self.sums, device=self.bias.device)
-        smooth = spec.smoothing
+                grad_bias = torch.zeros(weight.shape[0], dtype=self.sums, device=self.bias.device)
         for start in range(0, tokens, spec.size):
             end = min(start + spec.size, tokens)
             logits, kept = self.logits(start, end)
-            safe = self.safe[start:end]
-            # implementation note 1: lse - (1 - e) z_y - e mean(z), of the logits less their largest (so lse is
-            # log(sum(exp))), then the softmax in place
-            shifted = logits.sub_(logits.amax(dim=1, keepdim=True))
-            loss = (smooth - 1.0) * shifted.gather(1, safe[:, None]).squeeze(1)
-            if smooth:
-                loss = loss - smooth * shifted.mean(dim=1)
-            probs = shifted.exp_()
-            total = probs.sum(dim=1)
-            losses[start:end] = torch.where(self.valid[start:end], loss + total.log(), 0.0)
-            if scale is None:
-                del probs, shifted, logits, kept  # before the next chunk's logits are made
+            loss, grad = self._loss_and_gradient(logits, kept, self.safe[start:end], scale is not None)
+            losses[start:end] = torch.where(self.valid[start:end], loss, 0.0)
+            del logits  # before the next chunk's logits are made
+            if grad is None or scale is None:
                 continue
-            probs.div_(total[:, None])
-            probs.scatter_add_(1, safe[:, None], probs.new_full((end - start, 1), smooth - 1.0))
-            if smooth:
-                probs.sub_(smooth / classes)
-            probs.mul_(scale[start:end, None].to(probs.dtype))
-            grad = self._through_steps(probs, kept)
-            del probs, shifted, logits, kept
+            grad = self._through_steps(grad, kept)
+            del kept
+            # implementation note 1: each token's weight applied on the side of `hidden`, not of the vocabulary
+            rows = scaled[start:end, None]
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad @ weight
-            chunk = hidden[start:end].to(self.compute)
+                grad_hidden[start:end] = torch.mul(grad @ weight, rows)
             if grad_weight is not None:
+                chunk = torch.mul(hidden[start:end], rows).to(self.compute)
                 if grad.dtype == grad_weight.dtype:
                     grad_weight.addmm_(grad.t(), chunk)
                 else:
                     grad_weight += grad.t() @ chunk
-            if grad_bias is not None:
-                grad_bias += grad.sum(dim=0)
-            del grad, chunk  # before the next chunk's logits are made
+                del chunk
+            if grad_bias is not None:  # the shared factor in float32, not rounded to the projection's dtype
+                grad_bias += (weights[start:end].to(grad.dtype) @ grad).to(grad_bias.dtype) * factor
+            del grad  # before the next chunk's logits are made
         return losses, grad_hidden, grad_weight, grad_bias
 
+    def _loss_and_gradient(
+        self, logits: torch.Tensor, kept: list[torch.Tensor], safe: torch.Tensor, gradient: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A chunk's loss per token and, with `gradient`, the gradient of its loss for the logits before the
+        token's weight, in the projection's dtype: softmax less the (smoothed) label (implementation note 1)."""
+        smooth, classes = self.spec.smoothing, logits.shape[1]
+        owned = not (kept and logits is kept[-1])  # the logits' memory may be written (a kept tanh may not)
+        top = logits.amax(dim=1, keepdim=True)
+        if logits.dtype == self.loss_dtype and owned:
+            shifted = logits.sub_(top)
+        else:  # the logits less their largest, made in the loss's dtype: the upcast is this pass
+            shifted = torch.sub(logits, top.to(self.loss_dtype))
+        picked = shifted.gather(1, safe[:, None]).squeeze(1)
+        loss = picked * (smooth - 1.0)
+        if smooth:
+            loss = loss - smooth * shifted.mean(dim=1)
+        probs = shifted.exp_()
+        total = probs.sum(dim=1)
+        loss = loss + total.log()
+        if not gradient:
+            return loss, None
+        label = picked.exp_().div_(total).sub_(1.0 - smooth + smooth / classes)  # softmax less label, at the label
+        inverse = total.reciprocal_()[:, None]
+        if logits.dtype != probs.dtype and owned and not smooth:  # normalised straight into the projection's dtype
+            grad = torch.mul(probs, inverse, out=logits)
+        else:
+            grad = probs.mul_(inverse)
+            if smooth:
+                grad.sub_(smooth / classes)
+        del probs, shifted
+        grad.scatter_(1, safe[:, None], label[:, None].to(grad.dtype))
+        return loss, grad.to(self.compute)
+
     def _through_steps(self, grad: torch.Tensor, kept: list[torch.Tensor]) -> torch.Tensor:
-        """The gradient for the projection's output from that for the logits (implementation note 2)."""
-        grad = grad.to(self.compute)
+        """The gradient for the projection's output from that for the logits (implementation note 2), in place."""
         tanhs = iter(reversed(kept))
         for step, value in reversed(self.spec.transform):
             if step == "tanh":
                 out = next(tanhs)
-                grad = grad * (1 - out * out)
+                grad.mul_(1 - out * out)
             elif step == "mul":
-                grad = grad * value
+                grad.mul_(value)
             else:
-                grad = grad / value
+                grad.div_(value)
         return grad
 
 
@@ -413,9 +487,9 @@ def _forward(
         chunk = _Chunk(hidden, weight, bias, labels, spec)
         scale = None
         if spec.reduction != "none" and any(wanted):
-            scale = chunk.valid.to(chunk.loss_dtype)
-            if spec.reduction == "mean":  # no token: a NaN loss, zero gradients (rule 1)
-                scale = scale / chunk.valid.sum().clamp(min=1)
+            # "mean" over no token: a NaN loss, zero gradients (rule 1)
+            factor = 1.0 / chunk.valid.sum().clamp(min=1).to(chunk.loss_dtype) if spec.reduction == "mean" else 1.0
+            scale = (chunk.valid.to(chunk.loss_dtype), factor)
         losses, *grads = chunk.run(scale, wanted)
         if spec.reduction != "none":
             total = losses.sum()
@@ -449,7 +523,7 @@ def _backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None,
     spec = _spec(options)
     with _without_autocast(hidden.device.type):
         chunk = _Chunk(hidden, weight, bias, labels, spec)
-        _, *grads = chunk.run(torch.where(chunk.valid, grad, 0.0), wanted)
+        _, *grads = chunk.run((torch.where(chunk.valid, grad, 0.0).to(chunk.loss_dtype), 1.0), wanted)
     out = _in_dtypes(grads, (hidden, weight, bias))
     return out[0], out[1], out[2]
 

@@ -4,11 +4,12 @@ and every check that holds on a CPU holds, so that the command is ready for a GP
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
 from benchmarks.cli import main
-from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY
+from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY, UNIFORM
 
 pytest.importorskip("transformers")
 
@@ -20,6 +21,7 @@ def test_the_gpu_check_runs_every_row_at_tiny_sizes_on_the_cpu() -> None:
     assert status == 0, text
     lines = text.splitlines()
     assert lines[0].startswith("GPU check: CPU") and "tiny sizes" in lines[0]
+    planned_somewhere = False
     assert "failed:" not in text and "FAILS" not in text, text
     for shape in TINY:
         rows = [line for line in lines if line.startswith(shape.name)]
@@ -31,5 +33,14 @@ def test_the_gpu_check_runs_every_row_at_tiny_sizes_on_the_cpu() -> None:
             assert any(f"estimate {config} " in row and row.endswith("ok") for row in rows), text
         for fraction in BUDGETS:
             assert any(f"budget {fraction} " in row for row in rows), text
+            planned = any(re.search(rf"  budget {fraction}\s+budget ", row) for row in rows)  # not refused
+            if planned:  # NOTE [ What the GPU check measures ], rule 4b
+                assert any(f"target: budget {fraction} " in row and ("fastest uniform" in row or "no uniform" in row)
+                           for row in rows), text
+                assert any(f"budget {fraction} time " in row and "predicted/measured" in row for row in rows), text
+                fitting = [row for row in rows if f"budget {fraction} against " in row]
+                assert all(any(u in row for u in UNIFORM) and "x its (its peak" in row for row in fitting), text
+                planned_somewhere = True
         assert sum("memory=" in row for row in rows) == len(shape.memory)
+    assert planned_somewhere, "no budget was planned: the plan-time rows went untested"
     assert lines[-1].startswith("every check holds")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import io
+import subprocess
 
 import pytest
 
+from benchmarks import head_families
 from benchmarks.head import CONFIGS, format_result, format_sweep, measure, sweep
 
 pytest.importorskip("transformers")
@@ -23,10 +24,26 @@ def test_every_row_runs_with_the_gradients_of_no_remat() -> None:
     assert "target: gradients equal no remat's (float64): ok" in text
 
 
-def test_the_sweep_has_a_row_per_chunk_size() -> None:
-    rows = sweep(repeats=1, tokens=64)
-    labels = [label for label, _, _ in rows]
-    assert labels[0] == "F.cross_entropy(F.linear(...))" and "chunks of 64 MiB (chunks=None)" in labels
-    out = io.StringIO()
-    out.write(format_sweep(rows))
-    assert "vs plain" in out.getvalue()
+def test_the_sweep_has_a_row_per_rows_of_a_chunk_and_times_a_revision() -> None:
+    try:
+        subprocess.run(["git", "rev-parse", "HEAD"], check=True, capture_output=True)
+        against: str | None = "HEAD"
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: no revision to time against
+        against = None
+    cases = sweep(repeats=1, tokens=64, rows=(16, 32), against=against)
+    assert [case["label"] for case in cases] == ["F.cross_entropy(F.linear(...))", "16 rows", "32 rows",
+                                                 "64 rows (chunks=None)"]
+    assert [case["chunks"] for case in cases] == [0, 4, 2, 1] and all(case["peak_bytes"] > 0 for case in cases)
+    assert all(("before_seconds" in case) == (against is not None) for case in cases[1:])
+    text = format_sweep(cases, tokens=64, against=against)
+    assert "vs plain" in text and ("now/then" in text) == (against is not None)
+
+
+def test_the_families_sweep_tells_equal_from_refused() -> None:
+    """`python -m benchmarks.head_families` on three families: OPT reads its logits (`contiguous()`) and gives its own
+    loss, MusicGen's list of heads is refused saying what it is."""
+    results = head_families.sweep(["opt", "gpt2", "musicgen"])
+    assert results["opt"] == head_families.Outcome("equal", "float64")
+    assert results["gpt2"].kind == "equal"
+    assert results["musicgen"].kind == "refused" and "a list of 4 heads" in results["musicgen"].detail
+    assert "DIFFERS 0" in head_families.format_sweep(results)

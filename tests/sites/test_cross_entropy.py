@@ -11,11 +11,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat._core.torch_compat import host_bytes
 from remat._engine import stats as _stats
-from remat._sites.cross_entropy import CHUNK_BYTES, chunk_count
+from remat._sites import cross_entropy as _cross_entropy
+from remat._sites.cross_entropy import ACCELERATOR_ROWS, CHUNK_BYTES, MIN_ROWS, chunk_count, min_rows
 
 EQUIVALENCE_HELPERS = ("chunks_made(",)
 
@@ -237,6 +241,114 @@ def test_chunks_none_aims_at_64_mib_of_logits_per_chunk() -> None:
     assert made.count == chunk_count(700, 50000) == 3
 
 
+@pytest.mark.parametrize(
+    ("tokens", "vocabulary", "device", "count"),
+    [
+        (16384, 50257, "cpu", 50),  # GPT-2, batch 16 x 1024: 64 MiB of logits a chunk (328 rows) is above 64 rows
+        (16384, 50257, "cuda", 16),  # on a GPU, 1,024 rows a chunk: 196 MiB of float32 logits
+        (8192, 32000, "cuda", 8),  # a TinyLlama-shaped 1.1B, batch 4 x 2048
+        (8192, 32000, "cpu", 16),  # 524 rows of 32,000 classes: 64 MiB
+        (8192, 262144, "cpu", 128),  # a 256k vocabulary: the CPU's floor of 64 rows wins over 64 MiB's 64 rows
+        (8192, 262144, "cuda", 8),  # the GPU's floor: 1 GiB of float32 logits a chunk
+        (1000, 50257, "cuda", 1),  # fewer tokens than the floor: one chunk
+        (1500, 50257, "cuda", 1),  # one chunk of 1,500 rows rather than two of 750
+        (2048, 8, "cpu", 1),  # a tiny vocabulary: every token in one chunk of 64 KiB
+    ],
+)
+def test_chunks_none_takes_the_rows_the_device_needs(tokens: int, vocabulary: int, device: str, count: int) -> None:
+    """NOTE [ The head in chunks ], rule 3: rows for `CHUNK_BYTES` of logits, never fewer than the device's floor."""
+    assert min_rows("cpu") == 64 and min_rows("cuda") == min_rows("xpu:1") == 1024
+    assert chunk_count(tokens, vocabulary, torch.float32, device) == count
+    assert chunk_count(tokens, vocabulary, torch.float32, torch.device(device)) == count
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 200_000), st.integers(2, 300_000), st.sampled_from(["cpu", "cuda", "remat_test"]),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_every_chunk_has_the_floors_rows_and_no_more_than_it_needs(
+    tokens: int, vocabulary: int, device: str, dtype: torch.dtype,
+) -> None:
+    floor = MIN_ROWS.get(device, ACCELERATOR_ROWS)
+    count = chunk_count(tokens, vocabulary, dtype, device)
+    size = -(-tokens // count)  # rows of a chunk, as `linear_cross_entropy` spreads them
+    assert 1 <= count <= max(1, tokens)
+    assert size >= min(floor, tokens)
+    enough = max(floor, CHUNK_BYTES // (vocabulary * dtype.itemsize), 1)  # the rows rule 3 aims at
+    assert size <= max(2 * enough, 1) and (count == 1 or size <= 2 * enough)
+
+
+def test_on_another_device_chunks_none_takes_the_accelerators_rows(test_device: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(MIN_ROWS, test_device, 40)  # the floor of this device type, as CUDA's is 1,024
+    monkeypatch.setattr(_cross_entropy, "CHUNK_BYTES", 1)  # the floor decides
+    h, w, labels, _ = inputs(batch=2, seq=100, hidden=8, vocabulary=50, dtype=torch.float32)
+    moved = [t.detach().to(test_device).requires_grad_() for t in (h, w)]
+    with chunks_made() as made:
+        remat.linear_cross_entropy(moved[0], moved[1], labels.to(test_device)).backward()
+    assert made.count == chunk_count(200, 50, torch.float32, test_device) == 5  # 200 tokens, 40 rows a chunk
+    assert chunk_count(200, 50, torch.float32, "cpu") == 3  # the CPU's floor: 64 rows
+
+
+def test_where_the_floor_wins_the_step_still_peaks_at_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A floor of 256 rows over 1 MiB's 32 rows: 16 chunks of 256 rows, and the peak is one chunk's logits."""
+    monkeypatch.setattr(_cross_entropy, "CHUNK_BYTES", 2**20)
+    monkeypatch.setitem(MIN_ROWS, "cpu", 256)
+    h, w, labels, _ = inputs(batch=4, seq=1024, hidden=32, vocabulary=8000, dtype=torch.float32)
+    chunk_bytes = 256 * 8000 * 4
+    parameters = w.numel() * 4 + h.numel() * 4  # the gradients of the weight and of the hidden states
+    for reduction in ("mean", "none"):
+        h.grad = w.grad = None
+        with remat.track() as tracked, chunks_made() as made:
+            remat.linear_cross_entropy(h, w, labels, reduction=reduction).sum().backward()
+        assert made.count == (32 if reduction == "none" else 16)
+        assert chunk_bytes <= tracked.peak_bytes <= 1.5 * chunk_bytes + 2 * parameters, tracked.peak_bytes
+    with torch.autocast("cpu", dtype=torch.bfloat16), remat.track() as tracked:  # and a copy in bfloat16
+        remat.linear_cross_entropy(h, w, labels).backward()
+    assert tracked.peak_bytes <= 1.5 * chunk_bytes + chunk_bytes / 2 + 2 * parameters, tracked.peak_bytes
+
+
+class _Passes(TorchDispatchMode):
+    """The aten ops that read or write a whole chunk of logits (a tensor shaped `chunk`), matmuls and the label's
+    entries (`gather`, `scatter_`) left out: the passes over the chunk that rule 6 counts."""
+
+    NOT_PASSES = ("mm", "addmm", "gather", "scatter_", "t", "view", "_unsafe_view", "detach", "empty", "empty_like",
+                  "slice", "expand", "transpose", "alias", "as_strided")
+
+    def __init__(self, chunk: tuple[int, int]) -> None:
+        super().__init__()
+        self.chunk, self.names = chunk, []  # type: list[str]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        seen = [t for t in (*args, *(kwargs or {}).values(), *(out if isinstance(out, tuple) else (out,)))
+                if isinstance(t, torch.Tensor)]
+        name = func.overloadpacket.__name__
+        if name not in self.NOT_PASSES and any(tuple(t.shape) == self.chunk for t in seen):
+            self.names.append(name)
+        return out
+
+
+@pytest.mark.parametrize(
+    ("autocast", "smoothing", "passes"),
+    [
+        (False, 0.0, ["amax", "sub_", "exp_", "sum", "mul_"]),
+        (True, 0.0, ["amax", "sub", "exp_", "sum", "mul"]),  # the upcast and the downcast are passes it makes anyway
+        (False, 0.1, ["amax", "sub_", "mean", "exp_", "sum", "mul_", "sub_"]),
+    ],
+    ids=["float32", "bf16 autocast", "label smoothing"],
+)
+def test_a_chunk_goes_over_its_logits_in_few_passes(autocast: bool, smoothing: float, passes: list[str]) -> None:
+    """NOTE [ The head in chunks ], rule 6: max, shift, exp, sum, and the normalisation into the matmuls' dtype; the
+    tokens' weights and the label's entries never take a pass of their own."""
+    h, w, labels, _ = inputs(batch=2, seq=24, hidden=16, vocabulary=300, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _Passes((12, 300)) as seen:
+        loss = remat.linear_cross_entropy(h, w, labels, chunks=4, label_smoothing=smoothing)
+    assert seen.names == passes * 4, seen.names
+    expected = reference(h, w, labels, label_smoothing=smoothing)
+    tolerance = {"rtol": 1e-2, "atol": 1e-2} if autocast else {}
+    torch.testing.assert_close(loss, expected, **tolerance)
+
+
 def test_under_autocast_the_projection_runs_in_autocasts_dtype_and_the_loss_in_float32() -> None:
     h, w, labels, b = inputs(batch=2, seq=48, hidden=16, vocabulary=300, bias=True, dtype=torch.float32)
     tensors: list[torch.Tensor] = [h, w, b]  # type: ignore[list-item]
@@ -337,3 +449,22 @@ def test_bad_arguments_are_named(call: Callable[..., Any], message: str) -> None
     h, w, labels, _ = inputs()
     with pytest.raises((ValueError, TypeError), match=message):
         call(h, w, labels)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_under_autocast_chunks_of_the_accelerators_rows_give_the_plain_value_and_gradients() -> None:
+    """NOTE [ The head in chunks ], rules 3 and 6 on a GPU: 4,096 tokens of GPT-2's head in chunks of 1,024 rows,
+    the shift made in float32 from bfloat16 logits and the softmax written back into them."""
+    h, w, labels, b = inputs(batch=4, seq=1024, hidden=768, vocabulary=50257, bias=True, dtype=torch.float32)
+    moved = [t.detach().cuda().requires_grad_() for t in (h, w, b)]  # type: ignore[union-attr]
+    labels = labels.cuda()
+    assert chunk_count(4096, 50257, torch.float32, "cuda") == 4
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with chunks_made() as made:
+            loss = remat.linear_cross_entropy(moved[0] * 0.05, moved[1], labels, moved[2])
+        expected = reference(moved[0] * 0.05, moved[1], labels, moved[2])
+    assert made.count == 4 and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-2, atol=1e-2)
+    for got, want in zip(grads_of(loss.cpu(), moved), grads_of(expected.cpu(), moved), strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

@@ -67,9 +67,15 @@ def cohere() -> nn.Module:  # logits times `logit_scale` before the loss
     return transformers.CohereForCausalLM(transformers.CohereConfig(**SMALL, logit_scale=0.5))
 
 
+def opt() -> nn.Module:  # tied embeddings; `self.lm_head(hidden).contiguous()` before the loss
+    config = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2,
+                                    vocab_size=VOCAB, max_position_embeddings=SEQ, word_embed_proj_dim=32)
+    return transformers.OPTForCausalLM(config)
+
+
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
     "gpt2": gpt2, "llama": llama, "llama-tied": lambda: llama(tie_word_embeddings=True), "mistral": mistral,
-    "qwen2": qwen2, "gemma": gemma, "gemma2": gemma2, "granite": granite, "cohere": cohere,
+    "qwen2": qwen2, "gemma": gemma, "gemma2": gemma2, "granite": granite, "cohere": cohere, "opt": opt,
 }
 
 
@@ -123,8 +129,10 @@ def assert_same(expected: tuple[torch.Tensor, dict[str, torch.Tensor]], loss: to
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Chunks of 4 KiB of logits (a few tokens each), so that the tiny models' heads run in many chunks."""
+    """Chunks of 4 KiB of logits (a few tokens each), so that the tiny models' heads run in many chunks (the CPU's
+    floor of rows a chunk lowered to one: NOTE [ The head in chunks ], rule 3)."""
     monkeypatch.setattr(_cross_entropy, "CHUNK_BYTES", 4096)
+    monkeypatch.setitem(_cross_entropy.MIN_ROWS, "cpu", 1)
     yield
 
 
@@ -137,7 +145,7 @@ def test_gradients_equal_no_remat_in_float64(family: str, small_chunks: None) ->
     out, grads = routed_step(model, batch())
     assert _stats.head_chunks - before >= 8  # 36 tokens x 120 classes x 8 bytes, in chunks of 4 KiB
     assert_same(expected, out.loss, grads)
-    if family in ("gpt2", "llama-tied", "gemma", "gemma2", "cohere"):
+    if family in ("gpt2", "llama-tied", "gemma", "gemma2", "cohere", "opt"):
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
@@ -366,6 +374,140 @@ def test_an_unsupported_use_of_the_logits_is_a_clear_error_and_leaves_nothing_be
         model(input_ids=ids, labels=ids)
     assert causal_lm._calls.stack == []
     assert model(input_ids=ids).logits.shape == (BATCH, SEQ, VOCAB)  # without labels it runs as its own code
+
+
+# Reads of the logits that change no value (NOTE [ A causal LM's head ], rule 2): each is answered as the logits would
+# answer it, and the loss still goes through the chunks. `seen` holds what the read gave, to compare with the
+# model's own logits.
+READS: dict[str, Callable[[Any, list[Any]], Any]] = {
+    "contiguous": lambda logits, seen: logits.contiguous(),  # OPT
+    "shape": lambda logits, seen: seen.append(logits.shape) or logits,  # Inkling's `logits.shape[-1]`
+    "size()": lambda logits, seen: seen.append(logits.size()) or logits,
+    "size(dim)": lambda logits, seen: seen.append((logits.size(-1), logits.size(0))) or logits,
+    "dtype": lambda logits, seen: seen.append(logits.dtype) or logits,
+    "device": lambda logits, seen: seen.append(logits.device) or logits,
+    "dim()": lambda logits, seen: seen.append((logits.dim(), logits.ndim)) or logits,
+    "float().dtype": lambda logits, seen: seen.append(logits.float().dtype) or logits,
+}
+
+
+class _ReadingLlama(transformers.LlamaForCausalLM):  # type: ignore[misc]
+    """A model that reads its logits before its loss, as Inkling does (`vocab_size=logits.shape[-1]`)."""
+
+    read = "contiguous"
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = READS[self.read](self.lm_head(hidden), self.seen)
+        if logits.shape[-1] > VOCAB:  # Inkling's test of its unpadded vocabulary
+            raise AssertionError("the logits' shape was read wrong")
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
+                                                              vocab_size=logits.shape[-1])
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_reads_that_change_no_value_pass(read: str) -> None:
+    base = fresh(llama)
+    reading = _ReadingLlama(base.config).double().train()
+    reading.load_state_dict(base.state_dict())
+    reading.read, reading.seen = read, []
+    twin = copy.deepcopy(reading)
+    expected = baseline(twin, batch())
+    model = remat.apply(copy.deepcopy(reading), head=True)
+    out, grads = routed_step(model, batch())
+    assert_same(expected, out.loss, grads)
+    assert model.seen == twin.seen and len(model.seen) == (0 if read == "contiguous" else 1)
+
+
+def test_the_dtype_read_is_autocasts_where_autocast_casts_the_head() -> None:
+    reading = _ReadingLlama(transformers.LlamaConfig(**SMALL)).train()
+    reading.read, reading.seen = "dtype", []
+    model = remat.apply(reading, head=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routed_step(model, batch())
+        remat.undo(model)
+        model(**batch())
+    assert reading.seen == [torch.bfloat16, torch.bfloat16]
+
+
+USES: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "slice": (lambda logits: logits[..., :VOCAB], r"`logits\[...\]`"),
+    "add": (lambda logits: logits + 1.0, r"`logits \+ ...`"),
+    "view": (lambda logits: logits.view(-1, VOCAB), r"`logits\.view`"),
+    "cast down": (lambda logits: logits.to(torch.bfloat16), r"`logits\.to\(...\)`"),
+    "softmax": (lambda logits: torch.softmax(logits, -1), "`softmax`"),
+    "channels_last": (lambda logits: logits.contiguous(memory_format=torch.channels_last), "channels_last"),
+    "size of a name": (lambda logits: logits.size("vocab"), r"`logits\.size\('vocab'\)`"),
+}
+
+
+class _UsingLlama(transformers.LlamaForCausalLM):  # type: ignore[misc]
+    """A model that changes its logits' values before its loss in a way remat does not apply to chunks."""
+
+    use = "slice"
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        logits = USES[self.use][0](self.lm_head(self.model(input_ids=input_ids).last_hidden_state))
+        loss = None if labels is None else self.loss_function(logits, labels, VOCAB)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("use", list(USES))
+def test_uses_that_change_values_are_still_refused(use: str) -> None:
+    model = _UsingLlama(transformers.LlamaConfig(**SMALL)).train()
+    model.use = use
+    remat.apply(model, head=True)
+    ids = batch()["input_ids"]
+    with pytest.raises(remat.RematError, match=r"_UsingLlama.*" + USES[use][1] + r".*needs the logits' values"):
+        model(input_ids=ids, labels=ids)
+    assert causal_lm._calls.stack == []
+
+
+class _AdapterHead(nn.Module):
+    """A PEFT-like adapter on the head: the base layer inside, and more computed beside it."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) * 2
+
+
+class _OwnLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).clamp(max=1.0)
+
+
+@pytest.mark.parametrize(
+    ("replace", "words"),
+    [
+        (lambda head: nn.ModuleList([head, copy.deepcopy(head)]),
+         r"a list of 2 heads \(`ModuleList` of `Linear`\), where remat routes the loss of one projection"),
+        (lambda head: _OwnLinear(32, VOCAB), r"`_OwnLinear`, a subclass of nn.Linear with a forward of its own"),
+        (lambda head: _AdapterHead(head), r"`_AdapterHead`, an adapter around an nn.Linear"),
+        (lambda head: nn.Identity(), r"`Identity` \(from `torch.nn.modules.linear`\), not an nn.Linear"),
+        (lambda head: None, "None: the model has no output projection"),
+    ],
+    ids=["list", "subclass", "adapter", "other", "none"],
+)
+def test_a_head_that_is_not_a_plain_linear_is_refused_saying_what_it_is(replace: Callable[[Any], Any],
+                                                                        words: str) -> None:
+    model = fresh(llama)
+    model.lm_head = replace(model.lm_head)
+    with pytest.raises(ValueError, match=r"`LlamaForCausalLM`'s output embeddings are " + words):
+        remat.apply(model, head=True)
+    assert not model._forward_pre_hooks
+
+
+def test_musicgens_heads_are_refused_as_a_list() -> None:
+    config = transformers.MusicgenDecoderConfig(num_hidden_layers=1, hidden_size=32, ffn_dim=32,
+                                                num_attention_heads=2, vocab_size=50, num_codebooks=4,
+                                                pad_token_id=0, bos_token_id=0)
+    with pytest.raises(ValueError, match=r"a list of 4 heads \(`ModuleList` of `Linear`\)"):
+        remat.apply(transformers.MusicgenForCausalLM(config), head=True)
 
 
 @pytest.mark.ignores_switch  # sets the switch itself

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..._core import switch as _switch
 from ..._core.errors import RematError
-from ..cross_entropy import Transform, chunked
+from ..cross_entropy import Transform, chunked, logits_dtype
 from . import comes_from
 
 __all__ = ["HeadRoute", "check", "find_causal_lm", "route", "undo"]
@@ -36,11 +36,14 @@ __all__ = ["HeadRoute", "check", "find_causal_lm", "route", "undo"]
 #    `shift_labels` given), with its reduction; the output's `logits` is then None (left out of a tuple output, as
 #    transformers leaves out None fields). Anything else (eval, no labels, the switch off) runs the model's own code.
 # 2. A model's own elementwise steps on the logits before the loss (Gemma 2's soft-capping, a logit scale or
-#    divisor, `.float()`) are applied to each chunk; any other use of the logits before the loss is a RematError
-#    that names it, raised on the first training step (no state is left behind).
-# 3. `route` refuses, naming what it looked for, a model without such a head: a transformers model whose
-#    `get_output_embeddings()` is an `nn.Linear` and whose class's forward computes its loss with
-#    `self.loss_function`, which is transformers' `ForCausalLMLoss`.
+#    divisor, `.float()`) are applied to each chunk. Reads that change no value pass, answered as the logits
+#    would answer them without being made: `shape`, `size()`, `dim()`, `ndim`, `dtype`, `device`, and
+#    `contiguous()` (OPT's `self.lm_head(h).contiguous()`: the projection's output is contiguous already). Any
+#    other use of the logits before the loss (slicing, adding, a function of them) is a RematError that names
+#    it, raised on the first training step (no state is left behind).
+# 3. `route` refuses, naming what it looked for and what it found instead, a model without such a head: a
+#    transformers model whose `get_output_embeddings()` is an `nn.Linear` and whose class's forward computes its
+#    loss with `self.loss_function`, which is transformers' `ForCausalLMLoss`.
 # 4. `remat.undo` (through the hooks' `close`) gives the head its forward and the model its `loss_function` back.
 #
 # Implementation notes:
@@ -49,6 +52,9 @@ __all__ = ["HeadRoute", "check", "find_causal_lm", "route", "undo"]
 #    sets one) returns `DeferredLogits` (the head's input and parameters) instead of the logits for an open call;
 #    the model's `_loss_function` (the instance attribute transformers' `loss_function` property reads first)
 #    computes the chunked loss from it; a forward hook closes the call and takes the placeholder out of the output.
+#    The placeholder knows the logits' shape, dtype and device without making them (rule 2): `F.linear`'s output
+#    has the input's leading dimensions and the weight's rows, autocast's dtype where autocast casts the input,
+#    and the input's device.
 # 2. (rule 1) Under torch.compile the same happens in traced code: dynamo traces the hooks, the stack and the
 #    placeholder (a call is pushed and popped within one forward), and `linear_cross_entropy`'s operator stays
 #    whole in the graph, so a compiled step holds one chunk of logits too.
@@ -83,19 +89,58 @@ class DeferredLogits:
     """What a routed head returns instead of its logits: its input and parameters, and the model's elementwise steps
     on them so far (NOTE [ A causal LM's head ], rule 2)."""
 
-    __slots__ = ("bias", "call", "hidden", "steps", "weight")
+    __slots__ = ("bias", "call", "dtype", "hidden", "steps", "weight")
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: _Call,
-                 steps: Transform = ()) -> None:
+                 steps: Transform = (), dtype: torch.dtype | None = None) -> None:
         self.hidden, self.weight, self.bias, self.call, self.steps = hidden, weight, bias, call, steps
+        self.dtype: torch.dtype = logits_dtype(hidden) if dtype is None else dtype
+        """The dtype the logits would have (rule 2: a read that changes nothing)."""
 
-    def _then(self, step: str, value: float = 0.0) -> DeferredLogits:
-        if step != "tanh" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+    def _then(self, step: str | None, value: float = 0.0, dtype: torch.dtype | None = None) -> DeferredLogits:
+        if step not in (None, "tanh") and (isinstance(value, bool) or not isinstance(value, (int, float))):
             self._refuse(f"`logits {'*' if step == 'mul' else '/'} {type(value).__name__}`")
-        out = DeferredLogits(self.hidden, self.weight, self.bias, self.call, (*self.steps, (step, float(value))))
+        steps = self.steps if step is None else (*self.steps, (step, float(value)))
+        out = DeferredLogits(self.hidden, self.weight, self.bias, self.call, steps, dtype or self.dtype)
         self.call.deferred.append(out)
         return out
 
+    # -- reads that change no value (rule 2) --------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        """The logits' shape: the head's input's leading dimensions, then one logit per class."""
+        return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    @property
+    def ndim(self) -> int:
+        return self.hidden.dim()
+
+    def dim(self) -> int:
+        return self.hidden.dim()
+
+    def size(self, dim: int | None = None) -> Any:
+        """`Tensor.size`: the shape, or one dimension of it (negative counts from the end)."""
+        shape = self.shape
+        if dim is None:
+            return shape
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            self._refuse(f"`logits.size({dim!r})`")
+        if not -len(shape) <= dim < len(shape):
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-len(shape)}, "
+                             f"{len(shape) - 1}], but got {dim})")
+        return shape[dim]
+
+    def contiguous(self, memory_format: torch.memory_format = torch.contiguous_format) -> DeferredLogits:
+        """The logits themselves: the projection makes them contiguous."""
+        if memory_format not in (torch.contiguous_format, torch.preserve_format):
+            self._refuse(f"`logits.contiguous(memory_format={memory_format})`")
+        return self
+
+    # -- steps applied to each chunk (rule 2) -------------------------------------------------------------------
     def __mul__(self, other: Any) -> DeferredLogits:
         return self._then("mul", other)
 
@@ -108,11 +153,12 @@ class DeferredLogits:
         return self._then("tanh")
 
     def float(self) -> DeferredLogits:
-        return self  # the loss is computed in float32 at least
+        # the loss is computed in float32 at least; what the model reads of the result says float32
+        return self if self.dtype == torch.float32 else self._then(None, dtype=torch.float32)
 
     def to(self, *args: Any, **kwargs: Any) -> DeferredLogits:
         if (args == (torch.float32,) and not kwargs) or (not args and kwargs == {"dtype": torch.float32}):
-            return self
+            return self.float()
         self._refuse("`logits.to(...)`")
 
     @classmethod
@@ -120,12 +166,13 @@ class DeferredLogits:
         if func in (torch.tanh, torch.Tensor.tanh, torch.nn.functional.tanh) and len(args) == 1 and not kwargs:
             return args[0].tanh()
         if func is torch.Tensor.float and len(args) == 1 and not kwargs:
-            return args[0]
+            return args[0].float()
         found = [arg for arg in (*args, *(kwargs or {}).values()) if isinstance(arg, DeferredLogits)]
         if not found:
             return NotImplemented
         found[0]._refuse(f"`{getattr(func, '__name__', func)}`")
 
+    # -- anything else changes values, or cannot be answered without the logits ----------------------------------
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
@@ -161,8 +208,9 @@ class DeferredLogits:
         model = self.call.route.model_name
         raise RematError(
             f"remat: head=True cannot compute `{model}`'s loss in chunks: its forward uses {what} on the logits "
-            "before its loss, and remat applies only scaling, soft-capping (tanh) and `.float()` there. Pass "
-            "head=False to remat.apply for this model (or `remat.undo(model)` first)."
+            "before its loss, which needs the logits' values; remat applies only scaling, soft-capping (tanh) and "
+            "`.float()` to each chunk, and answers reads that change nothing (shape, size(), dim(), dtype, device, "
+            "contiguous()). Pass head=False to remat.apply for this model (or `remat.undo(model)` first)."
         )
 
 
@@ -401,11 +449,8 @@ def check(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     kind = type(lm).__qualname__
     head = lm.get_output_embeddings()  # type: ignore[operator]
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
-        raise ValueError(
-            f"remat: apply(head=True) needs {LOOKED_FOR}, but `{kind}`'s output embeddings are "
-            f"`{type(head).__qualname__}`, not a plain nn.Linear (an adapter or a quantized layer on the head "
-            "changes what it computes)."
-        )
+        raise ValueError(f"remat: apply(head=True) needs {LOOKED_FOR}, but `{kind}`'s output embeddings are "
+                         f"{_what_head(head)}.")
     try:
         source = inspect.getsource(type(lm).forward)
     except (OSError, TypeError):
@@ -419,6 +464,26 @@ def check(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
             + ", so remat cannot tell how its loss reads the logits."
         )
     return lm, head
+
+
+def _what_head(head: Any) -> str:
+    """What a model's output embeddings are, where they are not a plain `nn.Linear` (for `check`'s refusal)."""
+    name = f"`{type(head).__qualname__}`"
+    if head is None:
+        return "None: the model has no output projection"
+    if isinstance(head, (nn.ModuleList, nn.ModuleDict, list, tuple)):
+        inner = sorted({type(m).__qualname__ for m in (head.values() if isinstance(head, nn.ModuleDict) else head)})
+        return (f"a list of {len(head)} heads ({name} of {', '.join(f'`{k}`' for k in inner) or 'nothing'}), "
+                "where remat routes the loss of one projection")
+    if isinstance(head, nn.Linear):
+        return (f"{name}, a subclass of nn.Linear with a forward of its own, which may compute something other "
+                "than `F.linear(hidden, weight, bias)`")
+    if isinstance(head, nn.Module) and isinstance(getattr(head, "base_layer", None), nn.Linear):
+        return (f"{name}, an adapter around an nn.Linear (from `{type(head).__module__.split('.')[0]}`), which "
+                "adds to what the projection computes")
+    if isinstance(head, nn.Module):
+        return f"{name} (from `{type(head).__module__}`), not an nn.Linear"
+    return f"{name}, not an nn.Module"
 
 
 def undo(module: nn.Module) -> None:
