@@ -75,7 +75,7 @@ from .._measure.hf_fake import real_masks
 from .._measure.loss import call as call_loss
 from .._measure.loss import default_loss
 from .constants import first_step_bytes
-from .phases import BACKWARD, OPTIMIZER, PhaseTracker, where_it_peaks
+from .phases import BACKWARD, FORWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
 
 __all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict"]
@@ -281,6 +281,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                     peak_phase=phase,
                     phase_bytes=phases,
                     holders=holders,
+                    step_peak_bytes=max(tracker.phase_peaks.get(FORWARD, 0), tracker.phase_peaks.get(BACKWARD, 0)),
                 )
 
             for configured in configs:

@@ -96,3 +96,31 @@ def test_plan_says_when_the_switch_is_off() -> None:
         text = str(remat.plan(model))
     assert "2 rematerialized sites" in text and "The REMAT switch is off" in text
     assert "switch is off" not in str(remat.plan(nn.Linear(2, 2))), "no sites, nothing to say about them"
+
+
+@pytest.mark.parametrize("site", ["decorator", "region", "apply"])
+def test_a_policy_given_by_name_is_refused_naming_the_policy(site: str) -> None:
+    """`policy="save_matmuls"` names the object to pass (NOTE [ A policy is an object, not its name ]), at every
+    entry point that takes a policy, when the site is made."""
+    with pytest.raises(TypeError, match=r"not its name: got the string 'save_matmuls'; pass "
+                                        r"remat\.policies\.save_matmuls itself"):
+        if site == "decorator":
+            remat.remat(policy="save_matmuls")(lambda x: x)  # type: ignore[arg-type]
+        elif site == "region":
+            remat.region(policy="save_matmuls")  # type: ignore[arg-type]
+        else:
+            remat.apply(nn.Sequential(nn.Linear(2, 2)), nn.Linear, policy="save_matmuls")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"the ready ones are remat\.policies\.save_nothing, .*save_tagged"):
+        remat.remat(policy="matmuls")(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_apply_on_a_function_points_to_the_decorator() -> None:
+    with pytest.raises(TypeError, match=r"apply expects an nn\.Module, but got `function`; to rematerialize a "
+                                        r"function or method, decorate it with `@remat`"):
+        remat.apply(lambda x: x)  # type: ignore[type-var]
+
+
+def test_a_fraction_above_one_says_what_it_is_a_fraction_of() -> None:
+    with pytest.raises(ValueError, match=r"a float `budget` is a fraction in \(0, 1\], but got 1\.5; .*no remat's "
+                                         r"step peak, the most bytes live during a step above its start"):
+        remat.apply(nn.Sequential(nn.Linear(2, 2)), budget=1.5, sample=torch.randn(1, 2))
