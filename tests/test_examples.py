@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the examples run whole: NOTE [ Slow tests ] in tests/conftest.py
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

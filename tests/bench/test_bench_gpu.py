@@ -10,6 +10,8 @@ import pytest
 from benchmarks.cli import main
 from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY
 
+pytestmark = pytest.mark.slow  # the GPU check's every row at tiny sizes: NOTE [ Slow tests ] in tests/conftest.py
+
 pytest.importorskip("transformers")
 
 

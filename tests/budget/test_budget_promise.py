@@ -16,6 +16,8 @@ from benchmarks.cli import main
 from remat._budget.costs import ModelCost
 from tests.models import Workload, build, tracked_peak
 
+pytestmark = pytest.mark.slow  # budget sweeps checked on real steps: NOTE [ Slow tests ] in tests/conftest.py
+
 pytest.importorskip("transformers")
 
 
