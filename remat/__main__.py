@@ -3,7 +3,7 @@
 ``python -m remat`` trains remat's built-in GPT-like model (remat/_demo.py) for a few steps under each
 configuration (no remat, `torch.utils.checkpoint` on every block, `remat.apply(model)` with and without a policy,
 a budget, and `remat.apply(model)` with the head and the loss in chunks, `remat.linear_cross_entropy`) and prints
-one table: the step's peak memory, its step time and whether its gradients are those of
+one table: the step peak, the step time and whether its gradients are those of
 no remat; then the one-liners that go further. It takes well under a minute on two CPU cores, with one torch
 thread unless ``--threads`` says otherwise (two OpenMP threads stall each other on a busy machine), and
 ``--quick`` runs a tiny model, for a smoke test. ``python -m remat estimate`` prints `remat.estimate`'s table
@@ -13,7 +13,7 @@ of the repository.
 NOTE [ What the demonstration measures ]
 1. Every configuration runs on its own copy of the same weights and the same batch, from the same seed, so the
    rows differ only by how activations are kept.
-2. "peak" is what `remat.apply(model, budget=...)` bounds (its budget is a fraction of this figure without
+2. "step peak" is what `remat.apply(model, budget=...)` bounds (its budget is a fraction of this figure without
    remat): the most bytes live during one step (forward, loss, backward) above what was live when it began,
    counted by `remat.track`, with the gradients that backward allocates (they start as None, as a loop's
    ``optimizer.zero_grad()`` leaves them).
@@ -76,7 +76,7 @@ Go further (docs/quickstart.md):
   with remat.region(): ...                  on any stretch of code (its ops are replayed in backward)
   remat.apply(model)                        on every repeated block of a model (Hugging Face layers too)
   remat.linear_cross_entropy(h, w, labels)  the head and the loss in chunks (head=True: a Hugging Face LM's)
-  {BUDGET_LABEL}  the fastest plan within {BUDGET:.0%} of no remat's peak (or "6GiB")
+  {BUDGET_LABEL}  the fastest plan within {BUDGET:.0%} of no remat's step peak (or "6GiB")
   print(remat.plan(model))                  which blocks, and how
   remat.estimate(model, x)                  a step's memory per configuration, on fake tensors
   python -m remat estimate --help           the same from the command line (--hf llama: a 7B Llama)
@@ -174,7 +174,7 @@ class _Status:
 def _table(rows: Sequence[_Row]) -> list[str]:
     none = rows[0]
     base = statistics.median(none.seconds)
-    table = [("configuration", "peak", "vs none", "step", "vs none", "gradients equal")]
+    table = [("configuration", "step peak", "vs none", "step time", "vs none", "gradients equal")]
     for row in rows:
         step = statistics.median(row.seconds)
         equal = "(the reference)" if row.grads_equal is None else "yes" if row.grads_equal else "NO"
@@ -224,20 +224,20 @@ def demo(device: torch.device, config: GPTConfig, steps: int, out: TextIO) -> in
     none, theirs, full = by_label["no remat"], by_label[TORCH_LABEL], by_label["remat.apply(model)"]
     budget, head = by_label[BUDGET_LABEL], by_label[HEAD_LABEL]
     lines = [
-        "Each configuration trains a copy of the same weights on the same batch. peak: the most bytes live",
-        "during one step (forward, loss, backward) above what was live before it, gradients included, as",
-        f"remat.track counts them and a budget bounds them; step: the median of {steps} timed steps;",
+        "Each configuration trains a copy of the same weights on the same batch. step peak: the most bytes",
+        "live during one step (forward, loss, backward) above what was live before it, gradients included, as",
+        f"remat.track counts them and a budget bounds them; step time: the median of {steps} timed steps;",
         "gradients equal: the same gradients as no remat's.",
         "",
         *_table(rows),
         "",
-        f"remat.apply(model): {ratio(full.peak_bytes, none.peak_bytes, 'x')} of no remat's peak "
+        f"remat.apply(model): {ratio(full.peak_bytes, none.peak_bytes, 'x')} of no remat's step peak "
         f"(torch.utils.checkpoint: {ratio(theirs.peak_bytes, none.peak_bytes, 'x')}), "
         f"{ratio(statistics.median(full.seconds), statistics.median(theirs.seconds), 'x')} torch's step time;",
-        f"the budget's plan: {ratio(budget.peak_bytes, none.peak_bytes, 'x')} of no remat's peak (asked: "
+        f"the budget's plan: {ratio(budget.peak_bytes, none.peak_bytes, 'x')} of no remat's step peak (asked: "
         f"{BUDGET:.2f}x), planned in {format_seconds(planned[BUDGET_LABEL])};",
         f"the head and the loss in {HEAD_CHUNKS} chunks too: {ratio(head.peak_bytes, full.peak_bytes, 'x')} of "
-        f"remat.apply(model)'s peak, the logits ({base.config.vocab:,} per token) never all alive.",
+        f"remat.apply(model)'s step peak, the logits ({base.config.vocab:,} per token) never all alive.",
         "",
         GO_FURTHER,
     ]

@@ -44,12 +44,32 @@ _SWITCH_AT_START = remat.is_enabled()
 _CHECK_EQUIVALENCE = os.environ.get("REMAT_CHECK_EQUIVALENCE", "") == "1"
 
 
+# NOTE [ Slow tests ]
+# 1. A test that takes seconds of its own because it starts processes (gloo or torchrun ranks, DeepSpeed, the
+#    examples and `python -m remat` run as subprocesses) or sweeps budgets over many models is marked `slow`
+#    (`@pytest.mark.slow`, or a module's `pytestmark`); nothing else is.
+# 2. The README's test command, `python -m pytest -q`, leaves them out (pyproject's `addopts` carries
+#    `-m "not slow"`), so a contributor's run stays within minutes on two cores, and says how many it left out.
+# 3. CI runs them as a step of its own (`python -m pytest -q -m slow` in .ci/run), so nothing CI ran before is
+#    dropped; a `-m` on the command line replaces the one in `addopts`, so the REMAT=0 check (`-m equivalence`)
+#    covers the slow equivalence tests too, and `-m ""` runs the whole suite.
+_SLOW = pytest.StashKey[int]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if _CHECK_EQUIVALENCE and _SWITCH_AT_START:
         raise pytest.UsageError("REMAT_CHECK_EQUIVALENCE=1 checks that tests fail with remat off: set REMAT=0 too.")
 
 
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    slow = config.stash.get(_SLOW, 0)
+    if slow and config.getoption("markexpr") == "not slow":  # NOTE [ Slow tests ], rule 2
+        terminalreporter.write_line(f"{slow} slow integration tests left out (marked `slow`): "
+                                    "`python -m pytest -q -m slow` runs them, `-m \"\"` the whole suite.")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[_SLOW] = sum(item.get_closest_marker("slow") is not None for item in items)
     # remat's public objects belong to the package (``__module__ = "remat"``), so pytest finds their examples in
     # remat/__init__.py, whichever of them a collected module happened to load: tests/test_public.py runs each once.
     public = [item for item in items if item.nodeid.startswith("remat/__init__.py::")]

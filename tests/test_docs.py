@@ -29,6 +29,7 @@ def test_every_page_is_in_the_navigation() -> None:
     assert pages and all(page in nav for page in pages), [p for p in pages if p not in nav]
 
 
+@pytest.mark.slow  # `mkdocs build` in a subprocess: NOTE [ Slow tests ] in tests/conftest.py
 def test_site_builds_without_warnings(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the examples run whole: NOTE [ Slow tests ] in tests/conftest.py
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -25,7 +27,7 @@ def test_fit_budget_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     runpy.run_path(str(EXAMPLES / "fit_budget.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "budget 0.5" in out and "6 blocks under a budget" in out
-    assert "measured peak of one real step" in out  # the first training step checked the plan
+    assert "measured on one real step: step peak" in out  # the first training step checked the plan
     words = out.split("tracked peak of a step: ")[1].split()  # "<a> MiB with the budget, <b> MiB without"
     fitted, none = float(words[0]), float(words[5])
     assert fitted < none

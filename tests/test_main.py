@@ -44,6 +44,7 @@ def _ratio(cell: str) -> float:
     return float(cell[:-1])
 
 
+@pytest.mark.slow  # `python -m remat` in a subprocess: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.equivalence
 def test_python_m_remat_shows_what_remat_saves_in_one_screen() -> None:
     out = _python_m_remat("--quick")

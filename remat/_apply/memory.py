@@ -107,7 +107,8 @@ def apply_memory(model: _M, request: MemoryRequest) -> _M:
         f"remat: a training step does not fit in memory={format_bytes(total)} on {device}: "
         f"{'the plan that holds least still ' if row.peak_bytes <= target else 'the last plan '}"
         f"{'reserved ' + format_bytes(reserved[0]) if reserved is not None else 'ran out of memory'} in a real "
-        f"step, and full remat of every block allocates {format_bytes(row.peak_bytes)} (what the allocator reserves "
+        f"step, and full remat of every block has a device peak of {format_bytes(row.peak_bytes)} (what the "
+        "allocator reserves "
         "above what tensors take counts: NOTE [ The allocator's reserve ]). Give more memory, a smaller batch, or "
         "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to waste less.",
         least_bytes=max(total + 1, row.peak_bytes + total - target),
@@ -158,7 +159,8 @@ def _refused(total: int, least: int, state: int, phase: str, room: int = 0) -> B
                if room else "")
     return BudgetError(
         f"remat: a training step does not fit in memory={format_bytes(total)} even with full remat of every block: "
-        f"it needs at least {format_bytes(least)}{where}, of which {format_bytes(state)} are parameters, buffers, "
+        f"its device peak is at least {format_bytes(least)}{where}, of which {format_bytes(state)} are parameters, "
+        "buffers, "
         f"the batch and the optimizer's state{reserve}. Give more memory, a smaller batch, or a leaner optimizer.",
         least_bytes=least,
     )

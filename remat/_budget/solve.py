@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .._chain.simulate import check_bytes
 from .._core.errors import BUG, BudgetError, RematError
-from .._core.units import format_bytes
+from .._core.units import STEP_PEAK, format_bytes
 from .costs import BlockCost, ModelCost
 
 __all__ = [
@@ -33,17 +33,21 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Assignment:
-    """One choice assigned to each block under a budget, with its predicted peak and the two uniform baselines'
-    (what `remat.plan(model).budget` shows).
+    """One choice assigned to each block under a budget, with its predicted step peak and the two uniform
+    baselines' (what `remat.plan(model).budget` shows).
+
+    Every byte count is a step peak: the most bytes live during a training step's forward and backward above what
+    was live when it began, the gradients backward allocates included (what a budget bounds, and what
+    `remat.track()` around the step reads).
 
     Attributes:
         cost: the costs it was solved on.
         choice: the index into `cost.choices` chosen for each block.
         budget: the budget in bytes.
-        peak_bytes, step_time: its predicted peak (bytes) and step time (seconds).
+        peak_bytes, step_time: its predicted step peak (bytes) and step time (seconds).
         no_remat, full_remat: `(peak_bytes, step_time)` of every block kept, and of every block fully
             rematerialized (None when a choice is missing from the profile).
-        measured: the tracked peak of one real training step with these choices (None until one ran: NOTE
+        measured: the step peak of one real training step with these choices, tracked (None until one ran: NOTE
             [ Verifying the plan ] in verify.py).
         missed: bytes a measured step of an earlier assignment held beyond its prediction, which `peak_bytes`
             includes (0 unless it corrects one that went over its budget).
@@ -85,13 +89,13 @@ class Assignment:
         return f"{seconds / base:.2f}x no remat's"
 
     def summary(self) -> list[str]:
-        """Its figures as lines: predicted peak and time, and the two baselines."""
+        """Its figures as lines: predicted step peak and step time, and the two baselines'."""
         lines = [
-            f"predicted peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget)}), "
-            f"step {self.time(self.step_time)}"
+            f"predicted step peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget)}), "
+            f"step time {self.time(self.step_time)}"
         ]
         if self.measured is not None:
-            lines.append(f"measured peak of one real step {format_bytes(self.measured)} "
+            lines.append(f"measured on one real step: step peak {format_bytes(self.measured)} "
                          f"({self.measured / self.budget:.2f} of the budget)")
         else:
             lines.append("not measured yet: the model's first training step verifies this plan")
@@ -100,7 +104,8 @@ class Assignment:
                          f"{format_bytes(self.missed)} it had missed")
         for label, figures in (("no remat", self.no_remat), ("full remat", self.full_remat)):
             if figures is not None:
-                lines.append(f"{label}: peak {format_bytes(figures[0])}, step {self.time(figures[1])}")
+                lines.append(f"{label}: step peak {format_bytes(figures[0])}, step time {self.time(figures[1])}")
+        lines.append(f"step peak: {STEP_PEAK}")
         if self.cost.priced:
             lines.append("times are relative to no remat's step: planned on fake tensors, ops priced on a nominal "
                          "device rather than timed on this one")
@@ -117,8 +122,8 @@ def _uniform(cost: ModelCost, label: str) -> tuple[int, float] | None:
 
 
 def resolve_budget(budget: int | float, cost: ModelCost) -> int:
-    """Bytes for `budget` (parsed: `parse_budget`): as given, or a fraction of the predicted peak of keeping every
-    block.
+    """Bytes for `budget` (parsed: `parse_budget`): as given, or a fraction of the predicted step peak of keeping
+    every block (no remat's).
 
     Raises:
         ValueError: a fraction was given but the costs have no "kept" choice for every block.
@@ -128,8 +133,8 @@ def resolve_budget(budget: int | float, cost: ModelCost) -> int:
     base = _uniform(cost, "kept")
     if base is None:
         raise ValueError(
-            "remat: a fractional budget is a fraction of the activation peak without remat, which this profile "
-            "lacks (no 'kept' choice for every block); give the budget in bytes instead."
+            "remat: a fractional budget is a fraction of no remat's step peak, which this profile lacks (no 'kept' "
+            "choice for every block); give the budget in bytes instead."
         )
     return max(1, math.floor(budget * base[0]))
 
@@ -139,12 +144,12 @@ def solve_budget(cost: ModelCost, budget: int | float, *, slots: int = 4096) -> 
 
     Args:
         cost: the blocks' costs (NOTE [ Budget model ] in costs.py).
-        budget: bytes (an int), or a float in (0, 1]: that fraction of the predicted activation peak with every
-            block kept (`parse_budget` turns what a user writes into one of these).
+        budget: bytes (an int), or a float in (0, 1]: that fraction of the predicted step peak with every block
+            kept (`parse_budget` turns what a user writes into one of these).
         slots: the largest Pareto front kept per block before sizes are rounded (NOTE [ Block recurrence ]).
 
     Returns:
-        The `Assignment`; its `peak_bytes` is at most the budget.
+        The `Assignment`; its predicted step peak, `peak_bytes`, is at most the budget.
 
     Raises:
         BudgetError: no choice per block fits; the message names the smallest budget that does.

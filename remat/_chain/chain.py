@@ -351,7 +351,8 @@ def chain(
     Args:
         stages: an `nn.Sequential`, or a list of modules or callables taking and returning a tensor.
         budget: bytes (an int, or a string with a unit: "1.5GiB", "800MB"), or a float in (0, 1]:
-            that fraction of the chain's activation memory without remat.
+            that fraction of the chain's peak without remat (its activations and their gradients, the input
+            included: `Plan.no_remat`'s peak).
         segments: instead of a budget, `k` uniform segments as `checkpoint_sequential` runs them.
         sample: an input to profile on now; otherwise the first input is used.
 

@@ -10,12 +10,15 @@ from .._core.public import claim
 from .._core.units import format_bytes
 from .simulate import OpKind, StageCost, _Row, check_bytes, check_stages, simulate
 
-__all__ = ["Plan"]
+__all__ = ["CHAIN_BYTES", "Plan"]
+
+CHAIN_BYTES = "the chain's activations and their gradients, its input included, parameters and their gradients not"
+"""What a chain's peak counts (NOTE [ Memory model ] in simulate.py): what `remat.chain`'s budget bounds."""
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A schedule of a chain with its predicted makespan and peak memory.
+    """A schedule of a chain with its predicted makespan and peak bytes (its activations and their gradients).
 
     Every plan, whether found by `solve` or built by a baseline, is played once through the same
     simulator of NOTE [ Memory model ], which gives `makespan` and `peak_bytes` in exact bytes.
@@ -25,7 +28,8 @@ class Plan:
             "forward_checkpoint", "forward_save", "backward", "loss" (the loss's stage is the
             number of stages).
         makespan: predicted total time, in the unit of the stage times.
-        peak_bytes: predicted peak of live bytes, the chain input included.
+        peak_bytes: predicted peak of live bytes: the chain's activations and their gradients, the chain input
+            included, parameters and their gradients not (what `remat.chain`'s budget bounds).
         budget: the budget the plan was solved for, if any.
         name: what made the plan ("optimal", "no remat", "recompute all", "segments(k)", ...).
 
@@ -157,7 +161,7 @@ class Plan:
         budget = "" if self.budget is None else f", budget {format_bytes(self.budget)}"
         head = (
             f"remat plan ({self.name}): {len(self.stages)} stages, {len(self.ops)} ops, makespan "
-            f"{self.makespan:.6g}, peak {format_bytes(self.peak_bytes)}{budget}"
+            f"{self.makespan:.6g}, peak {format_bytes(self.peak_bytes)}{budget} (peak and live: {CHAIN_BYTES})"
         )
         rows = self._rows or simulate(self.stages, self.ops, self.input_bytes)[1]
         lines = [head, f"{'step':>5}  {'op':<18} {'stage':>5} {'time':>10} {'peak':>12} {'live':>12}"]

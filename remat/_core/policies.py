@@ -134,9 +134,26 @@ def as_policy(policy: PolicyLike) -> Policy:
         return policy
     if callable(policy):
         return Policy(ops=(policy,))
+    if isinstance(policy, str):  # NOTE [ A policy is an object, not its name ]
+        ready = ("save_nothing", "save_all", "save_matmuls")
+        hint = (f"pass remat.policies.{policy} itself" if policy in ready else
+                f"the ready ones are {', '.join(f'remat.policies.{name}' for name in ready)}, and "
+                "remat.policies.save_tagged(*names) keeps tensors tagged with remat.tag")
+        raise TypeError(f"remat: `policy` takes a policy, not its name: got the string {policy!r}; {hint}.")
     raise TypeError(
         f"remat: `policy` must be a callable or one of remat.policies, but got `{type(policy).__name__}`."
     )
+
+
+# NOTE [ A policy is an object, not its name ]
+# 1. `policy=` (and `choices=`, `policies.offload(...)`, `|`) takes a policy object or a callable, never its name as a
+#    string: `policy="save_matmuls"` is a TypeError that names `remat.policies.save_matmuls`.
+# 2. `remat.estimate(configs=...)` and `python -m remat estimate` take names ("none", "full", "save_matmuls",
+#    "full+head", 0.3): a configuration is not a policy (it may be no remat, a budget or the head), and a command
+#    line can only give names.
+# Implementation notes:
+# 1. (rule 1) A policy spelled as an object is checked by mypy and found by an editor; a string would be one more
+#    spelling of each policy, checked only at run time, and `save_tagged(*names)` has no string form anyway.
 
 
 @functools.cache

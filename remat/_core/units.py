@@ -1,4 +1,5 @@
-"""Budgets and byte counts as people write them: "1.5GiB", 800_000_000, 0.4 (a fraction).
+"""Budgets and byte counts as people write them ("1.5GiB", 800_000_000, 0.4: a fraction), the names of the
+quantities remat prints, and the text helpers of its tables.
 """
 
 from __future__ import annotations
@@ -6,7 +7,21 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["Budget", "aligned", "format_bytes", "parse_budget", "parse_memory", "ratio"]
+__all__ = [
+    "DEVICE_PEAK", "HELD_FOR_BACKWARD", "STEP_PEAK", "Budget", "aligned", "format_bytes", "parse_budget",
+    "parse_memory", "ratio",
+]
+
+# The three quantities remat prints, each under one name, in every table, docstring and error (docs/design.md's
+# glossary). A table that shows one says which in a line of these words.
+STEP_PEAK = ("the most bytes live during forward and backward above what was live when the step began, the "
+             "gradients backward allocates included (what `budget=` bounds, what `remat.track()` around a step reads)")
+"""What "step peak" means wherever remat prints it."""
+HELD_FOR_BACKWARD = "what forward made and left alive for backward when it returned, its output left out"
+"""What "held for backward" means wherever remat prints it."""
+DEVICE_PEAK = ("the most bytes live during the whole step (forward, backward, optimizer step), the parameters, "
+               "buffers, batch, gradients and optimizer state included (what `memory=` bounds)")
+"""What "device peak" means wherever remat prints it."""
 
 
 Budget = int | str | float
@@ -20,7 +35,8 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*
 
 _BUDGET_HELP = (
     "a budget is bytes as an int (1_500_000_000), a string with a unit ('1.5GiB', '800MB', "
-    "'512KiB'), or a float in (0, 1]: a fraction of the activation memory without remat"
+    "'512KiB'), or a float in (0, 1]: that fraction of the peak without remat (`remat.apply`: no remat's step peak, "
+    "the most bytes live during a step above its start, gradients included; `remat.chain`: its schedule's peak)"
 )
 
 def parse_budget(budget: Budget) -> int | float:
@@ -28,7 +44,8 @@ def parse_budget(budget: Budget) -> int | float:
 
     Args:
         budget: an int of bytes, a string such as "1.5GiB" or "800MB" (KB/MB/GB/TB are powers of
-            1000, KiB/MiB/GiB/TiB of 1024), or a float fraction in (0, 1].
+            1000, KiB/MiB/GiB/TiB of 1024), or a float fraction in (0, 1] of the peak without remat (the caller
+            says which peak: `remat.apply`'s is no remat's step peak, `remat.chain`'s its schedule's).
 
     Returns:
         An int of bytes, or the float fraction.

@@ -154,7 +154,10 @@ def estimate(
     its outputs only, and remat's byte tracker counts them as `remat.track` counts real ones. The model may be
     real (its parameters are swapped for fake ones for the duration and put back; nothing about it changes) or
     built on the meta device, so a 7-billion-parameter model is estimated on a laptop in seconds. Parameters,
-    gradients and optimizer state are exact; activations and the peak match a real run within a few percent.
+    gradients and optimizer state are exact; what is held for backward, the step peak (what `budget=` bounds: the
+    most bytes live during forward and backward above the step's start, gradients included) and the device peak
+    (the whole step, parameters and optimizer state included: what `memory=` bounds) match a real run within a few
+    percent.
     The step is a steady-state one of a default loop, ``loss = model(**batch).loss; loss.backward();
     optimizer.step(); optimizer.zero_grad()``, which lets go of the model's output once the loss is made (a loop
     that keeps it peaks up to a row's ``output_bytes`` higher): see NOTE [ What an estimate runs ] in predict.py.
@@ -171,12 +174,13 @@ def estimate(
             `enabled=True`), "full" and "save_matmuls" (on the blocks
             `remat.apply(model)` picks, or `where`), "full+head" and "save_matmuls+head" (the same, and a Hugging
             Face causal LM's loss in chunks, as `remat.apply(model, head=True)`), a `remat.policies` policy, or a
-            budget (bytes, "1.5GiB", a fraction) for the planner of `remat.apply(model, budget=...)`, which routes
+            budget (bytes, "1.5GiB", a fraction of no remat's step peak) for the planner of `remat.apply(model,
+            budget=...)`, which routes
             the head where only that fits. Default: ("none", "full", "save_matmuls", 0.3), the budget only where
             that planner exists.
         where: which blocks the configurations rematerialize, as for `remat.apply`.
         device: the device to predict for; default: the model's, else the sample's, else the CPU. On CUDA the
-            peak predicts `torch.cuda.max_memory_allocated` (tensors rounded up to 512-byte blocks).
+            device peak predicts `torch.cuda.max_memory_allocated` (tensors rounded up to 512-byte blocks).
         world_size: predict one rank of a data-parallel run of this many ranks: for a model the user
             `fully_shard`-ed (default: its mesh's size), or with `shard="fsdp2"`. Runs in this process on torch's
             fake process group: remat's own, made for the estimate, or the user's (`init_process_group("fake",
@@ -190,15 +194,16 @@ def estimate(
         memory: with `batch_dim` and/or `seq_dim`, the device memory (bytes, or a string such as "80GiB") to
             fit: each configuration also gets the largest batch size (`largest_batch`, along `batch_dim` of the
             sample's tensors) and sequence length (`largest_seq`, along `seq_dim`, at the sample's batch size)
-            whose whole step peaks within it, found by bisection on fake tensors.
+            whose device peak fits in it (less `headroom`), found by bisection on fake tensors.
         batch_dim, seq_dim: the dimension of the sample's tensors that is the batch, the sequence.
         headroom: with `memory`, what of it to leave to the device's allocator, as for `remat.apply(memory=)`: a
             fraction of `memory` or bytes; by default 0.1 where the device's allocator caches (CUDA), else 0.
 
     Returns:
         An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
-        `activation_bytes`, `peak_bytes` and `output_bytes`; `print(report)` shows a table; `report.to_dict()`
-        for scripts.
+        `activation_bytes` (held for backward), `step_peak_bytes`, `peak_bytes` (the device peak) and
+        `output_bytes`; `print(report)` shows a table that says what each column counts; `report.to_dict()` for
+        scripts.
 
     Raises:
         RematError: an op in the step depends on tensor values (`nonzero`, `.item()`), which fake tensors do

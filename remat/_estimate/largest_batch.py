@@ -132,7 +132,7 @@ def _guess(row: ConfigEstimate, twice: ConfigEstimate, size: int, memory: int) -
     """
     phases = {phase: (row.phase_bytes[phase], twice.phase_bytes[phase])
               for phase in row.phase_bytes if phase in twice.phase_bytes} or {
-        "step": (row.step_peak_bytes, twice.step_peak_bytes)}
+        "step": (row.peak_bytes, twice.peak_bytes)}
     guess = None
     for first, second in phases.values():
         slope = (second - first) / size

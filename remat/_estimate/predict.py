@@ -76,7 +76,7 @@ from .._measure.hf_fake import real_masks
 from .._measure.loss import call as call_loss
 from .._measure.loss import default_loss
 from .constants import first_step_bytes
-from .phases import BACKWARD, OPTIMIZER, PhaseTracker, where_it_peaks
+from .phases import BACKWARD, FORWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
 
 if TYPE_CHECKING:
@@ -284,6 +284,7 @@ class _Steps:
             peak_phase=phase,
             phase_bytes=phases,
             holders=holders,
+            step_peak_bytes=max(tracker.phase_peaks.get(FORWARD, 0), tracker.phase_peaks.get(BACKWARD, 0)),
         )
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.public import claim
-from .._core.units import format_bytes
-from .phases import OPTIMIZER, peak_lines
+from .._core.units import DEVICE_PEAK, HELD_FOR_BACKWARD, STEP_PEAK, format_bytes
+from .phases import peak_lines
 
 __all__ = ["ConfigEstimate", "EstimateReport"]
 
@@ -25,11 +25,13 @@ class ConfigEstimate:
         input_bytes: Bytes of the sample's tensors (exact).
         grads_bytes: Bytes of the parameters' gradients after backward (exact).
         optimizer_bytes: Bytes of the optimizer's state (exact; 0 without an optimizer).
-        activation_bytes: Bytes that forward allocated and that are still alive once the loss is computed and
-            the model's output let go of, the loss itself left out: what is held for backward.
-        peak_bytes: The highest live bytes of the whole step (forward, backward, optimizer step), the state
-            above included; on CUDA, what ``torch.cuda.max_memory_allocated`` would show. The step lets go of the
-            model's output once the loss is made, as ``loss = model(batch).loss`` does.
+        activation_bytes: The bytes held for backward: what forward allocated that is still alive once the loss
+            is computed and the model's output let go of, the loss itself left out (the table's "held for
+            backward").
+        peak_bytes: The device peak: the highest live bytes of the whole step (forward, backward, optimizer step),
+            the state above included; on CUDA, what ``torch.cuda.max_memory_allocated`` would show. The step lets go
+            of the model's output once the loss is made, as ``loss = model(batch).loss`` does. What ``memory=``
+            bounds.
         output_bytes: Bytes of the model's output that die when the step lets go of it (what backward does not
             need of it: a language model's logits): a loop that holds on to the output (``out = model(batch)``
             alive through backward) peaks up to this much higher.
@@ -52,6 +54,9 @@ class ConfigEstimate:
             rows above, counted in ``peak_bytes`` and every phase's peak: its gradient buckets and partitions,
             the parameters it gathers (NOTE [ One rank's state under DeepSpeed ZeRO ] in
             remat/_sites/integrations/deepspeed.py); 0 elsewhere.
+        step_peak_bytes: The step peak: the highest live bytes of forward and backward above what was live when
+            the step began (the state, the batch and ``constant_bytes`` left out), the gradients backward allocates
+            included. What ``budget=`` bounds and ``remat.plan(model)`` and ``remat.measure`` show.
     """
 
     config: Any
@@ -73,11 +78,7 @@ class ConfigEstimate:
     least_bytes: int | None = None
     constant_bytes: int = 0
     engine_bytes: int = 0
-
-    @property
-    def step_peak_bytes(self) -> int:
-        """The peak of forward and backward, the state included: what remat's configurations change."""
-        return max((n for phase, n in self.phase_bytes.items() if phase != OPTIMIZER), default=self.peak_bytes)
+    step_peak_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Return the numbers as plain JSON-ready values (the configuration as its label)."""
@@ -100,6 +101,7 @@ class ConfigEstimate:
             "least_bytes": self.least_bytes,
             "constant_bytes": self.constant_bytes,
             "engine_bytes": self.engine_bytes,
+            "step_peak_bytes": self.step_peak_bytes,
         }
 
 
@@ -107,9 +109,9 @@ _COLUMNS = (
     ("params_bytes", "params"),
     ("grads_bytes", "grads"),
     ("optimizer_bytes", "optimizer"),
-    ("activation_bytes", "activations"),
-    ("step_peak_bytes", "fwd/bwd peak"),
-    ("peak_bytes", "peak"),
+    ("activation_bytes", "held for backward"),
+    ("step_peak_bytes", "step peak"),
+    ("peak_bytes", "device peak"),
 )
 
 
@@ -185,7 +187,8 @@ class EstimateReport:
             cells = [row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)),
                      row[-1]]
             lines.append("  ".join(cells).rstrip())
-        return "\n".join([*lines, *peak_lines(self.rows, self.memory, self.headroom)])
+        legend = [f"held for backward: {HELD_FOR_BACKWARD}", f"step peak: {STEP_PEAK}", f"device peak: {DEVICE_PEAK}"]
+        return "\n".join([*lines, *legend, *peak_lines(self.rows, self.memory, self.headroom)])
 
 
 def _cell(row: ConfigEstimate, attr: str) -> str:

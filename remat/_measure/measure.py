@@ -112,7 +112,8 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
     Backward starts from the output if it is a scalar, else from the sum of ``t.sum()`` over its
     floating-point tensors that require grad. Memory is counted with `remat.track` (live storage
     bytes per device, exact on CPU); tensors that exist before the call, such as inputs and
-    parameters, are not counted, gradients made by the backward are. The ``.grad`` of parameters
+    parameters, are not counted, gradients made by the backward are: the peak is the step peak, what
+    a budget bounds, and forward's leftovers are the bytes held for backward. The ``.grad`` of parameters
     and of inputs is set aside during the measurement and put back afterwards, so the gradients
     of the measured step are not kept. Times include the tracker's cost, some Python on every aten
     op; for precise step times use the benchmark, ``python -m benchmarks``.

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.public import claim
-from .._core.units import format_bytes
+from .._core.units import HELD_FOR_BACKWARD, STEP_PEAK, format_bytes
 
 __all__ = ["Measurement", "Report", "format_bytes", "format_seconds"]
 
@@ -30,8 +30,10 @@ class Measurement:
 
     Attributes:
         label: What was measured (``"remat on"``, ``"remat off"``, or ``"as is"``).
-        peak_bytes: Highest live bytes during forward and backward, all devices together.
-        held_bytes: Bytes held for backward at the end of forward (see NOTE [ Held for backward ]).
+        peak_bytes: The step peak: the most bytes live during forward and backward above what was live before
+            the call, the gradients backward allocates included, all devices together (what a budget bounds).
+        held_bytes: Bytes held for backward: what forward made that is still alive when it returns, its output
+            left out (see NOTE [ Held for backward ]).
         peak_by_device: ``peak_bytes`` per device name.
         held_by_device: ``held_bytes`` per device name.
         forward_seconds: Wall time of the forward call (device work synchronised).
@@ -64,7 +66,7 @@ class Measurement:
 
 
 _ROWS: tuple[tuple[str, str], ...] = (
-    ("peak_bytes", "peak memory"),
+    ("peak_bytes", "step peak"),
     ("held_bytes", "held for backward"),
     ("forward_seconds", "forward time"),
     ("backward_seconds", "backward time"),
@@ -106,7 +108,7 @@ class Report:
 
     @property
     def peak_bytes(self) -> int:
-        """Peak live bytes of the first run, all devices together."""
+        """The step peak of the first run, all devices together."""
         return self._first().peak_bytes
 
     @property
@@ -116,7 +118,7 @@ class Report:
 
     @property
     def peak_by_device(self) -> Mapping[str, int]:
-        """Peak live bytes of the first run per device name."""
+        """The step peak of the first run per device name."""
         return self._first().peak_by_device
 
     @property
@@ -190,6 +192,7 @@ class Report:
         for r in table:
             cells = [r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True))]
             lines.append("  ".join(cells).rstrip())
+        lines += [f"step peak: {STEP_PEAK}", f"held for backward: {HELD_FOR_BACKWARD}"]
         lines.extend(self.notes)
         return "\n".join(lines)
 

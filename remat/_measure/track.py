@@ -518,7 +518,9 @@ def track(limit: Limit | None = None) -> Tracker:
     the block are not counted, even when they are freed inside it. A backward run inside the block
     is tracked too (its gradients and temporaries). Trackers nest: an inner one sees its own
     window, the outer one still counts everything. After the block, the numbers stay at their
-    values at its end. See NOTE [ Storage lifetime ] for how a release is observed.
+    values at its end. See NOTE [ Storage lifetime ] for how a release is observed. Around a training
+    step's forward and backward, ``peak_bytes`` is the step peak, what a budget bounds
+    (``remat.apply(model, budget=...)``) and ``remat.plan(model)`` shows.
 
     With ``limit``, the block runs as on a device of that size: an op whose output would take the
     bytes the tracker counts on a device (`current`, which leaves out tensors live before the block)

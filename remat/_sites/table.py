@@ -1,8 +1,10 @@
 """`remat.plan(model)`: what is rematerialized in a model, one row per site, as a readable table.
 
-A model under a budget (`remat.apply(model, budget=...)`) shows every block instead: its choice, the bytes it
-holds for backward and the time it adds over keeping everything, then the predicted peak and step time and those
-of no remat and of full remat.
+A site is a module whose `forward` is rematerialized (`remat(module)`, `remat.apply`, `@remat` on its class or its
+`forward`) or a method of its class decorated with `@remat`; a site made with `name=` shows that name. A model under
+a budget (`remat.apply(model, budget=...)`) shows every block instead: its choice, the bytes it holds for backward
+and the time it adds over keeping everything, then the predicted step peak and step time and those of no remat and
+of full remat.
 """
 
 from __future__ import annotations
@@ -22,11 +24,21 @@ __all__ = ["ModelPlan", "Site"]
 
 @dataclass(frozen=True)
 class Site:
-    """One rematerialized block: its qualified name, its class and how it is rematerialized."""
+    """One rematerialized site of a model.
+
+    Attributes:
+        name: the qualified name of its module in the model (``""`` for the model itself).
+        kind: the module's class.
+        choice: how it is rematerialized (``"full"``, a policy, ``"(replay)"``, ``"+ offload"``).
+        method: the rematerialized method: ``"forward"``, or another method of the class decorated with `@remat`.
+        label: the site's ``name=`` option (what errors and reports call it), or None where none was given.
+    """
 
     name: str
     kind: str
     choice: str
+    method: str = "forward"
+    label: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,14 +83,20 @@ class ModelPlan:
         if not self.sites:
             return f"remat plan for {self.model}: no rematerialized sites" + (
                 " besides its head" if self.head is not None else "")
-        header = ("block", "class", "choice")
-        rows = [header, *((site.name or "(model)", site.kind, site.choice) for site in self.sites)]
+        methods = any(site.method != "forward" for site in self.sites)
+        labels = any(site.label is not None for site in self.sites)
+        header = ("block", "class", *(("method",) if methods else ()), *(("name",) if labels else ()), "choice")
+        rows = [header]
+        for site in self.sites:
+            method = (site.method,) if methods else ()
+            label = (site.label or "",) if labels else ()
+            rows.append((site.name or "(model)", site.kind, *method, *label, site.choice))
         lines = [f"remat plan for {self.model}: {len(self.sites)} rematerialized sites"]
         lines += aligned(rows)
         return "\n".join(lines)
 
     def _budget_table(self, plan: Assignment) -> str:
-        header = ("block", "class", "choice", "held", "extra time")
+        header = ("block", "class", "choice", "held for backward", "extra time")
         rows = [header]
         for i in range(len(plan.cost)):
             name, choice, cost, extra = plan.block(i)

@@ -362,18 +362,43 @@ def describe_options(options: Options) -> str:
     return choice
 
 
+def _decorated_methods(kind: type[nn.Module]) -> list[tuple[str, Options]]:
+    """The methods of a module class other than `forward` that `@remat` decorated, as the class resolves them (a
+    subclass's own definition hides its base's)."""
+    seen: set[str] = set()
+    found: list[tuple[str, Options]] = []
+    for klass in kind.__mro__:
+        if klass is nn.Module or klass is object:
+            continue
+        for attr, value in vars(klass).items():
+            if attr in seen:
+                continue
+            seen.add(attr)
+            options = getattr(getattr(value, "__func__", value), _MARK, None)  # static and class methods too
+            if attr != "forward" and isinstance(options, Options):
+                found.append((attr, options))
+    return found
+
+
 def plan(model: nn.Module) -> ModelPlan:
-    """The rematerialized sites of `model`: module instances (`remat(module)`, `remat.apply`) and classes."""
+    """The rematerialized sites of `model`: module instances (`remat(module)`, `remat.apply`), classes, and the
+    methods of their classes decorated with `@remat`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"remat: plan expects an nn.Module, but got `{type(model).__name__}`.")
     sites: list[Site] = []
+    methods: dict[type, list[tuple[str, Options]]] = {}
     for name, module in model.named_modules():
+        kind = type(module).__qualname__
         options = getattr(type(module).forward, _MARK, None)
         if options is None:
             options = next((hook.options for hook in module._forward_pre_hooks.values() if isinstance(hook, _Open)),
                            None)
         if options is not None:
-            sites.append(Site(name, type(module).__qualname__, describe_options(options)))
+            sites.append(Site(name, kind, describe_options(options), label=options.name))
+        if type(module) not in methods:
+            methods[type(module)] = _decorated_methods(type(module))
+        for method, options in methods[type(module)]:
+            sites.append(Site(name, kind, describe_options(options), method=method, label=options.name))
     head = describe_head(model)
     hooks: list[Any] = list(model._forward_pre_hooks.values())
     budget = next((hook.assignment for hook in hooks if _is_ours(hook)

@@ -160,6 +160,7 @@ def test_main_prints_one_table_and_writes_json(tmp_path: Path, monkeypatch: pyte
     assert {r["config"] for r in data["rows"]} >= {NO_REMAT, TORCH}
 
 
+@pytest.mark.slow  # fresh interpreters: NOTE [ Slow tests ] in tests/conftest.py
 def test_startup_rows_time_a_fresh_process() -> None:
     meta, rows = run([], startup=True)
     assert [r.model for r in rows] == ["startup", "startup"]

@@ -11,6 +11,8 @@ import pytest
 from benchmarks.cli import main
 from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY, UNIFORM
 
+pytestmark = pytest.mark.slow  # the GPU check's every row at tiny sizes: NOTE [ Slow tests ] in tests/conftest.py
+
 pytest.importorskip("transformers")
 
 

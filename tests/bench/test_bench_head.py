@@ -12,6 +12,7 @@ from benchmarks.head import CONFIGS, format_result, format_sweep, measure, sweep
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # every row of the head's benchmark: NOTE [ Slow tests ] in tests/conftest.py
 def test_every_row_runs_with_the_gradients_of_no_remat() -> None:
     result = measure(repeats=1, batch=1, seq=64)  # the real vocabulary, few tokens: a quick run
     rows = result["rows"]

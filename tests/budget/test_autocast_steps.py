@@ -59,6 +59,7 @@ def _step(model: nn.Module, work: Workload) -> int:
     return t.peak_bytes
 
 
+@pytest.mark.slow  # every configuration estimated and run under autocast: NOTE [ Slow tests ] in tests/conftest.py
 def test_estimates_under_autocast_match_a_step_in_its_own_region_whatever_else_is_estimated(llama: Workload) -> None:
     measured = {}
     for config in CONFIGS:

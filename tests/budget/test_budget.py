@@ -222,8 +222,9 @@ def test_plan_table_shows_blocks_and_baselines() -> None:
     model = remat.apply(_stack(), budget=0.5, sample=X)
     text = str(remat.plan(model))
     assert "4 blocks under a budget" in text
-    assert "blocks.3" in text and "held" in text and "extra time" in text
-    assert "predicted peak" in text and "no remat: peak" in text and "full remat: peak" in text
+    assert "blocks.3" in text and "held for backward" in text and "extra time" in text
+    assert "predicted step peak" in text and "no remat: step peak" in text and "full remat: step peak" in text
+    assert "step peak: the most bytes live during forward and backward" in text  # the table says what it shows
 
 
 def test_a_plan_made_on_fake_tensors_prints_times_relative_to_no_remat() -> None:
@@ -234,8 +235,8 @@ def test_a_plan_made_on_fake_tensors_prints_times_relative_to_no_remat() -> None
     assert plan is not None and plan.cost.priced and plan.no_remat is not None
     text = str(remat.plan(model))
     assert " ms" not in text, text
-    assert "no remat: peak" in text and "step 1.00x no remat's" in text
-    assert f"step {plan.step_time / plan.no_remat[1]:.2f}x no remat's" in text
+    assert "no remat: step peak" in text and "step time 1.00x no remat's" in text
+    assert f"step time {plan.step_time / plan.no_remat[1]:.2f}x no remat's" in text
     assert "ops priced on a nominal device" in text
     extra = [line.split()[-1] for line in text.splitlines() if line.startswith("blocks.")]
     assert extra and all(cell.endswith("%") for cell in extra), text

@@ -99,6 +99,7 @@ def _profile(model: nn.Module, x: torch.Tensor, derived: tuple[int, ...]) -> Mod
     return with_gradients(measured_costs(found), found.gradients)
 
 
+@pytest.mark.slow  # every choice of every block run for real: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_derived_bytes_match_the_bytes_of_running_each_choice(name: str) -> None:
     make, x = MODELS[name]

@@ -13,6 +13,8 @@ from conftest import recomputes
 import remat
 from tests.models import Workload, build, tracked_peak
 
+pytestmark = pytest.mark.slow  # four models, AdamW steps under a limit: NOTE [ Slow tests ] in tests/conftest.py
+
 pytest.importorskip("transformers")
 
 MODELS = ("convnet", "bert", "gpt2", "llama")  # the memory flows; budgets on the first two

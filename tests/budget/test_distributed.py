@@ -32,6 +32,8 @@ from torch.utils.checkpoint import checkpoint
 
 import remat
 
+pytestmark = pytest.mark.slow  # two gloo ranks (torch.multiprocessing.spawn): NOTE [ Slow tests ] in tests/conftest.py
+
 WORLD = 2
 WIDTH, HEADS, LENGTH, BATCH, STEPS, LR = 16, 2, 6, 8, 2, 0.1
 DEADLINE_S = 120.0

@@ -52,6 +52,7 @@ def _took(model: GPT) -> int:
     return tracker.peak_bytes
 
 
+@pytest.mark.slow  # a gloo process group, budgets around fully_shard: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.usefixtures("gloo")
 def test_budget_planned_before_fully_shard_warns_once_and_after_holds() -> None:
     torch.manual_seed(0)

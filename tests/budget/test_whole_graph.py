@@ -53,6 +53,7 @@ def _compiled_peak_by_kineto(model: nn.Module, x: torch.Tensor) -> int:
     return peak
 
 
+@pytest.mark.slow  # budgets compiled as one graph, checked on compiled steps: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own imports
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's notes while it traces
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
@@ -184,6 +185,7 @@ def _traced_warnings(model: nn.Module, compiled: nn.Module, x: torch.Tensor) -> 
     return [str(w.message) for w in caught if "compiled as one graph" in str(w.message)]
 
 
+@pytest.mark.slow  # a budget compiled as one graph: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_budget_planned_for_eager_code_warns_once_when_compiled_as_one_graph() -> None:
     torch._dynamo.reset()
     x = torch.randn(256, 64)

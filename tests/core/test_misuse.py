@@ -111,3 +111,25 @@ def test_apply_on_a_function_or_a_class_points_to_the_decorator(target: object, 
     assert "`@remat`" in message, "it says what to do instead"
     with pytest.raises(TypeError, match="`@remat`"):
         remat.apply(target)  # type: ignore[type-var]
+
+
+@pytest.mark.parametrize("site", ["decorator", "region", "apply"])
+def test_a_policy_given_by_name_is_refused_naming_the_policy(site: str) -> None:
+    """`policy="save_matmuls"` names the object to pass (NOTE [ A policy is an object, not its name ]), at every
+    entry point that takes a policy, when the site is made."""
+    with pytest.raises(TypeError, match=r"not its name: got the string 'save_matmuls'; pass "
+                                        r"remat\.policies\.save_matmuls itself"):
+        if site == "decorator":
+            remat.remat(policy="save_matmuls")(lambda x: x)  # type: ignore[arg-type]
+        elif site == "region":
+            remat.region(policy="save_matmuls")  # type: ignore[arg-type]
+        else:
+            remat.apply(nn.Sequential(nn.Linear(2, 2)), nn.Linear, policy="save_matmuls")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"the ready ones are remat\.policies\.save_nothing, .*save_tagged"):
+        remat.remat(policy="matmuls")(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_a_fraction_above_one_says_what_it_is_a_fraction_of() -> None:
+    with pytest.raises(ValueError, match=r"a float `budget` is a fraction in \(0, 1\], but got 1\.5; .*no remat's "
+                                         r"step peak, the most bytes live during a step above its start"):
+        remat.apply(nn.Sequential(nn.Linear(2, 2)), budget=1.5, sample=torch.randn(1, 2))

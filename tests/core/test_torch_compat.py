@@ -106,11 +106,13 @@ def _run(name: str, how: str) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+@pytest.mark.slow  # a fresh interpreter per missing name: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("name", NEWER)
 def test_remat_works_without(name: str) -> None:
     _run(name, "delete")
 
 
+@pytest.mark.slow  # a fresh interpreter: NOTE [ Slow tests ] in tests/conftest.py
 def test_remat_works_with_the_early_form_of_the_hook_stack_query() -> None:
     _run("torch._C._autograd._top_saved_tensors_default_hooks", "no-argument")
 

@@ -38,6 +38,7 @@ def _lines(stdout: str) -> dict[tuple[str, str, str], tuple[float, float]]:
     return out
 
 
+@pytest.mark.slow  # two real gloo ranks: NOTE [ Slow tests ] in tests/conftest.py
 def test_example_estimates_within_5_percent_of_two_real_ranks() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -348,8 +348,8 @@ def test_report_table_lookup_and_dict() -> None:
                             configs=("none", remat.policies.save_matmuls))
     lines = str(report).splitlines()
     assert lines[0] == "remat.estimate: Sequential, one training step (optimizer step AdamW), predicted for cpu"
-    assert lines[1].split() == ["config", "params", "grads", "optimizer", "activations", "fwd/bwd", "peak", "peak",
-                                "peaks", "in"]
+    assert lines[1].split() == ["config", "params", "grads", "optimizer", "held", "for", "backward", "step", "peak",
+                                "device", "peak", "peaks", "in"]
     phases = ["peaks in", *(row.peak_phase for row in report)]
     assert len({len(line) - len(phase) for line, phase in zip(lines[1:4], phases, strict=True)}) == 1  # aligned
     assert report[remat.policies.save_matmuls] is report["matmuls"] is report.rows[1]
@@ -398,3 +398,26 @@ def test_a_peak_at_the_optimizer_step_is_exact_for_every_configuration() -> None
         measured = measure_step(Case("stack", model, (x,), lambda out: out.sum()), config, optimizer="adam")
         assert row.peak_bytes == measured.peak_bytes
         assert row.peak_bytes > row.params_bytes + row.grads_bytes + row.optimizer_bytes + row.activation_bytes
+
+
+def test_the_step_peak_is_one_quantity_in_the_estimate_the_plan_and_measure() -> None:
+    """No remat's step peak (the most bytes live during forward and backward above the step's start, gradients
+    included) reads the same in `remat.estimate`, `remat.plan` and `remat.measure`, and a fractional budget is a
+    fraction of it; what is held for backward reads the same in the estimate and in measure."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.TransformerEncoderLayer(64, 4, batch_first=True) for _ in range(3)))  # the README's
+    x = torch.randn(8, 32, 64)
+    report = remat.estimate(model, x, optimizer="adamw", configs=("none",))
+    assert str(report).splitlines()[1].split()[-6:-2] == ["step", "peak", "device", "peak"]
+    assert "\nstep peak: the most bytes live during forward and backward above" in str(report)
+    row = report["none"]
+    measured = remat.measure(model, x)
+    remat.apply(model, budget=0.5, sample=x)
+    assignment = remat.plan(model).budget
+    assert assignment is not None and assignment.no_remat is not None
+    no_remat = assignment.no_remat[0]
+    for other in (measured.peak_bytes, no_remat):
+        assert abs(row.step_peak_bytes - other) <= 0.03 * other, (row.step_peak_bytes, measured.peak_bytes, no_remat)
+    assert row.peak_bytes > row.step_peak_bytes + row.params_bytes + row.optimizer_bytes  # the device peak
+    assert abs(row.activation_bytes - measured.held_bytes) <= 0.03 * measured.held_bytes
+    assert assignment.budget == int(0.5 * no_remat)

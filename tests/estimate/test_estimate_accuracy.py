@@ -109,6 +109,7 @@ def _default_loop_peak(config: Any, keep_output: bool = False) -> int:
     return base + t.peak_bytes
 
 
+@pytest.mark.slow  # a GPT-2 training loop, real and estimated: NOTE [ Slow tests ] in tests/conftest.py
 def test_gpt2_estimate_matches_a_default_training_loop() -> None:
     """Every configuration within 5% of `loss = model(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()`;
     a loop that keeps the output through backward peaks higher by the row's `output_bytes`, at most."""

@@ -24,6 +24,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import remat
 from remat._demo import GPT, GPTConfig
 
+pytestmark = pytest.mark.slow  # process groups, two real ranks: NOTE [ Slow tests ] in tests/conftest.py
+
 CFG = GPTConfig(blocks=3, d=64, heads=2, seq=32, batch=2, vocab=256, dropout=0.0)
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -213,6 +213,7 @@ def _full_loop_fits(device: str, memory: int) -> bool:
     return reserved() <= memory
 
 
+@pytest.mark.slow  # a sweep of memory= with three AdamW steps each: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("fraction", [0.6, 0.7, 0.8, 0.9])
 def test_memory_plan_and_three_adamw_steps_fit_a_device_of_that_memory(test_device: str, fraction: float) -> None:
     """`apply(memory=M)` on a device, then the default AdamW loop, all on a device of M: its tensors under
@@ -383,6 +384,7 @@ def test_phase_and_holders_when_activations_dominate() -> None:
     assert row.holders[0][0].startswith("*.")  # activations of the blocks, folded
 
 
+@pytest.mark.slow  # largest-batch bisections: NOTE [ Slow tests ] in tests/conftest.py
 def test_cli_prints_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
     from remat.__main__ import main

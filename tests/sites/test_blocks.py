@@ -90,3 +90,43 @@ def test_plan_sees_decorated_classes() -> None:
 
     model = nn.Sequential(Block(), nn.ReLU())
     assert [(site.name, site.choice) for site in remat.plan(model)] == [("0", "full")]
+
+
+
+class Body(nn.Module):
+    """A module whose `forward` calls a method decorated with `@remat` (a site of every instance)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    @remat(name="body", policy=remat.policies.save_matmuls)
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).sin()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class PlainBody(Body):
+    """A subclass that defines `body` again without `@remat`: not a site."""
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).sin()
+
+
+def test_plan_lists_decorated_methods_and_site_names() -> None:
+    """A method other than `forward` decorated inside a module class is a site of every instance, and a site's
+    `name=` (what its errors call it) shows in the table."""
+    model = nn.Sequential(Body(), PlainBody(), remat(nn.Linear(4, 4), name="last"))
+    plan = remat.plan(model)
+    assert [(site.name, site.kind, site.method, site.label, site.choice) for site in plan] == [
+        ("0", "Body", "body", "body", "matmuls"),
+        ("2", "Linear", "forward", "last", "full"),
+    ]
+    lines = str(plan).splitlines()
+    assert lines[1].split() == ["block", "class", "method", "name", "choice"]
+    assert lines[2].split() == ["0", "Body", "body", "body", "matmuls"]
+    # Without methods or names, the table keeps its three columns.
+    assert str(remat.plan(remat.apply(nn.Sequential(nn.Linear(2, 2))))).splitlines()[1].split() == [
+        "block", "class", "choice"]

@@ -80,6 +80,7 @@ def _compiled_step(model: nn.Module, ids: torch.Tensor, **kwargs: Any) -> int:
     return saved[0]
 
 
+@pytest.mark.slow  # inductor on Hugging Face models: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.equivalence
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_apply_under_compile_saves_what_torch_checkpoint_per_layer_saves(name: str) -> None:
