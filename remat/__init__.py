@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the names of remat/_core/public.py's table, for the type ch
     from ._sites.checkpoint import checkpoint_sequential as checkpoint_sequential
     from ._sites.cross_entropy import linear_cross_entropy as linear_cross_entropy
     from ._sites.table import ModelPlan as ModelPlan
+    from ._sites.tiles import tiled as tiled
 
     apply = remat.apply
     plan = remat.plan

@@ -52,6 +52,8 @@ PUBLIC: dict[str, Public] = {
     "checkpoint_sequential": Public("._sites.checkpoint", "checkpoint_sequential"),
     # The head and the loss
     "linear_cross_entropy": Public("._sites.cross_entropy", "linear_cross_entropy", lazy=True),
+    # Token-wise work in tiles
+    "tiled": Public("._sites.tiles", "tiled", lazy=True),
     # Policies
     "policies": Public(".policies", ""),
     "tag": Public("._core.policies", "tag"),
