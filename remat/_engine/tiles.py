@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from .autocast import AutocastState
 from .modes import Mode
 from .rng import RngStash, devices_of
 
-__all__ = ["Hold", "spans", "tiles"]
+__all__ = ["spans", "tiles"]
 
 # NOTE [ Tiles ]
 # A module whose output at each position depends only on that position's input (an MLP, a gated MLP, a norm) makes
@@ -46,10 +46,10 @@ __all__ = ["Hold", "spans", "tiles"]
 #    one untiled call); backward runs the tiles in forward's order from forward's RNG state, so each tile draws
 #    again what it drew in forward, and the caller's RNG stream is put back after. Backward's calls run under
 #    forward's autocast state.
-# 5. fn is called per tile without any module hooks being run for the module that is tiled (the caller runs
-#    them once, around the tiles: FSDP2 gathers its parameters once per forward and once per recompute). Hooks of
-#    modules inside fn run per tile; where they gather parameters (ZeRO-3 hooks every module), a `Hold` keeps
-#    them gathered from the first tile to the last, in forward and in backward.
+# 5. The gradients of the tensors fn reads reach autograd as the node's own, after its backward: where module
+#    hooks gather parameters (FSDP2, ZeRO-3), the caller runs the tiled module's hooks once around the tiles, so the
+#    parameters are gathered once per forward (and per recompute) and once in backward, and released after their
+#    gradients are accumulated (remat/_sites/tiles.py, NOTE [ What is tiled ]).
 # 6. A second derivative (`create_graph=True`) goes through the tiles with every tile's graph kept.
 #
 # Implementation notes:
@@ -58,25 +58,12 @@ __all__ = ["Hold", "spans", "tiles"]
 #    function. fn must read the same tensors on every tile, as a token-wise function does.
 # 2. (rule 3) The first tile runs after `x` is handed over, outside the autograd function (it names the tensors
 #    the function takes); the rest run inside it.
-# 3. (rule 5) `Hold.keep()` before the first tile; `Hold.let_go()` right before the hooks of the last call
-#    would release the parameters (before the last tile in forward; after the last tile's call and before its
-#    backward in backward), so they are released where the hooks release them, and `Hold.close()` whatever
-#    happens.
-# 4. (rule 3) What backward needs (the kept `x`, fn, the reads) hangs on the node's context, which outlives the
+# 3. (rule 3) What backward needs (the kept `x`, fn, the reads) hangs on the node's context, which outlives the
 #    node's run: a handle of an enclosing site would keep that site's frame, and its inputs, alive for the rest of
 #    the backward (every block's input to the end of it, under full remat) and into the next step. So backward
 #    drops them as soon as it is done when the running backward does not keep the graph (no `retain_graph`), as
 #    autograd frees a node's saved tensors; where torch cannot say, an end-of-backward callback drops them once
 #    autograd freed the node's own.
-
-
-class Hold(Protocol):
-    """Keeps what module hooks inside a tiled function would gather and release per call gathered across the
-    tiles (NOTE [ Tiles ], rule 5)."""
-
-    def keep(self) -> None: ...
-    def let_go(self) -> None: ...
-    def close(self) -> None: ...
 
 
 def spans(length: int, count: int) -> list[tuple[int, int]]:
@@ -147,14 +134,14 @@ class _Kept:
 
 class _Spec:
     """What backward needs besides tensors; `release` drops what it holds once no backward can come (implementation
-    note 4)."""
+    note 3)."""
 
-    __slots__ = ("autocast", "devices", "dim", "fn", "hold", "kept", "reads", "rng", "site", "spans")
+    __slots__ = ("autocast", "devices", "dim", "fn", "kept", "reads", "rng", "site", "spans")
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], dim: int, cuts: list[tuple[int, int]],
-                 site: str, kept: _Kept, hold: Hold | None, devices: tuple[torch.device, ...]) -> None:
+                 site: str, kept: _Kept, devices: tuple[torch.device, ...]) -> None:
         self.fn: Callable[[torch.Tensor], torch.Tensor] | None = fn
-        self.dim, self.spans, self.site, self.hold = dim, cuts, site, hold
+        self.dim, self.spans, self.site = dim, cuts, site
         self.kept: _Kept | None = kept
         self.devices = devices
         self.rng = RngStash.capture(devices)
@@ -162,7 +149,7 @@ class _Spec:
         self.reads: tuple[torch.Tensor, ...] = ()
 
     def release(self) -> None:
-        self.fn = self.kept = self.hold = None
+        self.fn = self.kept = None
         self.reads = ()
 
 
@@ -183,39 +170,32 @@ def tiles(
     *,
     site: str,
     module: nn.Module | None = None,
-    hold: Hold | None = None,
 ) -> torch.Tensor:
     """`fn(x)` computed over `count` tiles of `x` along `dim` (NOTE [ Tiles ]); `dim` is non-negative.
 
-    `module`: the module fn belongs to, whose parameters' devices the RNG state covers; `hold`: see rule 5.
+    `module`: the module fn belongs to, whose parameters' devices the RNG state covers.
 
     >>> lin = torch.nn.Linear(4, 4)
     >>> x = torch.randn(2, 6, 4, requires_grad=True)
     >>> torch.testing.assert_close(tiles(lin, x, 1, 3, site="lin"), lin(x))
     """
     cuts = spans(x.shape[dim], count)
+    start, length = cuts[0]
+    part = x.narrow(dim, start, length)
     if not torch.is_grad_enabled():
-        return _without_graph(fn, x, dim, cuts, site, hold)
-    kept = _Kept(x)  # rule 3: before any tile runs
-    spec = _Spec(fn, dim, cuts, site, kept, hold, devices_of((x,), module))
-    if hold is not None:
-        hold.keep()
-    try:
-        start, length = cuts[0]
-        part = x.narrow(dim, start, length)
-        with torch.no_grad(), _Reads(x._base if x._base is not None else x) as reads:
-            if hold is not None and len(cuts) == 1:
-                hold.let_go()
-            first = fn(part)
+        first = fn(part)
         _check(first, part, dim, site, 0)
-        spec.reads = tuple(reads.found.values())
-        if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
-            return _rest(fn, x, first, dim, cuts, site, hold)
-        out: torch.Tensor = _Tiled.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call]
-        return out
-    finally:
-        if hold is not None:
-            hold.close()
+        return _rest(fn, x, first, dim, cuts, site)
+    kept = _Kept(x)  # rule 3: before any tile runs
+    spec = _Spec(fn, dim, cuts, site, kept, devices_of((x,), module))
+    with torch.no_grad(), _Reads(x._base if x._base is not None else x) as reads:
+        first = fn(part)
+    _check(first, part, dim, site, 0)
+    spec.reads = tuple(reads.found.values())
+    if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
+        return _rest(fn, x, first, dim, cuts, site)
+    out: torch.Tensor = _Tiled.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call]
+    return out
 
 
 def _check(out: Any, part: torch.Tensor, dim: int, site: str, index: int) -> None:
@@ -232,26 +212,8 @@ def _check(out: Any, part: torch.Tensor, dim: int, site: str, index: int) -> Non
         )
 
 
-def _without_graph(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dim: int,
-                   cuts: list[tuple[int, int]], site: str, hold: Hold | None) -> torch.Tensor:
-    """Without grad: tile by tile, each output written into the whole, no more alive at once."""
-    if hold is not None:
-        hold.keep()
-    try:
-        start, length = cuts[0]
-        part = x.narrow(dim, start, length)
-        if hold is not None and len(cuts) == 1:
-            hold.let_go()
-        first = fn(part)
-        _check(first, part, dim, site, 0)
-        return _rest(fn, x, first, dim, cuts, site, hold)
-    finally:
-        if hold is not None:
-            hold.close()
-
-
 def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: torch.Tensor, dim: int,
-          cuts: list[tuple[int, int]], site: str, hold: Hold | None) -> torch.Tensor:
+          cuts: list[tuple[int, int]], site: str) -> torch.Tensor:
     """The whole output, from the first tile's and the others computed now (without a graph)."""
     if len(cuts) == 1:
         return first
@@ -262,8 +224,6 @@ def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: to
     del first
     with torch.no_grad():
         for index, (start, length) in enumerate(cuts[1:], 1):
-            if hold is not None and index == len(cuts) - 1:
-                hold.let_go()
             part = x.narrow(dim, start, length)
             piece = fn(part)
             _check(piece, part, dim, site, index)
@@ -281,7 +241,7 @@ class _Tiled(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward()  # none, but autograd marks them freed after a backward without `retain_graph`
         assert spec.fn is not None
-        return _rest(spec.fn, x, first, spec.dim, spec.spans, spec.site, spec.hold)
+        return _rest(spec.fn, x, first, spec.dim, spec.spans, spec.site)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -309,7 +269,7 @@ def _differentiate(spec: _Spec, x: torch.Tensor, grad: torch.Tensor, x_wanted: b
                    reads_wanted: Sequence[bool]) -> list[torch.Tensor | None]:
     """The gradients of `x` and of the reads, tile by tile (NOTE [ Tiles ], rules 2, 4 and 6)."""
     create = torch.is_grad_enabled()  # a second derivative: every tile's graph is kept
-    dim, cuts, hold = spec.dim, spec.spans, spec.hold
+    dim, cuts = spec.dim, spec.spans
     fn = spec.fn
     assert fn is not None
     reads = [t for t, want in zip(spec.reads, reads_wanted, strict=True) if want]
@@ -317,8 +277,6 @@ def _differentiate(spec: _Spec, x: torch.Tensor, grad: torch.Tensor, x_wanted: b
     grad_x: torch.Tensor | None = x.new_empty(x.shape) if x_wanted and not create else None
     pieces: list[torch.Tensor] = []
     caller_rng = spec.rng.swap_in()
-    if hold is not None:
-        hold.keep()
     try:
         for index, (start, length) in enumerate(cuts):
             part = x.narrow(dim, start, length).detach().requires_grad_(x_wanted)
@@ -326,8 +284,6 @@ def _differentiate(spec: _Spec, x: torch.Tensor, grad: torch.Tensor, x_wanted: b
                 out = fn(part)
             _check(out, part, dim, spec.site, index)
             _stats.add_tile()
-            if hold is not None and index == len(cuts) - 1:
-                hold.let_go()
             inputs = ([part] if x_wanted else []) + reads
             if not out.requires_grad or not inputs:
                 made: Sequence[torch.Tensor | None] = [None] * len(inputs)
@@ -356,8 +312,6 @@ def _differentiate(spec: _Spec, x: torch.Tensor, grad: torch.Tensor, x_wanted: b
             del made
     finally:
         caller_rng.apply()
-        if hold is not None:
-            hold.close()
     if x_wanted and grad_x is None:
         grad_x = torch.cat(pieces, dim)
     out_reads = iter(None if s is None else s.to(t.dtype) for s, t in zip(sums, reads, strict=True))

@@ -22,7 +22,7 @@ from .._core import switch as _switch
 from .._core.errors import RematError
 from .._core.public import claim
 from .._engine.compiled import SiteForward, compiling, warn_once
-from .._engine.tiles import Hold, tiles
+from .._engine.tiles import tiles
 
 __all__ = ["TILED_NAMES", "TileReport", "not_token_wise", "tile_blocks", "tile_module", "tiled", "tiled_of", "untile"]
 
@@ -46,10 +46,17 @@ _M = TypeVar("_M", bound=nn.Module)
 # 3. The in-place form gives the instance its own `forward` (the class is never changed), which runs what the
 #    instance ran before over tiles of its first argument: the module's hooks run once per call, around the
 #    tiles. `remat.undo` takes it off.
-# 4. Parameters that module hooks inside gather per call (DeepSpeed ZeRO-3 hooks every module) stay gathered
-#    across the tiles (NOTE [ Tiles ], rule 5). FSDP2 (`fully_shard`) on a module inside a tiled one would gather
-#    and reduce per tile: refused; `fully_shard` on the tiled module or any module around it is what FSDP2 users
-#    write, and gathers once.
+# 4. Parameters are gathered once per call of the tiled module, not once per tile, and released after their
+#    gradients are accumulated: the tiled module's hooks run once around the tiles (FSDP2's `fully_shard` on it or
+#    on a module around it, as FSDP2 users write it). DeepSpeed ZeRO-3 hooks every module, and the modules inside a
+#    tiled one run once per tile; so the in-place form makes the tiled module a ZeRO-3 "leaf module" (`_z3_leaf`,
+#    the attribute `deepspeed.utils.set_z3_leaf_modules` sets and only DeepSpeed reads): ZeRO-3's hooks on it then
+#    gather every parameter inside it when it is called (and, in backward, before its backward) and release them
+#    when it returns (after their gradients are accumulated), and the hooks inside find them gathered. Tiled before
+#    `deepspeed.initialize`, the modules inside get no hooks at all. The mark stays after `remat.undo` while ZeRO-3
+#    partitions the module (its modules inside may have no hooks of their own). What would gather or reduce per
+#    tile is refused: `fully_shard` on a module inside a tiled one, and the functional form on a module whose own
+#    hooks gather (sharded by FSDP2 or ZeRO-3), which it calls once per tile.
 # 5. Under torch.compile a tiled call runs untiled, with one warning per site: its backward calls autograd
 #    itself, which dynamo does not trace.
 # 6. With the switch off (`REMAT=0`) a tiled call is the plain call.
@@ -101,18 +108,6 @@ def _sharded_inside(module: nn.Module) -> str | None:
     return None
 
 
-def _hold_for(module: nn.Module | None) -> Hold | None:
-    """What keeps parameters gathered across the tiles (NOTE [ What is tiled ], rule 4), where hooks gather them."""
-    if module is None:
-        return None
-    params = [p for p in module.parameters() if hasattr(p, "ds_active_sub_modules")]
-    if not params:
-        return None
-    from .integrations.zero3 import Gathered
-
-    return Gathered(params)
-
-
 def _count(tiles: object) -> int:
     if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
         raise ValueError(f"remat: `tiles` must be a positive int (how many tiles), but got {tiles!r}.")
@@ -148,6 +143,15 @@ def _module_of(fn: Any) -> nn.Module | None:
     return None
 
 
+def _gathers(module: nn.Module) -> str | None:
+    """What shards `module` so that its own hooks gather its parameters per call: FSDP2 or ZeRO-3, or None."""
+    if any(kind.__name__ == "FSDPModule" for kind in type(module).__mro__):
+        return "FSDP2's fully_shard"
+    if any(hasattr(param, "ds_id") for param in module.parameters()):  # ZeRO-3's marks
+        return "DeepSpeed ZeRO-3"
+    return None
+
+
 def _refuse(module: nn.Module | None, site: str) -> None:
     if module is None:
         return
@@ -178,7 +182,7 @@ def _run(fn: Callable[..., torch.Tensor], x: Any, args: tuple[Any, ...], kwargs:
                   "calls autograd, which dynamo does not trace); its intermediates are not tiled there.")
         return fn(x, *args, **kwargs)
     call = fn if not args and not kwargs else functools.partial(_with_rest, fn, args, kwargs)
-    return tiles(call, x, axis, count, site=site, module=module, hold=_hold_for(module))
+    return tiles(call, x, axis, count, site=site, module=module)
 
 
 def _with_rest(fn: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -253,6 +257,12 @@ def tiled(fn: Any, x: Any = _NOTHING, /, *args: Any, tiles: int, dim: int = -2, 
     module = _module_of(fn)
     site = _site_of(fn)
     _refuse(module, site)
+    if isinstance(fn, nn.Module) and _gathers(fn):
+        raise ValueError(
+            f"remat: `{site}` is sharded ({_gathers(fn)}): called once per tile, its hooks would gather its "
+            "parameters once per tile. Tile it in place instead, `remat.tiled(module, tiles=...)`: its hooks then "
+            "run once per call, around the tiles."
+        )
     return _run(fn, x, args, kwargs, count, dim, site, module)
 
 
@@ -264,11 +274,13 @@ class TiledForward:
     over tiles of its first argument. Holds its module weakly, pickles and deep-copies with it, and answers
     `inspect.signature` as the forward it calls (as `SiteForward` does)."""
 
-    __slots__ = ("_module", "dim", "own", "tiles")
+    __slots__ = ("_module", "dim", "leaf", "own", "tiles")
 
-    def __init__(self, module: nn.Module, own: Callable[..., Any] | None, tiles: int, dim: int) -> None:
+    def __init__(self, module: nn.Module, own: Callable[..., Any] | None, tiles: int, dim: int,
+                 leaf: bool = False) -> None:
         self._module = weakref.ref(module)
         self.own, self.tiles, self.dim = own, tiles, dim
+        self.leaf = leaf  # remat made the module a ZeRO-3 leaf module (NOTE [ What is tiled ], rule 4)
 
     def module(self) -> nn.Module:
         module = self._module()
@@ -307,13 +319,24 @@ class TiledForward:
         raise AttributeError(f"'TiledForward' object has no attribute '{name}'")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TiledForward, (self.module(), self.own, self.tiles, self.dim))
+        return (TiledForward, (self.module(), self.own, self.tiles, self.dim, self.leaf))
 
 
 _DELEGATED = frozenset({
     "__annotations__", "__code__", "__defaults__", "__func__", "__kwdefaults__", "__name__", "__qualname__",
     "__self__",
 })
+
+
+_LEAF = "_z3_leaf"
+
+
+def _zero3_leaf(module: nn.Module) -> bool:
+    """Make `module` a ZeRO-3 leaf module (NOTE [ What is tiled ], rule 4); whether remat set the mark."""
+    if getattr(module, _LEAF, False):
+        return False
+    setattr(module, _LEAF, True)
+    return True
 
 
 def _first_parameter(forward: Callable[..., Any]) -> str | None:
@@ -352,10 +375,11 @@ def tile_module(module: _M, tiles: int, dim: int = -2) -> _M:
         found[1].tiles, found[1].dim = count, dim
         return module
     own = module.__dict__.get("forward")
+    leaf = _zero3_leaf(module)
     if isinstance(own, SiteForward):  # a site's forward stays on top: it tiles what it calls
-        own.own = TiledForward(module, own.own, count, dim)
+        own.own = TiledForward(module, own.own, count, dim, leaf)
     else:
-        module.__dict__["forward"] = TiledForward(module, own, count, dim)
+        module.__dict__["forward"] = TiledForward(module, own, count, dim, leaf)
     return module
 
 
@@ -365,6 +389,8 @@ def untile(module: nn.Module) -> None:
     if found is None:
         return
     holder, tiled_forward = found
+    if tiled_forward.leaf and not any(hasattr(param, "ds_id") for param in module.parameters()):
+        module.__dict__.pop(_LEAF, None)
     if isinstance(holder, SiteForward):
         holder.own = tiled_forward.own
     elif tiled_forward.own is None:
