@@ -15,7 +15,7 @@ from torch import nn
 
 from .._sites.head import can_route_head
 from .estimate import estimate
-from .head import HEAD
+from .long_sequences import HEAD
 from .predict import OptimizerLike
 from .report import ConfigEstimate
 

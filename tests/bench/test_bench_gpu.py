@@ -8,7 +8,7 @@ import io
 import pytest
 
 from benchmarks.cli import main
-from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY
+from benchmarks.gpu_check import BUDGETS, CONFIGS, LONG_CONFIGS, LONG_TINY, TINY
 
 pytest.importorskip("transformers")
 
@@ -32,4 +32,8 @@ def test_the_gpu_check_runs_every_row_at_tiny_sizes_on_the_cpu() -> None:
         for fraction in BUDGETS:
             assert any(f"budget {fraction} " in row for row in rows), text
         assert sum("memory=" in row for row in rows) == len(shape.memory)
+    long = [line for line in lines if line.startswith(LONG_TINY.name)]  # NOTE [ What the GPU check measures ], rule 6
+    for label in LONG_CONFIGS:
+        assert any(f"long: {label}  " in row and "KiB/token" in row for row in long), (label, text)
+    assert any("4x transformers' longest" in row for row in long), text
     assert lines[-1].startswith("every check holds")
