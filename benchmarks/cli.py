@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
     parser.add_argument(
         "--model",
-        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "head", "gpu",
+        choices=["gpt", "convnet", "chain", "tiny", "offload", "budget", "compile", "estimate", "head", "long", "gpu",
                  "all"],
         default="all",
         help="what to run (default: all); chain: remat.chain at 50%% of a convnet chain's activation memory "
@@ -139,9 +139,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         "benchmarks.compile_sites --help`: --whole compiles the model as one graph); "
         "estimate: remat.estimate against real steps (`python -m remat estimate --help` estimates a model of "
         "your own); head: remat.apply(model, head=True) on a GPT-2 with the real vocabulary against full remat "
-        "(`python -m benchmarks.head --help`: --sweep times the chunk sizes); gpu: the memory promises at real "
-        "sizes under bf16 autocast, one table (GPT-2 124M and a 1.1B Llama with --device cuda; tiny sizes on the "
-        "CPU)",
+        "(`python -m benchmarks.head --help`: --sweep times the chunk sizes); long: bytes and step time per token "
+        "at long sequences on a Llama-shaped stand-in, full remat with the head, tiles and per-block offload "
+        "against transformers' own checkpointing (`python -m benchmarks.long --help`; one thread, about an hour on "
+        "two cores); gpu: the memory promises at real sizes under bf16 autocast, one table (GPT-2 124M and a 1.1B "
+        "Llama with --device cuda; tiny sizes on the CPU)",
     )
     parser.add_argument(
         "--size",
@@ -193,6 +195,14 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
         from . import head
 
         return head.main(["--repeats", str(args.repeats), *(["--check"] if args.check else [])], out)
+    if args.model == "long":  # its own table: see benchmarks/long.py (needs the `hf` extra)
+        from . import long
+
+        threads = ["--threads", str(args.threads)] if args.threads else []
+        status = long.main(["--repeats", str(args.repeats), *threads, *(["--check"] if args.check else [])], out,
+                           progress)
+        progress.done()
+        return status
     if args.model == "estimate":
         from .estimate import compare_main
 

@@ -34,6 +34,15 @@ NOTE [ What the GPU check measures ]
 5. `memory=` with AdamW under a real cap: the device capped at M (`torch.cuda.set_per_process_memory_fraction`;
    on the CPU `remat.track(limit=M)`), `remat.apply(model, memory=M, optimizer=opt)` and three AdamW steps: the
    most reserved (allocated on the CPU) against M, or the step that ran out of memory, or `apply`'s refusal.
+6. Long sequences (issue 54), on a Llama-3.2-1B-shaped model (d=2048, MLP 8,192, 16 layers, 32/8 heads, vocabulary
+   128,256; batch 1; on the CPU a tiny one): transformers' own checkpointing against remat's line for long
+   sequences (`remat.apply(model, head=True, offload=True)` with each layer's MLP and norms in `TILES` tiles).
+   Per row: activation bytes per token, the slope of the step's peak between `LONG_SEQS`; the longest sequence the
+   device fits, derived from it and the whole device's peak of an AdamW step at the longer length (on the CPU, in a
+   device of `LONG_CPU_MEMORY` times transformers' whole step); one AdamW step of remat's line at 4x transformers'
+   longest, under the device's cap; the step time at the longer length against transformers'. Targets (on a GPU:
+   at the CPU's tiny sizes the figures only): remat's bytes per token at most 1/16 of transformers', its step at
+   most 1.15x, and the step at 4x transformers' longest runs.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from torch import nn
 import remat
 from remat._core.units import format_bytes
 
-__all__ = ["REAL", "STEPS", "TINY", "Row", "Shape", "main", "run"]
+__all__ = ["REAL", "STEPS", "TINY", "Row", "Shape", "hf_checkpointing", "main", "run"]
 
 STEPS = 3
 """Timed steps per configuration (the median is shown)."""
@@ -90,6 +99,17 @@ TINY = (
                                   "max_position_embeddings": 32}, 2, 32, (0.75, 0.9)),
 )
 BUDGETS = (0.3, 0.5, 0.7)
+LONG_REAL = Shape("Llama-3.2-1B shape", "llama", {
+    "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 1 << 20}, 1, 16384, ())
+LONG_TINY = Shape("Llama tiny, long", "llama", {
+    "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1 << 14}, 1, 256, ())
+LONG_SEQS = {"Llama-3.2-1B shape": (8192, 16384), "Llama tiny, long": (128, 256)}
+LONG_CPU_MEMORY = 2.0
+"""On the CPU, the device of the long rows holds this many times transformers' whole AdamW step at the longer
+length (NOTE [ What the GPU check measures ], rule 6)."""
+TILES = 8
 GRADIENT_BOUND = 0.05
 """The largest relative gradient difference from no remat's a remat configuration may show (NOTE [ What the GPU
 check measures ], rule 2b)."""
@@ -225,7 +245,8 @@ def _torch_selective(model: nn.Module) -> nn.Module:
     return model
 
 
-def _hf_checkpointing(model: nn.Module) -> nn.Module:
+def hf_checkpointing(model: nn.Module) -> nn.Module:
+    """transformers' own checkpointing of every layer, non-reentrant."""
     enable: Any = getattr(model, "activation_checkpointing_enable", None)  # transformers 5; earlier: its old name
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -237,7 +258,7 @@ def _hf_checkpointing(model: nn.Module) -> nn.Module:
 
 CONFIGS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "no remat": lambda model: model,
-    "transformers' checkpointing": _hf_checkpointing,
+    "transformers' checkpointing": hf_checkpointing,
     "torch selective (matmuls, attention)": _torch_selective,
     "remat full": lambda model: remat.apply(model),
     "remat full, every other layer": lambda model: remat.apply(model, every=2),
@@ -468,6 +489,97 @@ def memories(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -> None
             dev.free()
 
 
+def _long_line(model: nn.Module) -> nn.Module:
+    """remat's line for long sequences (rule 6)."""
+    from remat._sites.blocks import find_blocks
+    from remat._sites.tiles import tile_blocks
+
+    remat.apply(model, head=True, offload=True)
+    tile_blocks(find_blocks(model), TILES)
+    return model
+
+
+LONG_CONFIGS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "transformers' checkpointing": hf_checkpointing,
+    "remat head + tiles + offload": _long_line,
+}
+
+
+def _adamw_step(model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
+                optimizer: torch.optim.Optimizer) -> None:
+    step(model, batch, device)
+    optimizer.step()
+
+
+def long_sequences(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -> None:
+    """NOTE [ What the GPU check measures ], rule 6."""
+    low, high = LONG_SEQS[shape.name]
+    found: dict[str, tuple[float, int, float]] = {}  # bytes per token, whole AdamW step at `high`, step seconds
+    for label, configure in LONG_CONFIGS.items():
+        model = configure(copy.deepcopy(base).to(dev.device))
+        try:
+            peaks = []
+            for seq in (low, high):
+                batch = sample(dataclasses.replace(shape, seq=seq), dev.device)
+                step(model, batch, dev.device)  # warm-up at this length
+                with dev.peak() as peak:
+                    step(model, batch, dev.device)
+                peaks.append(peak[0])
+            adamw = torch.optim.AdamW(model.parameters())
+            _adamw_step(model, batch, dev.device, adamw)  # its state, made
+            resident = dev.allocated() or _storage_bytes(
+                [*model.parameters(), *model.buffers(), *batch.values(),
+                 *(t for state in adamw.state.values() for t in state.values() if isinstance(t, torch.Tensor))])
+            with dev.peak() as whole:
+                _adamw_step(model, batch, dev.device, adamw)
+            seconds = dev.timed(functools.partial(step, model, batch, dev.device))
+            found[label] = ((peaks[1] - peaks[0]) / (high - low), resident + whole[0], seconds)
+        except Exception as error:
+            out.append(Row(shape.name, f"long: {label}", f"failed: {type(error).__name__}: {str(error)[:120]}", False))
+        finally:
+            del model
+            dev.free()
+    if len(found) < len(LONG_CONFIGS):
+        return
+    hf_label, ours_label = LONG_CONFIGS
+    hf, ours = found[hf_label], found[ours_label]
+    if dev.cuda:
+        index = dev.device.index if dev.device.index is not None else torch.cuda.current_device()
+        memory = torch.cuda.get_device_properties(index).total_memory
+    else:
+        memory = int(LONG_CPU_MEMORY * hf[1])
+    longest = {label: int(high + (memory - whole) / per_token) for label, (per_token, whole, _) in found.items()}
+    for label, (per_token, _, seconds) in found.items():
+        out.append(Row(shape.name, f"long: {label}", f"{per_token / 1024:.1f} KiB/token between {low:,} and "
+                       f"{high:,} tokens, longest in {format_bytes(memory)} ~{longest[label]:,} tokens, step at "
+                       f"{high:,} {seconds * 1e3:.0f} ms"))
+    share = ours[0] / hf[0]
+    out.append(Row(shape.name, "target: long, bytes per token", f"remat's {share:.3f} of transformers'",
+                   share <= 1 / 16 if dev.cuda else None, "remat's bytes per token <= 1/16 of transformers'"))
+    slower = ours[2] / hf[2]
+    out.append(Row(shape.name, "target: long, step time", f"remat's {slower:.2f}x transformers' at {high:,} tokens",
+                   slower <= 1.15 if dev.cuda else None, "remat's step <= 1.15x transformers' at the longer length"))
+    seq = 4 * longest[hf_label]
+    if seq > int(shape.config["max_position_embeddings"]):
+        return
+    label = f"long: one AdamW step at {seq:,} tokens (4x transformers' longest)"
+    model = _long_line(copy.deepcopy(base).to(dev.device))
+    before = 0 if dev.cuda else _storage_bytes([*model.parameters(), *model.buffers()])  # the CPU's cap counts
+    try:  # only what is allocated inside it
+        with _capped(dev, memory - before):
+            adamw = torch.optim.AdamW(model.parameters())
+            _adamw_step(model, sample(dataclasses.replace(shape, seq=seq), dev.device), dev.device, adamw)
+        out.append(Row(shape.name, label, "ran within the device", True if dev.cuda else None,
+                       "remat's line runs 4x transformers' longest"))
+    except torch.OutOfMemoryError:  # a GPU's target: at the CPU's tiny sizes the logits are no large share
+        out.append(Row(shape.name, label, "out of memory", False if dev.cuda else None,
+                       "remat's line runs 4x transformers' longest"))
+    finally:
+        with contextlib.suppress(NameError):
+            del model, adamw
+        dev.free()
+
+
 def run(device: torch.device, shapes: Sequence[Shape], progress: Callable[[str], None] = lambda m: None) -> list[Row]:
     """Every row of the check, for each model of ``shapes``."""
     dev = Device(device)
@@ -508,6 +620,9 @@ def main(device: torch.device, out: TextIO, progress: Callable[[str], None] = la
     if tiny is None:
         tiny = device.type != "cuda"
     rows = run(device, TINY if tiny else REAL, progress)
+    long = LONG_TINY if tiny else LONG_REAL
+    progress(f"{long.name}: long sequences")
+    long_sequences(long, build(long), Device(device), rows)
     print(format_rows(device, rows, tiny), file=out)
     return 1 if any(r.ok is False for r in rows) else 0
 

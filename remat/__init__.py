@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # loaded on first use
     from ._measure.track import Tracker as Tracker
     from ._measure.track import track as track
     from ._sites.cross_entropy import linear_cross_entropy as linear_cross_entropy
+    from ._sites.tiles import tiled as tiled
 
 __version__ = "0.1.0"
 __all__ = sorted(_public.names())

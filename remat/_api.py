@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ._measure import report as _measure_report
     from ._measure import track as _track
     from ._sites import cross_entropy as _cross_entropy
+    from ._sites import tiles as _tiles
 
 __all__ = ["Decorator", "Remat", "apply", "plan", "region", "remat", "undo"]
 
@@ -297,6 +298,7 @@ class Remat:
         checkpoint = staticmethod(_checkpoint.checkpoint)
         checkpoint_sequential = staticmethod(_checkpoint.checkpoint_sequential)
         linear_cross_entropy = staticmethod(_cross_entropy.linear_cross_entropy)
+        tiled = staticmethod(_tiles.tiled)
         is_enabled = staticmethod(_switch.is_enabled)
         set_enabled = staticmethod(_switch.set_enabled)
         enabled = staticmethod(_switch.enabled)

@@ -19,14 +19,26 @@ from torch import nn
 
 import remat
 
+from ._core.errors import RematError
 from ._demo import CONVNET_SIZES, GPT, GPT_SIZES, ConvNet, ConvNetConfig, GPTConfig, human_count, parameter_count
 from ._estimate.estimate import DEFAULT_CONFIGS
 
-__all__ = ["DTYPES", "HF_KINDS", "SEED", "Case", "bench_case", "hf_case", "main"]
+__all__ = ["DTYPES", "HF_KINDS", "LONG_CONFIGS", "SEED", "Case", "bench_case", "hf_case", "main"]
 
 SEED = 1234
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_KINDS = ("llama", "gpt2", "t5", "bert")
+LONG_CONFIGS = ("none", "full", "save_matmuls", "full+head", "full+head+tiles", "full+head+tiles+offload")
+"""What ``--largest-seq`` compares: NOTE [ Long-sequence configurations ] in remat/_estimate/long_sequences.py (the
+offload row where the device is an accelerator: on the CPU offload is a pass-through)."""
+HF_MISSING = "remat: --hf builds a model from transformers, which is not installed: pip install 'remat[hf]'"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage error on one line (and exits with status 2), as every error of the command does."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 @dataclass
@@ -128,7 +140,7 @@ def hf_case(kind: str, *, layers: int | None = None, hidden: int | None = None, 
 def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
     """Run ``python -m remat estimate`` with ``argv`` (after the word ``estimate``); return the exit status."""
     out = stdout or sys.stdout
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m remat estimate",
         description="Predict the memory of one training step per remat configuration, without allocating it "
         "(remat.estimate on fake tensors; models are built on the meta device).",
@@ -149,7 +161,11 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
                         "without a GPU: it predicts torch.cuda.max_memory_allocated)")
     parser.add_argument("--memory", help="device memory (e.g. 80GiB, --hf): also print the largest batch whose "
                         "step fits in it per configuration")
-    parser.add_argument("--largest-seq", action="store_true", help="with --memory: also the largest sequence length")
+    parser.add_argument("--largest-seq", action="store_true", help="with --memory: also the longest sequence per "
+                        "configuration (at --batch), for the configurations that matter at long sequences by default "
+                        f"({', '.join(LONG_CONFIGS)}; the offload row on an accelerator)")
+    parser.add_argument("--configs", help="comma-separated configurations to compare (none, full, save_matmuls, "
+                        "full+head, full+head+tiles, full+head+tiles+offload, a budget such as 0.3 or 6GiB)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
     parser.add_argument("--world-size", type=int, help="predict one rank of this many data-parallel ranks")
     parser.add_argument("--shard", choices=["fsdp2", "ddp"], help="with --world-size: fsdp2, as if fully_shard "
@@ -166,6 +182,37 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
     ranks: dict[str, Any] = {"world_size": args.world_size, "shard": args.shard} if args.world_size else {}
     if args.shard and not args.world_size:
         parser.error("--shard goes with --world-size")
+    try:
+        return _run(args, search, optimizer, ranks, out)
+    except ModuleNotFoundError as error:
+        if args.hf and error.name is not None and error.name.split(".")[0] == "transformers":
+            print(HF_MISSING, file=sys.stderr)
+            return 2
+        raise
+    except (ValueError, TypeError, RematError, OSError) as error:  # one line, as a usage error is
+        message = " ".join(str(error).split())
+        print(message if message.startswith("remat: ") else f"remat: {message}", file=sys.stderr)
+        return 1
+
+
+def _configs(args: argparse.Namespace) -> tuple[Any, ...]:
+    if args.configs:
+        return tuple(_config(part.strip()) for part in args.configs.split(",") if part.strip())
+    if args.largest_seq:
+        return tuple(c for c in LONG_CONFIGS if "offload" not in c or torch.device(args.device).type != "cpu")
+    return tuple(DEFAULT_CONFIGS)  # a budget this model cannot meet: a refused row
+
+
+def _config(text: str) -> Any:
+    """A configuration as given on the command line: a fraction is a number, the rest strings."""
+    try:
+        return float(text) if "." in text and not text.lower().endswith("b") else text
+    except ValueError:
+        return text
+
+
+def _run(args: argparse.Namespace, search: dict[str, Any], optimizer: str | None, ranks: dict[str, Any],
+         out: TextIO) -> int:
     if args.hf:
         cases = [hf_case(args.hf, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                          batch=args.batch, dtype=DTYPES[args.dtype])]
@@ -173,9 +220,9 @@ def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
         cases = [bench_case(name, args.size, device="meta") for name in ([args.model] if args.model
                                                                         else ["gpt", "convnet"])]
     reports = []
+    configs = _configs(args)
     for case in cases:
         start = time.perf_counter()
-        configs: tuple[Any, ...] = tuple(DEFAULT_CONFIGS)  # a budget this model cannot meet: a refused row
         report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
                                 configs=configs, device=args.device, **ranks, **search)
         print(f"{case.name}: estimated in {time.perf_counter() - start:.1f} s", file=out)

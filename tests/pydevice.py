@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["COUNT", "DEVICE", "NAME", "register", "stream_states"]
+__all__ = ["COUNT", "DEVICE", "NAME", "fused_attention", "register", "stream_states"]
 
 NAME = "remat_test"
 COUNT = 2
@@ -460,3 +460,35 @@ def register() -> None:
         kernels.impl("_copy_from", _copy_from, "PrivateUse1")
         kernels.impl("resize_", _resize_, "PrivateUse1")
         _libraries.extend((fallback, kernels))
+
+
+# -- attention in one kernel, for transformers models -----------------------------------------------------------
+
+FUSED_ATTENTION = "remat_test_fused"
+
+
+def fused_attention() -> str:
+    """Register, for transformers models, an attention that runs the CPU's fused kernel on this device, and return
+    its name (a config's `attn_implementation`).
+
+    `F.scaled_dot_product_attention` picks its kernel through a dispatch stub that a device written in Python cannot
+    fill, so on this device it takes torch's math path, whose attention weights grow with the square of the
+    sequence; a GPU runs a fused kernel, which keeps per token only its output and log-sum-exp. This attention calls
+    the kernel the CPU's SDPA picks (`_scaled_dot_product_flash_attention_for_cpu`, causal, keys and values with
+    fewer heads as they come), which the fallback runs on the device's memory, and the mask transformers gives SDPA.
+    """
+    import transformers
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if attention_mask is not None:
+            raise ValueError("the fused attention of tests/pydevice.py takes causal batches without padding")
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout, True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    transformers.AttentionInterface.register(FUSED_ATTENTION, attention)
+    AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)
+    return FUSED_ATTENTION

@@ -48,7 +48,7 @@ def test_the_package_lists_its_imports() -> None:
         assert getattr(remat, name) is not None
         assert entry.lazy == (name in {"chain", "Chain", "solve", "Plan", "StageCost", "estimate", "EstimateReport",
                                        "ConfigEstimate", "track", "Tracker", "measure", "Report", "Measurement",
-                                       "linear_cross_entropy"}), name
+                                       "linear_cross_entropy", "tiled"}), name
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

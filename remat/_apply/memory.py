@@ -33,7 +33,7 @@ from .._core.errors import BudgetError
 from .._core.requests import MemoryRequest
 from .._core.units import format_bytes
 from .._estimate.estimate import estimate
-from .._estimate.head import HEAD
+from .._estimate.long_sequences import HEAD
 from .._estimate.phases import OPTIMIZER
 from .._estimate.predict import OptimizerLike
 from .._estimate.report import ConfigEstimate

@@ -67,6 +67,7 @@ __all__ = [
     "local_tensor",
     "graph_exec_group",
     "graph_task_id",
+    "graph_task_keeps_graph",
     "host_bytes",
     "in_optimizer_step",
     "pop_saved_hooks",
@@ -128,6 +129,18 @@ def _no_exec_group() -> None:
 # each backward is its own group (the graph task id keys the store): what `GraphExecGroup` would share between
 # the backwards of one group is recomputed per backward instead.
 graph_exec_group: Callable[[], Any] = getattr(_C, "_get_graph_exec_group", _no_exec_group)
+
+
+def _keeps_graph_unknown() -> None:
+    return None
+
+
+# torch-compat: `_autograd._get_current_graph_task_keep_graph` (whether the running backward keeps the graph:
+# `retain_graph`, `create_graph`), newer than 2.4. Without it (None: not known) a tiled call holds what its backward
+# needed until that backward ends, not only until its node ran (remat/_engine/tiles.py, NOTE [ Tiles ]).
+graph_task_keeps_graph: Callable[[], bool | None] = getattr(
+    _autograd, "_get_current_graph_task_keep_graph", _keeps_graph_unknown
+)
 
 # Present in 2.4: `torch.set_grad_enabled` calls it; the raw form skips the context manager object.
 set_grad_enabled: Callable[[bool], None] = _C._set_grad_enabled

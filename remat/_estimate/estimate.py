@@ -27,8 +27,8 @@ from .._measure import sharded as _sharded
 from .._measure.fake import resolve_device
 from .._sites import targets as _targets
 from .._sites.integrations import engine_of
-from .head import split_head, with_head
 from .largest_batch import searches
+from .long_sequences import HostOffload, split_extras, with_extras
 from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
 from .report import EstimateReport
 from .reserve import headroom_bytes
@@ -84,11 +84,15 @@ def is_budget(config: Any) -> bool:
 _NAMED: dict[str, Policy | None] = {"none": None, "full": Policy(), "save_matmuls": save_matmuls}
 
 
-def _configured(model: nn.Module, config: Any, where: Where | None) -> Configured:
+def _configured(model: nn.Module, config: Any, where: Where | None, offload: Any = False) -> Configured:
     """How to apply one configuration; argument errors are raised here, before any step runs."""
-    base, head = split_head(config)
-    if head and base in ("full", "save_matmuls"):  # the chunked head too: remat/_estimate/head.py
-        return with_head(model, _configured(model, base, where), config)
+    base, extras = split_extras(config)
+    if extras:  # the head, tiles, per-block offload: NOTE [ Long-sequence configurations ]
+        if base not in ("full", "save_matmuls"):
+            raise ValueError(f"remat: estimate's configuration {config!r} adds to {base!r}; the head, tiles and "
+                             "offload add to 'full' or 'save_matmuls'.")
+        offloaded = HostOffload() if "offload" in extras else False
+        return with_extras(model, _configured(model, base, where, offloaded), config, extras, where)
     if isinstance(config, bool) or config is None:
         raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
                         f"budget, but got {config!r}.")
@@ -119,7 +123,7 @@ def _configured(model: nn.Module, config: Any, where: Where | None) -> Configure
     if not (isinstance(policy, Policy) or callable(policy)):
         raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
                         f"budget, but got `{type(config).__name__}`.")
-    options = Options(policy=policy)
+    options = Options(policy=policy, offload=offload)
     _targets.select(model, where)  # no blocks, or a `where` that matches nothing: raise now
 
     @contextlib.contextmanager
@@ -171,11 +175,12 @@ def estimate(
         optimizer: None (no optimizer step), "sgd" (momentum 0.9), "adam", "adamw", an optimizer class, or a
             callable from the list of trainable parameters to an optimizer.
         configs: what to compare: "none" (remat switched off: every site but those forced on with
-            `enabled=True`), "full" and "save_matmuls" (on the blocks
-            `remat.apply(model)` picks, or `where`), "full+head" and "save_matmuls+head" (the same, and a Hugging
-            Face causal LM's loss in chunks, as `remat.apply(model, head=True)`), a `remat.policies` policy, or a
-            budget (bytes, "1.5GiB", a fraction of no remat's step peak) for the planner of `remat.apply(model,
-            budget=...)`, which routes
+            `enabled=True`), "full" and "save_matmuls" (on the blocks `remat.apply(model)` picks, or `where`),
+            "full+head" and "save_matmuls+head" (the same, and a Hugging Face causal LM's loss in chunks, as
+            `remat.apply(model, head=True)`), with "+tiles" (or "+tiles=N") the blocks' token-wise modules in tiles
+            (`remat.tiled`) and with "+offload" what each block keeps on the host (`offload=True`; on an
+            accelerator), as in "full+head+tiles+offload", a `remat.policies` policy, or a budget (bytes, "1.5GiB",
+            a fraction of no remat's step peak) for the planner of `remat.apply(model, budget=...)`, which routes
             the head where only that fits. Default: ("none", "full", "save_matmuls", 0.3), the budget only where
             that planner exists.
         where: which blocks the configurations rematerialize, as for `remat.apply`.

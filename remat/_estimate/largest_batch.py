@@ -12,15 +12,26 @@ Rules:
    (a refused row) does not fit. Sizes are capped at `CAP`.
 3. With ``seq_dim`` the same search runs along the sequence at the sample's batch size.
 
+4. Where the step's peak is affine in the size (wherever no tensor grows with its square: attention that keeps
+   no sequence x sequence tensor, no materialized mask), a few estimates give the answer, not a search: each phase's
+   peak (forward, backward, the optimizer step) lies on a line, the answer is where the first of them reaches
+   ``memory``, and one estimate at that size checks it. Where the check fails, the lines are drawn again through
+   the last two sizes; where it keeps failing (a peak that is not affine), the bisection of rule 2 runs from
+   there. The answer is then exact to within `TOLERANCE` of itself.
+
 Implementation notes:
-1. (rule 2) The search is a bisection: from a first guess it doubles its step until one size fits and the next
-   does not bracket the answer, then halves the bracket; a bad guess costs a few more estimates.
-2. (rule 2) The first guess extrapolates each phase's peak on the line through the sample's size and twice it,
-   and takes the size where the first of them reaches ``memory``: a step's peak is the largest of several lines
-   (early in backward the activations dominate, late in backward the gradients, the optimizer step holds no
-   activations), and at small sizes the steep one is often not yet the highest, so extrapolating the whole step's
-   peak (flat there) guesses far too high. Forward's peak is one such line, and backward's early peak lies just
-   above it, so the guess is near.
+1. (rule 2) The bisection doubles its step from a first guess until one size fits and the next does not bracket
+   the answer, then halves the bracket; a bad guess costs a few more estimates.
+2. (rule 4) The lines: a step's peak is the largest of several lines (early in backward the activations dominate,
+   late in backward the gradients, the optimizer step holds no activations), and at small sizes the steep one is
+   often not yet the highest, so extrapolating the whole step's peak (flat there) guesses far too high; the peak
+   of each phase is followed instead. Within a phase the moment that peaks can change with the size too (the end
+   of backward, with the gradients, at small sizes; its start, with every block's kept input, at large ones): the
+   line through the sample's size and twice it then falls short of the peak at the answer, which the check sees
+   (the peak there is off the line), and the next lines are drawn through sizes near the answer.
+3. (rule 4) The check accepts a size that fits whose phase peaks lie on the lines within `TOLERANCE` of the
+   size's own growth (the bytes its peak adds over the sample's): the lines then put the next size over
+   ``memory``, and the true answer is within that tolerance of it.
 """
 
 from __future__ import annotations
@@ -38,10 +49,17 @@ from .._measure.fake import map_sample
 from .predict import Configured, Refine
 from .report import ConfigEstimate
 
-__all__ = ["CAP", "largest", "largest_sizes", "resized", "searches", "size_along"]
+__all__ = ["CAP", "ROUNDS", "TOLERANCE", "largest", "largest_sizes", "resized", "searches", "size_along"]
 
 CAP = 1 << 20
 """The largest size searched for."""
+
+TOLERANCE = 0.01
+"""How far off its lines a checked size's peak may be, as a share of its growth (NOTE [ Searching the largest
+batch ], implementation note 3)."""
+
+ROUNDS = 3
+"""How many times the lines are drawn again before the bisection takes over (rule 4)."""
 
 
 def resized(sample: Any, dim: int, old: int, new: int) -> Any:
@@ -105,41 +123,87 @@ def largest(fits: Callable[[int], bool], guess: int, cap: int = CAP) -> int:
 def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int,
             run: Callable[[Any], ConfigEstimate]) -> int:
     size = size_along(sample, dim, "dim")  # checked by `estimate` before any step runs
+    seen: dict[int, ConfigEstimate | None] = {size: None if row.refused is not None else row}
 
     def at(n: int) -> ConfigEstimate | None:
-        try:
-            got = row if n == size else run(resized(sample, dim, size, n))
-        except BudgetError:
-            return None
-        return None if got.refused is not None else got
+        if n not in seen:
+            try:
+                got: ConfigEstimate | None = run(resized(sample, dim, size, n))
+            except BudgetError:
+                got = None
+            seen[n] = None if got is None or got.refused is not None else got
+        return seen[n]
 
     def fits(n: int) -> bool:
         got = at(n)
         return got is not None and got.peak_bytes <= memory
 
-    twice = at(2 * size) if fits(size) else None
-    return largest(fits, _guess(row, twice, size, memory) if twice is not None else size)
+    if not fits(size):
+        return largest(fits, size)
+    found = _affine(at, fits, size, memory)
+    if found is not None:
+        return found
+    return largest(fits, max(n for n in seen if fits(n)))  # rule 2, from the largest size seen to fit
 
 
-def _guess(row: ConfigEstimate, twice: ConfigEstimate, size: int, memory: int) -> int:
-    """The largest size at which every phase's peak, extrapolated on the line through ``size`` and twice it,
-    stays within ``memory`` (NOTE [ Searching the largest batch ]).
+def _affine(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], bool], size: int,
+            memory: int) -> int | None:
+    """The answer of NOTE [ Searching the largest batch ], rule 4, or None where the peak is not affine enough."""
+    first, second = size, min(2 * size, CAP)
+    for _ in range(ROUNDS):
+        low, high = at(first), at(second)
+        if low is None or high is None or second == first:
+            return None
+        lines = _lines(low, first, high, second)
+        guess = _crossing(lines, memory)
+        if guess is None:  # no phase grows: as large as searched for, if it fits there
+            return CAP if fits(CAP) else None
+        guess = max(1, min(guess, CAP))
+        got = at(guess)
+        if guess != size and got is not None and got.peak_bytes <= memory and _on_lines(got, guess, lines, at(size)):
+            return guess
+        first, second = (second, guess) if guess != second else (first, guess)
+    return None
 
-    >>> one = ConfigEstimate("full", "full", 0, 0, 0, 0, 0, 0, 60, phase_bytes={"forward": 30, "backward": 60})
-    >>> two = dataclasses.replace(one, phase_bytes={"forward": 40, "backward": 61})
-    >>> _guess(one, two, 1, 100)  # forward's line (20 + 10 a size) reaches 100 first, at 8; backward's at 41
+
+_Line = tuple[float, float]  # bytes at size 0, bytes per unit of size
+
+
+def _phases(row: ConfigEstimate) -> dict[str, int]:
+    return dict(row.phase_bytes) if row.phase_bytes else {"step": row.peak_bytes}
+
+
+def _lines(low: ConfigEstimate, first: int, high: ConfigEstimate, second: int) -> dict[str, _Line]:
+    """Each phase's peak on the line through two sizes (implementation note 2)."""
+    a, b = _phases(low), _phases(high)
+    lines = {}
+    for phase in a.keys() & b.keys():
+        slope = (b[phase] - a[phase]) / (second - first)
+        lines[phase] = (a[phase] - slope * first, slope)
+    return lines
+
+
+def _crossing(lines: dict[str, _Line], memory: int) -> int | None:
+    """The largest size at which no growing line exceeds ``memory``; None when none grows.
+
+    >>> _crossing({"forward": (20.0, 10.0), "backward": (59.0, 1.0)}, 100)  # forward reaches 100 first, at 8
     8
     """
-    phases = {phase: (row.phase_bytes[phase], twice.phase_bytes[phase])
-              for phase in row.phase_bytes if phase in twice.phase_bytes} or {
-        "step": (row.peak_bytes, twice.peak_bytes)}
-    guess = None
-    for first, second in phases.values():
-        slope = (second - first) / size
+    found = None
+    for start, slope in lines.values():
         if slope > 0:
-            at_most = size + int((memory - first) // slope)
-            guess = at_most if guess is None else min(guess, at_most)
-    return size if guess is None else guess
+            at_most = int((memory - start) // slope)
+            found = at_most if found is None else min(found, at_most)
+    return found
+
+
+def _on_lines(got: ConfigEstimate, n: int, lines: dict[str, _Line], sample_row: ConfigEstimate | None) -> bool:
+    """Whether each phase's peak at ``n`` is on its line within `TOLERANCE` of the growth since the sample's size
+    (implementation note 3)."""
+    phases = _phases(got)
+    growth = max(1, got.peak_bytes - (sample_row.peak_bytes if sample_row is not None else 0))
+    return all(abs(phases[phase] - (start + slope * n)) <= TOLERANCE * growth
+               for phase, (start, slope) in lines.items() if phase in phases)
 
 
 def largest_sizes(sample: Any, memory: int, batch_dim: int | None, seq_dim: int | None) -> Refine:

@@ -193,9 +193,12 @@ def peak_lines(rows: Sequence[Any], memory: int | None, headroom: int = 0) -> li
             lines.append(f"{row.label}: refused on this sample{least}")
     if memory is not None:
         for row in rows:
+            room = f" ({format_bytes(headroom)} left to the allocator)" if headroom else ""
             if row.largest_batch is not None:
                 seq = f", sequence length {row.largest_seq}" if row.largest_seq is not None else ""
-                room = f" ({format_bytes(headroom)} left to the allocator)" if headroom else ""
                 fits = f"largest batch that fits in {format_bytes(memory)}{room}"
                 lines.append(f"{row.label}: {fits}: {row.largest_batch}{seq}")
+            elif row.largest_seq is not None:
+                lines.append(f"{row.label}: longest sequence that fits in {format_bytes(memory)}{room} at the "
+                             f"sample's batch size: {row.largest_seq}")
     return lines

@@ -295,6 +295,10 @@ def undo(module: _M) -> _M:
         raise TypeError(f"remat: undo expects an nn.Module, but got `{type(module).__name__}`.")
     for submodule in module.modules():
         remove_hooks(submodule)
+        if "forward" in submodule.__dict__:  # a tiled module's own forward: NOTE [ What is tiled ] in tiles.py
+            from .tiles import untile
+
+            untile(submodule)
     return module
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from benchmarks.cli import main
-from benchmarks.gpu_check import BUDGETS, CONFIGS, TINY, UNIFORM
+from benchmarks.gpu_check import BUDGETS, CONFIGS, LONG_CONFIGS, LONG_TINY, TINY, UNIFORM
 
 pytestmark = pytest.mark.slow  # the GPU check's every row at tiny sizes: NOTE [ Slow tests ] in tests/conftest.py
 
@@ -45,4 +45,8 @@ def test_the_gpu_check_runs_every_row_at_tiny_sizes_on_the_cpu() -> None:
                 planned_somewhere = True
         assert sum("memory=" in row for row in rows) == len(shape.memory)
     assert planned_somewhere, "no budget was planned: the plan-time rows went untested"
+    long = [line for line in lines if line.startswith(LONG_TINY.name)]  # NOTE [ What the GPU check measures ], rule 6
+    for label in LONG_CONFIGS:
+        assert any(f"long: {label}  " in row and "KiB/token" in row for row in long), (label, text)
+    assert any("4x transformers' longest" in row for row in long), text
     assert lines[-1].startswith("every check holds")

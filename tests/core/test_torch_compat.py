@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NEWER = [
     "torch._C._get_graph_exec_group",
     "torch._C._autograd._top_saved_tensors_default_hooks",
+    "torch._C._autograd._get_current_graph_task_keep_graph",
     "torch._C._is_any_autocast_enabled",
     "torch._C._storage_id",
     "torch._C._accelerator_getAccelerator",
@@ -94,6 +95,11 @@ for (name, a), b in zip(plain.state_dict().items(), remade.state_dict().values()
     assert_close(a, b, msg=name)  # running statistics updated once
 for a, b in zip(plain.parameters(), remade.parameters()):
     assert_close(a.grad, b.grad)
+
+before = stats.tiles  # token-wise work in tiles (remat/_engine/tiles.py)
+expected = grads(lambda: (x @ w).tanh())
+assert_close(grads(lambda: remat.tiled(lambda t: (t @ w).tanh(), x, dim=0, tiles=3)), expected)
+assert stats.tiles == before + 3
 print("ok")
 """
 

@@ -392,9 +392,9 @@ def test_cli_prints_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["estimate", "--hf", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
                  "--optimizer", "sgd", "--memory", "64MiB", "--largest-seq"]) == 0
     out = capsys.readouterr().out
-    # none, full, save_matmuls; the budget row is left out where no plan fits a one-layer model (the CLI says so)
-    rows = out.count("largest batch that fits in 64.00 MiB")
-    assert rows == 4 or (rows == 3 and "smallest feasible budget" in out), out
-    assert "sequence length" in out
+    # the configurations of long sequences: none, full, save_matmuls, full+head, full+head+tiles (offload on an
+    # accelerator only)
+    assert out.count("largest batch that fits in 64.00 MiB") == 5, out
+    assert out.count("sequence length") == 5 and "full+head+tiles: largest batch" in out, out
     with pytest.raises(SystemExit):
         main(["estimate", "--memory", "64MiB"])  # the benchmark's models: --hf only

@@ -1,0 +1,319 @@
+"""Token-wise work in tiles: forward keeps the input only; backward rebuilds and differentiates one tile at a time.
+
+See NOTE [ Tiles ]. The public form (`remat.tiled`) and the choice of what to tile live in remat/_sites/tiles.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.errors import BUG, RematError
+from .._core.torch_compat import graph_task_keeps_graph, top_saved_hooks, tree_leaves
+from . import stats as _stats
+from .autocast import AutocastState
+from .modes import Mode
+from .rng import RngStash, devices_of
+
+__all__ = ["spans", "tiles"]
+
+# NOTE [ Tiles ]
+# A module whose output at each position depends only on that position's input (an MLP, a gated MLP, a norm) makes
+# intermediates several times the size of its input (a transformer's MLP: three or four tensors, each several times
+# as wide), and full remat of the block around it holds them all while the block's backward runs. Run over the
+# positions in tiles, only one tile's intermediates are ever alive.
+#
+# Rules:
+# 1. `tiles(fn, x, dim, count)` returns fn(x) for a token-wise `fn`: forward calls fn on one tile of `x` along
+#    `dim` at a time, without a graph, and writes each tile's output into the output; it keeps `x` only. Backward
+#    calls fn on one tile at a time again, with a graph, differentiates it and frees it before the next tile.
+#    Tiles are independent, so the values are those of one call (up to the order of float sums inside a kernel).
+# 2. The gradients of `x` and of every tensor that requires grad and that fn reads (a module's parameters, a
+#    tensor in a closure) are made once: summed over the tiles (in float32 at least) and returned as the tiled
+#    call's own gradients, so a parameter's gradient is accumulated once per backward, as without tiles, and hooks
+#    on it (DDP's and FSDP2's reductions, ZeRO's gradient hooks) fire once.
+# 3. `x` is kept as autograd keeps a saved tensor: handed to the saved-tensor hooks in force (an enclosing remat
+#    site, `save_on_cpu`, an offload block), and fetched back through them in backward. It is handed over before
+#    the first tile runs, so the recompute of an enclosing remat site that needs nothing after it stops there
+#    (early stop) without running fn again. Outside any hooks it is kept by reference, and a change in place
+#    before backward raises as autograd's own check does.
+# 4. Random ops inside fn (dropout) draw per tile, as calls of fn on each tile in turn would (so not the masks of
+#    one untiled call); backward runs the tiles in forward's order from forward's RNG state, so each tile draws
+#    again what it drew in forward, and the caller's RNG stream is put back after. Backward's calls run under
+#    forward's autocast state.
+# 5. The gradients of the tensors fn reads reach autograd as the node's own, after its backward: where module
+#    hooks gather parameters (FSDP2, ZeRO-3), the caller runs the tiled module's hooks once around the tiles, so the
+#    parameters are gathered once per forward (and per recompute) and once in backward, and released after their
+#    gradients are accumulated (remat/_sites/tiles.py, NOTE [ What is tiled ]).
+# 6. A second derivative (`create_graph=True`) goes through the tiles with every tile's graph kept.
+#
+# Implementation notes:
+# 1. (rule 2) Which tensors fn reads is seen on the first tile, which forward runs under a dispatch mode that
+#    notes every op argument requiring grad (a view stands for its base); they become inputs of the autograd
+#    function. fn must read the same tensors on every tile, as a token-wise function does.
+# 2. (rule 3) The first tile runs after `x` is handed over, outside the autograd function (it names the tensors
+#    the function takes); the rest run inside it.
+# 3. (rule 3) What backward needs (the kept `x`, fn, the reads) hangs on the node's context, which outlives the
+#    node's run: a handle of an enclosing site would keep that site's frame, and its inputs, alive for the rest of
+#    the backward (every block's input to the end of it, under full remat) and into the next step. So backward
+#    drops them as soon as it is done when the running backward does not keep the graph (no `retain_graph`), as
+#    autograd frees a node's saved tensors; where torch cannot say, an end-of-backward callback drops them once
+#    autograd freed the node's own.
+
+
+def spans(length: int, count: int) -> list[tuple[int, int]]:
+    """`(start, length)` of each tile: `count` tiles of `length` positions, as even as they can be.
+
+    >>> spans(10, 4)
+    [(0, 3), (3, 3), (6, 2), (8, 2)]
+    """
+    count = max(1, min(count, length))
+    size, extra = divmod(length, count)
+    out, start = [], 0
+    for index in range(count):
+        step = size + (1 if index < extra else 0)
+        out.append((start, step))
+        start += step
+    return out
+
+
+class _Reads(Mode):
+    """Notes every tensor requiring grad that an op reads, other than the tiled input (implementation note 1)."""
+
+    def __init__(self, skip: torch.Tensor) -> None:
+        super().__init__()
+        self.skip = skip
+        self.found: dict[int, torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for item in tree_leaves((args, kwargs)):
+            if isinstance(item, torch.Tensor) and item.requires_grad:
+                base = item._base if item._base is not None else item
+                if base is not self.skip:
+                    self.found.setdefault(id(base), base)
+        return func(*args, **(kwargs or {}))
+
+
+class _Kept:
+    """`x`, kept as autograd keeps a saved tensor (NOTE [ Tiles ], rule 3)."""
+
+    __slots__ = ("packed", "requires_grad", "tensor", "unpack", "version")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        hooks = top_saved_hooks(False)
+        self.requires_grad = x.requires_grad
+        self.tensor: torch.Tensor | None
+        if hooks is None:
+            self.tensor = x
+            self.version = x._version
+            self.packed: Any = None
+            self.unpack: Callable[[Any], torch.Tensor] | None = None
+        else:
+            self.tensor, self.version = None, 0
+            self.packed, self.unpack = hooks[0](x), hooks[1]
+
+    def get(self, site: str) -> torch.Tensor:
+        if self.unpack is not None:
+            return self.unpack(self.packed).detach()
+        tensor = self.tensor
+        assert tensor is not None
+        if tensor._version != self.version:
+            raise RematError(
+                f"remat: one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: the input of the tiled `{site}` (shape {list(tensor.shape)}) was at version "
+                f"{self.version} in forward and is at version {tensor._version} now. Don't modify it in place "
+                "between forward and backward (clone it first)."
+            )
+        return tensor.detach()
+
+
+class _Spec:
+    """What backward needs besides tensors; `release` drops what it holds once no backward can come (implementation
+    note 3)."""
+
+    __slots__ = ("autocast", "devices", "dim", "fn", "kept", "reads", "rng", "site", "spans")
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], dim: int, cuts: list[tuple[int, int]],
+                 site: str, kept: _Kept, devices: tuple[torch.device, ...]) -> None:
+        self.fn: Callable[[torch.Tensor], torch.Tensor] | None = fn
+        self.dim, self.spans, self.site = dim, cuts, site
+        self.kept: _Kept | None = kept
+        self.devices = devices
+        self.rng = RngStash.capture(devices)
+        self.autocast = AutocastState.capture(devices)
+        self.reads: tuple[torch.Tensor, ...] = ()
+
+    def release(self) -> None:
+        self.fn = self.kept = None
+        self.reads = ()
+
+
+def _release_when_freed(ctx: Any) -> None:
+    """At the end of a backward: if autograd freed the node's saved tensors (no `retain_graph`), free ours too."""
+    try:
+        saved = ctx._raw_saved_tensors  # raises once autograd freed them
+        del saved
+    except RuntimeError:
+        ctx.spec.release()
+
+
+def tiles(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    dim: int,
+    count: int,
+    *,
+    site: str,
+    module: nn.Module | None = None,
+) -> torch.Tensor:
+    """`fn(x)` computed over `count` tiles of `x` along `dim` (NOTE [ Tiles ]); `dim` is non-negative.
+
+    `module`: the module fn belongs to, whose parameters' devices the RNG state covers.
+
+    >>> lin = torch.nn.Linear(4, 4)
+    >>> x = torch.randn(2, 6, 4, requires_grad=True)
+    >>> torch.testing.assert_close(tiles(lin, x, 1, 3, site="lin"), lin(x))
+    """
+    cuts = spans(x.shape[dim], count)
+    start, length = cuts[0]
+    part = x.narrow(dim, start, length)
+    if not torch.is_grad_enabled():
+        first = fn(part)
+        _check(first, part, dim, site, 0)
+        return _rest(fn, x, first, dim, cuts, site)
+    kept = _Kept(x)  # rule 3: before any tile runs
+    spec = _Spec(fn, dim, cuts, site, kept, devices_of((x,), module))
+    with torch.no_grad(), _Reads(x._base if x._base is not None else x) as reads:
+        first = fn(part)
+    _check(first, part, dim, site, 0)
+    spec.reads = tuple(reads.found.values())
+    if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
+        return _rest(fn, x, first, dim, cuts, site)
+    out: torch.Tensor = _Tiled.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _check(out: Any, part: torch.Tensor, dim: int, site: str, index: int) -> None:
+    """A tile's output must be a tensor with the tile's positions along `dim`."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"remat: the tiled `{site}` returned `{type(out).__name__}` for tile {index}; tiles need a "
+                        "function that returns one tensor.")
+    if out.dim() != part.dim() or out.shape[dim] != part.shape[dim]:
+        raise RematError(
+            f"remat: the tiled `{site}` gave an output of shape {list(out.shape)} for a tile of shape "
+            f"{list(part.shape)} (tile {index}, dimension {dim}): a token-wise function keeps each position of "
+            f"dimension {dim}, since its output at a position depends only on that position's input. Tile only "
+            "such functions (an MLP, a norm), along the dimension of positions."
+        )
+
+
+def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: torch.Tensor, dim: int,
+          cuts: list[tuple[int, int]], site: str) -> torch.Tensor:
+    """The whole output, from the first tile's and the others computed now (without a graph)."""
+    if len(cuts) == 1:
+        return first
+    shape = list(first.shape)
+    shape[dim] = x.shape[dim]
+    out = first.new_empty(shape)
+    out.narrow(dim, 0, first.shape[dim]).copy_(first)
+    del first
+    with torch.no_grad():
+        for index, (start, length) in enumerate(cuts[1:], 1):
+            part = x.narrow(dim, start, length)
+            piece = fn(part)
+            _check(piece, part, dim, site, index)
+            out.narrow(dim, start, length).copy_(piece)
+            del piece
+    return out
+
+
+class _Tiled(torch.autograd.Function):
+    """The tiles as one autograd node: inputs `x`, the first tile's output (no gradient), the tensors fn reads."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: _Spec, x: torch.Tensor, first: torch.Tensor, *reads: torch.Tensor) -> torch.Tensor:
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward()  # none, but autograd marks them freed after a backward without `retain_graph`
+        assert spec.fn is not None
+        return _rest(spec.fn, x, first, spec.dim, spec.spans, spec.site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        spec: _Spec = ctx.spec
+        wanted: Sequence[bool] = ctx.needs_input_grad
+        if grad is None:
+            return (None,) * len(wanted)
+        if spec.kept is None or spec.fn is None:
+            raise RematError(f"remat: the tiled `{spec.site}` was asked for gradients after its graph was freed; "
+                             f"{BUG}.")
+        keeps = graph_task_keeps_graph()
+        if keeps is None:  # not known: implementation note 4
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_release_when_freed, ctx))
+        begun = time.perf_counter()
+        x = spec.kept.get(spec.site)
+        grads = _differentiate(spec, x, grad, wanted[1], wanted[3:])
+        del x
+        if keeps is False:  # no backward can come again: free what forward kept now, as autograd frees its own
+            spec.release()
+        _stats.add_recompute(time.perf_counter() - begun)
+        return (None, grads[0], None, *grads[1:])
+
+
+def _differentiate(spec: _Spec, x: torch.Tensor, grad: torch.Tensor, x_wanted: bool,
+                   reads_wanted: Sequence[bool]) -> list[torch.Tensor | None]:
+    """The gradients of `x` and of the reads, tile by tile (NOTE [ Tiles ], rules 2, 4 and 6)."""
+    create = torch.is_grad_enabled()  # a second derivative: every tile's graph is kept
+    dim, cuts = spec.dim, spec.spans
+    fn = spec.fn
+    assert fn is not None
+    reads = [t for t, want in zip(spec.reads, reads_wanted, strict=True) if want]
+    sums: list[torch.Tensor | None] = [None] * len(reads)
+    grad_x: torch.Tensor | None = x.new_empty(x.shape) if x_wanted and not create else None
+    pieces: list[torch.Tensor] = []
+    caller_rng = spec.rng.swap_in()
+    try:
+        for index, (start, length) in enumerate(cuts):
+            part = x.narrow(dim, start, length).detach().requires_grad_(x_wanted)
+            with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
+                out = fn(part)
+            _check(out, part, dim, spec.site, index)
+            _stats.add_tile()
+            inputs = ([part] if x_wanted else []) + reads
+            if not out.requires_grad or not inputs:
+                made: Sequence[torch.Tensor | None] = [None] * len(inputs)
+            else:
+                made = torch.autograd.grad(out, inputs, grad.narrow(dim, start, length), allow_unused=True,
+                                           create_graph=create)
+            del out
+            if x_wanted:
+                piece = made[0] if made[0] is not None else torch.zeros_like(part)
+                if grad_x is not None:
+                    grad_x.narrow(dim, start, length).copy_(piece)
+                else:
+                    pieces.append(piece)
+                del piece
+                made = made[1:]
+            for slot, g in enumerate(made):
+                if g is None:
+                    continue
+                total = sums[slot]
+                if total is None:
+                    sums[slot] = g if g.dtype.itemsize >= 4 or create else g.float()
+                elif create:
+                    sums[slot] = total + g
+                else:
+                    total.add_(g)
+            del made
+    finally:
+        caller_rng.apply()
+    if x_wanted and grad_x is None:
+        grad_x = torch.cat(pieces, dim)
+    out_reads = iter(None if s is None else s.to(t.dtype) for s, t in zip(sums, reads, strict=True))
+    return [grad_x, *(next(out_reads) if want else None for want in reads_wanted)]
+

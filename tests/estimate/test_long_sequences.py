@@ -1,0 +1,191 @@
+"""`remat.estimate` at long sequences (NOTE [ Long-sequence configurations ], NOTE [ Searching the largest batch ]):
+the head, tiles and per-block offload as configurations, each checked against a real step; the longest sequence
+from a few estimates where the peak is affine in the sequence, the bisection where it is not; and the command
+line's errors on one line.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat._estimate import largest_batch as _largest
+from remat._estimate.long_sequences import split_extras
+from remat._sites.tiles import tile_blocks
+
+WIDTH = 32
+
+
+class Block(nn.Module):
+    """A norm and a wide MLP over (batch, seq, width): its intermediates dominate a step's activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 8 * WIDTH), nn.GELU(), nn.Linear(8 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Quadratic(nn.Module):
+    """A block that keeps a seq x seq tensor (attention weights): its peak is not affine in the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = (self.proj(x) @ x.transpose(1, 2)).softmax(-1)
+        return x + weights @ x
+
+
+def stack(block: type[nn.Module] = Block, depth: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[block() for _ in range(depth)])
+
+
+def loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def real_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """The whole step's peak (parameters and the input included), gradients made by backward, no optimizer."""
+    before = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
+    for parameter in model.parameters():
+        parameter.grad = None
+    with remat.track() as tracker:
+        torch.autograd.backward(loss(model(x)))
+    return before + tracker.peak_bytes
+
+
+@pytest.fixture
+def probes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The sizes the search estimated, in order."""
+    seen: list[int] = []
+    resized = _largest.resized
+
+    def counted(sample: Any, dim: int, old: int, new: int) -> Any:
+        seen.append(new)
+        return resized(sample, dim, old, new)
+
+    monkeypatch.setattr(_largest, "resized", counted)
+    yield seen
+
+
+def test_configurations_parse_and_bad_ones_are_named() -> None:
+    assert split_extras("full+tiles+head") == ("full", {"tiles": 8, "head": 1})
+    assert split_extras("save_matmuls+offload+tiles=3") == ("save_matmuls", {"offload": 1, "tiles": 3})
+    for bad in ("full+tile", "full+tiles=0", "full+head+head", "full+head=2"):
+        with pytest.raises(ValueError, match="does not know the configuration"):
+            split_extras(bad)
+    with pytest.raises(ValueError, match="add to 'full' or 'save_matmuls'"):
+        remat.estimate(stack(), torch.randn(1, 64, WIDTH), loss=loss, configs=("none+tiles",))
+
+
+def test_tiles_are_estimated_as_a_real_step_runs_them() -> None:
+    x = torch.randn(1, 2048, WIDTH)
+    report = remat.estimate(stack(), x, loss=loss, configs=("full", "full+tiles", "full+tiles=16"),
+                            where=Block)
+    for config, tiles in (("full", 0), ("full+tiles", 8), ("full+tiles=16", 16)):
+        model = remat.apply(stack(), Block)
+        if tiles:
+            assert tile_blocks([(str(i), block) for i, block in enumerate(model)], tiles).tiled
+        measured = real_peak(model, x)
+        assert abs(report[config].peak_bytes / measured - 1) < 0.02, (config, report[config].peak_bytes, measured)
+    assert report["full+tiles"].peak_bytes < 0.8 * report["full"].peak_bytes
+    assert report["full+tiles=16"].peak_bytes < report["full+tiles"].peak_bytes
+
+
+def test_offload_is_estimated_as_it_runs_on_an_accelerator(test_device: str) -> None:
+    device = f"{test_device}:0"
+    x = torch.randn(1, 1024, WIDTH).to(device)
+    configs = ("full+tiles", "full+tiles+offload")
+    report = remat.estimate(stack(depth=6).to(device), x, loss=loss, configs=configs, where=Block, device=device)
+    for config in configs:
+        model = remat.apply(stack(depth=6).to(device), Block, offload="offload" in config)
+        tile_blocks([(str(i), block) for i, block in enumerate(model)], 8)
+        before = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
+        for parameter in model.parameters():
+            parameter.grad = None
+        with remat.track() as tracker:
+            torch.autograd.backward(loss(model(x)))
+        measured = before + tracker.peak(device)
+        assert abs(report[config].peak_bytes / measured - 1) < 0.05, (config, report[config].peak_bytes, measured)
+    assert report["full+tiles+offload"].peak_bytes < report["full+tiles"].peak_bytes - x.nbytes // 2
+    on_cpu = remat.estimate(stack(depth=6), x.cpu(), loss=loss, configs=configs, where=Block)
+    assert on_cpu["full+tiles"].peak_bytes == on_cpu["full+tiles+offload"].peak_bytes, "offload: a CPU pass-through"
+
+
+def test_longest_sequence_from_a_few_estimates_where_the_peak_is_affine(probes: list[int]) -> None:
+    memory = 8 * 2**20
+    x = torch.randn(1, 256, WIDTH)
+    report = remat.estimate(stack(), x, loss=loss, configs=("full+tiles",), where=Block, memory=memory,
+                            seq_dim=1)
+    longest = report["full+tiles"].largest_seq
+    assert longest is not None and longest > 4 * 256
+    assert len(probes) <= 4, f"a search, not a few estimates: {probes}"
+
+    def peak(seq: int) -> int:
+        model = remat.apply(stack(), Block)
+        tile_blocks([(str(i), block) for i, block in enumerate(model)], 8)
+        return real_peak(model, torch.randn(1, seq, WIDTH))
+
+    assert peak(longest) <= memory < peak(int(longest * 1.01) + 1)
+
+
+def test_the_search_falls_back_where_the_peak_is_not_affine(probes: list[int]) -> None:
+    memory = 4 * 2**20
+    x = torch.randn(1, 64, WIDTH)
+    report = remat.estimate(stack(Quadratic, depth=2), x, loss=loss, configs=("none",), memory=memory, seq_dim=1)
+    longest = report["none"].largest_seq
+    assert longest is not None and len(probes) > 4  # the lines did not hold: the bisection found it
+    model = stack(Quadratic, depth=2)
+    with remat.enabled(False):
+        assert real_peak(model, torch.randn(1, longest, WIDTH)) <= memory
+        assert real_peak(model, torch.randn(1, longest + 1, WIDTH)) > memory
+
+
+def test_the_command_line_reports_errors_on_one_line(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as where the `hf` extra is not installed
+    assert main(["estimate", "--hf", "llama"], io.StringIO()) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "remat: --hf builds a model from transformers, which is not installed: pip install " \
+                          "'remat[hf]'", err
+    monkeypatch.undo()
+    pytest.importorskip("transformers")
+    assert main(["estimate", "--hf", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
+                 "--configs", "full+wings"], io.StringIO()) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "does not know the configuration 'full+wings'" in err, err
+    with pytest.raises(SystemExit) as exited:
+        main(["estimate", "--largest-seq"], io.StringIO())
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--largest-seq goes with --memory" in err, err
+
+
+def test_the_command_line_compares_the_configurations_of_long_sequences() -> None:
+    pytest.importorskip("transformers")
+    from remat.__main__ import main
+
+    out = io.StringIO()
+    assert main(["estimate", "--hf", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "64",
+                 "--optimizer", "none", "--memory", "160MiB", "--largest-seq"], out) == 0
+    text = out.getvalue()
+    for config in ("none", "full", "save_matmuls", "full+head", "full+head+tiles"):
+        assert f"\n{config}: largest batch that fits in 160.00 MiB" in text, text
+    assert "offload" not in text  # a CPU pass-through: priced on an accelerator only
+    longest = {line.split(":")[0]: int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if "sequence length" in line}
+    assert longest["none"] < longest["full"] < longest["full+head"] <= longest["full+head+tiles"], longest

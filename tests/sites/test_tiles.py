@@ -1,0 +1,454 @@
+"""`remat.tiled` (docs/guides/long-sequences.md, NOTE [ Tiles ] and NOTE [ What is tiled ]): token-wise work over the
+positions in tiles, gradients equal to the untiled call's in float64, and proof that it ran in tiles: each tile's
+shape is seen by the function, backward's peak shrinks with the tile count, and an enclosing site's recompute does
+not run the tiles again.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_grads
+from torch import nn
+
+import remat
+from remat._engine import stats as _stats
+from remat._sites.tiles import TiledForward, not_token_wise, tile_blocks
+
+pytestmark = pytest.mark.usefixtures("float64_default")
+
+WIDTH, HIDDEN, SEQ = 8, 24, 12
+
+
+class GatedMLP(nn.Module):
+    """A Llama-style gated MLP that records the shape of every input it is called on."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.gate = nn.Linear(WIDTH, HIDDEN, bias=False)
+        self.up = nn.Linear(WIDTH, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, WIDTH)
+        self.drop = nn.Dropout(dropout)
+        self.seen: list[tuple[int, ...]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(tuple(x.shape))
+        return self.drop(self.down(F.silu(self.gate(x)) * self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: a norm, the MLP (tiled or not), the residual."""
+
+    def __init__(self, tiles: int | None = None, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mlp = GatedMLP(dropout)
+        self.tiles = tiles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        out = self.mlp(h) if self.tiles is None else remat.tiled(self.mlp, h, dim=1, tiles=self.tiles)
+        return x + out
+
+
+def inputs(batch: int = 2, seq: int = SEQ) -> tuple[torch.Tensor]:
+    return (torch.randn(batch, seq, WIDTH, generator=torch.Generator().manual_seed(3), requires_grad=True),)
+
+
+def tiled_call(tiles: int, dim: int = 1) -> Callable[[nn.Module], Callable[..., Any]]:
+    return lambda mlp: lambda x: remat.tiled(mlp, x, dim=dim, tiles=tiles)
+
+
+# -- the functional form ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tiles", [1, 3, 5, 12, 40])
+def test_tiled_gradients_equal_untiled_and_each_tile_ran_alone(tiles: int) -> None:
+    before = _stats.tiles
+    _, ours = assert_same_grads(GatedMLP, inputs(), tiled_call(tiles))
+    count = min(tiles, SEQ)
+    assert _stats.tiles - before == count
+    sizes = [shape[1] for shape in ours.target.seen]
+    assert len(sizes) == 2 * count, "forward and backward each call the MLP once per tile"
+    assert sum(sizes[:count]) == sum(sizes[count:]) == SEQ and max(sizes) == -(-SEQ // count)
+
+
+def test_tiles_shrink_backwards_peak_by_the_tile_count() -> None:
+    mlp = GatedMLP().float()
+    x = torch.randn(1, 4096, WIDTH, dtype=torch.float32, requires_grad=True)
+
+    def peak(tiles: int | None) -> int:
+        with remat.track() as tracker:
+            out = mlp(x) if tiles is None else remat.tiled(mlp, x, tiles=tiles)
+            out.sum().backward()
+        return tracker.peak_bytes
+
+    untiled, eight = peak(None), peak(8)
+    intermediates = 4 * 4096 * HIDDEN * 4  # gate, up, silu(gate), their product
+    assert untiled - eight > 0.6 * intermediates, (untiled, eight)
+
+
+def test_tiled_along_another_dimension_and_a_plain_function() -> None:
+    weight = torch.randn(WIDTH, WIDTH, requires_grad=True)
+
+    def make() -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: torch.tanh(x @ weight) * 2  # the closure's weight gets its gradient
+
+    x = torch.randn(SEQ, 3, WIDTH, requires_grad=True)
+    plain = torch.autograd.grad(make()(x).sum(), (x, weight))
+    ours = torch.autograd.grad(remat.tiled(make(), x, dim=0, tiles=4).sum(), (x, weight))
+    for expected, got in zip(plain, ours, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_extra_arguments_go_whole_to_every_tile() -> None:
+    scale = torch.randn(WIDTH, requires_grad=True)
+
+    def fn(x: torch.Tensor, scale: torch.Tensor, *, shift: float) -> torch.Tensor:
+        assert scale.shape == (WIDTH,)
+        return x * scale + shift
+
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    plain = torch.autograd.grad(fn(x, scale, shift=1.0).pow(2).sum(), (x, scale))
+    ours = torch.autograd.grad(remat.tiled(fn, x, scale, shift=1.0, tiles=3).pow(2).sum(), (x, scale))
+    for expected, got in zip(plain, ours, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_parameters_gradient_is_accumulated_once_per_backward() -> None:
+    mlp = GatedMLP()
+    calls = {name: 0 for name, _ in mlp.named_parameters()}
+    for name, param in mlp.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, name=name: calls.__setitem__(name, calls[name] + 1))
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    remat.tiled(mlp, x, tiles=4).sum().backward()
+    assert set(calls.values()) == {1}, calls
+
+
+def test_autograd_grad_on_parameters_and_a_subset() -> None:
+    mlp = GatedMLP()
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    params = list(mlp.parameters())
+    expected = torch.autograd.grad(mlp(x).pow(2).sum(), params)
+    got = torch.autograd.grad(remat.tiled(mlp, x, tiles=5).pow(2).sum(), params)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a)
+    assert x.grad is None and all(p.grad is None for p in params), "autograd.grad accumulates nothing"
+
+
+def test_double_backward_through_tiles() -> None:
+    mlp = GatedMLP()
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+
+    def penalty(out: torch.Tensor) -> torch.Tensor:
+        (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+        return grad.pow(2).sum()
+
+    expected = torch.autograd.grad(penalty(mlp(x)), list(mlp.parameters()))
+    got = torch.autograd.grad(penalty(remat.tiled(mlp, x, tiles=3)), list(mlp.parameters()))
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a)
+
+
+def test_retain_graph_backward_twice() -> None:
+    assert_same_grads(GatedMLP, inputs(), tiled_call(4), backward=lambda loss, leaves: (
+        loss.backward(retain_graph=True), [t.grad.zero_() for t in leaves if t.grad is not None], loss.backward()))
+
+
+def test_input_not_requiring_grad_and_frozen_parameters() -> None:
+    mlp = GatedMLP()
+    mlp.gate.weight.requires_grad_(False)
+    x = torch.randn(2, SEQ, WIDTH)
+    mlp(x).pow(2).sum().backward()
+    expected = {name: p.grad.clone() for name, p in mlp.named_parameters() if p.grad is not None}
+    mlp.zero_grad(set_to_none=True)
+    remat.tiled(mlp, x, tiles=4).pow(2).sum().backward()
+    got = {name: p.grad for name, p in mlp.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys() and "gate.weight" not in got
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad)
+
+
+def test_without_grad_the_call_is_tiled_and_equal() -> None:
+    mlp = GatedMLP()
+    x = torch.randn(2, SEQ, WIDTH)
+    with torch.no_grad():
+        expected = mlp(x)
+        mlp.seen.clear()
+        got = remat.tiled(mlp, x, tiles=4)
+    torch.testing.assert_close(got, expected)
+    assert [shape[1] for shape in mlp.seen] == [3, 3, 3, 3]
+
+
+def test_switch_off_is_the_plain_call() -> None:
+    mlp = GatedMLP()
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    with remat.enabled(False):
+        remat.tiled(mlp, x, tiles=4).sum().backward()
+    assert mlp.seen == [(2, SEQ, WIDTH)]
+
+
+# -- inside a rematerialized block --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_inside_a_rematerialized_block_whose_recompute_stops_before_the_tiles(strategy: str) -> None:
+    def variant(block: nn.Module) -> nn.Module:
+        block.tiles = 4
+        return remat(block, strategy=strategy)
+
+    before = _stats.tiles
+    _, ours = assert_same_grads(Block, inputs(), variant)
+    assert _stats.tiles - before == 4
+    # forward's four tiles and backward's four: the block's recompute stopped when the MLP's input was back
+    assert [shape[1] for shape in ours.target.mlp.seen] == [3] * 8
+
+
+def test_a_block_whose_recompute_needs_the_tiles_output_runs_them_again() -> None:
+    class PostNorm(Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(x + remat.tiled(self.mlp, x, dim=1, tiles=self.tiles or 1))
+
+    def variant(block: nn.Module) -> nn.Module:
+        block.tiles = 3
+        return remat(block)
+
+    _, ours = assert_same_grads(PostNorm, inputs(), variant)
+    assert [shape[1] for shape in ours.target.mlp.seen] == [4] * 9  # forward, recompute, backward
+
+
+def test_tiles_in_a_rematerialized_block_keep_the_peak_down() -> None:
+    def peak(tiles: int | None) -> int:
+        torch.manual_seed(0)
+        block = remat(Block(tiles).float())
+        x = torch.randn(1, 4096, WIDTH, dtype=torch.float32, requires_grad=True)
+        with remat.track() as tracker:
+            block(x).sum().backward()
+        return tracker.peak_bytes
+
+    intermediates = 4 * 4096 * HIDDEN * 4
+    assert peak(None) - peak(8) > 0.6 * intermediates
+
+
+def test_the_kept_input_goes_with_the_backward() -> None:
+    """What backward needs hangs on the graph's node: dropped once backward ran, not when the output goes."""
+    mlp = GatedMLP()
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    h = x * 2
+    kept = weakref.ref(h)
+    loss = remat.tiled(mlp, h, tiles=3).sum()
+    del h
+    gc.collect()
+    assert kept() is not None, "backward needs it"
+    loss.backward()
+    gc.collect()
+    assert kept() is None, "the tiles' input outlived backward while the loss is alive"
+    del loss
+
+
+def test_an_input_changed_in_place_before_backward_raises() -> None:
+    mlp = GatedMLP()
+    h = torch.randn(2, SEQ, WIDTH, requires_grad=True) * 1
+    out = remat.tiled(mlp, h, tiles=3)
+    with torch.no_grad():
+        h.mul_(2)
+    with pytest.raises(remat.RematError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# -- RNG and autocast ---------------------------------------------------------------------------------------
+
+
+def test_dropout_draws_per_tile_and_backward_draws_the_same_masks() -> None:
+    """The reference is the MLP called on each tile in turn without remat: same masks, same gradients, same RNG
+    state after backward."""
+
+    def per_tile(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: torch.cat([mlp(part) for part in x.split(4, dim=1)], dim=1)
+
+    def make() -> nn.Module:
+        return GatedMLP(dropout=0.5)
+
+    x = inputs()[0]
+    results = []
+    for wrap in (per_tile, lambda mlp: lambda t: remat.tiled(mlp, t, dim=1, tiles=3)):
+        torch.manual_seed(0)
+        mlp = make()
+        leaf = x.detach().clone().requires_grad_()
+        torch.manual_seed(1)
+        out = wrap(mlp)(leaf)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), leaf.grad, [p.grad for p in mlp.parameters()], torch.get_rng_state()))
+    (out_a, gx_a, gp_a, rng_a), (out_b, gx_b, gp_b, rng_b) = results
+    torch.testing.assert_close(out_b, out_a)
+    torch.testing.assert_close(gx_b, gx_a)
+    for a, b in zip(gp_a, gp_b, strict=True):
+        torch.testing.assert_close(b, a)
+    assert torch.equal(rng_a, rng_b)
+    assert (out_a == 0).any(), "dropout dropped something"
+
+
+def test_autocast_in_forward_is_autocast_in_backward() -> None:
+    mlp = GatedMLP().float()
+    dtypes: list[torch.dtype] = []
+    mlp.up.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    x = torch.randn(2, SEQ, WIDTH, dtype=torch.float32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = mlp(x)
+    expected.float().pow(2).sum().backward()
+    want = [x.grad.clone(), *(p.grad.clone() for p in mlp.parameters())]
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    dtypes.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = remat.tiled(mlp, x, tiles=4)
+    got.float().pow(2).sum().backward()
+    assert got.dtype == expected.dtype == torch.bfloat16
+    assert dtypes == [torch.bfloat16] * 8, "backward's calls ran under forward's autocast"
+    for a, b in zip(want, [x.grad, *(p.grad for p in mlp.parameters())], strict=True):
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+
+
+# -- the in-place form --------------------------------------------------------------------------------------
+
+
+def test_in_place_form_keeps_the_instance_and_undo_takes_it_off() -> None:
+    block = Block()
+    keys = list(block.state_dict())
+    mlp = block.mlp
+    assert remat.tiled(mlp, tiles=4) is mlp and type(mlp) is GatedMLP
+    assert list(block.state_dict()) == keys
+    x = inputs()[0]
+    _, ours = assert_same_grads(Block, inputs(), lambda block: remat.tiled(block.mlp, tiles=4) and block)
+    assert [shape[1] for shape in ours.target.mlp.seen] == [3] * 8
+    assert isinstance(mlp.__dict__["forward"], TiledForward)
+    remat.undo(block)
+    assert "forward" not in mlp.__dict__
+    mlp.seen.clear()
+    block(x)
+    assert mlp.seen == [tuple(x.shape)]
+
+
+def test_in_place_form_runs_the_modules_hooks_once_per_call() -> None:
+    mlp = remat.tiled(GatedMLP(), tiles=4)
+    calls: list[int] = []
+    mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
+    mlp(torch.randn(2, SEQ, WIDTH, requires_grad=True)).sum().backward()
+    assert len(calls) == 1 and len(mlp.seen) == 8
+
+
+def test_in_place_form_copies_pickles_and_keeps_its_signature() -> None:
+    import inspect
+
+    mlp = remat.tiled(GatedMLP(), tiles=4)
+    x = torch.randn(2, SEQ, WIDTH)
+    for other in (copy.deepcopy(mlp), pickle.loads(pickle.dumps(mlp))):
+        assert isinstance(other.__dict__["forward"], TiledForward)
+        other.seen.clear()
+        torch.testing.assert_close(other(x), mlp(x))
+        assert len(other.seen) == 4
+    assert list(inspect.signature(mlp.forward).parameters) == ["x"]
+    mlp.seen.clear()
+    mlp(x=x)  # the input by keyword
+    assert len(mlp.seen) == 4
+
+
+def test_in_place_form_under_a_site_and_retiled() -> None:
+    block = Block()
+    remat.tiled(block.mlp, tiles=4)
+    remat(block.mlp)  # a site over the tiled forward
+    remat.tiled(block.mlp, tiles=2)  # the same module tiled again: the new count
+    block.mlp.seen.clear()
+    block(inputs()[0]).sum().backward()
+    assert [shape[1] for shape in block.mlp.seen] == [6, 6, 6, 6]
+    remat.undo(block)
+    assert "forward" not in block.mlp.__dict__
+
+
+def test_compiled_runs_untiled_with_one_warning() -> None:
+    mlp = remat.tiled(GatedMLP(), tiles=4)
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    expected = torch.autograd.grad(GatedMLP.forward(mlp, x).pow(2).sum(), list(mlp.parameters()))
+    compiled = torch.compile(mlp, backend="eager")
+    with pytest.warns(UserWarning, match="runs untiled under torch.compile"):
+        got = torch.autograd.grad(compiled(x).pow(2).sum(), list(mlp.parameters()))
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a)
+    torch._dynamo.reset()
+
+
+# -- what is refused ----------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    mlp = GatedMLP()
+    x = torch.randn(2, SEQ, WIDTH)
+    with pytest.raises(ValueError, match=r"`tiles` must be a positive int .* got 0"):
+        remat.tiled(mlp, x, tiles=0)
+    with pytest.raises(ValueError, match=r"`tiles` must be a positive int"):
+        remat.tiled(mlp, tiles=True)
+    with pytest.raises(ValueError, match=r"was given dim=3, but its input has 3 dimensions"):
+        remat.tiled(mlp, x, dim=3, tiles=2)
+    with pytest.raises(TypeError, match="takes a tensor to tile"):
+        remat.tiled(mlp, [x], tiles=2)
+    with pytest.raises(TypeError, match="tiles a module in place"):
+        remat.tiled(torch.sin, tiles=2)
+
+
+@pytest.mark.parametrize("module", [
+    nn.MultiheadAttention(WIDTH, 2), nn.LSTM(WIDTH, WIDTH), nn.Conv1d(WIDTH, WIDTH, 3), nn.BatchNorm1d(WIDTH),
+], ids=["attention", "lstm", "conv", "batchnorm"])
+def test_modules_that_are_not_token_wise_are_refused(module: nn.Module) -> None:
+    with pytest.raises(ValueError, match="cannot run in tiles"):
+        remat.tiled(module, tiles=2)
+    with pytest.raises(ValueError, match="cannot run in tiles"):
+        remat.tiled(module, torch.randn(2, SEQ, WIDTH), tiles=2)
+
+
+def test_a_mixture_of_experts_is_refused() -> None:
+    class SparseMoeBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(WIDTH, 2)
+            self.experts = nn.ModuleList([GatedMLP(), GatedMLP()])
+
+    why = not_token_wise(SparseMoeBlock())
+    assert why is not None and "mixture of experts" in why
+    with pytest.raises(ValueError, match="mixture of experts"):
+        remat.tiled(SparseMoeBlock(), tiles=2)
+
+
+def test_an_output_that_reduces_over_positions_is_caught() -> None:
+    with pytest.raises(remat.RematError, match="a token-wise function keeps each position"):
+        remat.tiled(lambda x: x.sum(1, keepdim=True), torch.randn(2, SEQ, WIDTH, requires_grad=True), tiles=3)
+    with pytest.raises(TypeError, match="returned `tuple`"):
+        remat.tiled(lambda x: (x, x), torch.randn(2, SEQ, WIDTH, requires_grad=True), tiles=3)
+
+
+# -- the token-wise modules of blocks -----------------------------------------------------------------------
+
+
+def test_tile_blocks_finds_feed_forward_modules_and_skips_experts() -> None:
+    class Moe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList([GatedMLP()])
+
+    blocks = [Block(), Block()]
+    blocks[1].mlp = Moe()  # type: ignore[assignment]
+    report = tile_blocks([("layers.0", blocks[0]), ("layers.1", blocks[1])], 4)
+    assert report.tiled == ("layers.0.norm", "layers.0.mlp", "layers.1.norm")
+    assert [name for name, _ in report.skipped] == ["layers.1.mlp"]
+    assert "mixture of experts" in str(report)
+    report = tile_blocks([("b", Block())], 2, where=GatedMLP)
+    assert report.tiled == ("b.mlp",)
+    with pytest.raises(ValueError, match="cannot run in tiles"):
+        tile_blocks([("b", blocks[1])], 2, where=lambda name, module: name == "mlp")
