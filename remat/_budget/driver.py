@@ -154,11 +154,11 @@ class BudgetHook:
             with step.planning():
                 own = solved = self._solved(model, blocks, step, mode, self.budget)
                 if not own.fits and head.open:
-                    solved = self._with_head(head, model, blocks, step, mode, own.budget) or own
+                    solved = self._with_head(head, model, blocks, step, mode, own) or own
                 try:
                     assignment = self._verified(model, step, mode, solved)
                 except BudgetError:  # measured over where the prediction fitted: the head, if it is still open
-                    routed = self._with_head(head, model, blocks, step, mode, own.budget) if head.open else None
+                    routed = self._with_head(head, model, blocks, step, mode, own) if head.open else None
                     if routed is None:
                         raise
                     assignment = self._verified(model, step, mode, routed)
@@ -200,16 +200,17 @@ class BudgetHook:
         return Solved(measured, cost, from_rank_zero(assignment), fits)
 
     def _with_head(self, head: HeadChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
-                   mode: BudgetMode, budget: int) -> Solved | None:
+                   mode: BudgetMode, own: Solved) -> Solved | None:
         """Stages 1 to 3 again with the model's head routed, for the bytes the budget resolved to with the model's
-        own head (NOTE [ The head as a choice ], rule 1); None, the head put back, where that is no plan
-        (implementation note 2)."""
+        own head (`own`'s: NOTE [ The head as a choice ], rule 1); None, the head put back, where that is no plan
+        or no better a plan than `own` (implementation note 2)."""
         head.route()
         try:
-            routed: Solved | None = self._solved(model, blocks, step, mode, budget)
+            routed: Solved | None = self._solved(model, blocks, step, mode, own.budget)
         except Exception:
             routed = None
-        if routed is None or not head.ran():
+        if routed is None or not head.ran() or (
+                not routed.fits and routed.assignment.peak_bytes >= own.assignment.peak_bytes):
             head.take_back()
             return None
         return routed

@@ -38,8 +38,9 @@ __all__ = ["BY_BUDGET", "HeadChoice"]
 # 1. (rule 1) The driver solves the plan with the head routed for the bytes its budget resolved to on the costs
 #    with the model's own head; the budget itself is never changed, so a re-plan resolves a fraction again.
 # 2. (rule 1) A plan with the routed head whose profile made no chunk of logits (the sample has no `labels`, so the
-#    routed head never ran) or raised (a `loss=` that reads the logits) is no plan: the head is put back and the
-#    plan without it goes on (verified, or refused, on its own).
+#    routed head never ran) or raised (a `loss=` that reads the logits) is no plan, nor is one that does not fit
+#    either and is predicted to hold no less than the plan without it (logits small next to the blocks: rule 4):
+#    the head is put back and the plan without it goes on (verified, or refused, on its own).
 # 3. (rule 2) The bytes of a fractional budget with `head=True` are found by `own_step_bytes` in
 #    remat/_apply/drive.py, which needs the estimator (above this layer).
 
