@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.requests import Where
+from .._core.requests import TILES, Where
 from .._engine.offload import Offload
 from .._measure.fake import counted_on
 from .._sites import targets as _targets
@@ -44,8 +44,6 @@ __all__ = ["EXTRAS", "HEAD", "TILES", "HostOffload", "split_extras", "with_extra
 HEAD = "+head"
 """The suffix of a configuration whose step also computes the loss in chunks (`remat.apply(model, head=True)`)."""
 
-TILES = 8
-"""How many tiles "+tiles" takes without "=N"."""
 
 EXTRAS = ("head", "tiles", "offload")
 """The suffixes of rule 1."""
