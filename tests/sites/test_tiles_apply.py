@@ -80,7 +80,7 @@ def test_where_picks_the_blocks_whose_modules_are_tiled() -> None:
 
 def test_tiles_errors_name_what_was_expected_and_leave_the_model_alone() -> None:
     model = make()
-    with pytest.raises(ValueError, match="at least 1.*got 0"):
+    with pytest.raises(ValueError, match=r"at least 1.*got 0"):
         remat.apply(model, tiles=0)
     for wrong in ("8", 2.0):
         with pytest.raises(TypeError, match="`tiles` must be a count"):
@@ -92,3 +92,20 @@ def test_tiles_errors_name_what_was_expected_and_leave_the_model_alone() -> None
     with pytest.raises(ValueError, match="no token-wise module"):  # the blocks are the attentions: nothing to tile
         remat.apply(model, transformers.models.llama.modeling_llama.LlamaAttention, tiles=4)
     assert not remat.plan(model).tiles and not remat.plan(model).sites
+
+
+@pytest.mark.equivalence
+def test_gpt2s_mlp_which_flattens_its_input_with_view_runs_in_tiles_of_a_batch() -> None:
+    """A tile along the positions of a batch of several sequences is not contiguous; GPT-2's `Conv1D` flattens its
+    input with `view`, so each tile is handed over contiguous, as untiled."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    base = transformers.GPT2LMHeadModel(config).double().train()
+    expected = grads_of(copy.deepcopy(base), head=False)
+    model = remat.apply(copy.deepcopy(base), tiles=4)
+    tiles = _stats.tiles
+    grads = grads_of(model, head=False)
+    assert _stats.tiles - tiles == 2 * 3 * 4  # per layer: mlp, ln_1, ln_2
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, msg=lambda m, k=name: f"gradient of {k}: {m}")
