@@ -106,3 +106,13 @@ def test_the_plan_with_tiles_keeps_no_remats_gradients_and_a_replan_chooses_agai
         torch.testing.assert_close(p.grad, expected.grad, msg=lambda m, k=name: f"gradient of {k}: {m}")
     remat.apply(model, memory=4 * memory, sample=batch_, optimizer="adamw")  # room enough: the tiles go
     assert not tiles_of(model)
+
+
+def test_tiles_the_user_gives_are_planned_with_and_stay_the_users() -> None:
+    base = make()
+    estimated = peaks(base)
+    memory = (estimated["full+head+tiles"] + estimated["full+head"]) // 2
+    model = remat.apply(copy.deepcopy(base), memory=memory, sample=batch(), optimizer="adamw", head=True, tiles=8)
+    assert {(count, chosen) for _, count, chosen in tiles_of(model)} == {(8, None)}
+    remat.apply(model, memory=4 * memory, sample=batch(), optimizer="adamw")  # a re-plan leaves the user's tiles
+    assert len(tiles_of(model)) == 3 * LAYERS
