@@ -98,6 +98,7 @@ def apply(
     head: bool | None = None,
     compile: bool = False,
     headroom: float | int | str | None = None,
+    tiles: int | bool | None = None,
 ) -> _M:
     """Rematerialize every `every`-th submodule of `model` selected by `where`, in place.
 
@@ -145,11 +146,21 @@ def apply(
             model's own head, turned into bytes on `sample`). `None` (the default): only a `budget`/`memory`
             plan routes the head, and only where no plan fits without it (`remat.plan(model)` says so);
             `False`: never. `remat.undo` removes it.
+        tiles: run the token-wise modules of the blocks `where` selects over the sequence in this many tiles
+            (`remat.tiled`): on a Hugging Face model each decoder layer's MLP (as transformers names it:
+            `mlp`, `feed_forward`, ...) and the layer's own norms; a mixture of experts is skipped. Their
+            intermediates, which full remat holds while a block's backward runs, shrink by the count; the
+            gradients are those of the untiled modules. An int of at least 1, or `True` for 8. `None` (the
+            default): only a `budget`/`memory` plan tiles, with 8 tiles and only where no plan fits without
+            them (after the head: `remat.plan(model)` says so); `False`: never. Combines with `head=True` and
+            `offload=True`; `remat.undo` takes the tiles off.
 
     Raises:
         ValueError: when `where` matches no submodule (or, without `where`, no repeated blocks are found),
-            or `every` is not a positive int; with `head=True`, when the model has no head it can route (the
-            message says what it looked for).
+            or `every` is not a positive int; with `head=True`, when the model has no head it can route, and
+            with `tiles`, when the blocks hold no token-wise module (each message says what it looked for) or
+            the count is below 1.
+        TypeError: `tiles` is not an int, a bool or None.
         BudgetError: with `budget`, no choice per block fits; the message names the smallest budget that does.
             With `memory`, the step does not fit even with full remat; `least_bytes` is the least total.
 

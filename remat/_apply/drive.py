@@ -5,6 +5,9 @@ requests of remat.apply ] in remat/_core/requests.py), with the head routed firs
 * `MemoryRequest`: the memory's driver (`memory.apply_memory`), which sizes the step's state with the estimator and
   hands what is left to the budget's driver;
 * `BlocksRequest`: every `every`-th block under one policy (`_sites/targets.apply`).
+
+With `tiles=N` the token-wise modules of the blocks `where` selects are tiled first (`tile_blocks`), so that a
+budget's profile runs them tiled, and untiled again where the driver raises.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from .._core.requests import BlocksRequest, BudgetRequest, MemoryRequest, Request
 from .._sites import targets as _targets
 from .._sites.head import route_head, unroute_head
+from .._sites.tiles import nothing_tiled, tile_blocks, untile
 
 __all__ = ["drive", "own_step_bytes"]
 
@@ -28,9 +32,29 @@ def drive(model: _M, request: Request) -> _M:
     """Apply `request` to `model` (see `remat.apply`): the driver of the request's mode, with the head routed first
     where the request asks for it; nothing is left half done where it raises."""
     _check_model(model)
-    if not request.head:
-        return _dispatch(model, request)
-    return _with_head(model, request)
+    tiled = _tiled(model, request)
+    try:
+        if not request.head:
+            return _dispatch(model, request)
+        return _with_head(model, request)
+    except BaseException:
+        for name in tiled:
+            untile(model.get_submodule(name))
+        raise
+
+
+def _tiled(model: nn.Module, request: Request) -> tuple[str, ...]:
+    """`tiles=N`: the token-wise modules of the blocks `where` selects, tiled in place (every selected block, also
+    those `every` leaves out: tiles lower what a block holds, rematerialized or not); their names. A ValueError
+    that says what was looked for where the blocks hold none."""
+    count = request.tile_count
+    if count is None:
+        return ()
+    blocks = _targets.select(model, request.where)
+    report = tile_blocks(blocks, count)
+    if not report.tiled:
+        raise nothing_tiled(report, blocks)
+    return report.tiled
 
 
 def _dispatch(model: _M, request: Request) -> _M:

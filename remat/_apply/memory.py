@@ -12,7 +12,9 @@ plan's verified step (NOTE [ Verifying the plan ] in remat/_budget/verify.py) st
 ``zero_grad()``, so its measured peak is the activations, temporaries and the gradients made so far, at backward's
 highest point, and a plan over it is corrected as for any budget. Two refusals, both a `BudgetError` naming the
 least total that fits: the estimate of full remat of every block (which also covers the optimizer step, whatever
-remat does; with the head in chunks where only that fits and the head may be routed) does not fit in ``memory``
+remat does; with the head in chunks where only that fits and the head may be routed, and the blocks' token-wise
+modules in tiles where only that fits and the request leaves tiles to the plan: NOTE [ Tiles as a choice ] in
+remat/_budget/tiles_choice.py) does not fit in ``memory``
 less the headroom; or the planner finds no plan in the remainder, when the least total is the state plus the least
 budget it names, plus the headroom.
 """
@@ -33,7 +35,7 @@ from .._core.errors import BudgetError
 from .._core.requests import MemoryRequest
 from .._core.units import format_bytes
 from .._estimate.estimate import estimate
-from .._estimate.long_sequences import HEAD
+from .._estimate.long_sequences import HEAD, TILES_SUFFIX
 from .._estimate.phases import OPTIMIZER
 from .._estimate.predict import OptimizerLike
 from .._estimate.report import ConfigEstimate
@@ -117,13 +119,19 @@ def apply_memory(model: _M, request: MemoryRequest) -> _M:
 
 def _least(model: nn.Module, request: MemoryRequest, total: int) -> ConfigEstimate:
     """The estimate of full remat of every block; where that does not fit in `total` and the head may be routed
-    (NOTE [ The head as a choice ] in remat/_budget/head_choice.py), of full remat with the head in chunks."""
+    (NOTE [ The head as a choice ] in remat/_budget/head_choice.py), of full remat with the head in chunks; where
+    that does not fit either and the request leaves tiles to the plan (NOTE [ Tiles as a choice ] in
+    remat/_budget/tiles_choice.py), with the blocks' token-wise modules in tiles too."""
     optimizer = as_optimizer(request.optimizer)
     config = "full"
     row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
                    where=request.where)[config]
     if row.peak_bytes > total and request.head is None and can_route_head(model):
         config += HEAD
+        row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
+                       where=request.where)[config]
+    if row.peak_bytes > total and request.tiles is None:
+        config += TILES_SUFFIX
         row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
                        where=request.where)[config]
     return row

@@ -6,7 +6,8 @@ model, whose `fit` runs the stages in order, each in the files named after it:
 2. costs (costs.py, costs_derived.py, compiled.py): the bytes and times of every block under every choice, with the
    gradients the mode's steps hold: a `ModelCost`;
 3. solve (solve.py): one choice per block, the fastest predicted to fit: an `Assignment`; where none is predicted to
-   fit, the head's choice (head_choice.py): the stages again with the model's head routed;
+   fit, the head's choice (head_choice.py): the stages again with the model's head routed, and where still none
+   is, the tiles' choice (tiles_choice.py): the stages again with the blocks' token-wise modules in tiles;
 4. verify (verify.py, first_step.py): real tracked steps, before `remat.apply` returns or on the model's first
    training step, that correct the assignment where one went over.
 
@@ -22,7 +23,8 @@ NOTE [ Budgeted models ]
 3. A training call (gradients on) with a new input signature plans again before the forward goes on (with
    `replan=True`), on detached copies of the inputs; the planner's own calls of the model pass through the hook
    untouched.
-4. A failed plan (`BudgetError`) puts the previous choices back, and the model's own head where the plan routed it.
+4. A failed plan (`BudgetError`) puts the previous choices back, the model's own head where the plan routed it,
+   and the untiled modules where it tiled them.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from .head_choice import HeadChoice
 from .modes import SHARDED_LATER, BudgetMode, mode_for
 from .profile import TrainingStep, profile
 from .solve import Assignment, least_assignment, solve_budget
+from .tiles_choice import TilesChoice
 from .verify import Verification, from_rank_zero, max_over_ranks
 
 if TYPE_CHECKING:
@@ -139,12 +142,14 @@ class BudgetHook:
 
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
         """Plan the blocks for these inputs, stage by stage, and put the assignment on them: profile, costs and
-        solve (`_solved`); where nothing is predicted to fit, the same with the head routed, before any real step
-        (the head's choice: NOTE [ The head as a choice ] in head_choice.py); then verify (`_verified`)."""
+        solve (`_solved`); where nothing is predicted to fit, the same with the head routed, and then with the
+        blocks' token-wise modules in tiles, before any real step (NOTE [ The head as a choice ] in head_choice.py,
+        NOTE [ Tiles as a choice ] in tiles_choice.py); then verify (`_verified`)."""
         mode = self.mode.planning(model)
         step = TrainingStep(model, self.request.loss, detached(args), detached(kwargs))
         blocks = [model.get_submodule(name) for name in self.names]
         head = HeadChoice(model, self.request.head)
+        tiles = TilesChoice(model, self.names, self.request.tiles)
         previous, previous_calls = self.assignment, self.choices.calls
         self.verification = None
         self.close()
@@ -153,17 +158,24 @@ class BudgetHook:
         try:
             with step.planning():
                 own = solved = self._solved(model, blocks, step, mode, self.budget)
-                if not own.fits and head.open:
-                    solved = self._with_head(head, model, blocks, step, mode, own) or own
-                try:
-                    assignment = self._verified(model, step, mode, solved)
-                except BudgetError:  # measured over where the prediction fitted: the head, if it is still open
-                    routed = self._with_head(head, model, blocks, step, mode, own) if head.open else None
-                    if routed is None:
-                        raise
-                    assignment = self._verified(model, step, mode, routed)
+                if not solved.fits and head.open:
+                    solved = self._with_head(head, model, blocks, step, mode, own) or solved
+                if not solved.fits and tiles.open:
+                    solved = self._with_tiles(tiles, model, blocks, step, mode, own.budget) or solved
+                while True:
+                    try:
+                        assignment = self._verified(model, step, mode, solved)
+                        break
+                    except BudgetError:  # measured over where the prediction fitted: the head, then the tiles
+                        taken = self._with_head(head, model, blocks, step, mode, own) if head.open else None
+                        if taken is None and tiles.open:
+                            taken = self._with_tiles(tiles, model, blocks, step, mode, own.budget)
+                        if taken is None:
+                            raise
+                        solved = taken
         except BaseException:
             head.take_back()
+            tiles.take_back()
             self.choices.calls = previous_calls
             for i, block in enumerate(blocks):  # back to the previous choices, or to none
                 if previous is None:
@@ -214,6 +226,19 @@ class BudgetHook:
             head.take_back()
             return None
         return routed
+
+    def _with_tiles(self, tiles: TilesChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
+                    mode: BudgetMode, budget: int) -> Solved | None:
+        """Stages 1 to 3 again with the blocks' token-wise modules in tiles, for the bytes the budget resolved to with
+        the model's own head (NOTE [ Tiles as a choice ], rule 1); None, the tiles taken back, where the blocks have
+        nothing to tile or that is no plan."""
+        if not tiles.take():
+            return None
+        try:
+            return self._solved(model, blocks, step, mode, budget)
+        except Exception:
+            tiles.take_back()
+            return None
 
     def _verified(self, model: nn.Module, step: TrainingStep, mode: BudgetMode, solved: Solved) -> Assignment:
         """Stage 4: `solved`'s assignment on the blocks, verified on real steps now, or on the model's first training

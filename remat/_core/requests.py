@@ -9,7 +9,8 @@ construction raises the argument errors, before anything touches the model:
 
 NOTE [ The requests of remat.apply ]
 1. Every keyword of `remat.apply` is a field of the requests, declared once, on the class whose requests take it:
-   `Request` holds what every request takes (`where`, the head, the blocks' `preserve_rng`, `strategy`, `check`),
+   `Request` holds what every request takes (`where`, the head, the tiles, the blocks' `preserve_rng`, `strategy`,
+   `check`),
    `FitRequest` what budget and memory requests take (`sample`, `loss`, `choices`, `replan`, `compile`).
 2. Which request the keywords make is read from the keywords given (a value other than its default): `memory` or
    `optimizer` make a memory request, `budget` a budget request, anything else a blocks request; a keyword given
@@ -37,7 +38,7 @@ from .options import Offloader, Options, Strategy
 from .policies import PolicyLike, as_policy
 from .units import parse_budget, parse_memory
 
-__all__ = ["BlocksRequest", "BudgetRequest", "FitRequest", "MemoryRequest", "Request", "Where", "request_for"]
+__all__ = ["TILES", "BlocksRequest", "BudgetRequest", "FitRequest", "MemoryRequest", "Request", "Where", "request_for"]
 
 #: What `remat.apply` (and `remat.estimate`) take as `where`: a module type, a tuple of them, or a predicate on
 #: `(qualified name, module)`; None picks the model's repeated blocks (NOTE [ Picking blocks ] in
@@ -45,6 +46,10 @@ __all__ = ["BlocksRequest", "BudgetRequest", "FitRequest", "MemoryRequest", "Req
 Where = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool]
 
 _F = TypeVar("_F", bound="FitRequest")
+
+TILES = 8
+"""How many tiles `tiles=True` (and an estimate's "+tiles", and a budget that takes tiles) runs a token-wise module
+in: NOTE [ Tiles as a choice ] in remat/_budget/tiles_choice.py says why this count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,11 +60,15 @@ class Request:
         where: which submodules are the blocks (None: the model's repeated blocks).
         head: `True` routes a causal LM's loss through `remat.linear_cross_entropy`; `None` lets a budget or
             memory plan route it where only that fits; `False` never.
+        tiles: how many tiles the chosen blocks' token-wise modules run in (`remat.tiled`, NOTE [ What is tiled ]
+            in remat/_sites/tiles.py): a count of at least 1, or `True` for `TILES`; `None` lets a budget or memory
+            plan take `TILES` where only that fits (NOTE [ Tiles as a choice ]); `False` never.
         preserve_rng, strategy, check: the blocks' options besides their policy, as for `remat`.
     """
 
     where: Where | None = None
     head: bool | None = None
+    tiles: int | bool | None = None
     preserve_rng: bool = True
     strategy: Strategy = "rerun"
     check: bool = True
@@ -67,7 +76,20 @@ class Request:
     def __post_init__(self) -> None:
         if self.head is not None and not isinstance(self.head, bool):
             raise TypeError(f"remat: `head` must be a bool or None, but got `{type(self.head).__name__}`.")
+        if self.tiles is not None and not isinstance(self.tiles, (bool, int)):
+            raise TypeError(f"remat: `tiles` must be a count of tiles (an int of at least 1), True (for {TILES}), "
+                            f"False or None, but got `{type(self.tiles).__name__}`.")
+        if not isinstance(self.tiles, bool) and isinstance(self.tiles, int) and self.tiles < 1:
+            raise ValueError(f"remat: `tiles` must be a count of at least 1 (how many tiles each token-wise module "
+                             f"runs in), but got {self.tiles}.")
         self.options(None)  # the blocks' options, checked before any hook is placed
+
+    @property
+    def tile_count(self) -> int | None:
+        """How many tiles the request asks for (`True` is `TILES`); None where it asks for none."""
+        if self.tiles is True:
+            return TILES
+        return None if self.tiles is None or self.tiles is False else int(self.tiles)
 
     def options(self, policy: PolicyLike) -> Options:
         """The options of a block under `policy`."""

@@ -181,7 +181,7 @@ def tiles(
     """
     cuts = spans(x.shape[dim], count)
     start, length = cuts[0]
-    part = x.narrow(dim, start, length)
+    part = _tile(x, dim, start, length)
     if not torch.is_grad_enabled():
         first = fn(part)
         _check(first, part, dim, site, 0)
@@ -196,6 +196,14 @@ def tiles(
         return _rest(fn, x, first, dim, cuts, site)
     out: torch.Tensor = _Tiled.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call]
     return out
+
+
+def _tile(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """One tile of `x`, contiguous where `x` is (a tile along a later dimension than the first is not), as the
+    function would have been given it untiled: token-wise code often flattens its input with `view` (GPT-2's
+    `Conv1D`)."""
+    part = x.narrow(dim, start, length)
+    return part.contiguous() if x.is_contiguous() else part
 
 
 def _check(out: Any, part: torch.Tensor, dim: int, site: str, index: int) -> None:
@@ -224,7 +232,7 @@ def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: to
     del first
     with torch.no_grad():
         for index, (start, length) in enumerate(cuts[1:], 1):
-            part = x.narrow(dim, start, length)
+            part = _tile(x, dim, start, length)
             piece = fn(part)
             _check(piece, part, dim, site, index)
             out.narrow(dim, start, length).copy_(piece)
@@ -279,7 +287,7 @@ def _differentiate(spec: _Spec, x: torch.Tensor, grad: torch.Tensor, x_wanted: b
     caller_rng = spec.rng.swap_in()
     try:
         for index, (start, length) in enumerate(cuts):
-            part = x.narrow(dim, start, length).detach().requires_grad_(x_wanted)
+            part = _tile(x, dim, start, length).detach().requires_grad_(x_wanted)
             with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
                 out = fn(part)
             _check(out, part, dim, spec.site, index)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.requests import Where
+from .._core.requests import TILES, Where
 from .._engine.offload import Offload
 from .._measure.fake import counted_on
 from .._sites import targets as _targets
@@ -22,7 +22,7 @@ from .._sites.head import route_head
 from .._sites.tiles import tile_blocks, untile
 from .predict import Configured
 
-__all__ = ["EXTRAS", "HEAD", "TILES", "HostOffload", "split_extras", "with_extras"]
+__all__ = ["EXTRAS", "HEAD", "TILES", "TILES_SUFFIX", "HostOffload", "split_extras", "with_extras"]
 
 # NOTE [ Long-sequence configurations ]
 # At long sequences full remat leaves three terms that grow with the sequence: the blocks' inputs it keeps, one
@@ -44,8 +44,9 @@ __all__ = ["EXTRAS", "HEAD", "TILES", "HostOffload", "split_extras", "with_extra
 HEAD = "+head"
 """The suffix of a configuration whose step also computes the loss in chunks (`remat.apply(model, head=True)`)."""
 
-TILES = 8
-"""How many tiles "+tiles" takes without "=N"."""
+
+TILES_SUFFIX = "+tiles"
+"""The suffix of a configuration whose blocks' token-wise modules run in `TILES` tiles."""
 
 EXTRAS = ("head", "tiles", "offload")
 """The suffixes of rule 1."""

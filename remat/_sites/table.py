@@ -19,7 +19,7 @@ from .._core.units import aligned, format_bytes
 if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`
     from .._budget.solve import Assignment
 
-__all__ = ["ModelPlan", "Site"]
+__all__ = ["ModelPlan", "Site", "Tiled"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,21 @@ class Site:
 
 
 @dataclass(frozen=True)
+class Tiled:
+    """A module of a model that runs in tiles (NOTE [ What is tiled ] in remat/_sites/tiles.py).
+
+    Attributes:
+        name: its qualified name in the model.
+        tiles: how many tiles.
+        chosen_by: who chose the tiles where the user did not ("the budget"), else None.
+    """
+
+    name: str
+    tiles: int
+    chosen_by: str | None = None
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     """The sites of a model, in `named_modules()` order; `str()` renders an aligned table.
 
@@ -59,6 +74,9 @@ class ModelPlan:
     """The `REMAT` switch was off (`REMAT=0`, `remat.set_enabled(False)`) when the plan was made."""
     head: str | None = None
     """What `remat.apply(model, head=True)` did to the model's head and loss, in a line; None where nothing."""
+    tiles: tuple[Tiled, ...] = ()
+    """The model's modules that run in tiles (`remat.tiled`, `remat.apply(model, tiles=...)`), in `named_modules()`
+    order."""
 
     def __iter__(self) -> Iterator[Site]:
         return iter(self.sites)
@@ -70,6 +88,12 @@ class ModelPlan:
         table = self._table()
         if self.head is not None:
             table += f"\nhead: {self.head}"
+        groups: dict[tuple[int, str | None], list[str]] = {}
+        for tiled in self.tiles:
+            groups.setdefault((tiled.tiles, tiled.chosen_by), []).append(tiled.name or "(model)")
+        for (count, chosen_by), names in groups.items():
+            by = f", chosen by {chosen_by}" if chosen_by else ""
+            table += f"\ntiles: {', '.join(names)} in {count} tiles{by}"
         if self.switched_off and self.sites:
             table += (
                 "\nThe REMAT switch is off (REMAT=0 or remat.set_enabled(False)): these sites run as plain code "

@@ -25,7 +25,7 @@ from .._engine.offload import resolve as resolve_offload
 from .blocks import describe_search, find_blocks
 from .head import describe_head
 from .integrations import comes_from
-from .table import ModelPlan, Site
+from .table import ModelPlan, Site, Tiled
 
 if TYPE_CHECKING:
     from .._core.requests import Where
@@ -404,11 +404,28 @@ def plan(model: nn.Module) -> ModelPlan:
         for method, options in methods[type(module)]:
             sites.append(Site(name, kind, describe_options(options), method=method, label=options.name))
     head = describe_head(model)
+    tiles = _tiles_of(model)
     hooks: list[Any] = list(model._forward_pre_hooks.values())
     budget = next((hook.assignment for hook in hooks if _is_ours(hook)
                    and getattr(hook, "assignment", None) is not None), None)  # see remat/_budget/driver.py
     if budget is not None:
         classes = tuple(type(model.get_submodule(name)).__qualname__ for name in budget.cost.names)
         off = not _switch.is_enabled()
-        return ModelPlan(type(model).__qualname__, tuple(sites), budget, classes, switched_off=off, head=head)
-    return ModelPlan(type(model).__qualname__, tuple(sites), switched_off=not _switch.is_enabled(), head=head)
+        return ModelPlan(type(model).__qualname__, tuple(sites), budget, classes, switched_off=off, head=head,
+                         tiles=tiles)
+    return ModelPlan(type(model).__qualname__, tuple(sites), switched_off=not _switch.is_enabled(), head=head,
+                     tiles=tiles)
+
+
+def _tiles_of(model: nn.Module) -> tuple[Tiled, ...]:
+    """The model's tiled modules (a tiled module has its own `forward`: NOTE [ What is tiled ] in tiles.py)."""
+    found: list[Tiled] = []
+    for name, module in model.named_modules():
+        if "forward" not in module.__dict__:
+            continue
+        from .tiles import tiled_of  # with the first tiled module: `import remat` stays cheap
+
+        tiled = tiled_of(module)
+        if tiled is not None:
+            found.append(Tiled(name, tiled.tiles, tiled.chosen_by))
+    return tuple(found)

@@ -24,7 +24,8 @@ from .._core.public import claim
 from .._engine.compiled import SiteForward, compiling, warn_once
 from .._engine.tiles import tiles
 
-__all__ = ["TILED_NAMES", "TileReport", "not_token_wise", "tile_blocks", "tile_module", "tiled", "tiled_of", "untile"]
+__all__ = ["TILED_NAMES", "TileReport", "not_token_wise", "nothing_tiled", "tile_blocks", "tile_module", "tiled",
+           "tiled_of", "untile"]
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -274,13 +275,14 @@ class TiledForward:
     over tiles of its first argument. Holds its module weakly, pickles and deep-copies with it, and answers
     `inspect.signature` as the forward it calls (as `SiteForward` does)."""
 
-    __slots__ = ("_module", "dim", "leaf", "own", "tiles")
+    __slots__ = ("_module", "chosen_by", "dim", "leaf", "own", "tiles")
 
     def __init__(self, module: nn.Module, own: Callable[..., Any] | None, tiles: int, dim: int,
-                 leaf: bool = False) -> None:
+                 leaf: bool = False, chosen_by: str | None = None) -> None:
         self._module = weakref.ref(module)
         self.own, self.tiles, self.dim = own, tiles, dim
         self.leaf = leaf  # remat made the module a ZeRO-3 leaf module (NOTE [ What is tiled ], rule 4)
+        self.chosen_by = chosen_by  # who tiled it where not the user: a budget (remat.plan says so)
 
     def module(self) -> nn.Module:
         module = self._module()
@@ -319,7 +321,7 @@ class TiledForward:
         raise AttributeError(f"'TiledForward' object has no attribute '{name}'")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TiledForward, (self.module(), self.own, self.tiles, self.dim, self.leaf))
+        return (TiledForward, (self.module(), self.own, self.tiles, self.dim, self.leaf, self.chosen_by))
 
 
 _DELEGATED = frozenset({
@@ -364,22 +366,23 @@ def tiled_of(module: nn.Module) -> TiledForward | None:
     return None if found is None else found[1]
 
 
-def tile_module(module: _M, tiles: int, dim: int = -2) -> _M:
-    """Tile `module` in place (a tiled one gets the new `tiles` and `dim`) and return it; see `remat.tiled`."""
+def tile_module(module: _M, tiles: int, dim: int = -2, chosen_by: str | None = None) -> _M:
+    """Tile `module` in place (a tiled one gets the new `tiles` and `dim`) and return it; see `remat.tiled`.
+    `chosen_by` says who chose the tiles where the user did not (a budget: `remat.plan` shows it)."""
     count = _count(tiles)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"remat: `dim` must be an int (the dimension of positions), but got `{type(dim).__name__}`.")
     _refuse(module, _kind(module))
     found = _tiled_forward(module)
     if found is not None:
-        found[1].tiles, found[1].dim = count, dim
+        found[1].tiles, found[1].dim, found[1].chosen_by = count, dim, chosen_by
         return module
     own = module.__dict__.get("forward")
     leaf = _zero3_leaf(module)
     if isinstance(own, SiteForward):  # a site's forward stays on top: it tiles what it calls
-        own.own = TiledForward(module, own.own, count, dim, leaf)
+        own.own = TiledForward(module, own.own, count, dim, leaf, chosen_by)
     else:
-        module.__dict__["forward"] = TiledForward(module, own, count, dim, leaf)
+        module.__dict__["forward"] = TiledForward(module, own, count, dim, leaf, chosen_by)
     return module
 
 
@@ -441,7 +444,7 @@ def _matches(where: Where | None) -> Callable[[str, nn.Module], bool]:
 
 
 def tile_blocks(blocks: Sequence[tuple[str, nn.Module]], tiles: int, *, dim: int = -2,
-                where: Where | None = None) -> TileReport:
+                where: Where | None = None, chosen_by: str | None = None) -> TileReport:
     """Tile the token-wise modules of each of `blocks` (`(qualified name, module)` pairs of a model) in place.
 
     Without `where`, a block's feed-forward modules as transformers names them (`TILED_NAMES`, the outermost in the
@@ -471,9 +474,23 @@ def tile_blocks(blocks: Sequence[tuple[str, nn.Module]], tiles: int, *, dim: int
                     _refuse(module, full)
                 skipped.append((full, why))
                 continue
-            tile_module(module, count, dim)
+            tile_module(module, count, dim, chosen_by)
             tiled_names.append(full)
     return TileReport(tuple(tiled_names), tuple(skipped))
+
+
+def nothing_tiled(report: TileReport, blocks: Sequence[tuple[str, nn.Module]]) -> ValueError:
+    """The error for `remat.apply(model, tiles=...)` on blocks without a token-wise module: what was looked for,
+    and what was found but not tiled."""
+    names = ", ".join(f"`{name}`" for name in TILED_NAMES)
+    kinds = sorted({_kind(block) for _, block in blocks})
+    skipped = "".join(f" Not tiled: `{name}`: {why}." for name, why in report.skipped)
+    return ValueError(
+        f"remat: apply with `tiles` found no token-wise module in the {len(blocks)} chosen blocks "
+        f"({', '.join(kinds)}): it looks for a block's feed-forward module, named as transformers names it "
+        f"({names}), and the norms that are the block's own children (LayerNorm, RMSNorm).{skipped} Tile other "
+        "modules with `remat.tiled(module, tiles=...)`, or pick other blocks with `where`."
+    )
 
 
 claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -1,0 +1,118 @@
+"""Tiles as a choice of budgets and memory plans (NOTE [ Tiles as a choice ] in remat/_budget/tiles_choice.py): at a
+sequence that full remat with the head in chunks cannot fit, `remat.apply(model, memory=M)` plans with the decoder
+layers' MLPs and norms in tiles, and its first real AdamW steps stay within M; a plan that fits without tiles takes
+none. The model is a Llama-shaped stand-in (benchmarks/long.py's proportions, scaled down). Needs the `hf` extra.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat._engine import stats as _stats
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, WIDTH, LAYERS = 500, 1024, 32, 2
+
+
+def make(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """benchmarks/long.py's model scaled down: MLP 3.5 times the width, 4 heads over 2 KV heads."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=WIDTH, intermediate_size=7 * WIDTH // 2, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, attention_dropout=0.0,
+    )
+    return transformers.LlamaForCausalLM(config).to(dtype).train()
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def peaks(model: nn.Module) -> dict[str, int]:
+    report = remat.estimate(copy.deepcopy(model), batch(), optimizer="adamw", configs=("full+head", "full+head+tiles"))
+    return {config: report[config].peak_bytes for config in ("full+head", "full+head+tiles")}
+
+
+def state_bytes(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """What lives on the device before `remat.apply` runs: parameters, buffers and the sample."""
+    tensors = [*model.parameters(), *model.buffers(), *inputs.values()]
+    return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+
+
+def tiles_of(model: nn.Module) -> list[tuple[str, int, str | None]]:
+    return [(t.name, t.tiles, t.chosen_by) for t in remat.plan(model).tiles]
+
+
+def test_memory_that_only_tiles_fit_is_planned_with_tiles_and_its_first_three_steps_stay_within_it() -> None:
+    """The issue's done-when on the CPU: full remat with the head in chunks does not fit in M (the estimate says so);
+    `apply(memory=M)` plans with tiles, and apply itself and three real AdamW steps (optimizer state made in the
+    first, gradients set to None between) allocate no more than M leaves beside what was there before (the
+    parameters, buffers and sample: as a device of size M would count them)."""
+    base = make()
+    estimated = peaks(base)
+    assert estimated["full+head+tiles"] < 0.9 * estimated["full+head"]
+    memory = (estimated["full+head+tiles"] + estimated["full+head"]) // 2
+    with pytest.raises(remat.BudgetError):  # without tiles, nothing fits
+        remat.apply(copy.deepcopy(base), memory=memory, sample=batch(), optimizer="adamw", tiles=False)
+    model, inputs = copy.deepcopy(base), batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tiles = _stats.tiles
+    with remat.track(limit=memory - state_bytes(model, inputs)) as tracked:
+        remat.apply(model, memory=memory, sample=inputs, optimizer=optimizer)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(**inputs).loss.backward()
+            optimizer.step()
+    assert tracked.peak_bytes <= memory - state_bytes(model, inputs)
+    assert _stats.tiles - tiles >= 3 * LAYERS * 8  # the steps ran the MLPs in tiles
+    plan = remat.plan(model)
+    assert tiles_of(model) == [(f"model.layers.{i}.{name}", 8, "the budget") for i in range(LAYERS)
+                               for name in ("mlp", "input_layernorm", "post_attention_layernorm")]
+    assert "in 8 tiles, chosen by the budget" in str(plan) and "head: lm_head" in str(plan)
+
+
+def test_a_plan_that_fits_without_tiles_takes_none() -> None:
+    base = make()
+    memory = int(1.1 * peaks(base)["full+head"])
+    model = remat.apply(copy.deepcopy(base), memory=memory, sample=batch(), optimizer="adamw")
+    assert remat.plan(model).budget is not None and not remat.plan(model).tiles
+    model = remat.apply(copy.deepcopy(base), budget=0.99, sample=batch())
+    assert not remat.plan(model).tiles
+
+
+@pytest.mark.equivalence
+def test_the_plan_with_tiles_keeps_no_remats_gradients_and_a_replan_chooses_again() -> None:
+    base = make(torch.float64)
+    batch_ = batch()
+    expected_model = copy.deepcopy(base)
+    logits = expected_model(input_ids=batch_["input_ids"]).logits
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), batch_["labels"][:, 1:].flatten()).backward()
+    estimated = peaks(base)
+    memory = (estimated["full+head+tiles"] + estimated["full+head"]) // 2
+    model = remat.apply(copy.deepcopy(base), memory=memory, sample=batch_, optimizer="adamw")
+    assert {chosen for _, _, chosen in tiles_of(model)} == {"the budget"}
+    tiles = _stats.tiles
+    model(**batch_).loss.backward()
+    assert _stats.tiles > tiles
+    for (name, p), expected in zip(model.named_parameters(), expected_model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, expected.grad, msg=lambda m, k=name: f"gradient of {k}: {m}")
+    remat.apply(model, memory=4 * memory, sample=batch_, optimizer="adamw")  # room enough: the tiles go
+    assert not tiles_of(model)
+
+
+def test_tiles_the_user_gives_are_planned_with_and_stay_the_users() -> None:
+    base = make()
+    estimated = peaks(base)
+    memory = (estimated["full+head+tiles"] + estimated["full+head"]) // 2
+    model = remat.apply(copy.deepcopy(base), memory=memory, sample=batch(), optimizer="adamw", head=True, tiles=8)
+    assert {(count, chosen) for _, count, chosen in tiles_of(model)} == {(8, None)}
+    remat.apply(model, memory=4 * memory, sample=batch(), optimizer="adamw")  # a re-plan leaves the user's tiles
+    assert len(tiles_of(model)) == 3 * LAYERS
