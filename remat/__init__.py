@@ -36,7 +36,7 @@ from ._sites.table import ModelPlan as ModelPlan
 if TYPE_CHECKING:  # loaded on first use
     from ._chain.chain import Chain as Chain
     from ._chain.chain import chain as chain
-    from ._chain.schedule import Plan as Plan
+    from ._chain.schedule import Schedule as Schedule
     from ._chain.simulate import StageCost as StageCost
     from ._chain.solver import solve as solve
     from ._estimate.estimate import estimate as estimate
@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # loaded on first use
     from ._measure.track import track as track
     from ._sites.cross_entropy import linear_cross_entropy as linear_cross_entropy
     from ._sites.tiles import tiled as tiled
+
+    Plan = Schedule  # renamed: `remat.Plan` warns at run time (NOTE [ The public surface ], rule 5)
 
 __version__ = "0.1.0"
 __all__ = sorted(_public.names())

@@ -19,7 +19,7 @@ from ._core import policies as _policies
 from ._core import switch as _switch
 from ._core.options import Options, Strategy
 from ._core.policies import PolicyLike
-from ._core.public import claim, names
+from ._core.public import DEPRECATED, claim, deprecated, names
 from ._core.units import Budget
 from ._engine import offload as _offload
 from ._engine.region import Region
@@ -318,7 +318,7 @@ class Remat:
         measure = staticmethod(_measure.measure)
         track = staticmethod(_track.track)
         Chain = _chain.Chain
-        Plan = _schedule.Plan
+        Schedule = _schedule.Schedule
         StageCost = _simulate.StageCost
         Measurement = _measure_report.Measurement
         Report = _measure_report.Report
@@ -328,6 +328,8 @@ class Remat:
         def __getattr__(self, name: str) -> Any:
             if name.startswith("__"):  # copy, pickle and inspect ask for dunders the class does not have
                 raise AttributeError(name)
+            if name in DEPRECATED:  # warned on every access: never cached (NOTE [ The public surface ], rule 5)
+                return deprecated(name, stacklevel=3)
             value = getattr(sys.modules["remat"], name)
             setattr(Remat, name, staticmethod(value) if inspect.isfunction(value) else value)  # later lookups are plain
             return value

@@ -2,7 +2,7 @@
 
 `profile` measures every stage on a sample into a `StageCost` (NOTE [ Chain profile ]); `backward_stage`
 runs one stage's backward so that autograd frees what it consumes (NOTE [ Backward frees as it goes ]).
-Both are used by `remat._chain.chain`, which runs the plans.
+Both are used by `remat._chain.chain`, which runs the schedules.
 """
 
 from __future__ import annotations

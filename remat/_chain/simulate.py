@@ -1,6 +1,6 @@
 """The memory model of a chain: `StageCost` and the one simulator every chain schedule is played through.
 
-See NOTE [ Memory model ]. `remat._chain.schedule.Plan` builds on it, and `remat._chain.solver` finds the fastest
+See NOTE [ Memory model ]. `remat._chain.schedule.Schedule` builds on it, and `remat._chain.solver` finds the fastest
 schedule under it.
 """
 
@@ -26,7 +26,7 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # delta_i with respect to a_i has x_i bytes; the loss's own output and gradient count nothing.
 #
 # Rules:
-# 1. A plan is a sequence of operations, and each holds (`_Machine` is the one simulator every plan goes
+# 1. A schedule is a sequence of operations, and each holds (`_Machine` is the one simulator every schedule goes
 #    through):
 #      forward_nosave(i)      run stage i without grad from a_i; a_{i+1} is a transient: it must be used
 #                             by the next operation. a_i is released if it was itself a transient.
@@ -42,7 +42,7 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 #    abar's, the transient and the current gradient.
 # 3. An operation's peak is the live bytes before it plus what it creates: x_{i+1} (+ forward_temp) for a
 #    forward without grad, xbar_{i+1} (+ forward_temp) with grad, x_i (+ backward_temp) for a backward, x_L for
-#    the loss. A plan's peak is the largest operation peak; its makespan the sum of the times.
+#    the loss. A schedule's peak is the largest operation peak; its makespan the sum of the times.
 # 4. Parameters and their gradients are outside the model (remat.chain returns parameter gradients to autograd
 #    when its backward ends).
 #
