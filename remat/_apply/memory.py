@@ -68,7 +68,7 @@ def as_optimizer(optimizer: Any) -> OptimizerLike:
 
 def apply_memory(model: _M, request: MemoryRequest) -> _M:
     """See `remat.apply`, NOTE [ Total memory ] and NOTE [ The allocator's reserve ] in remat/_estimate/reserve.py:
-    the budget's driver in its `MemoryMode`, for what the step's state leaves."""
+    the budget's driver in its `MemoryRegime`, for what the step's state leaves."""
     total, sample, loss, optimizer = request.memory, request.sample, request.loss, request.optimizer
     devices = placed(model)
     device = devices[0] if devices else torch.device("cpu")

@@ -21,7 +21,7 @@ Rules:
    measures over the slack, `BudgetError` names its measured peak as the least budget.
 
 Implementation notes:
-1. (rule 2) The modes that verify before `remat.apply` returns (modes.py): a prediction that does not fit,
+1. (rule 2) The regimes that verify before `remat.apply` returns (regimes.py): a prediction that does not fit,
    `memory=`, one compiled graph, a model sharded by `fully_shard`, and `remat.estimate` (on fake tensors, the
    assignment a real model ends with once its first step has verified it).
 2. (rule 2) With `remat.apply(model, memory=...)` the budget is what the step's state leaves, and gradients take
