@@ -392,7 +392,7 @@ def with_gradients(cost: ModelCost, steps: GradientSteps) -> ModelCost:
 
 def shifted(cost: ModelCost, kinds: Sequence[Any], kind: Any, shifts: Mapping[int, Shift]) -> ModelCost:
     """`cost` with the blocks of `kind` shifted by `shifts` per choice, never below zero (NOTE [ Compiled bytes ] in
-    compiled.py).
+    costs_compiled.py).
 
     >>> cost = ModelCost(("0",), ("kept",), ((BlockCost(8, 12, 16, 1.0, 2.0),),), (0, 0))
     >>> shifted(cost, ["mlp"], "mlp", {0: (-2, 0, -20)}).blocks[0][0]

@@ -3,8 +3,8 @@ model, whose `fit` runs the stages in order, each in the files named after it:
 
 1. profile (profile.py, profile_step.py, profile_alone.py): a few tracked training steps on the sample, marked block
    by block, on a fake twin of the model where one stands in: a `Profile`;
-2. costs (costs.py, costs_derived.py, compiled.py): the bytes and times of every block under every choice, with the
-   gradients the regime's steps hold: a `ModelCost`;
+2. costs (costs.py, costs_derived.py, costs_compiled.py): the bytes and times of every block under every choice,
+   with the gradients the regime's steps hold: a `ModelCost`;
 3. solve (solve.py): one choice per block, the fastest predicted to fit: an `Assignment`; where none is predicted to
    fit, the head's choice (head_choice.py): the stages again with the model's head routed;
 4. verify (verify.py, first_step.py): real tracked steps, before `remat.apply` returns or on the model's first
@@ -49,8 +49,8 @@ from .._measure.sample import as_call, detached, signature
 from .._sites.integrations import engine_of
 from .._sites.targets import remove_hooks, select
 from .choices import Choices
-from .compiled import warn_one_graph
 from .costs import ModelCost, measured_costs
+from .costs_compiled import warn_one_graph
 from .first_step import WINDOW, FirstStep, can_track, tidy
 from .head_choice import HeadChoice
 from .profile import TrainingStep, profile

@@ -135,7 +135,7 @@ class Round:
 class GradientSteps:
     """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
     blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`): NOTE [ Gradients in the budget ], and
-    NOTE [ Compiled as one graph ] in compiled.py."""
+    NOTE [ Compiled as one graph ] in costs_compiled.py."""
 
     blocks: tuple[int, ...]
     outside: tuple[int, ...]
@@ -161,7 +161,7 @@ class Profile:
         compiled: derived choices are priced for one compiled graph (NOTE [ Compiled costs ] in costs_derived.py).
         priced: the times are ops priced on a nominal device (NOTE [ Priced time ] in remat/_measure/clock.py).
         shifts: per choice, what compiling adds to the bytes of a block of `sample_kind` (NOTE [ Compiled bytes ] in
-            compiled.py); empty where nothing is shifted.
+            costs_compiled.py); empty where nothing is shifted.
     """
 
     names: tuple[str, ...]
@@ -380,7 +380,7 @@ def profile_blocks(
             [ Some matmuls ]) can only be derived: where derivations do not hold, they are open to no block.
         closed: choices neither run nor derived: open to no block.
         compiled: for one compiled graph: derived choices priced as compiled code runs them (NOTE [ Compiled
-            costs ]), and the sample block's bytes measured compiled (NOTE [ Compiled bytes ] in compiled.py).
+            costs ]), and the sample block's bytes measured compiled (NOTE [ Compiled bytes ] in costs_compiled.py).
         gradients_kept: a default loop's gradients, alive from where backward makes them to the step's end (NOTE
             [ Gradients in the budget ]); False where an engine takes each one as it is made (NOTE [ Budgets under
             DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py): only the bytes backward allocates count.
@@ -426,7 +426,7 @@ def profile_blocks(
             moded = not compiled and any(choices[c] != "full" for c in derived)
             per_op = mode_overhead() if moded else 0.0
         shifts: dict[int, Shift] = {}
-        if compiled and not again and 0 in samples:  # NOTE [ Compiled bytes ] in compiled.py
+        if compiled and not again and 0 in samples:  # NOTE [ Compiled bytes ] in costs_compiled.py
             r, sample = samples[0]
             shifts = compiled_shifts(blocks[sample], tracked[r].specs[sample], [0, *derived, *run[1:]],
                                      lambda c: assign(sample, c))

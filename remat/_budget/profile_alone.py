@@ -1,7 +1,7 @@
 """Runs of one block alone, on fresh inputs shaped like the ones it saw in a profiled step: its time without the
 tracker (NOTE [ Timing under the tracker ] in profile_step.py), what a dispatch mode costs on its own ops (NOTE
 [ Mode cost in place ] in costs_derived.py), and its bytes in eager and in compiled code (NOTE [ Compiled bytes ] in
-compiled.py).
+costs_compiled.py).
 
 Rules:
 1. The profiled step keeps no input of a block alive, only its description (`describe`): what the tracker measures
@@ -163,7 +163,7 @@ Shift = tuple[int, int, int]  # bytes compiling adds to a block's held bytes, fo
 def compiled_shifts(
     block: nn.Module, spec: tuple[Any, Any], choices: Sequence[int], assign: Callable[[int], None]
 ) -> dict[int, Shift]:
-    """Per choice, what compiling `block` adds to its bytes (NOTE [ Compiled bytes ] in compiled.py); empty where
+    """Per choice, what compiling `block` adds to its bytes (NOTE [ Compiled bytes ] in costs_compiled.py); empty where
     it cannot tell.
 
     Args:

@@ -27,8 +27,8 @@ from .._core.requests import FitRequest, MemoryRequest
 from .._measure.sharded import is_sharded
 from .._measure.step_peak import compiled_peak, measure_step
 from .._sites.integrations import engine_of
-from .compiled import gradient_bytes, graph_extra, with_graph_gradients
 from .costs import ModelCost, with_gradients
+from .costs_compiled import gradient_bytes, graph_extra, with_graph_gradients
 from .profile import Profile, TrainingStep, Twin, fake_stands_in
 from .solve import Assignment
 from .verify import Measure, max_over_ranks, verify, verify_both_ways
@@ -147,13 +147,13 @@ COMPILED_ENGINE = (
 
 class CompiledRegime(BudgetRegime):
     """`remat.apply(model, budget=..., compile=True)`: a plan for the model compiled as one graph (NOTE [ Compiled as
-    one graph ] in compiled.py).
+    one graph ] in costs_compiled.py).
 
     1. No part is offered: a policy that keeps some calls works in eager code only (NOTE [ Some calls ] in
        remat/_core/policies.py).
     2. It is profiled on the real model, in eager code; its derived choices are priced as compiled code runs them
        (NOTE [ Compiled costs ] in costs_derived.py), and the sample block's bytes are shifted by what compiling
-       saves (NOTE [ Compiled bytes ] in compiled.py).
+       saves (NOTE [ Compiled bytes ] in costs_compiled.py).
     3. Every parameter's gradient is alive until the one backward graph returns.
     4. It is verified before `remat.apply` returns, on real compiled steps, the prediction's miss taken both ways
        (NOTE [ Planned on measured steps ] in verify.py).

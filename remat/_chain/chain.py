@@ -27,7 +27,7 @@ from .._engine.autocast import AutocastState
 from .._engine.compiled import compiling
 from .._engine.guard import keep_buffers
 from .._engine.rng import RngStash, devices_of
-from .compiled import lower, run_lowered
+from .lowered import lower, run_lowered
 from .profile import backward_stage, check_tensor, grad_input, profile, stage_params, writer
 from .solver import Schedule, solve
 
@@ -336,7 +336,7 @@ class Chain(nn.Sequential):
             for stage in self:
                 x = stage(x)
             return x
-        if compiling():  # see NOTE [ Chains under compile ] in compiled.py
+        if compiling():  # see NOTE [ Chains under compile ] in lowered.py
             return run_lowered(list(self), self._lowered, x)
         schedule = self.schedule_for(x)
         run = _Run(self, schedule, x, params)

@@ -4,7 +4,7 @@ NOTE [ Measuring a compiled step ]
 remat's tracker counts bytes through a dispatch mode, and compiled code allocates its buffers where no mode sees
 them (inductor's kernels write into buffers it allocates itself); dynamo also runs a frame it meets under a mode
 in eager code. So a budget planned for one compiled graph (`remat.apply(..., compile=True)`: NOTE [ Compiled as
-one graph ] in remat/_budget/compiled.py) verifies its plan on a real compiled step: the model is compiled with
+one graph ] in remat/_budget/costs_compiled.py) verifies its plan on a real compiled step: the model is compiled with
 `torch.compile(model)` (inductor, default options), one step runs to compile it, and the next is measured, by the
 allocator's own statistics on an accelerator (`max_memory_allocated`) and, on the CPU, by the autograd profiler's
 records of the CPU allocator (`host_bytes`), which agree with what the process's resident memory rises by in a
