@@ -43,8 +43,8 @@ if TYPE_CHECKING:  # loaded on first use
     from ._estimate.report import ConfigEstimate as ConfigEstimate
     from ._estimate.report import EstimateReport as EstimateReport
     from ._measure.measure import measure as measure
-    from ._measure.report import Measurement as Measurement
-    from ._measure.report import Report as Report
+    from ._measure.measurement import Measurement as Measurement
+    from ._measure.measurement import Report as Report
     from ._measure.track import Tracker as Tracker
     from ._measure.track import track as track
     from ._sites.cross_entropy import linear_cross_entropy as linear_cross_entropy

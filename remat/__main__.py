@@ -45,7 +45,7 @@ import remat
 
 from ._core.units import format_bytes, ratio
 from ._demo import GPT, GPT_SIZES, GPTConfig, human_count, parameter_count
-from ._measure.report import format_seconds
+from ._measure.measurement import format_seconds
 from ._measure.track import synchronize
 
 __all__ = ["main"]

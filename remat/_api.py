@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ._estimate import estimate as _estimate
     from ._estimate import report as _estimate_report
     from ._measure import measure as _measure
-    from ._measure import report as _measure_report
+    from ._measure import measurement as _measure_report
     from ._measure import track as _track
     from ._sites import cross_entropy as _cross_entropy
     from ._sites import tiles as _tiles

@@ -38,9 +38,9 @@ from .._estimate.phases import OPTIMIZER
 from .._estimate.predict import OptimizerLike
 from .._estimate.report import ConfigEstimate
 from .._estimate.reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, reserved_peak
-from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.loss import default_loss
 from .._measure.sample import as_call
+from .._measure.step_autocast import StepAutocast, planning, step_region
 from .._measure.track import placed
 from .._sites.head import can_route_head
 from .._sites.integrations import engine_of

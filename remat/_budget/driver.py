@@ -44,8 +44,8 @@ from .._core.torch_compat import eager_for_now, when_traced
 from .._core.units import format_bytes
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
-from .._measure.autocast import StepAutocast
 from .._measure.sample import as_call, detached, signature
+from .._measure.step_autocast import StepAutocast
 from .._sites.integrations import engine_of
 from .._sites.targets import remove_hooks, select
 from .choices import Choices
@@ -351,7 +351,7 @@ class BudgetHook:
 
 # NOTE [ Planned under autocast ]
 # Autocast changes what a step holds: casts of the weights (cached for the region: NOTE [ A step's own autocast
-# region ] in remat/_measure/autocast.py) and activations in the lower precision. So a plan is made for the
+# region ] in remat/_measure/step_autocast.py) and activations in the lower precision. So a plan is made for the
 # autocast settings its steps ran under (the caller's, when `remat.apply` or the re-planning forward ran), and a
 # training forward under other settings (a budget planned outside `torch.autocast` and trained inside it, the
 # common case) plans again there, before the forward goes on, with one log line; the fraction of a fractional

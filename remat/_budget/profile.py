@@ -81,12 +81,12 @@ from .._core.torch_compat import FakeTensor, local_tensor
 from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
 from .._measure import ddp as _ddp
-from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.clock import clock_for, priced
 from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state, resolve_device
 from .._measure.hf_fake import real_masks
 from .._measure.loss import default_loss
 from .._measure.state import step_state
+from .._measure.step_autocast import StepAutocast, planning, step_region
 from .._measure.track import placed
 from .profile_alone import Shift, compiled_shifts, mode_alone, time_alone
 from .profile_step import Detail, Marks, marked_step, mode_overhead
@@ -208,7 +208,7 @@ class KeptRun:
 
 class TrainingStep:
     """One training step of `model` on the inputs: the scalar loss of its forward, under the autocast settings of
-    the caller of `remat.apply` (NOTE [ A step's own autocast region ] in remat/_measure/autocast.py), ready for
+    the caller of `remat.apply` (NOTE [ A step's own autocast region ] in remat/_measure/step_autocast.py), ready for
     backward. Every step the planner runs (the profile's, a verification's) is one of these."""
 
     def __init__(self, model: nn.Module, loss: Loss | None, args: tuple[Any, ...], kwargs: dict[str, Any],

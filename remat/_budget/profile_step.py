@@ -25,9 +25,9 @@ from .._core.policies import matmuls, save_matmuls
 from .._core.torch_compat import tree_leaves
 from .._engine.recorder import op_info
 from .._engine.selective import SaveOps
-from .._measure.autocast import cached_cast
 from .._measure.clock import MODE_PER_OP, now, priced
 from .._measure.fake import FakeTracker
+from .._measure.step_autocast import cached_cast
 from .._measure.track import _storage, synchronize
 from .profile_alone import describe
 
@@ -290,7 +290,7 @@ class Detail:
         calls: for each of `matmul`, which matmul-class call made it (counted from 0 in the window's order).
         cached: the numbers among `born` that are autocast's cached casts of parameters: they live until the
             step's autocast region ends, whatever the block's choice (NOTE [ A step's own autocast region ] in
-            remat/_measure/autocast.py).
+            remat/_measure/step_autocast.py).
         call_time: per matmul-class call, its seconds (from the end of the op before).
         changed: the numbers among `matmul` that a later op of the window wrote into (in place, through any view):
             a policy does not keep those (NOTE [ A kept output changed in place ] in remat/_engine/kept.py).

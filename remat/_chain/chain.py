@@ -1,6 +1,6 @@
 """`remat.chain`: a sequence of stages run under the fastest schedule that fits a memory budget.
 
-`chain` profiles each stage on a sample (`remat._chain.profile`: forward and backward time, bytes
+`chain` profiles each stage on a sample (`remat._chain.stages`: forward and backward time, bytes
 of its output, of what it saves for backward, and of its temporaries), asks `remat._chain.solver.solve`
 for a schedule, and runs that schedule through one custom autograd function, rotor-style: forward runs the
 operations up to the loss, and the function's backward runs the rest, recomputing stages from kept
@@ -28,8 +28,8 @@ from .._engine.compiled import compiling
 from .._engine.guard import keep_buffers
 from .._engine.rng import RngStash, devices_of
 from .lowered import lower, run_lowered
-from .profile import backward_stage, check_tensor, grad_input, profile, stage_params, writer
 from .solver import Schedule, solve
+from .stages import backward_stage, check_tensor, grad_input, profile_stages, stage_params, writer
 
 _log = logging.getLogger("remat")
 
@@ -114,7 +114,7 @@ class _Run:
 
     def _run(self, i: int, inp: torch.Tensor) -> torch.Tensor:
         version = inp._version
-        given = inp.clone() if i in self.copies else inp  # NOTE [ A stage that changes its input ] in profile.py
+        given = inp.clone() if i in self.copies else inp  # NOTE [ A stage that changes its input ] in stages.py
         if i not in self.rng:  # the first run: in forward, from the caller's generators
             self.rng[i] = RngStash.capture(self.devices)
             out = self.stages[i](given)
@@ -270,7 +270,7 @@ class Chain(nn.Sequential):
         self._schedules: dict[tuple[Any, ...], tuple[Schedule, frozenset[int]]] = {}
         self.schedule: Schedule | None = None
         # the stages run on a copy of their input, for the last input shape profiled (NOTE [ A stage that changes its
-        # input ] in profile.py)
+        # input ] in stages.py)
         self.copies: frozenset[int] = frozenset()
         self._told = False  # whether profiling a new shape inside a forward was logged (once per chain)
         self._lowered = lower(None, len(self))  # the schedule inside compiled frames: NOTE [ Chains under compile ]
@@ -313,7 +313,7 @@ class Chain(nn.Sequential):
                 )
             stages = list(self)
             with RngStash.capture(devices_of([x], module=self)).restore(), keep_buffers():
-                costs, input_bytes, copies = profile(stages, x)
+                costs, input_bytes, copies = profile_stages(stages, x)
             if self._segments is not None:
                 schedule = Schedule.segments(costs, self._segments, input_bytes=input_bytes)
             else:

@@ -49,7 +49,7 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # Implementation notes (how real runs meet the model: remat.chain; tests/chain/test_chain_memory.py checks the
 # tracked peak against it):
 # 1. (rule 3) A stage's backward frees abar_{i+1} and delta_{i+1} as autograd consumes them, node by node, as
-#    plain autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in profile.py), and
+#    plain autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in stages.py), and
 #    backward_temp is measured that way: the peak of the stage's backward above "abar_{i+1} and delta_{i+1}
 #    live", less x_i. A multi-node stage (conv, BatchNorm, ReLU) thus costs about x_i, not x_i + x_{i+1} more:
 #    counting its output and gradient as held to the end over-counted by up to x_{i+1} per backward.

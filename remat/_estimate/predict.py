@@ -13,7 +13,7 @@ Rules:
    a loop that holds on to the output needs at most in addition.
 3. Under the caller's ``torch.autocast``, the forward and the loss run in an autocast region of their own with the
    caller's settings, backward and the optimizer step outside it, as in torch's AMP recipe (NOTE [ A step's own
-   autocast region ] in remat/_measure/autocast.py): each configuration casts the weights afresh, and no
+   autocast region ] in remat/_measure/step_autocast.py): each configuration casts the weights afresh, and no
    prediction depends on which others run in the same call.
 4. The budget planner profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in
    remat/_budget/driver.py), so ``memory=`` and the largest batch that fits mean the step of the estimate's rows.
@@ -60,7 +60,6 @@ from torch import nn
 
 from .._core.errors import BudgetError, RematError
 from .._core.torch_compat import foreach_by_default
-from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.fake import (
     FakeTracker,
     data_dependent,
@@ -75,6 +74,7 @@ from .._measure.fake import (
 from .._measure.hf_fake import real_masks
 from .._measure.loss import call as call_loss
 from .._measure.loss import default_loss
+from .._measure.step_autocast import StepAutocast, planning, step_region
 from .constants import first_step_bytes
 from .phases import BACKWARD, FORWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport

@@ -27,7 +27,7 @@ from .._core.torch_compat import tree_leaves
 from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
 from .loss import default_loss
-from .report import Measurement, Report
+from .measurement import Measurement, Report
 from .track import synchronize, track
 
 __all__ = ["measure"]

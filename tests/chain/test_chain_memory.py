@@ -1,7 +1,7 @@
 """The chain's memory model against the tracker: what a plan predicts is what `remat.chain` uses.
 
 See NOTE [ Memory model ] (remat/_chain/simulate.py) and NOTE [ Backward frees as it goes ]
-(remat/_chain/profile.py).
+(remat/_chain/stages.py).
 """
 
 from __future__ import annotations
