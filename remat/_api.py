@@ -177,7 +177,7 @@ def plan(model: nn.Module) -> ModelPlan:
     0      Linear  full
     1      Linear  full
     """
-    return _targets.plan(model)
+    return _targets.model_plan(model)
 
 
 def undo(module: _M) -> _M:
@@ -189,7 +189,7 @@ def undo(module: _M) -> _M:
     >>> import torch, remat
     >>> layer = remat.undo(remat(torch.nn.Linear(2, 2)))
     """
-    return _targets.undo(module)
+    return _targets.undo_sites(module)
 
 
 def region(
@@ -222,11 +222,11 @@ def region(
     ...     y = x.sin().cos()
     >>> y.sum().backward()
     """
-    settings = Options(
+    options = Options(
         policy=policy, preserve_rng=preserve_rng, strategy="replay", enabled=enabled,
         check=check, name=name, offload=offload,
     )
-    return Region(settings)
+    return Region(options)
 
 
 class Remat:

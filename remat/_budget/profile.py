@@ -327,7 +327,7 @@ def accumulation_order(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             handle.remove()
 
 
-def _kind(block: nn.Module) -> tuple[Any, ...]:
+def _block_kind(block: nn.Module) -> tuple[Any, ...]:
     params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
     return (type(block), repr(block), params)
 
@@ -340,7 +340,7 @@ _SAMPLES = 2  # blocks of a kind that run each choice in the profiled step, at m
 def _rounds(blocks: Sequence[nn.Module], run: Sequence[int]) -> list[list[int]]:
     """Per round, the choice of each block: the choices in `run` (indices), in turn over the blocks of a kind."""
     k = len(run)
-    kinds = [_kind(b) for b in blocks]
+    kinds = [_block_kind(b) for b in blocks]
     members: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, kind in enumerate(kinds):
         members[kind].append(i)
@@ -436,13 +436,13 @@ def profile_blocks(
                               gradients_kept=gradients_kept)
     return Profile(
         names=tuple(names),
-        kinds=tuple(_kind(b) for b in blocks),
+        kinds=tuple(_block_kind(b) for b in blocks),
         choices=tuple(choices),
         derived={c: choices[c] for c in derived},
         tracked=[_round(choice, marks, _kept_runs(marks)) for choice, marks in zip(rounds, tracked, strict=True)],
         timed=[_round(choice, marks, {}) for choice, marks in zip(rounds, timed, strict=True)],
         alone=alone,
-        sample_kind=_kind(blocks[samples[0][1]]) if samples else None,
+        sample_kind=_block_kind(blocks[samples[0][1]]) if samples else None,
         per_op=per_op,
         gradients=gradient_steps(blocks, order),
         compiled=compiled,
@@ -494,7 +494,7 @@ def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> di
     """Per choice run, the first (round, block) in which a block of the largest kind runs it (run alone later)."""
     members: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, block in enumerate(blocks):
-        members[_kind(block)].append(i)
+        members[_block_kind(block)].append(i)
     largest = max(members.values(), key=len)
     out: dict[int, tuple[int, int]] = {}
     for r, choice in enumerate(rounds):
@@ -505,7 +505,7 @@ def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> di
 
 # -- where backward's new gradients are alive: NOTE [ Gradients in the budget ] in costs.py ---------------------------
 
-def _nbytes(p: torch.Tensor) -> int:
+def _tensor_bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
@@ -524,7 +524,7 @@ def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -
     position = {id(p): q for q, p in enumerate(order)}
     before = [0]
     for p in order:
-        before.append(before[-1] + _nbytes(p))  # before[q]: bytes of the first q gradients made
+        before.append(before[-1] + _tensor_bytes(p))  # before[q]: bytes of the first q gradients made
     first: list[int | None] = []
     last: list[int | None] = []
     for block in blocks:

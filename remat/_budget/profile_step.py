@@ -3,7 +3,7 @@
 
 A forward pre-hook and hook on each block and gradient hooks on its first input and first output tensor switch
 the tracker's window (`Windows`); `Marks` keeps each window's peak and clock, the blocks' inputs described for a
-run alone (`describe` in profile_alone.py), and for the blocks recorded in detail (run kept, to derive their other
+run alone (`describe_args` in profile_alone.py), and for the blocks recorded in detail (run kept, to derive their other
 choices) what their forward allocated and which of it was still alive when backward started (`Detail`).
 """
 
@@ -29,7 +29,7 @@ from .._measure.clock import MODE_PER_OP, now, priced
 from .._measure.fake import FakeTracker
 from .._measure.step_autocast import cached_cast
 from .._measure.track import _storage, synchronize
-from .profile_alone import describe
+from .profile_alone import describe_args
 
 __all__ = ["Detail", "Marks", "Step", "Windows", "marked_step", "mode_cost", "mode_overhead", "per_op_overhead"]
 
@@ -192,7 +192,7 @@ def _hooks(blocks: Sequence[nn.Module], marks: Marks) -> list[Any]:
 
         def pre(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
             if i in marks.describing:
-                marks.specs[i] = describe(args, kwargs)
+                marks.specs[i] = describe_args(args, kwargs)
             marks.forward_start(i)
             first = _first_grad_tensor((args, kwargs))
             if first is not None and torch.is_grad_enabled():

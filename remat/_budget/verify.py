@@ -82,7 +82,7 @@ def _corrected(assignment: Assignment, measured: int, *, both: bool = False) -> 
     return dataclasses.replace(found, budget=assignment.budget, peak_bytes=found.peak_bytes + missed, missed=missed)
 
 
-def _least(assignment: Assignment) -> Assignment:
+def _least_choice(assignment: Assignment) -> Assignment:
     """Full remat of every block where the costs have it (what the promise is measured against), else the choice
     per block the costs predict to hold least (implementation note 3)."""
     cost = assignment.cost
@@ -120,9 +120,9 @@ class Verification:
         if measured <= assignment.budget or (self._floor and measured <= slack):
             return None
         if self._floor:
-            raise _refused(assignment, measured)
+            raise _refusal(assignment, measured)
         self._left -= 1
-        least = _least(assignment)
+        least = _least_choice(assignment)
         if self._left > 0:
             following = _corrected(assignment, measured)
             if following is None or following.choice in self._tried:
@@ -133,13 +133,13 @@ class Verification:
         if measured <= slack:
             return None
         if least.choice == assignment.choice:
-            raise _refused(assignment, measured)
+            raise _refusal(assignment, measured)
         self._floor = True
         self.assignment = least
         return least
 
 
-def _refused(assignment: Assignment, floor: int) -> BudgetError:
+def _refusal(assignment: Assignment, floor: int) -> BudgetError:
     budget = assignment.budget
     return BudgetError(
         f"remat: no choice per block of these {len(assignment.cost)} blocks fits a budget of {budget} bytes "
@@ -198,12 +198,12 @@ def verify_both_ways(assignment: Assignment, measure: Measure, place: Callable[[
         assignment = following
         place(assignment)
     if best is None:  # none measured within the budget: the least, measured last
-        least = _least(assignment)
+        least = _least_choice(assignment)
         if least.choice != assignment.choice:
             place(least)
             assignment = dataclasses.replace(least, measured=measure(least))
         if assignment.measured is None or assignment.measured > assignment.budget * SLACK:
-            raise _refused(assignment, assignment.measured or 0)
+            raise _refusal(assignment, assignment.measured or 0)
         return assignment
     if best.choice != assignment.choice:
         place(best)

@@ -62,7 +62,7 @@ __all__ = ["Chain", "chain", "parse_budget"]
 #    (`AutocastState`).
 
 
-class _Call(nn.Module):
+class _FnStage(nn.Module):
     """A plain callable as a stage (it has no parameters, so `state_dict` keys do not change)."""
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -85,7 +85,7 @@ _CHANGED_INPUT = (
 )
 
 
-class _Run:
+class _ChainRun:
     """One forward and backward of a chain under a schedule (see NOTE [ Chain execution ])."""
 
     def __init__(self, chain: Chain, schedule: Schedule, x: torch.Tensor, params: tuple[torch.Tensor, ...]) -> None:
@@ -202,14 +202,14 @@ class _Run:
 
 class _ChainFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run: _Run, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, run: _ChainRun, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.run = run
         return run.forward(x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        run: _Run | None = ctx.run
+        run: _ChainRun | None = ctx.run
         ctx.run = None
         if run is None:
             raise RematError(
@@ -249,7 +249,7 @@ class Chain(nn.Sequential):
             for n, s in enumerate(stages):
                 if not callable(s):
                     raise TypeError(f"remat: stage {n} must be an nn.Module or a callable, but got {type(s).__name__}.")
-                named[str(n)] = s if isinstance(s, nn.Module) else _Call(s)
+                named[str(n)] = s if isinstance(s, nn.Module) else _FnStage(s)
         if not named:
             raise ValueError("remat: `chain` needs at least one stage, but got none.")
         if (budget is None) == (segments is None):
@@ -339,7 +339,7 @@ class Chain(nn.Sequential):
         if compiling():  # see NOTE [ Chains under compile ] in lowered.py
             return run_lowered(list(self), self._lowered, x)
         schedule = self.schedule_for(x)
-        run = _Run(self, schedule, x, params)
+        run = _ChainRun(self, schedule, x, params)
         # `apply` is an untyped def up to torch 2.13, an attribute of type Any from 2.14: one ignore for both
         out: torch.Tensor = _ChainFunction.apply(run, x, *params)  # type: ignore[no-untyped-call, unused-ignore]
         return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .._core.public import claim
 from .._core.units import format_bytes
-from .simulate import OpKind, StageCost, _Row, check_bytes, check_stages, simulate
+from .simulate import OpKind, StageCost, _SimRow, check_bytes, check_stages, simulate
 
 __all__ = ["CHAIN_BYTES", "Schedule"]
 
@@ -46,7 +46,7 @@ class Schedule:
     input_bytes: int = field(repr=False)
     budget: int | None = None
     name: str = "schedule"
-    _rows: tuple[_Row, ...] = field(default=(), repr=False, compare=False)
+    _rows: tuple[_SimRow, ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def from_ops(

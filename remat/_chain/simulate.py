@@ -117,7 +117,7 @@ class _InvalidOp(ValueError):
 
 
 @dataclass(frozen=True)
-class _Row:
+class _SimRow:
     kind: str
     stage: int
     time: float
@@ -231,17 +231,17 @@ class _Machine:
 
 def simulate(
     stages: Sequence[StageCost], ops: Iterable[tuple[str, int]], input_bytes: int
-) -> tuple[tuple[tuple[OpKind, int], ...], tuple[_Row, ...]]:
+) -> tuple[tuple[tuple[OpKind, int], ...], tuple[_SimRow, ...]]:
     machine = _Machine(stages, input_bytes)
     out_ops: list[tuple[OpKind, int]] = []
-    rows: list[_Row] = []
+    rows: list[_SimRow] = []
     for kind, i in ops:
         try:
             time, peak = machine.step(kind, i)
         except _InvalidOp as exc:
             raise ValueError(f"remat: invalid schedule at step {len(rows)}: {exc}.") from None
         out_ops.append((kind, i))  # type: ignore[arg-type]  # checked by step
-        rows.append(_Row(kind, i, time, peak, machine.live))
+        rows.append(_SimRow(kind, i, time, peak, machine.live))
     if not machine.done:
         raise ValueError("remat: invalid schedule: it does not back-propagate every stage.")
     return tuple(out_ops), tuple(rows)

@@ -149,7 +149,7 @@ def _solve_dp(
     prefix = torch.cumsum(torch.tensor([0.0, *uf], dtype=dt), 0)
     for r, c in _blocks(n + 1, size):
         E[0, r, c] = torch.where(ar[None, c] >= need_t[r, None], base_cost[r, None], _INF)
-    _shifted(E, F, G, 0, n + 1, xs_t, xbs_t, prefix, ar)
+    _shift_rows(E, F, G, 0, n + 1, xs_t, xbs_t, prefix, ar)
     fneed = _forward_need(xs, fts, n)  # [a][t], see _forward_need
     save_fwd = [xbs[a + 1] + fts[a] for a in range(n)]
     save_bwd = [xbs[a + 1] + xs[a + 1] + xs[a] + bts[a] for a in range(n)]
@@ -171,14 +171,14 @@ def _solve_dp(
             E[d, r, c] = torch.where(use_save, save, best)
             chosen[r, c] = torch.where(use_save, 0, split)
         choice.append(chosen)
-        _shifted(E, F, G, d, cnt, xs_t, xbs_t, prefix, ar)
+        _shift_rows(E, F, G, d, cnt, xs_t, xbs_t, prefix, ar)
     value = float(E[n, 0, top])
     if value == _INF:
         return None
-    return value, _schedule(choice, n, top, xs, xbs)
+    return value, _ops_of(choice, n, top, xs, xbs)
 
 
-def _schedule(choice: Sequence[torch.Tensor], n: int, top: int, xs: Sequence[int],
+def _ops_of(choice: Sequence[torch.Tensor], n: int, top: int, xs: Sequence[int],
               xbs: Sequence[int]) -> list[tuple[str, int]]:
     """The ops of the schedule the dynamic program chose (`choice[d][a, m]`: 0 to save stage a, else the split).
     `todo` holds sub-chains (a, b, m) and, as (-1, i, 0), a backward(i) to emit once the sub-chain pushed after it
@@ -225,7 +225,7 @@ def _best_split(
     return best, split
 
 
-def _shifted(
+def _shift_rows(
     E: torch.Tensor, F: torch.Tensor, G: torch.Tensor, d: int, cnt: int, xs_t: torch.Tensor, xbs_t: torch.Tensor,
     prefix: torch.Tensor, ar: torch.Tensor,
 ) -> None:

@@ -57,7 +57,7 @@ def _is_cache(value: Any) -> bool:
     return "Cache" in kind.__name__ and callable(getattr(kind, "update", None))
 
 
-def _caches(args: Any, kwargs: Any) -> list[str]:
+def _cache_kwargs(args: Any, kwargs: Any) -> list[str]:
     found = []
     named = [(f"positional argument #{index}", value) for index, value in enumerate(args or ())]
     named += list((kwargs or {}).items())
@@ -85,7 +85,7 @@ def explain(args: Any, kwargs: Any, module: nn.Module | None, before: Attributes
     ' It was called with a cache object, `past_key_values` (a `DynamicCache`)'
     """
     sentences = []
-    caches = _caches(args, kwargs)
+    caches = _cache_kwargs(args, kwargs)
     if caches:
         sentences.append(
             f"It was called with a cache object, {', '.join(caches)}: rerun calls it again in backward, which "

@@ -72,7 +72,7 @@ from .._measure.fake import (
     tensors_of,
 )
 from .._measure.hf_fake import real_masks
-from .._measure.loss import call as call_loss
+from .._measure.loss import call_model as call_loss
 from .._measure.loss import default_loss
 from .._measure.step_autocast import StepAutocast, planning, step_region
 from .constants import first_step_bytes

@@ -33,7 +33,7 @@ __all__ = ["real_masks"]
 _NAME = "find_packed_sequence_indices"
 
 
-class _Patch:
+class _PackedPatch:
     """The one replacement of transformers' packed-sequence question, shared by every estimate in the process."""
 
     def __init__(self) -> None:
@@ -73,7 +73,7 @@ class _Patch:
                     self._module = self._original = None
 
 
-_PATCH = _Patch()
+_PATCH = _PackedPatch()
 
 
 @contextlib.contextmanager

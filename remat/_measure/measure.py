@@ -70,7 +70,7 @@ def _fresh_grads(leaves: list[torch.Tensor]) -> Iterator[None]:
             t.grad = g
 
 
-def _run(
+def _measure_once(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -152,7 +152,7 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
     name = _name(fn_or_module)
     with _fresh_grads(grad_leaves):
         if not compare:
-            return Report(name, (_run(fn_or_module, args, kwargs, "as is", devices),))
+            return Report(name, (_measure_once(fn_or_module, args, kwargs, "as is", devices),))
         return _compare(fn_or_module, args, kwargs, name, devices, grad_leaves)
 
 
@@ -196,7 +196,7 @@ def _compare(
             else:
                 stash.apply()  # the last run leaves the generators as one step would
             stack.enter_context(enabled(on))
-            m = _run(fn, args, kwargs, "remat on" if on else "remat off", devices)
+            m = _measure_once(fn, args, kwargs, "remat on" if on else "remat off", devices)
         if on:
             recomputes += _stats.recomputes - before
         if i >= 2:  # not a warm-up run
@@ -210,10 +210,10 @@ def _compare(
             "remat rebuilt nothing in backward: no remat site ran in this model (or every site kept what it saved), "
             "so both sides run the same code and differ only by noise."
         )
-    return Report(name, (_median(runs[True]), _median(runs[False])), tuple(notes))
+    return Report(name, (_median_run(runs[True]), _median_run(runs[False])), tuple(notes))
 
 
-def _median(runs: list[Measurement]) -> Measurement:
+def _median_run(runs: list[Measurement]) -> Measurement:
     """The last run's bytes with the median of each time."""
     last = runs[-1]
     recompute = [r.recompute_seconds for r in runs if r.recompute_seconds is not None]

@@ -128,7 +128,7 @@ class Rider(Protocol):
     def _host_exited(self) -> None: ...
 
 
-class _Mode(Mode):
+class _TrackingMode(Mode):
     """The dispatch mode of one `Tracker`: runs every op and shows its outputs to the tracker (and its riders)."""
 
     def __init__(self, tracker: Tracker) -> None:
@@ -155,7 +155,7 @@ def riding_host() -> Tracker | None:
     """The tracker of a `remat.track()` block whose mode is on top of this thread's dispatch stack, for a rider
     (NOTE [ Riders ]); None where the top mode is another (remat's internal trackers included), or none is on."""
     mode = top_dispatch_mode()
-    if isinstance(mode, _Mode) and type(mode._tracker) is Tracker and mode._tracker._mode is mode:
+    if isinstance(mode, _TrackingMode) and type(mode._tracker) is Tracker and mode._tracker._mode is mode:
         return mode._tracker
     return None
 
@@ -216,7 +216,7 @@ class Tracker:
         self._peak: dict[torch.device, int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
-        self._mode: _Mode | None = None
+        self._mode: _TrackingMode | None = None
         self._done = False
         self._riders: tuple[Rider, ...] = ()  # NOTE [ Riders ]
         # device, device type or _EVERY -> bytes; None: no limit. See NOTE [ A device's limit ].
@@ -226,7 +226,7 @@ class Tracker:
     def __enter__(self) -> Tracker:
         if self._mode is not None or self._done:
             raise RuntimeError("remat: a Tracker can be entered only once; call remat.track() again instead.")
-        self._mode = _Mode(self)  # guarded once dynamo is in use: NOTE [ Modes without the dynamo guard ]
+        self._mode = _TrackingMode(self)  # guarded once dynamo is in use: NOTE [ Modes without the dynamo guard ]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         resize.watch(self)  # NOTE [ Resized storages ] in resize.py
         return self

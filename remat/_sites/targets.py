@@ -30,7 +30,7 @@ from .table import ModelPlan, Site
 if TYPE_CHECKING:
     from .._core.requests import Where
 
-__all__ = ["apply", "plan", "remove_hooks", "select", "undo", "wrap", "wrap_class", "wrap_function",
+__all__ = ["apply_blocks", "model_plan", "remove_hooks", "select", "undo_sites", "wrap", "wrap_class", "wrap_function",
            "wrap_module"]
 
 
@@ -68,16 +68,16 @@ class _Engine:
         }
         if options.strategy == "replay":
             self.open: Callable[..., Any] = functools.partial(_open_region, **extra)
-            self.end: Callable[..., None] = _region.end
+            self.end: Callable[..., None] = _region.end_replay
         else:
             self.open = functools.partial(_rerun.begin, early_stop=True, **extra)
             self.end = _rerun.end
 
 
 def _open_region(fn: Any, args: Any, kwargs: Any, **options: Any) -> object:
-    """`region.begin` in the shape of `rerun.begin`: a replay site records whatever runs next."""
+    """`region.begin_replay` in the shape of `rerun.begin`: a replay site records whatever runs next."""
     del fn, args, kwargs
-    return _region.begin(**options)
+    return _region.begin_replay(**options)
 
 
 def _active(options: Options) -> bool:
@@ -288,7 +288,7 @@ def wrap(target: Any, options: Options) -> Any:
     )
 
 
-def undo(module: _M) -> _M:
+def undo_sites(module: _M) -> _M:
     """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules (hooks, the instance's
     own `forward`), leaving each as it was before."""
     if not isinstance(module, nn.Module):
@@ -302,7 +302,7 @@ def undo(module: _M) -> _M:
     return module
 
 
-def apply(
+def apply_blocks(
     model: _M,
     where: Where | None,
     every: int,
@@ -384,7 +384,7 @@ def _decorated_methods(kind: type[nn.Module]) -> list[tuple[str, Options]]:
     return found
 
 
-def plan(model: nn.Module) -> ModelPlan:
+def model_plan(model: nn.Module) -> ModelPlan:
     """The rematerialized sites of `model`: module instances (`remat(module)`, `remat.apply`), classes, and the
     methods of their classes decorated with `@remat`."""
     if not isinstance(model, nn.Module):

@@ -229,7 +229,7 @@ def test_a_stage_that_changes_its_input_only_off_the_sample_is_a_clear_error() -
     built = chain([first, sometimes, nn.Linear(8, 8).double()], segments=3)
     built.schedule_for(-torch.ones(4, 8, dtype=torch.float64))  # profiled where the stage does not change its input
     assert built.copies == frozenset()
-    with pytest.raises(RematError, match=r"stage 1 of the chain \(_Call\) changed its input in place "
+    with pytest.raises(RematError, match=r"stage 1 of the chain \(_FnStage\) changed its input in place "
                                          r"\(aten\.mul_\.Tensor"):
         built(torch.ones(4, 8, dtype=torch.float64, requires_grad=True))
 
