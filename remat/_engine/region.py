@@ -40,13 +40,16 @@ _storage_id: Callable[[torch.Tensor], int] = storage_id
 _ref = weakref.ref
 
 # NOTE [ Kept tensors ]
-# Saved tensors that the region does not rebuild — tensors from outside, views of them, tensors the tape never
-# saw — are kept by reference. With hooks installed autograd no longer checks their version on unpack, so the
-# region does: each is kept with the version it had when saved, and a different version in backward raises
-# autograd's own "modified by an inplace operation" error instead of giving a wrong gradient. Inside an
-# enclosing site (another region, a rerun site, `save_on_cpu`), these tensors may be activations of that site,
-# so they are handed to its pack hook instead (see NOTE [ Inputs of nested sites ] in hooks.py); so are the
-# outside tensors the tape reads, at the end of forward.
+# 1. Saved tensors that the region does not rebuild (tensors from outside, views of them, tensors the tape never saw)
+#    are kept by reference.
+# 2. A kept tensor whose version changed before backward raises autograd's own "modified by an inplace operation"
+#    error instead of giving a wrong gradient.
+# 3. Inside an enclosing site (another region, a rerun site, `save_on_cpu`) they are handed to its pack hook instead
+#    (NOTE [ Inputs of nested sites ] in hooks.py); so are the outside tensors the tape reads, at the end of forward.
+#
+# Implementation notes:
+# 1. (rule 2) With hooks installed autograd no longer checks versions on unpack, so the region keeps each with the
+#    version it had when saved and compares.
 
 _VALUES_DIFFER = (
     "remat: replay of `{site}` rebuilt saved tensor #{index} (output {output} of op #{op}, {name}) with other "
@@ -244,10 +247,12 @@ class RegionFrame(Frame):
 
 
 # NOTE [ Region entry ]
-# `begin_replay` pushes the recording mode and then the saved-tensor hooks; `end_replay` pops them in reverse order and
-# finishes the tape, also when the block raised (then the recording is dropped). A region records only when
-# grad mode is on: without it autograd saves nothing, so there is nothing to free. The `Region` object of
-# `remat.region()` (`Region`, below) calls them.
+# 1. A region records only when grad mode is on: without it autograd saves nothing, so there is nothing to free.
+# 2. Its exit undoes its entry in reverse order, also when the block raised (then the recording is dropped).
+#
+# Implementation notes:
+# 1. (rule 2) `begin_replay` pushes the recording mode and then the saved-tensor hooks; `end_replay` pops them and
+#    finishes the tape. The `Region` of `remat.region()` (below) calls them.
 
 
 def begin_replay(
