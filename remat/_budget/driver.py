@@ -350,13 +350,13 @@ class BudgetHook:
 
 
 # NOTE [ Planned under autocast ]
-# Autocast changes what a step holds: casts of the weights (cached for the region: NOTE [ A step's own autocast
-# region ] in remat/_measure/step_autocast.py) and activations in the lower precision. So a plan is made for the
-# autocast settings its steps ran under (the caller's, when `remat.apply` or the re-planning forward ran), and a
-# training forward under other settings (a budget planned outside `torch.autocast` and trained inside it, the
-# common case) plans again there, before the forward goes on, with one log line; the fraction of a fractional
-# budget is then of that step's peak without remat. With `replan=False` the plan is kept and a warning says once
-# that its budget holds for the settings it was made under.
+# 1. A plan is made for the autocast settings its steps ran under (the caller's, when `remat.apply` or the
+#    re-planning forward ran): autocast changes what a step holds (weight casts cached for the region, NOTE [ A step's
+#    own autocast region ] in remat/_measure/step_autocast.py, and activations in the lower precision).
+# 2. A training forward under other settings plans again there, before the forward goes on, with one log line; a
+#    fractional budget is then of that step's peak without remat.
+# 3. With `replan=False` the plan is kept and a warning says once that its budget holds for the settings it was made
+#    under.
 KEPT_UNDER_AUTOCAST = (
     "remat: the budget of `{model}` was planned {planned} and trains {training}, which holds other bytes (casts of "
     "the weights, activations in another precision); with replan=False the plan is kept and its budget holds for "

@@ -31,15 +31,17 @@ Implementation notes:
    least.
 
 NOTE [ The same plan on every rank ]
-Under data parallelism (DDP, FSDP2) every rank runs the budget planner's profile step (the collectives inside it
-need every rank), and the profile's timings differ a little from rank to rank, so the solver could choose
-differently on different ranks: ranks whose blocks rematerialize differently still compute the same gradients,
-but their memory and speed differ, and the budget was given once for all of them. So the plan is rank 0's:
-after solving, every rank takes it from rank 0 with ``broadcast_object_list`` over the default process group,
-and the real step that verifies the plan (NOTE [ Verifying the plan ]) counts the highest peak of any rank, so
-every rank corrects it alike.
-Nothing happens without an initialised default group of more than one rank, or on torch's fake process group
-(an estimate's: one process plays one rank).
+1. Under data parallelism (DDP, FSDP2) every rank runs rank 0's plan: ranks planned alike compute alike in memory
+   and speed, and the budget was given once for all of them.
+2. The real step that verifies the plan (NOTE [ Verifying the plan ]) counts the highest peak of any rank, so every
+   rank corrects it alike.
+3. Nothing happens without an initialised default group of more than one rank, or on torch's fake process group
+   (an estimate's: one process plays one rank).
+
+Implementation notes:
+1. (rule 1) Every rank runs the profile step (its collectives need every rank), and timings differ a little from
+   rank to rank, so solvers could choose differently; after solving, every rank takes rank 0's assignment with
+   `broadcast_object_list` over the default process group.
 """
 
 from __future__ import annotations

@@ -13,12 +13,15 @@ from .solver import Schedule
 __all__ = ["lower", "run_lowered"]
 
 # NOTE [ Chains under compile ]
-# A chain's schedule runs through one custom autograd function that dynamo cannot trace, and profiling a new
-# input shape runs stages forward and backward. Inside a compiled frame a chain therefore follows the schedule made
-# last in eager code: the stages that schedule runs with grad in forward (`forward_save`) are kept, and each stage whose
-# input the schedule checkpoints starts one torch checkpoint that also covers the stages after it run without a
-# checkpoint (`forward_nosave`): recomputed in backward from that kept input. With no schedule yet (the chain was
-# never called in eager code), every stage is its own checkpoint: nothing is kept that a schedule could have dropped.
+# 1. Inside a compiled frame a chain follows the schedule made last in eager code: the stages that schedule runs with
+#    grad in forward (`forward_save`) are kept, and each stage whose input the schedule checkpoints starts one torch
+#    checkpoint that also covers the stages after it run without one (`forward_nosave`).
+# 2. With no schedule yet (the chain was never called in eager code), every stage is its own checkpoint: nothing is
+#    kept that a schedule could have dropped.
+#
+# Implementation notes:
+# 1. (rule 1) A chain's schedule runs through one custom autograd function that dynamo cannot trace, and profiling a
+#    new input shape runs stages forward and backward: neither can happen inside the frame.
 
 
 def lower(schedule: Schedule | None, n: int) -> tuple[tuple[int, int, bool], ...]:

@@ -63,14 +63,15 @@ _INF = math.inf
 # [ Solver threads ]).
 #
 # NOTE [ Solver threads ]
-# The table is filled by many tensor operations. Where one spans more elements than ATen's grain (32768), torch
-# splits it over its intra-op threads, and on a busy machine (more runnable threads than cores) each split can
-# wait a scheduler slice for a descheduled worker: many times slower than one thread. Setting the thread count
-# to one would avoid that, but `torch.set_num_threads` changes the whole process while a solve runs. So the
-# solver keeps every operation under the grain instead: the table is cut into blocks of fewer elements
-# (`_blocks`), the best split is found by a loop over t of elementwise operations (torch splits a reduction
-# along t over threads at any size), and the shifts are gathers over blocks of rows. The thread count stays the
-# user's, and the table holds the same numbers as one operation per diagonal would.
+# 1. The solver never changes torch's thread count and runs on the calling thread: every tensor operation stays under
+#    ATen's grain (32768 elements), where torch does not split it over its intra-op threads.
+# 2. The table holds the same numbers as one operation per diagonal would.
+#
+# Implementation notes:
+# 1. (rule 1) On a busy machine each split can wait a scheduler slice for a descheduled worker, and
+#    `torch.set_num_threads` would change the whole process while a solve runs. So the table is cut into blocks of
+#    fewer elements (`_blocks`), the best split is found by a loop over t of elementwise operations (torch splits a
+#    reduction along t at any size), and the shifts are gathers over blocks of rows.
 
 
 def _slots_of(nbytes: int, slots: int, budget: int) -> int:

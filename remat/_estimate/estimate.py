@@ -40,12 +40,13 @@ DEFAULT_CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls", 0.3)
 
 
 # NOTE [ Applying a configuration for a while ]
-# "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
-# lets the planner choose per block. Either way the sites are forward hooks (and, from a planner, perhaps
-# attributes) on the user's own modules, so every module's forward-hook tables and attribute names are recorded
-# first and put back exactly afterwards: sites the user had are back as they were (same hook objects, same
-# order), and nothing the configuration added is left. "none" switches every site off with `remat.enabled(False)`;
-# the others run with the switch on, whatever `REMAT` says, since that is what they predict.
+# 1. A configuration is on the user's model only while its row is estimated: every module's forward-hook tables and
+#    attribute names are recorded first and put back exactly afterwards (the user's own sites as they were, same hook
+#    objects, same order; nothing the configuration added left).
+# 2. "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
+#    lets the planner choose per block.
+# 3. "none" switches every site off with `remat.enabled(False)`; the others run with the switch on, whatever `REMAT`
+#    says, since that is what they predict.
 
 
 @contextlib.contextmanager

@@ -27,23 +27,28 @@ Implementation notes:
    it lazily), so it is alive throughout the counted one, as from the second step of a real run on.
 
 NOTE [ The optimizer the device runs ]
-torch's optimizers left to choose (``foreach=None`` and ``fused=None``, their default) pick their implementation
-when they step, from the parameters (``_default_to_fused_or_foreach`` in torch/optim/optimizer.py): ``foreach``
-when every parameter's type is exactly a tensor, a ``Parameter`` or a ``DTensor`` on a device with foreach kernels
-(CUDA, XPU, MTIA, the PrivateUse1 backend), else the for-loop. The two hold different temporaries at their peak
-(AdamW's foreach step: one parameter-sized ``_foreach_sqrt`` of the second moments more than the for-loop's few
-per-parameter ones). A fake parameter is a ``FakeTensor``, which fails that type check, so a fake step left to
-choose would take the for-loop where the real step on a GPU takes foreach. So the choice is made here, by
-torch's rule on the real parameters (their Python types; the device predicted for), and written into each param
-group as torch reads it (``group["foreach"]``, with torch's own exception: a tensor ``lr`` without
-``capturable``); an explicit ``foreach=`` or ``fused=`` is honoured as given.
+1. A fake step runs the optimizer implementation the real step on the predicted device would: torch's rule
+   (``_default_to_fused_or_foreach`` in torch/optim/optimizer.py) applied to the real parameters' Python types and
+   the device predicted for, written into each param group as torch reads it (``group["foreach"]``, with torch's
+   exception: a tensor ``lr`` without ``capturable``).
+2. An explicit ``foreach=`` or ``fused=`` is honoured as given.
+
+Implementation notes:
+1. (rule 1) Left to choose (``foreach=None``, ``fused=None``) torch picks ``foreach`` when every parameter is exactly
+   a tensor, a ``Parameter`` or a ``DTensor`` on a device with foreach kernels (CUDA, XPU, MTIA, PrivateUse1),
+   else the for-loop; the two hold different temporaries at their peak (AdamW's foreach step: one parameter-sized
+   ``_foreach_sqrt`` more). A ``FakeTensor`` fails that type check, so a fake step left to choose would take the
+   for-loop where the GPU takes foreach.
 
 NOTE [ One optimizer step ]
-The optimizer step does the same ops on the same parameters, gradients and state under every configuration: only
-what else is alive when it starts differs. So it runs (and is counted, by a tracker of its own) once, under the
-first configuration; each configuration's peak is the larger of its forward/backward peak and what is alive
-when its optimizer step would start plus the bytes the step adds at its peak. That is the same number as
-running the step again, at a fraction of the time (a 7B model's AdamW step is thousands of fake ops).
+1. The optimizer step runs, counted by a tracker of its own, once, under the first configuration.
+2. Each configuration's peak is the larger of its forward/backward peak and what is alive when its optimizer step
+   would start plus the bytes the step adds at its peak.
+
+Implementation notes:
+1. (rules 1, 2) The step does the same ops on the same parameters, gradients and state under every configuration;
+   only what else is alive when it starts differs. So rule 2 gives the number a second run would, at a fraction of
+   the time (a 7B model's AdamW step is thousands of fake ops).
 """
 
 from __future__ import annotations

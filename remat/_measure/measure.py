@@ -1,13 +1,11 @@
 """Measure one training step of a function or module: `remat.measure`.
 
 NOTE [ Held for backward ]
-"Bytes held for backward" is what a rematerialization scheme exists to shrink: the bytes of the
-storages allocated during forward that are still alive once forward has returned, minus the
-storages of the output itself. With the output excluded, what remains is what autograd keeps
-(saved activations, and remat's own saved inputs and handles) plus anything the function stashed
-elsewhere (caches, module attributes). Tensors created before the call (inputs, parameters) are
-not counted, even when autograd saves them. An output that is a view of a saved activation makes
-that activation's storage count as output, so it is left out of the held bytes.
+1. "Held for backward" is the bytes of the storages allocated during forward that are still alive once forward has
+   returned, less the storages of the output: what autograd keeps (saved activations, remat's saved inputs and
+   handles) plus anything the function stashed elsewhere (caches, module attributes).
+2. Tensors created before the call (inputs, parameters) are not counted, even when autograd saves them.
+3. An output that is a view of a saved activation makes that activation's storage count as output: it is left out.
 """
 
 from __future__ import annotations

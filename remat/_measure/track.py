@@ -42,19 +42,24 @@ NOTE [ A device's limit ]
    before the one that crossed are released with the op's outputs, as any dropped storage is.
 
 NOTE [ Devices that hold memory ]
-``peak_bytes`` and ``current_bytes`` answer "how much memory did this take", all devices together: a device that
-holds no memory has no place in them. The ``meta`` device is one: fake tensors (``FakeTensorMode``: the twin
-`remat.apply(budget=...)` plans on, `remat.estimate`'s step) have storages there, with the bytes a real tensor
-would have, and summing them with real ones made a `remat.track()` around ``apply(budget=...)`` read several
-times the budget although nothing was allocated. Their bytes are still counted per device (``peak("meta")``).
+1. ``peak_bytes`` and ``current_bytes`` count the devices that hold memory, all together; the ``meta`` device holds
+   none and is left out of them.
+2. Bytes on ``meta`` are still counted per device (``peak("meta")``).
+
+Implementation notes:
+1. (rule 1) Fake tensors (``FakeTensorMode``: the twin `remat.apply(budget=...)` plans on, `remat.estimate`'s step)
+   have storages on ``meta`` with a real tensor's bytes; summed with real ones, a `remat.track()` around
+   ``apply(budget=...)`` read several times the budget although nothing was allocated.
 
 NOTE [ Riders ]
-A tracker can count for another without a dispatch mode of its own: `_ride` shows it every op the host's mode
-sees and every resize the host is told of, from then until `_unride` or the host's exit (which tells the rider:
-`_host_exited`). A budgeted model's first step counts this way under the user's own `remat.track()` (NOTE
-[ The first step ] in remat/_budget/first_step.py), so that it pushes no mode in the user's block, and the user's
-numbers are those of the block alone. The host's own counts come first: an op it refuses for its limit is seen
-by no rider.
+1. A tracker can count for another (its host) without a dispatch mode of its own: it sees every op the host's mode
+   sees and every resize the host is told of, from `_ride` until `_unride` or the host's exit (`_host_exited`).
+2. The host's own counts come first: an op it refuses for its limit is seen by no rider.
+
+Implementation notes:
+1. (rule 1) A budgeted model's first step counts this way under the user's own `remat.track()` (NOTE [ The first
+   step ] in remat/_budget/first_step.py): it pushes no mode in the user's block, and the user's numbers are those
+   of the block alone.
 """
 
 from __future__ import annotations

@@ -136,13 +136,18 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 
 
 # NOTE [ Module instances ]
-# `remat(module)` must leave the object itself untouched: same type, no wrapper in `named_modules()` or
-# `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is proxied: a forward pre-hook
-# opens the region and a forward hook (prepended, so it runs before any other forward hook, and `always_call`, so
-# it runs when forward raises) closes it; the one attribute set is the instance's own `forward`, which reaches
-# the pre-hook under compile (NOTE [ Under torch.compile ]); the class is not touched. The hooks and that forward
-# are small picklable objects that carry the options; `undo` finds them by type and gives the instance back what
-# it had. Recompute calls `module.forward` itself, not `module(...)`, so other hooks are not run twice.
+# 1. `remat(module)` leaves the object itself untouched: same type, no wrapper in `named_modules()` or
+#    `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected; the class is not touched.
+# 2. The region opens in a forward pre-hook and closes in a forward hook that runs before any other forward hook and
+#    also when forward raises.
+# 3. Recompute calls `module.forward` itself, not `module(...)`, so other hooks are not run twice.
+# 4. `remat.undo` gives the instance back exactly what it had.
+#
+# Implementation notes:
+# 1. (rules 1, 2) Nothing is proxied: the close hook is prepended and `always_call`; the one attribute set is the
+#    instance's own `forward`, which reaches the pre-hook under compile (NOTE [ Under torch.compile ]).
+# 2. (rule 4) The hooks and that forward are small picklable objects that carry the options; `undo_sites` finds them
+#    by type.
 
 class _Open:
     """Forward pre-hook that opens a region around `module.forward`."""
