@@ -85,7 +85,7 @@ def test_compile_plans_are_checked_on_a_compiled_step() -> None:
 def test_compiled_bytes_shift_what_fused_code_does_not_allocate() -> None:
     """NOTE [ Compiled bytes ]: compiled code fuses GELU's backward temporaries away, so the backward peak under
     every choice drops (against the same block in eager code, both read from the CPU allocator)."""
-    from remat._budget.profile_alone import compiled_shifts, describe
+    from remat._budget.profile_alone import compiled_shifts, describe_args
 
     torch._dynamo.reset()
     block = Block()
@@ -95,7 +95,7 @@ def test_compiled_bytes_shift_what_fused_code_does_not_allocate() -> None:
         if c == 1:
             remat(block)
 
-    shifts = compiled_shifts(block, describe((torch.randn(256, 64, requires_grad=True),), {}), [0, 1], assign)
+    shifts = compiled_shifts(block, describe_args((torch.randn(256, 64, requires_grad=True),), {}), [0, 1], assign)
     torch._dynamo.reset()
     assert set(shifts) == {0, 1}
     assert all(backward < 0 for _, _, backward in shifts.values()), shifts
