@@ -82,14 +82,14 @@ def bench_chain(
     shown = [none, ours]
     if not chains or ours.peak_bytes is None or ours.step is None:
         return description, summary, shown + sweep
-    plan = chains[0].plan
+    plan = chains[0].schedule
     assert plan is not None
     input_bytes, budget = plan.input_bytes, plan.budget
     assert budget is not None
     # The budget counts the chain's input (NOTE [ Memory model ] in remat/_chain/simulate.py); the measured peak does
     # not (the batch exists before the step), so it is added back to compare like with like.
     counted = ours.peak_bytes + input_bytes
-    baseline = remat.Plan.no_remat(plan.stages, input_bytes=input_bytes)
+    baseline = remat.Schedule.no_remat(plan.stages, input_bytes=input_bytes)
     summary.update(
         budget_bytes=budget,
         input_bytes=input_bytes,

@@ -29,7 +29,7 @@ from remat._core.torch_compat import tree_leaves
 from remat._core.units import format_bytes
 from remat._estimate.estimate import is_budget
 from remat._estimate_cli import HF_KINDS, SEED, Case, bench_case, hf_case
-from remat._measure.loss import call as _call
+from remat._measure.loss import call_model as _call
 from remat._measure.loss import default_loss
 
 __all__ = [

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from remat._core.units import format_bytes, ratio
-from remat._measure.report import format_seconds
+from remat._measure.measurement import format_seconds
 
 from .configs import NO_REMAT, TORCH
 from .runner import STEPS_PER_REPEAT, Result

@@ -13,7 +13,7 @@ import torch
 
 import remat
 from remat._engine.modes import Mode
-from remat._measure.report import format_seconds
+from remat._measure.measurement import format_seconds
 
 from .runner import Result, fail, note, sync, tiny_input
 

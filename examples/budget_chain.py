@@ -26,7 +26,7 @@ def main() -> None:
     x = torch.randn(4, 8, 32, 32, requires_grad=True)
     chain = remat.chain(stages(), budget=0.6, sample=x)
     chain(x).sum().backward()
-    print(chain.plan)
+    print(chain.schedule)
 
 
 if __name__ == "__main__":

@@ -36,19 +36,21 @@ from ._sites.table import ModelPlan as ModelPlan
 if TYPE_CHECKING:  # loaded on first use
     from ._chain.chain import Chain as Chain
     from ._chain.chain import chain as chain
-    from ._chain.schedule import Plan as Plan
+    from ._chain.schedule import Schedule as Schedule
     from ._chain.simulate import StageCost as StageCost
     from ._chain.solver import solve as solve
     from ._estimate.estimate import estimate as estimate
     from ._estimate.report import ConfigEstimate as ConfigEstimate
     from ._estimate.report import EstimateReport as EstimateReport
     from ._measure.measure import measure as measure
-    from ._measure.report import Measurement as Measurement
-    from ._measure.report import Report as Report
+    from ._measure.measurement import Measurement as Measurement
+    from ._measure.measurement import Report as Report
     from ._measure.track import Tracker as Tracker
     from ._measure.track import track as track
     from ._sites.cross_entropy import linear_cross_entropy as linear_cross_entropy
     from ._sites.tiles import tiled as tiled
+
+    Plan = Schedule  # renamed: `remat.Plan` warns at run time (NOTE [ The public surface ], rule 5)
 
 __version__ = "0.1.0"
 __all__ = sorted(_public.names())

@@ -45,7 +45,7 @@ import remat
 
 from ._core.units import format_bytes, ratio
 from ._demo import GPT, GPT_SIZES, GPTConfig, human_count, parameter_count
-from ._measure.report import format_seconds
+from ._measure.measurement import format_seconds
 from ._measure.track import synchronize
 
 __all__ = ["main"]
@@ -84,7 +84,7 @@ Go further (docs/quickstart.md):
 
 
 @dataclass
-class _Row:
+class _Result:
     """One configuration: its model and what its steps measured."""
 
     label: str
@@ -95,7 +95,7 @@ class _Row:
     seconds: list[float] = field(default_factory=list)
 
 
-def _torch_checkpoint(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _with_torch_checkpoint(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out: torch.Tensor = checkpoint(block, x, use_reentrant=False)
     return out
 
@@ -109,7 +109,7 @@ def _configurations(
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def torch_blocks(model: GPT) -> None:
-        model.call = _torch_checkpoint
+        model.call = _with_torch_checkpoint
 
     def chunked_head(model: GPT) -> None:
         remat.apply(model)
@@ -126,7 +126,7 @@ def _configurations(
     ]
 
 
-def _step(model: GPT, batch: Sequence[torch.Tensor], device: torch.device) -> float:
+def _train_step(model: GPT, batch: Sequence[torch.Tensor], device: torch.device) -> float:
     for p in model.parameters():
         p.grad = None  # NOTE [ What the demonstration measures ], rule 2
     synchronize([device])
@@ -136,7 +136,7 @@ def _step(model: GPT, batch: Sequence[torch.Tensor], device: torch.device) -> fl
     return time.perf_counter() - start
 
 
-def _tracked_step(row: _Row, batch: Sequence[torch.Tensor]) -> None:
+def _tracked_step(row: _Result, batch: Sequence[torch.Tensor]) -> None:
     for p in row.model.parameters():
         p.grad = None
     torch.manual_seed(SEED)
@@ -171,7 +171,7 @@ class _Status:
         self("")
 
 
-def _table(rows: Sequence[_Row]) -> list[str]:
+def _table(rows: Sequence[_Result]) -> list[str]:
     none = rows[0]
     base = statistics.median(none.seconds)
     table = [("configuration", "step peak", "vs none", "step time", "vs none", "gradients equal")]
@@ -201,11 +201,11 @@ def demo(device: torch.device, config: GPTConfig, steps: int, out: TextIO) -> in
           "float32).", file=out, flush=True)
     if not remat.is_enabled():
         print("remat is switched off (REMAT=0): its rows below run without remat.", file=out, flush=True)
-    rows: list[_Row] = []
+    rows: list[_Result] = []
     planned: dict[str, float] = {}
     for label, configure in _configurations(batch):
         status(f"preparing {label}")
-        row = _Row(label, copy.deepcopy(base))
+        row = _Result(label, copy.deepcopy(base))
         start = time.perf_counter()
         configure(row.model)
         planned[label] = time.perf_counter() - start
@@ -218,7 +218,7 @@ def demo(device: torch.device, config: GPTConfig, steps: int, out: TextIO) -> in
         for row in rows:
             status(f"timing, round {r + 1} of {steps}: {row.label}")
             torch.manual_seed(SEED + r)
-            row.seconds.append(_step(row.model, batch, device))
+            row.seconds.append(_train_step(row.model, batch, device))
     status.done()
     by_label = {row.label: row for row in rows}
     none, theirs, full = by_label["no remat"], by_label[TORCH_LABEL], by_label["remat.apply(model)"]
@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     argv = sys.argv[1:] if argv is None else list(argv)
     out = stdout or sys.stdout
     if argv[:1] == ["estimate"]:
-        from ._estimate_cli import main as estimate_main
+        from ._estimate_cli import estimate_main
 
         return estimate_main(argv[1:], out)
     parser = argparse.ArgumentParser(

@@ -19,7 +19,7 @@ from ._core import policies as _policies
 from ._core import switch as _switch
 from ._core.options import Options, Strategy
 from ._core.policies import PolicyLike
-from ._core.public import claim, names
+from ._core.public import DEPRECATED, claim, deprecated, names
 from ._core.units import Budget
 from ._engine import offload as _offload
 from ._engine.region import Region
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ._estimate import estimate as _estimate
     from ._estimate import report as _estimate_report
     from ._measure import measure as _measure
-    from ._measure import report as _measure_report
+    from ._measure import measurement as _measure_report
     from ._measure import track as _track
     from ._sites import cross_entropy as _cross_entropy
     from ._sites import tiles as _tiles
@@ -188,7 +188,7 @@ def plan(model: nn.Module) -> ModelPlan:
     0      Linear  full
     1      Linear  full
     """
-    return _targets.plan(model)
+    return _targets.model_plan(model)
 
 
 def undo(module: _M) -> _M:
@@ -200,7 +200,7 @@ def undo(module: _M) -> _M:
     >>> import torch, remat
     >>> layer = remat.undo(remat(torch.nn.Linear(2, 2)))
     """
-    return _targets.undo(module)
+    return _targets.undo_sites(module)
 
 
 def region(
@@ -233,11 +233,11 @@ def region(
     ...     y = x.sin().cos()
     >>> y.sum().backward()
     """
-    settings = Options(
+    options = Options(
         policy=policy, preserve_rng=preserve_rng, strategy="replay", enabled=enabled,
         check=check, name=name, offload=offload,
     )
-    return Region(settings)
+    return Region(options)
 
 
 class Remat:
@@ -329,7 +329,7 @@ class Remat:
         measure = staticmethod(_measure.measure)
         track = staticmethod(_track.track)
         Chain = _chain.Chain
-        Plan = _schedule.Plan
+        Schedule = _schedule.Schedule
         StageCost = _simulate.StageCost
         Measurement = _measure_report.Measurement
         Report = _measure_report.Report
@@ -339,6 +339,8 @@ class Remat:
         def __getattr__(self, name: str) -> Any:
             if name.startswith("__"):  # copy, pickle and inspect ask for dunders the class does not have
                 raise AttributeError(name)
+            if name in DEPRECATED:  # warned on every access: never cached (NOTE [ The public surface ], rule 5)
+                return deprecated(name, stacklevel=3)
             value = getattr(sys.modules["remat"], name)
             setattr(Remat, name, staticmethod(value) if inspect.isfunction(value) else value)  # later lookups are plain
             return value

@@ -23,7 +23,7 @@ from ._core.errors import RematError
 from ._demo import CONVNET_SIZES, GPT, GPT_SIZES, ConvNet, ConvNetConfig, GPTConfig, human_count, parameter_count
 from ._estimate.estimate import DEFAULT_CONFIGS
 
-__all__ = ["DTYPES", "HF_KINDS", "LONG_CONFIGS", "SEED", "Case", "bench_case", "hf_case", "main"]
+__all__ = ["DTYPES", "HF_KINDS", "LONG_CONFIGS", "SEED", "Case", "bench_case", "hf_case", "estimate_main"]
 
 SEED = 1234
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -137,7 +137,7 @@ def hf_case(kind: str, *, layers: int | None = None, hidden: int | None = None, 
 # -- python -m remat estimate --------------------------------------------------------------------
 
 
-def main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
+def estimate_main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
     """Run ``python -m remat estimate`` with ``argv`` (after the word ``estimate``); return the exit status."""
     out = stdout or sys.stdout
     parser = _Parser(

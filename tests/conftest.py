@@ -443,10 +443,10 @@ def budget_choices(names: tuple[str, ...], policies: tuple[Any, ...], labels: tu
     """The choices of a budget on blocks `names` (`policies`, labelled `labels`), without the recompute check, for
     tests that profile or place choices themselves."""
     from remat._budget.choices import Choices
-    from remat._budget.modes import BudgetMode
+    from remat._budget.regimes import BudgetRegime
     from remat._core.requests import BudgetRequest
 
-    choices = Choices(names, BudgetMode(BudgetRequest(budget=1.0, sample=(), check=False)))
+    choices = Choices(names, BudgetRegime(BudgetRequest(budget=1.0, sample=(), check=False)))
     choices.policies, choices.labels = policies, labels
     return choices
 

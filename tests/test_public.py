@@ -46,7 +46,7 @@ def test_the_package_lists_its_imports() -> None:
     assert set(public) <= set(dir(remat))
     for name, entry in public.items():
         assert getattr(remat, name) is not None
-        assert entry.lazy == (name in {"chain", "Chain", "solve", "Plan", "StageCost", "estimate", "EstimateReport",
+        assert entry.lazy == (name in {"chain", "Chain", "solve", "Schedule", "StageCost", "estimate", "EstimateReport",
                                        "ConfigEstimate", "track", "Tracker", "measure", "Report", "Measurement",
                                        "linear_cross_entropy", "tiled"}), name
 

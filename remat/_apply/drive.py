@@ -4,7 +4,7 @@ requests of remat.apply ] in remat/_core/requests.py), with the head routed firs
 * `BudgetRequest`: the budget's driver (`_budget/driver.apply_budget`), which `remat.estimate` runs too;
 * `MemoryRequest`: the memory's driver (`memory.apply_memory`), which sizes the step's state with the estimator and
   hands what is left to the budget's driver;
-* `BlocksRequest`: every `every`-th block under one policy (`_sites/targets.apply`).
+* `BlocksRequest`: every `every`-th block under one policy (`_sites/targets.apply_blocks`).
 
 With `tiles=N` the token-wise modules of the blocks `where` selects are tiled first (`tile_blocks`), so that a
 budget's profile runs them tiled, and untiled again where the driver raises.
@@ -68,7 +68,7 @@ def _dispatch(model: _M, request: Request) -> _M:
 
         return apply_memory(model, request)
     if isinstance(request, BlocksRequest):
-        return _targets.apply(model, request.where, request.every, request.options(request.policy))
+        return _targets.apply_blocks(model, request.where, request.every, request.options(request.policy))
     raise TypeError(f"remat: apply takes a blocks, budget or memory request, but got `{type(request).__name__}`.")
 
 

@@ -1,22 +1,19 @@
 """`remat.apply(model, memory=..., sample=..., optimizer=...)`: plan activations in what the device has left.
 
 NOTE [ Total memory ]
-A device's memory holds, through a training step, the parameters, buffers, the batch and the optimizer's state
-(alive from one step to the next), the gradients (made in backward, dropped by ``zero_grad``), the step's
-activations, and the optimizer step's temporaries. `remat.estimate` counts the first ones exactly on fake
-tensors; what is left, ``memory`` minus them and minus the allocator's headroom (NOTE [ The allocator's reserve ]
-in remat/_estimate/reserve.py, which also has the verification of the plan's real step against what the allocator
-reserved), is the budget handed to the budget's driver (remat/_budget/driver.py). A plain budget leaves gradients
-out (its verified step runs with them already there); this one counts them, since they take the same memory: the
-plan's verified step (NOTE [ Verifying the plan ] in remat/_budget/verify.py) starts without gradients, as after
-``zero_grad()``, so its measured peak is the activations, temporaries and the gradients made so far, at backward's
-highest point, and a plan over it is corrected as for any budget. Two refusals, both a `BudgetError` naming the
-least total that fits: the estimate of full remat of every block (which also covers the optimizer step, whatever
-remat does; with the head in chunks where only that fits and the head may be routed, and the blocks' token-wise
-modules in tiles where only that fits and the request leaves tiles to the plan: NOTE [ Tiles as a choice ] in
-remat/_budget/tiles_choice.py) does not fit in ``memory``
-less the headroom; or the planner finds no plan in the remainder, when the least total is the state plus the least
-budget it names, plus the headroom.
+1. `memory=` bounds the device peak: the parameters, buffers, batch and optimizer state (counted exactly by
+   `remat.estimate` on fake tensors), the gradients, the activations and the optimizer step's temporaries.
+2. The budget handed to the budget's driver (remat/_budget/driver.py) is `memory` less that state and less the
+   allocator's headroom (NOTE [ The allocator's reserve ] in remat/_estimate/reserve.py, which also has the check of
+   the plan's real step against what the allocator reserved).
+3. Unlike a plain budget, it counts the gradients: the plan's verified step (NOTE [ Verifying the plan ] in
+   remat/_budget/verify.py) starts without them, as after `zero_grad()`, and a plan over it is corrected as for
+   any budget.
+4. Two refusals, both a `BudgetError` naming the least total that fits: the estimate of full remat of every block
+   (with the head in chunks where only that fits and the head may be routed, and the blocks' token-wise modules in
+   tiles where only that fits and the request leaves tiles to the plan: NOTE [ Tiles as a choice ] in
+   remat/_budget/tiles_choice.py) does not fit in `memory` less the headroom; or the planner finds no plan in the
+   remainder (the least total is then the state plus the least budget it names, plus the headroom).
 """
 
 from __future__ import annotations
@@ -40,9 +37,9 @@ from .._estimate.phases import OPTIMIZER
 from .._estimate.predict import OptimizerLike
 from .._estimate.report import ConfigEstimate
 from .._estimate.reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, reserved_peak
-from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.loss import default_loss
 from .._measure.sample import as_call
+from .._measure.step_autocast import StepAutocast, planning, step_region
 from .._measure.track import placed
 from .._sites.head import can_route_head
 from .._sites.integrations import engine_of
@@ -70,7 +67,7 @@ def as_optimizer(optimizer: Any) -> OptimizerLike:
 
 def apply_memory(model: _M, request: MemoryRequest) -> _M:
     """See `remat.apply`, NOTE [ Total memory ] and NOTE [ The allocator's reserve ] in remat/_estimate/reserve.py:
-    the budget's driver in its `MemoryMode`, for what the step's state leaves."""
+    the budget's driver in its `MemoryRegime`, for what the step's state leaves."""
     total, sample, loss, optimizer = request.memory, request.sample, request.loss, request.optimizer
     devices = placed(model)
     device = devices[0] if devices else torch.device("cpu")

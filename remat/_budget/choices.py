@@ -9,8 +9,8 @@ from torch import nn
 
 from .._core.policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
 from .._sites.targets import remove_hooks, wrap_module
-from .modes import BudgetMode
 from .profile import DERIVABLE, PARTS
+from .regimes import BudgetRegime
 from .solve import Assignment
 
 __all__ = ["KEPT", "Choices"]
@@ -20,7 +20,7 @@ KEPT = "kept"
 
 
 class Choices:
-    """The choices open to the blocks `names` of a model under `mode`, numbered as the profile and the costs number
+    """The choices open to the blocks `names` of a model under `regime`, numbered as the profile and the costs number
     them (choice 0 keeps a block).
 
     Attributes:
@@ -30,9 +30,9 @@ class Choices:
             plan on every rank ] in verify.py); empty until costs were made.
     """
 
-    def __init__(self, names: tuple[str, ...], mode: BudgetMode) -> None:
+    def __init__(self, names: tuple[str, ...], regime: BudgetRegime) -> None:
         self.names = names
-        self.request = mode.request
+        self.request = regime.request
         policies: list[PolicyLike | str] = [KEPT]
         labels = [KEPT]
         if self.request.strategy == "rerun":
@@ -43,7 +43,7 @@ class Choices:
         for extra in self.request.choices or ():
             labels.append(_label(extra, set(labels) | set(PARTS)))
             policies.append(extra)
-        if self.request.strategy == "rerun" and mode.offers_parts:
+        if self.request.strategy == "rerun" and regime.offers_parts:
             policies.extend(PARTS)
             labels.extend(PARTS)
         self.policies, self.labels = tuple(policies), tuple(labels)

@@ -284,9 +284,9 @@ def _clock_scale(profile: Profile) -> tuple[list[tuple[float, float]], float]:
     times = _times(profile)
     for choice, (forward, backward) in profile.alone.items():
         tracked_forward, tracked_backward = times[(profile.sample_kind, choice)]
-        scale[choice] = (_ratio(forward, statistics.median(tracked_forward)),
-                         _ratio(backward, statistics.median(tracked_backward)))
-    outside = _ratio(
+        scale[choice] = (_speedup(forward, statistics.median(tracked_forward)),
+                         _speedup(backward, statistics.median(tracked_backward)))
+    outside = _speedup(
         sum(f + b for f, b in profile.alone.values()),
         sum(sum(map(statistics.median, times[(profile.sample_kind, choice)])) for choice in profile.alone),
     )
@@ -303,7 +303,7 @@ def _times(profile: Profile) -> defaultdict[tuple[Any, int], tuple[list[float], 
     return times
 
 
-def _ratio(alone: float, tracked: float) -> float:
+def _speedup(alone: float, tracked: float) -> float:
     """How much faster a run alone was than under the tracker, between 0.5 and 1."""
     return 1.0 if tracked <= 0 else min(1.0, max(0.5, alone / tracked))
 
@@ -392,7 +392,7 @@ def with_gradients(cost: ModelCost, steps: GradientSteps) -> ModelCost:
 
 def shifted(cost: ModelCost, kinds: Sequence[Any], kind: Any, shifts: Mapping[int, Shift]) -> ModelCost:
     """`cost` with the blocks of `kind` shifted by `shifts` per choice, never below zero (NOTE [ Compiled bytes ] in
-    compiled.py).
+    costs_compiled.py).
 
     >>> cost = ModelCost(("0",), ("kept",), ((BlockCost(8, 12, 16, 1.0, 2.0),),), (0, 0))
     >>> shifted(cost, ["mlp"], "mlp", {0: (-2, 0, -20)}).blocks[0][0]

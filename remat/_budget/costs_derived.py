@@ -167,7 +167,7 @@ def _replay(detail: Detail, saved: frozenset[int] | set[int], handed: bool, keep
     return peak
 
 
-def _saved(
+def _kept_storages(
     choice: str, detail: Detail, calls: frozenset[int] | None, compiled: bool = False
 ) -> frozenset[int] | set[int]:
     """The storages of `detail` that `choice` keeps besides the outputs: in eager code not those the block changed in
@@ -200,7 +200,7 @@ def derive_bytes(
     """
     detail = kept.detail
     born = detail.born
-    saved = _saved(choice, detail, calls, compiled)
+    saved = _kept_storages(choice, detail, calls, compiled)
     holds = kept.outputs | saved | detail.cached  # autocast's casts: to the region's end (NOTE [ Deriving choices ])
     held = sum(born[key] for key in holds)
     forward_peak = kept.forward_peak

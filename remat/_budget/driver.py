@@ -3,20 +3,20 @@ model, whose `fit` runs the stages in order, each in the files named after it:
 
 1. profile (profile.py, profile_step.py, profile_alone.py): a few tracked training steps on the sample, marked block
    by block, on a fake twin of the model where one stands in: a `Profile`;
-2. costs (costs.py, costs_derived.py, compiled.py): the bytes and times of every block under every choice, with the
-   gradients the mode's steps hold: a `ModelCost`;
+2. costs (costs.py, costs_derived.py, costs_compiled.py): the bytes and times of every block under every choice,
+   with the gradients the regime's steps hold: a `ModelCost`;
 3. solve (solve.py): one choice per block, the fastest predicted to fit: an `Assignment`; where none is predicted to
    fit, the head's choice (head_choice.py): the stages again with the model's head routed, and where still none
    is, the tiles' choice (tiles_choice.py): the stages again with the blocks' token-wise modules in tiles;
 4. verify (verify.py, first_step.py): real tracked steps, before `remat.apply` returns or on the model's first
    training step, that correct the assignment where one went over.
 
-The mode (modes.py) says how each stage runs for `budget=`, `memory=`, `compile=True` and a sharded model.
+The regime (regimes.py) says how each stage runs for `budget=`, `memory=`, `compile=True` and a sharded model.
 `remat.estimate` runs the same driver for its budget rows.
 
 NOTE [ Budgeted models ]
 1. A `BudgetHook`, a forward pre-hook on the model, holds what the budget needs: the blocks by qualified name (so
-   that `deepcopy` and pickling keep pointing at the copy's own blocks), the choices, the mode, and the assignment
+   that `deepcopy` and pickling keep pointing at the copy's own blocks), the choices, the regime, and the assignment
    for the last input signature (shapes, dtypes, devices of the tensors among the inputs).
 2. Each block's choice is put on it with the hooks `remat(module)` uses (none for "kept"), so `remat.plan`,
    `remat.undo`, `state_dict` (no key changes) and `deepcopy` treat a budgeted model like any other.
@@ -46,17 +46,17 @@ from .._core.torch_compat import eager_for_now, when_traced
 from .._core.units import format_bytes
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
-from .._measure.autocast import StepAutocast
 from .._measure.sample import as_call, detached, signature
+from .._measure.step_autocast import StepAutocast
 from .._sites.integrations import engine_of
 from .._sites.targets import remove_hooks, select
 from .choices import Choices
-from .compiled import warn_one_graph
 from .costs import ModelCost, measured_costs
+from .costs_compiled import warn_one_graph
 from .first_step import WINDOW, FirstStep, can_track, tidy
 from .head_choice import HeadChoice
-from .modes import SHARDED_LATER, BudgetMode, mode_for
 from .profile import TrainingStep, profile
+from .regimes import SHARDED_LATER, BudgetRegime, regime_for
 from .solve import Assignment, least_assignment, solve_budget
 from .tiles_choice import TilesChoice
 from .verify import Verification, from_rank_zero, max_over_ranks
@@ -77,7 +77,7 @@ def apply_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
     Args:
         model: the model; its blocks are those the request's `where` selects.
         request: what the plan is asked for (a `BudgetRequest`, or a `MemoryRequest` for what the step's state
-            leaves); its type and `compile` pick the mode (`mode_for`).
+            leaves); its type and `compile` pick the regime (`regime_for`).
         budget: bytes, or a fraction of the step's peak without remat (as `parse_budget` reads it).
     """
     _no_meta(model)
@@ -89,7 +89,7 @@ def apply_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
             old.close()
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
-    hook = BudgetHook(budget, tuple(name for name, _ in blocks), mode_for(request.for_replans()))
+    hook = BudgetHook(budget, tuple(name for name, _ in blocks), regime_for(request.for_replans()))
     args, kwargs = as_call(request.sample)
     hook.fit(model, args, kwargs)
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
@@ -101,7 +101,7 @@ class Solved:
     """What stages 1 to 3 give the driver: the costs, the assignment solved on them, and whether it is predicted to
     fit (only a measured step may refuse a budget: NOTE [ Verifying the plan ] in verify.py)."""
 
-    measured: ModelCost  # the profile's costs, before the mode adds its gradients
+    measured: ModelCost  # the profile's costs, before the regime adds its gradients
     cost: ModelCost
     assignment: Assignment
     fits: bool
@@ -118,11 +118,11 @@ class BudgetHook:
 
     _remat_owned = True  # `remat.undo` removes it (see `_targets._is_ours`)
 
-    def __init__(self, budget: int | float, names: tuple[str, ...], mode: BudgetMode) -> None:
+    def __init__(self, budget: int | float, names: tuple[str, ...], regime: BudgetRegime) -> None:
         self.budget = budget  # parsed (`parse_budget`)
         self.names = names
-        self.mode = mode
-        self.choices = Choices(names, mode)
+        self.regime = regime
+        self.choices = Choices(names, regime)
         self.assignment: Assignment | None = None
         self.signature: tuple[Any, ...] | None = None
         self.autocast: StepAutocast | None = None  # what the plan's steps ran under: NOTE [ Planned under autocast ]
@@ -136,7 +136,7 @@ class BudgetHook:
 
     @property
     def request(self) -> FitRequest:
-        return self.mode.request
+        return self.regime.request
 
     # -- the driver: the stages in order -------------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ class BudgetHook:
         solve (`_solved`); where nothing is predicted to fit, the same with the head routed, and then with the
         blocks' token-wise modules in tiles, before any real step (NOTE [ The head as a choice ] in head_choice.py,
         NOTE [ Tiles as a choice ] in tiles_choice.py); then verify (`_verified`)."""
-        mode = self.mode.planning(model)
+        regime = self.regime.planning(model)
         step = TrainingStep(model, self.request.loss, detached(args), detached(kwargs))
         blocks = [model.get_submodule(name) for name in self.names]
         head = HeadChoice(model, self.request.head)
@@ -157,19 +157,19 @@ class BudgetHook:
         restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
         try:
             with step.planning():
-                own = solved = self._solved(model, blocks, step, mode, self.budget)
+                own = solved = self._solved(model, blocks, step, regime, self.budget)
                 if not solved.fits and head.open:
-                    solved = self._with_head(head, model, blocks, step, mode, own) or solved
+                    solved = self._with_head(head, model, blocks, step, regime, own) or solved
                 if not solved.fits and tiles.open:
-                    solved = self._with_tiles(tiles, model, blocks, step, mode, own.budget) or solved
+                    solved = self._with_tiles(tiles, model, blocks, step, regime, own.budget) or solved
                 while True:
                     try:
-                        assignment = self._verified(model, step, mode, solved)
+                        assignment = self._verified(model, step, regime, solved)
                         break
                     except BudgetError:  # measured over where the prediction fitted: the head, then the tiles
-                        taken = self._with_head(head, model, blocks, step, mode, own) if head.open else None
+                        taken = self._with_head(head, model, blocks, step, regime, own) if head.open else None
                         if taken is None and tiles.open:
-                            taken = self._with_tiles(tiles, model, blocks, step, mode, own.budget)
+                            taken = self._with_tiles(tiles, model, blocks, step, regime, own.budget)
                         if taken is None:
                             raise
                         solved = taken
@@ -194,17 +194,17 @@ class BudgetHook:
         self.engine = engine_of(model)  # NOTE [ Budgets under DeepSpeed ZeRO ], rule 5
         return assignment
 
-    def _solved(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, mode: BudgetMode,
+    def _solved(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, regime: BudgetRegime,
                 budget: int | float) -> Solved:
         """Stages 1 to 3: the profile of every block under every choice (NOTE [ Profiling rounds ] in profile.py),
         their costs, and the fastest assignment predicted to fit `budget`; where none is, the one that holds least.
         Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
         found = profile(model, self.names, blocks, self.choices.labels, step,
                         lambda i, c: self.choices.assign(model, i, c), derived=self.choices.derived(),
-                        compiled=mode.compiled, fake=mode.profiles_on_fake(model), twin=mode.twin,
-                        gradients_kept=mode.gradients_kept)
+                        compiled=regime.compiled, fake=regime.profiles_on_fake(model), twin=regime.twin,
+                        gradients_kept=regime.gradients_kept)
         measured = measured_costs(found)
-        cost = mode.with_gradients(model, blocks, measured, found)
+        cost = regime.with_gradients(model, blocks, measured, found)
         try:
             assignment, fits = solve_budget(cost, budget), True
         except BudgetError:
@@ -212,13 +212,13 @@ class BudgetHook:
         return Solved(measured, cost, from_rank_zero(assignment), fits)
 
     def _with_head(self, head: HeadChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
-                   mode: BudgetMode, own: Solved) -> Solved | None:
+                   regime: BudgetRegime, own: Solved) -> Solved | None:
         """Stages 1 to 3 again with the model's head routed, for the bytes the budget resolved to with the model's
         own head (`own`'s: NOTE [ The head as a choice ], rule 1); None, the head put back, where that is no plan
         or no better a plan than `own` (implementation note 2)."""
         head.route()
         try:
-            routed: Solved | None = self._solved(model, blocks, step, mode, own.budget)
+            routed: Solved | None = self._solved(model, blocks, step, regime, own.budget)
         except Exception:
             routed = None
         if routed is None or not head.ran() or (
@@ -228,28 +228,28 @@ class BudgetHook:
         return routed
 
     def _with_tiles(self, tiles: TilesChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
-                    mode: BudgetMode, budget: int) -> Solved | None:
+                    regime: BudgetRegime, budget: int) -> Solved | None:
         """Stages 1 to 3 again with the blocks' token-wise modules in tiles, for the bytes the budget resolved to with
         the model's own head (NOTE [ Tiles as a choice ], rule 1); None, the tiles taken back, where the blocks have
         nothing to tile or that is no plan."""
         if not tiles.take():
             return None
         try:
-            return self._solved(model, blocks, step, mode, budget)
+            return self._solved(model, blocks, step, regime, budget)
         except Exception:
             tiles.take_back()
             return None
 
-    def _verified(self, model: nn.Module, step: TrainingStep, mode: BudgetMode, solved: Solved) -> Assignment:
+    def _verified(self, model: nn.Module, step: TrainingStep, regime: BudgetRegime, solved: Solved) -> Assignment:
         """Stage 4: `solved`'s assignment on the blocks, verified on real steps now, or on the model's first training
-        step where its prediction fits and the mode allows it (NOTE [ Verifying the plan ] in verify.py)."""
+        step where its prediction fits and the regime allows it (NOTE [ Verifying the plan ] in verify.py)."""
         self.choices.calls = solved.assignment.cost.calls  # rank 0's calls too
         self.choices.place(model, solved.assignment)
-        if (solved.fits or not mode.real_steps) and mode.verifies_later():  # NOTE [ The first step ]
+        if (solved.fits or not regime.real_steps) and regime.verifies_later():  # NOTE [ The first step ]
             self.verification = Verification(solved.assignment)
             return solved.assignment
-        return mode.verify(solved.assignment,  # NOTE [ Verifying the plan ]; in `fit`'s `step.planning()`
-                           lambda a: mode.measure(model, step, solved.measured, solved.cost, a),
+        return regime.verify(solved.assignment,  # NOTE [ Verifying the plan ]; in `fit`'s `step.planning()`
+                           lambda a: regime.measure(model, step, solved.measured, solved.cost, a),
                            lambda a: self.choices.place(model, a))
 
     # -- at every forward ------------------------------------------------------------------------------------------
@@ -259,7 +259,7 @@ class BudgetHook:
             self.warned = True
             warnings.warn(SHARDED_LATER.format(model=type(model).__name__), UserWarning, stacklevel=2)
         if compiling():  # the model's root is traced: compiled as one graph (NOTE [ Compiled as one graph ])
-            if not self.mode.compiled and model.training and torch.is_grad_enabled():
+            if not self.regime.compiled and model.training and torch.is_grad_enabled():
                 when_traced(warn_one_graph)
             return
         if self.busy:
@@ -376,13 +376,13 @@ class BudgetHook:
 
 
 # NOTE [ Planned under autocast ]
-# Autocast changes what a step holds: casts of the weights (cached for the region: NOTE [ A step's own autocast
-# region ] in remat/_measure/autocast.py) and activations in the lower precision. So a plan is made for the
-# autocast settings its steps ran under (the caller's, when `remat.apply` or the re-planning forward ran), and a
-# training forward under other settings (a budget planned outside `torch.autocast` and trained inside it, the
-# common case) plans again there, before the forward goes on, with one log line; the fraction of a fractional
-# budget is then of that step's peak without remat. With `replan=False` the plan is kept and a warning says once
-# that its budget holds for the settings it was made under.
+# 1. A plan is made for the autocast settings its steps ran under (the caller's, when `remat.apply` or the
+#    re-planning forward ran): autocast changes what a step holds (weight casts cached for the region, NOTE [ A step's
+#    own autocast region ] in remat/_measure/step_autocast.py, and activations in the lower precision).
+# 2. A training forward under other settings plans again there, before the forward goes on, with one log line; a
+#    fractional budget is then of that step's peak without remat.
+# 3. With `replan=False` the plan is kept and a warning says once that its budget holds for the settings it was made
+#    under.
 KEPT_UNDER_AUTOCAST = (
     "remat: the budget of `{model}` was planned {planned} and trains {training}, which holds other bytes (casts of "
     "the weights, activations in another precision); with replan=False the plan is kept and its budget holds for "

@@ -3,7 +3,7 @@ corrected from it before the next step.
 
 NOTE [ The first step ]
 Verifying an assignment on one more step of the sample before `remat.apply` returns costs a step of it on top of
-the profile's. So where the prediction fits the budget and the mode allows it (modes.py), the assignment is
+the profile's. So where the prediction fits the budget and the regime allows it (regimes.py), the assignment is
 returned unverified, and the model's first training step verifies it (NOTE [ Verifying the plan ] in verify.py).
 
 Rules:

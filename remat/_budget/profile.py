@@ -81,12 +81,12 @@ from .._core.torch_compat import FakeTensor, local_tensor
 from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
 from .._measure import ddp as _ddp
-from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.clock import clock_for, priced
 from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state, resolve_device
 from .._measure.hf_fake import real_masks
 from .._measure.loss import default_loss
 from .._measure.state import step_state
+from .._measure.step_autocast import StepAutocast, planning, step_region
 from .._measure.track import placed
 from .profile_alone import Shift, compiled_shifts, mode_alone, time_alone
 from .profile_step import Detail, Marks, marked_step, mode_overhead
@@ -135,7 +135,7 @@ class Round:
 class GradientSteps:
     """Gradient bytes alive while each block runs backward (`blocks`, n numbers) and in each window outside the
     blocks (`outside`, n + 1 numbers, as `ModelCost.outside_peaks`): NOTE [ Gradients in the budget ], and
-    NOTE [ Compiled as one graph ] in compiled.py."""
+    NOTE [ Compiled as one graph ] in costs_compiled.py."""
 
     blocks: tuple[int, ...]
     outside: tuple[int, ...]
@@ -161,7 +161,7 @@ class Profile:
         compiled: derived choices are priced for one compiled graph (NOTE [ Compiled costs ] in costs_derived.py).
         priced: the times are ops priced on a nominal device (NOTE [ Priced time ] in remat/_measure/clock.py).
         shifts: per choice, what compiling adds to the bytes of a block of `sample_kind` (NOTE [ Compiled bytes ] in
-            compiled.py); empty where nothing is shifted.
+            costs_compiled.py); empty where nothing is shifted.
     """
 
     names: tuple[str, ...]
@@ -208,7 +208,7 @@ class KeptRun:
 
 class TrainingStep:
     """One training step of `model` on the inputs: the scalar loss of its forward, under the autocast settings of
-    the caller of `remat.apply` (NOTE [ A step's own autocast region ] in remat/_measure/autocast.py), ready for
+    the caller of `remat.apply` (NOTE [ A step's own autocast region ] in remat/_measure/step_autocast.py), ready for
     backward. Every step the planner runs (the profile's, a verification's) is one of these."""
 
     def __init__(self, model: nn.Module, loss: Loss | None, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -327,7 +327,7 @@ def accumulation_order(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             handle.remove()
 
 
-def _kind(block: nn.Module) -> tuple[Any, ...]:
+def _block_kind(block: nn.Module) -> tuple[Any, ...]:
     params = tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
     return (type(block), repr(block), params)
 
@@ -340,7 +340,7 @@ _SAMPLES = 2  # blocks of a kind that run each choice in the profiled step, at m
 def _rounds(blocks: Sequence[nn.Module], run: Sequence[int]) -> list[list[int]]:
     """Per round, the choice of each block: the choices in `run` (indices), in turn over the blocks of a kind."""
     k = len(run)
-    kinds = [_kind(b) for b in blocks]
+    kinds = [_block_kind(b) for b in blocks]
     members: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, kind in enumerate(kinds):
         members[kind].append(i)
@@ -380,7 +380,7 @@ def profile_blocks(
             [ Some matmuls ]) can only be derived: where derivations do not hold, they are open to no block.
         closed: choices neither run nor derived: open to no block.
         compiled: for one compiled graph: derived choices priced as compiled code runs them (NOTE [ Compiled
-            costs ]), and the sample block's bytes measured compiled (NOTE [ Compiled bytes ] in compiled.py).
+            costs ]), and the sample block's bytes measured compiled (NOTE [ Compiled bytes ] in costs_compiled.py).
         gradients_kept: a default loop's gradients, alive from where backward makes them to the step's end (NOTE
             [ Gradients in the budget ]); False where an engine takes each one as it is made (NOTE [ Budgets under
             DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py): only the bytes backward allocates count.
@@ -426,7 +426,7 @@ def profile_blocks(
             moded = not compiled and any(choices[c] != "full" for c in derived)
             per_op = mode_overhead() if moded else 0.0
         shifts: dict[int, Shift] = {}
-        if compiled and not again and 0 in samples:  # NOTE [ Compiled bytes ] in compiled.py
+        if compiled and not again and 0 in samples:  # NOTE [ Compiled bytes ] in costs_compiled.py
             r, sample = samples[0]
             shifts = compiled_shifts(blocks[sample], tracked[r].specs[sample], [0, *derived, *run[1:]],
                                      lambda c: assign(sample, c))
@@ -436,13 +436,13 @@ def profile_blocks(
                               gradients_kept=gradients_kept)
     return Profile(
         names=tuple(names),
-        kinds=tuple(_kind(b) for b in blocks),
+        kinds=tuple(_block_kind(b) for b in blocks),
         choices=tuple(choices),
         derived={c: choices[c] for c in derived},
         tracked=[_round(choice, marks, _kept_runs(marks)) for choice, marks in zip(rounds, tracked, strict=True)],
         timed=[_round(choice, marks, {}) for choice, marks in zip(rounds, timed, strict=True)],
         alone=alone,
-        sample_kind=_kind(blocks[samples[0][1]]) if samples else None,
+        sample_kind=_block_kind(blocks[samples[0][1]]) if samples else None,
         per_op=per_op,
         gradients=gradient_steps(blocks, order),
         compiled=compiled,
@@ -494,7 +494,7 @@ def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> di
     """Per choice run, the first (round, block) in which a block of the largest kind runs it (run alone later)."""
     members: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, block in enumerate(blocks):
-        members[_kind(block)].append(i)
+        members[_block_kind(block)].append(i)
     largest = max(members.values(), key=len)
     out: dict[int, tuple[int, int]] = {}
     for r, choice in enumerate(rounds):
@@ -505,7 +505,7 @@ def _samples(blocks: Sequence[nn.Module], rounds: list[list[int]], k: int) -> di
 
 # -- where backward's new gradients are alive: NOTE [ Gradients in the budget ] in costs.py ---------------------------
 
-def _nbytes(p: torch.Tensor) -> int:
+def _tensor_bytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
@@ -524,7 +524,7 @@ def gradient_steps(blocks: Sequence[nn.Module], order: Sequence[torch.Tensor]) -
     position = {id(p): q for q, p in enumerate(order)}
     before = [0]
     for p in order:
-        before.append(before[-1] + _nbytes(p))  # before[q]: bytes of the first q gradients made
+        before.append(before[-1] + _tensor_bytes(p))  # before[q]: bytes of the first q gradients made
     first: list[int | None] = []
     last: list[int | None] = []
     for block in blocks:

@@ -1,10 +1,10 @@
 """Runs of one block alone, on fresh inputs shaped like the ones it saw in a profiled step: its time without the
 tracker (NOTE [ Timing under the tracker ] in profile_step.py), what a dispatch mode costs on its own ops (NOTE
 [ Mode cost in place ] in costs_derived.py), and its bytes in eager and in compiled code (NOTE [ Compiled bytes ] in
-compiled.py).
+costs_compiled.py).
 
 Rules:
-1. The profiled step keeps no input of a block alive, only its description (`describe`): what the tracker measures
+1. The profiled step keeps no input of a block alive, only its description (`describe_args`): what the tracker measures
    after the block is the step's own.
 2. A run alone makes fresh inputs from the description: random values of the same shape, dtype and device for a
    floating tensor (a block's time and bytes do not depend on the values); any other argument (integer or boolean
@@ -31,7 +31,7 @@ from .._core.torch_compat import can_record_host, compiling_allowed, host_bytes,
 from .._measure.clock import now
 from .._measure.track import synchronize
 
-__all__ = ["Shift", "bytes_alone", "compiled_shifts", "describe", "mode_alone", "time_alone"]
+__all__ = ["Shift", "bytes_alone", "compiled_shifts", "describe_args", "mode_alone", "time_alone"]
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,10 @@ class _Weak:
     like: _Like | None  # for a tensor: zeros of its shape and dtype; else None
 
 
-def describe(args: Any, kwargs: Any) -> tuple[Any, Any]:
+def describe_args(args: Any, kwargs: Any) -> tuple[Any, Any]:
     """A block call's arguments with every floating tensor replaced by its description, the rest held weakly.
 
-    >>> describe((torch.zeros(2, 3), 4), {})
+    >>> describe_args((torch.zeros(2, 3), 4), {})
     ((_Like(shape=(2, 3), dtype=torch.float32, device=device(type='cpu'), requires_grad=False), 4), {})
     """
 
@@ -95,7 +95,7 @@ def _sums(out: Any) -> list[torch.Tensor]:
 def time_alone(block: nn.Module, spec: tuple[Any, Any], devices: Sequence[torch.device]) -> tuple[float, float]:
     """Seconds of `block`'s forward and of its backward (ones as output gradients), run once on fresh inputs.
 
-    >>> fwd, bwd = time_alone(nn.Linear(4, 4), describe((torch.ones(2, 4),), {}), [])
+    >>> fwd, bwd = time_alone(nn.Linear(4, 4), describe_args((torch.ones(2, 4),), {}), [])
     >>> fwd > 0 and bwd > 0
     True
     """
@@ -137,7 +137,7 @@ def mode_alone(
 
     >>> from remat._engine.selective import SaveOps
     >>> from remat.policies import save_matmuls
-    >>> mode_alone(nn.Linear(4, 4), describe((torch.ones(2, 4),), {}), [], lambda: SaveOps(save_matmuls)) >= 0
+    >>> mode_alone(nn.Linear(4, 4), describe_args((torch.ones(2, 4),), {}), [], lambda: SaveOps(save_matmuls)) >= 0
     True
     """
     args, kwargs = _make(spec)
@@ -163,11 +163,11 @@ Shift = tuple[int, int, int]  # bytes compiling adds to a block's held bytes, fo
 def compiled_shifts(
     block: nn.Module, spec: tuple[Any, Any], choices: Sequence[int], assign: Callable[[int], None]
 ) -> dict[int, Shift]:
-    """Per choice, what compiling `block` adds to its bytes (NOTE [ Compiled bytes ] in compiled.py); empty where
+    """Per choice, what compiling `block` adds to its bytes (NOTE [ Compiled bytes ] in costs_compiled.py); empty where
     it cannot tell.
 
     Args:
-        spec: its inputs in the profiled step (`describe`).
+        spec: its inputs in the profiled step (`describe_args`).
         choices: the choices to measure (each is put on `block` with `assign`; kept is put back after).
     """
     if any(p.device.type != "cpu" for p in block.parameters()) or not can_record_host():

@@ -3,7 +3,7 @@
 
 A forward pre-hook and hook on each block and gradient hooks on its first input and first output tensor switch
 the tracker's window (`Windows`); `Marks` keeps each window's peak and clock, the blocks' inputs described for a
-run alone (`describe` in profile_alone.py), and for the blocks recorded in detail (run kept, to derive their other
+run alone (`describe_args` in profile_alone.py), and for the blocks recorded in detail (run kept, to derive their other
 choices) what their forward allocated and which of it was still alive when backward started (`Detail`).
 """
 
@@ -25,11 +25,11 @@ from .._core.policies import matmuls, save_matmuls
 from .._core.torch_compat import tree_leaves
 from .._engine.recorder import op_info
 from .._engine.selective import SaveOps
-from .._measure.autocast import cached_cast
 from .._measure.clock import MODE_PER_OP, now, priced
 from .._measure.fake import FakeTracker
+from .._measure.step_autocast import cached_cast
 from .._measure.track import _storage, synchronize
-from .profile_alone import describe
+from .profile_alone import describe_args
 
 __all__ = ["Detail", "Marks", "Step", "Windows", "marked_step", "mode_cost", "mode_overhead", "per_op_overhead"]
 
@@ -192,7 +192,7 @@ def _hooks(blocks: Sequence[nn.Module], marks: Marks) -> list[Any]:
 
         def pre(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
             if i in marks.describing:
-                marks.specs[i] = describe(args, kwargs)
+                marks.specs[i] = describe_args(args, kwargs)
             marks.forward_start(i)
             first = _first_grad_tensor((args, kwargs))
             if first is not None and torch.is_grad_enabled():
@@ -290,7 +290,7 @@ class Detail:
         calls: for each of `matmul`, which matmul-class call made it (counted from 0 in the window's order).
         cached: the numbers among `born` that are autocast's cached casts of parameters: they live until the
             step's autocast region ends, whatever the block's choice (NOTE [ A step's own autocast region ] in
-            remat/_measure/autocast.py).
+            remat/_measure/step_autocast.py).
         call_time: per matmul-class call, its seconds (from the end of the op before).
         changed: the numbers among `matmul` that a later op of the window wrote into (in place, through any view):
             a policy does not keep those (NOTE [ A kept output changed in place ] in remat/_engine/kept.py).

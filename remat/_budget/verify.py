@@ -21,7 +21,7 @@ Rules:
    measures over the slack, `BudgetError` names its measured peak as the least budget.
 
 Implementation notes:
-1. (rule 2) The modes that verify before `remat.apply` returns (modes.py): a prediction that does not fit,
+1. (rule 2) The regimes that verify before `remat.apply` returns (regimes.py): a prediction that does not fit,
    `memory=`, one compiled graph, a model sharded by `fully_shard`, and `remat.estimate` (on fake tensors, the
    assignment a real model ends with once its first step has verified it).
 2. (rule 2) With `remat.apply(model, memory=...)` the budget is what the step's state leaves, and gradients take
@@ -31,15 +31,17 @@ Implementation notes:
    least.
 
 NOTE [ The same plan on every rank ]
-Under data parallelism (DDP, FSDP2) every rank runs the budget planner's profile step (the collectives inside it
-need every rank), and the profile's timings differ a little from rank to rank, so the solver could choose
-differently on different ranks: ranks whose blocks rematerialize differently still compute the same gradients,
-but their memory and speed differ, and the budget was given once for all of them. So the plan is rank 0's:
-after solving, every rank takes it from rank 0 with ``broadcast_object_list`` over the default process group,
-and the real step that verifies the plan (NOTE [ Verifying the plan ]) counts the highest peak of any rank, so
-every rank corrects it alike.
-Nothing happens without an initialised default group of more than one rank, or on torch's fake process group
-(an estimate's: one process plays one rank).
+1. Under data parallelism (DDP, FSDP2) every rank runs rank 0's plan: ranks planned alike compute alike in memory
+   and speed, and the budget was given once for all of them.
+2. The real step that verifies the plan (NOTE [ Verifying the plan ]) counts the highest peak of any rank, so every
+   rank corrects it alike.
+3. Nothing happens without an initialised default group of more than one rank, or on torch's fake process group
+   (an estimate's: one process plays one rank).
+
+Implementation notes:
+1. (rule 1) Every rank runs the profile step (its collectives need every rank), and timings differ a little from
+   rank to rank, so solvers could choose differently; after solving, every rank takes rank 0's assignment with
+   `broadcast_object_list` over the default process group.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _corrected(assignment: Assignment, measured: int, *, both: bool = False) -> 
     return dataclasses.replace(found, budget=assignment.budget, peak_bytes=found.peak_bytes + missed, missed=missed)
 
 
-def _least(assignment: Assignment) -> Assignment:
+def _least_choice(assignment: Assignment) -> Assignment:
     """Full remat of every block where the costs have it (what the promise is measured against), else the choice
     per block the costs predict to hold least (implementation note 3)."""
     cost = assignment.cost
@@ -120,9 +122,9 @@ class Verification:
         if measured <= assignment.budget or (self._floor and measured <= slack):
             return None
         if self._floor:
-            raise _refused(assignment, measured)
+            raise _refusal(assignment, measured)
         self._left -= 1
-        least = _least(assignment)
+        least = _least_choice(assignment)
         if self._left > 0:
             following = _corrected(assignment, measured)
             if following is None or following.choice in self._tried:
@@ -133,13 +135,13 @@ class Verification:
         if measured <= slack:
             return None
         if least.choice == assignment.choice:
-            raise _refused(assignment, measured)
+            raise _refusal(assignment, measured)
         self._floor = True
         self.assignment = least
         return least
 
 
-def _refused(assignment: Assignment, floor: int) -> BudgetError:
+def _refusal(assignment: Assignment, floor: int) -> BudgetError:
     budget = assignment.budget
     return BudgetError(
         f"remat: no choice per block of these {len(assignment.cost)} blocks fits a budget of {budget} bytes "
@@ -198,12 +200,12 @@ def verify_both_ways(assignment: Assignment, measure: Measure, place: Callable[[
         assignment = following
         place(assignment)
     if best is None:  # none measured within the budget: the least, measured last
-        least = _least(assignment)
+        least = _least_choice(assignment)
         if least.choice != assignment.choice:
             place(least)
             assignment = dataclasses.replace(least, measured=measure(least))
         if assignment.measured is None or assignment.measured > assignment.budget * SLACK:
-            raise _refused(assignment, assignment.measured or 0)
+            raise _refusal(assignment, assignment.measured or 0)
         return assignment
     if best.choice != assignment.choice:
         place(best)

@@ -1,8 +1,8 @@
 """`remat.chain`: a sequence of stages run under the fastest schedule that fits a memory budget.
 
-`chain` profiles each stage on a sample (`remat._chain.profile`: forward and backward time, bytes
+`chain` profiles each stage on a sample (`remat._chain.stages`: forward and backward time, bytes
 of its output, of what it saves for backward, and of its temporaries), asks `remat._chain.solver.solve`
-for a plan, and runs that plan through one custom autograd function, rotor-style: forward runs the
+for a schedule, and runs that schedule through one custom autograd function, rotor-style: forward runs the
 operations up to the loss, and the function's backward runs the rest, recomputing stages from kept
 activations (see NOTE [ Chain execution ]). Stages take and return a single tensor.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,17 +27,17 @@ from .._engine.autocast import AutocastState
 from .._engine.compiled import compiling
 from .._engine.guard import keep_buffers
 from .._engine.rng import RngStash, devices_of
-from .compiled import lower, run_lowered
-from .profile import backward_stage, check_tensor, grad_input, profile, stage_params, writer
-from .solver import Plan, solve
+from .lowered import lower, run_lowered
+from .solver import Schedule, solve
+from .stages import backward_stage, check_tensor, grad_input, profile_stages, stage_params, writer
 
 _log = logging.getLogger("remat")
 
 __all__ = ["Chain", "chain", "parse_budget"]
 
 # NOTE [ Chain execution ]
-# A chain runs its plan's operations (NOTE [ Memory model ] in simulate.py) in one autograd Function, dropping
-# each activation exactly when the model drops it, so the memory follows the plan.
+# A chain runs its schedule's operations (NOTE [ Memory model ] in simulate.py) in one autograd Function, dropping
+# each activation exactly when the model drops it, so the memory follows the schedule.
 #
 # Rules:
 # 1. The operations split at "loss". `_ChainFunction` runs the first part in its forward and returns a_L; its
@@ -61,7 +62,7 @@ __all__ = ["Chain", "chain", "parse_budget"]
 #    (`AutocastState`).
 
 
-class _Call(nn.Module):
+class _FnStage(nn.Module):
     """A plain callable as a stage (it has no parameters, so `state_dict` keys do not change)."""
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -84,13 +85,13 @@ _CHANGED_INPUT = (
 )
 
 
-class _Run:
-    """One forward and backward of a chain under a plan (see NOTE [ Chain execution ])."""
+class _ChainRun:
+    """One forward and backward of a chain under a schedule (see NOTE [ Chain execution ])."""
 
-    def __init__(self, chain: Chain, plan: Plan, x: torch.Tensor, params: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, chain: Chain, schedule: Schedule, x: torch.Tensor, params: tuple[torch.Tensor, ...]) -> None:
         self.stages: list[nn.Module] = list(chain)
         self.n = len(self.stages)
-        ops = plan.ops
+        ops = schedule.ops
         cut = ops.index(("loss", self.n))
         self.forward_ops, self.backward_ops = ops[:cut], ops[cut + 1 :]
         self.devices = devices_of([x], module=chain)
@@ -113,7 +114,7 @@ class _Run:
 
     def _run(self, i: int, inp: torch.Tensor) -> torch.Tensor:
         version = inp._version
-        given = inp.clone() if i in self.copies else inp  # NOTE [ A stage that changes its input ] in profile.py
+        given = inp.clone() if i in self.copies else inp  # NOTE [ A stage that changes its input ] in stages.py
         if i not in self.rng:  # the first run: in forward, from the caller's generators
             self.rng[i] = RngStash.capture(self.devices)
             out = self.stages[i](given)
@@ -201,14 +202,14 @@ class _Run:
 
 class _ChainFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run: _Run, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, run: _ChainRun, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.run = run
         return run.forward(x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        run: _Run | None = ctx.run
+        run: _ChainRun | None = ctx.run
         ctx.run = None
         if run is None:
             raise RematError(
@@ -226,7 +227,7 @@ class Chain(nn.Sequential):
     Its children, parameters and `state_dict` keys are those of the stages given to `chain`.
 
     Attributes:
-        plan: the `Plan` for the last input shape profiled (None before the first).
+        schedule: the `Schedule` for the last input shape profiled (None before the first).
     """
 
     def __init__(
@@ -248,7 +249,7 @@ class Chain(nn.Sequential):
             for n, s in enumerate(stages):
                 if not callable(s):
                     raise TypeError(f"remat: stage {n} must be an nn.Module or a callable, but got {type(s).__name__}.")
-                named[str(n)] = s if isinstance(s, nn.Module) else _Call(s)
+                named[str(n)] = s if isinstance(s, nn.Module) else _FnStage(s)
         if not named:
             raise ValueError("remat: `chain` needs at least one stage, but got none.")
         if (budget is None) == (segments is None):
@@ -266,20 +267,33 @@ class Chain(nn.Sequential):
         super().__init__(named)
         self._budget = None if budget is None else parse_budget(budget)
         self._segments = segments
-        self._plans: dict[tuple[Any, ...], tuple[Plan, frozenset[int]]] = {}
-        self.plan: Plan | None = None
+        self._schedules: dict[tuple[Any, ...], tuple[Schedule, frozenset[int]]] = {}
+        self.schedule: Schedule | None = None
         # the stages run on a copy of their input, for the last input shape profiled (NOTE [ A stage that changes its
-        # input ] in profile.py)
+        # input ] in stages.py)
         self.copies: frozenset[int] = frozenset()
         self._told = False  # whether profiling a new shape inside a forward was logged (once per chain)
-        self._lowered = lower(None, len(self))  # the plan inside compiled frames: NOTE [ Chains under compile ]
+        self._lowered = lower(None, len(self))  # the schedule inside compiled frames: NOTE [ Chains under compile ]
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple[Any, ...]:
         return (tuple(x.shape), x.dtype, x.device)
 
-    def plan_for(self, x: torch.Tensor) -> Plan:
-        """Return the plan for inputs like `x`, profiling the stages on `x` the first time.
+    @property
+    def plan(self) -> Schedule | None:
+        """Deprecated: the same as `schedule` (renamed, so that "plan" means `remat.plan`'s table alone)."""
+        warnings.warn("remat: `Chain.plan` is renamed `Chain.schedule`; `plan` will be removed.", DeprecationWarning,
+                      stacklevel=2)
+        return self.schedule
+
+    def plan_for(self, x: torch.Tensor) -> Schedule:
+        """Deprecated: the same as `schedule_for` (renamed with `plan`)."""
+        warnings.warn("remat: `Chain.plan_for` is renamed `Chain.schedule_for`; `plan_for` will be removed.",
+                      DeprecationWarning, stacklevel=2)
+        return self.schedule_for(x)
+
+    def schedule_for(self, x: torch.Tensor) -> Schedule:
+        """Return the schedule for inputs like `x`, profiling the stages on `x` the first time.
 
         Profiling runs each stage forward and backward on `x` without changing the caller's RNG
         stream, the stages' buffers or any `.grad`.
@@ -288,32 +302,32 @@ class Chain(nn.Sequential):
             BudgetError: no schedule fits the budget for this input shape.
         """
         key = self._key(x)
-        found = self._plans.get(key)
+        found = self._schedules.get(key)
         if found is None:
-            if self._plans and not getattr(self, "_told", False):
+            if self._schedules and not getattr(self, "_told", False):
                 self._told = True
                 _log.warning(
                     "remat: the chain was called with a new input shape %s: profiling its stages and planning again "
-                    "inside this forward (once per new shape; a chain plans for each shape it sees). Logged once "
+                    "inside this forward (once per new shape; a chain schedules for each shape it sees). Logged once "
                     "per chain.", tuple(x.shape),
                 )
             stages = list(self)
             with RngStash.capture(devices_of([x], module=self)).restore(), keep_buffers():
-                costs, input_bytes, copies = profile(stages, x)
+                costs, input_bytes, copies = profile_stages(stages, x)
             if self._segments is not None:
-                plan = Plan.segments(costs, self._segments, input_bytes=input_bytes)
+                schedule = Schedule.segments(costs, self._segments, input_bytes=input_bytes)
             else:
                 budget = self._budget
                 if isinstance(budget, float):
-                    full = Plan.no_remat(costs, input_bytes=input_bytes).peak_bytes
+                    full = Schedule.no_remat(costs, input_bytes=input_bytes).peak_bytes
                     budget = max(1, math.floor(budget * full))
                 assert budget is not None
-                plan = solve(costs, budget, input_bytes=input_bytes)
-            found = self._plans[key] = (plan, copies)
-        plan, self.copies = found
-        self.plan = plan
-        self._lowered = lower(plan, len(self))
-        return plan
+                schedule = solve(costs, budget, input_bytes=input_bytes)
+            found = self._schedules[key] = (schedule, copies)
+        schedule, self.copies = found
+        self.schedule = schedule
+        self._lowered = lower(schedule, len(self))
+        return schedule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tensor(x, "the chain's input")
@@ -322,10 +336,10 @@ class Chain(nn.Sequential):
             for stage in self:
                 x = stage(x)
             return x
-        if compiling():  # see NOTE [ Chains under compile ] in compiled.py
+        if compiling():  # see NOTE [ Chains under compile ] in lowered.py
             return run_lowered(list(self), self._lowered, x)
-        plan = self.plan_for(x)
-        run = _Run(self, plan, x, params)
+        schedule = self.schedule_for(x)
+        run = _ChainRun(self, schedule, x, params)
         # `apply` is an untyped def up to torch 2.13, an attribute of type Any from 2.14: one ignore for both
         out: torch.Tensor = _ChainFunction.apply(run, x, *params)  # type: ignore[no-untyped-call, unused-ignore]
         return out
@@ -352,12 +366,12 @@ def chain(
         stages: an `nn.Sequential`, or a list of modules or callables taking and returning a tensor.
         budget: bytes (an int, or a string with a unit: "1.5GiB", "800MB"), or a float in (0, 1]:
             that fraction of the chain's peak without remat (its activations and their gradients, the input
-            included: `Plan.no_remat`'s peak).
+            included: `Schedule.no_remat`'s peak).
         segments: instead of a budget, `k` uniform segments as `checkpoint_sequential` runs them.
         sample: an input to profile on now; otherwise the first input is used.
 
     Returns:
-        A `Chain`: an `nn.Sequential` with the same children and `state_dict` keys; `chain.plan`
+        A `Chain`: an `nn.Sequential` with the same children and `state_dict` keys; `chain.schedule`
         shows the schedule with its predicted peak bytes and time.
 
     Raises:
@@ -369,14 +383,14 @@ def chain(
     >>> net = chain([nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)],
     ...             budget=0.7, sample=torch.randn(32, 64))
     >>> net(torch.randn(32, 64)).sum().backward()
-    >>> net.plan.peak_bytes > 0
+    >>> net.schedule.peak_bytes > 0
     True
     """
     built = Chain(stages, budget=budget, segments=segments)
     if sample is not None:
         check_tensor(sample, "`sample`")
         probe = sample.detach().requires_grad_(sample.is_floating_point())
-        built.plan_for(probe)
+        built.schedule_for(probe)
     return built
 
 claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

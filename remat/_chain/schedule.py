@@ -1,4 +1,4 @@
-"""`Plan`: a schedule of a chain with its predicted makespan and peak, and the baseline schedules."""
+"""`Schedule`: a schedule of a chain with its predicted makespan and peak, and the baseline schedules."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ from dataclasses import dataclass, field
 
 from .._core.public import claim
 from .._core.units import format_bytes
-from .simulate import OpKind, StageCost, _Row, check_bytes, check_stages, simulate
+from .simulate import OpKind, StageCost, _SimRow, check_bytes, check_stages, simulate
 
-__all__ = ["CHAIN_BYTES", "Plan"]
+__all__ = ["CHAIN_BYTES", "Schedule"]
 
 CHAIN_BYTES = "the chain's activations and their gradients, its input included, parameters and their gradients not"
 """What a chain's peak counts (NOTE [ Memory model ] in simulate.py): what `remat.chain`'s budget bounds."""
 
 
 @dataclass(frozen=True)
-class Plan:
+class Schedule:
     """A schedule of a chain with its predicted makespan and peak bytes (its activations and their gradients).
 
-    Every plan, whether found by `solve` or built by a baseline, is played once through the same
+    Every schedule, whether found by `solve` or built by a baseline, is played once through the same
     simulator of NOTE [ Memory model ], which gives `makespan` and `peak_bytes` in exact bytes.
 
     Attributes:
@@ -30,12 +30,12 @@ class Plan:
         makespan: predicted total time, in the unit of the stage times.
         peak_bytes: predicted peak of live bytes: the chain's activations and their gradients, the chain input
             included, parameters and their gradients not (what `remat.chain`'s budget bounds).
-        budget: the budget the plan was solved for, if any.
-        name: what made the plan ("optimal", "no remat", "recompute all", "segments(k)", ...).
+        budget: the budget the schedule was solved for, if any.
+        name: what made the schedule ("optimal", "no remat", "recompute all", "segments(k)", ...).
 
     >>> stages = [StageCost(1.0, 2.0, output_bytes=1, saved_bytes=2)] * 3
-    >>> plan = Plan.no_remat(stages, input_bytes=1)
-    >>> plan.makespan, plan.peak_bytes
+    >>> schedule = Schedule.no_remat(stages, input_bytes=1)
+    >>> schedule.makespan, schedule.peak_bytes
     (9.0, 9)
     """
 
@@ -45,8 +45,8 @@ class Plan:
     stages: tuple[StageCost, ...] = field(repr=False)
     input_bytes: int = field(repr=False)
     budget: int | None = None
-    name: str = "plan"
-    _rows: tuple[_Row, ...] = field(default=(), repr=False, compare=False)
+    name: str = "schedule"
+    _rows: tuple[_SimRow, ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def from_ops(
@@ -56,25 +56,25 @@ class Plan:
         *,
         input_bytes: int,
         budget: int | None = None,
-        name: str = "plan",
-    ) -> Plan:
-        """Build a plan from explicit operations, simulating them under the model.
+        name: str = "schedule",
+    ) -> Schedule:
+        """Build a schedule from explicit operations, simulating them under the model.
 
         Args:
             stages: the chain's stage costs.
             ops: the operations, `(kind, stage)` pairs.
             input_bytes: bytes of the chain input.
-            budget: the budget to record on the plan (not checked).
-            name: a label shown by `str(plan)`.
+            budget: the budget to record on the schedule (not checked).
+            name: a label shown by `str(schedule)`.
 
         Returns:
-            The plan with its simulated makespan and peak bytes.
+            The schedule with its simulated makespan and peak bytes.
 
         Raises:
             ValueError: the operations are not a valid schedule of the chain.
 
         >>> s = [StageCost(1.0, 1.0, output_bytes=4, saved_bytes=8)]
-        >>> Plan.from_ops(s, [("forward_save", 0), ("loss", 1), ("backward", 0)],
+        >>> Schedule.from_ops(s, [("forward_save", 0), ("loss", 1), ("backward", 0)],
         ...               input_bytes=4).peak_bytes
         20
         """
@@ -93,10 +93,10 @@ class Plan:
         )
 
     @classmethod
-    def no_remat(cls, stages: Sequence[StageCost], *, input_bytes: int) -> Plan:
+    def no_remat(cls, stages: Sequence[StageCost], *, input_bytes: int) -> Schedule:
         """Every stage runs once with grad and keeps what it saves (plain autograd).
 
-        >>> Plan.no_remat([StageCost(1.0, 2.0, 1, 2)] * 2, input_bytes=1).makespan
+        >>> Schedule.no_remat([StageCost(1.0, 2.0, 1, 2)] * 2, input_bytes=1).makespan
         6.0
         """
         n = len(stages)
@@ -105,11 +105,11 @@ class Plan:
         return cls.from_ops(stages, ops, input_bytes=input_bytes, name="no remat")
 
     @classmethod
-    def recompute_all(cls, stages: Sequence[StageCost], *, input_bytes: int) -> Plan:
+    def recompute_all(cls, stages: Sequence[StageCost], *, input_bytes: int) -> Schedule:
         """Every stage is rematerialized: forward keeps only each stage's input, backward runs each
         stage again with grad just before its backward (what `@remat` on every stage does).
 
-        >>> Plan.recompute_all([StageCost(1.0, 2.0, 1, 2)] * 2, input_bytes=1).makespan
+        >>> Schedule.recompute_all([StageCost(1.0, 2.0, 1, 2)] * 2, input_bytes=1).makespan
         8.0
         """
         n = len(stages)
@@ -120,7 +120,7 @@ class Plan:
         return cls.from_ops(stages, ops, input_bytes=input_bytes, name="recompute all")
 
     @classmethod
-    def segments(cls, stages: Sequence[StageCost], k: int, *, input_bytes: int) -> Plan:
+    def segments(cls, stages: Sequence[StageCost], k: int, *, input_bytes: int) -> Schedule:
         """Uniform segments, as `torch.utils.checkpoint.checkpoint_sequential(stages, k, x)` runs.
 
         The first `k - 1` segments of `len(stages) // k` stages are checkpointed (only their input is
@@ -130,7 +130,7 @@ class Plan:
         Raises:
             ValueError: `k` is not in `1..len(stages)`.
 
-        >>> Plan.segments([StageCost(1.0, 2.0, 1, 2)] * 4, 2, input_bytes=1).makespan
+        >>> Schedule.segments([StageCost(1.0, 2.0, 1, 2)] * 4, 2, input_bytes=1).makespan
         14.0
         """
         n = len(stages)
@@ -150,9 +150,9 @@ class Plan:
         return cls.from_ops(stages, ops, input_bytes=input_bytes, name=f"segments({k})")
 
     def extra_forwards(self) -> int:
-        """How many forwards run beyond one per stage (the recomputation the plan pays for).
+        """How many forwards run beyond one per stage (the recomputation the schedule pays for).
 
-        >>> Plan.recompute_all([StageCost(1.0, 2.0, 1, 2)] * 3, input_bytes=1).extra_forwards()
+        >>> Schedule.recompute_all([StageCost(1.0, 2.0, 1, 2)] * 3, input_bytes=1).extra_forwards()
         3
         """
         return sum(kind.startswith("forward") for kind, _ in self.ops) - len(self.stages)
@@ -160,7 +160,7 @@ class Plan:
     def __str__(self) -> str:
         budget = "" if self.budget is None else f", budget {format_bytes(self.budget)}"
         head = (
-            f"remat plan ({self.name}): {len(self.stages)} stages, {len(self.ops)} ops, makespan "
+            f"remat schedule ({self.name}): {len(self.stages)} stages, {len(self.ops)} ops, makespan "
             f"{self.makespan:.6g}, peak {format_bytes(self.peak_bytes)}{budget} (peak and live: {CHAIN_BYTES})"
         )
         rows = self._rows or simulate(self.stages, self.ops, self.input_bytes)[1]

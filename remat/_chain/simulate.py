@@ -1,6 +1,6 @@
 """The memory model of a chain: `StageCost` and the one simulator every chain schedule is played through.
 
-See NOTE [ Memory model ]. `remat._chain.schedule.Plan` builds on it, and `remat._chain.solver` finds the fastest
+See NOTE [ Memory model ]. `remat._chain.schedule.Schedule` builds on it, and `remat._chain.solver` finds the fastest
 schedule under it.
 """
 
@@ -26,7 +26,7 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 # delta_i with respect to a_i has x_i bytes; the loss's own output and gradient count nothing.
 #
 # Rules:
-# 1. A plan is a sequence of operations, and each holds (`_Machine` is the one simulator every plan goes
+# 1. A schedule is a sequence of operations, and each holds (`_Machine` is the one simulator every schedule goes
 #    through):
 #      forward_nosave(i)      run stage i without grad from a_i; a_{i+1} is a transient: it must be used
 #                             by the next operation. a_i is released if it was itself a transient.
@@ -42,14 +42,14 @@ _KINDS: frozenset[str] = frozenset(("forward_nosave", "forward_checkpoint", "for
 #    abar's, the transient and the current gradient.
 # 3. An operation's peak is the live bytes before it plus what it creates: x_{i+1} (+ forward_temp) for a
 #    forward without grad, xbar_{i+1} (+ forward_temp) with grad, x_i (+ backward_temp) for a backward, x_L for
-#    the loss. A plan's peak is the largest operation peak; its makespan the sum of the times.
+#    the loss. A schedule's peak is the largest operation peak; its makespan the sum of the times.
 # 4. Parameters and their gradients are outside the model (remat.chain returns parameter gradients to autograd
 #    when its backward ends).
 #
 # Implementation notes (how real runs meet the model: remat.chain; tests/chain/test_chain_memory.py checks the
 # tracked peak against it):
 # 1. (rule 3) A stage's backward frees abar_{i+1} and delta_{i+1} as autograd consumes them, node by node, as
-#    plain autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in profile.py), and
+#    plain autograd and checkpoint_sequential do (NOTE [ Backward frees as it goes ] in stages.py), and
 #    backward_temp is measured that way: the peak of the stage's backward above "abar_{i+1} and delta_{i+1}
 #    live", less x_i. A multi-node stage (conv, BatchNorm, ReLU) thus costs about x_i, not x_i + x_{i+1} more:
 #    counting its output and gradient as held to the end over-counted by up to x_{i+1} per backward.
@@ -117,7 +117,7 @@ class _InvalidOp(ValueError):
 
 
 @dataclass(frozen=True)
-class _Row:
+class _SimRow:
     kind: str
     stage: int
     time: float
@@ -231,17 +231,17 @@ class _Machine:
 
 def simulate(
     stages: Sequence[StageCost], ops: Iterable[tuple[str, int]], input_bytes: int
-) -> tuple[tuple[tuple[OpKind, int], ...], tuple[_Row, ...]]:
+) -> tuple[tuple[tuple[OpKind, int], ...], tuple[_SimRow, ...]]:
     machine = _Machine(stages, input_bytes)
     out_ops: list[tuple[OpKind, int]] = []
-    rows: list[_Row] = []
+    rows: list[_SimRow] = []
     for kind, i in ops:
         try:
             time, peak = machine.step(kind, i)
         except _InvalidOp as exc:
             raise ValueError(f"remat: invalid schedule at step {len(rows)}: {exc}.") from None
         out_ops.append((kind, i))  # type: ignore[arg-type]  # checked by step
-        rows.append(_Row(kind, i, time, peak, machine.live))
+        rows.append(_SimRow(kind, i, time, peak, machine.live))
     if not machine.done:
         raise ValueError("remat: invalid schedule: it does not back-propagate every stage.")
     return tuple(out_ops), tuple(rows)

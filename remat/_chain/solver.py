@@ -2,8 +2,8 @@
 
 The solver works on paper, without tensors: each stage is described by a `StageCost` (its forward and
 backward times, the bytes of its output and of everything it keeps for backward), `solve` finds the
-fastest schedule that fits a budget, and a `Plan` lists the operations with the time and peak memory
-that the model predicts. `remat.chain` profiles real modules into `StageCost`s and runs the `Plan`.
+fastest schedule that fits a budget, and a `Schedule` lists the operations with the time and peak memory
+that the model predicts. `remat.chain` profiles real modules into `StageCost`s and runs the `Schedule`.
 
 The model is rotor's persistent model (Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal
 checkpointing for heterogeneous chains", arXiv 1911.13214); see NOTE [ Memory model ] for the exact
@@ -21,10 +21,10 @@ import torch
 from .._core.errors import BUG, BudgetError, RematError
 from .._core.public import claim
 from .._core.units import format_bytes
-from .schedule import Plan
+from .schedule import Schedule
 from .simulate import OpKind, StageCost, _InvalidOp, _Machine, check_bytes, check_stages
 
-__all__ = ["OpKind", "Plan", "StageCost", "smallest_budget", "solve"]
+__all__ = ["OpKind", "Schedule", "StageCost", "smallest_budget", "solve"]
 __all__ += ["_InvalidOp", "_Machine"]  # for the tests, which play schedules by hand
 
 _INF = math.inf
@@ -47,13 +47,13 @@ _INF = math.inf
 #   otherwise infinity. The answer is C(M - x_0, 0, L) for a budget M.
 # This is rotor's recurrence with the feasibility conditions made exact: rotor checks the forward
 # condition of every split against the worst stage of a..b and the backward of (save) only at the
-# base, which the conditions above make precise, so that every plan fits under the simulator.
+# base, which the conditions above make precise, so that every schedule fits under the simulator.
 #
 # NOTE [ Discretisation ]
 # Memory is counted in `slots` units of budget/slots bytes; every size is rounded UP to whole slots on
-# its own, so a plan that fits in slots fits in bytes (a sum of rounded-up sizes is at least the sum of
-# sizes). Rounding can hide plans that fit only in exact bytes, so `solve` also plays the baselines
-# (no remat, recompute all, every segments(k)) and the least-memory plan, found in exact bytes, and
+# its own, so a schedule that fits in slots fits in bytes (a sum of rounded-up sizes is at least the sum of
+# sizes). Rounding can hide schedules that fit only in exact bytes, so `solve` also plays the baselines
+# (no remat, recompute all, every segments(k)) and the least-memory schedule, found in exact bytes, and
 # returns the fastest that fits. Since slot sizes only shrink as the budget grows, the result is
 # monotone in the budget. Ties go to the dynamic program.
 #
@@ -63,14 +63,15 @@ _INF = math.inf
 # [ Solver threads ]).
 #
 # NOTE [ Solver threads ]
-# The table is filled by many tensor operations. Where one spans more elements than ATen's grain (32768), torch
-# splits it over its intra-op threads, and on a busy machine (more runnable threads than cores) each split can
-# wait a scheduler slice for a descheduled worker: many times slower than one thread. Setting the thread count
-# to one would avoid that, but `torch.set_num_threads` changes the whole process while a solve runs. So the
-# solver keeps every operation under the grain instead: the table is cut into blocks of fewer elements
-# (`_blocks`), the best split is found by a loop over t of elementwise operations (torch splits a reduction
-# along t over threads at any size), and the shifts are gathers over blocks of rows. The thread count stays the
-# user's, and the table holds the same numbers as one operation per diagonal would.
+# 1. The solver never changes torch's thread count and runs on the calling thread: every tensor operation stays under
+#    ATen's grain (32768 elements), where torch does not split it over its intra-op threads.
+# 2. The table holds the same numbers as one operation per diagonal would.
+#
+# Implementation notes:
+# 1. (rule 1) On a busy machine each split can wait a scheduler slice for a descheduled worker, and
+#    `torch.set_num_threads` would change the whole process while a solve runs. So the table is cut into blocks of
+#    fewer elements (`_blocks`), the best split is found by a loop over t of elementwise operations (torch splits a
+#    reduction along t at any size), and the shifts are gathers over blocks of rows.
 
 
 def _slots_of(nbytes: int, slots: int, budget: int) -> int:
@@ -149,7 +150,7 @@ def _solve_dp(
     prefix = torch.cumsum(torch.tensor([0.0, *uf], dtype=dt), 0)
     for r, c in _blocks(n + 1, size):
         E[0, r, c] = torch.where(ar[None, c] >= need_t[r, None], base_cost[r, None], _INF)
-    _shifted(E, F, G, 0, n + 1, xs_t, xbs_t, prefix, ar)
+    _shift_rows(E, F, G, 0, n + 1, xs_t, xbs_t, prefix, ar)
     fneed = _forward_need(xs, fts, n)  # [a][t], see _forward_need
     save_fwd = [xbs[a + 1] + fts[a] for a in range(n)]
     save_bwd = [xbs[a + 1] + xs[a + 1] + xs[a] + bts[a] for a in range(n)]
@@ -171,14 +172,14 @@ def _solve_dp(
             E[d, r, c] = torch.where(use_save, save, best)
             chosen[r, c] = torch.where(use_save, 0, split)
         choice.append(chosen)
-        _shifted(E, F, G, d, cnt, xs_t, xbs_t, prefix, ar)
+        _shift_rows(E, F, G, d, cnt, xs_t, xbs_t, prefix, ar)
     value = float(E[n, 0, top])
     if value == _INF:
         return None
-    return value, _schedule(choice, n, top, xs, xbs)
+    return value, _ops_of(choice, n, top, xs, xbs)
 
 
-def _schedule(choice: Sequence[torch.Tensor], n: int, top: int, xs: Sequence[int],
+def _ops_of(choice: Sequence[torch.Tensor], n: int, top: int, xs: Sequence[int],
               xbs: Sequence[int]) -> list[tuple[str, int]]:
     """The ops of the schedule the dynamic program chose (`choice[d][a, m]`: 0 to save stage a, else the split).
     `todo` holds sub-chains (a, b, m) and, as (-1, i, 0), a backward(i) to emit once the sub-chain pushed after it
@@ -225,7 +226,7 @@ def _best_split(
     return best, split
 
 
-def _shifted(
+def _shift_rows(
     E: torch.Tensor, F: torch.Tensor, G: torch.Tensor, d: int, cnt: int, xs_t: torch.Tensor, xbs_t: torch.Tensor,
     prefix: torch.Tensor, ar: torch.Tensor,
 ) -> None:
@@ -300,11 +301,11 @@ def smallest_budget(stages: Sequence[StageCost], *, input_bytes: int) -> int:
     return _least_memory(stages, input_bytes)[0]
 
 
-def solve(stages: Sequence[StageCost], budget: int, *, input_bytes: int, slots: int = 500) -> Plan:
+def solve(stages: Sequence[StageCost], budget: int, *, input_bytes: int, slots: int = 500) -> Schedule:
     """Find the fastest schedule of a chain whose peak memory fits `budget` under the model.
 
     Runs rotor's dynamic program (NOTE [ Rotor recurrence ]) with memory counted in `slots` units of
-    `budget / slots` bytes, sizes rounded up (NOTE [ Discretisation ]), so the plan's simulated peak
+    `budget / slots` bytes, sizes rounded up (NOTE [ Discretisation ]), so the schedule's simulated peak
     never exceeds the budget. The budget covers everything the model counts, the chain input
     (`input_bytes`) included; a loss stage of zero cost follows the last stage.
 
@@ -315,15 +316,15 @@ def solve(stages: Sequence[StageCost], budget: int, *, input_bytes: int, slots: 
         slots: how many units the budget is cut into; more is finer and slower (O(slots * L^3)).
 
     Returns:
-        The fastest plan found; `plan.peak_bytes <= budget`.
+        The fastest schedule found; `schedule.peak_bytes <= budget`.
 
     Raises:
         BudgetError: no schedule fits; the message names the smallest budget that does.
         ValueError: an argument is out of range.
 
     >>> stages = [StageCost(1.0, 2.0, output_bytes=1, saved_bytes=2)] * 10
-    >>> plan = solve(stages, 12, input_bytes=1, slots=12)
-    >>> plan.makespan, plan.peak_bytes <= 12
+    >>> schedule = solve(stages, 12, input_bytes=1, slots=12)
+    >>> schedule.makespan, schedule.peak_bytes <= 12
     (37.0, True)
     """
     stages = check_stages(stages)
@@ -340,19 +341,19 @@ def solve(stages: Sequence[StageCost], budget: int, *, input_bytes: int, slots: 
             least_bytes=least,
         )
     found = _solve_dp(stages, budget, input_bytes, slots) if budget > 0 else None
-    candidates: list[Plan] = []
+    candidates: list[Schedule] = []
     if found is not None:
-        plan = Plan.from_ops(stages, found[1], input_bytes=input_bytes, budget=budget, name="optimal")
-        if plan.peak_bytes > budget or not math.isclose(plan.makespan, found[0], rel_tol=1e-9):
-            raise RematError(f"remat: the solver's plan breaks its own model; {BUG}.")
-        candidates.append(plan)
-    candidates.append(Plan.from_ops(stages, least_ops, input_bytes=input_bytes, name="least memory"))
-    candidates.append(Plan.no_remat(stages, input_bytes=input_bytes))
-    candidates.append(Plan.recompute_all(stages, input_bytes=input_bytes))
-    candidates += [Plan.segments(stages, k, input_bytes=input_bytes) for k in range(2, len(stages) + 1)]
+        schedule = Schedule.from_ops(stages, found[1], input_bytes=input_bytes, budget=budget, name="optimal")
+        if schedule.peak_bytes > budget or not math.isclose(schedule.makespan, found[0], rel_tol=1e-9):
+            raise RematError(f"remat: the solver's schedule breaks its own model; {BUG}.")
+        candidates.append(schedule)
+    candidates.append(Schedule.from_ops(stages, least_ops, input_bytes=input_bytes, name="least memory"))
+    candidates.append(Schedule.no_remat(stages, input_bytes=input_bytes))
+    candidates.append(Schedule.recompute_all(stages, input_bytes=input_bytes))
+    candidates += [Schedule.segments(stages, k, input_bytes=input_bytes) for k in range(2, len(stages) + 1)]
     fits = [p for p in candidates if p.peak_bytes <= budget]
-    best = min(fits, key=lambda p: p.makespan)  # min keeps the first of equals: the DP's plan
-    return Plan(
+    best = min(fits, key=lambda p: p.makespan)  # min keeps the first of equals: the DP's schedule
+    return Schedule(
         ops=best.ops,
         makespan=best.makespan,
         peak_bytes=best.peak_bytes,

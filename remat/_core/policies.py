@@ -18,25 +18,31 @@ __all__ = ["Policy", "PolicyLike", "as_policy", "offload", "save_all", "save_mat
            "save_tagged", "tag"]
 
 # NOTE [ Policies ]
-# A policy says which op outputs a region keeps from forward instead of rebuilding. It is a set of ops (decided
-# per aten overload, once: `save_matmuls`, or any callable `op -> bool`) and a set of tag names (`save_tagged`,
-# with `remat.tag(t, name)` naming a tensor, like JAX's `checkpoint_name`); `|` takes the union.
-# With a policy that saves ops, forward runs under `SaveOps` (_engine/selective.py), which keeps the outputs of
-# every chosen op in order; recompute runs under `ReuseOps`, which hands those outputs back instead of running the
-# op again. That
-# is where the time goes back: the matmuls are not recomputed, the cheap pointwise ops between them are. A
-# tagged tensor is kept when `tag` is called on it inside a region whose policy saves that name, and `tag`
-# returns the kept tensor in recompute. The pack hook keeps every kept tensor by reference.
+# 1. A policy says which op outputs a region keeps from forward instead of rebuilding: a set of ops (decided per aten
+#    overload, once: `save_matmuls`, or any callable `op -> bool`) and a set of tag names (`save_tagged`, with
+#    `remat.tag(t, name)` naming a tensor, like JAX's `checkpoint_name`); `|` takes the union.
+# 2. A kept op is never run again in recompute; the ops between kept ones are (the matmuls are not recomputed, the
+#    cheap pointwise ops between them are).
+# 3. A tagged tensor is kept when `tag` is called on it inside a region whose policy saves that name, and `tag`
+#    returns the kept tensor in recompute.
+#
+# Implementation notes:
+# 1. (rule 2) Forward runs under `SaveOps` (_engine/selective.py), which keeps the outputs of every chosen op in
+#    order; recompute runs under `ReuseOps`, which hands them back instead of running the op.
+# 2. (rules 2, 3) The pack hook keeps every kept tensor by reference.
 
 # NOTE [ Some calls ]
-# A policy with `calls` keeps only some calls of its ops: the k-th call of a chosen op in a site's forward
-# (counted from 0) is kept when k is in `calls`, and recompute, which makes the same calls in the same order,
-# runs the others again. `remat.apply(model, budget=...)` builds such policies for a block from its profiled
-# run (the matmuls worth the most recompute time per byte: NOTE [ Deriving choices ] in
-# remat/_budget/costs_derived.py). A policy may instead decide per call once the op ran (`chooses`): that is how
-# `remat.checkpoint` carries out torch's selective-checkpoint policy functions (`context_fn`), which see each
-# call's arguments and outputs. Both carry out in eager code under the rerun strategy only, so they are not public
-# and do not combine with `|`.
+# 1. A policy with `calls` keeps only some calls of its ops: the k-th call of a chosen op in a site's forward
+#    (counted from 0) is kept when k is in `calls`; recompute, which makes the same calls in the same order, runs
+#    the others again.
+# 2. A policy may instead decide per call once the op ran (`chooses`).
+# 3. Both work in eager code under the rerun strategy only, so they are not public and do not combine with `|`.
+#
+# Implementation notes:
+# 1. (rule 1) `remat.apply(model, budget=...)` builds such policies for a block from its profiled run (the matmuls
+#    worth the most recompute time per byte: NOTE [ Deriving choices ] in remat/_budget/costs_derived.py).
+# 2. (rule 2) That is how `remat.checkpoint` carries out torch's selective-checkpoint policy functions
+#    (`context_fn`), which see each call's arguments and outputs.
 
 _Op = Callable[[Any], bool]
 # (op, args, kwargs, outputs) -> whether this call's outputs are kept

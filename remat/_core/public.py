@@ -12,6 +12,8 @@ NOTE [ The public surface ]
 4. The decorator object (`from remat import remat`) carries the same names: it looks up on the package what it
    lacks (remat/_api.py), and declares them for the type checker, which runs no code (tests/test_public.py says
    which declaration is missing).
+5. A public name that was renamed keeps working under its old name (`DEPRECATED`), on the package and on the
+   decorator object alike, with a `DeprecationWarning` at the user's line on every access; it is in no `__all__`.
 
 Implementation notes:
 1. (rules 1-3) The lines are read from the file's syntax tree (`names`), once per process, not from the package's
@@ -26,11 +28,16 @@ import importlib
 import inspect
 import sys
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Public", "claim", "names", "serve"]
+__all__ = ["DEPRECATED", "Public", "claim", "deprecated", "names", "serve"]
+
+# Public names that were renamed: the old name -> the new one. The old name still works, with a DeprecationWarning
+# on every access (rule 5), and is listed in CHANGELOG.md as renamed.
+DEPRECATED = {"Plan": "Schedule"}
 
 _INIT = Path(__file__).resolve().parent.parent / "__init__.py"
 
@@ -81,6 +88,8 @@ class _Package(types.ModuleType):
         return self.remat(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name in DEPRECATED:
+            return deprecated(name, stacklevel=3)
         entry = names().get(name)
         if entry is None or not entry.lazy:
             raise AttributeError(f"module 'remat' has no attribute {name!r}")
@@ -90,6 +99,14 @@ class _Package(types.ModuleType):
 
     def __dir__(self) -> list[str]:
         return sorted({*super().__dir__(), *names()})
+
+
+def deprecated(name: str, stacklevel: int = 2) -> Any:
+    """The object a renamed public name (`DEPRECATED`) now has, with a DeprecationWarning at the caller's line."""
+    new = DEPRECATED[name]
+    warnings.warn(f"remat: `remat.{name}` is renamed `remat.{new}`; `remat.{name}` will be removed.",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return getattr(sys.modules["remat"], new)
 
 
 def serve(package: types.ModuleType) -> None:

@@ -34,8 +34,11 @@ def parse_flag(variable: str, value: str | None, default: bool) -> bool:
 
 
 # NOTE [ The switch ]
-# `_state[0]` is the global flag, read once per call on the hot path. It is a process-wide setting (like
-# `torch.backends.*` flags), not thread-local: `REMAT=0` and `set_enabled` are meant for a whole program.
+# 1. `REMAT=0/1` and `set_enabled` set one process-wide flag (like `torch.backends.*` flags), not a thread-local one:
+#    they are meant for a whole program.
+#
+# Implementation notes:
+# 1. (rule 1) `_state[0]` is the flag, read once per call on the hot path and replaced whole.
 _state = [parse_flag("REMAT", os.environ.get("REMAT"), True)]
 _debug = parse_flag("REMAT_DEBUG", os.environ.get("REMAT_DEBUG"), False)
 

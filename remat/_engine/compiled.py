@@ -128,15 +128,17 @@ def rerunning_contexts(context_fn: Callable[[], tuple[Any, Any]]) -> tuple[Any, 
 
 
 # NOTE [ Guarding on the policy ]
-# A site's selective context is a closure made by `context_for`, and torch calls it only after dynamo has traced
-# the frame: dynamo guards on the closure's code, which is the same for every policy, and not on what it keeps.
-# Blocks compiled one by one (`block.compile()`) share one compiled forward among identical blocks, so a block
-# whose policy differed from the one traced first only in what it keeps (`save_matmuls` against a budget plan's
-# part keeping some calls of it, or two parts keeping different calls) ran the graph traced first: a budget plan's
-# compiled peak depended on which block came first (docs/benchmarks.md). So every
-# site hands `torch_checkpoint`, which reads it while dynamo traces, a string naming what its context keeps
-# (`compiled_key`, by value: blocks that keep the same share one graph), and dynamo guards on a constant it reads:
-# a block with another key retraces.
+# 1. Inside compiled code, two sites whose policies keep different things never share a compiled graph; sites whose
+#    policies keep the same things do.
+#
+# Implementation notes:
+# 1. (rule 1) A site's selective context is a closure made by `context_for`, which torch calls only after dynamo has
+#    traced the frame: dynamo guards on the closure's code, the same for every policy. Blocks compiled one by one
+#    share one compiled forward among identical blocks, so without more a block whose policy differed only in what it
+#    keeps (`save_matmuls` against a budget's part) ran the graph traced first, and a budget's compiled peak depended
+#    on which block came first (docs/benchmarks.md).
+# 2. (rule 1) So every site hands `torch_checkpoint`, which reads it while dynamo traces, a string naming what its
+#    context keeps (`compiled_key`, by value), and dynamo guards on that constant: a block with another key retraces.
 
 
 def compiled_key(policy: Policy) -> str:

@@ -115,7 +115,7 @@ class BufferWrites(Mode):
 _MISSING = object()
 
 
-class _Attributes:
+class _EnteredDicts:
     """The `__dict__` of each module one recompute entered, as it was on entry; see NOTE [ Attributes during
     recompute ]."""
 
@@ -136,14 +136,14 @@ class _Attributes:
                     now[key] = old
 
 
-class _Local(threading.local):
+class _GuardState(threading.local):
     def __init__(self) -> None:
         self.depth = 0  # recomputes running on this thread
         self.open: list[tuple[nn.Module, BufferWrites]] = []
-        self.attributes: list[_Attributes] = []  # one per recompute running on this thread, innermost last
+        self.attributes: list[_EnteredDicts] = []  # one per recompute running on this thread, innermost last
 
 
-_local = _Local()
+_local = _GuardState()
 _lock = threading.Lock()
 _users = 0
 # The global hooks go straight into torch's tables under a key of their own, no `RemovableHandle`: installing
@@ -186,7 +186,7 @@ def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
     _users += 1
     _lock.release()
     _local.depth += 1
-    attributes = _Attributes()
+    attributes = _EnteredDicts()
     _local.attributes.append(attributes)
     if root is None:
         return None

@@ -12,16 +12,17 @@ from torch import nn
 __all__ = ["Attributes", "attributes", "explain"]
 
 # NOTE [ Mismatch hints ]
-# A rerun recompute that saves other tensors than forward did almost always ran other Python: the function
-# changed state that it reads. Two causes are common and visible from the site, so the error names them with
-# the fix: a cache object among the arguments (a KV cache that each call appends to; transformers' caches are
-# classes named `...Cache` with an `update` method) or `use_cache=True`, and a module whose Python attributes
-# change when it runs (a counter, a flag, a tensor it caches). The second is seen by comparing the identity of
-# each of the module's attributes before recompute with that when the mismatch is found: recompute runs the
-# same Python as forward, so it repeats forward's writes. The snapshot is taken in backward only, so forward
-# pays nothing for the hints, and it is cheap (the attribute tables' values, held only until recompute ends
-# well), since every recompute of a module site takes it: a container grown in place (a list appended to) keeps
-# its identity and is not named.
+# 1. A recompute mismatch of a rerun site names, with the fix, the two common causes visible from the site: a cache
+#    object among the arguments (a class named `...Cache` with an `update` method, as transformers' caches are) or
+#    `use_cache=True`; and a module whose Python attributes changed when it ran (a counter, a flag, a cached tensor).
+# 2. Forward pays nothing for the hints.
+# 3. A container grown in place (a list appended to) keeps its identity and is not named.
+#
+# Implementation notes:
+# 1. (rule 1) A rerun mismatch almost always means other Python ran: the function changed state it reads. Recompute
+#    repeats forward's writes, so comparing each module attribute's identity before recompute with that when the
+#    mismatch is found shows them.
+# 2. (rule 2) The snapshot (the attribute tables' values, held only until recompute ends well) is taken in backward.
 
 _MODULE_OWN = frozenset(nn.Module().__dict__)  # torch's bookkeeping: hooks, parameters, buffers, `training`
 Attributes = list[tuple[nn.Module, tuple[str, ...], list[Any]]]
@@ -57,7 +58,7 @@ def _is_cache(value: Any) -> bool:
     return "Cache" in kind.__name__ and callable(getattr(kind, "update", None))
 
 
-def _caches(args: Any, kwargs: Any) -> list[str]:
+def _cache_kwargs(args: Any, kwargs: Any) -> list[str]:
     found = []
     named = [(f"positional argument #{index}", value) for index, value in enumerate(args or ())]
     named += list((kwargs or {}).items())
@@ -85,7 +86,7 @@ def explain(args: Any, kwargs: Any, module: nn.Module | None, before: Attributes
     ' It was called with a cache object, `past_key_values` (a `DynamicCache`)'
     """
     sentences = []
-    caches = _caches(args, kwargs)
+    caches = _cache_kwargs(args, kwargs)
     if caches:
         sentences.append(
             f"It was called with a cache object, {', '.join(caches)}: rerun calls it again in backward, which "

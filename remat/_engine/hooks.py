@@ -22,22 +22,28 @@ from .transfer import Parcel, Stay
 __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_message"]
 
 # NOTE [ Handle lifetime ]
-# In forward the pack hook gives autograd a `Handle` (an index) instead of an activation made inside the region;
-# tensors from outside (inputs, parameters, views of them) are returned as they are, since keeping them costs
-# nothing. The frame holds each handle only weakly: a handle is alive exactly as long as the graph node that
-# saved it, so after a node ran (and freed its saved tensors) or after the graph was dropped, its slot is no
-# longer rebuilt, and when the last handle goes the frame goes with it. Every pack call, kept or not, takes the
-# next index, so forward and recompute count saved tensors the same way.
+# 1. In forward the pack hook gives autograd a `Handle` (an index) for an activation made inside the region; tensors
+#    from outside (inputs, parameters, views of them) are returned as they are, since keeping them costs nothing.
+# 2. A handle lives exactly as long as the graph node that saved it: after a node ran or after the graph was dropped,
+#    its slot is no longer rebuilt, and when the last handle goes the frame goes with it.
+# 3. Every pack call, kept or not, takes the next index, so forward and recompute count saved tensors the same way.
+#
+# Implementation notes:
+# 1. (rule 2) The frame holds each handle only weakly.
 #
 # NOTE [ One store per backward ]
-# The first unpack in a backward rebuilds every handle that is still alive and not yet rebuilt, and stops as
-# soon as the highest of them is back (early stop). Rebuilt tensors wait in a store keyed by the graph task, so
-# two backwards over one graph (`retain_graph=True`, or two threads) never share tensors; each tensor is popped
-# on its unpack, so it lives only until the node that needs it has run, and a store emptied goes at once. When
-# more than one tensor was rebuilt, a callback queued on the autograd engine drops whatever is left in the store
-# when that backward ends (nodes that `autograd.grad(inputs=...)` skipped).
-# Under torch's `torch.utils.checkpoint.GraphExecGroup`, the group is the key instead: the backwards of one group
-# share one recompute, and what is left stays until the frame goes (as in torch).
+# 1. The first unpack in a backward rebuilds every handle still alive and not yet rebuilt, and stops as soon as the
+#    highest of them is back (early stop).
+# 2. Two backwards over one graph (`retain_graph=True`, or two threads) never share rebuilt tensors.
+# 3. A rebuilt tensor lives only until the node that needs it has run; what a backward leaves unread (nodes that
+#    `autograd.grad(inputs=...)` skipped) goes when that backward ends.
+# 4. Under torch's `torch.utils.checkpoint.GraphExecGroup` the backwards of one group share one recompute, and what
+#    is left stays until the frame goes (as in torch).
+#
+# Implementation notes:
+# 1. (rules 2, 4) Rebuilt tensors wait in a store keyed by the graph task, or by the group under rule 4.
+# 2. (rule 3) Each tensor is popped on its unpack and an emptied store goes at once; where more than one tensor was
+#    rebuilt, a callback queued on the autograd engine drops what is left when the backward ends.
 #
 # NOTE [ Backward inside a site ]
 # The function of a site may itself run backward (`autograd.grad`, `.backward()`, with or without
@@ -66,11 +72,14 @@ __all__ = ["Frame", "Handle", "Kept", "Outer", "StopRecompute", "mismatch_messag
 
 
 # NOTE [ Freeing long chains ]
-# Dropping the output of a long chain of sites (the tutorial's 1000 calls of 100 ops) frees the whole graph at
-# once. torch frees chains of graph nodes without recursion, unless a node has a Python object: reading
-# `tensor.grad_fn` from Python makes one, and freeing then recurses through Python deallocation, one level per
-# node, and overflows the C stack. So the hooks never read `grad_fn` (`is_leaf` tells what they need), and
-# kept tensors are held by the frame, reached through the unpack hook, rather than by autograd.
+# 1. Dropping the output of a long chain of sites (the tutorial's 1000 calls of 100 ops) frees the whole graph
+#    without overflowing the C stack.
+#
+# Implementation notes:
+# 1. (rule 1) torch frees chains of graph nodes without recursion unless a node has a Python object; reading
+#    `tensor.grad_fn` from Python makes one, and freeing then recurses through Python deallocation, one level per
+#    node. So the hooks never read `grad_fn` (`is_leaf` tells what they need), and kept tensors are held by the
+#    frame, reached through the unpack hook, rather than by autograd.
 
 
 class StopRecompute(Exception):
@@ -96,14 +105,13 @@ class Kept:
 
 
 # NOTE [ Inputs of nested sites ]
-# A site keeps its inputs to call the function again. When it runs inside another site (or inside any
-# saved-tensor hooks, e.g. `save_on_cpu`), its inputs are activations of the enclosing region: keeping them by
-# reference would hold exactly what the outer region promises to free. So the inputs are handed to the
-# enclosing pack hook, as if autograd saved them there, and fetched back through its unpack hook when this site
-# recomputes — which may in turn make the outer site recompute. Outside any hooks the inputs are kept as they
-# are (they are alive anyway while the graph is) and their versions are checked before recompute.
-# The same holds for what the nested site's own pack hook sees of its inputs (and views of them): each one is
-# handed to the enclosing pack hook again (`Frame.keep_outside`) and fetched back through its unpack hook.
+# 1. A site inside another site (or inside any saved-tensor hooks, e.g. `save_on_cpu`) hands its inputs to the
+#    enclosing pack hook, as if autograd saved them there, and fetches them back through its unpack hook when it
+#    recomputes (which may make the outer site recompute): the outer site can free them as it promises.
+# 2. The same holds for what the nested site's own pack hook sees of its inputs and views of them
+#    (`Frame.keep_outside`).
+# 3. Outside any hooks a site keeps its inputs as they are (they are alive anyway while the graph is) and checks
+#    their versions before recompute.
 
 
 class Outer:

@@ -41,7 +41,7 @@ __all__ = ["CHANGED_RANDOM", "KeptOutput", "keep_output", "version_probe"]
 # 5. Under torch.compile the compiler functionalises in-place ops, and what it saves is the op's own value; where
 #    torch runs its checkpoint operator eagerly, its own recompute mode is made to run such an op again (NOTE [ Under
 #    torch.compile ] in compiled.py). A chain keeps stage outputs, and runs a stage that changes its input on a copy
-#    of it (NOTE [ A stage that changes its input ] in remat/_chain/profile.py).
+#    of it (NOTE [ A stage that changes its input ] in remat/_chain/stages.py).
 # 6. An op that writes into its arguments (in place, `out=`: `bernoulli_`, chosen by a callable policy) is never
 #    kept: its output is the tensor it wrote, which recompute rebuilds and the op must write into again. It runs
 #    again, drawing what it drew (rule 4).

@@ -14,11 +14,10 @@ __all__ = ["Meta", "mismatch_message"]
 Meta = tuple[torch.Size, torch.dtype, torch.device]
 
 # NOTE [ Mismatch messages ]
-# A recompute mismatch is also a `torch.utils.checkpoint.CheckpointError` (see remat/_core/errors.py), so code and
-# people who know torch's checkpoint recognise it: the message opens with torch's own sentence for the same
-# condition (kept verbatim from torch/utils/checkpoint.py, which users search for), then says in remat's words
-# where it happened (the site's name and the saved tensor's index), what forward and recompute saved, and what to
-# do about it.
+# 1. A recompute mismatch is also a `torch.utils.checkpoint.CheckpointError` (remat/_core/errors.py).
+# 2. Its message opens with torch's own sentence for the same condition, kept verbatim from
+#    torch/utils/checkpoint.py (users search for it), then says in remat's words where it happened (the site's name
+#    and the saved tensor's index), what forward and recompute saved, and what to do.
 _TORCH_MORE = (
     "torch.utils.checkpoint: trying to save more tensors during recomputation than during the original forward pass."
 )

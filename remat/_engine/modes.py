@@ -36,16 +36,19 @@ class Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """A `TorchDispatchMode` that pays for torch's dynamo guard only while dynamo runs.
 
     NOTE [ Modes without the dynamo guard ]
-    torch wraps every subclass's `__torch_dispatch__` in `torch._disable_dynamo` unless `_should_skip_dynamo()` says
-    otherwise. The wrapper imports torch._dynamo on its first call (the one-off set-up that torch.utils.checkpoint's
-    users pay) and adds a guard to every op after that (a sizeable share of a GPT block's recording cost:
-    docs/benchmarks.md). It only matters while compiled code runs under the mode: dynamo evaluates frames only while
-    its callback is set on the thread, and without the guard it steps into the handler and miscounts, as the
-    tracker's test of a compiled function shows. So a mode is made unguarded while torch._dynamo is not imported,
-    and after that as its guarded twin (a subclass made once, on demand) whose handler is a switch: a frame dynamo
-    always skips, which asks torch whether a dynamo callback is set (one C call) and calls the handler directly when
-    none is, through torch's guard when one is. Where this torch lacks the switch's parts, the twin takes torch's
-    guard on every op.
+    1. A mode pays for torch's dynamo guard only while dynamo runs: unguarded while torch._dynamo is not imported, and
+       after that guarded only while a dynamo callback is set on the thread.
+    2. Under compiled code the mode behaves as torch's guarded modes do.
+
+    Implementation notes:
+    1. (rule 1) torch wraps every subclass's `__torch_dispatch__` in `torch._disable_dynamo` unless
+       `_should_skip_dynamo()` says otherwise; the wrapper imports torch._dynamo on first call and adds a guard to
+       every op (docs/benchmarks.md for its cost).
+    2. (rule 2) Without the guard dynamo steps into the handler and miscounts (the tracker's test of a compiled
+       function shows it). So once torch._dynamo is imported a mode becomes its guarded twin (a subclass made once, on
+       demand) whose handler is a switch: a frame dynamo always skips, which asks torch whether a dynamo callback is set
+       (one C call) and calls the handler directly when none is, through torch's guard when one is. Where this torch
+       lacks the switch's parts, the twin takes torch's guard on every op.
     """
 
     _guarded: ClassVar[bool] = False

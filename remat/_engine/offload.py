@@ -307,14 +307,18 @@ def for_kept(offload: Offload | None, policy: Any) -> Offload | None:
 
 
 # NOTE [ Offloaded sites ]
-# A site with `offload=` (`@remat`, `remat(module)`, `remat.apply`, `remat.region`) keeps for backward its
-# inputs (and views of them), the outputs its policy saves, and parameters. Sites already hand their inputs
-# to the enclosing saved-tensor hooks when there are any (NOTE [ Inputs of nested sites ] in hooks.py);
-# an offloading site with no enclosing hooks makes its `Offload` those hooks (`frame.outer`), so its inputs
-# go to host through the same path, and come back through it when recompute or replay needs them. Inside
-# another site the inputs are that site's activations, rebuilt by it: nothing to offload. The outputs a
-# policy saves go to the frame's `offload` (the site's, or the default one for `policies.offload(...)`):
-# the pack hook returns their parcels, and the list that recompute reuses holds parcels from the end of
-# forward on, brought back one by one as recompute reaches them. What the site recomputes is never copied.
+# 1. A site with `offload=` (`@remat`, `remat(module)`, `remat.apply`, `remat.region`) keeps in host memory what it
+#    keeps for backward: its inputs (and views of them), the outputs its policy saves, and parameters. What it
+#    recomputes is never copied.
+# 2. Inside another site its inputs are that site's activations, rebuilt by it: nothing is offloaded for them.
+# 3. Kept outputs come back one by one as recompute reaches them.
+#
+# Implementation notes:
+# 1. (rules 1, 2) Sites already hand their inputs to enclosing saved-tensor hooks (NOTE [ Inputs of nested sites ]
+#    in hooks.py); an offloading site with none makes its `Offload` those hooks (`frame.outer`), so its inputs go to
+#    host and come back through the same path.
+# 2. (rule 3) The policy's outputs go to the frame's `offload` (the site's, or the default one for
+#    `policies.offload(...)`): the pack hook returns their parcels, and the list recompute reuses holds parcels from
+#    the end of forward on.
 
 claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -24,26 +24,30 @@ from .rng import Draw, RngStash, draws, with_index
 __all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info", "pause", "recording", "resume"]
 
 # NOTE [ What the tape holds ]
-# While the block runs, `Recorder.__torch_dispatch__` appends one entry per aten op: the op, its arguments with
-# every tensor replaced by its `Slot`, its first output slot and its output count, and the grad mode. Slots
-# number every op output (one per returned element) and every tensor from outside the tape. The recorder finds a
-# tensor's slot through its marker, the pair `(weakref, slot)`: tensors made by the tape are known only through
-# weak references, so the tape never keeps an activation alive; tensors from outside (inputs, parameters,
-# constants) are held strongly, because replay needs them, exactly as a checkpoint keeps its inputs. Identity is
-# the Python object: the objects an op returns inside the mode are the ones that autograd later shows to the pack
-# hook, and an in-place op returns its input object, whose marker then moves to the in-place op's output slot
-# (its new value). Entries hold no tensor, only ops, slots and plain values, so that two tapes compare in C
-# (NOTE [ Shared scripts ] in tape.py).
+# 1. The tape never keeps an activation alive; tensors from outside it (inputs, parameters, constants) are held
+#    strongly, because replay needs them, as a checkpoint keeps its inputs.
+# 2. Entries hold no tensor, only ops, slots and plain values, so that two tapes compare in C (NOTE [ Shared
+#    scripts ] in tape.py).
+#
+# Implementation notes:
+# 1. (rules 1, 2) `Recorder.__torch_dispatch__` appends one entry per aten op: the op, its arguments with every tensor
+#    replaced by its `Slot`, its first output slot, its output count and the grad mode. Slots number every op output
+#    (one per returned element) and every tensor from outside.
+# 2. (rule 1) A tensor's slot is found through its marker `(weakref, slot)`. Identity is the Python object: the
+#    objects an op returns inside the mode are those autograd later shows the pack hook, and an in-place op returns
+#    its input object, whose marker then moves to the in-place op's output slot (its new value).
 #
 # NOTE [ Writes to outside memory ]
-# An op that writes (in-place or `out=`) into memory of a tensor from outside the tape — BatchNorm's running
-# statistics, a user's buffer, `x.detach().add_(1)` — happens once, in forward. Before the first such write the
-# recorder copies the whole outside storage; replay rebuilds every outside tensor on that storage as a view of
-# a fresh copy of the snapshot, so replayed writes land on the copy and the original is never touched. Memory is
-# identified by storage (not by tensor) so that any alias of the outside tensor, made inside or outside the tape,
-# is covered. Every other outside tensor is checked in backward against the version it had when first seen:
-# a change means the tape would read a value that no longer exists, which is autograd's "modified by an inplace
-# operation" error.
+# 1. An op that writes (in-place or `out=`) into memory of a tensor from outside the tape (BatchNorm's running
+#    statistics, a user's buffer, `x.detach().add_(1)`) happens once, in forward; replay never touches the original.
+# 2. Any other outside tensor changed between forward and backward is autograd's "modified by an inplace operation"
+#    error: the tape would read a value that no longer exists.
+#
+# Implementation notes:
+# 1. (rule 1) Before the first such write the recorder copies the whole outside storage; replay rebuilds every
+#    outside tensor on it as a view of a fresh copy of the snapshot, so replayed writes land on the copy. Memory is
+#    identified by storage, so any alias of the outside tensor, made inside or outside the tape, is covered.
+# 2. (rule 2) Each is checked in backward against the version it had when first seen.
 
 
 _Tensor = torch.Tensor
@@ -358,11 +362,13 @@ class Recorder(Mode):
 # The replay regions recording on this thread, so that a recompute keeps its ops off their tapes.
 #
 # NOTE [ Recompute is not recorded ]
-# A backward that a region's forward runs (a gradient inside the block) may make a site recompute: a rerun site
-# calls its function again under forward's RNG state, a replay site replays its tape. Those ops are not the block's:
-# what they rebuild enters the block only through the unpack hook, as a new tensor the tape keeps as one from
-# outside. Recorded, a replay of the block would run them again, with the block's RNG state instead of the state
-# they ran under, and rebuild other values. So every recording on the thread is paused while a recompute runs.
+# 1. Every recording on the thread is paused while a recompute runs: the ops a site's recompute runs inside a
+#    region's forward (a gradient inside the block) are not the block's.
+#
+# Implementation notes:
+# 1. (rule 1) What such a recompute rebuilds enters the block only through the unpack hook, as a tensor the tape
+#    keeps as one from outside. Recorded, a replay would run those ops again with the block's RNG state instead of
+#    the state they ran under, and rebuild other values.
 
 class _Recording(threading.local):
     def __init__(self) -> None:

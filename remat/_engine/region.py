@@ -1,4 +1,4 @@
-"""The replay strategy's frame and entry points (`begin`, `end`), behind `with remat.region():`
+"""The replay strategy's frame and entry points (`begin_replay`, `end_replay`), behind `with remat.region():`
 (`Region`, below), `@remat.region()` and `@remat(strategy="replay")`.
 
 A region records the aten ops its block runs (`recorder.Recorder`) and gives autograd handles instead of the
@@ -33,20 +33,23 @@ from .recorder import Recorder, op_info, recording
 from .tape import Tape
 from .transfer import Parcel, Stay
 
-__all__ = ["Region", "RegionFrame", "begin", "end"]
+__all__ = ["Region", "RegionFrame", "begin_replay", "end_replay"]
 
 
 _storage_id: Callable[[torch.Tensor], int] = storage_id
 _ref = weakref.ref
 
 # NOTE [ Kept tensors ]
-# Saved tensors that the region does not rebuild — tensors from outside, views of them, tensors the tape never
-# saw — are kept by reference. With hooks installed autograd no longer checks their version on unpack, so the
-# region does: each is kept with the version it had when saved, and a different version in backward raises
-# autograd's own "modified by an inplace operation" error instead of giving a wrong gradient. Inside an
-# enclosing site (another region, a rerun site, `save_on_cpu`), these tensors may be activations of that site,
-# so they are handed to its pack hook instead (see NOTE [ Inputs of nested sites ] in hooks.py); so are the
-# outside tensors the tape reads, at the end of forward.
+# 1. Saved tensors that the region does not rebuild (tensors from outside, views of them, tensors the tape never saw)
+#    are kept by reference.
+# 2. A kept tensor whose version changed before backward raises autograd's own "modified by an inplace operation"
+#    error instead of giving a wrong gradient.
+# 3. Inside an enclosing site (another region, a rerun site, `save_on_cpu`) they are handed to its pack hook instead
+#    (NOTE [ Inputs of nested sites ] in hooks.py); so are the outside tensors the tape reads, at the end of forward.
+#
+# Implementation notes:
+# 1. (rule 2) With hooks installed autograd no longer checks versions on unpack, so the region keeps each with the
+#    version it had when saved and compares.
 
 _VALUES_DIFFER = (
     "remat: replay of `{site}` rebuilt saved tensor #{index} (output {output} of op #{op}, {name}) with other "
@@ -244,17 +247,19 @@ class RegionFrame(Frame):
 
 
 # NOTE [ Region entry ]
-# `begin` pushes the recording mode and then the saved-tensor hooks; `end` pops them in reverse order and
-# finishes the tape, also when the block raised (then the recording is dropped). A region records only when
-# grad mode is on: without it autograd saves nothing, so there is nothing to free. The `Region` object of
-# `remat.region()` (`Region`, below) calls them.
+# 1. A region records only when grad mode is on: without it autograd saves nothing, so there is nothing to free.
+# 2. Its exit undoes its entry in reverse order, also when the block raised (then the recording is dropped).
+#
+# Implementation notes:
+# 1. (rule 2) `begin_replay` pushes the recording mode and then the saved-tensor hooks; `end_replay` pops them and
+#    finishes the tape. The `Region` of `remat.region()` (below) calls them.
 
 
-def begin(
+def begin_replay(
     *, site: str, check: bool = True, preserve_rng: bool = True, debug: bool = False, module: nn.Module | None = None,
     offload: Offload | None = None, policy: Policy | None = None,
 ) -> object:
-    """Start recording a replay region; the code between `begin` and `end` runs inside it.
+    """Start recording a replay region; the code between `begin_replay` and `end_replay` runs inside it.
 
     Args:
         site: the name used in errors.
@@ -266,12 +271,12 @@ def begin(
         policy: what to keep from forward instead of replaying (None: nothing; NOTE [ Policies on the tape ]).
 
     Returns:
-        A token for `end` (None when nothing is recorded: grad mode is off).
+        A token for `end_replay` (None when nothing is recorded: grad mode is off).
 
     >>> x = torch.ones(3, requires_grad=True)
-    >>> token = begin(site="demo", check=True, preserve_rng=True, debug=False)
+    >>> token = begin_replay(site="demo", check=True, preserve_rng=True, debug=False)
     >>> y = x.sin().sin()
-    >>> end(token)
+    >>> end_replay(token)
     >>> y.sum().backward()
     """
     del module
@@ -299,15 +304,15 @@ def begin(
     return frame
 
 
-def end(token: object, *, ok: bool = True) -> None:
-    """Stop the recording `begin` started; with `ok=False` (the block raised) just drop it.
+def end_replay(token: object, *, ok: bool = True) -> None:
+    """Stop the recording `begin_replay` started; with `ok=False` (the block raised) just drop it.
 
-    >>> end(None)  # a token of a region that recorded nothing
+    >>> end_replay(None)  # a token of a region that recorded nothing
     """
     if token is None:
         return
     if not isinstance(token, RegionFrame) or token.recorder is None:
-        raise RematError(f"remat: `end` got {token!r}, which is not an open region token; {BUG}.")
+        raise RematError(f"remat: `end_replay` got {token!r}, which is not an open region token; {BUG}.")
     recorder = token.recorder
     if recorder.policy is not None and recorder.policy.names:
         tags.sinks.pop()
@@ -328,7 +333,7 @@ def end(token: object, *, ok: bool = True) -> None:
 
 
 # The object `remat.region()` returns: a block of code, or each call of a decorated function, run as a replay
-# region through `region.begin` and `region.end`.
+# region through `region.begin_replay` and `region.end_replay`.
 #
 # A `Region` keeps the recordings it has open in a thread-local stack, so one object may be entered again while it
 # is open (a recursive decorated function: each level is a nested region) and from several threads at once; `ops`
@@ -383,7 +388,7 @@ class Region:
             if site is None:
                 caller = sys._getframe(2)
                 site = f"region at {caller.f_code.co_filename}:{caller.f_lineno}"
-            token = begin(
+            token = begin_replay(
                 site=site, check=options.check, preserve_rng=options.preserve_rng,
                 debug=options.debug or _switch.debug(), offload=resolve(options.offload),
                 policy=as_policy(options.policy),
@@ -392,7 +397,7 @@ class Region:
 
     def _end(self, ok: bool) -> None:
         token = self._stack().pop()
-        end(token, ok=ok)
+        end_replay(token, ok=ok)
         if ok and isinstance(token, RegionFrame):
             self.ops, self.freed_bytes = token.ops, token.freed_bytes
 

@@ -478,14 +478,17 @@ def tag_sink(sink: Callable[[torch.Tensor, str], torch.Tensor]) -> Iterator[None
 # Whether any Python code still runs after the op in progress: what lets early stop skip raising.
 #
 # NOTE [ Stopping without raising ]
-# Early stop must keep the function's code after the last needed tensor from running (NOTE [ Early stop ]).
-# Raising out of the pack hook does that, but the exception unwinds through autograd's C++, which costs more than
-# the rest of a small site's overhead (docs/benchmarks.md). Where the op that saved that tensor is the last thing
-# each Python frame between it and recompute does before returning its result (`return (x * 2).sin()`), nothing
-# of the user's runs after it, so no raise is needed. A frame qualifies when the instruction after its current
-# call is RETURN_VALUE; anything else (a store, another call, a `with` block's exit, a `finally` body, a
-# comprehension's append) raises as before. The answer depends on the bytecode only, never on timing; it is
-# cached per (code, instruction).
+# 1. Early stop keeps the function's code after the last needed tensor from running (NOTE [ Early stop ]); it raises
+#    out of the pack hook only where some of the user's code would otherwise run.
+# 2. The decision depends on the bytecode only, never on timing.
+#
+# Implementation notes:
+# 1. (rule 1) Raising unwinds through autograd's C++, which costs more than the rest of a small site's overhead
+#    (docs/benchmarks.md). Where the op that saved the tensor is the last thing each Python frame between it and
+#    recompute does before returning (`return (x * 2).sin()`), nothing runs after it. A frame qualifies when the
+#    instruction after its current call is RETURN_VALUE; anything else (a store, another call, a `with` block's exit,
+#    a `finally` body, a comprehension's append) raises.
+# 2. (rule 2) The answer is cached per (code, instruction).
 
 _RETURNS: dict[tuple[CodeType, int], bool] = {}
 _RETURNS_KEPT = 4096

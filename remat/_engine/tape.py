@@ -24,36 +24,44 @@ from .transfer import Parcel, Stay
 __all__ = ["Tape"]
 
 # NOTE [ Policies on the tape ]
-# With a policy, the recorder keeps the outputs of the ops it chooses (and tensors named by
-# `remat.tag` for a saved name), detached, by slot. Replay puts a kept output into its slot instead of running
-# its op (the op's inputs are then not needed either), so a kept op never runs again. A saved tensor that is a
-# kept output, or a view of one, is kept by reference instead of being rebuilt ("claimed"). As in rerun
-# (NOTE [ What a policy keeps ] in selective.py), a kept output that autograd does not save is dropped after
-# the replay that used it, so that it and what replay rebuilt from it do not outlive that backward; a second
-# replay (`retain_graph`) runs its op. A kept output changed in place after it was kept, in forward or after it,
-# is not kept: its op is replayed (NOTE [ A kept output changed in place ] in kept.py; checked when forward
-# ends and before every replay). A kept op that drew random numbers sets its generator, where replay would have
-# run it, to the state forward left it in (NOTE [ Random ops ] in rng.py), also when no saved tensor needs its
-# outputs.
+# 1. With a policy, replay puts a kept output (of a chosen op, or a tensor `remat.tag` named for a saved name) into
+#    its slot instead of running its op: a kept op never runs again, and its inputs are not needed.
+# 2. A saved tensor that is a kept output, or a view of one, is kept by reference instead of rebuilt ("claimed").
+# 3. As in rerun (NOTE [ What a policy keeps ] in selective.py), a kept output autograd does not save is dropped after
+#    the replay that used it; a second replay (`retain_graph`) runs its op.
+# 4. A kept output changed in place after it was kept, in forward or after it, is not kept: its op is replayed (NOTE
+#    [ A kept output changed in place ] in kept.py).
+# 5. A kept op that drew random numbers sets its generator, where replay would have run it, to the state forward
+#    left it in (NOTE [ Random ops ] in rng.py), also when no saved tensor needs its outputs.
+#
+# Implementation notes:
+# 1. (rule 1) The recorder keeps the chosen outputs detached, by slot.
+# 2. (rule 4) Checked when forward ends and before every replay.
 #
 # NOTE [ Replay script ]
-# Forward does the least it can: the script — which ops are live (an op whose outputs feed no saved tensor is
-# skipped unless it writes memory or draws random numbers), which argument slots each op reads, after which op
-# every slot is dropped, and after which op every saved tensor is complete — is built on the first replay and
-# reused by later ones (`retain_graph`). A saved tensor is taken after the op count it was saved at; if a later
-# replayed op writes into its memory (in-place on it or on a view), it is cloned when taken. Forward notes such
-# writes by the storage's identity (the one weak reference the region holds to it), not by its address: an
-# address is reused once a storage dies, and a write into a new tensor there must not clone an old one.
+# 1. Forward does the least it can: the script (which ops are live, which argument slots each op reads, after which
+#    op every slot is dropped, and after which op every saved tensor is complete) is built on the first replay and
+#    reused by later ones (`retain_graph`).
+# 2. An op whose outputs feed no saved tensor is skipped unless it writes memory or draws random numbers.
+# 3. A saved tensor is taken after the op count it was saved at; if a later replayed op writes into its memory
+#    (in-place on it or on a view), it is cloned when taken.
+#
+# Implementation notes:
+# 1. (rule 3) Forward notes such writes by the storage's identity (the one weak reference the region holds to it),
+#    not by its address: an address is reused once a storage dies, and a write into a new tensor there must not
+#    clone an old one.
 #
 # NOTE [ Shared scripts ]
-# A model runs the same block many times with the same shapes; each forward records a tape of its own, and each
-# tape would build the same script (not free for a transformer block). A script depends only on the tape's
-# structure — its ops, where slots are read and written, the captures — and holds no values: replay reads every
-# op and argument from its own tape. So tapes share scripts: the scripts of recent structures are cached, found by
-# the tape's op count, slot count and captures, and taken only if the tape's entries equal the cached
-# structure's (one comparison in C; entries hold ops, slots and plain values, never tensors). Two tapes whose
-# values differ but compare equal (`1` and `1.0`, `0.0` and `-0.0`) share a script and each replays its own values.
-# A tape with outputs kept by a policy builds its own: which of them stay differs from run to run.
+# 1. Tapes of the same structure share one script: a script depends only on the tape's ops, where slots are read and
+#    written, and the captures, and holds no values; replay reads every op and argument from its own tape.
+# 2. Two tapes whose values differ but compare equal (`1` and `1.0`, `0.0` and `-0.0`) share a script and each
+#    replays its own values.
+# 3. A tape with outputs kept by a policy builds its own: which of them stay differs from run to run.
+#
+# Implementation notes:
+# 1. (rule 1) A model runs the same block many times with the same shapes, and building a script is not free for a
+#    transformer block. The scripts of recent structures are cached, found by op count, slot count and captures, and
+#    taken only if the tape's entries equal the cached structure's (one comparison in C).
 
 _Replayed = list[tuple[int, int, int, bool]]  # per capture: (handle, slot, op count at save, clone when taken)
 

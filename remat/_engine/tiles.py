@@ -99,7 +99,7 @@ class _Reads(Mode):
         return func(*args, **(kwargs or {}))
 
 
-class _Kept:
+class _KeptTile:
     """`x`, kept as autograd keeps a saved tensor (NOTE [ Tiles ], rule 3)."""
 
     __slots__ = ("packed", "requires_grad", "tensor", "unpack", "version")
@@ -132,17 +132,17 @@ class _Kept:
         return tensor.detach()
 
 
-class _Spec:
+class _TileSpec:
     """What backward needs besides tensors; `release` drops what it holds once no backward can come (implementation
     note 3)."""
 
     __slots__ = ("autocast", "devices", "dim", "fn", "kept", "reads", "rng", "site", "spans")
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], dim: int, cuts: list[tuple[int, int]],
-                 site: str, kept: _Kept, devices: tuple[torch.device, ...]) -> None:
+                 site: str, kept: _KeptTile, devices: tuple[torch.device, ...]) -> None:
         self.fn: Callable[[torch.Tensor], torch.Tensor] | None = fn
         self.dim, self.spans, self.site = dim, cuts, site
-        self.kept: _Kept | None = kept
+        self.kept: _KeptTile | None = kept
         self.devices = devices
         self.rng = RngStash.capture(devices)
         self.autocast = AutocastState.capture(devices)
@@ -184,17 +184,17 @@ def tiles(
     part = _tile(x, dim, start, length)
     if not torch.is_grad_enabled():
         first = fn(part)
-        _check(first, part, dim, site, 0)
+        _check_tile(first, part, dim, site, 0)
         return _rest(fn, x, first, dim, cuts, site)
-    kept = _Kept(x)  # rule 3: before any tile runs
-    spec = _Spec(fn, dim, cuts, site, kept, devices_of((x,), module))
+    kept = _KeptTile(x)  # rule 3: before any tile runs
+    spec = _TileSpec(fn, dim, cuts, site, kept, devices_of((x,), module))
     with torch.no_grad(), _Reads(x._base if x._base is not None else x) as reads:
         first = fn(part)
-    _check(first, part, dim, site, 0)
+    _check_tile(first, part, dim, site, 0)
     spec.reads = tuple(reads.found.values())
     if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
         return _rest(fn, x, first, dim, cuts, site)
-    out: torch.Tensor = _Tiled.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _TilesFunction.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -206,7 +206,7 @@ def _tile(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return part.contiguous() if x.is_contiguous() else part
 
 
-def _check(out: Any, part: torch.Tensor, dim: int, site: str, index: int) -> None:
+def _check_tile(out: Any, part: torch.Tensor, dim: int, site: str, index: int) -> None:
     """A tile's output must be a tensor with the tile's positions along `dim`."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"remat: the tiled `{site}` returned `{type(out).__name__}` for tile {index}; tiles need a "
@@ -234,17 +234,17 @@ def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: to
         for index, (start, length) in enumerate(cuts[1:], 1):
             part = _tile(x, dim, start, length)
             piece = fn(part)
-            _check(piece, part, dim, site, index)
+            _check_tile(piece, part, dim, site, index)
             out.narrow(dim, start, length).copy_(piece)
             del piece
     return out
 
 
-class _Tiled(torch.autograd.Function):
+class _TilesFunction(torch.autograd.Function):
     """The tiles as one autograd node: inputs `x`, the first tile's output (no gradient), the tensors fn reads."""
 
     @staticmethod
-    def forward(ctx: Any, spec: _Spec, x: torch.Tensor, first: torch.Tensor, *reads: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, spec: _TileSpec, x: torch.Tensor, first: torch.Tensor, *reads: torch.Tensor) -> torch.Tensor:
         ctx.spec = spec
         ctx.set_materialize_grads(False)
         ctx.save_for_backward()  # none, but autograd marks them freed after a backward without `retain_graph`
@@ -253,7 +253,7 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        spec: _Spec = ctx.spec
+        spec: _TileSpec = ctx.spec
         wanted: Sequence[bool] = ctx.needs_input_grad
         if grad is None:
             return (None,) * len(wanted)
@@ -273,7 +273,7 @@ class _Tiled(torch.autograd.Function):
         return (None, grads[0], None, *grads[1:])
 
 
-def _differentiate(spec: _Spec, x: torch.Tensor, grad: torch.Tensor, x_wanted: bool,
+def _differentiate(spec: _TileSpec, x: torch.Tensor, grad: torch.Tensor, x_wanted: bool,
                    reads_wanted: Sequence[bool]) -> list[torch.Tensor | None]:
     """The gradients of `x` and of the reads, tile by tile (NOTE [ Tiles ], rules 2, 4 and 6)."""
     create = torch.is_grad_enabled()  # a second derivative: every tile's graph is kept
@@ -290,7 +290,7 @@ def _differentiate(spec: _Spec, x: torch.Tensor, grad: torch.Tensor, x_wanted: b
             part = _tile(x, dim, start, length).detach().requires_grad_(x_wanted)
             with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
                 out = fn(part)
-            _check(out, part, dim, spec.site, index)
+            _check_tile(out, part, dim, spec.site, index)
             _stats.add_tile()
             inputs = ([part] if x_wanted else []) + reads
             if not out.requires_grad or not inputs:

@@ -343,14 +343,14 @@ def traffic(reset: bool = False) -> Traffic:
     return counts
 
 
-class _Chain(threading.local):
+class _LastCopy(threading.local):
     """The last copy made on this thread, per device: see NOTE [ Offload lifecycle ], prefetch."""
 
     def __init__(self) -> None:
         self.last: dict[torch.device, weakref.ref[_Copy]] = {}
 
 
-_chain = _Chain()
+_chain = _LastCopy()
 
 
 def _dead() -> None:
@@ -564,7 +564,7 @@ def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, weakref.ref[_Copy]],
     found = shared.get(key)
     copy = None if found is None else found()
     if copy is not None and copy.storage() is storage:
-        if copy.serves(tensor.dtype, shape, stride, offset, _end(shape, stride, offset), version):
+        if copy.serves(tensor.dtype, shape, stride, offset, _view_end(shape, stride, offset), version):
             if copy.next is not None and copy.next() is not None:
                 copy.spread = True
             if copy.view is not None:  # a gather: the same view again
@@ -581,7 +581,7 @@ def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, weakref.ref[_Copy]],
             source = memory
         else:
             place, source = (stride, offset), memory.as_strided((total,), (1,), 0)
-    elif _end(shape, stride, offset) - offset == numel:  # the stretch it spans holds nothing else
+    elif _view_end(shape, stride, offset) - offset == numel:  # the stretch it spans holds nothing else
         start, place = offset, (stride, 0)
         source = memory.as_strided((numel,), (1,), offset)
     else:  # a sparse part of a larger storage: a contiguous gather, made on the device
@@ -597,7 +597,7 @@ def pack(tensor: torch.Tensor, pin: bool, shared: dict[int, weakref.ref[_Copy]],
     return Parcel(copy, tensor, None if place[0] is None else shape, *place)
 
 
-def _end(shape: Any, stride: Any, offset: int) -> int:
+def _view_end(shape: Any, stride: Any, offset: int) -> int:
     """One past the last element a (non-empty) view reaches in its storage."""
     end = offset + 1
     for size, step in zip(shape, stride, strict=True):

@@ -40,12 +40,13 @@ DEFAULT_CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls", 0.3)
 
 
 # NOTE [ Applying a configuration for a while ]
-# "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
-# lets the planner choose per block. Either way the sites are forward hooks (and, from a planner, perhaps
-# attributes) on the user's own modules, so every module's forward-hook tables and attribute names are recorded
-# first and put back exactly afterwards: sites the user had are back as they were (same hook objects, same
-# order), and nothing the configuration added is left. "none" switches every site off with `remat.enabled(False)`;
-# the others run with the switch on, whatever `REMAT` says, since that is what they predict.
+# 1. A configuration is on the user's model only while its row is estimated: every module's forward-hook tables and
+#    attribute names are recorded first and put back exactly afterwards (the user's own sites as they were, same hook
+#    objects, same order; nothing the configuration added left).
+# 2. "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
+#    lets the planner choose per block.
+# 3. "none" switches every site off with `remat.enabled(False)`; the others run with the switch on, whatever `REMAT`
+#    says, since that is what they predict.
 
 
 @contextlib.contextmanager
@@ -64,7 +65,7 @@ def _restoring(model: nn.Module) -> Iterator[None]:
                 delattr(m, name)
 
 
-def _label(config: Any) -> str:
+def _config_label(config: Any) -> str:
     if isinstance(config, str):
         return config
     if isinstance(config, Policy):
@@ -84,7 +85,7 @@ def is_budget(config: Any) -> bool:
 _NAMED: dict[str, Policy | None] = {"none": None, "full": Policy(), "save_matmuls": save_matmuls}
 
 
-def _configured(model: nn.Module, config: Any, where: Where | None, offload: Any = False) -> Configured:
+def _configuration(model: nn.Module, config: Any, where: Where | None, offload: Any = False) -> Configured:
     """How to apply one configuration; argument errors are raised here, before any step runs."""
     base, extras = split_extras(config)
     if extras:  # the head, tiles, per-block offload: NOTE [ Long-sequence configurations ]
@@ -92,7 +93,7 @@ def _configured(model: nn.Module, config: Any, where: Where | None, offload: Any
             raise ValueError(f"remat: estimate's configuration {config!r} adds to {base!r}; the head, tiles and "
                              "offload add to 'full' or 'save_matmuls'.")
         offloaded = HostOffload() if "offload" in extras else False
-        return with_extras(model, _configured(model, base, where, offloaded), config, extras, where)
+        return with_extras(model, _configuration(model, base, where, offloaded), config, extras, where)
     if isinstance(config, bool) or config is None:
         raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
                         f"budget, but got {config!r}.")
@@ -118,7 +119,7 @@ def _configured(model: nn.Module, config: Any, where: Where | None, offload: Any
                 with enabled(True):
                     yield
 
-        return Configured(config, _label(config), planned)
+        return Configured(config, _config_label(config), planned)
     policy = _NAMED[config] if isinstance(config, str) else config
     if not (isinstance(policy, Policy) or callable(policy)):
         raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
@@ -129,11 +130,11 @@ def _configured(model: nn.Module, config: Any, where: Where | None, offload: Any
     @contextlib.contextmanager
     def applied(sample: Any) -> Iterator[None]:
         with _restoring(model):
-            _targets.apply(model, where, 1, options)
+            _targets.apply_blocks(model, where, 1, options)
             with enabled(True):
                 yield
 
-    return Configured(config, _label(config), applied)
+    return Configured(config, _config_label(config), applied)
 
 
 def estimate(
@@ -249,7 +250,7 @@ def estimate(
     elif world_size is not None or shard is not None or _sharded.is_sharded(model):
         report = _per_rank(model, sample, loss, optimizer, configs, where, target, world_size, shard, refine)
     else:
-        resolved = [_configured(model, config, where) for config in configs]
+        resolved = [_configuration(model, config, where) for config in configs]
         report = predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
                          refine=refine, engine=engine_of(model))  # one rank's, under DeepSpeed
     if refine is None:
@@ -271,7 +272,7 @@ def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor]
         for _, block in _targets.select(copy, where):
             settings.setdefault(block, _sharded.Sharding(None, None))
         settings.setdefault(copy, _sharded.Sharding(None, None))
-    resolved = [_configured(copy, config, where) for config in configs]
+    resolved = [_configuration(copy, config, where) for config in configs]
     with _sharded.fake_world(size, target) as mesh:
 
         def prepare() -> list[torch.Tensor]:
@@ -309,7 +310,7 @@ def _per_rank_ddp(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Ten
         buckets.make(params)
         return buckets.flats
 
-    resolved = [_configured(module, config, where) for config in configs]
+    resolved = [_configuration(module, config, where) for config in configs]
     try:
         report = predict(module, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
                          resident=resident, refine=refine)

@@ -13,7 +13,7 @@ Rules:
    a loop that holds on to the output needs at most in addition.
 3. Under the caller's ``torch.autocast``, the forward and the loss run in an autocast region of their own with the
    caller's settings, backward and the optimizer step outside it, as in torch's AMP recipe (NOTE [ A step's own
-   autocast region ] in remat/_measure/autocast.py): each configuration casts the weights afresh, and no
+   autocast region ] in remat/_measure/step_autocast.py): each configuration casts the weights afresh, and no
    prediction depends on which others run in the same call.
 4. The budget planner profiles and checks the same step (``loss(model(sample))``: NOTE [ Budgeted models ] in
    remat/_budget/driver.py), so ``memory=`` and the largest batch that fits mean the step of the estimate's rows.
@@ -27,23 +27,28 @@ Implementation notes:
    it lazily), so it is alive throughout the counted one, as from the second step of a real run on.
 
 NOTE [ The optimizer the device runs ]
-torch's optimizers left to choose (``foreach=None`` and ``fused=None``, their default) pick their implementation
-when they step, from the parameters (``_default_to_fused_or_foreach`` in torch/optim/optimizer.py): ``foreach``
-when every parameter's type is exactly a tensor, a ``Parameter`` or a ``DTensor`` on a device with foreach kernels
-(CUDA, XPU, MTIA, the PrivateUse1 backend), else the for-loop. The two hold different temporaries at their peak
-(AdamW's foreach step: one parameter-sized ``_foreach_sqrt`` of the second moments more than the for-loop's few
-per-parameter ones). A fake parameter is a ``FakeTensor``, which fails that type check, so a fake step left to
-choose would take the for-loop where the real step on a GPU takes foreach. So the choice is made here, by
-torch's rule on the real parameters (their Python types; the device predicted for), and written into each param
-group as torch reads it (``group["foreach"]``, with torch's own exception: a tensor ``lr`` without
-``capturable``); an explicit ``foreach=`` or ``fused=`` is honoured as given.
+1. A fake step runs the optimizer implementation the real step on the predicted device would: torch's rule
+   (``_default_to_fused_or_foreach`` in torch/optim/optimizer.py) applied to the real parameters' Python types and
+   the device predicted for, written into each param group as torch reads it (``group["foreach"]``, with torch's
+   exception: a tensor ``lr`` without ``capturable``).
+2. An explicit ``foreach=`` or ``fused=`` is honoured as given.
+
+Implementation notes:
+1. (rule 1) Left to choose (``foreach=None``, ``fused=None``) torch picks ``foreach`` when every parameter is exactly
+   a tensor, a ``Parameter`` or a ``DTensor`` on a device with foreach kernels (CUDA, XPU, MTIA, PrivateUse1),
+   else the for-loop; the two hold different temporaries at their peak (AdamW's foreach step: one parameter-sized
+   ``_foreach_sqrt`` more). A ``FakeTensor`` fails that type check, so a fake step left to choose would take the
+   for-loop where the GPU takes foreach.
 
 NOTE [ One optimizer step ]
-The optimizer step does the same ops on the same parameters, gradients and state under every configuration: only
-what else is alive when it starts differs. So it runs (and is counted, by a tracker of its own) once, under the
-first configuration; each configuration's peak is the larger of its forward/backward peak and what is alive
-when its optimizer step would start plus the bytes the step adds at its peak. That is the same number as
-running the step again, at a fraction of the time (a 7B model's AdamW step is thousands of fake ops).
+1. The optimizer step runs, counted by a tracker of its own, once, under the first configuration.
+2. Each configuration's peak is the larger of its forward/backward peak and what is alive when its optimizer step
+   would start plus the bytes the step adds at its peak.
+
+Implementation notes:
+1. (rules 1, 2) The step does the same ops on the same parameters, gradients and state under every configuration;
+   only what else is alive when it starts differs. So rule 2 gives the number a second run would, at a fraction of
+   the time (a 7B model's AdamW step is thousands of fake ops).
 """
 
 from __future__ import annotations
@@ -60,7 +65,6 @@ from torch import nn
 
 from .._core.errors import BudgetError, RematError
 from .._core.torch_compat import foreach_by_default
-from .._measure.autocast import StepAutocast, planning, step_region
 from .._measure.fake import (
     FakeTracker,
     data_dependent,
@@ -73,8 +77,9 @@ from .._measure.fake import (
     tensors_of,
 )
 from .._measure.hf_fake import real_masks
-from .._measure.loss import call as call_loss
+from .._measure.loss import call_model as call_loss
 from .._measure.loss import default_loss
+from .._measure.step_autocast import StepAutocast, planning, step_region
 from .constants import first_step_bytes
 from .phases import BACKWARD, FORWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport

@@ -69,7 +69,7 @@ def priced() -> bool:
     return bool(_clocks)
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def _clock_tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
@@ -80,7 +80,7 @@ def price(func: Any, args: Any, kwargs: Any, out: Any) -> float:
     >>> price(torch.ops.aten.mm.default, (a, a), {}, a @ a) > price(torch.ops.aten.add.Tensor, (a, a), {}, a + a)
     True
     """
-    outputs = _tensors(out)
+    outputs = _clock_tensors(out)
     if not outputs:
         return 0.0
     kind = outputs[0].device.type
@@ -96,7 +96,7 @@ def price(func: Any, args: Any, kwargs: Any, out: Any) -> float:
             formula = None
     if formula is None:
         seconds = sum(t.numel() for t in outputs) / elements_per_s
-    moved = sum(t.numel() * t.element_size() for t in _tensors((args, kwargs)) + outputs)
+    moved = sum(t.numel() * t.element_size() for t in _clock_tensors((args, kwargs)) + outputs)
     return launch + max(seconds, moved / bytes_per_s)
 
 

@@ -12,24 +12,28 @@ caching allocator would hand out (rounded up to a multiple of `CUDA_BLOCK`), so 
 ``meta``, which is how the tests check that an estimate allocates nothing real.
 
 NOTE [ CUDA without a GPU ]
-A CUDA build of torch makes fake CUDA tensors without a GPU, and runs their forward, but its autograd engine asks
-CUDA about the device of every tensor in backward (``hasPrimaryContext``, torch 2.11 on), which fails where there
-is no device. So a step predicted for CUDA on a machine without one runs on fake CPU tensors standing in for the
-CUDA ones (`stand_in`): the trackers and `storage_bytes` count the CPU's fake storages on the CUDA device, as
-the allocator would (its 512-byte blocks); the optimizer takes the implementation torch picks on CUDA (NOTE [ The
-optimizer the device runs ] in remat/_estimate/predict.py); autocast set for CUDA runs as the CPU's. What differs
-from a CUDA step: ops whose CPU kernels allocate other tensors than CUDA's (attention with dropout decomposes on the
-CPU, where CUDA runs one fused kernel: its probabilities are counted), and host scalars (AdamW's step counters)
-counted as 512-byte device blocks.
+1. A step predicted for CUDA on a machine without one runs on fake CPU tensors standing in for the CUDA ones
+   (`stand_in`): the trackers and `storage_bytes` count their storages on the CUDA device as the allocator would
+   (its 512-byte blocks); the optimizer takes the implementation torch picks on CUDA (NOTE [ The optimizer the
+   device runs ] in remat/_estimate/predict.py); autocast set for CUDA runs as the CPU's.
+2. What differs from a CUDA step: ops whose CPU kernels allocate other tensors than CUDA's (attention with dropout
+   decomposes on the CPU, where CUDA runs one fused kernel: its probabilities are counted), and host scalars
+   (AdamW's step counters) counted as 512-byte device blocks.
+
+Implementation notes:
+1. (rule 1) A CUDA build of torch makes fake CUDA tensors without a GPU and runs their forward, but its autograd
+   engine asks CUDA about every tensor's device in backward (``hasPrimaryContext``, torch 2.11 on), which fails
+   without a device.
 
 NOTE [ Swapping in fake state ]
-An estimate must not touch the user's model: parameters and buffers are replaced by fake ones in each module's
-``_parameters``/``_buffers`` for the duration (a tied weight, one object in two modules, gets one fake), and the
-original objects are put back in ``finally``. Nothing else of the module changes; hooks and attributes stay. A
-parameter an engine keeps partitioned (DeepSpeed ZeRO-3: an empty tensor on each rank, its full shape in its
-attributes) is faked at the shape the step computes with, which the caller names (``full``): an estimate or a
-profile plans what the step computes, not how the engine stores it (NOTE [ Budgets under DeepSpeed ZeRO ] in
-remat/_sites/integrations/deepspeed.py).
+1. An estimate never touches the user's model: parameters and buffers are replaced by fake ones in each module's
+   ``_parameters``/``_buffers`` for its duration and the original objects put back in ``finally``; hooks and
+   attributes stay.
+2. A tied weight (one object in two modules) gets one fake.
+3. A parameter an engine keeps partitioned (DeepSpeed ZeRO-3: an empty tensor per rank, its full shape in its
+   attributes) is faked at the shape the step computes with, which the caller names (``full``): an estimate or a
+   profile plans what the step computes, not how the engine stores it (NOTE [ Budgets under DeepSpeed ZeRO ] in
+   remat/_sites/integrations/deepspeed.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """Make transformers build the same attention masks on fake tensors as on real ones, while an estimate runs.
 
 NOTE [ transformers and fake tensors ]
-transformers treats a `FakeTensor` as a sign of tracing (``is_tracing``), and while tracing it must not read
-tensor values. Its mask builder asks whether the position ids describe several sequences packed in one row
-(``find_packed_sequence_indices``); on a real batch of one sequence per row the answer is "no" and attention
-runs with ``is_causal`` and no mask, but on fake tensors it cannot read the ids, assumes packing, and builds a
-full ``(batch, 1, seq, seq)`` mask, which also turns off SDPA's grouped-query path so that keys and values are
-expanded to every head. An estimate would then count bytes a real step never holds. While an estimate runs,
-`real_masks` makes that one question answer "not packed" for fake tensors, as it does for the usual batch; the
-sample's own ``position_ids``, when it has them, leave the question alone (a packed batch keeps its mask). The
-module attribute is put back when the last estimate ends. Nothing is done when transformers is not imported.
+1. While an estimate runs, transformers' question whether position ids describe packed sequences
+   (``find_packed_sequence_indices``) answers "not packed" for fake tensors, as it does for the usual batch; the
+   sample's own ``position_ids``, when it has them, leave the question alone (a packed batch keeps its mask).
+2. The module attribute is replaced by the first of overlapping estimates (in any threads) and put back by the
+   last; one thread's estimate never changes the answer in another thread.
+3. Nothing is done when transformers is not imported.
 
-Estimates may run in several threads at once and end in any order, so the attribute is replaced once, by the
-first of them, and put back by the last (a count under a lock); each thread asks the question its own way (a
-thread-local depth), so that one thread's estimate never changes the answer in another thread.
+Implementation notes:
+1. (rule 1) transformers treats a `FakeTensor` as tracing (``is_tracing``) and then cannot read the ids: it assumes
+   packing and builds a full ``(batch, 1, seq, seq)`` mask, which also turns off SDPA's grouped-query path (keys
+   and values expanded to every head). An estimate would count bytes a real step never holds.
+2. (rule 2) A count under a lock; each thread asks the question its own way (a thread-local depth).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ __all__ = ["real_masks"]
 _NAME = "find_packed_sequence_indices"
 
 
-class _Patch:
+class _PackedPatch:
     """The one replacement of transformers' packed-sequence question, shared by every estimate in the process."""
 
     def __init__(self) -> None:
@@ -73,7 +72,7 @@ class _Patch:
                     self._module = self._original = None
 
 
-_PATCH = _Patch()
+_PATCH = _PackedPatch()
 
 
 @contextlib.contextmanager

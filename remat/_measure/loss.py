@@ -1,6 +1,6 @@
 """How remat calls a model on a sample and turns its output into the loss: one rule, used everywhere.
 
-`remat.apply(budget=...)`, `remat.measure`, `remat.estimate` and the benchmark all call `call(model, sample)`
+`remat.apply(budget=...)`, `remat.measure`, `remat.estimate` and the benchmark all call `call_model(model, sample)`
 and, without a `loss=`, `default_loss(output)`.
 """
 
@@ -14,13 +14,13 @@ from torch import nn
 
 from .._core.torch_compat import tree_leaves
 
-__all__ = ["call", "default_loss"]
+__all__ = ["call_model", "default_loss"]
 
 
-def call(model: nn.Module, sample: Any) -> Any:
+def call_model(model: nn.Module, sample: Any) -> Any:
     """`model` on `sample`: a dict is keyword arguments, a tuple or list positional ones, anything else the one input.
 
-    >>> call(nn.Identity(), (torch.ones(1),))
+    >>> call_model(nn.Identity(), (torch.ones(1),))
     tensor([1.])
     """
     if isinstance(sample, Mapping):

@@ -1,13 +1,11 @@
 """Measure one training step of a function or module: `remat.measure`.
 
 NOTE [ Held for backward ]
-"Bytes held for backward" is what a rematerialization scheme exists to shrink: the bytes of the
-storages allocated during forward that are still alive once forward has returned, minus the
-storages of the output itself. With the output excluded, what remains is what autograd keeps
-(saved activations, and remat's own saved inputs and handles) plus anything the function stashed
-elsewhere (caches, module attributes). Tensors created before the call (inputs, parameters) are
-not counted, even when autograd saves them. An output that is a view of a saved activation makes
-that activation's storage count as output, so it is left out of the held bytes.
+1. "Held for backward" is the bytes of the storages allocated during forward that are still alive once forward has
+   returned, less the storages of the output: what autograd keeps (saved activations, remat's saved inputs and
+   handles) plus anything the function stashed elsewhere (caches, module attributes).
+2. Tensors created before the call (inputs, parameters) are not counted, even when autograd saves them.
+3. An output that is a view of a saved activation makes that activation's storage count as output: it is left out.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from .._core.torch_compat import tree_leaves
 from .._engine import stats as _stats
 from .._engine.rng import RngStash, devices_of
 from .loss import default_loss
-from .report import Measurement, Report
+from .measurement import Measurement, Report
 from .track import synchronize, track
 
 __all__ = ["measure"]
@@ -70,7 +68,7 @@ def _fresh_grads(leaves: list[torch.Tensor]) -> Iterator[None]:
             t.grad = g
 
 
-def _run(
+def _measure_once(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -152,7 +150,7 @@ def measure(fn_or_module: Callable[..., Any], *args: Any, compare: bool = False,
     name = _name(fn_or_module)
     with _fresh_grads(grad_leaves):
         if not compare:
-            return Report(name, (_run(fn_or_module, args, kwargs, "as is", devices),))
+            return Report(name, (_measure_once(fn_or_module, args, kwargs, "as is", devices),))
         return _compare(fn_or_module, args, kwargs, name, devices, grad_leaves)
 
 
@@ -196,7 +194,7 @@ def _compare(
             else:
                 stash.apply()  # the last run leaves the generators as one step would
             stack.enter_context(enabled(on))
-            m = _run(fn, args, kwargs, "remat on" if on else "remat off", devices)
+            m = _measure_once(fn, args, kwargs, "remat on" if on else "remat off", devices)
         if on:
             recomputes += _stats.recomputes - before
         if i >= 2:  # not a warm-up run
@@ -210,10 +208,10 @@ def _compare(
             "remat rebuilt nothing in backward: no remat site ran in this model (or every site kept what it saved), "
             "so both sides run the same code and differ only by noise."
         )
-    return Report(name, (_median(runs[True]), _median(runs[False])), tuple(notes))
+    return Report(name, (_median_run(runs[True]), _median_run(runs[False])), tuple(notes))
 
 
-def _median(runs: list[Measurement]) -> Measurement:
+def _median_run(runs: list[Measurement]) -> Measurement:
     """The last run's bytes with the median of each time."""
     last = runs[-1]
     recompute = [r.recompute_seconds for r in runs if r.recompute_seconds is not None]

@@ -1,21 +1,19 @@
 """Storage resizes for the byte trackers: ``untyped_storage().resize_(n)`` seen while a tracker is open.
 
 NOTE [ Resized storages ]
-FSDP2 (``fully_shard``) frees a module's unsharded parameters after forward and backward with
-``tensor.untyped_storage().resize_(0)``, and allocates them again before the next all-gather with a resize up
-(torch's ``free_storage``/``alloc_storage``; FSDP1 does the same through ``TypedStorage._resize_``, which calls
-the untyped one). That call goes straight to the allocator, not through the dispatcher: no
-``TorchDispatchMode`` sees it, on CPU, on accelerators or for fake tensors. So while at least one tracker is open,
-``torch.UntypedStorage.resize_`` is wrapped (the Python class's attribute, which every storage's method lookup
-finds first) and each open tracker is told the storage's bytes before and after; before a storage grows, each is
-told the size asked for, and a tracker with a limit may refuse it there (NOTE [ A device's limit ] in track.py).
-A resize in any thread counts, as a release by another thread does.
+1. While at least one tracker is open, every ``torch.UntypedStorage.resize_`` (FSDP2's frees after forward and
+   backward, its re-allocations before an all-gather; FSDP1's through ``TypedStorage._resize_``) is counted by every
+   open tracker, in any thread: its bytes before and after; before a storage grows, the size asked for, which a
+   tracker with a limit may refuse (NOTE [ A device's limit ] in track.py).
+2. The process is changed only while a tracker is open: the wrapper is installed when the first opens and taken out
+   when the last closes, putting back exactly what was there (torch's method, another library's wrapper, or no
+   attribute of the class's own); if another library wrapped ours meanwhile, theirs stays and ours passes each call
+   on.
 
-The wrapper changes the process, so it is there only while a tracker is open: installed when the first tracker
-opens and taken out when the last one closes. It calls whatever ``resize_`` was before it (torch's C method, or
-another library's own wrapper of it), and when it goes it puts back exactly that: the class's own attribute as
-it was, or none. Should another library have wrapped it in turn meanwhile, theirs stays, and ours, still called
-through theirs, only passes each call on.
+Implementation notes:
+1. (rule 1) The resize goes straight to the allocator, not through the dispatcher: no ``TorchDispatchMode`` sees it,
+   on any device or for fake tensors. The wrapper is the Python class's attribute, which every storage's method
+   lookup finds first.
 """
 
 from __future__ import annotations

@@ -36,13 +36,15 @@ def detached(value: Any) -> Any:
 
 
 # NOTE [ Keywords a plan does not depend on ]
-# A training forward whose signature differs from the plan's is planned again (NOTE [ Budgeted models ] in
-# remat/_budget/driver.py). Some keywords change nothing a plan depends on, and a loop passes them where the sample
-# did not: the Hugging Face Trainer calls a model that takes loss keywords with `num_items_in_batch` (a count, as
-# an int or a one-element tensor), which only divides the loss. They are left out of the signature, so that the
-# Trainer's first step runs the plan made on the sample (and is its check) instead of planning again. Only names
-# whose meaning is known are left out: an unknown keyword may change the step (transformers' `logits_to_keep`
-# shrinks the head's logits), so it plans again.
+# 1. A training forward whose signature differs from the plan's is planned again (NOTE [ Budgeted models ] in
+#    remat/_budget/driver.py), except for keywords known to change nothing a plan depends on: the Hugging Face
+#    Trainer's `num_items_in_batch` (a count, an int or a one-element tensor, that only divides the loss).
+# 2. An unknown keyword may change the step (transformers' `logits_to_keep` shrinks the head's logits), so it plans
+#    again.
+#
+# Implementation notes:
+# 1. (rule 1) Left out of the signature, the Trainer's first step runs the plan made on the sample (and is its check)
+#    instead of planning again.
 PLAN_FREE = frozenset({"num_items_in_batch"})
 """Keywords a step's memory does not depend on: left out of `signature`."""
 

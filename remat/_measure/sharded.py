@@ -93,7 +93,7 @@ def mesh_size(model: nn.Module) -> int | None:
     return None
 
 
-def _settings(module: nn.Module) -> Sharding:
+def _sharding_of(module: nn.Module) -> Sharding:
     # torch-compat: FSDP2's private state (fully_shard.state(m)._fsdp_param_group.post_forward_mesh_info,
     # ._auto_reshard_after_forward, .mp_policy); without them the module is re-sharded with fully_shard's defaults.
     from torch.distributed.fsdp import fully_shard
@@ -158,7 +158,7 @@ def shadow(model: nn.Module) -> tuple[nn.Module, dict[nn.Module, Sharding]]:
             state["forward"] = SiteForward(new, forward.own, forward.site)
         new.__dict__.update(state)
         if fsdp is not None and isinstance(module, fsdp):
-            settings[new] = _settings(module)
+            settings[new] = _sharding_of(module)
         return new
 
     return copy_module(model), settings

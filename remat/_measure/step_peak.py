@@ -1,17 +1,18 @@
 """The peak of one training step: tracked in eager code, or read from the allocator where the model is compiled.
 
 NOTE [ Measuring a compiled step ]
-remat's tracker counts bytes through a dispatch mode, and compiled code allocates its buffers where no mode sees
-them (inductor's kernels write into buffers it allocates itself); dynamo also runs a frame it meets under a mode
-in eager code. So a budget planned for one compiled graph (`remat.apply(..., compile=True)`: NOTE [ Compiled as
-one graph ] in remat/_budget/compiled.py) verifies its plan on a real compiled step: the model is compiled with
-`torch.compile(model)` (inductor, default options), one step runs to compile it, and the next is measured, by the
-allocator's own statistics on an accelerator (`max_memory_allocated`) and, on the CPU, by the autograd profiler's
-records of the CPU allocator (`host_bytes`), which agree with what the process's resident memory rises by in a
-fresh process (the benchmark's measure; docs/benchmarks.md); the step runs as fast as one not measured. The step
-starts with zero gradients and leaves the model as it found it (gradients, buffers, RNG streams), as an eager
-verification does. The compiled code stays in dynamo's cache: a later `torch.compile(model)` with the same plan
-reuses it.
+1. A budget planned for one compiled graph (`remat.apply(..., compile=True)`: NOTE [ Compiled as one graph ] in
+   remat/_budget/costs_compiled.py) is verified on a real compiled step: `torch.compile(model)` (inductor, default
+   options), one step to compile it, and the next measured.
+2. It is measured by the allocator's own statistics on an accelerator (`max_memory_allocated`) and, on the CPU, by
+   the autograd profiler's records of the CPU allocator (`host_bytes`); the step runs as fast as one not measured.
+3. The step starts with zero gradients and leaves the model as it found it (gradients, buffers, RNG streams), as an
+   eager verification does; the compiled code stays in dynamo's cache for a later `torch.compile(model)`.
+
+Implementation notes:
+1. (rules 1, 2) remat's tracker counts through a dispatch mode; inductor's kernels allocate where no mode sees them,
+   and dynamo runs a frame it meets under a mode in eager code. The CPU records agree with the resident memory's rise
+   in a fresh process (the benchmark's measure; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -42,19 +42,24 @@ NOTE [ A device's limit ]
    before the one that crossed are released with the op's outputs, as any dropped storage is.
 
 NOTE [ Devices that hold memory ]
-``peak_bytes`` and ``current_bytes`` answer "how much memory did this take", all devices together: a device that
-holds no memory has no place in them. The ``meta`` device is one: fake tensors (``FakeTensorMode``: the twin
-`remat.apply(budget=...)` plans on, `remat.estimate`'s step) have storages there, with the bytes a real tensor
-would have, and summing them with real ones made a `remat.track()` around ``apply(budget=...)`` read several
-times the budget although nothing was allocated. Their bytes are still counted per device (``peak("meta")``).
+1. ``peak_bytes`` and ``current_bytes`` count the devices that hold memory, all together; the ``meta`` device holds
+   none and is left out of them.
+2. Bytes on ``meta`` are still counted per device (``peak("meta")``).
+
+Implementation notes:
+1. (rule 1) Fake tensors (``FakeTensorMode``: the twin `remat.apply(budget=...)` plans on, `remat.estimate`'s step)
+   have storages on ``meta`` with a real tensor's bytes; summed with real ones, a `remat.track()` around
+   ``apply(budget=...)`` read several times the budget although nothing was allocated.
 
 NOTE [ Riders ]
-A tracker can count for another without a dispatch mode of its own: `_ride` shows it every op the host's mode
-sees and every resize the host is told of, from then until `_unride` or the host's exit (which tells the rider:
-`_host_exited`). A budgeted model's first step counts this way under the user's own `remat.track()` (NOTE
-[ The first step ] in remat/_budget/first_step.py), so that it pushes no mode in the user's block, and the user's
-numbers are those of the block alone. The host's own counts come first: an op it refuses for its limit is seen
-by no rider.
+1. A tracker can count for another (its host) without a dispatch mode of its own: it sees every op the host's mode
+   sees and every resize the host is told of, from `_ride` until `_unride` or the host's exit (`_host_exited`).
+2. The host's own counts come first: an op it refuses for its limit is seen by no rider.
+
+Implementation notes:
+1. (rule 1) A budgeted model's first step counts this way under the user's own `remat.track()` (NOTE [ The first
+   step ] in remat/_budget/first_step.py): it pushes no mode in the user's block, and the user's numbers are those
+   of the block alone.
 """
 
 from __future__ import annotations
@@ -128,7 +133,7 @@ class Rider(Protocol):
     def _host_exited(self) -> None: ...
 
 
-class _Mode(Mode):
+class _TrackingMode(Mode):
     """The dispatch mode of one `Tracker`: runs every op and shows its outputs to the tracker (and its riders)."""
 
     def __init__(self, tracker: Tracker) -> None:
@@ -155,7 +160,7 @@ def riding_host() -> Tracker | None:
     """The tracker of a `remat.track()` block whose mode is on top of this thread's dispatch stack, for a rider
     (NOTE [ Riders ]); None where the top mode is another (remat's internal trackers included), or none is on."""
     mode = top_dispatch_mode()
-    if isinstance(mode, _Mode) and type(mode._tracker) is Tracker and mode._tracker._mode is mode:
+    if isinstance(mode, _TrackingMode) and type(mode._tracker) is Tracker and mode._tracker._mode is mode:
         return mode._tracker
     return None
 
@@ -216,7 +221,7 @@ class Tracker:
         self._peak: dict[torch.device, int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
-        self._mode: _Mode | None = None
+        self._mode: _TrackingMode | None = None
         self._done = False
         self._riders: tuple[Rider, ...] = ()  # NOTE [ Riders ]
         # device, device type or _EVERY -> bytes; None: no limit. See NOTE [ A device's limit ].
@@ -226,7 +231,7 @@ class Tracker:
     def __enter__(self) -> Tracker:
         if self._mode is not None or self._done:
             raise RuntimeError("remat: a Tracker can be entered only once; call remat.track() again instead.")
-        self._mode = _Mode(self)  # guarded once dynamo is in use: NOTE [ Modes without the dynamo guard ]
+        self._mode = _TrackingMode(self)  # guarded once dynamo is in use: NOTE [ Modes without the dynamo guard ]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         resize.watch(self)  # NOTE [ Resized storages ] in resize.py
         return self

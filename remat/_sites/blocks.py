@@ -10,12 +10,14 @@ from torch import nn
 __all__ = ["describe_search", "find_blocks", "is_hf_layer"]
 
 # NOTE [ Picking blocks ]
-# A user who checkpoints a model wraps its repeated blocks: the decoder layers of a transformer, the stages of a
-# ResNet. On a Hugging Face model those are the layers its own gradient checkpointing wraps, which in
-# transformers 5 are the instances of `transformers.modeling_layers.GradientCheckpointingLayer`; they are found
-# by the class's module and name along the MRO, so transformers is never imported here. Elsewhere they are the
-# children of the longest `nn.ModuleList`/`nn.Sequential` whose children all share one class (the first such
-# container in `named_modules()` order on a tie). Blocks inside a chosen block are never chosen too.
+# 1. On a Hugging Face model the blocks are the layers its own gradient checkpointing wraps (in transformers 5 the
+#    instances of `transformers.modeling_layers.GradientCheckpointingLayer`).
+# 2. Elsewhere they are the children of the longest `nn.ModuleList`/`nn.Sequential` whose children all share one
+#    class (the first such container in `named_modules()` order on a tie).
+# 3. Blocks inside a chosen block are never chosen too.
+#
+# Implementation notes:
+# 1. (rule 1) The class is found by its module and name along the MRO, so transformers is never imported here.
 
 _HF_LAYER = ("transformers.modeling_layers", "GradientCheckpointingLayer")
 

@@ -47,7 +47,7 @@ _T = TypeVar("_T")
 #    says, where torch raises "has been mutated" (or, with that flag, hands back the changed tensor).
 
 
-def _site(function: Any) -> str:
+def _function_site(function: Any) -> str:
     return getattr(function, "__qualname__", None) or type(function).__qualname__
 
 
@@ -151,7 +151,7 @@ def checkpoint(
             "respect_saved_tensors_hooks": respect_saved_tensors_hooks,
         }
         _check_keywords(**options)  # now, not at the first call
-        return functools.partial(_decorate, keywords=options)
+        return functools.partial(_checkpoint_decorator, keywords=options)
     _check_keywords(use_reentrant=use_reentrant, context_fn=context_fn, determinism_check=determinism_check,
                     debug=debug, early_stop=early_stop, preserve_rng_state=preserve_rng_state,
                     respect_saved_tensors_hooks=respect_saved_tensors_hooks)
@@ -183,7 +183,7 @@ def checkpoint(
         function,
         args,
         kwargs,
-        site=_site(function),
+        site=_function_site(function),
         check=_CHECKS[determinism_check],
         preserve_rng=preserve_rng_state,
         early_stop=early_stop,
@@ -220,7 +220,7 @@ def _check_keywords(
         raise ValueError(_HOOKS_TRUE)
 
 
-def _decorate(function: Callable[_P, _T], *, keywords: dict[str, Any]) -> Callable[_P, _T]:
+def _checkpoint_decorator(function: Callable[_P, _T], *, keywords: dict[str, Any]) -> Callable[_P, _T]:
     @functools.wraps(function)
     def checkpointed(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         call: Callable[..., _T] = checkpoint
@@ -259,12 +259,12 @@ def checkpoint_sequential(
         for start in range(0, size * (segments - 1), size):
             end = start + size - 1
             input = checkpoint(
-                _Run(stages[start : end + 1]), input, use_reentrant=use_reentrant, **kwargs
+                _Stages(stages[start : end + 1]), input, use_reentrant=use_reentrant, **kwargs
             )
-    return _Run(stages[end + 1 :])(input)
+    return _Stages(stages[end + 1 :])(input)
 
 
-class _Run:
+class _Stages:
     """Run a list of stages one after another."""
 
     def __init__(self, stages: list[Callable[..., Any]]) -> None:

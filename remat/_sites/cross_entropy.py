@@ -222,7 +222,7 @@ def chunked(
     transform: Transform = (),
 ) -> torch.Tensor:
     """`linear_cross_entropy` with the model's elementwise steps on its logits as a `Transform`."""
-    tokens, vocabulary = _check(hidden, weight, labels, bias, reduction, label_smoothing, chunks)
+    tokens, vocabulary = _check_args(hidden, weight, labels, bias, reduction, label_smoothing, chunks)
     cast = _autocast_dtype(hidden.device.type)
     if not _switch._state[0]:  # rule 5
         return _plain(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, transform)
@@ -239,7 +239,7 @@ def chunked(
     grad = torch.is_grad_enabled()
     wanted = (grad and hidden.requires_grad, grad and weight.requires_grad,
               grad and bias is not None and bias.requires_grad)
-    options: Options = (int(ignore_index), reduction, float(label_smoothing), size, cast,
+    options: HeadArgs = (int(ignore_index), reduction, float(label_smoothing), size, cast,
                         ",".join(step for step, _ in transform), [value for _, value in transform])
     losses: torch.Tensor
     if compiling():  # implementation note 3
@@ -257,7 +257,7 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
-def _check(
+def _check_args(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
     reduction: str, label_smoothing: float, chunks: int | None,
 ) -> tuple[int, int]:
@@ -473,12 +473,12 @@ class _Chunk:
 # The chunks run in an autograd function in eager code and in custom operators in compiled code (implementation
 # note 3); both run `_forward` and `_backward` below.
 
-Options = tuple[int, str, float, int, "torch.dtype | None", str, list[float]]
+HeadArgs = tuple[int, str, float, int, "torch.dtype | None", str, list[float]]
 """`(ignore_index, reduction, smoothing, size, cast, steps, values)`: a `_Spec` as an operator's arguments."""
 
 
 def _forward(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, options: Options,
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, options: HeadArgs,
     wanted: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """The loss (reduced, or per token for "none") and, for "mean" and "sum", the gradients `wanted` asks for."""
@@ -497,7 +497,7 @@ def _forward(
     return losses, _in_dtypes(grads, (hidden, weight, bias))
 
 
-def _save(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], options: Options,
+def _save(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], options: HeadArgs,
           wanted: tuple[bool, bool, bool], grads: list[torch.Tensor | None]) -> None:
     """What backward needs: the gradients forward made, or (for "none") the inputs to make them again."""
     ctx.set_materialize_grads(False)
@@ -534,7 +534,7 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-        options: Options, wanted: tuple[bool, bool, bool],
+        options: HeadArgs, wanted: tuple[bool, bool, bool],
     ) -> torch.Tensor:
         losses, grads = _forward(hidden, weight, bias, labels, options, wanted)
         _save(ctx, (hidden, weight, bias, labels), options, wanted, grads)
@@ -601,14 +601,14 @@ def _(
 class _Saved:
     """What `_backward` reads of a context, for the backward operator."""
 
-    def __init__(self, saved: tuple[torch.Tensor | None, ...], options: Options,
+    def __init__(self, saved: tuple[torch.Tensor | None, ...], options: HeadArgs,
                  wanted: tuple[bool, bool, bool]) -> None:
         self.saved_tensors, self.options, self.wanted = saved, options, wanted
 
 
 def _operator_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     hidden, weight, bias, labels, *rest = inputs
-    options: Options = tuple(rest[:7])
+    options: HeadArgs = tuple(rest[:7])
     wanted: list[bool] = rest[7]
     ctx.mark_non_differentiable(*output[1:])
     grads = [None if not g.numel() else g for g in output[1:]]
@@ -631,7 +631,7 @@ def _operator_gradients(ctx: Any, grad: torch.Tensor | None, *unused: torch.Tens
 _operator.register_autograd(_operator_gradients, setup_context=_operator_setup)
 
 
-def _spec(options: Options) -> _Spec:
+def _spec(options: HeadArgs) -> _Spec:
     ignore_index, reduction, smoothing, size, cast, steps, values = options
     names = steps.split(",") if steps else []
     return _Spec(ignore_index, reduction, smoothing, size, cast,  # type: ignore[arg-type]

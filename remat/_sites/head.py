@@ -46,10 +46,10 @@ def unroute_head(model: nn.Module) -> None:
     """Take every route `route_head` put inside `model` off it (`remat.undo` does the same for every hook)."""
     routes = _routes(model)
     if routes:
-        from .integrations.causal_lm import undo
+        from .integrations.causal_lm import unroute
 
         for module, _ in routes:
-            undo(module)
+            unroute(module)
 
 
 def routed_by(model: nn.Module) -> str | None:

@@ -22,15 +22,15 @@ def decorate(target: Any, options: dict[str, Any]) -> Any:
     if target is None:
         if unknown_options(options, "") is not None:
             return _Unknown(options)  # raises when it gets its target, naming it
-    elif (error := unknown_options(options, _site(target, options))) is not None:
+    elif (error := unknown_options(options, _site_name(target, options))) is not None:
         raise error
-    settings = Options(**options)
+    made = Options(**options)
     if target is None:
-        return _Partial(settings)
-    return _targets.wrap(target, settings)
+        return _Partial(made)
+    return _targets.wrap(target, made)
 
 
-def _site(target: Any, options: dict[str, Any]) -> str:
+def _site_name(target: Any, options: dict[str, Any]) -> str:
     """The site's name for an error: `name=`, else the class's or the function's qualified name."""
     if isinstance(options.get("name"), str):
         return str(options["name"])
@@ -46,7 +46,7 @@ class _Unknown:
         self.options = options
 
     def __call__(self, target: Any, /) -> Any:
-        error = unknown_options(self.options, _site(target, self.options))
+        error = unknown_options(self.options, _site_name(target, self.options))
         assert error is not None
         raise error
 

@@ -30,7 +30,7 @@ from .table import ModelPlan, Site, Tiled
 if TYPE_CHECKING:
     from .._core.requests import Where
 
-__all__ = ["apply", "plan", "remove_hooks", "select", "undo", "wrap", "wrap_class", "wrap_function",
+__all__ = ["apply_blocks", "model_plan", "remove_hooks", "select", "undo_sites", "wrap", "wrap_class", "wrap_function",
            "wrap_module"]
 
 
@@ -68,16 +68,16 @@ class _Engine:
         }
         if options.strategy == "replay":
             self.open: Callable[..., Any] = functools.partial(_open_region, **extra)
-            self.end: Callable[..., None] = _region.end
+            self.end: Callable[..., None] = _region.end_replay
         else:
             self.open = functools.partial(_rerun.begin, early_stop=True, **extra)
             self.end = _rerun.end
 
 
 def _open_region(fn: Any, args: Any, kwargs: Any, **options: Any) -> object:
-    """`region.begin` in the shape of `rerun.begin`: a replay site records whatever runs next."""
+    """`region.begin_replay` in the shape of `rerun.begin`: a replay site records whatever runs next."""
     del fn, args, kwargs
-    return _region.begin(**options)
+    return _region.begin_replay(**options)
 
 
 def _active(options: Options) -> bool:
@@ -136,13 +136,18 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 
 
 # NOTE [ Module instances ]
-# `remat(module)` must leave the object itself untouched: same type, no wrapper in `named_modules()` or
-# `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected. So nothing is proxied: a forward pre-hook
-# opens the region and a forward hook (prepended, so it runs before any other forward hook, and `always_call`, so
-# it runs when forward raises) closes it; the one attribute set is the instance's own `forward`, which reaches
-# the pre-hook under compile (NOTE [ Under torch.compile ]); the class is not touched. The hooks and that forward
-# are small picklable objects that carry the options; `undo` finds them by type and gives the instance back what
-# it had. Recompute calls `module.forward` itself, not `module(...)`, so other hooks are not run twice.
+# 1. `remat(module)` leaves the object itself untouched: same type, no wrapper in `named_modules()` or
+#    `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected; the class is not touched.
+# 2. The region opens in a forward pre-hook and closes in a forward hook that runs before any other forward hook and
+#    also when forward raises.
+# 3. Recompute calls `module.forward` itself, not `module(...)`, so other hooks are not run twice.
+# 4. `remat.undo` gives the instance back exactly what it had.
+#
+# Implementation notes:
+# 1. (rules 1, 2) Nothing is proxied: the close hook is prepended and `always_call`; the one attribute set is the
+#    instance's own `forward`, which reaches the pre-hook under compile (NOTE [ Under torch.compile ]).
+# 2. (rule 4) The hooks and that forward are small picklable objects that carry the options; `undo_sites` finds them
+#    by type.
 
 class _Open:
     """Forward pre-hook that opens a region around `module.forward`."""
@@ -288,7 +293,7 @@ def wrap(target: Any, options: Options) -> Any:
     )
 
 
-def undo(module: _M) -> _M:
+def undo_sites(module: _M) -> _M:
     """Remove what `remat(module)` and `remat.apply` added to `module` and its submodules (hooks, the instance's
     own `forward`), leaving each as it was before."""
     if not isinstance(module, nn.Module):
@@ -302,7 +307,7 @@ def undo(module: _M) -> _M:
     return module
 
 
-def apply(
+def apply_blocks(
     model: _M,
     where: Where | None,
     every: int,
@@ -384,7 +389,7 @@ def _decorated_methods(kind: type[nn.Module]) -> list[tuple[str, Options]]:
     return found
 
 
-def plan(model: nn.Module) -> ModelPlan:
+def model_plan(model: nn.Module) -> ModelPlan:
     """The rematerialized sites of `model`: module instances (`remat(module)`, `remat.apply`), classes, and the
     methods of their classes decorated with `@remat`."""
     if not isinstance(model, nn.Module):

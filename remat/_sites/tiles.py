@@ -169,7 +169,7 @@ def _refuse(module: nn.Module | None, site: str) -> None:
         )
 
 
-def _run(fn: Callable[..., torch.Tensor], x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], count: int,
+def _tiled_call(fn: Callable[..., torch.Tensor], x: Any, args: tuple[Any, ...], kwargs: dict[str, Any], count: int,
          dim: object, site: str, module: nn.Module | None) -> torch.Tensor:
     """One tiled call: the checks that need the input, then the engine (or the plain call: rules 5, 6)."""
     if not isinstance(x, torch.Tensor):
@@ -264,7 +264,7 @@ def tiled(fn: Any, x: Any = _NOTHING, /, *args: Any, tiles: int, dim: int = -2, 
             "parameters once per tile. Tile it in place instead, `remat.tiled(module, tiles=...)`: its hooks then "
             "run once per call, around the tiles."
         )
-    return _run(fn, x, args, kwargs, count, dim, site, module)
+    return _tiled_call(fn, x, args, kwargs, count, dim, site, module)
 
 
 # -- the in-place form ----------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ class TiledForward:
                 return forward(*args, **kwargs)
             kwargs = dict(kwargs)
             x, rest = kwargs.pop(name), ()
-        return _run(forward, x, rest, kwargs, self.tiles, self.dim, _kind(module), module)
+        return _tiled_call(forward, x, rest, kwargs, self.tiles, self.dim, _kind(module), module)
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:

@@ -1,7 +1,7 @@
 """Steps under autocast, planned as they run: each step's forward in an autocast region of its own (autocast caches
 the casts of the weights until its region ends), for the estimate's configurations and the budget's profile, and a
 budget planned under one autocast state and trained under another planned again (NOTE [ A step's own autocast
-region ] in remat/_measure/autocast.py, NOTE [ Planned under autocast ] in remat/_budget/driver.py).
+region ] in remat/_measure/step_autocast.py, NOTE [ Planned under autocast ] in remat/_budget/driver.py).
 
 The baseline is a real step as torch's AMP recipe writes it: forward and loss in `torch.autocast`, backward outside.
 """

@@ -333,7 +333,7 @@ def test_planning_identical_blocks_runs_the_model_once_and_times_every_block() -
 
 
 def test_a_block_is_timed_alone_on_fresh_inputs_shaped_like_its_own() -> None:
-    from remat._budget.profile_alone import describe, time_alone
+    from remat._budget.profile_alone import describe_args, time_alone
 
     seen: list[tuple[torch.Tensor, torch.Tensor, str]] = []
 
@@ -347,7 +347,7 @@ def test_a_block_is_timed_alone_on_fresh_inputs_shaped_like_its_own() -> None:
             return self.lin(x).masked_fill(mask, 0.0)
 
     x, mask = randn(2, 16, seed=1).requires_grad_(), torch.tensor([[True], [False]])
-    spec = describe((x,), {"mask": mask, "tag": "t"})
+    spec = describe_args((x,), {"mask": mask, "tag": "t"})
     fwd, bwd = time_alone(Masked().double(), spec, [])
     assert fwd > 0 and bwd > 0
     fresh, same_mask, tag = seen[0]

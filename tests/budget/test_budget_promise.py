@@ -72,7 +72,7 @@ def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pyt
     # Make the prediction miss: the profile's kept blocks claim to hold 40% less than they do, so the first plan
     # keeps too many of them, and its first training step measures over the budget.
     from remat._budget import driver as _fit
-    from remat._budget import modes as _modes
+    from remat._budget import regimes as _regimes
 
     real = _fit.measured_costs
 
@@ -88,7 +88,7 @@ def test_a_plan_that_went_over_is_corrected_from_its_first_step(monkeypatch: pyt
         raise AssertionError("a plan whose prediction fits is checked on the first training step, not before")
 
     monkeypatch.setattr(_fit, "measured_costs", optimistic)
-    monkeypatch.setattr(_modes, "measure_step", unused)
+    monkeypatch.setattr(_regimes, "measure_step", unused)
     base = build("convnet")
     none = tracked_peak(_copy(base))
     budget = int(0.65 * none)

@@ -13,7 +13,7 @@ from torch import nn
 import remat
 from remat._budget.costs import BlockCost, ModelCost
 from remat._budget.driver import BudgetHook
-from remat._budget.modes import MemoryMode
+from remat._budget.regimes import MemoryRegime
 from remat._budget.solve import Assignment, solve_budget
 from remat._budget.verify import verify_both_ways
 from remat._core.errors import BudgetError
@@ -85,7 +85,7 @@ def test_compile_plans_are_checked_on_a_compiled_step() -> None:
 def test_compiled_bytes_shift_what_fused_code_does_not_allocate() -> None:
     """NOTE [ Compiled bytes ]: compiled code fuses GELU's backward temporaries away, so the backward peak under
     every choice drops (against the same block in eager code, both read from the CPU allocator)."""
-    from remat._budget.profile_alone import compiled_shifts, describe
+    from remat._budget.profile_alone import compiled_shifts, describe_args
 
     torch._dynamo.reset()
     block = Block()
@@ -95,7 +95,7 @@ def test_compiled_bytes_shift_what_fused_code_does_not_allocate() -> None:
         if c == 1:
             remat(block)
 
-    shifts = compiled_shifts(block, describe((torch.randn(256, 64, requires_grad=True),), {}), [0, 1], assign)
+    shifts = compiled_shifts(block, describe_args((torch.randn(256, 64, requires_grad=True),), {}), [0, 1], assign)
     torch._dynamo.reset()
     assert set(shifts) == {0, 1}
     assert all(backward < 0 for _, _, backward in shifts.values()), shifts
@@ -162,7 +162,7 @@ def test_memory_with_compile_checks_a_step_from_no_gradients_once() -> None:
     model = remat.apply(nn.Sequential(*[Block() for _ in range(4)]), Block, memory="64MiB", sample=x,
                         loss=lambda out: out.square().mean(), compile=True)
     hook = next(h for h in model._forward_pre_hooks.values() if isinstance(h, BudgetHook))
-    assert isinstance(hook.mode, MemoryMode) and hook.mode.compiled
+    assert isinstance(hook.regime, MemoryRegime) and hook.regime.compiled
     checked = remat.plan(model).budget
     assert checked is not None and checked.measured is not None
     model.zero_grad(set_to_none=True)

@@ -47,7 +47,7 @@ def test_gradients_equal_plain_sequential_with_dropout(fraction: float) -> None:
     x = torch.randn(32, 16, dtype=torch.float64)
     budgeted = chain(copy.deepcopy(reference), budget=fraction, sample=x)
     _grads_match(reference, budgeted, x)
-    plan = budgeted.plan
+    plan = budgeted.schedule
     assert plan is not None and plan.budget is not None and plan.peak_bytes <= plan.budget
 
 
@@ -55,12 +55,12 @@ def test_low_budget_recomputes_and_still_matches() -> None:
     reference = _stack(depth=10)
     x = torch.randn(64, 16, dtype=torch.float64)
     probe = chain(copy.deepcopy(reference), budget=1.0, sample=x)
-    assert probe.plan is not None
+    assert probe.schedule is not None
     from remat._chain.solver import smallest_budget
 
-    least = smallest_budget(probe.plan.stages, input_bytes=probe.plan.input_bytes)
+    least = smallest_budget(probe.schedule.stages, input_bytes=probe.schedule.input_bytes)
     tight = chain(copy.deepcopy(reference), budget=least, sample=x)
-    assert tight.plan is not None and tight.plan.extra_forwards() > 0
+    assert tight.schedule is not None and tight.schedule.extra_forwards() > 0
     _grads_match(reference, tight, x)
 
 
@@ -95,15 +95,15 @@ def test_callables_and_lists_are_stages() -> None:
 
 def test_new_input_shape_reprofiles_and_is_cached() -> None:
     budgeted = chain(_stack(dropout=0.0), budget=0.5)
-    assert budgeted.plan is None
+    assert budgeted.schedule is None
     budgeted(torch.randn(4, 16, dtype=torch.float64, requires_grad=True)).sum().backward()
-    first = budgeted.plan
+    first = budgeted.schedule
     budgeted(torch.randn(64, 16, dtype=torch.float64, requires_grad=True)).sum().backward()
-    second = budgeted.plan
+    second = budgeted.schedule
     assert first is not None and second is not None and first is not second
     assert second.input_bytes == 64 * 16 * 8
     budgeted(torch.randn(4, 16, dtype=torch.float64, requires_grad=True)).sum().backward()
-    assert budgeted.plan is first
+    assert budgeted.schedule is first
 
 
 def test_parameters_only_and_no_grad_paths() -> None:
@@ -165,10 +165,10 @@ def test_second_backward_raises() -> None:
         y.backward()
 
 
-def test_plan_renders() -> None:
+def test_schedule_renders() -> None:
     budgeted = chain(_stack(), budget=0.5, sample=torch.randn(4, 16, dtype=torch.float64))
-    text = str(budgeted.plan)
-    assert text.startswith("remat plan (optimal): 8 stages")
+    text = str(budgeted.schedule)
+    assert text.startswith("remat schedule (optimal): 8 stages")
 
 
 def test_profiled_time_is_not_one_slow_run() -> None:
@@ -188,8 +188,8 @@ def test_profiled_time_is_not_one_slow_run() -> None:
             return out
 
     net = chain([Stalls(), nn.Tanh()], budget=1.0, sample=torch.randn(2, 4))
-    assert net.plan is not None
-    assert net.plan.stages[0].forward_time < 0.1
+    assert net.schedule is not None
+    assert net.schedule.stages[0].forward_time < 0.1
 
 
 def _in_place_stages(seed: int = 0) -> nn.Sequential:
@@ -212,7 +212,7 @@ def test_a_stage_that_changes_its_input_in_place_runs_on_a_copy(how: str) -> Non
     built = chain(copy.deepcopy(reference), sample=sample, **options)  # type: ignore[arg-type]
     torch.testing.assert_close(sample, x)  # profiling never changes the caller's sample
     assert built.copies == frozenset({1, 4, 7, 10})
-    assert built.plan is not None and built.plan.extra_forwards() > 0, "the chain recomputed nothing"
+    assert built.schedule is not None and built.schedule.extra_forwards() > 0, "the chain recomputed nothing"
     _grads_match(reference, built, x)
 
 
@@ -227,8 +227,25 @@ def test_a_stage_that_changes_its_input_only_off_the_sample_is_a_clear_error() -
         first.weight.abs_()
         first.bias.zero_()  # a positive input makes a positive output, a negative one a negative one
     built = chain([first, sometimes, nn.Linear(8, 8).double()], segments=3)
-    built.plan_for(-torch.ones(4, 8, dtype=torch.float64))  # profiled where the stage does not change its input
+    built.schedule_for(-torch.ones(4, 8, dtype=torch.float64))  # profiled where the stage does not change its input
     assert built.copies == frozenset()
-    with pytest.raises(RematError, match=r"stage 1 of the chain \(_Call\) changed its input in place "
+    with pytest.raises(RematError, match=r"stage 1 of the chain \(_FnStage\) changed its input in place "
                                          r"\(aten\.mul_\.Tensor"):
         built(torch.ones(4, 8, dtype=torch.float64, requires_grad=True))
+
+
+def test_old_names_of_the_schedule_warn() -> None:
+    # `remat.Plan` and `Chain.plan`/`plan_for` were renamed `Schedule`, `schedule`, `schedule_for`: "plan" is
+    # `remat.plan`'s table alone. The old names still work, with a DeprecationWarning.
+    import remat
+
+    with pytest.warns(DeprecationWarning, match="remat.Schedule"):
+        assert remat.Plan is remat.Schedule
+    with pytest.warns(DeprecationWarning, match="remat.Schedule"):
+        assert remat.remat.Plan is remat.Schedule
+    built = chain(_stack(), budget=0.5, sample=torch.randn(4, 16, dtype=torch.float64))
+    with pytest.warns(DeprecationWarning, match="Chain.schedule"):
+        assert built.plan is built.schedule
+    with pytest.warns(DeprecationWarning, match="Chain.schedule_for"):
+        assert built.plan_for(torch.randn(4, 16, dtype=torch.float64)) is built.schedule
+    assert "Plan" not in remat.__all__

@@ -1,7 +1,7 @@
 """The chain's memory model against the tracker: what a plan predicts is what `remat.chain` uses.
 
 See NOTE [ Memory model ] (remat/_chain/simulate.py) and NOTE [ Backward frees as it goes ]
-(remat/_chain/profile.py).
+(remat/_chain/stages.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 
 import remat
 from remat._chain.chain import chain
-from remat._chain.schedule import Plan
+from remat._chain.schedule import Schedule
 from remat._chain.solver import smallest_budget
 
 BATCH = 8
@@ -62,10 +62,10 @@ def _measure(net: nn.Module, x0: torch.Tensor) -> int:
 
 def _budgets(x0: torch.Tensor) -> list[int]:
     probe = chain(_stages(), segments=1, sample=x0)
-    assert probe.plan is not None
-    stages, input_bytes = probe.plan.stages, probe.plan.input_bytes
+    assert probe.schedule is not None
+    stages, input_bytes = probe.schedule.stages, probe.schedule.input_bytes
     low = smallest_budget(stages, input_bytes=input_bytes)
-    high = Plan.no_remat(stages, input_bytes=input_bytes).peak_bytes
+    high = Schedule.no_remat(stages, input_bytes=input_bytes).peak_bytes
     return [low + (high - low) * k // 4 for k in range(5)]
 
 
@@ -82,7 +82,7 @@ def test_predicted_peak_is_the_tracked_peak(how: str) -> None:
     seen = set()
     for choice in choices:
         net = chain(_stages(), **{how: choice}, sample=x0)  # type: ignore[arg-type]
-        plan = net.plan
+        plan = net.schedule
         assert plan is not None
         seen.add(plan.ops)
         predicted = plan.peak_bytes - plan.input_bytes
@@ -100,11 +100,11 @@ def test_backward_frees_the_output_and_its_gradient_as_it_goes() -> None:
     stages: list[nn.Module] = [MatMul(16, 128, 0), TanhTanh(), MatMul(128, 1, 1)]
     x0 = torch.randn(BATCH, 16, dtype=torch.float64)
     net = chain(stages, segments=1, sample=x0)
-    assert net.plan is not None
-    tanh = net.plan.stages[1]
+    assert net.schedule is not None
+    tanh = net.schedule.stages[1]
     assert tanh.saved_bytes == 2 * tanh.output_bytes == 2 * BATCH * 128 * 8
     assert tanh.backward_temp <= 16  # the seed and its gradient, two 0-d doubles: nothing the size of x_2
-    predicted = net.plan.peak_bytes - net.plan.input_bytes
+    predicted = net.schedule.peak_bytes - net.schedule.input_bytes
     measured = _measure(net, x0)
     assert predicted <= measured <= predicted + _SLACK
 
@@ -119,8 +119,8 @@ def test_with_parameters_the_gap_is_at_most_their_gradients() -> None:
     weights = torch.arange(16, dtype=torch.float64)  # a loss gradient with real bytes, as in _measure
     for k in (1, 2, 3, 6):
         net = chain(stages, segments=k, sample=x0)
-        assert net.plan is not None
-        predicted = net.plan.peak_bytes - net.plan.input_bytes
+        assert net.schedule is not None
+        predicted = net.schedule.peak_bytes - net.schedule.input_bytes
         for p in net.parameters():
             p.grad = None
         x = x0.clone().requires_grad_()

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remat._chain.solver import (
-    Plan,
+    Schedule,
     StageCost,
     _InvalidOp,
     _Machine,
@@ -129,7 +129,7 @@ def test_toy_chain_below_smallest_budget_raises_budget_error() -> None:
 def test_large_budget_equals_no_remat() -> None:
     rng = random.Random(0)
     stages = [StageCost(rng.uniform(1, 3), rng.uniform(2, 5), (x := rng.randint(10, 99)), x * 3) for _ in range(12)]
-    base = Plan.no_remat(stages, input_bytes=50)
+    base = Schedule.no_remat(stages, input_bytes=50)
     for budget in (base.peak_bytes, base.peak_bytes * 2, 10**12):
         plan = solve(stages, budget, input_bytes=50)
         assert plan.makespan == pytest.approx(base.makespan)
@@ -140,7 +140,7 @@ def test_large_budget_equals_no_remat() -> None:
 @given(chains(max_stages=12, max_bytes=40), st.integers(0, 40), st.lists(st.floats(0, 1.2), min_size=2))
 def test_more_budget_is_never_slower(stages: list[StageCost], x0: int, fractions: list[float]) -> None:
     least = smallest_budget(stages, input_bytes=x0)
-    top = Plan.no_remat(stages, input_bytes=x0).peak_bytes
+    top = Schedule.no_remat(stages, input_bytes=x0).peak_bytes
     budgets = sorted({max(least, int(least + f * (top - least))) for f in fractions})
     times = [solve(stages, b, input_bytes=x0, slots=60).makespan for b in budgets]
     assert all(t1 >= t2 for t1, t2 in itertools.pairwise(times))
@@ -150,12 +150,12 @@ def test_more_budget_is_never_slower(stages: list[StageCost], x0: int, fractions
 @given(chains(max_stages=8, max_bytes=30), st.integers(0, 30), st.floats(0, 1.5), st.integers(1, 80))
 def test_no_plan_exceeds_its_budget(stages: list[StageCost], x0: int, fraction: float, slots: int) -> None:
     least = smallest_budget(stages, input_bytes=x0)
-    top = Plan.no_remat(stages, input_bytes=x0).peak_bytes
+    top = Schedule.no_remat(stages, input_bytes=x0).peak_bytes
     budget = max(1, int(least + fraction * (top - least)))
     plan = solve(stages, budget, input_bytes=x0, slots=slots)
     assert plan.peak_bytes <= budget
     # The plan is played again from its ops alone: the same prediction.
-    again = Plan.from_ops(stages, plan.ops, input_bytes=x0)
+    again = Schedule.from_ops(stages, plan.ops, input_bytes=x0)
     assert (again.makespan, again.peak_bytes) == (plan.makespan, plan.peak_bytes)
 
 
@@ -163,13 +163,13 @@ def test_no_plan_exceeds_its_budget(stages: list[StageCost], x0: int, fraction: 
 @given(chains(max_stages=10, max_bytes=30), st.integers(0, 30), st.floats(0, 1.2))
 def test_never_slower_than_recompute_all_or_segments(stages: list[StageCost], x0: int, fraction: float) -> None:
     least = smallest_budget(stages, input_bytes=x0)
-    top = Plan.no_remat(stages, input_bytes=x0).peak_bytes
+    top = Schedule.no_remat(stages, input_bytes=x0).peak_bytes
     budget = max(1, int(least + fraction * (top - least)))
     plan = solve(stages, budget, input_bytes=x0)
     # The dynamic program alone, in exact bytes, must also beat them: it is not the fallback.
     dp = _solve_dp(stages, budget, x0, budget)
-    baselines = [Plan.recompute_all(stages, input_bytes=x0)]
-    baselines += [Plan.segments(stages, k, input_bytes=x0) for k in range(1, len(stages) + 1)]
+    baselines = [Schedule.recompute_all(stages, input_bytes=x0)]
+    baselines += [Schedule.segments(stages, k, input_bytes=x0) for k in range(1, len(stages) + 1)]
     for base in baselines:
         if base.peak_bytes <= budget:
             assert plan.makespan <= base.makespan + 1e-9, base.name
@@ -221,7 +221,7 @@ def test_hundred_stages_five_hundred_slots_timing() -> None:
                 rng.randint(0, 1 << 20),
             )
         )
-    base = Plan.no_remat(stages, input_bytes=4 << 20)
+    base = Schedule.no_remat(stages, input_bytes=4 << 20)
     start = time.perf_counter()
     plan = solve(stages, base.peak_bytes // 3, input_bytes=4 << 20, slots=500)
     elapsed = time.perf_counter() - start
@@ -233,31 +233,31 @@ def test_hundred_stages_five_hundred_slots_timing() -> None:
     assert elapsed < 20  # a loose sanity bound; the aim is < 2 s
 
 
-def test_plan_renders_as_a_table() -> None:
+def test_schedule_renders_as_a_table() -> None:
     plan = solve(TOY, 12, input_bytes=1, slots=12)
     text = str(plan)
-    assert text.splitlines()[0].startswith("remat plan (optimal): 10 stages")
+    assert text.splitlines()[0].startswith("remat schedule (optimal): 10 stages")
     assert "forward_checkpoint" in text and "backward" in text and "loss" in text
     assert len(text.splitlines()) == len(plan.ops) + 2
 
 
 def test_baselines_under_the_model() -> None:
-    assert Plan.no_remat(TOY, input_bytes=1).makespan == 30
-    assert Plan.no_remat(TOY, input_bytes=1).peak_bytes == 23
-    every = Plan.recompute_all(TOY, input_bytes=1)
+    assert Schedule.no_remat(TOY, input_bytes=1).makespan == 30
+    assert Schedule.no_remat(TOY, input_bytes=1).peak_bytes == 23
+    every = Schedule.recompute_all(TOY, input_bytes=1)
     assert every.makespan == 40 and every.extra_forwards() == 10
-    assert Plan.segments(TOY, 1, input_bytes=1).ops == Plan.no_remat(TOY, input_bytes=1).ops
-    two = Plan.segments(TOY, 2, input_bytes=1)  # stages 0-4 checkpointed, 5-9 with grad
+    assert Schedule.segments(TOY, 1, input_bytes=1).ops == Schedule.no_remat(TOY, input_bytes=1).ops
+    two = Schedule.segments(TOY, 2, input_bytes=1)  # stages 0-4 checkpointed, 5-9 with grad
     assert two.extra_forwards() == 5 and two.makespan == 35
     with pytest.raises(ValueError, match=r"^remat: segments"):
-        Plan.segments(TOY, 11, input_bytes=1)
+        Schedule.segments(TOY, 11, input_bytes=1)
 
 
 def test_invalid_schedules_and_arguments_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"^remat: invalid schedule"):
-        Plan.from_ops(TOY[:2], [("forward_save", 1)], input_bytes=1)
+        Schedule.from_ops(TOY[:2], [("forward_save", 1)], input_bytes=1)
     with pytest.raises(ValueError, match=r"^remat: invalid schedule"):
-        Plan.from_ops(TOY[:1], [("forward_save", 0), ("loss", 1)], input_bytes=1)
+        Schedule.from_ops(TOY[:1], [("forward_save", 0), ("loss", 1)], input_bytes=1)
     with pytest.raises(ValueError, match=r"^remat: "):
         StageCost(1.0, 1.0, output_bytes=4, saved_bytes=2)
     with pytest.raises(ValueError, match=r"^remat: "):

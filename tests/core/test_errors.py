@@ -328,12 +328,12 @@ def test_debug_traces_show_the_ops_only_recompute_ran() -> None:
 
 
 def test_debug_traces_of_a_region_show_ops_that_return_numbers() -> None:
-    from remat._engine.region import RegionFrame, begin, end
+    from remat._engine.region import RegionFrame, begin_replay, end_replay
 
     x = randn(4, requires_grad=True)
-    token = begin(site="numbers", check=True, preserve_rng=True, debug=True)
+    token = begin_replay(site="numbers", check=True, preserve_rng=True, debug=True)
     y = x.exp() * x.detach().sum().item()  # `item` runs aten._local_scalar_dense, which returns a number
-    end(token)
+    end_replay(token)
     assert isinstance(token, RegionFrame) and token.trace is not None
     assert any("_local_scalar_dense" in line for line in token.trace), token.trace
     y.sum().backward()

@@ -178,7 +178,7 @@ def test_a_chain_of_blocks_with_a_random_op() -> None:
         return chains[-1]  # type: ignore[no-any-return]
 
     assert_same_grads(Stack, (randn(4, 8, requires_grad=True),), variant, expect_recompute=False)
-    assert chains[-1].plan.extra_forwards() > 0, "the chain recomputed nothing"
+    assert chains[-1].schedule.extra_forwards() > 0, "the chain recomputed nothing"
 
 
 @pytest.mark.parametrize("strategy", ["rerun", "replay"])

@@ -1,5 +1,5 @@
-"""Tests of the replay strategy: `Region` (`with remat.region()`), `call`, `begin`/`end` (docs/guides/sites.md,
-'Any block of code'; docs/design.md, 'Rerun and replay')."""
+"""Tests of the replay strategy: `Region` (`with remat.region()`), `call`, `begin_replay`/`end_replay`
+(docs/guides/sites.md, 'Any block of code'; docs/design.md, 'Rerun and replay')."""
 # mypy: disable-error-code="no-untyped-call,no-any-return"
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from remat._core.errors import RecomputeMismatchError, RematError
 from remat._core.options import Options
 from remat._engine import rerun as _rerun
 from remat._engine import stats as _stats
-from remat._engine.region import Region, RegionFrame, begin, end
+from remat._engine.region import Region, RegionFrame, begin_replay, end_replay
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 EQUIVALENCE_HELPERS = ("compare(",)  # see NOTE [ Equivalence tests must fail without remat ] in conftest.py
@@ -465,10 +465,10 @@ def test_no_leaks_after_backward_or_after_dropping_the_graph() -> None:
     for run_backward in (True, False):
         x = torch.randn(16, requires_grad=True)
         c = torch.randn(16)
-        token = begin(site="leak", check=True, preserve_rng=True, debug=False)
+        token = begin_replay(site="leak", check=True, preserve_rng=True, debug=False)
         inside = x.sin() * c
         y = (inside.exp() * inside).sum()
-        end(token)
+        end_replay(token)
         refs = [weakref.ref(t) for t in (token, inside, c)]
         del token, inside, c
         if run_backward:
@@ -581,28 +581,28 @@ def test_region_can_be_entered_again_and_recursively() -> None:
 @pytest.mark.ignores_switch  # the engine's entry points, called directly
 def test_begin_end_around_code() -> None:
     def wrap(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        token = begin(site="block", check=True, preserve_rng=True, debug=False)
+        token = begin_replay(site="block", check=True, preserve_rng=True, debug=False)
         try:
             out = fn(*args)
         finally:
-            end(token)
+            end_replay(token)
         assert isinstance(token, RegionFrame)
         return out
 
     compare(lambda: (Block(), (torch.randn(2, 3, 8, requires_grad=True),)), wrap)
     with torch.no_grad():
-        assert begin(site="x", check=True, preserve_rng=True, debug=False) is None
-    end(None)
+        assert begin_replay(site="x", check=True, preserve_rng=True, debug=False) is None
+    end_replay(None)
     _no_state_left()
 
 
 def test_replay_stops_after_the_last_op_needed() -> None:
     x = torch.randn(4, requires_grad=True)
-    token = begin(site="stop", check=True, preserve_rng=True, debug=True)
+    token = begin_replay(site="stop", check=True, preserve_rng=True, debug=True)
     y = x.exp()  # saves its output
     for _ in range(5):
         y = y + 1  # add saves nothing
-    end(token)
+    end_replay(token)
     y.sum().backward()
     assert isinstance(token, RegionFrame)
     assert token.retrace is not None and len(token.retrace) == 1

@@ -221,5 +221,5 @@ def test_chain_gets_device_masks_back(stashed: bool, monkeypatch: pytest.MonkeyP
     else:
         with pytest.raises(AssertionError, match=r"gradient|output|generator"):
             assert_same_on_device(stack, (x0(),), variant, expect_recompute=False)
-    plan = chains[-1].plan
+    plan = chains[-1].schedule
     assert plan is not None and plan.extra_forwards() > 0, "the chain recomputed nothing"

@@ -14,17 +14,17 @@ import torch
 from remat._engine import guard as _guard
 from remat._engine import region as _region
 from remat._engine import tape as _tape
-from remat._engine.region import RegionFrame, begin, end
+from remat._engine.region import RegionFrame, begin_replay, end_replay
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _recorded(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, RegionFrame]:
-    token = begin(site="test")
+    token = begin_replay(site="test")
     try:
         out = fn(x)
     finally:
-        end(token)
+        end_replay(token)
     assert isinstance(token, RegionFrame)
     return out, token
 
@@ -66,12 +66,12 @@ def test_values_that_compare_equal_are_replayed_from_each_tapes_own_recording() 
     grads = []
     for bound in (0.0, -0.0, 0.0):
         w = torch.ones(3, requires_grad=True)
-        token = begin(site="test")
+        token = begin_replay(site="test")
         try:
             angle = torch.atan2(x.clamp(min=bound), -torch.ones(3))
             out = (angle * w).sum()
         finally:
-            end(token)
+            end_replay(token)
         out.backward()
         assert isinstance(token, RegionFrame) and token.tape is not None
         grads.append(w.grad)

@@ -122,7 +122,7 @@ def test_cli_counts_the_buckets() -> None:
     pytest.importorskip("transformers")
     import io
 
-    from remat._estimate_cli import main
+    from remat._estimate_cli import estimate_main as main
 
     peaks: dict[str, float] = {}
     params = 0.0

@@ -309,20 +309,20 @@ def test_a_budget_configuration_uses_the_planner() -> None:
     assert report["full"].activation_bytes < report[0.9].activation_bytes < report["none"].activation_bytes
     assert report[0.9].label == "budget 0.9"
     assert not remat.plan(model)  # the planned sites are gone again
-    from remat._budget import modes as _modes
+    from remat._budget import regimes as _regimes
 
     checked: list[int] = []
-    real = _modes.verify
+    real = _regimes.verify
 
     def spy(assignment: Any, measure: Any, place: Any) -> Any:
         checked.append(1)
         return real(assignment, measure, place)
 
-    _modes.verify = spy  # type: ignore[assignment]
+    _regimes.verify = spy  # type: ignore[assignment]
     try:  # the assignment a real model ends with once its first step verified it: verified at once, on fake tensors
         remat.estimate(model, torch.randn(256, 32), configs=(0.9,))
     finally:
-        _modes.verify = real  # type: ignore[assignment]
+        _regimes.verify = real  # type: ignore[assignment]
     assert checked
     # the default configurations end with a budget of 0.3, which this small stack cannot meet: a refused row
     refused = remat.estimate(model, torch.randn(256, 32))[0.3]

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from remat._core.units import format_bytes
 from remat._measure.measure import measure
-from remat._measure.report import Measurement, Report, format_seconds
+from remat._measure.measurement import Measurement, Report, format_seconds
 
 F32 = 4
 

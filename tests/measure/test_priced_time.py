@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import remat
 from remat._budget.driver import BudgetHook
 from remat._budget.solve import Assignment
-from remat._chain.profile import profile
+from remat._chain.stages import profile_stages
 from remat._demo import GPT, GPTConfig
 from remat._measure import clock
 from remat._measure.clock import OpClock, now, price, priced
@@ -115,7 +115,7 @@ def test_a_chain_profiled_on_fake_tensors_is_priced() -> None:
 
     with FakeTensorMode():
         x = torch.randn(16, 32)
-        plain, slowed = profile(stages(0.0), x), profile(stages(0.005), x)
+        plain, slowed = profile_stages(stages(0.0), x), profile_stages(stages(0.005), x)
     assert plain == slowed
     assert all(cost.forward_time > 0 and cost.backward_time > 0 for cost in plain[0])
 
@@ -124,7 +124,7 @@ def test_real_tensors_are_timed_on_the_wall_clock() -> None:
     x = torch.randn(16, 32)
     stages = [nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2)]
     _slowed(nn.Module(), stages, 0.005)
-    slowed = profile(stages, x)[0]
+    slowed = profile_stages(stages, x)[0]
     # each block's forward holds its sleep, which only the wall clock sees (a price would not): a lower bound that
     # holds however loaded the machine is
     assert all(s.forward_time >= 0.004 for s in slowed)

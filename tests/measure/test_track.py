@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from remat._engine import modes as _modes
 from remat._measure.track import Tracker, track
-from remat._measure.track import _Mode as _TrackMode
+from remat._measure.track import _TrackingMode as _TrackMode
 
 F32 = 4
 

@@ -23,7 +23,7 @@ def through_the_decorator_object() -> None:
         pass
     assert_type(tracker, package.Tracker)
     plan = remat.solve([remat.StageCost(1.0, 2.0, 8, 16)], 64, input_bytes=8)
-    assert_type(plan, package.Plan)
+    assert_type(plan, package.Schedule)
     error: type[package.RematError] = remat.BudgetError
     assert issubclass(remat.RecomputeMismatchError, remat.RematError) and error is not None
     assert_type(remat.remat, package.Remat)

@@ -22,7 +22,7 @@ from ..._core.errors import RematError
 from ..cross_entropy import Transform, chunked, logits_dtype
 from . import comes_from
 
-__all__ = ["HeadRoute", "check", "find_causal_lm", "route", "undo"]
+__all__ = ["HeadRoute", "check", "find_causal_lm", "route", "unroute"]
 
 # NOTE [ A causal LM's head ]
 # A transformers causal LM makes its logits with `self.lm_head(hidden_states)`, may scale or soft-cap them, and
@@ -64,7 +64,7 @@ _LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
 
 
 @dataclass
-class _Call:
+class _RoutedCall:
     """One training forward of a routed model with labels: its route and the placeholders its head returned (and
     the model's steps on them made)."""
 
@@ -74,13 +74,13 @@ class _Call:
 
 class _Calls(threading.local):
     def __init__(self) -> None:
-        self.stack: list[_Call | None] = []
+        self.stack: list[_RoutedCall | None] = []
 
 
 _calls = _Calls()
 
 
-def _open_call() -> _Call | None:
+def _open_call() -> _RoutedCall | None:
     stack = _calls.stack
     return stack[-1] if stack else None
 
@@ -91,7 +91,7 @@ class DeferredLogits:
 
     __slots__ = ("bias", "call", "dtype", "hidden", "steps", "weight")
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: _Call,
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: _RoutedCall,
                  steps: Transform = (), dtype: torch.dtype | None = None) -> None:
         self.hidden, self.weight, self.bias, self.call, self.steps = hidden, weight, bias, call, steps
         self.dtype: torch.dtype = logits_dtype(hidden) if dtype is None else dtype
@@ -313,7 +313,7 @@ class HeadRoute:
         if labels is None and self.labels_at is not None and self.labels_at < len(args):
             labels = args[self.labels_at]
         on = module.training and labels is not None and _switch._state[0]
-        _calls.stack.append(_Call(self) if on else None)
+        _calls.stack.append(_RoutedCall(self) if on else None)
 
     def install(self) -> None:
         head, model = self.head, self.model
@@ -422,7 +422,7 @@ def route(model: nn.Module, chosen_by: str | None = None) -> HeadRoute:
     """
     lm, head = check(model)
     head_name = next(n for n, m in model.named_modules() if m is head)
-    undo(lm)
+    unroute(lm)
     signature = inspect.signature(type(lm).forward)
     positional = [p.name for p in signature.parameters.values()
                   if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][1:]
@@ -486,7 +486,7 @@ def _what_head(head: Any) -> str:
     return f"{name}, not an nn.Module"
 
 
-def undo(module: nn.Module) -> None:
+def unroute(module: nn.Module) -> None:
     """Take a route off `module` (the causal LM itself), if it has one."""
     for table in (module._forward_pre_hooks, module._forward_hooks):
         for key, hook in list(table.items()):

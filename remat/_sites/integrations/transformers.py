@@ -49,13 +49,16 @@ logger = logging.getLogger("remat")
 #    one model's forward are handed the one cache the model made.
 #
 # NOTE [ Caches under torch.compile ]
-# Inside a compiled frame a rematerialized layer is torch's checkpoint operator (NOTE [ Under torch.compile ]),
-# and dynamo refuses a cache update inside it ("Mutating a variable from outside the scope of this HOP"): it
-# breaks the graph and runs the layer in eager code, where the site, already past its eager pre-hook, keeps
-# everything: the compiled step saves as much for backward with remat.apply as without remat (docs/benchmarks.md).
-# So the compiled paths take the same rule (`CacheOff.compiled`): the same arguments, rewritten in traced code
-# (the signature is read in eager code beforehand: `know`), and one log line when dynamo traces it, with no state
-# kept (a weak set would break the graph).
+# 1. Compiled paths take the same cache rule as eager ones (`CacheOff.compiled`): the same arguments, rewritten in
+#    traced code, and one log line when dynamo traces it, with no state kept.
+#
+# Implementation notes:
+# 1. (rule 1) Inside a compiled frame a rematerialized layer is torch's checkpoint operator (NOTE [ Under
+#    torch.compile ]), and dynamo refuses a cache update inside it ("Mutating a variable from outside the scope of
+#    this HOP"): it breaks the graph and runs the layer in eager code, where the site keeps everything
+#    (docs/benchmarks.md).
+# 2. (rule 1) The signature is read in eager code beforehand (`know`); a weak set of what was logged would break the
+#    graph, so none is kept.
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

@@ -1,19 +1,19 @@
-"""How a budget's plans are made and verified: one class per mode, each with the rules it adds to the stages
+"""How a budget's assignments are made and verified: one class per regime, each with the rules it adds to the stages
 that the driver runs (driver.py: profile, costs, solve, verify).
 
-* `BudgetMode`, `remat.apply(model, budget=..., sample=...)`: profiled on a fake twin where one stands in,
+* `BudgetRegime`, `remat.apply(model, budget=..., sample=...)`: profiled on a fake twin where one stands in,
   gradients counted by position, verified on the model's first training step where the prediction fits.
-* `ShardedMode`, the same after `fully_shard`: profiled on the rank's real step, verified before `apply` returns.
-* `CompiledMode`, `budget=` with `compile=True`: profiled on the real model, one graph's gradients, verified on
+* `ShardedRegime`, the same after `fully_shard`: profiled on the rank's real step, verified before `apply` returns.
+* `CompiledRegime`, `budget=` with `compile=True`: profiled on the real model, one graph's gradients, verified on
   compiled steps with the prediction's miss taken both ways.
-* `MemoryMode`, `remat.apply(model, memory=...)`: the mode it wraps, verified before `apply` returns from no
+* `MemoryRegime`, `remat.apply(model, memory=...)`: the regime it wraps, verified before `apply` returns from no
   gradients.
-* `EngineMode`, a model whose parameters and gradients an engine owns (DeepSpeed ZeRO), for `budget=` and `memory=`:
+* `EngineRegime`, a model whose parameters and gradients an engine owns (DeepSpeed ZeRO), for `budget=` and `memory=`:
   profiled on the engine's fake twin, gradients as the engine keeps them, verified on the first training step.
 
-Each mode holds the request it serves (remat/_core/requests.py: what `remat.apply` was asked besides the budget);
-`mode_for` picks the mode a request asks for, and a mode's `planning(model)` the one a plan of the model runs under
-now (`ShardedMode` once `fully_shard` was applied to it).
+Each regime holds the request it serves (remat/_core/requests.py: what `remat.apply` was asked besides the budget);
+`regime_for` picks the regime a request asks for, and a regime's `planning(model)` the one a plan of the model runs
+under now (`ShardedRegime` once `fully_shard` was applied to it).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from .._core.requests import FitRequest, MemoryRequest
 from .._measure.sharded import is_sharded
 from .._measure.step_peak import compiled_peak, measure_step
 from .._sites.integrations import engine_of
-from .compiled import gradient_bytes, graph_extra, with_graph_gradients
 from .costs import ModelCost, with_gradients
+from .costs_compiled import gradient_bytes, graph_extra, with_graph_gradients
 from .profile import Profile, TrainingStep, Twin, fake_stands_in
 from .solve import Assignment
 from .verify import Measure, max_over_ranks, verify, verify_both_ways
@@ -36,21 +36,21 @@ from .verify import Measure, max_over_ranks, verify, verify_both_ways
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed
 
-__all__ = ["COMPILED_ENGINE", "SHARDED_LATER", "BudgetMode", "CompiledMode", "EngineMode", "MemoryMode", "ShardedMode",
-           "mode_for"]
+__all__ = ["COMPILED_ENGINE", "SHARDED_LATER", "BudgetRegime", "CompiledRegime", "EngineRegime", "MemoryRegime",
+           "ShardedRegime", "regime_for"]
 
 Place = Callable[[Assignment], None]  # puts an assignment's choices on the blocks
 
 
-def mode_for(request: FitRequest) -> BudgetMode:
-    """The mode `request` asks for: `CompiledMode` with `compile`, else `BudgetMode`; for a `MemoryRequest`, that mode
-    in a `MemoryMode`."""
-    mode = CompiledMode(request) if request.compile else BudgetMode(request)
-    return MemoryMode(mode) if isinstance(request, MemoryRequest) else mode
+def regime_for(request: FitRequest) -> BudgetRegime:
+    """The regime `request` asks for: `CompiledRegime` with `compile`, else `BudgetRegime`; for a `MemoryRequest`,
+    that regime in a `MemoryRegime`."""
+    regime = CompiledRegime(request) if request.compile else BudgetRegime(request)
+    return MemoryRegime(regime) if isinstance(request, MemoryRequest) else regime
 
 
-class BudgetMode:
-    """`remat.apply(model, budget=..., sample=...)` on eager steps: the default mode.
+class BudgetRegime:
+    """`remat.apply(model, budget=..., sample=...)` on eager steps: the default regime.
 
     1. A block may be kept, under `save_matmuls` (rerun), fully rematerialized, under a policy of `choices=`, and
        under rerun keep some of its matmuls (the parts: NOTE [ Some matmuls ] in costs_derived.py).
@@ -71,13 +71,13 @@ class BudgetMode:
     def __init__(self, request: FitRequest) -> None:
         self.request = request
 
-    def planning(self, model: nn.Module) -> BudgetMode:
-        """The mode a plan of `model` runs under now: `ShardedMode` once `fully_shard` was applied to it,
-        `EngineMode` while an engine owns it."""
+    def planning(self, model: nn.Module) -> BudgetRegime:
+        """The regime a plan of `model` runs under now: `ShardedRegime` once `fully_shard` was applied to it,
+        `EngineRegime` while an engine owns it."""
         if is_sharded(model):
-            return ShardedMode(self.request)
+            return ShardedRegime(self.request)
         engine = engine_of(model)
-        return self if engine is None else EngineMode(self.request, engine)
+        return self if engine is None else EngineRegime(self.request, engine)
 
     def profiles_on_fake(self, model: nn.Module) -> bool:
         """Whether the profile runs on a fake twin of `model` (rule 2)."""
@@ -103,13 +103,13 @@ class BudgetMode:
         return verify(assignment, measure, place)
 
 
-class ShardedMode(BudgetMode):
-    """A plan of a model that `fully_shard` was applied to (NOTE [ Budgets and FSDP2 ]): as `BudgetMode`, but profiled
+class ShardedRegime(BudgetRegime):
+    """A plan of a model that `fully_shard` was applied to (NOTE [ Budgets and FSDP2 ]): as `BudgetRegime`, but profiled
     on the rank's real step (its collectives need real tensors: NOTE [ Planning on fake tensors ] in profile.py)
     and verified on the sample before `remat.apply` returns, since its first step cannot stand in."""
 
-    def planning(self, model: nn.Module) -> BudgetMode:
-        return self if is_sharded(model) else BudgetMode(self.request).planning(model)
+    def planning(self, model: nn.Module) -> BudgetRegime:
+        return self if is_sharded(model) else BudgetRegime(self.request).planning(model)
 
     def verifies_later(self) -> bool:
         return False
@@ -117,7 +117,7 @@ class ShardedMode(BudgetMode):
 
 # NOTE [ Budgets and FSDP2 ]
 # 1. A budget bounds what forward and backward allocate on top of what lives before the step. A plan made on the
-#    model `fully_shard` was applied to (`ShardedMode`) is made on the rank's own step, and holds per rank.
+#    model `fully_shard` was applied to (`ShardedRegime`) is made on the rank's own step, and holds per rank.
 # 2. A plan made before `fully_shard` is kept when the model is sharded later, and the first forward after sharding
 #    warns once (`SHARDED_LATER`), asking for `remat.apply(model, budget=...)` after `fully_shard`.
 # 3. DDP needs nothing: its buckets exist before the step and its gradients are the plain step's (or views into
@@ -145,15 +145,15 @@ COMPILED_ENGINE = (
 )
 
 
-class CompiledMode(BudgetMode):
+class CompiledRegime(BudgetRegime):
     """`remat.apply(model, budget=..., compile=True)`: a plan for the model compiled as one graph (NOTE [ Compiled as
-    one graph ] in compiled.py).
+    one graph ] in costs_compiled.py).
 
     1. No part is offered: a policy that keeps some calls works in eager code only (NOTE [ Some calls ] in
        remat/_core/policies.py).
     2. It is profiled on the real model, in eager code; its derived choices are priced as compiled code runs them
        (NOTE [ Compiled costs ] in costs_derived.py), and the sample block's bytes are shifted by what compiling
-       saves (NOTE [ Compiled bytes ] in compiled.py).
+       saves (NOTE [ Compiled bytes ] in costs_compiled.py).
     3. Every parameter's gradient is alive until the one backward graph returns.
     4. It is verified before `remat.apply` returns, on real compiled steps, the prediction's miss taken both ways
        (NOTE [ Planned on measured steps ] in verify.py).
@@ -162,7 +162,7 @@ class CompiledMode(BudgetMode):
     compiled = True
     offers_parts = False
 
-    def planning(self, model: nn.Module) -> BudgetMode:
+    def planning(self, model: nn.Module) -> BudgetRegime:
         engine = engine_of(model)
         if engine is not None:  # its plans are verified on real compiled steps: NOTE [ Budgets under DeepSpeed ZeRO ]
             raise ValueError(COMPILED_ENGINE.format(model=type(model).__name__, engine=engine.name))
@@ -193,9 +193,9 @@ class CompiledMode(BudgetMode):
         return verify_both_ways(assignment, measure, place)
 
 
-class MemoryMode(BudgetMode):
+class MemoryRegime(BudgetRegime):
     """The plans of `remat.apply(model, memory=...)` for what a step's state leaves (NOTE [ Total memory ] in
-    remat/_apply/memory.py): those of the mode it wraps (`BudgetMode` or `CompiledMode`), except that
+    remat/_apply/memory.py): those of the regime it wraps (`BudgetRegime` or `CompiledRegime`), except that
 
     1. every one is verified on the sample before `remat.apply` returns: going over is an out-of-memory error, not
        a missed promise;
@@ -203,15 +203,15 @@ class MemoryMode(BudgetMode):
        keeps each one to the step's end, as a one-graph backward does.
     """
 
-    def __init__(self, inner: BudgetMode) -> None:
+    def __init__(self, inner: BudgetRegime) -> None:
         super().__init__(inner.request)
         self.inner = inner
         self.compiled = inner.compiled
         self.offers_parts = inner.offers_parts
 
-    def planning(self, model: nn.Module) -> BudgetMode:
+    def planning(self, model: nn.Module) -> BudgetRegime:
         engine = engine_of(model)  # verified on its first step: NOTE [ Budgets under DeepSpeed ZeRO ], rule 4
-        return self if engine is None else EngineMode(self.request, engine)
+        return self if engine is None else EngineRegime(self.request, engine)
 
     def profiles_on_fake(self, model: nn.Module) -> bool:
         return self.inner.profiles_on_fake(model)
@@ -227,7 +227,7 @@ class MemoryMode(BudgetMode):
         return self.inner.verify(assignment, measure, place)
 
 
-class EngineMode(BudgetMode):
+class EngineRegime(BudgetRegime):
     """A plan of a model whose parameters and gradients an engine owns, or will (DeepSpeed ZeRO: NOTE [ Budgets
     under DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py), for `budget=` and `memory=` alike.
 
@@ -248,7 +248,7 @@ class EngineMode(BudgetMode):
         self.twin = engine.twin
         self.gradients_kept = not engine.hands_over
 
-    def planning(self, model: nn.Module) -> BudgetMode:
+    def planning(self, model: nn.Module) -> BudgetRegime:
         return self
 
     def profiles_on_fake(self, model: nn.Module) -> bool:

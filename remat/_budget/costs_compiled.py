@@ -1,5 +1,5 @@
-"""The compiled mode's costs (`Compiled` in modes.py): a model compiled as one graph, whose backward returns every
-parameter gradient at once, and whose compiled code allocates less than eager code.
+"""The compiled regime's costs (`CompiledRegime` in regimes.py): a model compiled as one graph, whose backward
+returns every parameter gradient at once, and whose compiled code allocates less than eager code.
 
 NOTE [ Compiled as one graph ]
 When `torch.compile` turns the whole training step into one forward and one backward graph, the gradients of the

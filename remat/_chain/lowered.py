@@ -1,4 +1,4 @@
-"""`remat.chain` inside a compiled frame: its plan as torch checkpoint segments (NOTE [ Chains under compile ])."""
+"""`remat.chain` inside a compiled frame: its schedule as torch checkpoint segments (NOTE [ Chains under compile ])."""
 
 from __future__ import annotations
 
@@ -8,24 +8,27 @@ import torch
 from torch import nn
 
 from .._engine.compiled import torch_checkpoint
-from .solver import Plan
+from .solver import Schedule
 
 __all__ = ["lower", "run_lowered"]
 
 # NOTE [ Chains under compile ]
-# A chain's schedule runs through one custom autograd function that dynamo cannot trace, and profiling a new
-# input shape runs stages forward and backward. Inside a compiled frame a chain therefore follows the plan made
-# last in eager code: the stages that plan runs with grad in forward (`forward_save`) are kept, and each stage whose
-# input the plan checkpoints starts one torch checkpoint that also covers the stages after it run without a
-# checkpoint (`forward_nosave`): recomputed in backward from that kept input. With no plan yet (the chain was
-# never called in eager code), every stage is its own checkpoint: nothing is kept that a plan could have dropped.
+# 1. Inside a compiled frame a chain follows the schedule made last in eager code: the stages that schedule runs with
+#    grad in forward (`forward_save`) are kept, and each stage whose input the schedule checkpoints starts one torch
+#    checkpoint that also covers the stages after it run without one (`forward_nosave`).
+# 2. With no schedule yet (the chain was never called in eager code), every stage is its own checkpoint: nothing is
+#    kept that a schedule could have dropped.
+#
+# Implementation notes:
+# 1. (rule 1) A chain's schedule runs through one custom autograd function that dynamo cannot trace, and profiling a
+#    new input shape runs stages forward and backward: neither can happen inside the frame.
 
 
-def lower(plan: Plan | None, n: int) -> tuple[tuple[int, int, bool], ...]:
-    """The plan's forward as (first stage, end stage, recomputed) runs, in order."""
+def lower(schedule: Schedule | None, n: int) -> tuple[tuple[int, int, bool], ...]:
+    """The schedule's forward as (first stage, end stage, recomputed) runs, in order."""
     kinds: list[str] = ["forward_checkpoint"] * n
-    if plan is not None:
-        for op, i in plan.ops[: plan.ops.index(("loss", n))]:
+    if schedule is not None:
+        for op, i in schedule.ops[: schedule.ops.index(("loss", n))]:
             if op.startswith("forward"):
                 kinds[i] = op
     runs: list[tuple[int, int, bool]] = []

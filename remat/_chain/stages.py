@@ -1,8 +1,8 @@
 """Profiling the stages of a `remat.chain`, and the one way a stage's backward runs (profiled or for real).
 
-`profile` measures every stage on a sample into a `StageCost` (NOTE [ Chain profile ]); `backward_stage`
+`profile_stages` measures every stage on a sample into a `StageCost` (NOTE [ Chain profile ]); `backward_stage`
 runs one stage's backward so that autograd frees what it consumes (NOTE [ Backward frees as it goes ]).
-Both are used by `remat._chain.chain`, which runs the plans.
+Both are used by `remat._chain.chain`, which runs the schedules.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .._measure.clock import clock_for, now, priced
 from .._measure.track import synchronize, track
 from .simulate import StageCost
 
-__all__ = ["backward_stage", "check_tensor", "grad_input", "nbytes", "profile", "stage_params", "writer"]
+__all__ = ["backward_stage", "check_tensor", "grad_input", "nbytes", "profile_stages", "stage_params", "writer"]
 
 # NOTE [ A stage that changes its input ]
 # A chain keeps stage outputs as the inputs of the stages after them (`forward_checkpoint`, `forward_save`) and
@@ -151,7 +151,7 @@ def _memory(stage: nn.Module, n: int, a: torch.Tensor) -> tuple[torch.Tensor, in
     return nxt.detach(), out_bytes, max(saved, out_bytes), max(save_temp, nosave_temp), backward_temp, copied
 
 
-def profile(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCost], int, frozenset[int]]:
+def profile_stages(stages: Sequence[nn.Module], x: torch.Tensor) -> tuple[list[StageCost], int, frozenset[int]]:
     """Measure every stage on `x` in turn (NOTE [ Chain profile ]): `StageCost`s, the input's bytes, and the stages
     that change their input in place, which the chain runs on a copy of it (NOTE [ A stage that changes its
     input ])."""
