@@ -191,8 +191,9 @@ def _fits(row: Row, seq: int, memory: int) -> bool:
     """Whether a real step of ``row`` at ``seq`` tokens stays within ``memory`` (what lives before it included)."""
     model, device = build(row)
     inputs = batch(seq, device)
-    resident = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers(),
-                                                          inputs["input_ids"], inputs["labels"]])
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the labels are the ids: counted once
+                for t in [*model.parameters(), *model.buffers(), inputs["input_ids"], inputs["labels"]]}
+    resident = sum(storages.values())
     try:
         with _on(device), remat.track(limit={device: memory - resident} if device != "cpu" else memory - resident):
             step(model, inputs)

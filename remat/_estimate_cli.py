@@ -7,9 +7,11 @@ estimates against real steps (``python -m benchmarks --model estimate``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -21,17 +23,21 @@ import remat
 
 from ._core.errors import RematError
 from ._demo import CONVNET_SIZES, GPT, GPT_SIZES, ConvNet, ConvNetConfig, GPTConfig, human_count, parameter_count
-from ._estimate.estimate import DEFAULT_CONFIGS
+from ._estimate.estimate import DEFAULT_CONFIGS, is_budget
+from ._sites.head import can_route_head
 
-__all__ = ["DTYPES", "HF_KINDS", "LONG_CONFIGS", "SEED", "Case", "bench_case", "hf_case", "estimate_main"]
+__all__ = ["DTYPES", "HF_KINDS", "LONG_CONFIGS", "SEED", "Case", "bench_case", "default_configs", "estimate_main",
+           "hf_case"]
 
 SEED = 1234
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HF_KINDS = ("llama", "gpt2", "t5", "bert")
-LONG_CONFIGS = ("none", "full", "save_matmuls", "full+head", "full+head+tiles", "full+head+tiles+offload")
-"""What ``--largest-seq`` compares: NOTE [ Long-sequence configurations ] in remat/_estimate/long_sequences.py (the
-offload row where the device is an accelerator: on the CPU offload is a pass-through)."""
-HF_MISSING = "remat: --hf builds a model from transformers, which is not installed: pip install 'remat[hf]'"
+LONG_CONFIGS = ("full+head", "full+head+tiles", "full+head+tiles+offload")
+"""The configurations that matter at long sequences (NOTE [ Long-sequence configurations ] in
+remat/_estimate/long_sequences.py): in the default table of a causal LM (whose loss the head can route), the offload
+row where the device is an accelerator (on the CPU offload is a pass-through)."""
+HF_MISSING = ("remat: --hf builds a model with transformers, which is not installed: pip install 'remat[hf]' (in a "
+              "clone of remat: pip install -e '.[hf]')")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,6 +45,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> Any:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _count(text: str) -> int:
+    """A command-line count (a size, a number of layers or ranks): an int of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, but got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, but got {value}")
+    return value
 
 
 @dataclass
@@ -149,11 +166,11 @@ def estimate_main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
                         "of the benchmark's models")
     parser.add_argument("--model", choices=["gpt", "convnet"], help="a benchmark model (default: both)")
     parser.add_argument("--size", choices=["small", "medium"], default="small", help="benchmark model size")
-    parser.add_argument("--layers", type=int, help="number of layers (--hf)")
-    parser.add_argument("--hidden", type=int, help="hidden size (--hf)")
-    parser.add_argument("--heads", type=int, help="attention heads (--hf)")
-    parser.add_argument("--seq", type=int, default=2048, help="sequence length (--hf; default 2048)")
-    parser.add_argument("--batch", type=int, default=1, help="batch size (--hf; default 1)")
+    parser.add_argument("--layers", type=_count, help="number of layers (--hf)")
+    parser.add_argument("--hidden", type=_count, help="hidden size (--hf)")
+    parser.add_argument("--heads", type=_count, help="attention heads (--hf)")
+    parser.add_argument("--seq", type=_count, default=2048, help="sequence length (--hf; default 2048)")
+    parser.add_argument("--batch", type=_count, default=1, help="batch size (--hf; default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (--hf)")
     parser.add_argument("--optimizer", choices=["none", "sgd", "adam", "adamw"], default="adamw",
                         help="optimizer step to include (default adamw)")
@@ -162,12 +179,13 @@ def estimate_main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
     parser.add_argument("--memory", help="device memory (e.g. 80GiB, --hf): also print the largest batch whose "
                         "step fits in it per configuration")
     parser.add_argument("--largest-seq", action="store_true", help="with --memory: also the longest sequence per "
-                        "configuration (at --batch), for the configurations that matter at long sequences by default "
-                        f"({', '.join(LONG_CONFIGS)}; the offload row on an accelerator)")
+                        "configuration (at --batch); the default configurations without the budget row")
     parser.add_argument("--configs", help="comma-separated configurations to compare (none, full, save_matmuls, "
-                        "full+head, full+head+tiles, full+head+tiles+offload, a budget such as 0.3 or 6GiB)")
+                        "full+head, full+head+tiles, full+head+tiles+offload, a budget such as 0.3 or 6GiB; default: "
+                        "none, full, save_matmuls, 0.3, and for a causal LM "
+                        f"{', '.join(LONG_CONFIGS)}, the offload row on an accelerator)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
-    parser.add_argument("--world-size", type=int, help="predict one rank of this many data-parallel ranks")
+    parser.add_argument("--world-size", type=_count, help="predict one rank of this many data-parallel ranks")
     parser.add_argument("--shard", choices=["fsdp2", "ddp"], help="with --world-size: fsdp2, as if fully_shard "
                         "were applied to each block and the root; ddp, as if wrapped in DistributedDataParallel "
                         "(its gradient buckets counted)")
@@ -176,31 +194,76 @@ def estimate_main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
         parser.error("--memory needs --hf: the benchmark's models take a loss with fixed target shapes")
     if args.largest_seq and args.memory is None:
         parser.error("--largest-seq goes with --memory")
+    if args.shard and not args.world_size:
+        parser.error("--shard goes with --world-size")
+    for flag in ("layers", "hidden", "heads"):
+        if getattr(args, flag) is not None and not args.hf:
+            parser.error(f"--{flag} goes with --hf (the benchmark's models take --model and --size)")
+    if args.model is not None and args.hf:
+        parser.error("--model and --hf each name a model: give one")
+    try:
+        torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"argument --device: {_first_line(error)}")
     search: dict[str, Any] = {} if args.memory is None else {
         "memory": args.memory, "batch_dim": 0, "seq_dim": 1 if args.largest_seq else None}
     optimizer = None if args.optimizer == "none" else args.optimizer
     ranks: dict[str, Any] = {"world_size": args.world_size, "shard": args.shard} if args.world_size else {}
-    if args.shard and not args.world_size:
-        parser.error("--shard goes with --world-size")
     try:
-        return _run(args, search, optimizer, ranks, out)
+        with _quiet_fake_tensors():
+            return _run(args, search, optimizer, ranks, out)
     except ModuleNotFoundError as error:
         if args.hf and error.name is not None and error.name.split(".")[0] == "transformers":
             print(HF_MISSING, file=sys.stderr)
             return 2
-        raise
+        return _failed(error)
     except (ValueError, TypeError, RematError, OSError) as error:  # one line, as a usage error is
         message = " ".join(str(error).split())
         print(message if message.startswith("remat: ") else f"remat: {message}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("remat: estimate interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # a command line reports on one line, never a traceback
+        return _failed(error)
 
 
-def _configs(args: argparse.Namespace) -> tuple[Any, ...]:
-    if args.configs:
-        return tuple(_config(part.strip()) for part in args.configs.split(",") if part.strip())
-    if args.largest_seq:
-        return tuple(c for c in LONG_CONFIGS if "offload" not in c or torch.device(args.device).type != "cpu")
-    return tuple(DEFAULT_CONFIGS)  # a budget this model cannot meet: a refused row
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """torch logs a traceback when an op fails on fake tensors, before raising; the command reports the error on one
+    line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _failed(error: BaseException) -> int:
+    """What the command reports of an error it did not expect: one line, the exit status 1."""
+    print(f"remat: estimate failed: {type(error).__name__}: {_first_line(error)} (remat.estimate from Python shows "
+          "the traceback; if it is remat's, please report it)", file=sys.stderr)
+    return 1
+
+
+def default_configs(model: nn.Module, device: str, largest_seq: bool) -> tuple[Any, ...]:
+    """The configurations ``python -m remat estimate`` compares without ``--configs``.
+
+    `remat.estimate`'s defaults, and for a causal LM (a model whose loss `remat.apply(model, head=True)` can route)
+    the configurations that matter at long sequences (`LONG_CONFIGS`: the offload row on an accelerator only, where
+    it changes the device's peak). With ``largest_seq`` the budget row is left out: a budget plans anew at each
+    size the search tries, for a row the fixed configurations already bracket.
+    """
+    configs = [c for c in DEFAULT_CONFIGS if not (largest_seq and is_budget(c))]
+    if can_route_head(model):
+        configs += [c for c in LONG_CONFIGS if "offload" not in c or torch.device(device).type != "cpu"]
+    return tuple(configs)
 
 
 def _config(text: str) -> Any:
@@ -220,8 +283,9 @@ def _run(args: argparse.Namespace, search: dict[str, Any], optimizer: str | None
         cases = [bench_case(name, args.size, device="meta") for name in ([args.model] if args.model
                                                                         else ["gpt", "convnet"])]
     reports = []
-    configs = _configs(args)
     for case in cases:
+        configs = (tuple(_config(part.strip()) for part in args.configs.split(",") if part.strip()) if args.configs
+                   else default_configs(case.model, args.device, args.largest_seq))
         start = time.perf_counter()
         report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
                                 configs=configs, device=args.device, **ranks, **search)

@@ -7,8 +7,10 @@ line's errors on one line.
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -156,12 +158,12 @@ def test_the_search_falls_back_where_the_peak_is_not_affine(probes: list[int]) -
 def test_the_command_line_reports_errors_on_one_line(capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from remat.__main__ import main
+    from remat._estimate_cli import HF_MISSING
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # as where the `hf` extra is not installed
     assert main(["estimate", "--hf", "llama"], io.StringIO()) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "remat: --hf builds a model from transformers, which is not installed: pip install " \
-                          "'remat[hf]'", err
+    assert err.strip() == HF_MISSING and "pip install 'remat[hf]'" in err and "pip install -e '.[hf]'" in err, err
     monkeypatch.undo()
     pytest.importorskip("transformers")
     assert main(["estimate", "--hf", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
@@ -173,6 +175,83 @@ def test_the_command_line_reports_errors_on_one_line(capsys: pytest.CaptureFixtu
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--largest-seq goes with --memory" in err, err
+
+
+TINY = ("--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8")
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--hf", "llama", *TINY, "--seq", "0"), "argument --seq: expected at least 1, but got 0"),
+    (("--hf", "llama", *TINY, "--batch", "two"), "argument --batch: expected a whole number, but got 'two'"),
+    (("--hf", "llama", *TINY, "--world-size", "0"), "argument --world-size: expected at least 1"),
+    (("--hf", "llama", *TINY, "--device", "gpu"), "argument --device: "),
+    (("--layers", "2"), "--layers goes with --hf"),
+    (("--hf", "llama", "--model", "gpt"), "--model and --hf each name a model"),
+    (("--hf", "llama", *TINY, "--memory", "lots"), "estimate's `memory` is a device's memory in bytes"),
+    (("--hf", "bert", *TINY, "--optimizer", "none", "--memory", "1GiB", "--largest-seq"),  # past its 512 positions
+     "remat: estimate failed: RuntimeError: "),
+])
+def test_every_error_of_the_command_line_is_one_line(flags: tuple[str, ...], says: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from remat.__main__ import main
+
+    try:
+        status = main(["estimate", *flags], io.StringIO())
+    except SystemExit as exited:  # a usage error, as argparse reports it
+        status = exited.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert status not in (0, None), err
+    assert len(err.strip().splitlines()) == 1 and says in err and "Traceback" not in err, err
+
+
+_WITHOUT_TRANSFORMERS = """
+import sys
+
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "transformers":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+from remat.__main__ import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # a process of its own: NOTE [ Slow tests ] in tests/conftest.py
+def test_a_new_user_without_transformers_is_told_what_to_install() -> None:
+    from remat._estimate_cli import HF_MISSING
+
+    root = Path(__file__).resolve().parents[2]
+    for flags in (["--hf", "llama"], ["--hf", "llama", "--dtype", "bfloat16", "--memory", "80GiB", "--largest-seq"]):
+        done = subprocess.run([sys.executable, "-c", _WITHOUT_TRANSFORMERS, "estimate", *flags], cwd=root,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stderr == HF_MISSING + "\n" and not done.stdout, done
+
+
+def test_the_default_table_of_a_causal_lm_has_the_long_sequence_rows() -> None:
+    pytest.importorskip("transformers")
+    from remat._estimate_cli import default_configs, hf_case
+
+    llama = hf_case("llama", tiny=True, seq=16).model
+    assert default_configs(llama, "cpu", largest_seq=False) == (
+        "none", "full", "save_matmuls", 0.3, "full+head", "full+head+tiles")
+    assert default_configs(llama, "cuda", largest_seq=False)[-1] == "full+head+tiles+offload"
+    assert default_configs(llama, "cpu", largest_seq=True) == (
+        "none", "full", "save_matmuls", "full+head", "full+head+tiles")  # the budget's row re-plans at every size
+    bert = hf_case("bert", tiny=True, seq=16).model  # a masked LM: no head to route, no long-sequence rows
+    assert default_configs(bert, "cuda", largest_seq=False) == ("none", "full", "save_matmuls", 0.3)
+    from remat.__main__ import main
+
+    out = io.StringIO()
+    assert main(["estimate", "--hf", "llama", *TINY, "--optimizer", "none"], out) == 0
+    rows = [line.split()[0] for line in out.getvalue().splitlines() if line[:1].isalpha()]
+    assert {"full+head", "full+head+tiles"} <= set(rows), out.getvalue()
 
 
 def test_the_command_line_compares_the_configurations_of_long_sequences() -> None:
