@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -118,6 +119,24 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def spawn_ranks(rank: Callable[..., None], args: tuple[Any, ...], world: int, deadline_s: float) -> None:
+    """Run `rank(index, *args)` in `world` processes (`torch.multiprocessing.spawn`), failing the test where they do
+    not finish within `deadline_s`; a rank's exception is raised here with its traceback."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(rank, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1.0):  # raises ProcessRaisedException with the rank's traceback
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {world} ranks did not finish within {deadline_s:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
 
 
 def hooks_installed() -> bool:

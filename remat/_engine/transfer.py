@@ -90,10 +90,7 @@ __all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack
 #    unpacks what it saved in that order too). With per-block remat that is one block ahead: the previous
 #    block's input copies back while this block recomputes and back-propagates, and what a block's policy kept
 #    comes back during the block after it, one copy per unpack there. More would hold more on the device for
-#    no gain: backward is as fast as the slower of compute and the link either way. Only a copy's first unpack in
-#    a backward prefetches: a block's input is unpacked by its recompute and again by the ops that saved it (a
-#    norm's input), and every unpack walking on past what was brought back would bring one block more back each
-#    time, every block's input back long before its backward. A copy packed again after later copies were made
+#    no gain: backward is as fast as the slower of compute and the link either way. A copy packed again after later copies were made
 #    (a tensor every block takes, as a transformer's rotary tables, copied with the first block) sits in the chain
 #    where the first block is, not where backward needs it: unpacking it prefetches nothing, or every block's
 #    backward would bring the first blocks' copies back with it.
@@ -365,7 +362,7 @@ class _Copy:
 
     __slots__ = (
         "__weakref__", "device", "early", "fetched", "host", "lane", "nbytes", "next", "pinned", "prev", "ready",
-        "ref", "spread", "start", "storage", "users", "version", "view", "walked",
+        "ref", "spread", "start", "storage", "users", "version", "view",
     )
 
     def __init__(
@@ -379,7 +376,6 @@ class _Copy:
         self.nbytes = 0  # until the copy is made
         self.users = 0  # parcels handed out
         self.spread = False  # packed again after later copies were made: NOTE [ Offload lifecycle ], note 3
-        self.walked = -2  # the last backward in which an unpack of it prefetched: note 3 too
         self.fetched = -2  # the last backward that brought it back
         # On its way back, for one backward. Memory dropped unused must first make the stream it was allocated on
         # wait for the copy into it (`_let_go`), or the allocator could hand it to a kernel while the copy writes.
@@ -438,8 +434,7 @@ class _Copy:
                     self._hold(gid, tensor, event, allocated, self.users - 1)
         lane = self.lane
         lane.reap()
-        if gid != -1 and not self.spread and self.walked != gid:
-            self.walked = gid
+        if gid != -1 and not self.spread:
             self._prefetch(gid)
         if event is not None:
             lane.wait(event, allocated)

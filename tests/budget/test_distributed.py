@@ -13,7 +13,6 @@ with the rank's traceback and fails that case's test only; a rank that dies or h
 from __future__ import annotations
 
 import os
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -24,9 +23,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -288,17 +286,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     out = tmp_path_factory.mktemp("distributed")
-    context = mp.spawn(_rank, args=(free_port(), str(out)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=1.0):  # raises ProcessRaisedException with the rank's traceback
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    spawn_ranks(_rank, (free_port(), str(out)), WORLD, DEADLINE_S)
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
 
 

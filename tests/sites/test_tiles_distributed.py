@@ -12,7 +12,6 @@ skipped where deepspeed is absent.
 from __future__ import annotations
 
 import os
-import time
 import traceback
 import warnings
 from collections import Counter
@@ -24,9 +23,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 from torch import nn
 
 import remat
@@ -265,17 +263,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     names = [name for name in CASES if _deepspeed() or name not in DEEPSPEED]
     out = tmp_path_factory.mktemp("tiles_distributed")
-    context = mp.spawn(_rank, args=(free_port(), str(out), names), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    spawn_ranks(_rank, (free_port(), str(out), names), WORLD, DEADLINE_S)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 
