@@ -90,10 +90,10 @@ __all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack
 #    unpacks what it saved in that order too). With per-block remat that is one block ahead: the previous
 #    block's input copies back while this block recomputes and back-propagates, and what a block's policy kept
 #    comes back during the block after it, one copy per unpack there. More would hold more on the device for
-#    no gain: backward is as fast as the slower of compute and the link either way. A copy packed again after later copies were made
-#    (a tensor every block takes, as a transformer's rotary tables, copied with the first block) sits in the chain
-#    where the first block is, not where backward needs it: unpacking it prefetches nothing, or every block's
-#    backward would bring the first blocks' copies back with it.
+#    no gain: backward is as fast as the slower of compute and the link either way. A copy packed again after
+#    later copies were made (a tensor every block takes, as a transformer's rotary tables, copied with the first
+#    block) sits in the chain where the first block is, not where backward needs it: unpacking it prefetches
+#    nothing, or every block's backward would bring the first blocks' copies back with it.
 # 4. (rule 4) Memory brought back belongs to its graph task (two backwards over one graph never share it) and is
 #    held for as many unpacks as the copy has users (parcels handed out); a callback at the end of that backward
 #    drops whatever was brought back and not used.
