@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _count(text: str) -> int:
+def _positive_count(text: str) -> int:
     """A command-line count (a size, a number of layers or ranks): an int of at least 1."""
     try:
         value = int(text)
@@ -166,11 +166,11 @@ def estimate_main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
                         "of the benchmark's models")
     parser.add_argument("--model", choices=["gpt", "convnet"], help="a benchmark model (default: both)")
     parser.add_argument("--size", choices=["small", "medium"], default="small", help="benchmark model size")
-    parser.add_argument("--layers", type=_count, help="number of layers (--hf)")
-    parser.add_argument("--hidden", type=_count, help="hidden size (--hf)")
-    parser.add_argument("--heads", type=_count, help="attention heads (--hf)")
-    parser.add_argument("--seq", type=_count, default=2048, help="sequence length (--hf; default 2048)")
-    parser.add_argument("--batch", type=_count, default=1, help="batch size (--hf; default 1)")
+    parser.add_argument("--layers", type=_positive_count, help="number of layers (--hf)")
+    parser.add_argument("--hidden", type=_positive_count, help="hidden size (--hf)")
+    parser.add_argument("--heads", type=_positive_count, help="attention heads (--hf)")
+    parser.add_argument("--seq", type=_positive_count, default=2048, help="sequence length (--hf; default 2048)")
+    parser.add_argument("--batch", type=_positive_count, default=1, help="batch size (--hf; default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (--hf)")
     parser.add_argument("--optimizer", choices=["none", "sgd", "adam", "adamw"], default="adamw",
                         help="optimizer step to include (default adamw)")
@@ -185,7 +185,7 @@ def estimate_main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
                         "none, full, save_matmuls, 0.3, and for a causal LM "
                         f"{', '.join(LONG_CONFIGS)}, the offload row on an accelerator)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
-    parser.add_argument("--world-size", type=_count, help="predict one rank of this many data-parallel ranks")
+    parser.add_argument("--world-size", type=_positive_count, help="predict one rank of this many data-parallel ranks")
     parser.add_argument("--shard", choices=["fsdp2", "ddp"], help="with --world-size: fsdp2, as if fully_shard "
                         "were applied to each block and the root; ddp, as if wrapped in DistributedDataParallel "
                         "(its gradient buckets counted)")

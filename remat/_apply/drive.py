@@ -32,7 +32,7 @@ def drive(model: _M, request: Request) -> _M:
     """Apply `request` to `model` (see `remat.apply`): the driver of the request's mode, with the head routed first
     where the request asks for it; nothing is left half done where it raises."""
     _check_model(model)
-    tiled = _tiled(model, request)
+    tiled = _tile_first(model, request)
     try:
         if not request.head:
             return _dispatch(model, request)
@@ -43,7 +43,7 @@ def drive(model: _M, request: Request) -> _M:
         raise
 
 
-def _tiled(model: nn.Module, request: Request) -> tuple[str, ...]:
+def _tile_first(model: nn.Module, request: Request) -> tuple[str, ...]:
     """`tiles=N`: the token-wise modules of the blocks `where` selects, tiled in place (every selected block, also
     those `every` leaves out: tiles lower what a block holds, rematerialized or not); their names. A ValueError
     that says what was looked for where the blocks hold none."""

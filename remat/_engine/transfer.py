@@ -90,7 +90,10 @@ __all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack
 #    unpacks what it saved in that order too). With per-block remat that is one block ahead: the previous
 #    block's input copies back while this block recomputes and back-propagates, and what a block's policy kept
 #    comes back during the block after it, one copy per unpack there. More would hold more on the device for
-#    no gain: backward is as fast as the slower of compute and the link either way. A copy packed again after
+#    no gain: backward is as fast as the slower of compute and the link either way. A walk stops, too, once it
+#    passed more than `_AHEAD` copies of several users (a block's input, unpacked by its recompute and again by
+#    the ops that saved it) brought back and not used yet: each of those unpacks walks, and walking on past them
+#    brought one block more back each time, every block's input long before its backward. A copy packed again after
 #    later copies were made (a tensor every block takes, as a transformer's rotary tables, copied with the first
 #    block) sits in the chain where the first block is, not where backward needs it: unpacking it prefetches
 #    nothing, or every block's backward would bring the first blocks' copies back with it.
@@ -468,15 +471,17 @@ class _Copy:
             copy = link()
             if copy is not None and copy.early and copy.fetched != gid:
                 copy._fetch(gid)
-        ahead = walked = 0
+        ahead = walked = held = 0
         link = self.prev
-        while link is not None and ahead < _AHEAD and walked < _WALK:
+        while link is not None and ahead < _AHEAD and walked < _WALK and held <= _AHEAD:
             copy = link()
             if copy is None:
                 return
             walked += 1
             link = copy.prev
             if copy.fetched == gid:  # this backward brought it back already: NOTE [ What crosses ], rule 3
+                if copy.ready is not None and copy.ready[0] == gid and copy.users > 1:
+                    held += 1  # an input brought back and not used yet (NOTE [ Offload lifecycle ], note 3)
                 continue
             if not copy.early:  # it comes back when its node asks for it (NOTE [ Offload lifecycle ], rule 6)
                 return

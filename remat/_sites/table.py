@@ -19,7 +19,7 @@ from .._core.units import aligned, format_bytes
 if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`
     from .._budget.solve import Assignment
 
-__all__ = ["ModelPlan", "Site", "Tiled"]
+__all__ = ["ModelPlan", "Site", "TiledModule"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Site:
 
 
 @dataclass(frozen=True)
-class Tiled:
+class TiledModule:
     """A module of a model that runs in tiles (NOTE [ What is tiled ] in remat/_sites/tiles.py).
 
     Attributes:
@@ -74,7 +74,7 @@ class ModelPlan:
     """The `REMAT` switch was off (`REMAT=0`, `remat.set_enabled(False)`) when the plan was made."""
     head: str | None = None
     """What `remat.apply(model, head=True)` did to the model's head and loss, in a line; None where nothing."""
-    tiles: tuple[Tiled, ...] = ()
+    tiles: tuple[TiledModule, ...] = ()
     """The model's modules that run in tiles (`remat.tiled`, `remat.apply(model, tiles=...)`), in `named_modules()`
     order."""
 

@@ -25,7 +25,7 @@ from .._engine.offload import resolve as resolve_offload
 from .blocks import describe_search, find_blocks
 from .head import describe_head
 from .integrations import comes_from
-from .table import ModelPlan, Site, Tiled
+from .table import ModelPlan, Site, TiledModule
 
 if TYPE_CHECKING:
     from .._core.requests import Where
@@ -422,9 +422,9 @@ def model_plan(model: nn.Module) -> ModelPlan:
                      tiles=tiles)
 
 
-def _tiles_of(model: nn.Module) -> tuple[Tiled, ...]:
+def _tiles_of(model: nn.Module) -> tuple[TiledModule, ...]:
     """The model's tiled modules (a tiled module has its own `forward`: NOTE [ What is tiled ] in tiles.py)."""
-    found: list[Tiled] = []
+    found: list[TiledModule] = []
     for name, module in model.named_modules():
         if "forward" not in module.__dict__:
             continue
@@ -432,5 +432,5 @@ def _tiles_of(model: nn.Module) -> tuple[Tiled, ...]:
 
         tiled = tiled_of(module)
         if tiled is not None:
-            found.append(Tiled(name, tiled.tiles, tiled.chosen_by))
+            found.append(TiledModule(name, tiled.tiles, tiled.chosen_by))
     return tuple(found)

@@ -109,7 +109,7 @@ def _sharded_inside(module: nn.Module) -> str | None:
     return None
 
 
-def _count(tiles: object) -> int:
+def _tile_count(tiles: object) -> int:
     if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
         raise ValueError(f"remat: `tiles` must be a positive int (how many tiles), but got {tiles!r}.")
     return tiles
@@ -244,7 +244,7 @@ def tiled(fn: Any, x: Any = _NOTHING, /, *args: Any, tiles: int, dim: int = -2, 
     >>> y.sum().backward()
     >>> mlp = remat.tiled(mlp, tiles=8)   # in place: every call of `mlp` now runs in 8 tiles
     """
-    count = _count(tiles)
+    count = _tile_count(tiles)
     if x is _NOTHING:
         if args or kwargs:
             raise TypeError("remat: tiled(module, tiles=...) tiles the module in place and takes no other "
@@ -369,7 +369,7 @@ def tiled_of(module: nn.Module) -> TiledForward | None:
 def tile_module(module: _M, tiles: int, dim: int = -2, chosen_by: str | None = None) -> _M:
     """Tile `module` in place (a tiled one gets the new `tiles` and `dim`) and return it; see `remat.tiled`.
     `chosen_by` says who chose the tiles where the user did not (a budget: `remat.plan` shows it)."""
-    count = _count(tiles)
+    count = _tile_count(tiles)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"remat: `dim` must be an int (the dimension of positions), but got `{type(dim).__name__}`.")
     _refuse(module, _kind(module))
@@ -456,7 +456,7 @@ def tile_blocks(blocks: Sequence[tuple[str, nn.Module]], tiles: int, *, dim: int
     >>> print(tile_blocks([("", block)], 4))
     tiled: mlp
     """
-    count = _count(tiles)
+    count = _tile_count(tiles)
     select = _matches(where)
     tiled_names: list[str] = []
     skipped: list[tuple[str, str]] = []
