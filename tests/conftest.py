@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import inspect
 import os
 import socket
@@ -167,8 +168,14 @@ def test_device() -> Iterator[str]:
     import pydevice
 
     pydevice.register()
+    before = [pydevice.DEVICE.memory_allocated(index) for index in range(pydevice.COUNT)]
     with torch.autograd.set_multithreading_enabled(False):
         yield pydevice.NAME
+    gc.collect()
+    after = [pydevice.DEVICE.memory_allocated(index) for index in range(pydevice.COUNT)]
+    assert after == before, (
+        f"the test left tensors on {pydevice.NAME}: {before} bytes allocated per index before it, {after} after "
+        "(a leak, or a tensor kept past the test: the tests after it measure this device's memory)")
 
 
 @pytest.fixture(

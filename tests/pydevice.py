@@ -119,7 +119,7 @@ class Allocator:
             try:
                 block = self._block(size)
                 self.live[key] = (block, weakref.ref(storage, lambda _, key=key: self._free(key)))
-                self.allocated += size
+                self.allocated += block[0]  # the whole block where the rest was too small to split off, as CUDA's
                 self.peak_allocated = max(self.peak_allocated, self.allocated)
                 self.peak_reserved = max(self.peak_reserved, self.reserved)
             finally:
