@@ -48,8 +48,10 @@ _CHECK_EQUIVALENCE = os.environ.get("REMAT_CHECK_EQUIVALENCE", "") == "1"
 
 # NOTE [ Slow tests ]
 # 1. A test that takes seconds of its own because it starts processes (gloo or torchrun ranks, DeepSpeed, the
-#    examples and `python -m remat` run as subprocesses) or sweeps budgets over many models is marked `slow`
-#    (`@pytest.mark.slow`, or a module's `pytestmark`); nothing else is.
+#    examples and `python -m remat` run as subprocesses), sweeps budgets over many models, or plans and measures
+#    real training steps for more than about two seconds on two cores (tiles, the head or autocast chosen by
+#    steps that run; the offload peaks) is marked `slow` (`@pytest.mark.slow`, or a module's `pytestmark`);
+#    nothing else is. Each feature keeps a quicker test of its gradients in the README's command.
 # 2. The README's test command, `python -m pytest -q`, leaves them out (pyproject's `addopts` carries
 #    `-m "not slow"`), so a contributor's run stays within minutes on two cores, and says how many it left out.
 # 3. CI runs them as a step of its own (`python -m pytest -q -m slow` in .ci/run), so nothing CI ran before is
@@ -68,6 +70,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if slow and config.getoption("markexpr") == "not slow":  # NOTE [ Slow tests ], rule 2
         terminalreporter.write_line(f"{slow} slow integration tests left out (marked `slow`): "
                                     "`python -m pytest -q -m slow` runs them, `-m \"\"` the whole suite.")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, transformers, every test module) lives until the end: `gc.freeze` takes it
+    out of the collector's sight, so that each `gc.collect()` a test runs (the leak and weakref tests: hundreds)
+    scans what tests made, not the whole import graph again."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -163,7 +173,8 @@ def test_device() -> Iterator[str]:
     """The name of the device type written in Python in tests/pydevice.py (two indices, a random stream each).
 
     Registered on first use, once per process (it cannot be undone). Backward runs on the calling thread during
-    the test: the device's guard knows index 0 only, and autograd's device threads would assert on index 1.
+    the test: the device's guard knows index 0 only, and autograd's device threads would assert on index 1. A test
+    that leaves tensors on the device fails: the tests after it read the device's memory.
     """
     import pydevice
 
@@ -171,8 +182,10 @@ def test_device() -> Iterator[str]:
     before = [pydevice.DEVICE.memory_allocated(index) for index in range(pydevice.COUNT)]
     with torch.autograd.set_multithreading_enabled(False):
         yield pydevice.NAME
-    gc.collect()
     after = [pydevice.DEVICE.memory_allocated(index) for index in range(pydevice.COUNT)]
+    if after != before:  # a cycle not yet collected is not a leak
+        gc.collect()
+        after = [pydevice.DEVICE.memory_allocated(index) for index in range(pydevice.COUNT)]
     assert after == before, (
         f"the test left tensors on {pydevice.NAME}: {before} bytes allocated per index before it, {after} after "
         "(a leak, or a tensor kept past the test: the tests after it measure this device's memory)")

@@ -79,6 +79,7 @@ def test_estimates_under_autocast_match_a_step_in_its_own_region_whatever_else_i
     assert together["none"].activation_bytes < 0.75 * float32.activation_bytes  # autocast was on in the steps
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_budget_planned_under_autocast_holds_from_its_first_step(llama: Workload) -> None:
     with remat.enabled(False):
         none = _step(llama.model, llama)
@@ -98,6 +99,7 @@ def _messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "remat"]
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_budget_planned_without_autocast_plans_again_at_the_first_step_under_it(
         llama: Workload, caplog: pytest.LogCaptureFixture) -> None:
     model = copy.deepcopy(llama.model)
@@ -113,6 +115,7 @@ def test_a_budget_planned_without_autocast_plans_again_at_the_first_step_under_i
     assert all(peak <= 1.05 * plan.budget for peak in peaks), (peaks, plan.budget)
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_replan_false_keeps_the_plan_and_warns_once(llama: Workload) -> None:
     model = copy.deepcopy(llama.model)
     remat.apply(model, budget=0.5, sample=llama.sample, replan=False)

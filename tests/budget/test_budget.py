@@ -164,6 +164,7 @@ def test_peak_stays_within_the_budget(fraction: float) -> None:
     assert abs(plan.peak_bytes - measured) <= 0.05 * measured
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_budget_error_names_the_smallest_feasible_budget() -> None:
     model = _stack()
     with pytest.raises(remat.BudgetError, match=r"smallest feasible budget is (\d+) bytes") as info:

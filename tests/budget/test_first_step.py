@@ -119,6 +119,7 @@ def test_undo_and_a_new_plan_stop_a_tracked_step() -> None:
     del out
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_model_copied_while_a_step_is_tracked_copies_no_tracking() -> None:
     model = remat.apply(_stack(), budget=0.6, sample=X)
     out = model(X)
@@ -147,6 +148,7 @@ def test_a_tracked_step_keeps_nothing_alive() -> None:
     assert ref() is None
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_when_even_the_least_choice_measures_over_the_step_warns_and_trains_on(monkeypatch: pytest.MonkeyPatch) -> None:
     optimistic_profile(monkeypatch)  # the plan fits on paper, no choice does in a real step
     none = _peak(_stack(), X)
@@ -214,6 +216,7 @@ def test_blocks_compiled_one_by_one_still_compile_after_the_tracked_step() -> No
         torch._dynamo.reset()
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own notes while it traces
 def test_blocks_compiled_before_the_plan_or_a_new_shape_still_compile() -> None:
     # The profile and a re-plan for a new shape run under the tracker too: under the same stance.

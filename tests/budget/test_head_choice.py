@@ -56,6 +56,7 @@ def no_remat_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_budget_only_the_chunked_head_makes_feasible_is_planned_not_refused() -> None:
     base = make()
     _, none_peak, _ = trained(copy.deepcopy(base))
@@ -100,6 +101,7 @@ def test_head_true_with_a_budget_routes_it_as_the_users_and_the_fraction_is_of_i
     assert abs(plan.budget.budget - 0.5 * plain.no_remat[0]) <= 0.02 * plain.no_remat[0]
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_memory_that_only_the_chunked_head_fits_is_planned() -> None:
     base = make()
     full = remat.estimate(copy.deepcopy(base), batch(), optimizer="adamw", configs=("full", "full+head"))
@@ -132,6 +134,7 @@ def _state_bytes(model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
     return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("fraction", [0.45, 0.3])
 def test_apply_plans_with_the_head_before_a_real_step_would_go_over_the_budget(fraction: float) -> None:
     """Planning needs no more than the plan (NOTE [ Planning on fake tensors ], rule 1): where only the chunked

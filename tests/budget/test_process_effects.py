@@ -111,6 +111,7 @@ def test_a_solve_keeps_the_thread_count(two_threads: int, monkeypatch: pytest.Mo
 # -- the first-step check ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_budgeted_training_step_leaves_nothing_process_wide() -> None:
     # Whatever ends the first step: the optimizer's step (the loss kept past it, as a loop that logs it keeps
     # it), the death of the step's graph (no optimizer), or `remat.undo`.
@@ -253,6 +254,7 @@ def _train(model: nn.Module, steps: int, *, tracked: bool) -> tuple[list[tuple[i
     return choices, [str(w.message) for w in caught], peaks
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_the_first_step_under_the_users_tracker_is_checked_as_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
     optimistic_profile(monkeypatch)
     with remat.track() as t:

@@ -51,6 +51,7 @@ def tiles_of(model: nn.Module) -> list[tuple[str, int, str | None]]:
     return [(t.name, t.tiles, t.chosen_by) for t in remat.plan(model).tiles]
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_memory_that_only_tiles_fit_is_planned_with_tiles_and_its_first_three_steps_stay_within_it() -> None:
     """The issue's done-when on the CPU: full remat with the head in chunks does not fit in M (the estimate says so);
     `apply(memory=M)` plans with tiles, and apply itself and three real AdamW steps (optimizer state made in the
@@ -79,6 +80,7 @@ def test_memory_that_only_tiles_fit_is_planned_with_tiles_and_its_first_three_st
     assert "in 8 tiles, chosen by the budget" in str(plan) and "head: lm_head" in str(plan)
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_plan_that_fits_without_tiles_takes_none() -> None:
     base = make()
     memory = int(1.1 * peaks(base)["full+head"])
@@ -88,6 +90,7 @@ def test_a_plan_that_fits_without_tiles_takes_none() -> None:
     assert not remat.plan(model).tiles
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.equivalence
 def test_the_plan_with_tiles_keeps_no_remats_gradients_and_a_replan_chooses_again() -> None:
     base = make(torch.float64)
@@ -108,6 +111,7 @@ def test_the_plan_with_tiles_keeps_no_remats_gradients_and_a_replan_chooses_agai
     assert not tiles_of(model)
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_tiles_the_user_gives_are_planned_with_and_stay_the_users() -> None:
     base = make()
     estimated = peaks(base)

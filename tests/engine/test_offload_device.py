@@ -227,6 +227,7 @@ def gpt_like() -> nn.Module:
     return GPT(GPTConfig(blocks=4, d=128, heads=4, seq=128, batch=8, vocab=256, dropout=0.1)).to(D0).train()
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("link", ["synchronous", "slow"])
 def test_the_offload_block_peaks_as_save_on_cpu(link: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [ Offload lifecycle ], rule 6: on the GPU the block peaked 1.33x save_on_cpu's (prefetch, copies in

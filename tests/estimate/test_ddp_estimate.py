@@ -118,6 +118,7 @@ def test_wrapped_model_with_fsdp2_shard_is_refused() -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # starts a subprocess: NOTE [ Slow tests ] in tests/conftest.py
 def test_cli_counts_the_buckets() -> None:
     pytest.importorskip("transformers")
     import io

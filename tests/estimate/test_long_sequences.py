@@ -106,6 +106,7 @@ def test_tiles_are_estimated_as_a_real_step_runs_them() -> None:
     assert report["full+tiles=16"].peak_bytes < report["full+tiles"].peak_bytes
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_offload_is_estimated_as_it_runs_on_an_accelerator(test_device: str) -> None:
     device = f"{test_device}:0"
     x = torch.randn(1, 1024, WIDTH).to(device)
@@ -126,6 +127,7 @@ def test_offload_is_estimated_as_it_runs_on_an_accelerator(test_device: str) -> 
     assert on_cpu["full+tiles"].peak_bytes == on_cpu["full+tiles+offload"].peak_bytes, "offload: a CPU pass-through"
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_longest_sequence_from_a_few_estimates_where_the_peak_is_affine(probes: list[int]) -> None:
     memory = 8 * 2**20
     x = torch.randn(1, 256, WIDTH)
@@ -254,6 +256,7 @@ def test_the_default_table_of_a_causal_lm_has_the_long_sequence_rows() -> None:
     assert {"full+head", "full+head+tiles"} <= set(rows), out.getvalue()
 
 
+@pytest.mark.slow  # starts a subprocess: NOTE [ Slow tests ] in tests/conftest.py
 def test_the_command_line_compares_the_configurations_of_long_sequences() -> None:
     pytest.importorskip("transformers")
     from remat.__main__ import main

@@ -94,6 +94,7 @@ def test_tiles_head_and_per_block_offload_give_no_remats_gradients(offload: bool
         assert crossed == 0
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_per_block_offload_takes_the_block_inputs_off_the_device() -> None:
     """Measured as the activations' peak (the gradients exist before the step), which comes early in backward, when
     every block's input is kept. With offload the device holds at most three blocks' inputs at its peak (the

@@ -29,6 +29,8 @@ from torch import nn
 
 import remat
 
+pytestmark = pytest.mark.slow  # two gloo ranks (torch.multiprocessing.spawn): NOTE [ Slow tests ] in tests/conftest.py
+
 WORLD, WIDTH, HIDDEN, LENGTH, BATCH, STEPS, LR, TILES = 2, 8, 24, 12, 4, 2, 0.1, 4
 DEADLINE_S = 900.0  # DeepSpeed builds its communication op on its first use on a machine (minutes)
 MLP_CALLS = [0]
