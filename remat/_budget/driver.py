@@ -1,5 +1,6 @@
-"""`remat.apply(model, budget=...)` and `memory=`: the budget's driver. `apply_budget` puts a `BudgetHook` on the
-model, whose `fit` runs the stages in order, each in the files named after it:
+"""`remat.apply(model, budget=...)` and `memory=`: the budget's driver. `apply_budget` puts on the model what the
+request asks besides a plan (`tiles=N`, `head=True`: remat/_sites/asked.py), and `fit_budget`, which `memory=` and
+`remat.estimate` run too, a `BudgetHook`, whose `fit` runs the stages in order, each in the files named after it:
 
 1. profile (profile.py, profile_step.py, profile_alone.py): a few tracked training steps on the sample, marked block
    by block, on a fake twin of the model where one stands in: a `Profile`;
@@ -33,7 +34,7 @@ import dataclasses
 import itertools
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,13 +42,14 @@ import torch
 from torch import nn
 
 from .._core.errors import BudgetError
-from .._core.requests import FitRequest
+from .._core.requests import BudgetRequest, FitRequest
 from .._core.torch_compat import eager_for_now, when_traced
 from .._core.units import format_bytes
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
 from .._measure.sample import as_call, detached, signature
 from .._measure.step_autocast import StepAutocast
+from .._sites.asked import head_asked, tiles_asked
 from .._sites.integrations import engine_of
 from .._sites.targets import remove_hooks, select
 from .choices import Choices
@@ -64,15 +66,36 @@ from .verify import Verification, from_rank_zero, max_over_ranks
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed
 
-__all__ = ["BudgetHook", "Solved", "apply_budget"]
+__all__ = ["BudgetHook", "Solved", "apply_budget", "fit_budget"]
 
 _M = TypeVar("_M", bound=nn.Module)
 _log = logging.getLogger("remat")
 
 
-def apply_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
-    """See `remat.apply`: plan `model`'s blocks for `budget` on one training step of the request's sample, and keep
-    planning on new input signatures (NOTE [ Budgeted models ]).
+def apply_budget(model: _M, request: BudgetRequest,
+                 own_step_bytes: Callable[[nn.Module, BudgetRequest], int]) -> _M:
+    """`remat.apply(model, budget=...)`: the blocks' token-wise modules tiled where `tiles=N` asks (NOTE [ Tiles as a
+    choice ], rule 2), the head routed where `head=True` asks (NOTE [ The head as a choice ], rule 2), then the plan
+    (`fit_budget`); nothing is left half done where it raises.
+
+    Args:
+        model: the model; its blocks are those the request's `where` selects.
+        request: the request, its budget as `parse_budget` reads it.
+        own_step_bytes: with `head=True`, a fractional budget in bytes of the step with the model's own head,
+            found before the head is routed (implementation note 3 of NOTE [ The head as a choice ]: it needs the
+            estimator, above this layer).
+    """
+    with tiles_asked(model, request):
+        if request.head and isinstance(request.budget, float):
+            request = dataclasses.replace(request, budget=own_step_bytes(model, request))
+        with head_asked(model, request):
+            return fit_budget(model, request, request.budget)
+
+
+def fit_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
+    """Plan `model`'s blocks for `budget` on one training step of the request's sample, and keep planning on new
+    input signatures (NOTE [ Budgeted models ]): what `apply_budget`, `remat.apply(model, memory=...)` and
+    `remat.estimate`'s budget rows run, with what the request asks of the model (tiles, the head) already on it.
 
     Args:
         model: the model; its blocks are those the request's `where` selects.
