@@ -180,19 +180,19 @@ class BudgetHook:
         restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
         try:
             with step.planning():
-                own = solved = self._solved(model, blocks, step, regime, self.budget)
+                own = solved = self._solved(step, blocks, regime, self.budget)
                 if not solved.fits and head.open:
-                    solved = self._with_head(head, model, blocks, step, regime, own) or solved
+                    solved = self._with_head(head, step, blocks, regime, own) or solved
                 if not solved.fits and tiles.open:
-                    solved = self._with_tiles(tiles, model, blocks, step, regime, own.budget) or solved
+                    solved = self._with_tiles(tiles, step, blocks, regime, own.budget) or solved
                 while True:
                     try:
-                        assignment = self._verified(model, step, regime, solved)
+                        assignment = self._verified(step, regime, solved)
                         break
                     except BudgetError:  # measured over where the prediction fitted: the head, then the tiles
-                        taken = self._with_head(head, model, blocks, step, regime, own) if head.open else None
+                        taken = self._with_head(head, step, blocks, regime, own) if head.open else None
                         if taken is None and tiles.open:
-                            taken = self._with_tiles(tiles, model, blocks, step, regime, own.budget)
+                            taken = self._with_tiles(tiles, step, blocks, regime, own.budget)
                         if taken is None:
                             raise
                         solved = taken
@@ -217,11 +217,12 @@ class BudgetHook:
         self.engine = engine_of(model)  # NOTE [ Budgets under DeepSpeed ZeRO ], rule 5
         return assignment
 
-    def _solved(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, regime: BudgetRegime,
+    def _solved(self, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
                 budget: int | float) -> Solved:
-        """Stages 1 to 3: the profile of every block under every choice (NOTE [ Profiling rounds ] in profile.py),
-        their costs, and the fastest assignment predicted to fit `budget`; where none is, the one that holds least.
-        Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
+        """Stages 1 to 3 on `step`'s model: the profile of every block under every choice (NOTE [ Profiling rounds ]
+        in profile.py), their costs, and the fastest assignment predicted to fit `budget`; where none is, the one
+        that holds least. Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
+        model = step.model
         found = profile(model, self.names, blocks, self.choices.labels, step,
                         lambda i, c: self.choices.assign(model, i, c), derived=self.choices.derived(),
                         compiled=regime.compiled, fake=regime.profiles_on_fake(model), twin=regime.twin,
@@ -234,14 +235,14 @@ class BudgetHook:
             assignment, fits = least_assignment(cost, budget), False
         return Solved(measured, cost, from_rank_zero(assignment), fits)
 
-    def _with_head(self, head: HeadChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
-                   regime: BudgetRegime, own: Solved) -> Solved | None:
+    def _with_head(self, head: HeadChoice, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
+                   own: Solved) -> Solved | None:
         """Stages 1 to 3 again with the model's head routed, for the bytes the budget resolved to with the model's
         own head (`own`'s: NOTE [ The head as a choice ], rule 1); None, the head put back, where that is no plan
         or no better a plan than `own` (implementation note 2)."""
         head.route()
         try:
-            routed: Solved | None = self._solved(model, blocks, step, regime, own.budget)
+            routed: Solved | None = self._solved(step, blocks, regime, own.budget)
         except Exception:
             routed = None
         if routed is None or not head.ran() or (
@@ -250,22 +251,24 @@ class BudgetHook:
             return None
         return routed
 
-    def _with_tiles(self, tiles: TilesChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
-                    regime: BudgetRegime, budget: int) -> Solved | None:
+    def _with_tiles(self, tiles: TilesChoice, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
+                    budget: int) -> Solved | None:
         """Stages 1 to 3 again with the blocks' token-wise modules in tiles, for the bytes the budget resolved to with
         the model's own head (NOTE [ Tiles as a choice ], rule 1); None, the tiles taken back, where the blocks have
         nothing to tile or that is no plan."""
         if not tiles.take():
             return None
         try:
-            return self._solved(model, blocks, step, regime, budget)
+            return self._solved(step, blocks, regime, budget)
         except Exception:
             tiles.take_back()
             return None
 
-    def _verified(self, model: nn.Module, step: TrainingStep, regime: BudgetRegime, solved: Solved) -> Assignment:
-        """Stage 4: `solved`'s assignment on the blocks, verified on real steps now, or on the model's first training
-        step where its prediction fits and the regime allows it (NOTE [ Verifying the plan ] in verify.py)."""
+    def _verified(self, step: TrainingStep, regime: BudgetRegime, solved: Solved) -> Assignment:
+        """Stage 4: `solved`'s assignment on the blocks of `step`'s model, verified on real steps now, or on the
+        model's first training step where its prediction fits and the regime allows it (NOTE [ Verifying the plan ]
+        in verify.py)."""
+        model = step.model
         self.choices.calls = solved.assignment.cost.calls  # rank 0's calls too
         self.choices.place(model, solved.assignment)
         if (solved.fits or not regime.real_steps) and regime.verifies_later():  # NOTE [ The first step ]
