@@ -223,7 +223,7 @@ class BudgetHook:
         in profile.py), their costs, and the fastest assignment predicted to fit `budget`; where none is, the one
         that holds least. Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
         model = step.model
-        found = profile(model, self.names, blocks, self.choices.labels, step,
+        found = profile(self.names, blocks, self.choices.labels, step,
                         lambda i, c: self.choices.assign(model, i, c), derived=self.choices.derived(),
                         compiled=regime.compiled, fake=regime.profiles_on_fake(model), twin=regime.twin,
                         gradients_kept=regime.gradients_kept)
@@ -275,7 +275,7 @@ class BudgetHook:
             self.verification = Verification(solved.assignment)
             return solved.assignment
         return regime.verify(solved.assignment,  # NOTE [ Verifying the plan ]; in `fit`'s `step.planning()`
-                           lambda a: regime.measure(model, step, solved.measured, solved.cost, a),
+                           lambda a: regime.measure(step, solved.measured, solved.cost, a),
                            lambda a: self.choices.place(model, a))
 
     # -- at every forward ------------------------------------------------------------------------------------------
