@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from .._budget.driver import apply_budget
+from .._budget.driver import fit_budget
 from .._core.errors import BudgetError
 from .._core.requests import MemoryRequest
 from .._core.units import format_bytes
@@ -41,6 +41,7 @@ from .._measure.loss import default_loss
 from .._measure.sample import as_call
 from .._measure.step_autocast import StepAutocast, planning, step_region
 from .._measure.track import placed
+from .._sites.asked import head_asked, tiles_asked
 from .._sites.head import can_route_head
 from .._sites.integrations import engine_of
 
@@ -67,7 +68,15 @@ def as_optimizer(optimizer: Any) -> OptimizerLike:
 
 def apply_memory(model: _M, request: MemoryRequest) -> _M:
     """See `remat.apply`, NOTE [ Total memory ] and NOTE [ The allocator's reserve ] in remat/_estimate/reserve.py:
-    the budget's driver in its `MemoryRegime`, for what the step's state leaves."""
+    the blocks' token-wise modules tiled and the head routed where the request asks (remat/_sites/asked.py), then
+    the budget's driver in its `MemoryRegime`, for what the step's state leaves (`_fit_memory`); nothing is left
+    half done where it raises."""
+    with tiles_asked(model, request), head_asked(model, request):
+        return _fit_memory(model, request)
+
+
+def _fit_memory(model: _M, request: MemoryRequest) -> _M:
+    """`apply_memory` with what the request asks of the model already on it."""
     total, sample, loss, optimizer = request.memory, request.sample, request.loss, request.optimizer
     devices = placed(model)
     device = devices[0] if devices else torch.device("cpu")
@@ -84,7 +93,7 @@ def apply_memory(model: _M, request: MemoryRequest) -> _M:
     target = total - room  # the allocated peak to plan for
     for attempt in range(TRIES + 1 if verified else 1):
         try:
-            apply_budget(model, request, target - state)
+            fit_budget(model, request, target - state)
         except BudgetError as error:
             raise _refused(total, max(row.peak_bytes, state + (error.least_bytes or 0)) + total - target, state,
                            "", total - target) from error

@@ -1,5 +1,6 @@
-"""`remat.apply(model, budget=...)` and `memory=`: the budget's driver. `apply_budget` puts a `BudgetHook` on the
-model, whose `fit` runs the stages in order, each in the files named after it:
+"""`remat.apply(model, budget=...)` and `memory=`: the budget's driver. `apply_budget` puts on the model what the
+request asks besides a plan (`tiles=N`, `head=True`: remat/_sites/asked.py), and `fit_budget`, which `memory=` and
+`remat.estimate` run too, a `BudgetHook`, whose `fit` runs the stages in order, each in the files named after it:
 
 1. profile (profile.py, profile_step.py, profile_alone.py): a few tracked training steps on the sample, marked block
    by block, on a fake twin of the model where one stands in: a `Profile`;
@@ -33,7 +34,7 @@ import dataclasses
 import itertools
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,13 +42,14 @@ import torch
 from torch import nn
 
 from .._core.errors import BudgetError
-from .._core.requests import FitRequest
+from .._core.requests import BudgetRequest, FitRequest
 from .._core.torch_compat import eager_for_now, when_traced
 from .._core.units import format_bytes
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
 from .._measure.sample import as_call, detached, signature
 from .._measure.step_autocast import StepAutocast
+from .._sites.asked import head_asked, tiles_asked
 from .._sites.integrations import engine_of
 from .._sites.targets import remove_hooks, select
 from .choices import Choices
@@ -64,15 +66,36 @@ from .verify import Verification, from_rank_zero, max_over_ranks
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed
 
-__all__ = ["BudgetHook", "Solved", "apply_budget"]
+__all__ = ["BudgetHook", "Solved", "apply_budget", "fit_budget"]
 
 _M = TypeVar("_M", bound=nn.Module)
 _log = logging.getLogger("remat")
 
 
-def apply_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
-    """See `remat.apply`: plan `model`'s blocks for `budget` on one training step of the request's sample, and keep
-    planning on new input signatures (NOTE [ Budgeted models ]).
+def apply_budget(model: _M, request: BudgetRequest,
+                 own_step_bytes: Callable[[nn.Module, BudgetRequest], int]) -> _M:
+    """`remat.apply(model, budget=...)`: the blocks' token-wise modules tiled where `tiles=N` asks (NOTE [ Tiles as a
+    choice ], rule 2), the head routed where `head=True` asks (NOTE [ The head as a choice ], rule 2), then the plan
+    (`fit_budget`); nothing is left half done where it raises.
+
+    Args:
+        model: the model; its blocks are those the request's `where` selects.
+        request: the request, its budget as `parse_budget` reads it.
+        own_step_bytes: with `head=True`, a fractional budget in bytes of the step with the model's own head,
+            found before the head is routed (implementation note 3 of NOTE [ The head as a choice ]: it needs the
+            estimator, above this layer).
+    """
+    with tiles_asked(model, request):
+        if request.head and isinstance(request.budget, float):
+            request = dataclasses.replace(request, budget=own_step_bytes(model, request))
+        with head_asked(model, request):
+            return fit_budget(model, request, request.budget)
+
+
+def fit_budget(model: _M, request: FitRequest, budget: int | float) -> _M:
+    """Plan `model`'s blocks for `budget` on one training step of the request's sample, and keep planning on new
+    input signatures (NOTE [ Budgeted models ]): what `apply_budget`, `remat.apply(model, memory=...)` and
+    `remat.estimate`'s budget rows run, with what the request asks of the model (tiles, the head) already on it.
 
     Args:
         model: the model; its blocks are those the request's `where` selects.
@@ -157,19 +180,19 @@ class BudgetHook:
         restore = None if in_compiled_call() else eager_for_now()  # compiled blocks: NOTE [ The first step ]
         try:
             with step.planning():
-                own = solved = self._solved(model, blocks, step, regime, self.budget)
+                own = solved = self._solved(step, blocks, regime, self.budget)
                 if not solved.fits and head.open:
-                    solved = self._with_head(head, model, blocks, step, regime, own) or solved
+                    solved = self._with_head(head, step, blocks, regime, own) or solved
                 if not solved.fits and tiles.open:
-                    solved = self._with_tiles(tiles, model, blocks, step, regime, own.budget) or solved
+                    solved = self._with_tiles(tiles, step, blocks, regime, own.budget) or solved
                 while True:
                     try:
-                        assignment = self._verified(model, step, regime, solved)
+                        assignment = self._verified(step, regime, solved)
                         break
                     except BudgetError:  # measured over where the prediction fitted: the head, then the tiles
-                        taken = self._with_head(head, model, blocks, step, regime, own) if head.open else None
+                        taken = self._with_head(head, step, blocks, regime, own) if head.open else None
                         if taken is None and tiles.open:
-                            taken = self._with_tiles(tiles, model, blocks, step, regime, own.budget)
+                            taken = self._with_tiles(tiles, step, blocks, regime, own.budget)
                         if taken is None:
                             raise
                         solved = taken
@@ -194,12 +217,13 @@ class BudgetHook:
         self.engine = engine_of(model)  # NOTE [ Budgets under DeepSpeed ZeRO ], rule 5
         return assignment
 
-    def _solved(self, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep, regime: BudgetRegime,
+    def _solved(self, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
                 budget: int | float) -> Solved:
-        """Stages 1 to 3: the profile of every block under every choice (NOTE [ Profiling rounds ] in profile.py),
-        their costs, and the fastest assignment predicted to fit `budget`; where none is, the one that holds least.
-        Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
-        found = profile(model, self.names, blocks, self.choices.labels, step,
+        """Stages 1 to 3 on `step`'s model: the profile of every block under every choice (NOTE [ Profiling rounds ]
+        in profile.py), their costs, and the fastest assignment predicted to fit `budget`; where none is, the one
+        that holds least. Rank 0's on every rank (NOTE [ The same plan on every rank ] in verify.py)."""
+        model = step.model
+        found = profile(self.names, blocks, self.choices.labels, step,
                         lambda i, c: self.choices.assign(model, i, c), derived=self.choices.derived(),
                         compiled=regime.compiled, fake=regime.profiles_on_fake(model), twin=regime.twin,
                         gradients_kept=regime.gradients_kept)
@@ -211,14 +235,14 @@ class BudgetHook:
             assignment, fits = least_assignment(cost, budget), False
         return Solved(measured, cost, from_rank_zero(assignment), fits)
 
-    def _with_head(self, head: HeadChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
-                   regime: BudgetRegime, own: Solved) -> Solved | None:
+    def _with_head(self, head: HeadChoice, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
+                   own: Solved) -> Solved | None:
         """Stages 1 to 3 again with the model's head routed, for the bytes the budget resolved to with the model's
         own head (`own`'s: NOTE [ The head as a choice ], rule 1); None, the head put back, where that is no plan
         or no better a plan than `own` (implementation note 2)."""
         head.route()
         try:
-            routed: Solved | None = self._solved(model, blocks, step, regime, own.budget)
+            routed: Solved | None = self._solved(step, blocks, regime, own.budget)
         except Exception:
             routed = None
         if routed is None or not head.ran() or (
@@ -227,29 +251,31 @@ class BudgetHook:
             return None
         return routed
 
-    def _with_tiles(self, tiles: TilesChoice, model: nn.Module, blocks: Sequence[nn.Module], step: TrainingStep,
-                    regime: BudgetRegime, budget: int) -> Solved | None:
+    def _with_tiles(self, tiles: TilesChoice, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
+                    budget: int) -> Solved | None:
         """Stages 1 to 3 again with the blocks' token-wise modules in tiles, for the bytes the budget resolved to with
         the model's own head (NOTE [ Tiles as a choice ], rule 1); None, the tiles taken back, where the blocks have
         nothing to tile or that is no plan."""
         if not tiles.take():
             return None
         try:
-            return self._solved(model, blocks, step, regime, budget)
+            return self._solved(step, blocks, regime, budget)
         except Exception:
             tiles.take_back()
             return None
 
-    def _verified(self, model: nn.Module, step: TrainingStep, regime: BudgetRegime, solved: Solved) -> Assignment:
-        """Stage 4: `solved`'s assignment on the blocks, verified on real steps now, or on the model's first training
-        step where its prediction fits and the regime allows it (NOTE [ Verifying the plan ] in verify.py)."""
+    def _verified(self, step: TrainingStep, regime: BudgetRegime, solved: Solved) -> Assignment:
+        """Stage 4: `solved`'s assignment on the blocks of `step`'s model, verified on real steps now, or on the
+        model's first training step where its prediction fits and the regime allows it (NOTE [ Verifying the plan ]
+        in verify.py)."""
+        model = step.model
         self.choices.calls = solved.assignment.cost.calls  # rank 0's calls too
         self.choices.place(model, solved.assignment)
         if (solved.fits or not regime.real_steps) and regime.verifies_later():  # NOTE [ The first step ]
             self.verification = Verification(solved.assignment)
             return solved.assignment
         return regime.verify(solved.assignment,  # NOTE [ Verifying the plan ]; in `fit`'s `step.planning()`
-                           lambda a: regime.measure(model, step, solved.measured, solved.cost, a),
+                           lambda a: regime.measure(step, solved.measured, solved.cost, a),
                            lambda a: self.choices.place(model, a))
 
     # -- at every forward ------------------------------------------------------------------------------------------

@@ -242,7 +242,6 @@ class TrainingStep:
 
 
 def profile(
-    model: nn.Module,
     names: Sequence[str],
     blocks: Sequence[nn.Module],
     choices: Sequence[str],
@@ -255,12 +254,14 @@ def profile(
     twin: Twin | None = None,
     gradients_kept: bool = True,
 ) -> Profile:
-    """Profile `blocks` under every choice (`profile_blocks`), on a fake twin of `model` where `fake` and the step
-    runs there (NOTE [ Planning on fake tensors ]), else on `model` itself.
+    """Profile `blocks` under every choice (`profile_blocks`) on `step`, on a fake twin of the step's model where
+    `fake` and the step runs there (NOTE [ Planning on fake tensors ]), else on the model itself.
 
     `twin` makes the fake twin where an engine owns the model (NOTE [ Budgets under DeepSpeed ZeRO ] in
     remat/_sites/integrations/deepspeed.py): the step runs there or not at all. Without `gradients_kept`, the
     gradients backward makes count only while it makes them (the engine takes each one)."""
+
+    model = step.model
 
     def measured(run: TrainingStep) -> Profile:
         with accumulation_order(model) as order:  # NOTE [ Gradients in the budget ] in costs.py

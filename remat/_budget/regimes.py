@@ -92,11 +92,10 @@ class BudgetRegime:
         """Whether an assignment whose prediction fits is left to the model's first training step (rule 4)."""
         return self.request.first_step
 
-    def measure(self, model: nn.Module, step: TrainingStep, measured: ModelCost, cost: ModelCost,
-                assignment: Assignment) -> int:
-        """The tracked peak of one real step with `assignment` on the blocks, from no gradients as after
+    def measure(self, step: TrainingStep, measured: ModelCost, cost: ModelCost, assignment: Assignment) -> int:
+        """The tracked peak of one real `step` with `assignment` on its model's blocks, from no gradients as after
         `zero_grad()`: the largest over the ranks (NOTE [ The same plan on every rank ] in verify.py)."""
-        return max_over_ranks(measure_step(model, step))
+        return max_over_ranks(measure_step(step.model, step))
 
     def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
         """Verify `assignment` on real steps before it is kept (NOTE [ Verifying the plan ])."""
@@ -178,15 +177,14 @@ class CompiledRegime(BudgetRegime):
     def verifies_later(self) -> bool:
         return False
 
-    def measure(self, model: nn.Module, step: TrainingStep, measured: ModelCost, cost: ModelCost,
-                assignment: Assignment) -> int:
+    def measure(self, step: TrainingStep, measured: ModelCost, cost: ModelCost, assignment: Assignment) -> int:
         """The peak of a real compiled step (NOTE [ Measuring a compiled step ] in remat/_measure/step_peak.py);
         where this torch cannot measure one, an eager step lifted by what one graph's gradients add to the
         prediction (NOTE [ Compiled as one graph ], implementation note 2)."""
-        peak = compiled_peak(model, step)
+        peak = compiled_peak(step.model, step)
         if peak is not None:
             return max_over_ranks(peak)
-        eager = max_over_ranks(measure_step(model, step, grads=False))
+        eager = max_over_ranks(measure_step(step.model, step, grads=False))
         return eager + graph_extra(measured, cost, assignment.choice)
 
     def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:

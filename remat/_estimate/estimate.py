@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._budget.driver import apply_budget
+from .._budget.driver import fit_budget
 from .._chain.chain import parse_budget
 from .._core.options import Options
 from .._core.policies import Policy, save_matmuls
@@ -115,7 +115,7 @@ def _configuration(model: nn.Module, config: Any, where: Where | None, offload: 
                 # the planner of remat.apply(budget=), on fake tensors; the plan verified at once, as a real model's
                 # first training step would verify it (NOTE [ The first step ])
                 request = BudgetRequest(budget=config, sample=sample, where=where, first_step=False)
-                apply_budget(model, request, request.budget)
+                fit_budget(model, request, request.budget)
                 with enabled(True):
                     yield
 
