@@ -55,6 +55,7 @@ def _derived(name: str) -> tuple[nn.Module, torch.Tensor, Choices, ModelCost]:
     return model, x, choices, _profile(model, x, choices, (1, 2, 3, 4))
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_parts_keep_what_their_derivation_says(name: str) -> None:
     model, x, choices, derived = _derived(name)

@@ -92,6 +92,7 @@ def test_configurations_parse_and_bad_ones_are_named() -> None:
         remat.estimate(stack(), torch.randn(1, 64, WIDTH), loss=loss, configs=("none+tiles",))
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_tiles_are_estimated_as_a_real_step_runs_them() -> None:
     x = torch.randn(1, 2048, WIDTH)
     report = remat.estimate(stack(), x, loss=loss, configs=("full", "full+tiles", "full+tiles=16"),
