@@ -79,6 +79,7 @@ from .._measure.hf_fake import real_masks
 from .._measure.loss import call_model as call_loss
 from .._measure.loss import default_loss
 from .._measure.step_autocast import StepAutocast, planning, step_region
+from .._sites.cross_entropy import chunks_counted_once
 from .constants import first_step_bytes
 from .depth import Layers, identical_layers
 from .phases import BACKWARD, FORWARD, OPTIMIZER, PhaseTracker, where_it_peaks
@@ -285,7 +286,7 @@ class _Steps:
                      else rank.gradients)
         try:
             with configured.apply(args), (self.layers.cut(depth) if self.layers is not None
-                                          else contextlib.nullcontext()):
+                                          else contextlib.nullcontext()), chunks_counted_once():
                 grads, held, output, peak, tracker = _step(
                     self.model, args, self.loss, self.made, self.params, self.device, self.step_bytes, self.autocast
                 )

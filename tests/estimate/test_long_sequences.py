@@ -349,3 +349,27 @@ def test_the_command_line_compares_the_configurations_of_long_sequences() -> Non
     longest = {line.split(":")[0]: int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if "sequence length" in line}
     assert longest["none"] < longest["full"] < longest["full+head"] <= longest["full+head+tiles"], longest
+
+
+def test_an_estimate_runs_two_chunks_of_the_head_and_counts_what_all_of_them_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    import contextlib
+
+    from remat._engine import stats
+    from remat._estimate_cli import hf_case
+
+    case = hf_case("llama", tiny=True, layers=2, seq=4 * 2**15 + 1000, dtype=torch.float64)  # chunks: more than two
+
+    def rows() -> tuple[list[tuple[Any, ...]], int]:
+        before = stats.head_chunks
+        report = remat.estimate(case.model, case.sample, optimizer="adamw", configs=("full+head", "full+head+tiles"))
+        return [(row.peak_bytes, row.phase_bytes, row.activation_bytes, row.holders) for row in report.rows], \
+            stats.head_chunks - before
+
+    once, chunks = rows()
+    with monkeypatch.context() as patched:
+        patched.setattr(_predict, "chunks_counted_once", contextlib.nullcontext)
+        every, all_chunks = rows()
+    assert once == every
+    assert chunks < all_chunks, (chunks, all_chunks)
