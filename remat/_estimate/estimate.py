@@ -119,7 +119,7 @@ def _configuration(model: nn.Module, config: Any, where: Where | None, offload: 
                 with enabled(True):
                     yield
 
-        return Configured(config, _config_label(config), planned)
+        return Configured(config, _config_label(config), planned, alike=False)
     policy = _NAMED[config] if isinstance(config, str) else config
     if not (isinstance(policy, Policy) or callable(policy)):
         raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "

@@ -18,6 +18,13 @@ Rules:
    ``memory``, and one estimate at that size checks it. Where the check fails, the lines are drawn again through
    the last two sizes; where it keeps failing (a peak that is not affine), the bisection of rule 2 runs from
    there. The answer is then exact to within `TOLERANCE` of itself.
+5. Where the model's blocks are identical layers in one container (a decoder's layers) and the configuration runs
+   them alike (not a budget's plan; one process's whole model, not a rank's), the lines of rule 4 are drawn from
+   models cut to their first `DEPTHS` layers: each phase's peak is affine in the number of identical layers too, so
+   two cut models' steps give the whole model's at any size, for the cost of a few layers. The lines are drawn,
+   and drawn again, as in rule 4, on these; then one estimate of the whole model at the answer checks it as rule
+   4's check does. Where the cut models do not give the whole model's peak at the sample's size, or the check
+   fails, the whole model's search of rule 4 runs.
 
 Implementation notes:
 1. (rule 2) The bisection doubles its step from a first guess until one size fits and the next does not bracket
@@ -32,12 +39,16 @@ Implementation notes:
 3. (rule 4) The check accepts a size that fits whose phase peaks lie on the lines within `TOLERANCE` of the
    size's own growth (the bytes its peak adds over the sample's): the lines then put the next size over
    ``memory``, and the true answer is within that tolerance of it.
+4. (rule 5) A phase's peak is the largest of several lines in depth as in size (the gradients of every layer
+   against the inputs every layer keeps): two cut models can agree on a line the whole model has left. The check
+   at full depth sees it; the cut models save the estimates of the whole model that rule 4 spends on drawing the
+   lines (each few layers' step costs a fraction of the whole's), not the check.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -46,10 +57,12 @@ from .._core.errors import BudgetError
 from .._core.torch_compat import tree_leaves
 from .._core.units import parse_memory
 from .._measure.fake import map_sample
-from .predict import Configured, Refine
+from .predict import Configured, Refine, Rerun
 from .report import ConfigEstimate
 
-__all__ = ["CAP", "ROUNDS", "TOLERANCE", "largest", "largest_sizes", "resized", "searches", "size_along"]
+__all__ = [
+    "AGREE", "CAP", "DEPTHS", "ROUNDS", "TOLERANCE", "largest", "largest_sizes", "resized", "searches", "size_along",
+]
 
 CAP = 1 << 20
 """The largest size searched for."""
@@ -60,6 +73,13 @@ batch ], implementation note 3)."""
 
 ROUNDS = 3
 """How many times the lines are drawn again before the bisection takes over (rule 4)."""
+
+DEPTHS = (2, 3)
+"""The depths of the cut models whose steps are drawn out to the whole model's depth (rule 5)."""
+
+AGREE = 1e-4
+"""How far the cut models' phase peaks at the sample's size may be from the whole model's, as a share of its peak,
+for the cut models to be tried (rule 5)."""
 
 
 def resized(sample: Any, dim: int, old: int, new: int) -> Any:
@@ -120,8 +140,7 @@ def largest(fits: Callable[[int], bool], guess: int, cap: int = CAP) -> int:
     return lo
 
 
-def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int,
-            run: Callable[[Any], ConfigEstimate]) -> int:
+def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int, run: Rerun) -> int:
     size = size_along(sample, dim, "dim")  # checked by `estimate` before any step runs
     seen: dict[int, ConfigEstimate | None] = {size: None if row.refused is not None else row}
 
@@ -140,7 +159,9 @@ def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int,
 
     if not fits(size):
         return largest(fits, size)
-    found = _affine(at, fits, size, memory)
+    found = _in_depth(at, fits, size, memory, sample, dim, run) if run.layers is not None else None
+    if found is None:
+        found = _affine(at, fits, size, memory)
     if found is not None:
         return found
     return largest(fits, max(n for n in seen if fits(n)))  # rule 2, from the largest size seen to fit
@@ -154,16 +175,78 @@ def _affine(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], bo
         low, high = at(first), at(second)
         if low is None or high is None or second == first:
             return None
-        lines = _lines(low, first, high, second)
+        lines = _lines(_phases(low), first, _phases(high), second)
         guess = _crossing(lines, memory)
         if guess is None:  # no phase grows: as large as searched for, if it fits there
             return CAP if fits(CAP) else None
         guess = max(1, min(guess, CAP))
         got = at(guess)
-        if guess != size and got is not None and got.peak_bytes <= memory and _on_lines(got, guess, lines, at(size)):
+        sample_row = at(size)
+        if guess != size and got is not None and got.peak_bytes <= memory and _on_lines(
+                _phases(got), guess, lines, sample_row.peak_bytes if sample_row is not None else 0):
             return guess
         first, second = (second, guess) if guess != second else (first, guess)
     return None
+
+
+def _in_depth(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], bool], size: int, memory: int,
+              sample: Any, dim: int, run: Rerun) -> int | None:
+    """The answer of NOTE [ Searching the largest batch ], rule 5, or None where the cut models do not give it."""
+    layers = run.layers
+    assert layers is not None
+    shallow, deep = DEPTHS
+    if layers < 2 * deep:  # cut models save little on a shallow model
+        return None
+    seen: dict[int, dict[str, float] | None] = {}
+
+    def extrapolated(n: int) -> dict[str, float] | None:  # each phase's peak of the whole model, from two cut ones
+        if n not in seen:
+            rows = []
+            for depth in DEPTHS:
+                try:
+                    got = run(resized(sample, dim, size, n), depth)
+                except BudgetError:
+                    got = None
+                if got is None or got.refused is not None:
+                    seen[n] = None
+                    return None
+                rows.append(_phases(got))
+            a, b = rows
+            seen[n] = {phase: a[phase] + (b[phase] - a[phase]) * (layers - shallow) / (deep - shallow)
+                       for phase in a.keys() & b.keys()}
+        return seen[n]
+
+    whole = at(size)
+    assert whole is not None  # it fits
+    low = extrapolated(size)
+    if low is None or not _agree(low, _phases(whole), whole.peak_bytes):
+        return None  # the layers' bytes do not add up in depth: the whole model's search
+    first, second = size, min(2 * size, CAP)
+    for _ in range(ROUNDS):
+        a, b = extrapolated(first), extrapolated(second)
+        if a is None or b is None or second == first:
+            return None
+        lines = _lines(a, first, b, second)
+        guess = _crossing(lines, memory)
+        if guess is None:
+            return None
+        guess = max(1, min(guess, CAP))
+        cut = extrapolated(guess)
+        if cut is None:
+            return None
+        if guess != size and max(cut.values()) <= memory and _on_lines(cut, guess, lines, whole.peak_bytes):
+            got = at(guess)  # the check at full depth
+            if got is not None and got.peak_bytes <= memory and _on_lines(_phases(got), guess, lines,
+                                                                          whole.peak_bytes):
+                return guess
+            return None
+        first, second = (second, guess) if guess != second else (first, guess)
+    return None
+
+
+def _agree(got: dict[str, float], want: dict[str, int], peak: int) -> bool:
+    """Whether the cut models' phase peaks are the whole model's, within `AGREE` of its ``peak``."""
+    return got.keys() == want.keys() and all(abs(got[p] - want[p]) <= AGREE * peak for p in want)
 
 
 _Line = tuple[float, float]  # bytes at size 0, bytes per unit of size
@@ -173,9 +256,8 @@ def _phases(row: ConfigEstimate) -> dict[str, int]:
     return dict(row.phase_bytes) if row.phase_bytes else {"step": row.peak_bytes}
 
 
-def _lines(low: ConfigEstimate, first: int, high: ConfigEstimate, second: int) -> dict[str, _Line]:
+def _lines(a: Mapping[str, float], first: int, b: Mapping[str, float], second: int) -> dict[str, _Line]:
     """Each phase's peak on the line through two sizes (implementation note 2)."""
-    a, b = _phases(low), _phases(high)
     lines = {}
     for phase in a.keys() & b.keys():
         slope = (b[phase] - a[phase]) / (second - first)
@@ -197,11 +279,10 @@ def _crossing(lines: dict[str, _Line], memory: int) -> int | None:
     return found
 
 
-def _on_lines(got: ConfigEstimate, n: int, lines: dict[str, _Line], sample_row: ConfigEstimate | None) -> bool:
+def _on_lines(phases: Mapping[str, float], n: int, lines: dict[str, _Line], sample_peak: int) -> bool:
     """Whether each phase's peak at ``n`` is on its line within `TOLERANCE` of the growth since the sample's size
-    (implementation note 3)."""
-    phases = _phases(got)
-    growth = max(1, got.peak_bytes - (sample_row.peak_bytes if sample_row is not None else 0))
+    (its peak ``sample_peak``: implementation note 3)."""
+    growth = max(1.0, max(phases.values()) - sample_peak)
     return all(abs(phases[phase] - (start + slope * n)) <= TOLERANCE * growth
                for phase, (start, slope) in lines.items() if phase in phases)
 
@@ -210,7 +291,7 @@ def largest_sizes(sample: Any, memory: int, batch_dim: int | None, seq_dim: int 
     """The `Refine` of `predict` that fills ``largest_batch`` and ``largest_seq`` (NOTE [ Searching the largest
     batch ])."""
 
-    def refine(configured: Configured, row: ConfigEstimate, run: Callable[[Any], ConfigEstimate]) -> ConfigEstimate:
+    def refine(configured: Configured, row: ConfigEstimate, run: Rerun) -> ConfigEstimate:
         batch = _search(row, sample, batch_dim, memory, run) if batch_dim is not None else None
         seq = _search(row, sample, seq_dim, memory, run) if seq_dim is not None else None
         return dataclasses.replace(row, largest_batch=batch, largest_seq=seq)

@@ -54,7 +54,6 @@ Implementation notes:
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -80,14 +79,16 @@ from .._measure.hf_fake import real_masks
 from .._measure.loss import call_model as call_loss
 from .._measure.loss import default_loss
 from .._measure.step_autocast import StepAutocast, planning, step_region
+from .._sites.cross_entropy import chunks_counted_once
 from .constants import first_step_bytes
+from .depth import Layers, identical_layers
 from .phases import BACKWARD, FORWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
 
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed, RankState
 
-__all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "make_optimizer", "predict"]
+__all__ = ["OPTIMIZERS", "Configured", "OptimizerLike", "Refine", "Rerun", "make_optimizer", "predict"]
 
 OptimizerLike = str | Callable[..., torch.optim.Optimizer] | None
 
@@ -111,6 +112,8 @@ class Configured:
     config: Any
     label: str
     apply: Callable[[Any], AbstractContextManager[Any]]
+    alike: bool = True
+    """Whether the configuration runs every block alike (a budget's plan chooses per block)."""
 
 
 def make_optimizer(optimizer: OptimizerLike, params: Sequence[torch.Tensor], device: torch.device,
@@ -215,9 +218,24 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
     return grad_bytes, held, output_bytes, max(tracker.peak(device), before + sum(step_bytes)), tracker
 
 
-Refine = Callable[[Configured, ConfigEstimate, Callable[[Any], ConfigEstimate]], ConfigEstimate]
-"""A second look at each configuration (the largest batch): given its row and a function that estimates the same
+Refine = Callable[[Configured, ConfigEstimate, "Rerun"], ConfigEstimate]
+"""A second look at each configuration (the largest batch): given its row and a `Rerun` that estimates the same
 configuration on another sample (real or meta tensors) in the same fake session, return the row to report."""
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """How a `Refine` estimates its configuration again, in the same fake session: on another sample, with the whole
+    model or with the model cut to its first ``depth`` identical layers (NOTE [ Searching the largest batch ], rule
+    5). ``layers`` is how many identical layers the model has, None where it has none to cut (or the estimate is
+    one rank's, or the configuration is a budget's plan)."""
+
+    steps: _Steps
+    configured: Configured
+    layers: int | None
+
+    def __call__(self, given: Any, depth: int | None = None) -> ConfigEstimate:
+        return self.steps.row(self.configured, given, depth)
 
 
 @dataclass(frozen=True)
@@ -249,11 +267,12 @@ class _Steps:
     autocast: StepAutocast | None
     state_bytes: _State
     rank: RankState | None = None
+    layers: Layers | None = None
     step_bytes: list[int] = field(default_factory=list)
 
-    def row(self, configured: Configured, given: Any) -> ConfigEstimate:
+    def row(self, configured: Configured, given: Any, depth: int | None = None) -> ConfigEstimate:
         """One configuration's row: its step on (a fake copy of) `given`, or the refusal of a budget below what
-        remat meets."""
+        remat meets; with `depth`, the step of the model cut to its first `depth` identical layers (`layers`)."""
         args = fake_sample(given, self.run)
         inputs = tensors_of(args)
         constants, rank, state = self.constants, self.rank, self.state_bytes
@@ -266,7 +285,8 @@ class _Steps:
         gradients = (storage_bytes([p for p in self.params if p.requires_grad]) if rank is None
                      else rank.gradients)
         try:
-            with configured.apply(args):
+            with configured.apply(args), (self.layers.cut(depth) if self.layers is not None
+                                          else contextlib.nullcontext()), chunks_counted_once():
                 grads, held, output, peak, tracker = _step(
                     self.model, args, self.loss, self.made, self.params, self.device, self.step_bytes, self.autocast
                 )
@@ -343,12 +363,15 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 kept = params_bytes + storage_bytes(buffers, device) + optimizer_bytes + rank.kept
                 if engine is not None and engine.hands_over:
                     taken.enter_context(gradients_taken(params))
+            alone = prepare is None and resident is None and engine is None  # one process's whole model
+            layers = identical_layers(model) if refine is not None and alone else None
             steps = _Steps(model, loss, made, params, buffers, state, kept, constants, device, run, autocast,
-                           _State(params_bytes, optimizer_bytes, engine_bytes), rank)
+                           _State(params_bytes, optimizer_bytes, engine_bytes), rank, layers)
             for configured in configs:
                 row = steps.row(configured, sample)
                 if refine is not None:
-                    row = refine(configured, row, functools.partial(steps.row, configured))
+                    depth = layers.depth if layers is not None and configured.alike else None
+                    row = refine(configured, row, Rerun(steps, configured, depth))
                 rows.append(row)
     except RematError:  # a BudgetError raised here is not a configuration's (`apply(memory=)`'s own)
         raise

@@ -19,6 +19,7 @@ from torch import nn
 
 import remat
 from remat._estimate import largest_batch as _largest
+from remat._estimate import predict as _predict
 from remat._estimate.long_sequences import split_extras
 from remat._sites.tiles import tile_blocks
 
@@ -158,6 +159,86 @@ def test_the_search_falls_back_where_the_peak_is_not_affine(probes: list[int]) -
         assert real_peak(model, torch.randn(1, longest + 1, WIDTH)) > memory
 
 
+@pytest.fixture
+def depths(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int | None]]:
+    """The depth of each step the estimate ran, in order (None: the whole model)."""
+    seen: list[int | None] = []
+    row = _predict._Steps.row
+
+    def counted(self: Any, configured: Any, given: Any, depth: int | None = None) -> Any:
+        seen.append(depth)
+        return row(self, configured, given, depth)
+
+    monkeypatch.setattr(_predict._Steps, "row", counted)
+    yield seen
+
+
+def _searched(model: nn.Module, x: torch.Tensor, configs: tuple[str, ...], memory: int,
+              monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> dict[str, tuple[int | None, int | None]]:
+    """Each configuration's largest batch and longest sequence, found by the whole model's search alone."""
+    with monkeypatch.context() as patched:
+        patched.setattr(_predict, "identical_layers", lambda model: None)
+        report = remat.estimate(model, x, configs=configs, memory=memory, batch_dim=0, seq_dim=1, **kwargs)
+    return {config: (report[config].largest_batch, report[config].largest_seq) for config in configs}
+
+
+def test_the_cut_models_give_the_searchs_answer_with_one_check_at_full_depth(
+        depths: list[int | None], monkeypatch: pytest.MonkeyPatch) -> None:
+    memory, x, configs = 24 * 2**20, torch.randn(1, 256, WIDTH, dtype=torch.float64), ("full", "full+tiles")
+    model = stack(depth=12).double()
+    report = remat.estimate(model, x, loss=loss, configs=configs, where=Block, memory=memory, batch_dim=0,
+                            seq_dim=1)
+    whole = [depth for depth in depths if depth is None]
+    assert len(whole) == 3 * len(configs), f"one row and one check per search at full depth: {depths}"
+    assert set(depths) == {None, *_largest.DEPTHS}
+    for config in configs:
+        assert report[config].largest_seq is not None and report[config].largest_seq > 4 * 256
+    assert _searched(model, x, configs, memory, monkeypatch, loss=loss, where=Block) == {
+        config: (report[config].largest_batch, report[config].largest_seq) for config in configs}
+
+    def peak(seq: int) -> int:  # the tiled row against real steps, in float64
+        tiled = remat.apply(stack(depth=12).double(), Block)
+        tile_blocks([(str(i), block) for i, block in enumerate(tiled)], 8)
+        return real_peak(tiled, torch.randn(1, seq, WIDTH, dtype=torch.float64))
+
+    longest = report["full+tiles"].largest_seq
+    assert peak(longest) <= memory < peak(int(longest * 1.01) + 1)
+
+
+def test_the_whole_models_search_runs_where_the_cut_models_do_not_add_up(
+        depths: list[int | None], monkeypatch: pytest.MonkeyPatch) -> None:
+    memory, x = 6 * 2**20, torch.randn(1, 64, WIDTH, dtype=torch.float64)
+    model = stack(Quadratic, depth=8).double()
+    report = remat.estimate(model, x, loss=loss, configs=("none",), memory=memory, seq_dim=1)
+    longest = report["none"].largest_seq
+    assert set(_largest.DEPTHS) <= set(depths), "the cut models were tried"
+    assert len([depth for depth in depths if depth is None]) > 4, f"the search ran at full depth: {depths}"
+    with remat.enabled(False):
+        assert real_peak(model, torch.randn(1, longest, WIDTH, dtype=torch.float64)) <= memory
+        assert real_peak(model, torch.randn(1, longest + 1, WIDTH, dtype=torch.float64)) > memory
+
+
+def test_a_llama_with_eager_attention_falls_back_and_agrees(depths: list[int | None],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    from remat._estimate_cli import hf_case
+
+    for attention, configs, memory in (("sdpa", ("full", "full+head+tiles"), 16 * 2**20),
+                                       ("eager", ("none",), 64 * 2**20)):
+        case = hf_case("llama", tiny=True, layers=6, seq=64, dtype=torch.float64)
+        case.model.config._attn_implementation = attention  # eager attention keeps its seq x seq weights
+        depths.clear()
+        report = remat.estimate(case.model, case.sample, optimizer="adamw", configs=configs, memory=memory,
+                                batch_dim=0, seq_dim=1)
+        found = {config: (report[config].largest_batch, report[config].largest_seq) for config in configs}
+        whole = len([depth for depth in depths if depth is None])
+        assert _searched(case.model, case.sample, configs, memory, monkeypatch, optimizer="adamw") == found
+        if attention == "sdpa":
+            assert whole == 3 * len(configs), depths
+        else:
+            assert whole > 3 * len(configs), depths
+
+
 def test_the_command_line_reports_errors_on_one_line(capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from remat.__main__ import main
@@ -272,3 +353,27 @@ def test_the_command_line_compares_the_configurations_of_long_sequences() -> Non
     longest = {line.split(":")[0]: int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if "sequence length" in line}
     assert longest["none"] < longest["full"] < longest["full+head"] <= longest["full+head+tiles"], longest
+
+
+def test_an_estimate_runs_two_chunks_of_the_head_and_counts_what_all_of_them_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    import contextlib
+
+    from remat._engine import stats
+    from remat._estimate_cli import hf_case
+
+    case = hf_case("llama", tiny=True, layers=2, seq=4 * 2**15 + 1000, dtype=torch.float64)  # chunks: more than two
+
+    def rows() -> tuple[list[tuple[Any, ...]], int]:
+        before = stats.head_chunks
+        report = remat.estimate(case.model, case.sample, optimizer="adamw", configs=("full+head", "full+head+tiles"))
+        return [(row.peak_bytes, row.phase_bytes, row.activation_bytes, row.holders) for row in report.rows], \
+            stats.head_chunks - before
+
+    once, chunks = rows()
+    with monkeypatch.context() as patched:
+        patched.setattr(_predict, "chunks_counted_once", contextlib.nullcontext)
+        every, all_chunks = rows()
+    assert once == every
+    assert chunks < all_chunks, (chunks, all_chunks)
