@@ -39,7 +39,8 @@ class Layers:
             self.container._modules = saved
 
 
-def _signature(module: nn.Module) -> tuple[object, ...]:
+def _layer_shape(module: nn.Module) -> tuple[object, ...]:
+    """What two identical layers share: their class, and each parameter's and buffer's name, shape and dtype."""
     tensors = [*module.named_parameters(), *module.named_buffers()]
     return (type(module), tuple((name, tuple(t.shape), t.dtype, t.requires_grad) for name, t in tensors))
 
@@ -59,7 +60,7 @@ def identical_layers(model: nn.Module) -> Layers | None:
     if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(children) != len(blocks) or any(
             child is not block for child, (_, block) in zip(children, blocks, strict=True)):
         return None
-    first = _signature(children[0])
-    if any(_signature(child) != first for child in children[1:]):
+    first = _layer_shape(children[0])
+    if any(_layer_shape(child) != first for child in children[1:]):
         return None
     return Layers(container)
