@@ -194,7 +194,7 @@ def tiles(
     spec.reads = tuple(reads.found.values())
     if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
         return _rest(fn, x, first, dim, cuts, site)
-    out: torch.Tensor = _TilesFunction.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _TilesFunction.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
     return out
 
 
