@@ -281,6 +281,7 @@ def test_plan_survives_deepcopy_and_state_dict() -> None:
         torch.testing.assert_close(q.grad, p.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_new_input_shape_replans() -> None:
     model = remat.apply(_stack(), budget=0.4, sample=X)
     first = remat.plan(model).budget

@@ -165,6 +165,7 @@ def test_choices_that_cannot_be_derived_still_run() -> None:
     assert _forward_calls(replayed, lambda: remat.apply(replayed, budget=0.85, sample=IMAGES, strategy="replay")) == 2
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("fraction", [0.7, 0.85])
 def test_plans_on_derived_costs_keep_their_budget_and_gradients(fraction: float) -> None:
     torch.manual_seed(0)

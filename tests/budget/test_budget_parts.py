@@ -184,6 +184,7 @@ class _MLPs(nn.Module):
         return x
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_budget_plans_use_parts_and_keep_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     # Blocks whose time is in two matmuls: keeping the down projection's small output saves its recompute. Whether
     # that beats full remat here is a matter of timing (the parts' dispatch mode is priced per run, and costs more

@@ -42,6 +42,7 @@ def _no_step_hooks(model: nn.Module) -> bool:
     return not model._forward_hooks and not any(p._post_accumulate_grad_hooks for p in model.parameters())
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_the_first_step_measures_what_a_tracker_around_it_measures() -> None:
     model = remat.apply(_stack(), budget=0.6, sample=X)
     plan = remat.plan(model).budget
@@ -74,6 +75,7 @@ def test_an_optimizer_step_pops_the_mode_while_the_loss_lives() -> None:
     del loss
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_step_under_a_users_mode_waits_and_leaves_the_users_mode_alone() -> None:
     # A mode other than the user's `remat.track()` (under which the step rides: tests/test_process_effects.py).
     model = remat.apply(_stack(), budget=0.6, sample=X)

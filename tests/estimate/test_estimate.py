@@ -54,6 +54,7 @@ def test_prediction_within_five_percent_of_a_real_step_per_config(name: str) -> 
     assert full.activation_bytes < none.activation_bytes / 2
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_budget_configuration_predicted_against_its_real_step() -> None:
     """The real step plans on its own (timed) profile and may pick other blocks; both fit, peaks agree."""
 
@@ -68,6 +69,7 @@ def test_a_budget_configuration_predicted_against_its_real_step() -> None:
     assert budget.measured.activation_bytes < none.measured.activation_bytes
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("kind", ["gpt2", "t5", "bert"])
 def test_prediction_for_a_transformers_model(kind: str) -> None:
     pytest.importorskip("transformers")

@@ -13,6 +13,7 @@ from benchmarks.estimate import check
 from remat._estimate_cli import Case, hf_case
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize(("kind", "kv_heads"), [("gpt2", None), ("llama", 4), ("llama", 2)])
 def test_transformers_activations_match_a_real_step(kind: str, kv_heads: int | None) -> None:
     """No causal mask or expanded keys/values that a real step does not hold (GQA with 2 key/value heads)."""

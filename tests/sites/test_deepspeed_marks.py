@@ -79,6 +79,7 @@ def _partitioned(model: nn.Module) -> nn.Module:
     return model
 
 
+@pytest.mark.slow  # starts a subprocess: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_model_without_marks_has_no_engine_and_deepspeed_is_never_imported() -> None:
     """Without deepspeed in the process, a budget asks nothing more than a dictionary lookup: it never imports
     deepspeed, nor the integration."""
