@@ -50,8 +50,8 @@ _CHECK_EQUIVALENCE = os.environ.get("REMAT_CHECK_EQUIVALENCE", "") == "1"
 # 1. A test that takes seconds of its own because it starts processes (gloo or torchrun ranks, DeepSpeed, the
 #    examples and `python -m remat` run as subprocesses), sweeps budgets over many models, or plans and measures
 #    real training steps for more than about two seconds on two cores (budgets, tiles, the head or autocast
-#    chosen by steps that run; estimates checked against real steps; the offload peaks), or runs a benchmark's
-#    sweep, is marked `slow` (`@pytest.mark.slow`, or a module's `pytestmark`); nothing else is. Each feature
+#    chosen by steps that run; estimates checked against real steps; the offload peaks), or runs a benchmark
+#    or an exhaustive search, is marked `slow` (`@pytest.mark.slow`, or a module's `pytestmark`); nothing else is. Each feature
 #    keeps a quicker test of its gradients in the README's command.
 # 2. The README's test command, `python -m pytest -q`, leaves them out (pyproject's `addopts` carries
 #    `-m "not slow"`), so a contributor's run stays within minutes on two cores, and says how many it left out.

@@ -219,6 +219,7 @@ def test_plot_draws_one_panel_per_model(tmp_path: Path, monkeypatch: pytest.Monk
     fig.savefig.assert_called_once()
 
 
+@pytest.mark.slow  # runs a benchmark: NOTE [ Slow tests ] in tests/conftest.py
 def test_chain_mode_measures_the_chain_against_checkpoint_sequential() -> None:
     description, summary, rows = bench_chain(ChainNet(TINY_CHAIN), CPU, 1, lambda message: None)
     assert "14 stages" in description
@@ -250,6 +251,7 @@ def test_chain_mode_measures_the_chain_against_checkpoint_sequential() -> None:
     assert CHAIN in table and "peak+input/budget" in table
 
 
+@pytest.mark.slow  # runs a benchmark: NOTE [ Slow tests ] in tests/conftest.py
 def test_main_accepts_the_chain_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(CHAIN_SIZES, "small", TINY_CHAIN)
     path = tmp_path / "bench.json"
@@ -334,6 +336,7 @@ def test_a_row_whose_gradients_are_off_fails(monkeypatch: pytest.MonkeyPatch) ->
     assert status == 1 and "gradients differ from no remat's by" in text
 
 
+@pytest.mark.slow  # runs a benchmark: NOTE [ Slow tests ] in tests/conftest.py
 def test_targets_are_a_developer_check(monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import targets
 

@@ -25,7 +25,7 @@ def test_every_row_runs_with_the_gradients_of_no_remat() -> None:
     assert "target: gradients equal no remat's (float64): ok" in text
 
 
-@pytest.mark.slow  # runs a benchmark's sweep: NOTE [ Slow tests ] in tests/conftest.py
+@pytest.mark.slow  # runs a benchmark: NOTE [ Slow tests ] in tests/conftest.py
 def test_the_sweep_has_a_row_per_rows_of_a_chunk_and_times_a_revision() -> None:
     try:
         subprocess.run(["git", "rev-parse", "HEAD"], check=True, capture_output=True)
@@ -41,7 +41,7 @@ def test_the_sweep_has_a_row_per_rows_of_a_chunk_and_times_a_revision() -> None:
     assert "vs plain" in text and ("now/then" in text) == (against is not None)
 
 
-@pytest.mark.slow  # runs a benchmark's sweep: NOTE [ Slow tests ] in tests/conftest.py
+@pytest.mark.slow  # runs a benchmark: NOTE [ Slow tests ] in tests/conftest.py
 def test_the_families_sweep_tells_equal_from_refused() -> None:
     """`python -m benchmarks.head_families` on three families: OPT reads its logits (`contiguous()`) and gives its own
     loss, MusicGen's list of heads is refused saying what it is."""

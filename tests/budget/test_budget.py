@@ -243,6 +243,7 @@ def test_a_plan_made_on_fake_tensors_prints_times_relative_to_no_remat() -> None
     assert extra and all(cell.endswith("%") for cell in extra), text
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_undo_restores_the_model() -> None:
     model = _stack()
     keys = list(model.state_dict())
@@ -257,6 +258,7 @@ def test_undo_restores_the_model() -> None:
     )
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_plan_survives_deepcopy_and_state_dict() -> None:
     model = _stack()
     keys = list(model.state_dict())
@@ -297,6 +299,7 @@ def test_a_new_input_shape_replans() -> None:
     assert remat.plan(model).budget.cost is second.cost  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_replan_false_keeps_the_plan() -> None:
     model = remat.apply(_stack(), budget=0.4, sample=X, replan=False)
     first = remat.plan(model).budget

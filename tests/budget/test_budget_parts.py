@@ -228,6 +228,7 @@ def _sum(out: torch.Tensor) -> torch.Tensor:
     return out.sum()
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.equivalence
 def test_a_plan_with_parts_survives_pickle() -> None:
     import pickle

@@ -138,6 +138,7 @@ def test_a_model_copied_while_a_step_is_tracked_copies_no_tracking() -> None:
     assert dispatch_modes_on() == 0
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_tracked_step_keeps_nothing_alive() -> None:
     model = remat.apply(_stack(), budget=0.6, sample=X)
     _grads_none_step(model)
@@ -201,6 +202,7 @@ class _Compiled:
         return len(self.graphs)
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's own notes while it traces
 def test_blocks_compiled_one_by_one_still_compile_after_the_tracked_step() -> None:
     # Dynamo runs a frame it meets under a dispatch mode in eager code for good; the tracked step runs compiled

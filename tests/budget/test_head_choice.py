@@ -159,6 +159,7 @@ def test_apply_plans_with_the_head_before_a_real_step_would_go_over_the_budget(f
     assert peak <= limit
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_apply_with_memory_plans_with_the_head_before_a_real_step_would_go_over_it() -> None:
     """`apply(memory=M)` keeps the process within M (the same NOTE) where only the chunked head fits: its real steps
     allocate no more than what M leaves beside the parameters, buffers and sample that were there before."""

@@ -154,6 +154,7 @@ class _Failing(Stack):
         return out
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_forward_that_raises_leaves_nothing_and_the_next_step_is_checked() -> None:
     before = _process()
     torch.manual_seed(0)
@@ -169,6 +170,7 @@ def test_a_forward_that_raises_leaves_nothing_and_the_next_step_is_checked() -> 
     assert _process() == before
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_overlapping_steps_in_threads_put_the_stance_back() -> None:
     # A budget's profile and a first step under remat's own mode make compiled code run in eager code while they
     # run (dynamo's stance, one for the whole process); from several threads they end in any order.

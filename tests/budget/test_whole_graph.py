@@ -79,6 +79,7 @@ def test_compile_plans_are_checked_on_a_compiled_step() -> None:
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own imports
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's notes while it traces
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="inductor needs a C compiler")
@@ -154,6 +155,7 @@ def test_compile_must_be_a_bool_and_go_with_a_budget() -> None:
     assert not model[0]._forward_pre_hooks
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_memory_with_compile_checks_a_step_from_no_gradients_once() -> None:
     """With `memory=`, the checked eager step starts without gradients and so already keeps each one as a one-graph
     backward does: `compile=True` must not add them a second time."""

@@ -41,6 +41,7 @@ def _grads_match(reference: nn.Module, remat_chain: nn.Module, x: torch.Tensor, 
     torch.testing.assert_close(after_remat, after_ref)  # the caller's RNG stream is untouched
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("fraction", [1.0, 0.6, 0.45, 0.35])
 def test_gradients_equal_plain_sequential_with_dropout(fraction: float) -> None:
     reference = _stack()

@@ -109,6 +109,7 @@ def test_backward_frees_the_output_and_its_gradient_as_it_goes() -> None:
     assert predicted <= measured <= predicted + _SLACK
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_with_parameters_the_gap_is_at_most_their_gradients() -> None:
     # Parameter gradients are outside the budget (the chain returns them to autograd when its backward ends):
     # what the tracker sees beyond the plan is at most their bytes.

@@ -176,6 +176,7 @@ def test_never_slower_than_recompute_all_or_segments(stages: list[StageCost], x0
             assert dp is not None and dp[0] <= base.makespan + 1e-9, base.name
 
 
+@pytest.mark.slow  # an exhaustive search for seconds: NOTE [ Slow tests ] in tests/conftest.py
 @settings(max_examples=150, deadline=None)
 @given(chains(max_stages=5, max_bytes=3), st.integers(0, 3), st.integers(1, 30))
 def test_optimum_agrees_with_exhaustive_search(stages: list[StageCost], x0: int, budget: int) -> None:

@@ -55,6 +55,7 @@ _PROBE = (
 )
 
 
+@pytest.mark.slow  # starts a subprocess: NOTE [ Slow tests ] in tests/conftest.py
 def test_environment_variable_read_at_import() -> None:
     """`REMAT=0` turns every site off (not `bool("0")`); a bad value fails the import. Both in subprocesses."""
     off = _start(_PROBE, REMAT="0")

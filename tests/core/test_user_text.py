@@ -31,6 +31,7 @@ def test_no_section_sign_in_what_users_read() -> None:
     assert not hits, "\n".join(hits)
 
 
+@pytest.mark.slow  # starts a subprocess: NOTE [ Slow tests ] in tests/conftest.py
 @pytest.mark.parametrize("args", [["--help"], ["estimate", "--help"]])
 def test_no_section_sign_in_command_line_help(args: list[str]) -> None:
     result = subprocess.run([sys.executable, "-m", "remat", *args], cwd=ROOT, capture_output=True, text=True,

@@ -211,6 +211,7 @@ def test_what_forward_keeps_goes_with_backward() -> None:
     assert all(ref() is None for ref in kept)
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_the_step_peaks_at_one_chunk_of_logits_not_all() -> None:
     """Forward and backward of 4,096 tokens x 8,000 classes: 125 MiB of float32 logits at once without remat."""
     h, w, labels, _ = inputs(batch=4, seq=1024, hidden=32, vocabulary=8000, dtype=torch.float32)
@@ -289,6 +290,7 @@ def test_on_another_device_chunks_none_takes_the_accelerators_rows(test_device: 
     assert chunk_count(200, 50, torch.float32, "cpu") == 3  # the CPU's floor: 64 rows
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_where_the_floor_wins_the_step_still_peaks_at_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """A floor of 256 rows over 1 MiB's 32 rows: 16 chunks of 256 rows, and the peak is one chunk's logits."""
     monkeypatch.setattr(_cross_entropy, "CHUNK_BYTES", 2**20)
