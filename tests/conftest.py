@@ -51,8 +51,8 @@ _CHECK_EQUIVALENCE = os.environ.get("REMAT_CHECK_EQUIVALENCE", "") == "1"
 #    examples and `python -m remat` run as subprocesses), sweeps budgets over many models, or plans and measures
 #    real training steps for more than about two seconds on two cores (budgets, tiles, the head or autocast
 #    chosen by steps that run; estimates checked against real steps; the offload peaks), or runs a benchmark
-#    or an exhaustive search, is marked `slow` (`@pytest.mark.slow`, or a module's `pytestmark`); nothing else is. Each feature
-#    keeps a quicker test of its gradients in the README's command.
+#    or an exhaustive search, is marked `slow` (`@pytest.mark.slow`, or a module's `pytestmark`); nothing else
+#    is. Each feature keeps a quicker test of its gradients in the README's command.
 # 2. The README's test command, `python -m pytest -q`, leaves them out (pyproject's `addopts` carries
 #    `-m "not slow"`), so a contributor's run stays within minutes on two cores, and says how many it left out.
 # 3. CI runs them as a step of its own (`python -m pytest -q -m slow` in .ci/run), so nothing CI ran before is
