@@ -125,6 +125,8 @@ def test_nothing_measured_within_the_budget_is_refused_with_the_least() -> None:
         verify_both_ways(plan, lambda a: 30, lambda p: None)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own imports, where this test is the first
+@pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo's notes while it traces
 def test_without_allocation_records_compile_plans_on_eager_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where torch cannot record the CPU allocator's events (`host_bytes` is None), nothing is compiled: the plan
     is checked on an eager step lifted by the gradients a one-graph backward keeps (NOTE [ Compiled as one graph ])."""
