@@ -159,7 +159,7 @@ def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int, run: Rerun)
 
     if not fits(size):
         return largest(fits, size)
-    found = _in_depth(at, fits, size, memory, sample, dim, run) if run.layers is not None else None
+    found = _in_depth(at, fits, size, memory, sample, dim, run) if run.layer_count is not None else None
     if found is None:
         found = _affine(at, fits, size, memory)
     if found is not None:
@@ -192,7 +192,7 @@ def _affine(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], bo
 def _in_depth(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], bool], size: int, memory: int,
               sample: Any, dim: int, run: Rerun) -> int | None:
     """The answer of NOTE [ Searching the largest batch ], rule 5, or None where the cut models do not give it."""
-    layers = run.layers
+    layers = run.layer_count
     assert layers is not None
     shallow, deep = DEPTHS
     if layers < 2 * deep:  # cut models save little on a shallow model

@@ -227,12 +227,12 @@ configuration on another sample (real or meta tensors) in the same fake session,
 class Rerun:
     """How a `Refine` estimates its configuration again, in the same fake session: on another sample, with the whole
     model or with the model cut to its first ``depth`` identical layers (NOTE [ Searching the largest batch ], rule
-    5). ``layers`` is how many identical layers the model has, None where it has none to cut (or the estimate is
-    one rank's, or the configuration is a budget's plan)."""
+    5). ``layer_count`` is how many identical layers the model has, None where it has none to cut (or the estimate
+    is one rank's, or the configuration is a budget's plan)."""
 
     steps: _Steps
     configured: Configured
-    layers: int | None
+    layer_count: int | None
 
     def __call__(self, given: Any, depth: int | None = None) -> ConfigEstimate:
         return self.steps.row(self.configured, given, depth)
