@@ -16,7 +16,7 @@ import torch
 from .._core.errors import RematError
 from .._core.torch_compat import graph_task_id
 
-__all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack", "reap", "traffic"]
+__all__ = ["WALK", "Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack", "reap", "traffic"]
 
 # NOTE [ What crosses ]
 # What goes to host is memory, not tensors: a stretch of a saved tensor's storage, copied as one piece.
@@ -90,10 +90,12 @@ __all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack
 #    unpacks what it saved in that order too). With per-block remat that is one block ahead: the previous
 #    block's input copies back while this block recomputes and back-propagates, and what a block's policy kept
 #    comes back during the block after it, one copy per unpack there. More would hold more on the device for
-#    no gain: backward is as fast as the slower of compute and the link either way. A walk stops, too, once it
-#    passed more than `_AHEAD` copies of several users (a block's input, unpacked by its recompute and again by
-#    the ops that saved it) brought back and not used yet: each of those unpacks walks, and walking on past them
-#    brought one block more back each time, every block's input long before its backward. A copy packed again after
+#    no gain: backward is as fast as the slower of compute and the link either way. A walk stops, too, at a copy
+#    of several users (a block's input, unpacked by its recompute and again by the ops that saved it) brought back
+#    ahead and not used yet: that block is the one ahead already. Each of those unpacks walks, and walking on past
+#    it brought one block more back each time (a third block input on the device, or every block's input long
+#    before its backward); a block input this block is still using (unpacked, with unpacks left) is passed, so
+#    that what the block before it kept comes back during this one. A copy packed again after
 #    later copies were made (a tensor every block takes, as a transformer's rotary tables, copied with the first
 #    block) sits in the chain where the first block is, not where backward needs it: unpacking it prefetches
 #    nothing, or every block's backward would bring the first blocks' copies back with it.
@@ -111,7 +113,7 @@ __all__ = ["Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack
 #    of the early pace, and stops at the first of the other.
 
 _AHEAD = 1  # copies brought back ahead of the one being unpacked
-_WALK = 16  # at most this many links followed when looking for it (past copies this backward brought back)
+WALK = 16  # at most this many links followed when looking for it (past copies this backward brought back)
 _PENDING_BYTES = 64 << 20  # bytes of device memory held per device while its copies to host run
 _WHOLE = 4  # a storage up to this many times a saved view's elements is copied whole (NOTE [ What crosses ])
 
@@ -471,17 +473,18 @@ class _Copy:
             copy = link()
             if copy is not None and copy.early and copy.fetched != gid:
                 copy._fetch(gid)
-        ahead = walked = held = 0
+        ahead = walked = 0
         link = self.prev
-        while link is not None and ahead < _AHEAD and walked < _WALK and held <= _AHEAD:
+        while link is not None and ahead < _AHEAD and walked < WALK:
             copy = link()
             if copy is None:
                 return
             walked += 1
             link = copy.prev
             if copy.fetched == gid:  # this backward brought it back already: NOTE [ What crosses ], rule 3
-                if copy.ready is not None and copy.ready[0] == gid and copy.users > 1:
-                    held += 1  # an input brought back and not used yet (NOTE [ Offload lifecycle ], note 3)
+                ready = copy.ready
+                if ready is not None and ready[0] == gid and copy.users > 1 and ready[4] == copy.users:
+                    return  # an input brought back ahead and not used yet: a block ahead (NOTE [ Offload lifecycle ])
                 continue
             if not copy.early:  # it comes back when its node asks for it (NOTE [ Offload lifecycle ], rule 6)
                 return

@@ -16,6 +16,7 @@ from torch import nn
 
 from .._core.requests import TILES, Where
 from .._engine.offload import Offload
+from .._engine.transfer import WALK
 from .._measure.fake import counted_on
 from .._sites import targets as _targets
 from .._sites.head import route_head
@@ -38,7 +39,8 @@ __all__ = ["EXTRAS", "HEAD", "TILES", "TILES_SUFFIX", "HostOffload", "split_extr
 # 3. The step runs on fake tensors, where remat's own offload (which copies real memory on side streams) does
 #    nothing; so the estimate puts what a block keeps "on the host" by dropping the fake tensor and making a new one
 #    on the device when backward asks for it (`HostOffload`), as a real offload brings memory back: once per
-#    storage, held until its last unpack, and the copy made before it brought back ahead (NOTE [ Offload
+#    storage (every view of it shares the copy), held while a saved view of it lives and has unpacks left, and
+#    brought back ahead by the real offload's walk, one block ahead (NOTE [ What crosses ] and NOTE [ Offload
 #    lifecycle ] in remat/_engine/transfer.py).
 
 HEAD = "+head"
@@ -85,8 +87,10 @@ class HostOffload(Offload):
 
     def __init__(self) -> None:
         super().__init__()
-        self._copies: dict[int, _HostCopy] = {}
-        self._last: _HostCopy | None = None
+        # weakly, as remat's offload holds its copies: a copy lives as long as a view of it (NOTE [ Offload
+        # lifecycle ], rule 4), and what it brought back with it
+        self._copies: dict[int, weakref.ref[_HostCopy]] = {}
+        self._last: weakref.ref[_HostCopy] | None = None
 
     def qualifies(self, tensor: torch.Tensor) -> bool:
         device = counted_on(tensor.device)  # a CPU tensor standing in for CUDA is CUDA's: NOTE [ CUDA without a GPU ]
@@ -101,14 +105,15 @@ class HostOffload(Offload):
         if not self.qualifies(tensor):
             return _Stays(tensor)
         storage = tensor.untyped_storage()
-        copy = self._copies.get(id(storage))
-        if copy is None or copy.storage() is not storage or copy.shape != tensor.shape:
-            copy = self._copies[id(storage)] = _HostCopy(tensor, self._last)
-            self._last = copy
+        found = self._copies.get(id(storage))
+        copy = None if found is None else found()
+        if copy is None or copy.storage() is not storage or copy.dtype != tensor.dtype:  # views share a copy
+            copy = _HostCopy(tensor, None if self._last is None else self._last())
+            self._copies[id(storage)] = self._last = weakref.ref(copy)
         elif copy.later:  # packed again after later copies were made: it prefetches nothing
             copy.spread = True
         copy.users += 1
-        return copy
+        return _HostView(copy, tensor)
 
     def unpack(self, packed: Any) -> torch.Tensor:  # type: ignore[override]
         return packed.take()  # type: ignore[no-any-return]
@@ -124,24 +129,47 @@ class _Stays:
         return self.tensor
 
 
-class _HostCopy:
-    """A fake tensor's memory on the host: its shape, made again on its device for its unpacks."""
+class _HostView:
+    """One saved tensor in a `_HostCopy`: its view of the storage, as a parcel of remat's offload."""
 
-    __slots__ = ("device", "dtype", "later", "left", "prev", "ready", "shape", "spread", "storage", "stride",
-                 "users", "walked")
+    __slots__ = ("copy", "offset", "shape", "stride")
+
+    def __init__(self, copy: _HostCopy, tensor: torch.Tensor) -> None:
+        self.copy, self.shape, self.stride, self.offset = copy, tensor.shape, tensor.stride(), tensor.storage_offset()
+
+    def take(self) -> torch.Tensor:
+        return self.copy.take().as_strided(self.shape, self.stride, self.offset)
+
+
+class _HostCopy:
+    """A fake tensor's storage on the host, made again on its device for its unpacks (every view of it shares it),
+    and brought back ahead as remat's offload brings a copy back (NOTE [ What crosses ], rule 2, and NOTE [ Offload
+    lifecycle ], note 3, in remat/_engine/transfer.py)."""
+
+    __slots__ = ("__weakref__", "device", "dtype", "fetched", "left", "next", "numel", "prev", "ready", "spread",
+                 "storage", "users")
 
     def __init__(self, tensor: torch.Tensor, prev: _HostCopy | None) -> None:
-        self.shape, self.stride, self.dtype, self.device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+        self.dtype, self.device = tensor.dtype, tensor.device
+        self.numel = tensor.untyped_storage().nbytes() // tensor.element_size()
         self.storage = weakref.ref(tensor.untyped_storage())
-        self.prev, self.later, self.spread, self.walked = prev, False, False, False
+        self.prev = None if prev is None else weakref.ref(prev)
+        self.next: weakref.ref[_HostCopy] | None = None
+        self.spread = self.fetched = False
         if prev is not None:
-            prev.later = True
+            prev.next = weakref.ref(self)
         self.users = self.left = 0
         self.ready: torch.Tensor | None = None
 
+    @property
+    def later(self) -> bool:
+        """Copies were made after this one (packed again now, it prefetches nothing)."""
+        return self.next is not None
+
     def _bring(self) -> None:
+        self.fetched = True
         if self.ready is None:
-            self.ready = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+            self.ready = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             self.left = self.users
 
     def take(self) -> torch.Tensor:
@@ -151,14 +179,28 @@ class _HostCopy:
         self.left -= 1
         if self.left <= 0:
             self.ready = None
-        if not self.walked and not self.spread:  # its first unpack brings the one before it back ahead
-            self.walked = True
-            before = self.prev
-            while before is not None and (before.walked or before.ready is not None):
-                before = before.prev
-            if before is not None:
-                before._bring()
+        if not self.spread:
+            self._prefetch()
         return tensor
+
+    def _prefetch(self) -> None:
+        """The real offload's walk (`_Copy._prefetch`): the next copy, and the nearest earlier one not brought back,
+        stopping at a block input brought back ahead and not used yet."""
+        after = None if self.next is None else self.next()
+        if after is not None and not after.fetched:
+            after._bring()
+        link, walked = self.prev, 0
+        while link is not None and walked < WALK:
+            before = link()
+            if before is None:
+                return
+            walked += 1
+            if not before.fetched:
+                before._bring()
+                return
+            if before.ready is not None and before.users > 1 and before.left == before.users:
+                return
+            link = before.prev
 
 
 def with_extras(model: nn.Module, base: Configured, config: str, extras: dict[str, int],
