@@ -24,6 +24,10 @@ class AutocastState:
         )
         self.cache = torch.is_autocast_cache_enabled()
 
+    def key(self) -> tuple[object, ...]:
+        """What two states compare by: equal keys, the same autocast."""
+        return (tuple(sorted(self.kinds, key=lambda kind: kind[0])), self.cache)
+
     @staticmethod
     def capture(devices: tuple[torch.device, ...]) -> AutocastState | None:
         """The current autocast state, or None when autocast is off everywhere (the common case)."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._core.errors import BUG, RematError
 from .._core.torch_compat import graph_task_keeps_graph, top_saved_hooks, tree_leaves
@@ -51,6 +53,14 @@ __all__ = ["spans", "tiles"]
 #    parameters are gathered once per forward (and per recompute) and once in backward, and released after their
 #    gradients are accumulated (remat/_sites/tiles.py, NOTE [ What is tiled ]).
 # 6. A second derivative (`create_graph=True`) goes through the tiles with every tile's graph kept.
+# 7. Chained tiles: a tiled call whose input is the output of the tiled call just before it (unchanged since,
+#    along the same dimension, under the same autocast), where that earlier function is cheap to run again (it
+#    reads no tensor of more than one dimension, as a norm) and draws no random numbers, runs the two as one
+#    token-wise function over the earlier call's input, which is all it keeps: each tile runs the earlier
+#    function, then its own. The earlier output is then kept by nobody that only the tiles made keep it (a
+#    transformer's MLP after its norm keeps the norm's input, not the norm's output too). Gradients reach the
+#    earlier input and both functions' reads through the chained call; the earlier call's node gets gradients
+#    only from other users of its output, if it has any.
 #
 # Implementation notes:
 # 1. (rule 2) Which tensors fn reads is seen on the first tile, which forward runs under a dispatch mode that
@@ -64,6 +74,10 @@ __all__ = ["spans", "tiles"]
 #    drops them as soon as it is done when the running backward does not keep the graph (no `retain_graph`), as
 #    autograd frees a node's saved tensors; where torch cannot say, an end-of-backward callback drops them once
 #    autograd freed the node's own.
+# 4. (rule 7) The earlier call's output is noted (`_made`, weakly: the note dies with the output) with its function,
+#    its input (weakly) and both versions; the reads' shapes and the random ops are seen on its first tile, under
+#    `_Reads`. The chained call's node takes the earlier input, so the earlier node, unreachable from the loss
+#    once its output is gone, is freed with what it kept.
 
 
 def spans(length: int, count: int) -> list[tuple[int, int]]:
@@ -89,8 +103,11 @@ class _Reads(Mode):
         super().__init__()
         self.skip = skip
         self.found: dict[int, torch.Tensor] = {}
+        self.drew = False  # a random op ran (rule 7)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.drew = True
         for item in tree_leaves((args, kwargs)):
             if isinstance(item, torch.Tensor) and item.requires_grad:
                 base = item._base if item._base is not None else item
@@ -179,9 +196,13 @@ def tiles(
     >>> x = torch.randn(2, 6, 4, requires_grad=True)
     >>> torch.testing.assert_close(tiles(lin, x, 1, 3, site="lin"), lin(x))
     """
+    earlier = _earlier(x, dim) if torch.is_grad_enabled() else None
+    if earlier is not None:  # rule 7
+        fn, x = functools.partial(_chained, earlier.fn, fn), earlier.input
+        site = f"{earlier.site} then {site}"
     cuts = spans(x.shape[dim], count)
     start, length = cuts[0]
-    part = _tile(x, dim, start, length)
+    part = _tile(x.detach(), dim, start, length)  # without a graph: not one of fn's reads (a copy, if not contiguous)
     if not torch.is_grad_enabled():
         first = fn(part)
         _check_tile(first, part, dim, site, 0)
@@ -195,7 +216,47 @@ def tiles(
     if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
         return _rest(fn, x, first, dim, cuts, site)
     out: torch.Tensor = _TilesFunction.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
+    if earlier is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
+        _made[out] = _Made(fn, x, dim, site, out._version, spec.devices, spec.autocast)
     return out
+
+
+class _Made:
+    """A tiled call's output that the next tiled call may chain onto (NOTE [ Tiles ], rule 7)."""
+
+    __slots__ = ("autocast", "devices", "dim", "fn", "input_ref", "input_version", "site", "version")
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dim: int, site: str, version: int,
+                 devices: tuple[torch.device, ...], autocast: AutocastState | None) -> None:
+        self.fn, self.dim, self.site, self.version, self.devices = fn, dim, site, version, devices
+        self.input_ref, self.input_version = weakref.ref(x), x._version
+        self.autocast = None if autocast is None else autocast.key()
+
+    @property
+    def input(self) -> torch.Tensor:
+        x = self.input_ref()
+        assert x is not None
+        return x
+
+
+_made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _earlier(x: torch.Tensor, dim: int) -> _Made | None:
+    """The tiled call `x` is the unchanged output of, where this call may chain onto it (rule 7), or None."""
+    made: _Made | None = _made.get(x)  # type: ignore[no-untyped-call, unused-ignore]
+    if made is None or made.dim != dim or x._version != made.version:
+        return None
+    earlier = made.input_ref()
+    if earlier is None or earlier._version != made.input_version:
+        return None
+    now = AutocastState.capture(made.devices)
+    return made if (None if now is None else now.key()) == made.autocast else None
+
+
+def _chained(first: Callable[[torch.Tensor], torch.Tensor], then: Callable[[torch.Tensor], torch.Tensor],
+             part: torch.Tensor) -> torch.Tensor:
+    return then(first(part))
 
 
 def _tile(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:

@@ -41,9 +41,10 @@ _M = TypeVar("_M", bound=nn.Module)
 # 2. By default the modules tiled in a block (a Hugging Face decoder layer) are its feed-forward modules as
 #    transformers names them (`TILED_NAMES`: `mlp`, `feed_forward`, `ffn`, ...), the outermost in the block, and
 #    the norms that are the block's own children (`input_layernorm`, `ln_1`, ...: a norm keeps its normalized
-#    input for backward, which tiled it does not); a mixture of experts found there is skipped, and the report says
-#    so. Norms deeper inside (a query norm inside attention, over heads) are left alone. Elsewhere the caller says
-#    which (`where`).
+#    input for backward, which tiled it does not, and the feed-forward module after a tiled norm runs with it and
+#    keeps only the norm's input: NOTE [ Tiles ], rule 7); a mixture of experts found there is skipped, and the
+#    report says so. Norms deeper inside (a query norm inside attention, over heads) are left alone. Elsewhere the
+#    caller says which (`where`).
 # 3. The in-place form gives the instance its own `forward` (the class is never changed), which runs what the
 #    instance ran before over tiles of its first argument: the module's hooks run once per call, around the
 #    tiles. `remat.undo` takes it off.

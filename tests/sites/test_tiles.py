@@ -264,6 +264,82 @@ def test_an_input_changed_in_place_before_backward_raises() -> None:
         out.sum().backward()
 
 
+# -- chained tiles (NOTE [ Tiles ], rule 7) ----------------------------------------------------------------
+
+
+class NormThenMLP(nn.Module):
+    """A norm and the MLP after it, each tiled on its own; `also` uses the norm's output besides the MLP, `change`
+    changes it in place first."""
+
+    def __init__(self, also: bool = False, change: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mlp = GatedMLP()
+        self.also, self.change = also, change
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        if self.change:
+            h.mul_(2)
+        out = x + self.mlp(h)
+        return out + h.pow(2) if self.also else out
+
+
+def _tile_both(block: nn.Module) -> nn.Module:
+    remat.tiled(block.norm, tiles=3, dim=1)
+    remat.tiled(block.mlp, tiles=3, dim=1)
+    return block
+
+
+def test_an_mlp_after_a_tiled_norm_runs_with_it_and_keeps_only_the_norms_input() -> None:
+    before = _stats.tiles
+    assert_same_grads(NormThenMLP, inputs(), _tile_both, expect_recompute=False)
+    assert _stats.tiles - before == 3, "one chained call: the norm's node ran no backward of its own"
+    block = _tile_both(NormThenMLP())
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    block.norm.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out)))
+    loss = block(inputs()[0]).sum()
+    gc.collect()
+    assert outputs[0]() is None, "the norm's output is not kept for backward"
+    loss.backward()
+
+
+@pytest.mark.parametrize("also, change", [(True, False), (False, True)], ids=["another-user", "changed-in-place"])
+def test_a_chain_keeps_gradients_where_the_norms_output_has_another_user_or_changed(also: bool,
+                                                                                    change: bool) -> None:
+    before = _stats.tiles
+    assert_same_grads(lambda: NormThenMLP(also, change), inputs(), _tile_both, expect_recompute=False)
+    # another user: the chained call's tiles and the norm's own (its output's gradient from that user);
+    # changed in place: the norm's and the MLP's tiles, not chained
+    assert _stats.tiles - before == 6
+
+
+def test_no_chain_after_a_function_that_draws_random_numbers_or_reads_a_matrix() -> None:
+    mlp, other = GatedMLP(), GatedMLP()
+    x = inputs()[0]
+    before = _stats.tiles
+    torch.manual_seed(0)
+    h = remat.tiled(lambda t: F.dropout(t, 0.5), x, dim=1, tiles=3)
+    out = remat.tiled(mlp, h, dim=1, tiles=3)
+    torch.testing.assert_close(out, mlp(h), msg="the MLP saw the dropout's output, not a mask of its own")
+    out.sum().backward()
+    h = remat.tiled(other, x, dim=1, tiles=3)
+    remat.tiled(mlp, h, dim=1, tiles=3).sum().backward()
+    assert _stats.tiles - before == 12, "no chain: each tiled call ran its backward"
+
+
+def test_no_chain_across_an_autocast_change() -> None:
+    block = _tile_both(NormThenMLP()).float()
+    x = torch.randn(2, SEQ, WIDTH, dtype=torch.float32, requires_grad=True)
+    before = _stats.tiles
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = block.norm(x)
+    out = block.mlp(h)
+    assert out.dtype == torch.float32
+    out.float().sum().backward()
+    assert _stats.tiles - before == 6
+
+
 # -- RNG and autocast ---------------------------------------------------------------------------------------
 
 
