@@ -20,6 +20,7 @@ from .._core.torch_compat import graph_task_keeps_graph, top_saved_hooks, tree_l
 from . import stats as _stats
 from .autocast import AutocastState
 from .modes import Mode
+from .once import parts
 from .rng import RngStash, devices_of
 
 __all__ = ["spans", "tiles"]
@@ -291,8 +292,11 @@ def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: to
     out = first.new_empty(shape)
     out.narrow(dim, 0, first.shape[dim]).copy_(first)
     del first
+    counted = set(parts(range(len(cuts)), x))  # an estimate on fake tensors: NOTE [ Counted once ] in once.py
     with torch.no_grad():
         for index, (start, length) in enumerate(cuts[1:], 1):
+            if index not in counted:
+                continue
             part = _tile(x, dim, start, length)
             piece = fn(part)
             _check_tile(piece, part, dim, site, index)
@@ -345,9 +349,12 @@ def _differentiate(spec: _TileSpec, x: torch.Tensor, grad: torch.Tensor, x_wante
     sums: list[torch.Tensor | None] = [None] * len(reads)
     grad_x: torch.Tensor | None = x.new_empty(x.shape) if x_wanted and not create else None
     pieces: list[torch.Tensor] = []
+    counted = set(parts(range(len(cuts)), x)) if not create else set(range(len(cuts)))  # NOTE [ Counted once ]
     caller_rng = spec.rng.swap_in()
     try:
         for index, (start, length) in enumerate(cuts):
+            if index not in counted:
+                continue
             part = _tile(x, dim, start, length).detach().requires_grad_(x_wanted)
             with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
                 out = fn(part)
@@ -379,6 +386,7 @@ def _differentiate(spec: _TileSpec, x: torch.Tensor, grad: torch.Tensor, x_wante
                 else:
                     total.add_(g)
             del made
+            g = total = None  # the last tile's gradient would sit beside the next tile's
     finally:
         caller_rng.apply()
     if x_wanted and grad_x is None:

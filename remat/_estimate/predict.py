@@ -64,6 +64,7 @@ from torch import nn
 
 from .._core.errors import BudgetError, RematError
 from .._core.torch_compat import foreach_by_default
+from .._engine.once import counted_once
 from .._measure.fake import (
     FakeTracker,
     data_dependent,
@@ -79,7 +80,6 @@ from .._measure.hf_fake import real_masks
 from .._measure.loss import call_model as call_loss
 from .._measure.loss import default_loss
 from .._measure.step_autocast import StepAutocast, planning, step_region
-from .._sites.cross_entropy import chunks_counted_once
 from .constants import first_step_bytes
 from .depth import Layers, identical_layers
 from .phases import BACKWARD, FORWARD, OPTIMIZER, PhaseTracker, where_it_peaks
@@ -286,7 +286,7 @@ class _Steps:
                      else rank.gradients)
         try:
             with configured.apply(args), (self.layers.cut(depth) if self.layers is not None
-                                          else contextlib.nullcontext()), chunks_counted_once():
+                                          else contextlib.nullcontext()), counted_once():
                 grads, held, output, peak, tracker = _step(
                     self.model, args, self.loss, self.made, self.params, self.device, self.step_bytes, self.autocast
                 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from .._core import switch as _switch
 from .._core.errors import RematError
 from .._core.public import claim
-from .._core.torch_compat import FakeTensor
 from .._engine import stats as _stats
 from .._engine.compiled import compiling
+from .._engine.once import parts
 
-__all__ = ["ACCELERATOR_ROWS", "CHUNK_BYTES", "MIN_ROWS", "Transform", "chunk_count", "chunked", "chunks_counted_once",
+__all__ = ["ACCELERATOR_ROWS", "CHUNK_BYTES", "MIN_ROWS", "Transform", "chunk_count", "chunked",
            "linear_cross_entropy", "logits_dtype", "min_rows", "softcap_transform"]
 
 Reduction = Literal["mean", "sum", "none"]
@@ -74,12 +74,9 @@ rule 3)."""
 #    is no longer needed). Each token's weight in the loss (1 / tokens for "mean", the loss's gradient for "none",
 #    0 for an ignored token) never touches the chunk: it scales rows of `hidden` and of `hidden`'s gradient, H
 #    wide, instead of rows of the logits, V wide.
-# 7. Where an estimate counts a step's bytes on fake tensors (`chunks_counted_once`), the head runs its first and
-#    last chunks only: every chunk of one size holds the same bytes at its peak and leaves alive what the one
-#    before it left (a chunk's tensors are freed before the next one starts; what outlives them, the loss per
-#    token and the gradients, is made before the first), so one chunk of each size gives the step's peak and the
-#    bytes alive after it, at the cost of two chunks where a long sequence has hundreds. Never where ops are
-#    priced or real tensors run: a budget's fake profile counts each chunk's time.
+# 7. Where an estimate counts a step's bytes on fake tensors, the head runs its first and last chunks only (NOTE
+#    [ Counted once ] in remat/_engine/once.py): every chunk of one size holds the same bytes at its peak and leaves
+#    alive what the one before it left (the loss per token and the gradients are made before the first).
 #
 # Implementation notes:
 # 1. (rules 2, 6) The gradient of the loss for the logits z of one token with label y, smoothing e and V classes
@@ -101,20 +98,6 @@ rule 3)."""
 #    does (inlined, inductor would be free to make every chunk's logits first). Backward raises under
 #    `create_graph=True`: there is no second derivative through the head (torch's cross-entropy has one; no
 #    training loop uses it), and a silent zero would be wrong.
-
-
-_counted_once = [0]  # how many `chunks_counted_once` are open
-
-
-@contextlib.contextmanager
-def chunks_counted_once() -> Iterator[None]:
-    """Inside, the head on fake tensors runs one chunk of each size: an estimate's count of bytes (NOTE [ The head
-    in chunks ], rule 7)."""
-    _counted_once[0] += 1
-    try:
-        yield
-    finally:
-        _counted_once[0] -= 1
 
 
 @dataclass(frozen=True)
@@ -418,9 +401,7 @@ class _Chunk:
                 grad_weight = torch.zeros(weight.shape, dtype=self.sums, device=weight.device)
             if wanted[2] and self.bias is not None:
                 grad_bias = torch.zeros(weight.shape[0], dtype=self.sums, device=self.bias.device)
-        starts: Sequence[int] = range(0, tokens, spec.size)
-        if _counted_once[0] and len(starts) > 2 and isinstance(hidden, FakeTensor):  # rule 7
-            starts = (starts[0], starts[-1])
+        starts = parts(range(0, tokens, spec.size), hidden)  # rule 7
         for start in starts:
             end = min(start + spec.size, tokens)
             logits, kept = self.logits(start, end)

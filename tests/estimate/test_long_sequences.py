@@ -355,8 +355,9 @@ def test_the_command_line_compares_the_configurations_of_long_sequences() -> Non
     assert longest["none"] < longest["full"] < longest["full+head"] <= longest["full+head+tiles"], longest
 
 
-def test_an_estimate_runs_two_chunks_of_the_head_and_counts_what_all_of_them_hold(
+def test_an_estimate_runs_two_parts_of_the_head_and_of_tiles_and_counts_what_all_of_them_hold(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Counted once ]: the rows are those of every chunk and tile, from two of each."""
     pytest.importorskip("transformers")
     import contextlib
 
@@ -365,15 +366,16 @@ def test_an_estimate_runs_two_chunks_of_the_head_and_counts_what_all_of_them_hol
 
     case = hf_case("llama", tiny=True, layers=2, seq=4 * 2**15 + 1000, dtype=torch.float64)  # chunks: more than two
 
-    def rows() -> tuple[list[tuple[Any, ...]], int]:
-        before = stats.head_chunks
+    def rows() -> tuple[list[tuple[Any, ...]], int, int]:
+        chunks, tiles = stats.head_chunks, stats.tiles
         report = remat.estimate(case.model, case.sample, optimizer="adamw", configs=("full+head", "full+head+tiles"))
-        return [(row.peak_bytes, row.phase_bytes, row.activation_bytes, row.holders) for row in report.rows], \
-            stats.head_chunks - before
+        return ([(row.peak_bytes, row.phase_bytes, row.activation_bytes, row.holders) for row in report.rows],
+                stats.head_chunks - chunks, stats.tiles - tiles)
 
-    once, chunks = rows()
+    once, chunks, tiles = rows()
     with monkeypatch.context() as patched:
-        patched.setattr(_predict, "chunks_counted_once", contextlib.nullcontext)
-        every, all_chunks = rows()
+        patched.setattr(_predict, "counted_once", contextlib.nullcontext)
+        every, all_chunks, all_tiles = rows()
     assert once == every
     assert chunks < all_chunks, (chunks, all_chunks)
+    assert tiles < all_tiles, (tiles, all_tiles)

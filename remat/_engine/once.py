@@ -1,0 +1,48 @@
+"""Where an estimate counts a step's bytes on fake tensors, work that repeats over equal parts runs one of each size.
+
+See NOTE [ Counted once ].
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
+
+import torch
+
+from .._core.torch_compat import FakeTensor
+
+__all__ = ["counted_once", "parts"]
+
+_T = TypeVar("_T")
+
+# NOTE [ Counted once ]
+# Rules:
+# 1. Inside `counted_once()`, work on fake tensors that repeats over equal parts of a tensor (the head's chunks,
+#    tiles) runs its first and last parts only, one of each size: every part of one size holds the same bytes at its
+#    peak and leaves alive what the one before it left (a part's tensors are freed before the next one starts; what
+#    outlives them, the output, the loss per token and the gradients' sums, is made before or by the first), so the
+#    step's peak and the bytes alive after it are those of all the parts, at the cost of two parts where a long
+#    sequence has hundreds.
+# 2. Never where ops are priced (a budget's fake profile counts each part's time) or real tensors run: `parts` gives
+#    every part unless the tensor is fake and a `counted_once` is open.
+
+_open = [0]  # how many `counted_once` are open
+
+
+@contextlib.contextmanager
+def counted_once() -> Iterator[None]:
+    """Inside, the head's chunks and tiles on fake tensors run one part of each size (an estimate's count of bytes)."""
+    _open[0] += 1
+    try:
+        yield
+    finally:
+        _open[0] -= 1
+
+
+def parts(items: Sequence[_T], tensor: torch.Tensor) -> Sequence[_T]:
+    """`items`, one per part of `tensor`; only the first and the last where rule 1 applies."""
+    if _open[0] and len(items) > 2 and isinstance(tensor, FakeTensor):
+        return (items[0], items[-1])
+    return items
