@@ -56,7 +56,8 @@ __all__ = ["spans", "tiles"]
 # 6. A second derivative (`create_graph=True`) goes through the tiles with every tile's graph kept.
 # 7. Chained tiles: a tiled call whose input is the output of the tiled call just before it (unchanged since,
 #    along the same dimension, under the same autocast), where that earlier function is cheap to run again (it
-#    reads no tensor of more than one dimension, as a norm) and draws no random numbers, runs the two as one
+#    reads no tensor of more than one dimension, as a norm), draws no random numbers and has its parameters outside
+#    its own call too (not a module that ZeRO-3 or FSDP2 gathers for itself), runs the two as one
 #    token-wise function over the earlier call's input, which is all it keeps: each tile runs the earlier
 #    function, then its own. The earlier output is then kept by nobody that only the tiles made keep it (a
 #    transformer's MLP after its norm keeps the norm's input, not the norm's output too). Gradients reach the
@@ -188,10 +189,12 @@ def tiles(
     *,
     site: str,
     module: nn.Module | None = None,
+    chain: bool = True,
 ) -> torch.Tensor:
     """`fn(x)` computed over `count` tiles of `x` along `dim` (NOTE [ Tiles ]); `dim` is non-negative.
 
-    `module`: the module fn belongs to, whose parameters' devices the RNG state covers.
+    `module`: the module fn belongs to, whose parameters' devices the RNG state covers. `chain`: whether a later
+    tiled call may run fn again as part of its own (rule 7; not where fn's parameters exist only inside its call).
 
     >>> lin = torch.nn.Linear(4, 4)
     >>> x = torch.randn(2, 6, 4, requires_grad=True)
@@ -217,7 +220,7 @@ def tiles(
     if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
         return _rest(fn, x, first, dim, cuts, site)
     out: torch.Tensor = _TilesFunction.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
-    if earlier is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
+    if chain and earlier is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
         _made[out] = _Made(fn, x, dim, site, out._version, spec.devices, spec.autocast)
     return out
 

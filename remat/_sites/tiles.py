@@ -184,7 +184,9 @@ def _tiled_call(fn: Callable[..., torch.Tensor], x: Any, args: tuple[Any, ...], 
                   "calls autograd, which dynamo does not trace); its intermediates are not tiled there.")
         return fn(x, *args, **kwargs)
     call = fn if not args and not kwargs else functools.partial(_with_rest, fn, args, kwargs)
-    return tiles(call, x, axis, count, site=site, module=module)
+    # a module whose own hooks gather its parameters (ZeRO-3, FSDP2 on it) has them only inside its own call: a
+    # later tiled call may not run it again (NOTE [ Tiles ], rule 7)
+    return tiles(call, x, axis, count, site=site, module=module, chain=module is None or _gathers(module) is None)
 
 
 def _with_rest(fn: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -314,6 +314,20 @@ def test_a_chain_keeps_gradients_where_the_norms_output_has_another_user_or_chan
     assert _stats.tiles - before == 6
 
 
+def test_no_chain_after_a_module_that_gathers_its_parameters_for_its_own_call() -> None:
+    """ZeRO-3 (marked by `ds_id`, as remat reads it) has a module's parameters only inside its call: the MLP may not
+    run the norm again inside its own."""
+
+    def sharded_norm(block: nn.Module) -> nn.Module:
+        for param in _tile_both(block).norm.parameters():
+            param.ds_id = 0  # type: ignore[attr-defined]
+        return block
+
+    before = _stats.tiles
+    assert_same_grads(NormThenMLP, inputs(), sharded_norm, expect_recompute=False)
+    assert _stats.tiles - before == 6
+
+
 def test_no_chain_after_a_function_that_draws_random_numbers_or_reads_a_matrix() -> None:
     mlp, other = GatedMLP(), GatedMLP()
     x = inputs()[0]
