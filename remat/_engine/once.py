@@ -19,12 +19,13 @@ _T = TypeVar("_T")
 
 # NOTE [ Counted once ]
 # Rules:
-# 1. Inside `counted_once()`, work on fake tensors that repeats over equal parts of a tensor (the head's chunks,
-#    tiles) runs its first and last parts only, one of each size: every part of one size holds the same bytes at its
-#    peak and leaves alive what the one before it left (a part's tensors are freed before the next one starts; what
-#    outlives them, the output, the loss per token and the gradients' sums, is made before or by the first), so the
-#    step's peak and the bytes alive after it are those of all the parts, at the cost of two parts where a long
-#    sequence has hundreds.
+# 1. Inside `counted_once()`, work on fake tensors that repeats over parts of a tensor of at most two sizes, the
+#    longer ones first (the head's chunks, tiles: `spans`) runs its first, second and last parts only: the first
+#    may make what outlives the parts (the gradients' sums of tiles), the second is then a part of the first size
+#    with all of that alive, and the last one of the other size. Every later part of one size holds the same bytes
+#    at its peak and leaves alive what the one before it left (a part's tensors are freed before the next one
+#    starts), so the step's peak and the bytes alive after it are those of all the parts, at the cost of three
+#    parts where a long sequence has hundreds.
 # 2. Never where ops are priced (a budget's fake profile counts each part's time) or real tensors run: `parts` gives
 #    every part unless the tensor is fake and a `counted_once` is open.
 
@@ -42,7 +43,7 @@ def counted_once() -> Iterator[None]:
 
 
 def parts(items: Sequence[_T], tensor: torch.Tensor) -> Sequence[_T]:
-    """`items`, one per part of `tensor`; only the first and the last where rule 1 applies."""
-    if _open[0] and len(items) > 2 and isinstance(tensor, FakeTensor):
-        return (items[0], items[-1])
+    """`items`, one per part of `tensor`; only the first, second and last where rule 1 applies."""
+    if _open[0] and len(items) > 3 and isinstance(tensor, FakeTensor):
+        return (items[0], items[1], items[-1])
     return items

@@ -74,9 +74,9 @@ rule 3)."""
 #    is no longer needed). Each token's weight in the loss (1 / tokens for "mean", the loss's gradient for "none",
 #    0 for an ignored token) never touches the chunk: it scales rows of `hidden` and of `hidden`'s gradient, H
 #    wide, instead of rows of the logits, V wide.
-# 7. Where an estimate counts a step's bytes on fake tensors, the head runs its first and last chunks only (NOTE
-#    [ Counted once ] in remat/_engine/once.py): every chunk of one size holds the same bytes at its peak and leaves
-#    alive what the one before it left (the loss per token and the gradients are made before the first).
+# 7. Where an estimate counts a step's bytes on fake tensors, the head runs its first, second and last chunks only
+#    (NOTE [ Counted once ] in remat/_engine/once.py): every chunk of one size holds the same bytes at its peak and
+#    leaves alive what the one before it left (the loss per token and the gradients are made before the first).
 #
 # Implementation notes:
 # 1. (rules 2, 6) The gradient of the loss for the logits z of one token with label y, smoothing e and V classes

@@ -355,16 +355,17 @@ def test_the_command_line_compares_the_configurations_of_long_sequences() -> Non
     assert longest["none"] < longest["full"] < longest["full+head"] <= longest["full+head+tiles"], longest
 
 
-def test_an_estimate_runs_two_parts_of_the_head_and_of_tiles_and_counts_what_all_of_them_hold(
+def test_an_estimate_runs_three_parts_of_the_head_and_of_tiles_and_counts_what_all_of_them_hold(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """NOTE [ Counted once ]: the rows are those of every chunk and tile, from two of each."""
+    """NOTE [ Counted once ]: the rows are those of every chunk and tile, from three of each."""
     pytest.importorskip("transformers")
     import contextlib
 
     from remat._engine import stats
     from remat._estimate_cli import hf_case
 
-    case = hf_case("llama", tiny=True, layers=2, seq=4 * 2**15 + 1000, dtype=torch.float64)  # chunks: more than two
+    # more than three chunks; tiles of two sizes (NOTE [ Counted once ]: the second is the first size with the sums)
+    case = hf_case("llama", tiny=True, layers=2, seq=4 * 2**15 + 1003, dtype=torch.float64)
 
     def rows() -> tuple[list[tuple[Any, ...]], int, int]:
         chunks, tiles = stats.head_chunks, stats.tiles
