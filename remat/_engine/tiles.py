@@ -200,10 +200,10 @@ def tiles(
     >>> x = torch.randn(2, 6, 4, requires_grad=True)
     >>> torch.testing.assert_close(tiles(lin, x, 1, 3, site="lin"), lin(x))
     """
-    earlier = _earlier(x, dim) if torch.is_grad_enabled() else None
-    if earlier is not None:  # rule 7
-        fn, x = functools.partial(_chained, earlier.fn, fn), earlier.input
-        site = f"{earlier.site} then {site}"
+    found = _earlier(x, dim) if torch.is_grad_enabled() else None
+    if found is not None:  # rule 7
+        earlier, x = found
+        fn, site = functools.partial(_chained, earlier.fn, fn), f"{earlier.site} then {site}"
     cuts = spans(x.shape[dim], count)
     start, length = cuts[0]
     part = _tile(x.detach(), dim, start, length)  # without a graph: not one of fn's reads (a copy, if not contiguous)
@@ -220,7 +220,7 @@ def tiles(
     if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
         return _rest(fn, x, first, dim, cuts, site)
     out: torch.Tensor = _TilesFunction.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
-    if chain and earlier is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
+    if chain and found is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
         _made[out] = _Made(fn, x, dim, site, out._version, spec.devices, spec.autocast)
     return out
 
@@ -236,18 +236,13 @@ class _Made:
         self.input_ref, self.input_version = weakref.ref(x), x._version
         self.autocast = None if autocast is None else autocast.key()
 
-    @property
-    def input(self) -> torch.Tensor:
-        x = self.input_ref()
-        assert x is not None
-        return x
-
 
 _made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
-def _earlier(x: torch.Tensor, dim: int) -> _Made | None:
-    """The tiled call `x` is the unchanged output of, where this call may chain onto it (rule 7), or None."""
+def _earlier(x: torch.Tensor, dim: int) -> tuple[_Made, torch.Tensor] | None:
+    """The tiled call `x` is the unchanged output of and that call's input, where this call may chain onto it
+    (rule 7), or None."""
     made: _Made | None = _made.get(x)  # type: ignore[no-untyped-call, unused-ignore]
     if made is None or made.dim != dim or x._version != made.version:
         return None
@@ -255,7 +250,7 @@ def _earlier(x: torch.Tensor, dim: int) -> _Made | None:
     if earlier is None or earlier._version != made.input_version:
         return None
     now = AutocastState.capture(made.devices)
-    return made if (None if now is None else now.key()) == made.autocast else None
+    return (made, earlier) if (None if now is None else now.key()) == made.autocast else None
 
 
 def _chained(first: Callable[[torch.Tensor], torch.Tensor], then: Callable[[torch.Tensor], torch.Tensor],
@@ -295,11 +290,8 @@ def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: to
     out = first.new_empty(shape)
     out.narrow(dim, 0, first.shape[dim]).copy_(first)
     del first
-    counted = set(parts(range(len(cuts)), x))  # an estimate on fake tensors: NOTE [ Counted once ] in once.py
-    with torch.no_grad():
-        for index, (start, length) in enumerate(cuts[1:], 1):
-            if index not in counted:
-                continue
+    with torch.no_grad():  # the first tile ran already; an estimate on fake tensors runs a few: NOTE [ Counted once ]
+        for index, (start, length) in parts(list(enumerate(cuts)), x)[1:]:
             part = _tile(x, dim, start, length)
             piece = fn(part)
             _check_tile(piece, part, dim, site, index)
@@ -352,12 +344,10 @@ def _differentiate(spec: _TileSpec, x: torch.Tensor, grad: torch.Tensor, x_wante
     sums: list[torch.Tensor | None] = [None] * len(reads)
     grad_x: torch.Tensor | None = x.new_empty(x.shape) if x_wanted and not create else None
     pieces: list[torch.Tensor] = []
-    counted = set(parts(range(len(cuts)), x)) if not create else set(range(len(cuts)))  # NOTE [ Counted once ]
+    every = list(enumerate(cuts))
     caller_rng = spec.rng.swap_in()
     try:
-        for index, (start, length) in enumerate(cuts):
-            if index not in counted:
-                continue
+        for index, (start, length) in every if create else parts(every, x):  # NOTE [ Counted once ]
             part = _tile(x, dim, start, length).detach().requires_grad_(x_wanted)
             with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
                 out = fn(part)

@@ -9,14 +9,15 @@ import collections
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
 from .._core.errors import RematError
 from .._core.torch_compat import graph_task_id
 
-__all__ = ["WALK", "Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack", "reap", "traffic"]
+__all__ = ["Chained", "Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels", "pack", "prefetch", "reap",
+           "traffic"]
 
 # NOTE [ What crosses ]
 # What goes to host is memory, not tensors: a stretch of a saved tensor's storage, copied as one piece.
@@ -113,7 +114,7 @@ __all__ = ["WALK", "Parcel", "Stay", "Traffic", "offloaded_bytes", "live_parcels
 #    of the early pace, and stops at the first of the other.
 
 _AHEAD = 1  # copies brought back ahead of the one being unpacked
-WALK = 16  # at most this many links followed when looking for it (past copies this backward brought back)
+_WALK = 16  # at most this many links followed when looking for it (past copies this backward brought back)
 _PENDING_BYTES = 64 << 20  # bytes of device memory held per device while its copies to host run
 _WHOLE = 4  # a storage up to this many times a saved view's elements is copied whole (NOTE [ What crosses ])
 
@@ -468,32 +469,57 @@ class _Copy:
 
     def _prefetch(self, gid: int) -> None:
         """Start bringing back what backward `gid` needs next (NOTE [ Offload lifecycle ], note 3)."""
-        link = self.next
-        if link is not None:
-            copy = link()
-            if copy is not None and copy.early and copy.fetched != gid:
-                copy._fetch(gid)
-        ahead = walked = 0
-        link = self.prev
-        while link is not None and ahead < _AHEAD and walked < WALK:
-            copy = link()
-            if copy is None:
-                return
-            walked += 1
-            link = copy.prev
-            if copy.fetched == gid:  # this backward brought it back already: NOTE [ What crosses ], rule 3
-                ready = copy.ready
-                if ready is not None and ready[0] == gid and copy.users > 1 and ready[4] == copy.users:
-                    return  # an input brought back ahead and not used yet: a block ahead (NOTE [ Offload lifecycle ])
-                continue
-            if not copy.early:  # it comes back when its node asks for it (NOTE [ Offload lifecycle ], rule 6)
-                return
-            copy._fetch(gid)
-            ahead += 1
+        prefetch(self, lambda copy: copy.fetched == gid,
+                 lambda copy: copy.ready is not None and copy.ready[0] == gid and copy.ready[4] == copy.users,
+                 lambda copy: copy._fetch(gid))
 
     def _fetch(self, gid: int) -> None:
         self.fetched = gid
         self._hold(gid, *self._bring(), self.users)
+
+
+class Chained(Protocol):
+    """A copy in the chain an unpack walks: `_Copy`, and the estimate's stand-in for it on fake tensors."""
+
+    @property
+    def prev(self) -> weakref.ref[Any] | None: ...
+    @property
+    def next(self) -> weakref.ref[Any] | None: ...
+    @property
+    def users(self) -> int: ...
+    @property
+    def early(self) -> bool: ...
+
+
+_C = TypeVar("_C", bound=Chained)
+
+
+def prefetch(copy: _C, brought: Callable[[_C], bool], unused: Callable[[_C], bool],
+             fetch: Callable[[_C], None]) -> None:
+    """What unpacking `copy` brings back ahead (NOTE [ Offload lifecycle ], note 3): the next copy, and the nearest
+    earlier one that this backward has not brought back (`brought`), stopping at a block input brought back ahead and
+    none of whose unpacks ran yet (`unused`) and at a copy of the late pace; `fetch` starts bringing one back."""
+    link = copy.next
+    if link is not None:
+        after = link()
+        if after is not None and after.early and not brought(after):
+            fetch(after)
+    ahead = walked = 0
+    link = copy.prev
+    while link is not None and ahead < _AHEAD and walked < _WALK:
+        before = link()
+        if before is None:
+            return
+        walked += 1
+        link = before.prev
+        if brought(before):  # NOTE [ What crosses ], rule 3
+            if before.users > 1 and unused(before):  # a block input ahead already
+                return
+            continue
+        if not before.early:  # it comes back when its node asks for it (NOTE [ Offload lifecycle ], rule 6)
+            return
+        fetch(before)
+        ahead += 1
 
 
 _prefetch_lock = threading.Lock()

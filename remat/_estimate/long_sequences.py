@@ -16,7 +16,7 @@ from torch import nn
 
 from .._core.requests import TILES, Where
 from .._engine.offload import Offload
-from .._engine.transfer import WALK
+from .._engine.transfer import prefetch
 from .._measure.fake import counted_on
 from .._sites import targets as _targets
 from .._sites.head import route_head
@@ -148,6 +148,7 @@ class _HostCopy:
 
     __slots__ = ("__weakref__", "device", "dtype", "fetched", "left", "next", "numel", "prev", "ready", "spread",
                  "storage", "users")
+    early = True  # what sites keep: the pace that comes back ahead (NOTE [ Offload lifecycle ], rule 6)
 
     def __init__(self, tensor: torch.Tensor, prev: _HostCopy | None) -> None:
         self.dtype, self.device = tensor.dtype, tensor.device
@@ -179,28 +180,17 @@ class _HostCopy:
         self.left -= 1
         if self.left <= 0:
             self.ready = None
-        if not self.spread:
-            self._prefetch()
+        if not self.spread:  # the real offload's walk brings back what backward needs next
+            prefetch(self, _brought, _unused, _HostCopy._bring)
         return tensor
 
-    def _prefetch(self) -> None:
-        """The real offload's walk (`_Copy._prefetch`): the next copy, and the nearest earlier one not brought back,
-        stopping at a block input brought back ahead and not used yet."""
-        after = None if self.next is None else self.next()
-        if after is not None and not after.fetched:
-            after._bring()
-        link, walked = self.prev, 0
-        while link is not None and walked < WALK:
-            before = link()
-            if before is None:
-                return
-            walked += 1
-            if not before.fetched:
-                before._bring()
-                return
-            if before.ready is not None and before.users > 1 and before.left == before.users:
-                return
-            link = before.prev
+
+def _brought(copy: _HostCopy) -> bool:
+    return copy.fetched
+
+
+def _unused(copy: _HostCopy) -> bool:
+    return copy.ready is not None and copy.left == copy.users
 
 
 def with_extras(model: nn.Module, base: Configured, config: str, extras: dict[str, int],
