@@ -87,7 +87,7 @@ def apply(
     enabled: bool | None = None,
     check: bool = True,
     name: str | None = None,
-    offload: bool | _offload.Offload = False,
+    offload: bool | _offload.Offload | None = None,
     budget: Budget | None = None,
     sample: Any = None,
     loss: Callable[[Any], Any] | None = None,
@@ -111,7 +111,12 @@ def apply(
         model: the model; it is changed in place and returned.
         where: an `nn.Module` type, a tuple of types, a predicate `(name, module) -> bool`, or None.
         every: keep every `every`-th match, counting from the first (`every=2`: 1st, 3rd, ...).
-        policy, preserve_rng, strategy, enabled, check, name, offload: as for `remat`.
+        policy, preserve_rng, strategy, enabled, check, name: as for `remat`.
+        offload: as for `remat`: what the blocks keep for backward goes to host memory (`True`, or
+            `remat.offload(...)`), for every block a `budget`/`memory` plan rematerializes too. `None` (the
+            default): no offload, except that a `budget`/`memory` plan on an accelerator offloads what its
+            rematerialized blocks keep where no plan fits without it (after the head and tiles:
+            `remat.plan(model)` says so); `False`: never.
         budget: instead of one `policy` for all, fit a memory budget: bytes (an int, or a string
             such as "1.5GiB"), or a float in (0, 1], that fraction of the activation peak of a training step
             without remat. One training step on `sample` is profiled and each block gets the choice — kept,

@@ -32,7 +32,7 @@ from .._core.errors import BudgetError
 from .._core.requests import MemoryRequest
 from .._core.units import format_bytes
 from .._estimate.estimate import estimate
-from .._estimate.long_sequences import HEAD, TILES_SUFFIX
+from .._estimate.long_sequences import HEAD, OFFLOAD, TILES_SUFFIX
 from .._estimate.phases import OPTIMIZER
 from .._estimate.predict import OptimizerLike
 from .._estimate.report import ConfigEstimate
@@ -82,7 +82,7 @@ def _fit_memory(model: _M, request: MemoryRequest) -> _M:
     device = devices[0] if devices else torch.device("cpu")
     room = headroom_bytes(request.headroom, total, device)
     usable = total - room  # for the allocated peak: the rest is the allocator's
-    row = _least(model, request, total)
+    row = _least(model, request, usable, device)
     # an engine's own buffers too (DeepSpeed ZeRO): a plan's first step sets them apart, as it does this state
     state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes + row.engine_bytes
     if row.peak_bytes > usable:
@@ -123,23 +123,23 @@ def _fit_memory(model: _M, request: MemoryRequest) -> _M:
     )
 
 
-def _least(model: nn.Module, request: MemoryRequest, total: int) -> ConfigEstimate:
-    """The estimate of full remat of every block; where that does not fit in `total` and the head may be routed
-    (NOTE [ The head as a choice ] in remat/_budget/head_choice.py), of full remat with the head in chunks; where
-    that does not fit either and the request leaves tiles to the plan (NOTE [ Tiles as a choice ] in
-    remat/_budget/tiles_choice.py), with the blocks' token-wise modules in tiles too."""
+def _least(model: nn.Module, request: MemoryRequest, total: int, device: torch.device) -> ConfigEstimate:
+    """The estimate of full remat of every block; where that does not fit in `total`, with what the request leaves
+    to the plan added in the plan's order until it fits: the head in chunks where it may be routed (NOTE [ The head
+    as a choice ] in remat/_budget/head_choice.py), the blocks' token-wise modules in tiles (NOTE [ Tiles as a
+    choice ] in remat/_budget/tiles_choice.py), and on an accelerator what the blocks keep on the host (NOTE
+    [ Offload as a choice ] in remat/_budget/offload_choice.py)."""
     optimizer = as_optimizer(request.optimizer)
     config = "full"
     row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
                    where=request.where)[config]
-    if row.peak_bytes > total and request.head is None and can_route_head(model):
-        config += HEAD
-        row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
-                       where=request.where)[config]
-    if row.peak_bytes > total and request.tiles is None:
-        config += TILES_SUFFIX
-        row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
-                       where=request.where)[config]
+    for suffix, open_ in ((HEAD, request.head is None and can_route_head(model)),
+                          (TILES_SUFFIX, request.tiles is None),
+                          (OFFLOAD, request.offload is None and device.type not in ("cpu", "meta"))):
+        if row.peak_bytes > total and open_:
+            config += suffix
+            row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
+                           where=request.where)[config]
     return row
 
 

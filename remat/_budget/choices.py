@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from .._core.policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
+from .._engine.offload import Offload
 from .._sites.targets import remove_hooks, wrap_module
 from .profile import DERIVABLE, PARTS
 from .regimes import BudgetRegime
@@ -28,6 +29,8 @@ class Choices:
         policies, labels: per choice, its policy (`KEPT` for kept) and its label.
         calls: per block and choice, the matmul-class calls a part keeps, from the costs (rank 0's: NOTE [ The same
             plan on every rank ] in verify.py); empty until costs were made.
+        offload: what puts what a rematerialized choice keeps on the host (NOTE [ Offload as a choice ] in
+            offload_choice.py); None: nothing does.
     """
 
     def __init__(self, names: tuple[str, ...], regime: BudgetRegime) -> None:
@@ -48,6 +51,7 @@ class Choices:
             labels.extend(PARTS)
         self.policies, self.labels = tuple(policies), tuple(labels)
         self.calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
+        self.offload: Offload | None = None
 
     def derived(self) -> list[int]:
         """The choices a profile derives from each block's run kept rather than runs (NOTE [ Deriving choices ] in
@@ -66,7 +70,7 @@ class Choices:
                 raise ValueError(f"remat: choice {self.labels[c]!r} is not open to block {self.names[i]!r}.")
             policy = Policy(ops=(matmuls,), calls=calls)
         if policy != KEPT:
-            wrap_module(block, self.request.options(policy), model)  # type: ignore[arg-type]
+            wrap_module(block, self.request.options(policy, self.offload or False), model)  # type: ignore[arg-type]
 
     def place(self, model: nn.Module, assignment: Assignment) -> None:
         """Put `assignment`'s choices on the blocks of `model`."""

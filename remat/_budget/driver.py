@@ -36,14 +36,14 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from .._core.errors import BudgetError
 from .._core.requests import BudgetRequest, FitRequest
-from .._core.torch_compat import eager_for_now, when_traced
+from .._core.torch_compat import FakeTensor, eager_for_now, when_traced
 from .._core.units import format_bytes
 from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
@@ -57,6 +57,7 @@ from .costs import ModelCost, measured_costs
 from .costs_compiled import warn_one_graph
 from .first_step import WINDOW, FirstStep, can_track, tidy
 from .head_choice import HeadChoice
+from .offload_choice import OffloadChoice
 from .profile import TrainingStep, profile
 from .regimes import SHARDED_LATER, BudgetRegime, regime_for
 from .solve import Assignment, least_assignment, solve_budget
@@ -65,6 +66,18 @@ from .verify import Verification, from_rank_zero, max_over_ranks
 
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed
+
+
+class Extra(Protocol):
+    """A choice the driver takes for the whole model where nothing fits without it: `TilesChoice`,
+    `OffloadChoice`."""
+
+    open: bool
+    profiled: bool  # whether the profile sees what it changes
+
+    def take(self) -> bool: ...
+
+    def take_back(self) -> None: ...
 
 __all__ = ["BudgetHook", "Solved", "apply_budget", "fit_budget"]
 
@@ -165,14 +178,16 @@ class BudgetHook:
 
     def fit(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Assignment:
         """Plan the blocks for these inputs, stage by stage, and put the assignment on them: profile, costs and
-        solve (`_solved`); where nothing is predicted to fit, the same with the head routed, and then with the
-        blocks' token-wise modules in tiles, before any real step (NOTE [ The head as a choice ] in head_choice.py,
-        NOTE [ Tiles as a choice ] in tiles_choice.py); then verify (`_verified`)."""
+        solve (`_solved`); where nothing is predicted to fit, the same with the head routed, then with the blocks'
+        token-wise modules in tiles, then with what the rematerialized blocks keep on the host, before any real step
+        (NOTE [ The head as a choice ] in head_choice.py, NOTE [ Tiles as a choice ] in tiles_choice.py, NOTE
+        [ Offload as a choice ] in offload_choice.py); then verify (`_verified`)."""
         regime = self.regime.planning(model)
         step = TrainingStep(model, self.request.loss, detached(args), detached(kwargs))
         blocks = [model.get_submodule(name) for name in self.names]
         head = HeadChoice(model, self.request.head)
-        tiles = TilesChoice(model, self.names, self.request.tiles)
+        extras = (TilesChoice(model, self.names, self.request.tiles),
+                  OffloadChoice(self.choices, step.devices, self.request.offload, fake=_fake_state(model)))
         previous, previous_calls = self.assignment, self.choices.calls
         self.verification = None
         self.close()
@@ -181,24 +196,21 @@ class BudgetHook:
         try:
             with step.planning():
                 own = solved = self._solved(step, blocks, regime, self.budget)
-                if not solved.fits and head.open:
-                    solved = self._with_head(head, step, blocks, regime, own) or solved
-                if not solved.fits and tiles.open:
-                    solved = self._with_tiles(tiles, step, blocks, regime, own.budget) or solved
+                if not solved.fits:
+                    solved = self._taken(head, extras, step, blocks, regime, own, solved) or solved
                 while True:
                     try:
                         assignment = self._verified(step, regime, solved)
                         break
-                    except BudgetError:  # measured over where the prediction fitted: the head, then the tiles
-                        taken = self._with_head(head, step, blocks, regime, own) if head.open else None
-                        if taken is None and tiles.open:
-                            taken = self._with_tiles(tiles, step, blocks, regime, own.budget)
+                    except BudgetError:  # measured over where the prediction fitted: the next choice open
+                        taken = self._taken(head, extras, step, blocks, regime, own, solved, first=True)
                         if taken is None:
                             raise
                         solved = taken
         except BaseException:
             head.take_back()
-            tiles.take_back()
+            for extra in extras:
+                extra.take_back()
             self.choices.calls = previous_calls
             for i, block in enumerate(blocks):  # back to the previous choices, or to none
                 if previous is None:
@@ -216,6 +228,22 @@ class BudgetHook:
         self.sharded = _sharded.is_sharded(model)  # NOTE [ Budgets and FSDP2 ], rule 2
         self.engine = engine_of(model)  # NOTE [ Budgets under DeepSpeed ZeRO ], rule 5
         return assignment
+
+    def _taken(self, head: HeadChoice, extras: Sequence[Extra], step: TrainingStep, blocks: Sequence[nn.Module],
+               regime: BudgetRegime, own: Solved, last: Solved, first: bool = False) -> Solved | None:
+        """Stages 1 to 3 again with the open choices taken in order, the head, the tiles and offload, until one is
+        predicted to fit (or, `first`, with the first that is still open); None where none was open or made a plan.
+        Each is planned for the bytes the budget resolved to with the model's own head (`own`'s: NOTE [ The head
+        as a choice ], rule 1); `last` is the plan so far, which a choice the profile does not see keeps."""
+        solved = self._with_head(head, step, blocks, regime, own) if head.open else None
+        if first and solved is not None:
+            return solved
+        for extra in extras:
+            if (solved is None or not solved.fits) and extra.open:
+                solved = self._with(extra, step, blocks, regime, own.budget, solved or last) or solved
+                if first and solved is not None:
+                    return solved
+        return solved
 
     def _solved(self, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
                 budget: int | float) -> Solved:
@@ -251,17 +279,19 @@ class BudgetHook:
             return None
         return routed
 
-    def _with_tiles(self, tiles: TilesChoice, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
-                    budget: int) -> Solved | None:
-        """Stages 1 to 3 again with the blocks' token-wise modules in tiles, for the bytes the budget resolved to with
-        the model's own head (NOTE [ Tiles as a choice ], rule 1); None, the tiles taken back, where the blocks have
-        nothing to tile or that is no plan."""
-        if not tiles.take():
+    def _with(self, extra: Extra, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
+              budget: int, last: Solved) -> Solved | None:
+        """Stages 1 to 3 again with `extra` taken (the tiles, offload), for `budget`; `last` where its profile would
+        not see it (offload: NOTE [ Offload as a choice ], rule 2); None, `extra` taken back, where it changed
+        nothing (no block has a token-wise module) or that is no plan (NOTE [ Tiles as a choice ])."""
+        if not extra.take():
             return None
+        if not extra.profiled:
+            return last
         try:
             return self._solved(step, blocks, regime, budget)
         except Exception:
-            tiles.take_back()
+            extra.take_back()
             return None
 
     def _verified(self, step: TrainingStep, regime: BudgetRegime, solved: Solved) -> Assignment:
@@ -414,6 +444,11 @@ KEPT_UNDER_AUTOCAST = (
     "the weights, activations in another precision); with replan=False the plan is kept and its budget holds for "
     "the settings it was made under. Call remat.apply under the training step's autocast, or pass replan=True."
 )
+
+
+def _fake_state(model: nn.Module) -> bool:
+    """Whether the model's parameters are fake tensors (`remat.estimate`'s budget rows)."""
+    return any(isinstance(p, FakeTensor) for p in itertools.islice(model.parameters(), 1))
 
 
 def _no_meta(model: nn.Module) -> None:

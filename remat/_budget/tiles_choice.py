@@ -50,6 +50,8 @@ class TilesChoice:
     the tiles an earlier plan chose (rule 3).
     """
 
+    profiled = True  # rule 1: the profile runs the tiled blocks
+
     def __init__(self, model: nn.Module, names: Sequence[str], tiles: int | bool | None) -> None:
         self.model = model
         self.names = tuple(names)

@@ -3,14 +3,14 @@
 `remat.apply(model, ...)`'s keywords become one of three requests (`request_for`), each a frozen dataclass whose
 construction raises the argument errors, before anything touches the model:
 
-* `BlocksRequest`: one policy for the blocks `where` picks (`every`, `policy`, `enabled`, `name`, `offload`);
+* `BlocksRequest`: one policy for the blocks `where` picks (`every`, `policy`, `enabled`, `name`);
 * `BudgetRequest`: `budget=`, the bytes a training step may allocate (profiled on `sample`);
 * `MemoryRequest`: `memory=`, a device's whole memory for the step (with `optimizer=`, `headroom=`).
 
 NOTE [ The requests of remat.apply ]
 1. Every keyword of `remat.apply` is a field of the requests, declared once, on the class whose requests take it:
-   `Request` holds what every request takes (`where`, the head, the tiles, the blocks' `preserve_rng`, `strategy`,
-   `check`),
+   `Request` holds what every request takes (`where`, the head, the tiles, offload, the blocks' `preserve_rng`,
+   `strategy`, `check`),
    `FitRequest` what budget and memory requests take (`sample`, `loss`, `choices`, `replan`, `compile`).
 2. Which request the keywords make is read from the keywords given (a value other than its default): `memory` or
    `optimizer` make a memory request, `budget` a budget request, anything else a blocks request; a keyword given
@@ -63,12 +63,17 @@ class Request:
         tiles: how many tiles the chosen blocks' token-wise modules run in (`remat.tiled`, NOTE [ What is tiled ]
             in remat/_sites/tiles.py): a count of at least 1, or `True` for `TILES`; `None` lets a budget or memory
             plan take `TILES` where only that fits (NOTE [ Tiles as a choice ]); `False` never.
+        offload: what the rematerialized blocks keep goes to host memory: `True` or a `remat.offload(...)`;
+            `None` lets a budget or memory plan on an accelerator offload where only that fits (NOTE [ Offload as a
+            choice ] in remat/_budget/offload_choice.py), and is `False` for the blocks of one policy; `False`
+            never.
         preserve_rng, strategy, check: the blocks' options besides their policy, as for `remat`.
     """
 
     where: Where | None = None
     head: bool | None = None
     tiles: int | bool | None = None
+    offload: bool | Offloader | None = None
     preserve_rng: bool = True
     strategy: Strategy = "rerun"
     check: bool = True
@@ -91,9 +96,15 @@ class Request:
             return TILES
         return None if self.tiles is None or self.tiles is False else int(self.tiles)
 
-    def options(self, policy: PolicyLike) -> Options:
-        """The options of a block under `policy`."""
-        return Options(policy=policy, preserve_rng=self.preserve_rng, strategy=self.strategy, check=self.check)
+    def options(self, policy: PolicyLike, offload: bool | Offloader | None = None) -> Options:
+        """The options of a block under `policy`, what it keeps on the host where `offload` says (None: where the
+        request's `offload` does)."""
+        return Options(policy=policy, preserve_rng=self.preserve_rng, strategy=self.strategy, check=self.check,
+                       offload=self._offload(offload))
+
+    def _offload(self, offload: bool | Offloader | None) -> bool | Offloader:
+        chosen = self.offload if offload is None else offload
+        return False if chosen is None else chosen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,14 +113,13 @@ class BlocksRequest(Request):
 
     Attributes:
         every: keep every `every`-th block, counting from the first.
-        policy, enabled, name, offload: as for `remat`.
+        policy, enabled, name: as for `remat`.
     """
 
     every: int = 1
     policy: PolicyLike = None
     enabled: bool | None = None
     name: str | None = None
-    offload: bool | Offloader = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -117,9 +127,9 @@ class BlocksRequest(Request):
             raise ValueError(f"remat: `every` must be a positive int, but got {self.every!r}.")
         self.options(self.policy)
 
-    def options(self, policy: PolicyLike) -> Options:
+    def options(self, policy: PolicyLike, offload: bool | Offloader | None = None) -> Options:
         return Options(policy=policy, preserve_rng=self.preserve_rng, strategy=self.strategy, enabled=self.enabled,
-                       check=self.check, name=self.name, offload=self.offload)
+                       check=self.check, name=self.name, offload=self._offload(offload))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +227,7 @@ class MemoryRequest(FitRequest):
 _KINDS = (BlocksRequest, BudgetRequest, MemoryRequest)
 _DEFAULTS = {f.name: f.default for kind in _KINDS for f in fields(kind) if f.default is not MISSING}
 _DEFAULTS.update(budget=None, memory=None)  # required by their requests: given is not None
-_NOT_PLANNED = ("every", "policy", "enabled", "name", "offload")
+_NOT_PLANNED = ("every", "policy", "enabled", "name")
 _FITTED = ("sample", "loss", "choices", "replan", "compile")
 
 

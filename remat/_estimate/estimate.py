@@ -25,10 +25,11 @@ from .._core.units import parse_memory
 from .._measure import ddp as _ddp
 from .._measure import sharded as _sharded
 from .._measure.fake import resolve_device
+from .._measure.host_offload import HostOffload
 from .._sites import targets as _targets
 from .._sites.integrations import engine_of
 from .largest_batch import searches
-from .long_sequences import HostOffload, split_extras, with_extras
+from .long_sequences import split_extras, with_extras
 from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
 from .report import EstimateReport
 from .reserve import headroom_bytes

@@ -19,7 +19,10 @@ from .._core.units import aligned, format_bytes
 if TYPE_CHECKING:  # the budget planner loads with `remat.apply(budget=...)`, not with `import remat`
     from .._budget.solve import Assignment
 
-__all__ = ["ModelPlan", "Site", "TiledModule"]
+__all__ = ["OFFLOADED", "ModelPlan", "Site", "TiledModule"]
+
+OFFLOADED = " + offload"
+"""What a site's choice says where what it keeps goes to host memory."""
 
 
 @dataclass(frozen=True)
@@ -122,10 +125,14 @@ class ModelPlan:
     def _budget_table(self, plan: Assignment) -> str:
         header = ("block", "class", "choice", "held for backward", "extra time")
         rows = [header]
+        offloaded = {site.name for site in self.sites if site.choice.endswith(OFFLOADED)}
         for i in range(len(plan.cost)):
             name, choice, cost, extra = plan.block(i)
             kind = self.classes[i] if i < len(self.classes) else ""
-            rows.append((name or "(model)", kind, choice, format_bytes(cost.held_bytes), plan.time(extra, extra=True)))
+            held = format_bytes(cost.held_bytes)
+            if name in offloaded:  # on the host: NOTE [ Offload as a choice ] in remat/_budget/offload_choice.py
+                choice, held = choice + OFFLOADED, held + " on the host"
+            rows.append((name or "(model)", kind, choice, held, plan.time(extra, extra=True)))
         lines = [f"remat plan for {self.model}: {len(plan.cost)} blocks under a budget"]
         lines += aligned(rows)
         lines += plan.summary()

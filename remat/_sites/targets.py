@@ -25,7 +25,7 @@ from .._engine.offload import resolve as resolve_offload
 from .blocks import describe_search, find_blocks
 from .head import describe_head
 from .integrations import comes_from
-from .table import ModelPlan, Site, TiledModule
+from .table import OFFLOADED, ModelPlan, Site, TiledModule
 
 if TYPE_CHECKING:
     from .._core.requests import Where
@@ -365,7 +365,7 @@ def describe_options(options: Options) -> str:
     if options.strategy == "replay":
         choice += " (replay)"
     if options.offload is not False:
-        choice += " + offload"
+        choice += OFFLOADED
     if options.enabled is False:
         choice += " (disabled)"
     return choice
