@@ -24,7 +24,9 @@ seq_dim=1)`'s longest sequence `s`, then real steps whose peak under `remat.trac
 `remat.track(limit=...)` gives) must stay within the memory less what lives before the step and less the headroom
 the estimate left to the allocator (on the Python device, whose allocator caches as CUDA's does, 10% by default:
 NOTE [ The allocator's reserve ]): `s` tokens must fit and 5% more must not, so the longest that fits is within 5%
-of the estimate.
+of the estimate. Then `remat.apply(model, memory=M)` on the Python device at the longer sequence, with M between
+the estimates of head + tiles and of per-block offload too, where only offload fits: the plan must take the head,
+tiles and per-block offload itself, and its first three steps must allocate and reserve at most M on that device.
 
 Targets (issue 54): head + tiles at most `TILES_TARGET` KiB per token, with per-block offload on the Python device at
 most `OFFLOAD_TARGET`; the step at the longer sequence at most `STEP_TARGET` x transformers' checkpointing's; every
@@ -230,6 +232,37 @@ def check_estimate(row: Row, memory: int = MEMORY) -> dict[str, Any]:
             "ok": fits and not over}
 
 
+def check_memory_plan(seq: int) -> dict[str, Any]:
+    """`remat.apply(model, memory=M)` on the Python device at ``seq`` tokens, with M between what full remat with the
+    head and tiles needs and what per-block offload too needs (their estimates, a tenth of M left to the allocator as
+    the plan leaves it: NOTE [ The allocator's reserve ]), where only offload fits: what the plan chose, and the
+    allocated and reserved peaks of its first three steps (gradients set to None before each) against M."""
+    plain = Row("memory plan", lambda model: None, "python")
+    model, device = build(plain)
+    pydevice: Any = importlib.import_module("pydevice")
+    inputs = batch(seq, device)
+    configs = (ROWS[3].estimate or "", ROWS[5].estimate or "")
+    with _on(device):
+        report = remat.estimate(model, inputs, configs=configs, device=device)
+    tiled, offloaded = (report[config].peak_bytes for config in configs)
+    memory = int((offloaded + 0.85 * (tiled - offloaded)) / 0.9)
+    start = time.perf_counter()
+    with _on(device):
+        remat.apply(model, memory=memory, sample=inputs)
+        seconds = time.perf_counter() - start
+        pydevice.DEVICE.reset_peak_memory_stats(0)
+        for _ in range(3):
+            step(model, inputs)
+    plan = remat.plan(model)
+    chosen = sorted({site.choice for site in plan.sites})
+    allocated, reserved = pydevice.DEVICE.max_memory_allocated(0), pydevice.DEVICE.max_memory_reserved(0)
+    del model
+    return {"seq": seq, "memory": memory, "needs": {"tiles": tiled, "offload": offloaded}, "seconds": seconds,
+            "choices": chosen, "tiled": len(plan.tiles), "head": plan.head is not None, "allocated": allocated,
+            "reserved": reserved,
+            "ok": allocated <= memory and reserved <= memory and chosen == ["full + offload"] and bool(plan.tiles)}
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 
 
@@ -267,10 +300,14 @@ def measure(repeats: int = 3, seqs: Sequence[int] = SEQS, estimate: bool = True,
             if row.estimate is not None:
                 progress(f"{row.label.strip()}: estimate check")
                 checks[row.label] = check_estimate(row)
+    plan: dict[str, Any] | None = None
+    if estimate:
+        progress("apply(memory=...) on the Python device")
+        plan = check_memory_plan(high)
     for found in results.values():
         found["step_seconds"] = statistics.median(found["seconds"]) if found["seconds"] else None
     return {"seqs": list(seqs), "threads": torch.get_num_threads(), "rows": results, "estimates": checks,
-            "memory": MEMORY}
+            "memory": MEMORY, "memory_plan": plan}
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -315,6 +352,16 @@ def format_result(result: dict[str, Any]) -> str:
         else:
             what = f"estimate found no sequence that fits ({check['estimate']})"
         lines.append(f"target: {label.strip()}: {what} {_verdict(check['ok'])}")
+    plan = result.get("memory_plan")
+    if plan is not None:
+        needs = plan["needs"]
+        lines.append(
+            f"target: apply(memory={format_bytes(plan['memory'])}) at {plan['seq']:,} tokens, Python device (head and "
+            f"tiles need {format_bytes(needs['tiles'])}, with offload {format_bytes(needs['offload'])}): planned in "
+            f"{plan['seconds']:.0f} s with {', '.join(plan['choices'])}, "
+            f"{plan['tiled']} modules in tiles, {'the head in chunks' if plan['head'] else 'the own head'}; three "
+            f"steps allocated {format_bytes(plan['allocated'])}, reserved {format_bytes(plan['reserved'])} "
+            f"{_verdict(plan['ok'])}")
     return "\n".join(lines)
 
 
@@ -328,7 +375,8 @@ def targets_hold(result: dict[str, Any]) -> bool:
     timed = tiles["step_seconds"] is None or tiles["step_seconds"] <= STEP_TARGET * hf["step_seconds"]
     return bool(tiles["kib_per_token"] <= TILES_TARGET and offload["kib_per_token"] <= OFFLOAD_TARGET and timed
                 and all(row["grads_equal"] for row in rows.values())
-                and all(check["ok"] for check in result["estimates"].values()))
+                and all(check["ok"] for check in result["estimates"].values())
+                and (result.get("memory_plan") or {}).get("ok", True))
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None,
