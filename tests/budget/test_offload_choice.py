@@ -126,3 +126,25 @@ def test_memory_that_only_offload_fits_is_planned_with_it_and_its_first_three_st
     assert pydevice.DEVICE.max_memory_allocated(0) <= memory
     assert pydevice.DEVICE.max_memory_reserved(0) <= memory
     del model, optimizer, inputs
+
+
+def test_an_estimates_budget_row_takes_offload_as_apply_does_and_counts_it_on_fake_tensors() -> None:
+    """A budget between what head + tiles and what per-block offload too need: the estimate's budget row plans as
+    `remat.apply` does and takes offload, whose fake step counts it through `HostOffload` (NOTE [ Offload as a
+    choice ], rule 2): its step peak is offload's, not the blocks' without it."""
+    seq, vocab = 4096, 2000
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=448, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=vocab, max_position_embeddings=seq, use_cache=False, attn_implementation=pydevice.fused_attention(),
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, vocab, (1, seq))
+    sample = {"input_ids": ids, "labels": ids}
+    configs = ("full+head+tiles", "full+head+tiles+offload")
+    report = remat.estimate(model, sample, configs=configs, device=D0)
+    tiled, offloaded = (report[config].step_peak_bytes for config in configs)
+    assert offloaded < 0.8 * tiled
+    budget = (tiled + offloaded) // 2
+    row = remat.estimate(model, sample, configs=(budget,), device=D0)[budget]
+    assert row.step_peak_bytes == offloaded
