@@ -187,7 +187,7 @@ class BudgetHook:
         blocks = [model.get_submodule(name) for name in self.names]
         head = HeadChoice(model, self.request.head)
         extras = (TilesChoice(model, self.names, self.request.tiles),
-                  OffloadChoice(self.choices, step.devices, self.request.offload, fake=_fake_state(model)))
+                  OffloadChoice(self.choices, step.devices, self.request.offload, fake=_holds_fakes(model)))
         previous, previous_calls = self.assignment, self.choices.calls
         self.verification = None
         self.close()
@@ -446,7 +446,7 @@ KEPT_UNDER_AUTOCAST = (
 )
 
 
-def _fake_state(model: nn.Module) -> bool:
+def _holds_fakes(model: nn.Module) -> bool:
     """Whether the model's parameters are fake tensors (`remat.estimate`'s budget rows)."""
     return any(isinstance(p, FakeTensor) for p in itertools.islice(model.parameters(), 1))
 

@@ -203,7 +203,7 @@ def tiles(
     found = _earlier(x, dim) if torch.is_grad_enabled() else None
     if found is not None:  # rule 7
         earlier, x = found
-        fn, site = functools.partial(_chained, earlier.fn, fn), f"{earlier.site} then {site}"
+        fn, site = functools.partial(_one_after_other, earlier.fn, fn), f"{earlier.site} then {site}"
     cuts = spans(x.shape[dim], count)
     start, length = cuts[0]
     part = _tile(x.detach(), dim, start, length)  # without a graph: not one of fn's reads (a copy, if not contiguous)
@@ -253,7 +253,7 @@ def _earlier(x: torch.Tensor, dim: int) -> tuple[_Made, torch.Tensor] | None:
     return (made, earlier) if (None if now is None else now.key()) == made.autocast else None
 
 
-def _chained(first: Callable[[torch.Tensor], torch.Tensor], then: Callable[[torch.Tensor], torch.Tensor],
+def _one_after_other(first: Callable[[torch.Tensor], torch.Tensor], then: Callable[[torch.Tensor], torch.Tensor],
              part: torch.Tensor) -> torch.Tensor:
     return then(first(part))
 
