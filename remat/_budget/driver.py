@@ -187,7 +187,8 @@ class BudgetHook:
         blocks = [model.get_submodule(name) for name in self.names]
         head = HeadChoice(model, self.request.head)
         extras = (TilesChoice(model, self.names, self.request.tiles),
-                  OffloadChoice(self.choices, step.devices, self.request.offload, fake=_holds_fakes(model)))
+                  OffloadChoice(self.choices, step.devices, self.request.offload, fake=_holds_fakes(model),
+                                compiled=regime.compiled))
         previous, previous_calls = self.assignment, self.choices.calls
         self.verification = None
         self.close()

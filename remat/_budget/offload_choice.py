@@ -38,8 +38,10 @@ __all__ = ["OffloadChoice"]
 #    its least estimate (NOTE [ Total memory ] in remat/_apply/memory.py) runs "+offload" through `HostOffload`
 #    (NOTE [ Offload on fake tensors ] in remat/_measure/host_offload.py), within bytes of the real step, and so does
 #    an estimate's budget row, whose verifying step runs on fake tensors.
-# 3. Only on an accelerator: on the CPU host memory is the device's, offload is a pass-through (NOTE [ What
-#    crosses ], rule 1, in remat/_engine/transfer.py), and the choice is closed.
+# 3. Only on an accelerator and in eager code: on the CPU host memory is the device's, offload is a pass-through
+#    (NOTE [ What crosses ], rule 1, in remat/_engine/transfer.py), and inside one compiled graph
+#    (`compile=True`) nothing is offloaded (NOTE [ Under torch.compile ] in remat/_engine/compiled.py): there the
+#    choice is closed.
 # 4. `offload=True` (or a `remat.offload(...)`) offloads what every rematerialized choice keeps before planning,
 #    whatever the budget; `offload=False` never offloads. A kept block keeps its activations on the device either
 #    way: offload is an option of remat's sites.
@@ -52,18 +54,18 @@ __all__ = ["OffloadChoice"]
 class OffloadChoice:
     """Offload's choice for one plan of `choices`' blocks on `devices` (NOTE [ Offload as a choice ]).
 
-    `open` says whether the plan may still offload: apply's `offload` is None and the model is on an accelerator
-    (rule 3). Made at the start of a plan, it puts the request's offload on the choices, taking back what an
-    earlier plan chose (rule 5).
+    `open` says whether the plan may still offload: apply's `offload` is None, the model is on an accelerator and
+    its steps are not one compiled graph (rule 3). Made at the start of a plan, it puts the request's offload on the
+    choices, taking back what an earlier plan chose (rule 5).
     """
 
     profiled = False  # rule 2
 
     def __init__(self, choices: Choices, devices: Sequence[torch.device], offload: bool | Offloader | None,
-                 fake: bool = False) -> None:
+                 fake: bool = False, compiled: bool = False) -> None:
         self.choices = choices
         accelerated = any(counted_on(device).type not in ("cpu", "meta") for device in devices)
-        self.open = offload is None and accelerated
+        self.open = offload is None and accelerated and not compiled
         self.taken = False
         self.fake = fake  # the model's state is fake tensors (an estimate's budget row): offload is `HostOffload`
         self.choices.offload = self._offload(offload)  # rule 4; rule 5: a re-plan chooses again

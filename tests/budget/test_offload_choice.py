@@ -49,7 +49,7 @@ def choices_of(model: nn.Module) -> list[str]:
     return [site.choice for site in remat.plan(model).sites]
 
 
-def test_the_choice_is_open_on_an_accelerator_only_and_offload_true_is_taken_before_planning() -> None:
+def test_the_choice_is_open_on_an_accelerator_in_eager_code_only_and_offload_true_is_taken_before_planning() -> None:
     request = request_for(budget=0.5, sample=torch.zeros(1))
     for devices, offload, expected in (([torch.device("cpu")], None, False), ([torch.device(D0)], None, True),
                                        ([torch.device(D0)], False, False), ([torch.device(D0)], True, False)):
@@ -57,6 +57,8 @@ def test_the_choice_is_open_on_an_accelerator_only_and_offload_true_is_taken_bef
         choice = OffloadChoice(choices, devices, offload)
         assert choice.open is expected, (devices, offload)
         assert (choices.offload is not None) is (offload is True)
+    compiled = OffloadChoice(Choices(("0",), regime_for(request)), [torch.device(D0)], None, compiled=True)
+    assert not compiled.open  # nothing is offloaded inside one compiled graph
     assert request_for(every=2).options(None).offload is False  # one policy: no offload unless asked
 
 
