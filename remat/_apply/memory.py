@@ -124,18 +124,21 @@ def _fit_memory(model: _M, request: MemoryRequest) -> _M:
 
 
 def _least(model: nn.Module, request: MemoryRequest, total: int, device: torch.device) -> ConfigEstimate:
-    """The estimate of full remat of every block; where that does not fit in `total`, with what the request leaves
-    to the plan added in the plan's order until it fits: the head in chunks where it may be routed (NOTE [ The head
-    as a choice ] in remat/_budget/head_choice.py), the blocks' token-wise modules in tiles (NOTE [ Tiles as a
-    choice ] in remat/_budget/tiles_choice.py), and on an accelerator what the blocks keep on the host (NOTE
+    """The estimate of full remat of every block (what it keeps on the host where `offload=True` asks that on an
+    accelerator); where that does not fit in `total`, with what the request leaves to the plan added in the plan's
+    order until it fits: the head in chunks where it may be routed (NOTE [ The head as a choice ] in
+    remat/_budget/head_choice.py), the blocks' token-wise modules in tiles (NOTE [ Tiles as a choice ] in
+    remat/_budget/tiles_choice.py), and on an accelerator, in eager code, what the blocks keep on the host (NOTE
     [ Offload as a choice ] in remat/_budget/offload_choice.py)."""
     optimizer = as_optimizer(request.optimizer)
-    config = "full"
+    offloads = device.type not in ("cpu", "meta") and not request.compile
+    given = request.offload is not None and request.offload is not False  # on every rematerialized block
+    config = "full" + (OFFLOAD if offloads and given else "")
     row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
                    where=request.where)[config]
     for suffix, open_ in ((HEAD, request.head is None and can_route_head(model)),
                           (TILES_SUFFIX, request.tiles is None),
-                          (OFFLOAD, request.offload is None and device.type not in ("cpu", "meta"))):
+                          (OFFLOAD, request.offload is None and offloads)):
         if row.peak_bytes > total and open_:
             config += suffix
             row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),

@@ -150,3 +150,21 @@ def test_an_estimates_budget_row_takes_offload_as_apply_does_and_counts_it_on_fa
     budget = (tiled + offloaded) // 2
     row = remat.estimate(model, sample, configs=(budget,), device=D0)[budget]
     assert row.step_peak_bytes == offloaded
+
+
+@pytest.mark.slow  # plans and measures real training steps: NOTE [ Slow tests ] in tests/conftest.py
+def test_memory_with_offload_true_is_sized_with_it() -> None:
+    """`offload=True` with `memory=`: the least estimate that decides whether anything fits counts what the blocks
+    keep on the host, so a memory that only offload fits is planned, not refused (and every rematerialized block
+    offloads)."""
+    seq, vocab = 8192, 2000
+    ids = tokens(seq, vocab)
+    sample = {"input_ids": ids, "labels": ids}
+    configs = ("full+head+tiles", "full+head+tiles+offload")
+    report = remat.estimate(llama(seq, 128, 8, vocab), sample, optimizer="adamw", configs=configs)
+    tiled, offloaded = (report[config].peak_bytes for config in configs)
+    memory = int((offloaded + 0.85 * (tiled - offloaded)) / 0.9)
+    model = remat.apply(llama(seq, 128, 8, vocab), memory=memory, sample=sample, optimizer="adamw", head=True,
+                        tiles=True, offload=True)
+    assert choices_of(model) == ["full + offload"] * 8
+    del model
