@@ -67,6 +67,11 @@ from .verify import Verification, from_rank_zero, max_over_ranks
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed
 
+__all__ = ["BudgetHook", "Solved", "apply_budget", "fit_budget"]
+
+_M = TypeVar("_M", bound=nn.Module)
+_log = logging.getLogger("remat")
+
 
 class Extra(Protocol):
     """A choice the driver takes for the whole model where nothing fits without it: `TilesChoice`,
@@ -78,11 +83,6 @@ class Extra(Protocol):
     def take(self) -> bool: ...
 
     def take_back(self) -> None: ...
-
-__all__ = ["BudgetHook", "Solved", "apply_budget", "fit_budget"]
-
-_M = TypeVar("_M", bound=nn.Module)
-_log = logging.getLogger("remat")
 
 
 def apply_budget(model: _M, request: BudgetRequest,
