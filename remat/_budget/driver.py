@@ -25,7 +25,7 @@ NOTE [ Budgeted models ]
    `replan=True`), on detached copies of the inputs; the planner's own calls of the model pass through the hook
    untouched.
 4. A failed plan (`BudgetError`) puts the previous choices back, the model's own head where the plan routed it,
-   and the untiled modules where it tiled them.
+   the untiled modules where it tiled them, and what the previous plan offloaded.
 """
 
 from __future__ import annotations
@@ -185,11 +185,11 @@ class BudgetHook:
         regime = self.regime.planning(model)
         step = TrainingStep(model, self.request.loss, detached(args), detached(kwargs))
         blocks = [model.get_submodule(name) for name in self.names]
+        previous, previous_calls, previous_offload = self.assignment, self.choices.calls, self.choices.offload
         head = HeadChoice(model, self.request.head)
         extras = (TilesChoice(model, self.names, self.request.tiles),
                   OffloadChoice(self.choices, step.devices, self.request.offload, fake=_holds_fakes(model),
                                 compiled=regime.compiled))
-        previous, previous_calls = self.assignment, self.choices.calls
         self.verification = None
         self.close()
         self.busy = True
@@ -212,7 +212,7 @@ class BudgetHook:
             head.take_back()
             for extra in extras:
                 extra.take_back()
-            self.choices.calls = previous_calls
+            self.choices.calls, self.choices.offload = previous_calls, previous_offload
             for i, block in enumerate(blocks):  # back to the previous choices, or to none
                 if previous is None:
                     remove_hooks(block)

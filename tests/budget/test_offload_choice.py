@@ -168,3 +168,44 @@ def test_memory_with_offload_true_is_sized_with_it() -> None:
                         tiles=True, offload=True)
     assert choices_of(model) == ["full + offload"] * 8
     del model
+
+
+@pytest.mark.slow  # plans three times on real steps: NOTE [ Slow tests ] in tests/conftest.py
+def test_a_replan_that_fails_puts_back_the_offload_the_previous_plan_chose() -> None:
+    """NOTE [ Budgeted models ], rule 4: a training forward with a longer sequence plans again; where that plan is
+    refused, the previous choices go back on the blocks with the offload the previous plan chose."""
+
+    def least(offload: bool) -> int:
+        with pytest.raises(remat.BudgetError) as refused:
+            remat.apply(Long().model, budget=1, sample=Long.sample(), offload=offload)
+        assert refused.value.least_bytes is not None
+        return refused.value.least_bytes
+
+    offloaded, kept_on_device = least(True), least(False)
+    assert offloaded < kept_on_device
+    model = Long()
+    remat.apply(model.model, budget=(offloaded + kept_on_device) // 2, sample=Long.sample())
+    before = choices_of(model.model)
+    assert before == ["full + offload"] * Long.LAYERS
+    with pytest.raises(remat.BudgetError):
+        model(tokens(4 * Long.SEQ, 96))
+    assert choices_of(model.model) == before
+
+
+class Long(nn.Module):
+    """A small Llama at a sequence where the blocks' inputs weigh: only offload fits between the two least budgets."""
+
+    SEQ, LAYERS = 512, 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = llama(4 * self.SEQ, 32, self.LAYERS, 96).double()
+
+    @classmethod
+    def sample(cls) -> dict[str, torch.Tensor]:
+        ids = tokens(cls.SEQ, 96)
+        return {"input_ids": ids, "labels": ids}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = self.model(input_ids=ids, labels=ids).loss
+        return loss
