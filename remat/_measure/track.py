@@ -75,7 +75,7 @@ import torch
 from torch import nn
 
 from .._core.public import claim
-from .._core.torch_compat import OpOverload, local_tensor, top_dispatch_mode
+from .._core.torch_compat import FakeTensor, OpOverload, local_tensor, top_dispatch_mode
 from .._core.units import format_bytes, parse_memory
 from .._engine.modes import Mode
 from . import resize
@@ -113,7 +113,9 @@ def _tensors(obj: object) -> Iterator[torch.Tensor]:
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     t = local_tensor(t)  # a DTensor's local shard
-    if t.is_meta:
+    # a fake tensor's `is_meta` asks its mode for the device (`prim.device`, through every mode on the stack): its
+    # `device` says the same without a dispatch
+    if t.device.type == "meta" if isinstance(t, FakeTensor) else t.is_meta:
         return None
     try:
         return t.untyped_storage()
