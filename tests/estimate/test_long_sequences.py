@@ -355,17 +355,29 @@ def test_the_command_line_compares_the_configurations_of_long_sequences() -> Non
     assert longest["none"] < longest["full"] < longest["full+head"] <= longest["full+head+tiles"], longest
 
 
-def test_an_estimate_runs_three_parts_of_the_head_and_of_tiles_and_counts_what_all_of_them_hold(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """NOTE [ Counted once ]: the rows are those of every chunk and tile, from three of each."""
+@pytest.mark.parametrize("seq, ran", [(4 * 2**15 + 1001, 3), (4 * 2**15, 2)], ids=["two sizes", "one size"])
+def test_an_estimate_runs_a_few_parts_of_the_head_and_of_tiles_and_counts_what_all_of_them_hold(
+        monkeypatch: pytest.MonkeyPatch, seq: int, ran: int) -> None:
+    """NOTE [ Counted once ]: the rows are those of every chunk and tile, from three of each where the parts have
+    two sizes, from two where they have one."""
     pytest.importorskip("transformers")
     import contextlib
 
     from remat._engine import stats
     from remat._estimate_cli import hf_case
+    from remat._sites import cross_entropy
 
-    # more than three chunks; tiles of two sizes (NOTE [ Counted once ]: the second is the first size with the sums)
-    case = hf_case("llama", tiny=True, layers=2, seq=4 * 2**15 + 1003, dtype=torch.float64)
+    # more than three chunks and tiles (NOTE [ Counted once ]: the second is the first size with the sums), of two
+    # sizes each or of one
+    case = hf_case("llama", tiny=True, layers=2, seq=seq, dtype=torch.float64)
+    spans = []
+    chunked = cross_entropy.parts
+
+    def spied(items: Any, tensor: torch.Tensor, *, even: bool = False) -> Any:
+        spans.append((len(items), even))
+        return chunked(items, tensor, even=even)
+
+    monkeypatch.setattr(cross_entropy, "parts", spied)
 
     def rows() -> tuple[list[tuple[Any, ...]], int, int]:
         chunks, tiles = stats.head_chunks, stats.tiles
@@ -374,9 +386,11 @@ def test_an_estimate_runs_three_parts_of_the_head_and_of_tiles_and_counts_what_a
                 stats.head_chunks - chunks, stats.tiles - tiles)
 
     once, chunks, tiles = rows()
+    assert len(spans) == 2 and {even for _, even in spans} == {ran == 2}, spans
+    count = spans[0][0]
     with monkeypatch.context() as patched:
         patched.setattr(_predict, "counted_once", contextlib.nullcontext)
         every, all_chunks, all_tiles = rows()
     assert once == every
-    assert chunks < all_chunks, (chunks, all_chunks)
-    assert tiles < all_tiles, (tiles, all_tiles)
+    assert (chunks, tiles) == (2 * ran, all_tiles // 8 * ran), (chunks, all_chunks, tiles, all_tiles)
+    assert all_chunks == 2 * count
