@@ -88,6 +88,7 @@ Limit = int | str | Mapping[str | torch.device, int | str]
 # Per op overload: for each return, whether its schema says that it aliases an input.
 # See NOTE [ New or old storage ].
 _ALIASING: dict[OpOverload, tuple[bool, ...]] = {}
+_DEVICE = torch.ops.prim.device.default  # a tensor's device, asked of a subclass (a fake tensor) by C++
 
 
 def _aliasing(func: OpOverload) -> tuple[bool, ...]:
@@ -151,6 +152,8 @@ class _TrackingMode(Mode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         tracker = self._tracker
+        if func is _DEVICE and not tracker.sees_devices:
+            return out
         tracker._see(func, args, kwargs, out)
         if tracker._riders:
             for rider in tracker._riders:
@@ -214,6 +217,10 @@ class Tracker:
         >>> t.peak_bytes, t.current_bytes
         (4000, 0)
     """
+
+    sees_devices = True
+    """Whether `_see` is shown `prim.device`, which only asks a subclass's tensor for its device and makes nothing:
+    a tracker that counts ops needs it (a budget's profile prices each), one that counts bytes only does not."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
