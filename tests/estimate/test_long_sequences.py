@@ -205,6 +205,25 @@ def test_the_cut_models_give_the_searchs_answer_with_one_check_at_full_depth(
     assert peak(longest) <= memory < peak(int(longest * 1.01) + 1)
 
 
+def test_the_two_searches_share_the_cut_models_steps_at_the_samples_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Searching the largest batch ], implementation note 5: the largest batch's search and the longest
+    sequence's run the cut models at the sample's own size once, on the sample itself, as the whole model's row."""
+    x = torch.randn(1, 256, WIDTH, dtype=torch.float64)
+    steps: list[tuple[int | None, bool]] = []
+    row = _predict._Steps.row
+
+    def counted(self: Any, configured: Any, given: Any, depth: int | None = None) -> Any:
+        steps.append((depth, given is x))
+        return row(self, configured, given, depth)
+
+    monkeypatch.setattr(_predict._Steps, "row", counted)
+    report = remat.estimate(stack(depth=12).double(), x, loss=loss, configs=("full",), where=Block,
+                            memory=24 * 2**20, batch_dim=0, seq_dim=1)
+    assert report["full"].largest_batch is not None and report["full"].largest_seq is not None
+    at_sample = [depth for depth, sample in steps if sample]
+    assert sorted(at_sample, key=str) == sorted([None, *_largest.DEPTHS], key=str), steps
+
+
 def test_the_whole_models_search_runs_where_the_cut_models_do_not_add_up(
         depths: list[int | None], monkeypatch: pytest.MonkeyPatch) -> None:
     memory, x = 6 * 2**20, torch.randn(1, 64, WIDTH, dtype=torch.float64)
@@ -364,6 +383,7 @@ def test_an_estimate_runs_a_few_parts_of_the_head_and_of_tiles_and_counts_what_a
     import contextlib
 
     from remat._engine import stats
+    from remat._engine.once import parts
     from remat._estimate_cli import hf_case
     from remat._sites import cross_entropy
 
@@ -371,11 +391,10 @@ def test_an_estimate_runs_a_few_parts_of_the_head_and_of_tiles_and_counts_what_a
     # sizes each or of one
     case = hf_case("llama", tiny=True, layers=2, seq=seq, dtype=torch.float64)
     spans = []
-    chunked = cross_entropy.parts
 
     def spied(items: Any, tensor: torch.Tensor, *, even: bool = False) -> Any:
         spans.append((len(items), even))
-        return chunked(items, tensor, even=even)
+        return parts(items, tensor, even=even)
 
     monkeypatch.setattr(cross_entropy, "parts", spied)
 
