@@ -152,7 +152,7 @@ class _TrackingMode(Mode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         tracker = self._tracker
-        if func is _DEVICE and not tracker.sees_devices:
+        if func is _DEVICE and not tracker._sees_devices:
             return out
         tracker._see(func, args, kwargs, out)
         if tracker._riders:
@@ -218,7 +218,7 @@ class Tracker:
         (4000, 0)
     """
 
-    sees_devices = True
+    _sees_devices = True
     """Whether `_see` is shown `prim.device`, which only asks a subclass's tensor for its device and makes nothing:
     a tracker that counts ops needs it (a budget's profile prices each), one that counts bytes only does not."""
 

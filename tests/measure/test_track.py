@@ -214,7 +214,7 @@ def test_fake_tensors_count_apart_from_the_totals() -> None:
 
 def test_counting_fake_tensors_asks_their_mode_for_no_device() -> None:
     """A fake tensor's `is_meta` dispatches `prim.device` through every mode: the tracker reads its `device` instead,
-    and a tracker that counts bytes only (`sees_devices=False`, the estimate's) is not shown `prim.device` at all;
+    and a tracker that counts bytes only (`_sees_devices=False`, the estimate's) is not shown `prim.device` at all;
     the bytes are the same."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -239,7 +239,7 @@ def test_counting_fake_tensors_asks_their_mode_for_no_device() -> None:
             super()._see(func, args, kwargs, out)
 
     class BytesOnly(Seen):
-        sees_devices = False
+        _sees_devices = False
 
     def run() -> None:
         w = torch.empty(64, 64, requires_grad=True)
