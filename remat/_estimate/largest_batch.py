@@ -43,8 +43,8 @@ Implementation notes:
    against the inputs every layer keeps): two cut models can agree on a line the whole model has left. The check
    at full depth sees it; the cut models save the estimates of the whole model that rule 4 spends on drawing the
    lines (each few layers' step costs a fraction of the whole's), not the check.
-5. (rule 5) The cut models' steps at the sample's own size are the same whichever dimension a search grows: the
-   largest batch's search and the longest sequence's share them.
+5. (rule 5) The cut models' steps at the sample's own size, on the sample itself as the whole model's row, are the
+   same whichever dimension a search grows: the largest batch's search and the longest sequence's share them.
 """
 
 from __future__ import annotations
