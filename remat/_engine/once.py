@@ -26,7 +26,8 @@ _T = TypeVar("_T")
 #    at its peak and leaves alive what the one before it left (a part's tensors are freed before the next one
 #    starts), so the step's peak and the bytes alive after it are those of all the parts, at the cost of three
 #    parts where a long sequence has hundreds.
-# 2. Never where ops are priced (a budget's fake profile counts each part's time) or real tensors run: `parts` gives
+# 2. Where every part has one size (`even`), the last part is one more of the second's kind: the first two run.
+# 3. Never where ops are priced (a budget's fake profile counts each part's time) or real tensors run: `parts` gives
 #    every part unless the tensor is fake and a `counted_once` is open.
 
 _open = [0]  # how many `counted_once` are open
@@ -42,8 +43,11 @@ def counted_once() -> Iterator[None]:
         _open[0] -= 1
 
 
-def parts(items: Sequence[_T], tensor: torch.Tensor) -> Sequence[_T]:
-    """`items`, one per part of `tensor`; only the first, second and last where rule 1 applies."""
-    if _open[0] and len(items) > 3 and isinstance(tensor, FakeTensor):
-        return (items[0], items[1], items[-1])
-    return items
+def parts(items: Sequence[_T], tensor: torch.Tensor, *, even: bool = False) -> Sequence[_T]:
+    """`items`, one per part of `tensor`; only the first, second and last where rule 1 applies, the first and
+    second where the parts are ``even`` (all of one size: rule 2)."""
+    if not _open[0] or len(items) <= 2 or not isinstance(tensor, FakeTensor):
+        return items
+    if even:
+        return (items[0], items[1])
+    return (items[0], items[1], items[-1]) if len(items) > 3 else items

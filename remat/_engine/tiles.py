@@ -258,6 +258,11 @@ def _one_after_other(first: Callable[[torch.Tensor], torch.Tensor], then: Callab
     return then(first(part))
 
 
+def _even(cuts: list[tuple[int, int]]) -> bool:
+    """Whether the tiles are all of one size (`spans` makes the longer ones first)."""
+    return cuts[0][1] == cuts[-1][1]
+
+
 def _tile(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """One tile of `x`, contiguous where `x` is (a tile along a later dimension than the first is not), as the
     function would have been given it untiled: token-wise code often flattens its input with `view` (GPT-2's
@@ -291,7 +296,7 @@ def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: to
     out.narrow(dim, 0, first.shape[dim]).copy_(first)
     del first
     with torch.no_grad():  # the first tile ran already; an estimate on fake tensors runs a few: NOTE [ Counted once ]
-        for index, (start, length) in parts(list(enumerate(cuts)), x)[1:]:
+        for index, (start, length) in parts(list(enumerate(cuts)), x, even=_even(cuts))[1:]:
             part = _tile(x, dim, start, length)
             piece = fn(part)
             _check_tile(piece, part, dim, site, index)
@@ -347,7 +352,7 @@ def _differentiate(spec: _TileSpec, x: torch.Tensor, grad: torch.Tensor, x_wante
     every = list(enumerate(cuts))
     caller_rng = spec.rng.swap_in()
     try:
-        for index, (start, length) in every if create else parts(every, x):  # NOTE [ Counted once ]
+        for index, (start, length) in every if create else parts(every, x, even=_even(cuts)):  # NOTE [ Counted once ]
             part = _tile(x, dim, start, length).detach().requires_grad_(x_wanted)
             with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
                 out = fn(part)

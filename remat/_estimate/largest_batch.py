@@ -43,6 +43,8 @@ Implementation notes:
    against the inputs every layer keeps): two cut models can agree on a line the whole model has left. The check
    at full depth sees it; the cut models save the estimates of the whole model that rule 4 spends on drawing the
    lines (each few layers' step costs a fraction of the whole's), not the check.
+5. (rule 5) The cut models' steps at the sample's own size, on the sample itself as the whole model's row, are the
+   same whichever dimension a search grows: the largest batch's search and the longest sequence's share them.
 """
 
 from __future__ import annotations
@@ -140,7 +142,10 @@ def largest(fits: Callable[[int], bool], guess: int, cap: int = CAP) -> int:
     return lo
 
 
-def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int, run: Rerun) -> int:
+def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int, run: Rerun,
+            at_sample: dict[int, ConfigEstimate | None]) -> int:
+    """The largest size along ``dim`` that fits; ``at_sample`` holds the cut models' rows at the sample's own size,
+    which every search of the configuration shares (implementation note 5)."""
     size = size_along(sample, dim, "dim")  # checked by `estimate` before any step runs
     seen: dict[int, ConfigEstimate | None] = {size: None if row.refused is not None else row}
 
@@ -159,7 +164,7 @@ def _search(row: ConfigEstimate, sample: Any, dim: int, memory: int, run: Rerun)
 
     if not fits(size):
         return largest(fits, size)
-    found = _in_depth(at, fits, size, memory, sample, dim, run) if run.layer_count is not None else None
+    found = _in_depth(at, fits, size, memory, sample, dim, run, at_sample) if run.layer_count is not None else None
     if found is None:
         found = _affine(at, fits, size, memory)
     if found is not None:
@@ -190,7 +195,7 @@ def _affine(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], bo
 
 
 def _in_depth(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], bool], size: int, memory: int,
-              sample: Any, dim: int, run: Rerun) -> int | None:
+              sample: Any, dim: int, run: Rerun, at_sample: dict[int, ConfigEstimate | None]) -> int | None:
     """The answer of NOTE [ Searching the largest batch ], rule 5, or None where the cut models do not give it."""
     layers = run.layer_count
     assert layers is not None
@@ -203,10 +208,15 @@ def _in_depth(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], 
         if n not in seen:
             rows = []
             for depth in DEPTHS:
-                try:
-                    got = run(resized(sample, dim, size, n), depth)
-                except BudgetError:
-                    got = None
+                if n == size and depth in at_sample:
+                    got = at_sample[depth]
+                else:
+                    try:  # at the sample's own size, the sample itself, as the whole model's row
+                        got = run(sample if n == size else resized(sample, dim, size, n), depth)
+                    except BudgetError:
+                        got = None
+                    if n == size:
+                        at_sample[depth] = got
                 if got is None or got.refused is not None:
                     seen[n] = None
                     return None
@@ -292,8 +302,9 @@ def largest_sizes(sample: Any, memory: int, batch_dim: int | None, seq_dim: int 
     batch ])."""
 
     def refine(configured: Configured, row: ConfigEstimate, run: Rerun) -> ConfigEstimate:
-        batch = _search(row, sample, batch_dim, memory, run) if batch_dim is not None else None
-        seq = _search(row, sample, seq_dim, memory, run) if seq_dim is not None else None
+        at_sample: dict[int, ConfigEstimate | None] = {}
+        batch = _search(row, sample, batch_dim, memory, run, at_sample) if batch_dim is not None else None
+        seq = _search(row, sample, seq_dim, memory, run, at_sample) if seq_dim is not None else None
         return dataclasses.replace(row, largest_batch=batch, largest_seq=seq)
 
     return refine

@@ -40,6 +40,8 @@ TOP = 5
 class PhaseTracker(FakeTracker):
     """A `FakeTracker` that labels storages by module and keeps the bytes per label at the peak on ``device``."""
 
+    _sees_devices = False  # bytes only: autograd asks each fake tensor's device many times a step
+
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         super().__init__()
         self.device = device

@@ -75,7 +75,7 @@ import torch
 from torch import nn
 
 from .._core.public import claim
-from .._core.torch_compat import OpOverload, local_tensor, top_dispatch_mode
+from .._core.torch_compat import FakeTensor, OpOverload, local_tensor, top_dispatch_mode
 from .._core.units import format_bytes, parse_memory
 from .._engine.modes import Mode
 from . import resize
@@ -88,6 +88,7 @@ Limit = int | str | Mapping[str | torch.device, int | str]
 # Per op overload: for each return, whether its schema says that it aliases an input.
 # See NOTE [ New or old storage ].
 _ALIASING: dict[OpOverload, tuple[bool, ...]] = {}
+_DEVICE = torch.ops.prim.device.default  # a tensor's device, asked of a subclass (a fake tensor) by C++
 
 
 def _aliasing(func: OpOverload) -> tuple[bool, ...]:
@@ -113,7 +114,9 @@ def _tensors(obj: object) -> Iterator[torch.Tensor]:
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     t = local_tensor(t)  # a DTensor's local shard
-    if t.is_meta:
+    # a fake tensor's `is_meta` asks its mode for the device (`prim.device`, through every mode on the stack): its
+    # `device` says the same without a dispatch
+    if t.device.type == "meta" if isinstance(t, FakeTensor) else t.is_meta:
         return None
     try:
         return t.untyped_storage()
@@ -149,6 +152,8 @@ class _TrackingMode(Mode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         tracker = self._tracker
+        if func is _DEVICE and not tracker._sees_devices:
+            return out
         tracker._see(func, args, kwargs, out)
         if tracker._riders:
             for rider in tracker._riders:
@@ -212,6 +217,10 @@ class Tracker:
         >>> t.peak_bytes, t.current_bytes
         (4000, 0)
     """
+
+    _sees_devices = True
+    """Whether `_see` is shown `prim.device`, which only asks a subclass's tensor for its device and makes nothing:
+    a tracker that counts ops needs it (a budget's profile prices each), one that counts bytes only does not."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

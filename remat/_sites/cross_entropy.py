@@ -75,8 +75,9 @@ rule 3)."""
 #    0 for an ignored token) never touches the chunk: it scales rows of `hidden` and of `hidden`'s gradient, H
 #    wide, instead of rows of the logits, V wide.
 # 7. Where an estimate counts a step's bytes on fake tensors, the head runs its first, second and last chunks only
-#    (NOTE [ Counted once ] in remat/_engine/once.py): every chunk of one size holds the same bytes at its peak and
-#    leaves alive what the one before it left (the loss per token and the gradients are made before the first).
+#    (NOTE [ Counted once ] in remat/_engine/once.py), the first two where every chunk has one size: every chunk of
+#    one size holds the same bytes at its peak and leaves alive what the one before it left (the loss per token and
+#    the gradients are made before the first).
 #
 # Implementation notes:
 # 1. (rules 2, 6) The gradient of the loss for the logits z of one token with label y, smoothing e and V classes
@@ -401,7 +402,7 @@ class _Chunk:
                 grad_weight = torch.zeros(weight.shape, dtype=self.sums, device=weight.device)
             if wanted[2] and self.bias is not None:
                 grad_bias = torch.zeros(weight.shape[0], dtype=self.sums, device=self.bias.device)
-        starts = parts(range(0, tokens, spec.size), hidden)  # rule 7
+        starts = parts(range(0, tokens, spec.size), hidden, even=tokens % spec.size == 0)  # rule 7
         for start in starts:
             end = min(start + spec.size, tokens)
             logits, kept = self.logits(start, end)

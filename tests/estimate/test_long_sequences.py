@@ -205,6 +205,25 @@ def test_the_cut_models_give_the_searchs_answer_with_one_check_at_full_depth(
     assert peak(longest) <= memory < peak(int(longest * 1.01) + 1)
 
 
+def test_the_two_searches_share_the_cut_models_steps_at_the_samples_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Searching the largest batch ], implementation note 5: the largest batch's search and the longest
+    sequence's run the cut models at the sample's own size once, on the sample itself, as the whole model's row."""
+    x = torch.randn(1, 256, WIDTH, dtype=torch.float64)
+    steps: list[tuple[int | None, bool]] = []
+    row = _predict._Steps.row
+
+    def counted(self: Any, configured: Any, given: Any, depth: int | None = None) -> Any:
+        steps.append((depth, given is x))
+        return row(self, configured, given, depth)
+
+    monkeypatch.setattr(_predict._Steps, "row", counted)
+    report = remat.estimate(stack(depth=12).double(), x, loss=loss, configs=("full",), where=Block,
+                            memory=24 * 2**20, batch_dim=0, seq_dim=1)
+    assert report["full"].largest_batch is not None and report["full"].largest_seq is not None
+    at_sample = [depth for depth, sample in steps if sample]
+    assert sorted(at_sample, key=str) == sorted([None, *_largest.DEPTHS], key=str), steps
+
+
 def test_the_whole_models_search_runs_where_the_cut_models_do_not_add_up(
         depths: list[int | None], monkeypatch: pytest.MonkeyPatch) -> None:
     memory, x = 6 * 2**20, torch.randn(1, 64, WIDTH, dtype=torch.float64)
@@ -355,17 +374,29 @@ def test_the_command_line_compares_the_configurations_of_long_sequences() -> Non
     assert longest["none"] < longest["full"] < longest["full+head"] <= longest["full+head+tiles"], longest
 
 
-def test_an_estimate_runs_three_parts_of_the_head_and_of_tiles_and_counts_what_all_of_them_hold(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """NOTE [ Counted once ]: the rows are those of every chunk and tile, from three of each."""
+@pytest.mark.parametrize("seq, ran", [(4 * 2**15 + 1001, 3), (4 * 2**15, 2)], ids=["two sizes", "one size"])
+def test_an_estimate_runs_a_few_parts_of_the_head_and_of_tiles_and_counts_what_all_of_them_hold(
+        monkeypatch: pytest.MonkeyPatch, seq: int, ran: int) -> None:
+    """NOTE [ Counted once ]: the rows are those of every chunk and tile, from three of each where the parts have
+    two sizes, from two where they have one."""
     pytest.importorskip("transformers")
     import contextlib
 
     from remat._engine import stats
+    from remat._engine.once import parts
     from remat._estimate_cli import hf_case
+    from remat._sites import cross_entropy
 
-    # more than three chunks; tiles of two sizes (NOTE [ Counted once ]: the second is the first size with the sums)
-    case = hf_case("llama", tiny=True, layers=2, seq=4 * 2**15 + 1003, dtype=torch.float64)
+    # more than three chunks and tiles (NOTE [ Counted once ]: the second is the first size with the sums), of two
+    # sizes each or of one
+    case = hf_case("llama", tiny=True, layers=2, seq=seq, dtype=torch.float64)
+    spans = []
+
+    def spied(items: Any, tensor: torch.Tensor, *, even: bool = False) -> Any:
+        spans.append((len(items), even))
+        return parts(items, tensor, even=even)
+
+    monkeypatch.setattr(cross_entropy, "parts", spied)
 
     def rows() -> tuple[list[tuple[Any, ...]], int, int]:
         chunks, tiles = stats.head_chunks, stats.tiles
@@ -374,9 +405,11 @@ def test_an_estimate_runs_three_parts_of_the_head_and_of_tiles_and_counts_what_a
                 stats.head_chunks - chunks, stats.tiles - tiles)
 
     once, chunks, tiles = rows()
+    assert len(spans) == 2 and {even for _, even in spans} == {ran == 2}, spans
+    count = spans[0][0]
     with monkeypatch.context() as patched:
         patched.setattr(_predict, "counted_once", contextlib.nullcontext)
         every, all_chunks, all_tiles = rows()
     assert once == every
-    assert chunks < all_chunks, (chunks, all_chunks)
-    assert tiles < all_tiles, (tiles, all_tiles)
+    assert (chunks, tiles) == (2 * ran, all_tiles // 8 * ran), (chunks, all_chunks, tiles, all_tiles)
+    assert all_chunks == 2 * count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -209,6 +210,52 @@ def test_fake_tensors_count_apart_from_the_totals() -> None:
         assert t.current_bytes == 10 * F32 and t.current("meta") == 1000 * F32
     assert t.peak_bytes == 10 * F32 and t.peak("meta") == 1000 * F32
     assert torch.device("meta") in t.devices and real.numel() + fake.numel() == 1010
+
+
+def test_counting_fake_tensors_asks_their_mode_for_no_device() -> None:
+    """A fake tensor's `is_meta` dispatches `prim.device` through every mode: the tracker reads its `device` instead,
+    and a tracker that counts bytes only (`_sees_devices=False`, the estimate's) is not shown `prim.device` at all;
+    the bytes are the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from remat._measure.fake import FakeTracker, fake_mode
+
+    class Devices(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.asked += func is torch.ops.prim.device.default
+            return func(*args, **(kwargs or {}))
+
+    class Seen(FakeTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.devices_seen = 0
+
+        def _see(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+            self.devices_seen += func is torch.ops.prim.device.default
+            super()._see(func, args, kwargs, out)
+
+    class BytesOnly(Seen):
+        _sees_devices = False
+
+    def run() -> None:
+        w = torch.empty(64, 64, requires_grad=True)
+        (w * w).view(-1).sum().backward()  # a view asks for the device; so does autograd
+
+    with fake_mode():
+        with Devices() as bare:
+            run()
+        found = []
+        for tracker in (Seen(), BytesOnly()):
+            with Devices() as devices, tracker:
+                run()
+            found.append((devices.asked, tracker.devices_seen, tracker.peak("cpu")))
+    (asked, seen, peak), (asked_too, none_seen, same_peak) = found
+    assert asked == asked_too == bare.asked > 0, found  # the trackers ask for no device of their own
+    assert seen > 0 and none_seen == 0 and peak == same_peak > 0, found
 
 
 def test_a_budget_planned_under_a_tracker_reads_what_it_allocated() -> None:
