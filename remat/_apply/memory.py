@@ -28,9 +28,11 @@ import torch
 from torch import nn
 
 from .._budget.driver import fit_budget
+from .._budget.offload_choice import offload_lowers_peak
 from .._core.errors import BudgetError
 from .._core.requests import MemoryRequest
 from .._core.units import format_bytes
+from .._engine.offload import resolve
 from .._estimate.estimate import estimate
 from .._estimate.long_sequences import HEAD, OFFLOAD, TILES_SUFFIX
 from .._estimate.phases import OPTIMIZER
@@ -131,9 +133,8 @@ def _least(model: nn.Module, request: MemoryRequest, total: int, device: torch.d
     remat/_budget/tiles_choice.py), and on an accelerator, in eager code, what the blocks keep on the host (NOTE
     [ Offload as a choice ] in remat/_budget/offload_choice.py)."""
     optimizer = as_optimizer(request.optimizer)
-    offloads = device.type not in ("cpu", "meta") and not request.compile
-    given = request.offload is not None and request.offload is not False  # on every rematerialized block
-    config = "full" + (OFFLOAD if offloads and given else "")
+    offloads = offload_lowers_peak((device,), request.compile)
+    config = "full" + (OFFLOAD if offloads and resolve(request.offload) is not None else "")  # on every block
     row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
                    where=request.where)[config]
     for suffix, open_ in ((HEAD, request.head is None and can_route_head(model)),

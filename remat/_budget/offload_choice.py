@@ -15,7 +15,7 @@ from .._measure.fake import counted_on
 from .._measure.host_offload import HostOffload
 from .choices import Choices
 
-__all__ = ["OffloadChoice"]
+__all__ = ["OffloadChoice", "offload_lowers_peak"]
 
 # NOTE [ Offload as a choice ]
 # With full remat of every block, the inputs the blocks keep grow with the layers and the sequence; per-block offload
@@ -51,6 +51,12 @@ __all__ = ["OffloadChoice"]
 #    without it spends no host memory or bandwidth.
 
 
+def offload_lowers_peak(devices: Sequence[torch.device], compiled: bool) -> bool:
+    """Whether offload takes bytes off the device a step runs on (rule 3): an accelerator (a CPU tensor standing in
+    for one counts as it), in eager code."""
+    return not compiled and any(counted_on(device).type not in ("cpu", "meta") for device in devices)
+
+
 class OffloadChoice:
     """Offload's choice for one plan of `choices`' blocks on `devices` (NOTE [ Offload as a choice ]).
 
@@ -64,8 +70,7 @@ class OffloadChoice:
     def __init__(self, choices: Choices, devices: Sequence[torch.device], offload: bool | Offloader | None,
                  fake: bool = False, compiled: bool = False) -> None:
         self.choices = choices
-        accelerated = any(counted_on(device).type not in ("cpu", "meta") for device in devices)
-        self.open = offload is None and accelerated and not compiled
+        self.open = offload is None and offload_lowers_peak(devices, compiled)
         self.taken = False
         self.fake = fake  # the model's state is fake tensors (an estimate's budget row): offload is `HostOffload`
         self.choices.offload = self._offload(offload)  # rule 4; rule 5: a re-plan chooses again
