@@ -8,6 +8,8 @@ its blocks leaves the logits, which the chunked head does not hold. Needs the `h
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -170,3 +172,18 @@ def test_apply_with_memory_plans_with_the_head_before_a_real_step_would_go_over_
     with remat.track(limit=memory - _state_bytes(model, inputs)):
         remat.apply(model, memory=memory, sample=inputs, optimizer="adamw")
     assert "chosen by the budget" in str(remat.plan(model))
+
+
+def test_a_model_whose_budget_routed_the_head_is_freed_when_its_last_reference_goes() -> None:
+    """No cycle through the route the budget chose keeps the model (and its gradients) until the garbage collector
+    runs (the same for `head=True`: tests/sites/test_head.py)."""
+    model = remat.apply(make(), budget=0.5, sample=batch())
+    logits, _, _ = trained(model)
+    assert not logits and "chosen by the budget" in str(remat.plan(model))
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None, "a cycle through the head's route kept the model"
+    finally:
+        gc.enable()

@@ -320,6 +320,23 @@ def test_a_routed_step_leaves_no_cycle_holding_the_hidden_states() -> None:
         handle.remove()
 
 
+def test_a_routed_model_is_freed_when_its_last_reference_goes() -> None:
+    """The route (the model's forward pre-hook) held the model: the cycle kept the model, its gradients and its
+    optimizer's state until the garbage collector ran, so on an accelerator a loop that makes a model per run had
+    the last one's bytes still allocated when the next one planned or trained."""
+    model = remat.apply(fresh(gpt2), head=True)
+    routed_step(model, batch())
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert ref() is None, "a cycle through the head's route kept the model"
+    finally:
+        gc.enable()
+    twin = pickle.loads(pickle.dumps(remat.apply(fresh(gpt2), head=True)))
+    routed_step(twin, batch())  # a copy's route holds the copy
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # dynamo's and inductor's own
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo reads a non-leaf's .grad while tracing (as test_compile_hf)
 def test_under_torch_compile() -> None:

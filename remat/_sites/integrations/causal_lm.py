@@ -302,11 +302,27 @@ class HeadRoute:
     chosen_by: str | None = None  # who routed it, where not the user (a budget: NOTE [ The head as a choice ])
 
     def __init__(self, model: nn.Module, head: nn.Module, head_name: str, labels_at: int | None) -> None:
-        self.model = model
-        self.head = head
+        # Held weakly: the model holds this hook, and a strong reference back would keep the model, its gradients
+        # and its optimizer's state alive after its last reference went, until the garbage collector ran.
+        self._model = weakref.ref(model)
+        self._head = weakref.ref(head)
         self.head_name = head_name
         self.model_name = type(model).__qualname__
         self.labels_at = labels_at  # `labels`' index among forward's positional arguments (self excluded)
+
+    @property
+    def model(self) -> nn.Module:
+        return _alive(self._model)
+
+    @property
+    def head(self) -> nn.Module:
+        return _alive(self._head)
+
+    def __getstate__(self) -> dict[str, Any]:  # `deepcopy` and pickle: the copy's own model and head
+        return {**self.__dict__, "_model": self.model, "_head": self.head}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _model=weakref.ref(state["_model"]), _head=weakref.ref(state["_head"]))
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         labels = kwargs.get("labels")
@@ -339,6 +355,14 @@ class HeadRoute:
         chosen = f", chosen by {self.chosen_by}" if self.chosen_by else ""
         return (f"{self.head_name or '(model)'} ({type(self.head).__qualname__}): with labels in training, the loss "
                 f"in chunks (remat.linear_cross_entropy{chosen}); output.logits is None")
+
+
+def _alive(ref: weakref.ref[nn.Module]) -> nn.Module:
+    module = ref()
+    if module is None:
+        raise RematError("remat: a routed head's hook was called on a shallow copy whose original no longer exists; "
+                         "copy the model with `copy.deepcopy`.")
+    return module
 
 
 class _HeadClose:
