@@ -209,7 +209,7 @@ class BudgetHook:
                             raise
                         solved = taken
         except BaseException:
-            head.take_back()
+            head.end(made=False)
             for extra in extras:
                 extra.take_back()
             self.choices.calls, self.choices.offload = previous_calls, previous_offload
@@ -223,6 +223,7 @@ class BudgetHook:
             self.busy = False
             if restore is not None:
                 restore()
+        head.end(made=True)
         self.assignment = assignment
         self.autocast, self.devices = step.autocast, step.devices
         self.signature = signature(args, kwargs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from .._engine import stats as _stats
-from .._sites.head import can_route_head, route_head, routed_by, unroute_head
+from .._sites.head import can_route_head, route_head, routed_by, switch_head, unroute_head
 
 __all__ = ["BY_BUDGET", "HeadChoice"]
 
@@ -29,7 +29,7 @@ __all__ = ["BY_BUDGET", "HeadChoice"]
 #    tensors: a re-plan for a new input shape then keeps those bytes); a head routed by an earlier
 #    `remat.apply(model, head=True)` stays routed; `head=False` never routes the head.
 # 3. A head the budget routed shows in `remat.plan(model)` as chosen by it, and every re-plan (a new input shape)
-#    chooses again: first without it.
+#    chooses again: first without it. A re-plan that fails leaves the head as the plan before it had it.
 # 4. Only where it is needed, although it costs no time: a routed head changes the model's output (`logits` is
 #    None in training with labels), which a loop that reads the logits would notice; a budget is asked to fit the
 #    step, not to change what the model returns where it need not.
@@ -43,6 +43,11 @@ __all__ = ["BY_BUDGET", "HeadChoice"]
 #    the head is put back and the plan without it goes on (verified, or refused, on its own).
 # 3. (rule 2) The bytes of a fractional budget with `head=True` are found by `own_step_bytes` in
 #    remat/_apply/drive.py, which needs the estimator (above this layer).
+# 4. (rule 3) A re-plan runs inside the forward of the new shape, from the budget's hook, the model's first forward
+#    pre-hook; torch has read the model's hooks for that forward before it. So the earlier plan's route is switched
+#    off while the plan chooses, not taken off the model, and on again where the plan routes the head: that forward
+#    then runs the head as its plan has it. Only once the plan is made without the head is the route taken off
+#    (`HeadChoice.end`); the forward still calls it, and a route taken off opens no call.
 
 BY_BUDGET = "the budget"
 """What a head routed by the planner says chose it (`remat.plan(model)`)."""
@@ -52,8 +57,8 @@ class HeadChoice:
     """The head's choice for one plan of `model` (NOTE [ The head as a choice ]).
 
     `open` says whether the plan may still route the head: apply's `head` is None, the model has a head to route,
-    and no earlier `remat.apply(model, head=True)` routed it. Made at the start of a plan, it takes back a head
-    that an earlier plan routed (rule 3).
+    and no earlier `remat.apply(model, head=True)` routed it. Made at the start of a plan, it switches off a route
+    that an earlier plan chose (rule 3, implementation note 4); `end` settles it.
     """
 
     def __init__(self, model: nn.Module, head: bool | None) -> None:
@@ -62,14 +67,18 @@ class HeadChoice:
         self.made = 0  # the chunks of logits made by then (`remat._engine.stats`)
         chosen = routed_by(model) if head is None else None
         self.open = head is None and chosen in (None, BY_BUDGET) and can_route_head(model)
-        if self.open and chosen == BY_BUDGET:  # rule 3: a re-plan chooses again
-            unroute_head(model)
+        self.earlier = self.open and chosen == BY_BUDGET  # an earlier plan's route, switched off while choosing
+        if self.earlier:
+            switch_head(model, on=False)
 
     def route(self) -> None:
         """Route the model's head for the plan (rule 1). Closes the choice: a plan routes the head once."""
         self.open = False
         self.made = _stats.head_chunks
-        route_head(self.model, chosen_by=BY_BUDGET)
+        if self.earlier:
+            switch_head(self.model, on=True)
+        else:
+            route_head(self.model, chosen_by=BY_BUDGET)
         self.routed = True
 
     def ran(self) -> bool:
@@ -77,7 +86,21 @@ class HeadChoice:
         return self.routed and _stats.head_chunks != self.made
 
     def take_back(self) -> None:
-        """Put back the model's own head, where this plan routed it (a plan that fails leaves nothing behind)."""
+        """Put back the model's own head, where this plan routed it."""
         if self.routed:
-            unroute_head(self.model)
+            if self.earlier:
+                switch_head(self.model, on=False)
+            else:
+                unroute_head(self.model)
             self.routed = False
+
+    def end(self, made: bool) -> None:
+        """The plan is made (`made`: an earlier plan's route that it did not take goes), or it failed (the head goes
+        back to what the plan before it had: rule 3); a plan that fails takes back its own route first."""
+        if not made:
+            self.take_back()
+        if self.earlier and not self.routed:
+            if made:
+                unroute_head(self.model)
+            else:
+                switch_head(self.model, on=True)

@@ -12,7 +12,7 @@ from torch import nn
 
 from .integrations import comes_from
 
-__all__ = ["can_route_head", "describe_head", "route_head", "routed_by", "unroute_head"]
+__all__ = ["can_route_head", "describe_head", "route_head", "routed_by", "switch_head", "unroute_head"]
 
 
 def route_head(model: nn.Module, chosen_by: str | None = None) -> Any:
@@ -37,14 +37,23 @@ def can_route_head(model: nn.Module) -> bool:
     return True
 
 
-def _routes(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+def _routes(model: nn.Module, on: bool | None = True) -> list[tuple[nn.Module, Any]]:
+    """The routes inside `model` (those switched `on`, or off; every one for None)."""
     return [(module, hook) for module in model.modules() for hook in module._forward_pre_hooks.values()
-            if getattr(hook, "remat_head", False)]
+            if getattr(hook, "remat_head", False) and on in (None, getattr(hook, "on", True))]
+
+
+def switch_head(model: nn.Module, on: bool) -> None:
+    """Switch the routes inside `model` off (the model's own head and loss, the routes left in place) or back on: a
+    budget's re-plan chooses the head again without taking off the model a route that the forward it runs in has
+    already read (NOTE [ The head as a choice ], implementation note 4)."""
+    for _, hook in _routes(model, on=None):
+        hook.on = on
 
 
 def unroute_head(model: nn.Module) -> None:
     """Take every route `route_head` put inside `model` off it (`remat.undo` does the same for every hook)."""
-    routes = _routes(model)
+    routes = _routes(model, on=None)
     if routes:
         from .integrations.causal_lm import unroute
 

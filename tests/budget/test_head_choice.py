@@ -50,9 +50,9 @@ def trained(model: nn.Module) -> tuple[bool, int, dict[str, torch.Tensor]]:
     return logits, tracker.peak_bytes, {name: p.grad for name, p in model.named_parameters()}
 
 
-def no_remat_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+def no_remat_grads(model: nn.Module, inputs: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """No remat's gradients in float64, the loss taken from the logits (the model's own upcasts to float32)."""
-    inputs = batch()
+    inputs = inputs or batch()
     logits = model(input_ids=inputs["input_ids"]).logits
     F.cross_entropy(logits[:, :-1].flatten(0, 1), inputs["labels"][:, 1:].flatten()).backward()
     return {name: p.grad for name, p in model.named_parameters()}
@@ -187,3 +187,36 @@ def test_a_model_whose_budget_routed_the_head_is_freed_when_its_last_reference_g
         assert ref() is None, "a cycle through the head's route kept the model"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("shape", [(BATCH, SEQ // 2), (2 * BATCH, SEQ)], ids=["shorter", "larger batch"])
+def test_a_training_forward_with_new_shapes_plans_again_and_keeps_no_remats_gradients(shape: tuple[int, int]) -> None:
+    """NOTE [ The head as a choice ], rule 3: the budget's hook plans again inside the forward of a new input shape,
+    taking back (and routing again, where needed) the head it routed, while that forward runs the model's hooks:
+    the route taken back was still called, without the forward's keyword arguments, and raised a TypeError."""
+    base = make(torch.float64)
+    model = remat.apply(copy.deepcopy(base), budget=0.6, sample=batch())
+    assert "chosen by the budget" in str(remat.plan(model))
+    ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(2))
+    expected = no_remat_grads(copy.deepcopy(base), {"input_ids": ids, "labels": ids})
+    for twin in (model, copy.deepcopy(model)):
+        out = twin(input_ids=ids, labels=ids)
+        out.loss.backward()
+        for name, p in twin.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name], msg=lambda m, k=name: f"gradient of {k}: {m}")
+        assert remat.plan(twin).budget is not None
+
+
+def test_a_replan_that_fails_leaves_the_head_as_the_plan_before_it_had_it() -> None:
+    """NOTE [ The head as a choice ], rule 3, and NOTE [ Budgeted models ], rule 4: a re-plan that is refused puts
+    back the previous plan's choices and its routed head (it took the head off and left it off)."""
+    least = remat.estimate(make(), batch(), configs=("full+head",))["full+head"].step_peak_bytes
+    model = remat.apply(make(), budget=least, sample=batch())
+    before = str(remat.plan(model))
+    assert "chosen by the budget" in before
+    ids = torch.randint(0, VOCAB, (4 * BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(remat.BudgetError):
+        model(input_ids=ids, labels=ids)
+    assert str(remat.plan(model)) == before
+    logits, _, _ = trained(model)
+    assert not logits

@@ -300,6 +300,8 @@ class HeadRoute:
     remat_head = True  # what remat/_sites/head.py looks for
 
     chosen_by: str | None = None  # who routed it, where not the user (a budget: NOTE [ The head as a choice ])
+    on = True  # off: the model's own head and loss, the route left in place (a budget's re-plan: `switch`)
+    closed = False  # taken off the model (`close`)
 
     def __init__(self, model: nn.Module, head: nn.Module, head_name: str, labels_at: int | None) -> None:
         # Held weakly: the model holds this hook, and a strong reference back would keep the model, its gradients
@@ -324,11 +326,16 @@ class HeadRoute:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _model=weakref.ref(state["_model"]), _head=weakref.ref(state["_head"]))
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        labels = kwargs.get("labels")
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+        if self.closed:
+            # Taken off inside this very forward (a budget's hook, which runs first, planned again and did not keep
+            # the route): the forward's hooks were read before, and torch calls this one without its keyword
+            # arguments; its forward hook, gone too, will not close a call, so none is opened.
+            return
+        labels = (kwargs or {}).get("labels")
         if labels is None and self.labels_at is not None and self.labels_at < len(args):
             labels = args[self.labels_at]
-        on = module.training and labels is not None and _switch._state[0]
+        on = self.on and module.training and labels is not None and _switch._state[0]
         _calls.stack.append(_RoutedCall(self) if on else None)
 
     def install(self) -> None:
@@ -339,6 +346,7 @@ class HeadRoute:
         self.own_loss = own
 
     def close(self) -> None:
+        self.closed = True
         forward = self.head.__dict__.get("forward")
         if isinstance(forward, HeadForward):
             if forward.own is None:
