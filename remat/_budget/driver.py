@@ -24,8 +24,8 @@ NOTE [ Budgeted models ]
 3. A training call (gradients on) with a new input signature plans again before the forward goes on (with
    `replan=True`), on detached copies of the inputs; the planner's own calls of the model pass through the hook
    untouched.
-4. A failed plan (`BudgetError`) puts the previous choices back, the model's own head where the plan routed it,
-   the untiled modules where it tiled them, and what the previous plan offloaded.
+4. A failed plan (`BudgetError`) puts the previous choices back, with the head, the tiles and the offload as the
+   previous plan had them (none of them before the first plan).
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ class Extra(Protocol):
     def take(self) -> bool: ...
 
     def take_back(self) -> None: ...
+
+    def end(self, made: bool) -> None: ...
 
 
 def apply_budget(model: _M, request: BudgetRequest,
@@ -185,7 +187,7 @@ class BudgetHook:
         regime = self.regime.planning(model)
         step = TrainingStep(model, self.request.loss, detached(args), detached(kwargs))
         blocks = [model.get_submodule(name) for name in self.names]
-        previous, previous_calls, previous_offload = self.assignment, self.choices.calls, self.choices.offload
+        previous, previous_calls = self.assignment, self.choices.calls
         head = HeadChoice(model, self.request.head)
         extras = (TilesChoice(model, self.names, self.request.tiles),
                   OffloadChoice(self.choices, step.devices, self.request.offload, fake=_holds_fakes(model),
@@ -209,10 +211,9 @@ class BudgetHook:
                             raise
                         solved = taken
         except BaseException:
-            head.end(made=False)
-            for extra in extras:
-                extra.take_back()
-            self.choices.calls, self.choices.offload = previous_calls, previous_offload
+            for choice in (head, *extras):  # each as the plan before this one had it
+                choice.end(made=False)
+            self.choices.calls = previous_calls
             for i, block in enumerate(blocks):  # back to the previous choices, or to none
                 if previous is None:
                     remove_hooks(block)
@@ -223,7 +224,8 @@ class BudgetHook:
             self.busy = False
             if restore is not None:
                 restore()
-        head.end(made=True)
+        for choice in (head, *extras):
+            choice.end(made=True)
         self.assignment = assignment
         self.autocast, self.devices = step.autocast, step.devices
         self.signature = signature(args, kwargs)

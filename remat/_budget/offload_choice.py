@@ -46,7 +46,8 @@ __all__ = ["OffloadChoice", "offload_lowers_peak"]
 #    whatever the budget; `offload=False` never offloads. A kept block keeps its activations on the device either
 #    way: offload is an option of remat's sites.
 # 5. Offload the budget chose shows in `remat.plan(model)` on every block it rematerializes ("full + offload"), and
-#    every re-plan (a new input shape) chooses again: first without it. A plan that fails takes it back.
+#    every re-plan (a new input shape) chooses again: first without it. A plan that fails takes it back, and a
+#    re-plan that fails puts back what the plan before it offloaded with.
 # 6. Only where it is needed: offload moves the kept bytes to the host and back on every step, and a plan that fits
 #    without it spends no host memory or bandwidth.
 
@@ -73,6 +74,7 @@ class OffloadChoice:
         self.open = offload is None and offload_lowers_peak(devices, compiled)
         self.taken = False
         self.fake = fake  # the model's state is fake tensors (an estimate's budget row): offload is `HostOffload`
+        self.earlier = choices.offload  # what the plan before this one offloaded with (rule 5)
         self.choices.offload = self._offload(offload)  # rule 4; rule 5: a re-plan chooses again
 
     def take(self) -> bool:
@@ -84,10 +86,16 @@ class OffloadChoice:
         return True
 
     def take_back(self) -> None:
-        """Keep on the device again what this plan offloaded (a plan that fails leaves nothing behind)."""
+        """Keep on the device again what this plan offloaded."""
         if self.taken:
             self.choices.offload = None
             self.taken = False
+
+    def end(self, made: bool) -> None:
+        """The plan is made (`made`), or it failed: what the plan before it offloaded with comes back (rule 5)."""
+        if not made:
+            self.taken = False
+            self.choices.offload = self.earlier
 
     def _offload(self, offload: bool | Offloader | None) -> Offload | None:
         """What puts the kept tensors on the host: remat's offload, or on fake tensors its model (rule 2)."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from .._core.requests import TILES
-from .._sites.tiles import tile_blocks, tiled_of, untile
+from .._sites.tiles import tile_blocks, tile_module, tiled_of, untile
 from .head_choice import BY_BUDGET
 
 __all__ = ["TilesChoice"]
@@ -34,7 +34,8 @@ __all__ = ["TilesChoice"]
 #    per block would multiply the profile by the counts tried. `tiles=N` tiles before planning, whatever the
 #    budget; `tiles=False` never tiles.
 # 3. Tiles the budget chose show in `remat.plan(model)` as chosen by it, and every re-plan (a new input shape)
-#    chooses again: first without them. A plan that fails takes them back.
+#    chooses again: first without them. A plan that fails takes back its own, and a re-plan that fails puts back
+#    those the plan before it had chosen.
 # 4. Only where they are needed: tiles cost time (each tiled module's forward runs once more per backward, outside
 #    a rematerialized block's recompute), and a plan that fits without them is faster.
 #
@@ -57,9 +58,11 @@ class TilesChoice:
         self.names = tuple(names)
         self.tiled: tuple[str, ...] = ()  # what this plan tiled
         self.open = tiles is None
-        for module in model.modules():  # rule 3: a re-plan chooses again
+        self.earlier: list[tuple[str, int, int]] = []  # what an earlier plan tiled: name, count, dim (rule 3)
+        for name, module in model.named_modules():  # rule 3: a re-plan chooses again
             found = tiled_of(module) if "forward" in module.__dict__ else None
             if found is not None and found.chosen_by == BY_BUDGET:
+                self.earlier.append((name, found.tiles, found.dim))
                 untile(module)
 
     def take(self) -> bool:
@@ -71,7 +74,16 @@ class TilesChoice:
         return bool(self.tiled)
 
     def take_back(self) -> None:
-        """Untile what this plan tiled (a plan that fails leaves nothing behind)."""
+        """Untile what this plan tiled."""
         for name in self.tiled:
             untile(self.model.get_submodule(name))
         self.tiled = ()
+
+    def end(self, made: bool) -> None:
+        """The plan is made (`made`), or it failed: its own tiles taken back and an earlier plan's put back (rule
+        3)."""
+        if made:
+            return
+        self.take_back()
+        for name, count, dim in self.earlier:
+            tile_module(self.model.get_submodule(name), count, dim, chosen_by=BY_BUDGET)

@@ -120,3 +120,21 @@ def test_tiles_the_user_gives_are_planned_with_and_stay_the_users() -> None:
     assert {(count, chosen) for _, count, chosen in tiles_of(model)} == {(8, None)}
     remat.apply(model, memory=4 * memory, sample=batch(), optimizer="adamw")  # a re-plan leaves the user's tiles
     assert len(tiles_of(model)) == 3 * LAYERS
+
+
+def test_a_replan_that_fails_puts_back_the_tiles_the_plan_before_it_chose() -> None:
+    """NOTE [ Tiles as a choice ], rule 3, and NOTE [ Budgeted models ], rule 4: a training forward of a longer
+    sequence plans again, first untiled; where that plan is refused, the previous choices come back with the tiles
+    they were planned with (they came back untiled, and the next steps went over the budget)."""
+    base = make()
+    report = remat.estimate(copy.deepcopy(base), batch(), configs=("full+head", "full+head+tiles"))
+    steps = {config: report[config].step_peak_bytes for config in ("full+head", "full+head+tiles")}
+    model = remat.apply(copy.deepcopy(base), budget=(steps["full+head"] + steps["full+head+tiles"]) // 2,
+                        sample=batch(), head=True)
+    before, tiled = str(remat.plan(model)), tiles_of(model)
+    assert {chosen for _, _, chosen in tiled} == {"the budget"}
+    model.config.max_position_embeddings = 4 * SEQ
+    ids = torch.randint(0, VOCAB, (1, 4 * SEQ), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(remat.BudgetError):
+        model(input_ids=ids, labels=ids)
+    assert tiles_of(model) == tiled and str(remat.plan(model)) == before
