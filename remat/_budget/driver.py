@@ -238,7 +238,8 @@ class BudgetHook:
         """Stages 1 to 3 again with the open choices taken in order, the head, the tiles and offload, until one is
         predicted to fit (or, `first`, with the first that is still open); None where none was open or made a plan.
         Each is planned for the bytes the budget resolved to with the model's own head (`own`'s: NOTE [ The head
-        as a choice ], rule 1); `last` is the plan so far, which a choice the profile does not see keeps."""
+        as a choice ], rule 1); `last` is the plan so far, which a choice the profile does not see keeps. A head
+        put back as no better alone is tried again on top of the tiles (implementation note 5 there)."""
         solved = self._with_head(head, step, blocks, regime, own) if head.open else None
         if first and solved is not None:
             return solved
@@ -247,6 +248,9 @@ class BudgetHook:
                 solved = self._with(extra, step, blocks, regime, own.budget, solved or last) or solved
                 if first and solved is not None:
                     return solved
+                # open again even where this fits: a real step that refuses it takes the head next (`first`)
+                if solved is not None and extra.profiled and head.reopen() and not solved.fits:
+                    solved = self._with_head(head, step, blocks, regime, own, than=solved) or solved
         return solved
 
     def _solved(self, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
@@ -268,17 +272,17 @@ class BudgetHook:
         return Solved(measured, cost, from_rank_zero(assignment), fits)
 
     def _with_head(self, head: HeadChoice, step: TrainingStep, blocks: Sequence[nn.Module], regime: BudgetRegime,
-                   own: Solved) -> Solved | None:
+                   own: Solved, than: Solved | None = None) -> Solved | None:
         """Stages 1 to 3 again with the model's head routed, for the bytes the budget resolved to with the model's
         own head (`own`'s: NOTE [ The head as a choice ], rule 1); None, the head put back, where that is no plan
-        or no better a plan than `own` (implementation note 2)."""
+        or no better a plan than `than` (`own` unless given: implementation note 2)."""
         head.route()
         try:
             routed: Solved | None = self._solved(step, blocks, regime, own.budget)
         except Exception:
             routed = None
         if routed is None or not head.ran() or (
-                not routed.fits and routed.assignment.peak_bytes >= own.assignment.peak_bytes):
+                not routed.fits and routed.assignment.peak_bytes >= (than or own).assignment.peak_bytes):
             head.take_back()
             return None
         return routed

@@ -48,6 +48,9 @@ __all__ = ["BY_BUDGET", "HeadChoice"]
 #    off while the plan chooses, not taken off the model, and on again where the plan routes the head: that forward
 #    then runs the head as its plan has it. Only once the plan is made without the head is the route taken off
 #    (`HeadChoice.end`); the forward still calls it, and a route taken off opens no call.
+# 5. (rule 1) Where the head alone is no better, the driver tries it again once the tiles are taken (`reopen`):
+#    with the blocks' internals in tiles the step's peak can move to the logits, which only the head in chunks
+#    lowers.
 
 BY_BUDGET = "the budget"
 """What a head routed by the planner says chose it (`remat.plan(model)`)."""
@@ -65,6 +68,7 @@ class HeadChoice:
         self.model = model
         self.routed = False  # whether this plan routed the head
         self.made = 0  # the chunks of logits made by then (`remat._engine.stats`)
+        self.tried = self.reopened = False  # routed once; opened again (implementation note 5)
         chosen = routed_by(model) if head is None else None
         self.open = head is None and chosen in (None, BY_BUDGET) and can_route_head(model)
         self.earlier = self.open and chosen == BY_BUDGET  # an earlier plan's route, switched off while choosing
@@ -74,12 +78,21 @@ class HeadChoice:
     def route(self) -> None:
         """Route the model's head for the plan (rule 1). Closes the choice: a plan routes the head once."""
         self.open = False
+        self.tried = True
         self.made = _stats.head_chunks
         if self.earlier:
             switch_head(self.model, on=True)
         else:
             route_head(self.model, chosen_by=BY_BUDGET)
         self.routed = True
+
+    def reopen(self) -> bool:
+        """Open the choice again, once, where this plan routed the head and put it back as no better
+        (implementation note 5); whether it did."""
+        if self.open or self.routed or not self.tried or self.reopened:
+            return False
+        self.open = self.reopened = True
+        return True
 
     def ran(self) -> bool:
         """Whether the routed head made a chunk of logits since `route` (implementation note 2)."""

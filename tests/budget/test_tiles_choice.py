@@ -138,3 +138,28 @@ def test_a_replan_that_fails_puts_back_the_tiles_the_plan_before_it_chose() -> N
     with pytest.raises(remat.BudgetError):
         model(input_ids=ids, labels=ids)
     assert tiles_of(model) == tiled and str(remat.plan(model)) == before
+
+
+def test_the_head_no_better_alone_is_tried_again_with_the_tiles() -> None:
+    """A model whose step peaks in its MLPs' backward: the head in chunks alone lowers nothing (the plan puts it
+    back, NOTE [ The head as a choice ], implementation note 2), the tiles alone move the peak to the logits in
+    forward, and only both fit. The budget was refused, with a plan that fits at hand."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=1024, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=2000,
+                                      max_position_embeddings=SEQ, use_cache=False)
+    base = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 2000, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    sample = {"input_ids": ids, "labels": ids}
+    report = remat.estimate(copy.deepcopy(base), sample, configs=("full", "full+head", "full+head+tiles"))
+    full, head, both = (report[c].step_peak_bytes for c in ("full", "full+head", "full+head+tiles"))
+    assert head == full and both < head / 2  # the head alone saves nothing at the peak
+    budget = (head + both) // 2
+    model = remat.apply(copy.deepcopy(base), budget=budget, sample=sample)
+    plan = remat.plan(model)
+    assert "chosen by the budget" in str(plan.head) and {chosen for _, _, chosen in tiles_of(model)} == {"the budget"}
+    for p in model.parameters():
+        p.grad = None
+    with remat.track() as tracker:
+        model(**sample).loss.backward()
+    assert tracker.peak_bytes <= budget
