@@ -239,7 +239,7 @@ class BudgetHook:
         predicted to fit (or, `first`, with the first that is still open); None where none was open or made a plan.
         Each is planned for the bytes the budget resolved to with the model's own head (`own`'s: NOTE [ The head
         as a choice ], rule 1); `last` is the plan so far, which a choice the profile does not see keeps. A head
-        put back as no better alone is tried again on top of the tiles (implementation note 5 there)."""
+        put back as no better alone is tried again on top of the next choice taken (implementation note 5 there)."""
         solved = self._with_head(head, step, blocks, regime, own) if head.open else None
         if first and solved is not None:
             return solved
@@ -249,7 +249,7 @@ class BudgetHook:
                 if first and solved is not None:
                     return solved
                 # open again even where this fits: a real step that refuses it takes the head next (`first`)
-                if solved is not None and extra.profiled and head.reopen() and not solved.fits:
+                if solved is not None and head.reopen() and not solved.fits:
                     solved = self._with_head(head, step, blocks, regime, own, than=solved) or solved
         return solved
 

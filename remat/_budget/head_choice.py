@@ -48,9 +48,9 @@ __all__ = ["BY_BUDGET", "HeadChoice"]
 #    off while the plan chooses, not taken off the model, and on again where the plan routes the head: that forward
 #    then runs the head as its plan has it. Only once the plan is made without the head is the route taken off
 #    (`HeadChoice.end`); the forward still calls it, and a route taken off opens no call.
-# 5. (rule 1) Where the head alone is no better, the driver tries it again once the tiles are taken (`reopen`):
-#    with the blocks' internals in tiles the step's peak can move to the logits, which only the head in chunks
-#    lowers.
+# 5. (rule 1) Where the head alone is no better, the driver tries it again once the next choice is taken, the
+#    tiles or offload (`reopen`): with the blocks' internals in tiles, or their inputs on the host, the step's peak
+#    can move to the logits, which only the head in chunks lowers.
 
 BY_BUDGET = "the budget"
 """What a head routed by the planner says chose it (`remat.plan(model)`)."""
