@@ -129,16 +129,16 @@ def _least(model: nn.Module, request: MemoryRequest, total: int, device: torch.d
     """The estimate of full remat of every block (what it keeps on the host where `offload=True` asks that on an
     accelerator); where that does not fit in `total`, with what the request leaves to the plan added in the plan's
     order until it fits: the head in chunks where it may be routed (NOTE [ The head as a choice ] in
-    remat/_budget/head_choice.py), the blocks' token-wise modules in tiles (NOTE [ Tiles as a choice ] in
-    remat/_budget/tiles_choice.py), and on an accelerator, in eager code, what the blocks keep on the host (NOTE
-    [ Offload as a choice ] in remat/_budget/offload_choice.py)."""
+    remat/_budget/head_choice.py), the blocks' token-wise modules in tiles in eager code (NOTE [ Tiles as a
+    choice ] in remat/_budget/tiles_choice.py), and on an accelerator, in eager code, what the blocks keep on the
+    host (NOTE [ Offload as a choice ] in remat/_budget/offload_choice.py)."""
     optimizer = as_optimizer(request.optimizer)
     offloads = offload_lowers_peak((device,), request.compile)
     config = "full" + (OFFLOAD if offloads and resolve(request.offload) is not None else "")  # on every block
     row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
                    where=request.where)[config]
     for suffix, open_ in ((HEAD, request.head is None and can_route_head(model)),
-                          (TILES_SUFFIX, request.tiles is None),
+                          (TILES_SUFFIX, request.tiles is None and not request.compile),
                           (OFFLOAD, request.offload is None and offloads)):
         if row.peak_bytes > total and open_:
             config += suffix

@@ -189,7 +189,7 @@ class BudgetHook:
         blocks = [model.get_submodule(name) for name in self.names]
         previous, previous_calls = self.assignment, self.choices.calls
         head = HeadChoice(model, self.request.head)
-        extras = (TilesChoice(model, self.names, self.request.tiles),
+        extras = (TilesChoice(model, self.names, self.request.tiles, compiled=regime.compiled),
                   OffloadChoice(self.choices, step.devices, self.request.offload, fake=_holds_fakes(model),
                                 compiled=regime.compiled))
         self.verification = None

@@ -38,6 +38,8 @@ __all__ = ["TilesChoice"]
 #    those the plan before it had chosen.
 # 4. Only where they are needed: tiles cost time (each tiled module's forward runs once more per backward, outside
 #    a rematerialized block's recompute), and a plan that fits without them is faster.
+# 5. Only in eager code: inside one compiled graph (`compile=True`) a tiled call runs untiled (NOTE [ What is tiled
+#    ], rule 5), so there the choice is closed, and `memory=`'s least estimate leaves tiles out.
 #
 # Implementation notes:
 # 1. (rule 1) Blocks without a token-wise module leave nothing to tile: the choice is closed, and the plan goes on
@@ -47,17 +49,18 @@ __all__ = ["TilesChoice"]
 class TilesChoice:
     """The tiles' choice for one plan of `model`'s blocks `names` (NOTE [ Tiles as a choice ]).
 
-    `open` says whether the plan may still tile: apply's `tiles` is None. Made at the start of a plan, it takes back
-    the tiles an earlier plan chose (rule 3).
+    `open` says whether the plan may still tile: apply's `tiles` is None, and its steps are not one compiled graph
+    (rule 5). Made at the start of a plan, it takes back the tiles an earlier plan chose (rule 3).
     """
 
     profiled = True  # rule 1: the profile runs the tiled blocks
 
-    def __init__(self, model: nn.Module, names: Sequence[str], tiles: int | bool | None) -> None:
+    def __init__(self, model: nn.Module, names: Sequence[str], tiles: int | bool | None,
+                 compiled: bool = False) -> None:
         self.model = model
         self.names = tuple(names)
         self.tiled: tuple[str, ...] = ()  # what this plan tiled
-        self.open = tiles is None
+        self.open = tiles is None and not compiled
         self.earlier: list[tuple[str, int, int]] = []  # what an earlier plan tiled: name, count, dim (rule 3)
         for name, module in model.named_modules():  # rule 3: a re-plan chooses again
             found = tiled_of(module) if "forward" in module.__dict__ else None

@@ -7,6 +7,7 @@ none. The model is a Llama-shaped stand-in (benchmarks/long.py's proportions, sc
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat._apply import memory as _memory
+from remat._budget.tiles_choice import TilesChoice
+from remat._core.requests import request_for
 from remat._engine import stats as _stats
 
 transformers = pytest.importorskip("transformers")
@@ -163,3 +167,19 @@ def test_the_head_no_better_alone_is_tried_again_with_the_tiles() -> None:
     with remat.track() as tracker:
         model(**sample).loss.backward()
     assert tracker.peak_bytes <= budget
+
+
+def test_the_choice_is_closed_under_compile_where_a_tiled_call_runs_untiled() -> None:
+    """NOTE [ Tiles as a choice ], rule 5: a budget with `compile=True` took the tiles, which ran untiled in the
+    compiled step (a warning per module), profiled for nothing; `memory=`'s least estimate counted them."""
+    model = make()
+    names = [f"model.layers.{i}" for i in range(LAYERS)]
+    assert TilesChoice(model, names, None).open
+    assert not TilesChoice(model, names, None, compiled=True).open
+    assert not TilesChoice(model, names, False).open
+    request = request_for(memory="1GiB", sample=batch(), compile=True)
+    estimated: list[str] = []
+    with mock.patch.object(_memory, "estimate", lambda *args, configs, **kwargs: estimated.extend(configs) or {
+            configs[0]: mock.Mock(peak_bytes=1 << 40)}):
+        _memory._least(model, request, 1 << 20, torch.device("cpu"))
+    assert estimated and not any("tiles" in config for config in estimated), estimated
