@@ -119,6 +119,17 @@ def recomputes() -> int:
     return _stats.recomputes
 
 
+@contextlib.contextmanager
+def garbage_collector_off() -> Iterator[None]:
+    """Python's garbage collector off inside, on again after (whatever the body raised): what only a reference
+    cycle keeps alive stays alive, so a weakref read inside tells a cycle from a tensor or model freed at once."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def randn(*shape: int, requires_grad: bool = False, seed: int = 0) -> torch.Tensor:
     """A float64 tensor from its own generator (the global RNG stays untouched)."""
     generator = torch.Generator().manual_seed(seed)

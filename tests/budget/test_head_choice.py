@@ -8,12 +8,12 @@ its blocks leaves the logits, which the chunked head does not hold. Needs the `h
 from __future__ import annotations
 
 import copy
-import gc
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import garbage_collector_off
 from torch import nn
 
 import remat
@@ -181,12 +181,9 @@ def test_a_model_whose_budget_routed_the_head_is_freed_when_its_last_reference_g
     logits, _, _ = trained(model)
     assert not logits and "chosen by the budget" in str(remat.plan(model))
     ref = weakref.ref(model)
-    gc.disable()
-    try:
+    with garbage_collector_off():
         del model
         assert ref() is None, "a cycle through the head's route kept the model"
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("shape", [(BATCH, SEQ // 2), (2 * BATCH, SEQ)], ids=["shorter", "larger batch"])

@@ -9,7 +9,6 @@ takes it (labels shifted, -100 ignored); the model's own loss upcasts float64 lo
 from __future__ import annotations
 
 import copy
-import gc
 import pickle
 import weakref
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import garbage_collector_off
 from torch import nn
 
 import remat
@@ -308,15 +308,14 @@ def test_a_routed_step_leaves_no_cycle_holding_the_hidden_states() -> None:
     handle = model.transformer.ln_f.register_forward_hook(  # type: ignore[union-attr,operator]
         lambda module, args, out: seen.append(weakref.ref(out)))
     made = _stats.head_chunks
-    gc.disable()
     try:
-        out = model(**batch())
-        assert out.logits is None and _stats.head_chunks > made  # the head was routed
-        out.loss.backward()
-        del out
-        assert seen and seen[0]() is None, "the hidden states outlived the step without the garbage collector"
+        with garbage_collector_off():
+            out = model(**batch())
+            assert out.logits is None and _stats.head_chunks > made  # the head was routed
+            out.loss.backward()
+            del out
+            assert seen and seen[0]() is None, "the hidden states outlived the step without the garbage collector"
     finally:
-        gc.enable()
         handle.remove()
 
 
@@ -327,12 +326,9 @@ def test_a_routed_model_is_freed_when_its_last_reference_goes() -> None:
     model = remat.apply(fresh(gpt2), head=True)
     routed_step(model, batch())
     ref = weakref.ref(model)
-    gc.disable()
-    try:
+    with garbage_collector_off():
         del model
         assert ref() is None, "a cycle through the head's route kept the model"
-    finally:
-        gc.enable()
     twin = pickle.loads(pickle.dumps(remat.apply(fresh(gpt2), head=True)))
     routed_step(twin, batch())  # a copy's route holds the copy
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same_grads, randn
+from conftest import assert_same_grads, garbage_collector_off, randn
 from models import MLP, TransformerBlock, stack
 from torch import nn
 
@@ -330,12 +330,9 @@ def test_a_rematerialized_model_is_freed_when_its_last_reference_goes() -> None:
     model = remat.apply(_stack())
     _recomputed(model, randn(2, 8, 16, requires_grad=True))
     ref = weakref.ref(model)
-    gc.disable()
-    try:
+    with garbage_collector_off():
         del model
         assert ref() is None
-    finally:
-        gc.enable()
 
 
 def test_the_instance_forward_answers_as_the_method_it_calls() -> None:
