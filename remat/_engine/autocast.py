@@ -29,6 +29,23 @@ class AutocastState:
         return (tuple(sorted(self.kinds, key=lambda kind: kind[0])), self.cache)
 
     @staticmethod
+    @contextmanager
+    def kept_casts(state: AutocastState | None) -> Iterator[None]:
+        """Autocast's casts of the weights kept from one re-entry of `state` to the next while inside: autocast
+        drops its cache when the outermost region exits, so each region that `enter` opens in here casts them
+        again unless a region stays open around them all. That region re-enters the settings in force, so what
+        runs in here outside those regions (a backward) runs as it would outside it."""
+        if state is None or not state.cache:
+            yield
+            return
+        with ExitStack() as stack:
+            for kind, _, _ in state.kinds:
+                stack.enter_context(torch.autocast(kind, dtype=torch.get_autocast_dtype(kind),
+                                                   enabled=torch.is_autocast_enabled(kind),
+                                                   cache_enabled=torch.is_autocast_cache_enabled()))
+            yield
+
+    @staticmethod
     def capture(devices: tuple[torch.device, ...]) -> AutocastState | None:
         """The current autocast state, or None when autocast is off everywhere (the common case)."""
         return AutocastState(devices) if any_autocast() else None

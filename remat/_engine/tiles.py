@@ -48,7 +48,8 @@ __all__ = ["spans", "tiles"]
 # 4. Random ops inside fn (dropout) draw per tile, as calls of fn on each tile in turn would (so not the masks of
 #    one untiled call); backward runs the tiles in forward's order from forward's RNG state, so each tile draws
 #    again what it drew in forward, and the caller's RNG stream is put back after. Backward's calls run under
-#    forward's autocast state.
+#    forward's autocast state, and cast each weight once for all the tiles, as forward's do (autocast drops its
+#    casts when its outermost region exits: `AutocastState.kept_casts` keeps one open around the tiles).
 # 5. The gradients of the tensors fn reads reach autograd as the node's own, after its backward: where module
 #    hooks gather parameters (FSDP2, ZeRO-3), the caller runs the tiled module's hooks once around the tiles, so the
 #    parameters are gathered once per forward (and per recompute) and once in backward, and released after their
@@ -352,39 +353,41 @@ def _differentiate(spec: _TileSpec, x: torch.Tensor, grad: torch.Tensor, x_wante
     every = list(enumerate(cuts))
     caller_rng = spec.rng.swap_in()
     try:
-        for index, (start, length) in every if create else parts(every, x, even=_even(cuts)):  # NOTE [ Counted once ]
-            part = _tile(x, dim, start, length).detach().requires_grad_(x_wanted)
-            with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
-                out = fn(part)
-            _check_tile(out, part, dim, spec.site, index)
-            _stats.add_tile()
-            inputs = ([part] if x_wanted else []) + reads
-            if not out.requires_grad or not inputs:
-                made: Sequence[torch.Tensor | None] = [None] * len(inputs)
-            else:
-                made = torch.autograd.grad(out, inputs, grad.narrow(dim, start, length), allow_unused=True,
-                                           create_graph=create)
-            del out
-            if x_wanted:
-                piece = made[0] if made[0] is not None else torch.zeros_like(part)
-                if grad_x is not None:
-                    grad_x.narrow(dim, start, length).copy_(piece)
+        tiles = every if create else parts(every, x, even=_even(cuts))  # NOTE [ Counted once ]
+        with AutocastState.kept_casts(spec.autocast):  # rule 4: each weight cast once for all the tiles
+            for index, (start, length) in tiles:
+                part = _tile(x, dim, start, length).detach().requires_grad_(x_wanted)
+                with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
+                    out = fn(part)
+                _check_tile(out, part, dim, spec.site, index)
+                _stats.add_tile()
+                inputs = ([part] if x_wanted else []) + reads
+                if not out.requires_grad or not inputs:
+                    made: Sequence[torch.Tensor | None] = [None] * len(inputs)
                 else:
-                    pieces.append(piece)
-                del piece
-                made = made[1:]
-            for slot, g in enumerate(made):
-                if g is None:
-                    continue
-                total = sums[slot]
-                if total is None:
-                    sums[slot] = g if g.dtype.itemsize >= 4 or create else g.float()
-                elif create:
-                    sums[slot] = total + g
-                else:
-                    total.add_(g)
-            del made
-            g = total = None  # the last tile's gradient would sit beside the next tile's
+                    made = torch.autograd.grad(out, inputs, grad.narrow(dim, start, length), allow_unused=True,
+                                               create_graph=create)
+                del out
+                if x_wanted:
+                    piece = made[0] if made[0] is not None else torch.zeros_like(part)
+                    if grad_x is not None:
+                        grad_x.narrow(dim, start, length).copy_(piece)
+                    else:
+                        pieces.append(piece)
+                    del piece
+                    made = made[1:]
+                for slot, g in enumerate(made):
+                    if g is None:
+                        continue
+                    total = sums[slot]
+                    if total is None:
+                        sums[slot] = g if g.dtype.itemsize >= 4 or create else g.float()
+                    elif create:
+                        sums[slot] = total + g
+                    else:
+                        total.add_(g)
+                del made
+                g = total = None  # the last tile's gradient would sit beside the next tile's
     finally:
         caller_rng.apply()
     if x_wanted and grad_x is None:

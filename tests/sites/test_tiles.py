@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_same_grads
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat._engine import stats as _stats
@@ -405,6 +406,47 @@ def test_autocast_in_forward_is_autocast_in_backward() -> None:
     assert dtypes == [torch.bfloat16] * 8, "backward's calls ran under forward's autocast"
     for a, b in zip(want, [x.grad, *(p.grad for p in mlp.parameters())], strict=True):
         torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+
+
+class _CastsOf(TorchDispatchMode):
+    """Counts the casts (`aten._to_copy`) of the tensors whose storages are `storages`."""
+
+    def __init__(self, storages: set[int]) -> None:
+        super().__init__()
+        self.storages, self.count = storages, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.storages:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_casts_each_weight_once_for_all_tiles_as_forward_does() -> None:
+    """Autocast keeps a weight's cast for its region and drops it when the outermost region exits: re-entered per
+    tile in backward, each tile cast every weight again (a copy of the MLP's weights in the lower precision per
+    tile, on a GPU about the time of the tile's matmuls). Backward's casts now stay for all the tiles; the
+    gradients, and a second derivative, are the untiled ones to bfloat16's rounding."""
+    def casts_in_backward(tiles: int, create_graph: bool = False) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        mlp = GatedMLP().float()
+        x = torch.randn(2, SEQ, WIDTH, dtype=torch.float32, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = remat.tiled(mlp, x, tiles=tiles)
+        loss = out.float().pow(2).sum()
+        weights = {p.data_ptr() for p in mlp.parameters()}
+        with _CastsOf(weights) as seen:
+            grads = torch.autograd.grad(loss, [x, *mlp.parameters()], create_graph=create_graph)
+        if create_graph:
+            grads = torch.autograd.grad(sum(g.float().pow(2).sum() for g in grads), [x, *mlp.parameters()])
+        return seen.count, list(grads)
+
+    once, _ = casts_in_backward(4)
+    assert once == len(list(GatedMLP().parameters())), "each weight cast once"
+    for create_graph in (False, True):
+        _, untiled = casts_in_backward(1, create_graph)
+        _, tiled = casts_in_backward(4, create_graph)
+        for a, b in zip(untiled, tiled, strict=True):  # bfloat16's rounding, of the largest gradient
+            torch.testing.assert_close(b, a, atol=2e-2 * a.abs().max().item(), rtol=0)
 
 
 # -- the in-place form --------------------------------------------------------------------------------------
