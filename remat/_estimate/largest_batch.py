@@ -25,11 +25,11 @@ Rules:
    and drawn again, as in rule 4, on these; then one estimate of the whole model at the answer checks it as rule
    4's check does. Where the cut models do not give the whole model's peak at the sample's size, or the check
    fails, the whole model's search of rule 4 runs.
-6. Where the configuration runs the identical layers of rule 5 alike, backward's peak is followed at its two ends
-   rather than whole: the part up to the end of the last layer's backward, and the part from the start of the
-   first layer's. Each end is affine in the size and in the depth where backward's whole peak is not (it is the
-   larger of the two), and the layers between peak at most at the larger end; a size whose backward peaks between
-   them by more than rule 4's tolerance fails the check.
+6. Where the configuration runs the identical layers of rule 5 alike, backward's peak is followed in parts split
+   at those layers rather than whole: backward up to the last layer's (the head and the loss), the last layer's,
+   and from the first layer's on. Each is affine in the size and in the depth where backward's whole peak is not
+   (it is the largest of them), and the layers between peak at most as high as the larger end; a size whose
+   backward peaks between them by more than rule 4's tolerance fails the check.
 7. A guess is accepted only where the lines through the last two sizes estimated (the guess the second) cross
    ``memory`` at the guess itself; else the lines are drawn again through those two.
 
@@ -58,9 +58,11 @@ Implementation notes:
    them) or k = 0 (every other layer's gradients, as a small size or a deep model has them), each affine in L and
    in the size; the lines through the whole backward (their maximum) bend where the two cross, which cost the
    search of rule 4 its rounds, and the cut models of rule 5 their agreement where no remat crosses between the
-   cut models' depth and the whole model's. The parts are split by hooks on the second-to-last and the first
-   layer's outputs (NOTE [ Who holds the peak ] in phases.py, implementation note 2); the check of rule 4 also
-   compares backward's whole peak with the larger end, so a model whose layers between peak higher falls back.
+   cut models' depth and the whole model's. The head's part is apart from the last layer's for the same reason
+   (the loss's chunks against a layer's recompute). The parts are split by hooks on the last, the second-to-last
+   and the first layer's outputs (NOTE [ Who holds the peak ] in phases.py, implementation note 2); the check of
+   rule 4 also compares backward's whole peak with its parts', so a model whose layers between peak higher falls
+   back.
 7. (rule 7) A step's peak is affine only up to rounding (tiles and chunks of a whole number of positions): lines
    drawn through a far size put a guess that checks within `TOLERANCE` a little off where lines through two sizes
    near it put it; the second lines decide, so the answer does not depend on how far the first guess was.
@@ -78,7 +80,7 @@ from .._core.errors import BudgetError
 from .._core.torch_compat import tree_leaves
 from .._core.units import parse_memory
 from .._measure.fake import map_sample
-from .phases import BACKWARD, FIRST_LAYER, LAST_LAYER
+from .phases import BACKWARD, FIRST_LAYER, HEAD, LAST_LAYER
 from .predict import Configured, Refine, Rerun
 from .report import ConfigEstimate
 
@@ -284,19 +286,22 @@ def _agree(got: dict[str, float], want: dict[str, int], peak: int) -> bool:
 _Line = tuple[float, float]  # bytes at size 0, bytes per unit of size
 
 
+_ENDS = (HEAD, LAST_LAYER, FIRST_LAYER)  # backward's parts whose peaks the lines follow (rule 6)
+
+
 def _phases(row: ConfigEstimate) -> dict[str, int]:
-    """The peaks the lines follow: each phase's, backward's as its two ends where the row has them (rule 6)."""
-    if LAST_LAYER in row._parts and FIRST_LAYER in row._parts:
+    """The peaks the lines follow: each phase's, backward's as its parts where the row has them (rule 6)."""
+    if all(part in row._parts for part in _ENDS):
         phases = {phase: n for phase, n in row.phase_bytes.items() if phase != BACKWARD}
-        return {**phases, LAST_LAYER: row._parts[LAST_LAYER], FIRST_LAYER: row._parts[FIRST_LAYER]}
+        return {**phases, **{part: row._parts[part] for part in _ENDS}}
     return dict(row.phase_bytes) if row.phase_bytes else {"step": row.peak_bytes}
 
 
 def _at_the_ends(row: ConfigEstimate, slack: float) -> bool:
-    """Whether backward peaks at one of its ends, within ``slack`` bytes, where the lines follow the ends (rule 6,
-    implementation note 6): else the peak is off every line."""
-    ends = [row._parts[part] for part in (LAST_LAYER, FIRST_LAYER) if part in row._parts]
-    return len(ends) < 2 or row.phase_bytes.get(BACKWARD, 0) <= max(ends) + slack
+    """Whether backward peaks in one of the parts the lines follow, within ``slack`` bytes, where they follow them
+    (rule 6, implementation note 6): else the peak is off every line."""
+    ends = [row._parts[part] for part in _ENDS if part in row._parts]
+    return len(ends) < len(_ENDS) or row.phase_bytes.get(BACKWARD, 0) <= max(ends) + slack
 
 
 def _lines(a: Mapping[str, float], first: int, b: Mapping[str, float], second: int) -> dict[str, _Line]:

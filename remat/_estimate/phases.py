@@ -18,9 +18,9 @@ Implementation notes:
    happen, each of which is a new high again, so the copy holds what was alive at the highest point, as an eager
    copy at each new high would, for one copy per stretch of allocations rather than one per allocation.
 2. Given the container of the model's identical layers (NOTE [ Searching the largest batch ], rule 6), backward's
-   peak is also kept in three parts, split where backward reaches the output of the second-to-last layer and of
-   the first (hooks on those outputs, set in forward): the part up to the last layer's backward's end, the layers
-   between, and the first layer's backward on. These are the search's, not the report's.
+   peak is also kept in parts, split where backward reaches the outputs of the last layer, the second-to-last and
+   the first (hooks on those outputs, set in forward): backward up to the last layer's, the last layer's, the
+   layers between, and the first layer's on. These are the search's, not the report's.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ from .._core.units import format_bytes
 from .._measure.fake import FakeTracker, storage_bytes
 
 __all__ = [
-    "BACKWARD", "BETWEEN", "FIRST_LAYER", "FORWARD", "LAST_LAYER", "OPTIMIZER", "PhaseTracker", "fold",
+    "BACKWARD", "BETWEEN", "FIRST_LAYER", "FORWARD", "HEAD", "LAST_LAYER", "OPTIMIZER", "PhaseTracker", "fold",
     "optimizer_holders", "peak_lines", "where_it_peaks",
 ]
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
-LAST_LAYER, BETWEEN, FIRST_LAYER = "backward to the last layer's", "backward between", "backward from the first layer's"
+HEAD, LAST_LAYER = "backward to the last layer", "backward of the last layer"
+BETWEEN, FIRST_LAYER = "backward between", "backward from the first layer on"
 """The parts of backward split at the identical layers (implementation note 2)."""
 OUTSIDE = {FORWARD: "(loss, outside modules)", BACKWARD: "(gradients, backward temporaries)"}
 TOP = 5
@@ -91,6 +92,7 @@ class PhaseTracker(FakeTracker):
         if self._layers is not None:
             layers = list(self._layers.children())
             if len(layers) >= 2:
+                splits[id(layers[-1])] = LAST_LAYER
                 splits[id(layers[-2])] = BETWEEN
                 splits[id(layers[0])] = FIRST_LAYER
 
@@ -124,7 +126,7 @@ class PhaseTracker(FakeTracker):
             self._copy()
             self.phase = phase
         self._stack.clear()
-        self._begin(LAST_LAYER if phase == BACKWARD and self._layers is not None else None)
+        self._begin(HEAD if phase == BACKWARD and self._layers is not None else None)
 
     def _begin(self, part: str | None, grad: object = None) -> None:
         """Start a part of backward (note 2): its peak starts at the bytes live now."""

@@ -253,7 +253,7 @@ class Headed(nn.Module):
 
 def test_the_cut_models_add_up_where_backward_peaks_at_either_end(depths: list[int | None],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """NOTE [ Searching the largest batch ], rule 6: the cut models follow backward's two ends, each affine in the
+    """NOTE [ Searching the largest batch ], rule 6: the cut models follow backward in parts, each affine in the
     depth, where backward's whole peak moves from one end to the other between their depth and the model's."""
     memory, x = 8 * 2**20, torch.randn(1, 8, WIDTH, dtype=torch.float64)
     model = Headed(depth=12).double()
