@@ -315,7 +315,13 @@ def _lines(a: Mapping[str, float], first: int, b: Mapping[str, float], second: i
 
 def _settled(a: Mapping[str, float], first: int, b: Mapping[str, float], second: int, memory: int) -> bool:
     """Whether the lines through the last two sizes estimated (``first`` with peaks ``a``, then ``second``, the
-    guess) cross ``memory`` at ``second`` itself (rule 7, implementation note 7)."""
+    guess) cross ``memory`` at ``second`` itself (rule 7, implementation note 7).
+
+    >>> _settled({"backward": 0.0}, 0, {"backward": 90.0}, 9, 100)  # ten a size: they reach 100 at 10, not at 9
+    False
+    >>> _settled({"backward": 0.0}, 0, {"backward": 100.0}, 10, 100)
+    True
+    """
     return first == second or _crossing(_lines(a, first, b, second), memory) == second
 
 
