@@ -38,7 +38,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.nn.modules import module as _module
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+)
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
@@ -56,10 +61,12 @@ __all__ = [
     "compiling_allowed",
     "current_accelerator",
     "disable_current_modes",
+    "dispatch_mode_stack",
     "dispatch_modes_on",
     "dynamo_guarded",
     "eager_for_now",
     "eval_frame_callback",
+    "fake_device",
     "fake_store",
     "flop_formula",
     "foreach_by_default",
@@ -210,6 +217,18 @@ dispatch_modes_on: Callable[[], int] = _C._len_torch_dispatch_stack
 top_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
 # Present in 2.4 (since 2.0): set every dispatch mode aside for a block.
 disable_current_modes: Callable[[], Any] = _disable_current_modes
+# Present in 2.4 (since 2.0): the dispatch modes on, the fake mode first, then the others from the bottom up.
+dispatch_mode_stack: Callable[[], list[Any]] = _get_current_dispatch_mode_stack
+_META = torch.device("meta")
+
+
+def fake_device(t: object) -> torch.device | None:
+    """The device a `FakeTensor` claims, as torch's fake tensors answer ``prim.device`` for it (its ``fake_device``,
+    ``meta`` while its mode runs a kernel: both present in 2.4); None for any other object (NOTE [ A fake
+    tensor's device ] in remat/_measure/track.py)."""
+    if type(t) is not FakeTensor:
+        return None
+    return _META if t.fake_mode.in_kernel_invocation else t.fake_device
 # Present in 2.4 (since 2.0): whether a torch function mode (such as `torch.device(...)` as a context) is on.
 torch_function_mode_on: Callable[[], bool] = _C._is_torch_function_mode_enabled
 

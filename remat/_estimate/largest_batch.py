@@ -25,6 +25,13 @@ Rules:
    and drawn again, as in rule 4, on these; then one estimate of the whole model at the answer checks it as rule
    4's check does. Where the cut models do not give the whole model's peak at the sample's size, or the check
    fails, the whole model's search of rule 4 runs.
+6. Where the configuration runs the identical layers of rule 5 alike, backward's peak is followed in parts split
+   at those layers rather than whole: backward up to the last layer's (the head and the loss), the last layer's,
+   and from the first layer's on. Each is affine in the size and in the depth where backward's whole peak is not
+   (it is the largest of them), and the layers between peak at most as high as the larger end; a size whose
+   backward peaks between them by more than rule 4's tolerance fails the check.
+7. A guess is accepted only where the lines through the last two sizes estimated (the guess the second) cross
+   ``memory`` at the guess itself; else the lines are drawn again through those two.
 
 Implementation notes:
 1. (rule 2) The bisection doubles its step from a first guess until one size fits and the next does not bracket
@@ -45,6 +52,20 @@ Implementation notes:
    lines (each few layers' step costs a fraction of the whole's), not the check.
 5. (rule 5) The cut models' steps at the sample's own size, on the sample itself as the whole model's row, are the
    same whichever dimension a search grows: the largest batch's search and the longest sequence's share them.
+6. (rule 6) While layer k of L is differentiated, the identical layers' part of what is alive is A + a.(k+1) +
+   g.(L-k-1): the kept inputs and activations of the layers not yet differentiated, the gradients of those done.
+   Its largest value over k is at one end, k = L-1 (every layer's activations, as a large size or no remat has
+   them) or k = 0 (every other layer's gradients, as a small size or a deep model has them), each affine in L and
+   in the size; the lines through the whole backward (their maximum) bend where the two cross, which cost the
+   search of rule 4 its rounds, and the cut models of rule 5 their agreement where no remat crosses between the
+   cut models' depth and the whole model's. The head's part is apart from the last layer's for the same reason
+   (the loss's chunks against a layer's recompute). The parts are split by hooks on the last, the second-to-last
+   and the first layer's outputs (NOTE [ Who holds the peak ] in phases.py, implementation note 2); the check of
+   rule 4 also compares backward's whole peak with its parts', so a model whose layers between peak higher falls
+   back.
+7. (rule 7) A step's peak is affine only up to rounding (tiles and chunks of a whole number of positions): lines
+   drawn through a far size put a guess that checks within `TOLERANCE` a little off where lines through two sizes
+   near it put it; the second lines decide, so the answer does not depend on how far the first guess was.
 """
 
 from __future__ import annotations
@@ -59,6 +80,7 @@ from .._core.errors import BudgetError
 from .._core.torch_compat import tree_leaves
 from .._core.units import parse_memory
 from .._measure.fake import map_sample
+from .phases import BACKWARD, FIRST_LAYER, HEAD, LAST_LAYER
 from .predict import Configured, Refine, Rerun
 from .report import ConfigEstimate
 
@@ -187,8 +209,9 @@ def _affine(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], bo
         guess = max(1, min(guess, CAP))
         got = at(guess)
         sample_row = at(size)
-        if guess != size and got is not None and got.peak_bytes <= memory and _on_lines(
-                _phases(got), guess, lines, sample_row.peak_bytes if sample_row is not None else 0):
+        if guess != size and got is not None and got.peak_bytes <= memory and _checked(
+                got, guess, lines, sample_row.peak_bytes if sample_row is not None else 0) and _settled(
+                _phases(high), second, _phases(got), guess, memory):
             return guess
         first, second = (second, guess) if guess != second else (first, guess)
     return None
@@ -229,7 +252,8 @@ def _in_depth(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], 
     whole = at(size)
     assert whole is not None  # it fits
     low = extrapolated(size)
-    if low is None or not _agree(low, _phases(whole), whole.peak_bytes):
+    if low is None or not _agree(low, _phases(whole), whole.peak_bytes) or not _at_the_ends(
+            whole, AGREE * whole.peak_bytes):
         return None  # the layers' bytes do not add up in depth: the whole model's search
     first, second = size, min(2 * size, CAP)
     for _ in range(ROUNDS):
@@ -244,10 +268,10 @@ def _in_depth(at: Callable[[int], ConfigEstimate | None], fits: Callable[[int], 
         cut = extrapolated(guess)
         if cut is None:
             return None
-        if guess != size and max(cut.values()) <= memory and _on_lines(cut, guess, lines, whole.peak_bytes):
+        if guess != size and max(cut.values()) <= memory and _on_lines(cut, guess, lines, whole.peak_bytes) \
+                and _settled(b, second, cut, guess, memory):
             got = at(guess)  # the check at full depth
-            if got is not None and got.peak_bytes <= memory and _on_lines(_phases(got), guess, lines,
-                                                                          whole.peak_bytes):
+            if got is not None and got.peak_bytes <= memory and _checked(got, guess, lines, whole.peak_bytes):
                 return guess
             return None
         first, second = (second, guess) if guess != second else (first, guess)
@@ -262,8 +286,22 @@ def _agree(got: dict[str, float], want: dict[str, int], peak: int) -> bool:
 _Line = tuple[float, float]  # bytes at size 0, bytes per unit of size
 
 
+_ENDS = (HEAD, LAST_LAYER, FIRST_LAYER)  # backward's parts whose peaks the lines follow (rule 6)
+
+
 def _phases(row: ConfigEstimate) -> dict[str, int]:
+    """The peaks the lines follow: each phase's, backward's as its parts where the row has them (rule 6)."""
+    if all(part in row._parts for part in _ENDS):
+        phases = {phase: n for phase, n in row.phase_bytes.items() if phase != BACKWARD}
+        return {**phases, **{part: row._parts[part] for part in _ENDS}}
     return dict(row.phase_bytes) if row.phase_bytes else {"step": row.peak_bytes}
+
+
+def _at_the_ends(row: ConfigEstimate, slack: float) -> bool:
+    """Whether backward peaks in one of the parts the lines follow, within ``slack`` bytes, where they follow them
+    (rule 6, implementation note 6): else the peak is off every line."""
+    ends = [row._parts[part] for part in _ENDS if part in row._parts]
+    return len(ends) < len(_ENDS) or row.phase_bytes.get(BACKWARD, 0) <= max(ends) + slack
 
 
 def _lines(a: Mapping[str, float], first: int, b: Mapping[str, float], second: int) -> dict[str, _Line]:
@@ -273,6 +311,18 @@ def _lines(a: Mapping[str, float], first: int, b: Mapping[str, float], second: i
         slope = (b[phase] - a[phase]) / (second - first)
         lines[phase] = (a[phase] - slope * first, slope)
     return lines
+
+
+def _settled(a: Mapping[str, float], first: int, b: Mapping[str, float], second: int, memory: int) -> bool:
+    """Whether the lines through the last two sizes estimated (``first`` with peaks ``a``, then ``second``, the
+    guess) cross ``memory`` at ``second`` itself (rule 7, implementation note 7).
+
+    >>> _settled({"backward": 0.0}, 0, {"backward": 90.0}, 9, 100)  # ten a size: they reach 100 at 10, not at 9
+    False
+    >>> _settled({"backward": 0.0}, 0, {"backward": 100.0}, 10, 100)
+    True
+    """
+    return first == second or _crossing(_lines(a, first, b, second), memory) == second
 
 
 def _crossing(lines: dict[str, _Line], memory: int) -> int | None:
@@ -295,6 +345,15 @@ def _on_lines(phases: Mapping[str, float], n: int, lines: dict[str, _Line], samp
     growth = max(1.0, max(phases.values()) - sample_peak)
     return all(abs(phases[phase] - (start + slope * n)) <= TOLERANCE * growth
                for phase, (start, slope) in lines.items() if phase in phases)
+
+
+def _checked(row: ConfigEstimate, n: int, lines: dict[str, _Line], sample_peak: int) -> bool:
+    """The check of a size's estimate (``row``, at size ``n``): its peaks on the lines, and backward's at one of its
+    ends where the lines follow them, within `TOLERANCE` of the growth since the sample's size (implementation
+    notes 3 and 6)."""
+    phases = _phases(row)
+    growth = max(1.0, max(phases.values()) - sample_peak)
+    return _on_lines(phases, n, lines, sample_peak) and _at_the_ends(row, TOLERANCE * growth)
 
 
 def largest_sizes(sample: Any, memory: int, batch_dim: int | None, seq_dim: int | None) -> Refine:

@@ -11,10 +11,21 @@ each phase's highest point. The optimizer step runs once for all configurations 
 step's temporaries, which `optimizer_holders` attributes to the modules owning the parameters. Names of
 repeated blocks are folded (``layers.0.mlp`` … ``layers.31.mlp`` -> ``layers.*.mlp (32x)``; the first index in
 a name only) so that a few lines say where the bytes are.
+
+Implementation notes:
+1. The bytes per label are copied at a phase's highest point lazily: a new high only marks the copy as due, and
+   it is taken before the next storage is released or shrunk (or the phase ends). Until then only allocations
+   happen, each of which is a new high again, so the copy holds what was alive at the highest point, as an eager
+   copy at each new high would, for one copy per stretch of allocations rather than one per allocation.
+2. Given the container of the model's identical layers (NOTE [ Searching the largest batch ], rule 6), backward's
+   peak is also kept in parts, split where backward reaches the outputs of the last layer, the second-to-last and
+   the first (hooks on those outputs, set in forward): backward up to the last layer's, the last layer's, the
+   layers between, and the first layer's on. These are the search's, not the report's.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -24,14 +35,19 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from .._core.torch_compat import tree_leaves
 from .._core.units import format_bytes
 from .._measure.fake import FakeTracker, storage_bytes
 
 __all__ = [
-    "BACKWARD", "FORWARD", "OPTIMIZER", "PhaseTracker", "fold", "optimizer_holders", "peak_lines", "where_it_peaks",
+    "BACKWARD", "BETWEEN", "FIRST_LAYER", "FORWARD", "HEAD", "LAST_LAYER", "OPTIMIZER", "PhaseTracker", "fold",
+    "optimizer_holders", "peak_lines", "where_it_peaks",
 ]
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
+HEAD, LAST_LAYER = "backward to the last layer", "backward of the last layer"
+BETWEEN, FIRST_LAYER = "backward between", "backward from the first layer on"
+"""The parts of backward split at the identical layers (implementation note 2)."""
 OUTSIDE = {FORWARD: "(loss, outside modules)", BACKWARD: "(gradients, backward temporaries)"}
 TOP = 5
 """How many holders a report names."""
@@ -42,8 +58,12 @@ class PhaseTracker(FakeTracker):
 
     _sees_devices = False  # bytes only: autograd asks each fake tensor's device many times a step
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, layers: nn.Module | None = None) -> None:
         super().__init__()
+        self._layers = layers  # the container of the model's identical layers, to split backward at (note 2)
+        self._due = False  # a copy of the bytes per label at the phase's highest point is due (note 1)
+        self._part: str | None = None
+        self.part_peaks: dict[str, int] = {}  # backward's parts (note 2): part -> its peak
         self.device = device
         self.phase = FORWARD
         self._names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
@@ -51,7 +71,14 @@ class PhaseTracker(FakeTracker):
         self._labels: dict[int, str] = {}
         self._held: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
-        self.at_peak: dict[str, dict[str, int]] = {}  # phase -> label -> bytes alive at the phase's peak
+        self._at_peak: dict[str, dict[str, int]] = {}
+
+    @property
+    def at_peak(self) -> dict[str, dict[str, int]]:
+        """Phase -> label -> bytes alive at the phase's peak."""
+        with self._lock:
+            self._copy()
+        return self._at_peak
 
     def __enter__(self) -> PhaseTracker:
         super().__enter__()
@@ -60,6 +87,14 @@ class PhaseTracker(FakeTracker):
     @contextmanager
     def modules(self) -> Iterator[None]:
         """Keep the stack of running modules of the model while inside (module-wide hooks, removed on exit)."""
+
+        splits: dict[int, str] = {}  # id of a layer -> the part of backward that starts at its output's gradient
+        if self._layers is not None:
+            layers = list(self._layers.children())
+            if len(layers) >= 2:
+                splits[id(layers[-1])] = LAST_LAYER
+                splits[id(layers[-2])] = BETWEEN
+                splits[id(layers[0])] = FIRST_LAYER
 
         def push(module: nn.Module, args: Any) -> None:
             name = self._names.get(id(module))
@@ -70,6 +105,12 @@ class PhaseTracker(FakeTracker):
             name = self._names.get(id(module))
             if name is not None and self._stack and self._stack[-1] == name:
                 self._stack.pop()
+            part = splits.get(id(module))
+            if part is not None and self.phase == FORWARD:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(functools.partial(self._begin, part))  # type: ignore[no-untyped-call]
+                        break
 
         handles = [register_module_forward_pre_hook(push), register_module_forward_hook(pop)]
         try:
@@ -81,8 +122,18 @@ class PhaseTracker(FakeTracker):
 
     def enter(self, phase: str) -> None:
         """Start ``phase``: the stack starts empty (a failed forward leaves nothing behind)."""
-        self.phase = phase
+        with self._lock:
+            self._copy()
+            self.phase = phase
         self._stack.clear()
+        self._begin(HEAD if phase == BACKWARD and self._layers is not None else None)
+
+    def _begin(self, part: str | None, grad: object = None) -> None:
+        """Start a part of backward (note 2): its peak starts at the bytes live now."""
+        with self._lock:
+            self._part = part
+            if part is not None:
+                self.part_peaks[part] = max(self.part_peaks.get(part, 0), self._current.get(self.device, 0))
 
     def _add(self, key: int, t: torch.Tensor, st: torch.UntypedStorage) -> None:
         label = self._stack[-1] if self._stack else OUTSIDE.get(self.phase, self.phase)
@@ -97,6 +148,9 @@ class PhaseTracker(FakeTracker):
 
     def _resize(self, key: int, nbytes: int) -> None:
         before = self._live.get(key)
+        if before is not None and nbytes < before[1]:
+            with self._lock:
+                self._copy()
         super()._resize(key, nbytes)
         label = self._labels.get(key)
         if before is not None and label is not None:
@@ -106,6 +160,8 @@ class PhaseTracker(FakeTracker):
 
     def _release(self, key: int, ref: object = None) -> None:
         entry = self._live.get(key)
+        with self._lock:
+            self._copy()
         super()._release(key, ref)
         with self._lock:
             label = self._labels.pop(key, None)
@@ -117,7 +173,16 @@ class PhaseTracker(FakeTracker):
         now = self._current.get(self.device, 0)
         if now > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = now
-            self.at_peak[self.phase] = {label: n for label, n in self._held.items() if n > 0}
+            self._due = True
+        part = self._part
+        if part is not None and now > self.part_peaks.get(part, -1):
+            self.part_peaks[part] = now
+
+    def _copy(self) -> None:
+        # Called with the lock held: the copy of the bytes per label at the phase's peak, where one is due (note 1).
+        if self._due:
+            self._due = False
+            self._at_peak[self.phase] = {label: n for label, n in self._held.items() if n > 0}
 
 
 def fold(held: Mapping[str, int], top: int = TOP) -> tuple[tuple[str, int], ...]:

@@ -178,8 +178,8 @@ def _warm(optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor
 
 def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None,
           optimizer: torch.optim.Optimizer | None, params: Sequence[torch.Tensor],
-          device: torch.device, step_bytes: list[int],
-          autocast: StepAutocast | None = None) -> tuple[int, int, int, int, PhaseTracker]:
+          device: torch.device, step_bytes: list[int], autocast: StepAutocast | None = None,
+          layers: nn.Module | None = None) -> tuple[int, int, int, int, PhaseTracker]:
     """Run one counted step; return (gradient bytes, activation bytes, the output's bytes freed when it is let go
     of, peak bytes the step adds on ``device``, the tracker with the forward and backward peaks and their holders:
     NOTE [ Who holds the peak ]).
@@ -187,10 +187,12 @@ def _step(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | N
     ``step_bytes`` holds what the optimizer step adds at its peak once it has been counted (see NOTE [ One
     optimizer step ]); it is filled by the first call, with the bytes alive when the step starts. The forward and
     the loss run in an autocast region of their own under ``autocast`` (NOTE [ A step's own autocast region ]).
+    ``layers``, the container of the model's identical layers, splits backward's peak at them (NOTE [ Who holds
+    the peak ], implementation note 2).
     """
     for p in params:
         p.grad = None
-    with PhaseTracker(model, device) as tracker, tracker.modules():
+    with PhaseTracker(model, device, layers) as tracker, tracker.modules():
         with step_region(autocast):
             out = call_loss(model, sample)
             value = _scalar(out, loss)
@@ -284,11 +286,13 @@ class _Steps:
         }
         gradients = (storage_bytes([p for p in self.params if p.requires_grad]) if rank is None
                      else rank.gradients)
+        split = self.layers.container if self.layers is not None and configured.alike else None
         try:
             with configured.apply(args), (self.layers.cut(depth) if self.layers is not None
                                           else contextlib.nullcontext()), counted_once():
                 grads, held, output, peak, tracker = _step(
-                    self.model, args, self.loss, self.made, self.params, self.device, self.step_bytes, self.autocast
+                    self.model, args, self.loss, self.made, self.params, self.device, self.step_bytes, self.autocast,
+                    split,
                 )
         except BudgetError as error:  # a budget below what remat meets: a row that says so
             return ConfigEstimate(
@@ -310,6 +314,7 @@ class _Steps:
             phase_bytes=phases,
             holders=holders,
             step_peak_bytes=max(tracker.phase_peaks.get(FORWARD, 0), tracker.phase_peaks.get(BACKWARD, 0)),
+            _parts={part: base + n for part, n in tracker.part_peaks.items()},
         )
 
 

@@ -79,6 +79,9 @@ class ConfigEstimate:
     constant_bytes: int = 0
     engine_bytes: int = 0
     step_peak_bytes: int = 0
+    _parts: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
+    """The peaks of backward's parts split at the model's identical layers, the state included: the largest batch's
+    search draws its lines through them (NOTE [ Searching the largest batch ], rule 6); empty elsewhere."""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the numbers as plain JSON-ready values (the configuration as its label)."""

@@ -51,6 +51,16 @@ Implementation notes:
    have storages on ``meta`` with a real tensor's bytes; summed with real ones, a `remat.track()` around
    ``apply(budget=...)`` read several times the budget although nothing was allocated.
 
+NOTE [ A fake tensor's device ]
+1. A tracker that counts bytes only (`_sees_devices` off) answers ``prim.device`` for a fake tensor itself, as torch's
+   fake tensors answer it, where the only mode below its own is the fake mode: no other mode could have seen the
+   query, and the answer is the one the fake mode would give.
+
+Implementation notes:
+1. (rule 1) Autograd asks a fake tensor for its device (``prim.device``, through every mode on the stack) several
+   times per op of a step: most of the queries a fake step's modes see, each otherwise a call through the
+   dispatcher into the fake mode's Python.
+
 NOTE [ Riders ]
 1. A tracker can count for another (its host) without a dispatch mode of its own: it sees every op the host's mode
    sees and every resize the host is told of, from `_ride` until `_unride` or the host's exit (`_host_exited`).
@@ -75,7 +85,15 @@ import torch
 from torch import nn
 
 from .._core.public import claim
-from .._core.torch_compat import FakeTensor, OpOverload, local_tensor, top_dispatch_mode
+from .._core.torch_compat import (
+    FakeTensor,
+    FakeTensorMode,
+    OpOverload,
+    dispatch_mode_stack,
+    fake_device,
+    local_tensor,
+    top_dispatch_mode,
+)
 from .._core.units import format_bytes, parse_memory
 from .._engine.modes import Mode
 from . import resize
@@ -142,6 +160,9 @@ class _TrackingMode(Mode):
     def __init__(self, tracker: Tracker) -> None:
         super().__init__()
         self._tracker = tracker
+        # NOTE [ A fake tensor's device ]: bytes only, and nothing but the fake mode below this one
+        self._answers_devices = not tracker._sees_devices and all(
+            isinstance(mode, FakeTensorMode) for mode in dispatch_mode_stack())
 
     def __torch_dispatch__(
         self,
@@ -150,6 +171,10 @@ class _TrackingMode(Mode):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if func is _DEVICE and self._answers_devices and len(args) == 1:
+            device = fake_device(args[0])
+            if device is not None:
+                return device
         out = func(*args, **(kwargs or {}))
         tracker = self._tracker
         if func is _DEVICE and not tracker._sees_devices:

@@ -237,6 +237,39 @@ def test_the_whole_models_search_runs_where_the_cut_models_do_not_add_up(
         assert real_peak(model, torch.randn(1, longest + 1, WIDTH, dtype=torch.float64)) > memory
 
 
+class Headed(nn.Module):
+    """Identical blocks under a wide head: at a short sequence each block's gradients outweigh its activations, and
+    the head's output is alive at backward's start, so without remat backward peaks at its start in a few layers and
+    at its end in many."""
+
+    def __init__(self, depth: int, vocabulary: int = 4096) -> None:
+        super().__init__()
+        self.layers = stack(depth=depth)
+        self.head = nn.Linear(WIDTH, vocabulary)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+def test_the_cut_models_add_up_where_backward_peaks_at_either_end(depths: list[int | None],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Searching the largest batch ], rule 6: the cut models follow backward in parts, each affine in the
+    depth, where backward's whole peak moves from one end to the other between their depth and the model's."""
+    memory, x = 8 * 2**20, torch.randn(1, 8, WIDTH, dtype=torch.float64)
+    model = Headed(depth=12).double()
+    report = remat.estimate(model, x, loss=loss, configs=("none",), memory=memory, batch_dim=0, seq_dim=1)
+    found = (report["none"].largest_batch, report["none"].largest_seq)
+    assert len([depth for depth in depths if depth is None]) == 3, f"one row and one check per search: {depths}"
+    assert _searched(model, x, ("none",), memory, monkeypatch, loss=loss) == {"none": found}
+    batch, longest = found
+    assert batch is not None and longest is not None and longest > 8
+    with remat.enabled(False):
+        assert real_peak(model, torch.randn(1, longest, WIDTH, dtype=torch.float64)) <= memory
+        assert real_peak(model, torch.randn(1, longest + 1, WIDTH, dtype=torch.float64)) > memory
+        assert real_peak(model, torch.randn(batch, 8, WIDTH, dtype=torch.float64)) <= memory
+        assert real_peak(model, torch.randn(batch + 1, 8, WIDTH, dtype=torch.float64)) > memory
+
+
 def test_a_llama_with_eager_attention_falls_back_and_agrees(depths: list[int | None],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")

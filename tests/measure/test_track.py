@@ -361,3 +361,46 @@ def test_compiled_code_runs_under_the_tracker(monkeypatch: pytest.MonkeyPatch, s
     assert t.current_bytes == y.nbytes == 100 * F32
     assert t.peak_bytes == 2 * 100 * F32
     torch._dynamo.reset()
+
+
+def test_a_bytes_only_tracker_answers_a_fake_tensors_device_itself() -> None:
+    """NOTE [ A fake tensor's device ]: the fake mode is not asked, the answer is its own, and a mode below the
+    tracker's still sees every query."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from remat._measure.fake import FakeTracker
+
+    asked: list[str] = []
+
+    class BytesOnly(FakeTracker):  # as the estimate's tracker counts
+        _sees_devices = False
+
+    class Counting(FakeTensorMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.prim.device.default:
+                asked.append("fake")
+            return super().__torch_dispatch__(func, types, args, kwargs or {})
+
+    class Below(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.prim.device.default:
+                asked.append("below")
+            return func(*args, **(kwargs or {}))
+
+    def step() -> torch.device:
+        w = torch.randn(64, 64, requires_grad=True)
+        (w @ w).sin().sum().backward()
+        return w.grad.device if w.grad is not None else torch.device("meta")
+
+    with Counting(allow_non_fake_inputs=True):
+        with BytesOnly() as tracker:
+            assert step() == torch.device("cpu")
+        assert asked == [] and tracker.peak("cpu") > 0, asked
+        with Below(), BytesOnly():
+            step()
+        assert asked and set(asked) == {"below", "fake"}, asked
+        asked.clear()
+        with FakeTracker():  # one that sees devices (a profile prices each op) passes every query on
+            step()
+        assert asked, "the fake mode was asked"
