@@ -27,7 +27,8 @@ __all__ = ["BY_BUDGET", "HeadChoice"]
 # 2. `head=True` routes the head before planning, whatever the budget, and a fractional budget is still of the
 #    step without remat with the model's own head (`remat.apply` turns it into bytes on the sample first, on fake
 #    tensors: a re-plan for a new input shape then keeps those bytes); a head routed by an earlier
-#    `remat.apply(model, head=True)` stays routed; `head=False` never routes the head.
+#    `remat.apply(model, head=True)` stays routed; `head=False` never routes the head, and takes off one that an
+#    earlier `remat.apply`'s budget routed.
 # 3. A head the budget routed shows in `remat.plan(model)` as chosen by it, and every re-plan (a new input shape)
 #    chooses again: first without it. A re-plan that fails leaves the head as the plan before it had it.
 # 4. Only where it is needed, although it costs no time: a routed head changes the model's output (`logits` is
@@ -69,7 +70,10 @@ class HeadChoice:
         self.routed = False  # whether this plan routed the head
         self.made = 0  # the chunks of logits made by then (`remat._engine.stats`)
         self.tried = self.reopened = False  # routed once; opened again (implementation note 5)
-        chosen = routed_by(model) if head is None else None
+        chosen = routed_by(model)
+        if head is False and chosen == BY_BUDGET:  # rule 2: routed by an earlier apply's budget, now not asked for
+            unroute_head(model)
+            chosen = None
         self.open = head is None and chosen in (None, BY_BUDGET) and can_route_head(model)
         self.earlier = self.open and chosen == BY_BUDGET  # an earlier plan's route, switched off while choosing
         if self.earlier:

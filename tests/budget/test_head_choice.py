@@ -217,3 +217,11 @@ def test_a_replan_that_fails_leaves_the_head_as_the_plan_before_it_had_it() -> N
     assert str(remat.plan(model)) == before
     logits, _, _ = trained(model)
     assert not logits
+
+
+def test_apply_again_with_head_false_takes_off_the_head_an_earlier_budget_routed() -> None:
+    model = remat.apply(make(), budget=0.5, sample=batch())
+    assert "chosen by the budget" in str(remat.plan(model))
+    remat.apply(model, budget=0.99, sample=batch(), head=False)
+    assert remat.plan(model).head is None
+    assert model(**batch()).logits is not None
