@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import TypeVar
 
 from torch.utils.checkpoint import CheckpointError
 
 from .public import claim
 
-__all__ = ["BudgetError", "RecomputeMismatchError", "RematError", "check_runs_when_called"]
+__all__ = ["BudgetError", "RecomputeMismatchError", "RematError", "alive", "check_runs_when_called"]
+
+_T = TypeVar("_T")
 
 
 class RematError(RuntimeError):
@@ -76,5 +80,18 @@ def check_runs_when_called(fn: object, site: str) -> None:
             "the computation instead, or put `with remat.region():` around the computation inside its body "
             "(not across a `yield` or an `await`)."
         )
+
+def alive(ref: Callable[[], _T | None], what: str) -> _T:
+    """What `ref` points to: a weak reference that a forward or hook remat put on a module holds to the module (a
+    strong one would keep the module alive through the module's own dict). A RematError naming `what` where a
+    shallow copy outlived the original it still points to."""
+    found = ref()
+    if found is None:
+        raise RematError(
+            f"remat: {what} was called on a shallow copy (`copy.copy`, or its `__dict__` copied) whose original no "
+            "longer exists; copy it with `copy.deepcopy`, or call `remat.undo` on the original before copying."
+        )
+    return found
+
 
 claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._core.errors import RematError
+from .._core.errors import alive
 from .._core.policies import Policy
 from .._core.torch_compat import eval_frame_callback, rerun_changed
 
@@ -186,15 +186,10 @@ class SiteForward:
         self.site = site  # the instance's forward pre-hook: `site.compiled_call(forward, module, args, kwargs)`
 
     def module(self) -> torch.nn.Module:
-        module = self._module()
-        if module is None:
-            raise RematError(_GONE)
-        return module
+        return alive(self._module, "a rematerialized module's `forward`")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module()
-        if module is None:
-            raise RematError(_GONE)
+        module = self.module()
         own = self.own
         if compiling():
             forward = type(module).forward if own is None else functools.partial(_call_own, own)
@@ -224,13 +219,6 @@ _DELEGATED = frozenset({
     "__annotations__", "__code__", "__defaults__", "__func__", "__kwdefaults__", "__name__", "__qualname__",
     "__self__",
 })
-_GONE = (
-    "remat: a rematerialized module's `forward` was called on a shallow copy (`copy.copy`, or its `__dict__` "
-    "copied) whose original no longer exists; copy it with `copy.deepcopy`, or call `remat.undo` on the original "
-    "before copying and `remat` on each copy."
-)
-
-
 def _call_own(own: Callable[..., Any], module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`own(*args, **kwargs)` in the shape of `type(module).forward(module, *args, **kwargs)`."""
     del module

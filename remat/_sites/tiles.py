@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._core import switch as _switch
-from .._core.errors import RematError
+from .._core.errors import alive
 from .._core.public import claim
 from .._engine.compiled import SiteForward, compiling, warn_once
 from .._engine.tiles import tiles
@@ -288,11 +288,7 @@ class TiledForward:
         self.chosen_by = chosen_by  # who tiled it where not the user: a budget (remat.plan says so)
 
     def module(self) -> nn.Module:
-        module = self._module()
-        if module is None:
-            raise RematError("remat: a tiled module's `forward` was called on a shallow copy whose original no "
-                             "longer exists; copy it with `copy.deepcopy`.")
-        return module
+        return alive(self._module, "a tiled module's `forward`")
 
     def forward(self) -> Callable[..., Any]:
         """The forward this one calls, bound to the module."""

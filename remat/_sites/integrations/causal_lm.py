@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..._core import switch as _switch
-from ..._core.errors import RematError
+from ..._core.errors import RematError, alive
 from ..cross_entropy import Transform, chunked, logits_dtype
 from . import comes_from
 
@@ -224,10 +224,7 @@ class HeadForward:
         self.own = own  # the instance's forward before remat (a library's or the user's), or None: its class's
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module()
-        if module is None:
-            raise RematError("remat: a routed head's `forward` was called on a shallow copy whose original no longer "
-                             "exists; copy the model with `copy.deepcopy`.")
+        module = alive(self._module, "a routed head's `forward`")
         call = _open_call()
         if call is not None and call.route.head is module and len(args) == 1 and not kwargs:
             assert isinstance(module, nn.Linear)  # `route` checked it
@@ -314,11 +311,11 @@ class HeadRoute:
 
     @property
     def model(self) -> nn.Module:
-        return _alive(self._model)
+        return alive(self._model, "a routed head's hook")
 
     @property
     def head(self) -> nn.Module:
-        return _alive(self._head)
+        return alive(self._head, "a routed head's hook")
 
     def __getstate__(self) -> dict[str, Any]:  # `deepcopy` and pickle: the copy's own model and head
         return {**self.__dict__, "_model": self.model, "_head": self.head}
@@ -363,14 +360,6 @@ class HeadRoute:
         chosen = f", chosen by {self.chosen_by}" if self.chosen_by else ""
         return (f"{self.head_name or '(model)'} ({type(self.head).__qualname__}): with labels in training, the loss "
                 f"in chunks (remat.linear_cross_entropy{chosen}); output.logits is None")
-
-
-def _alive(ref: weakref.ref[nn.Module]) -> nn.Module:
-    module = ref()
-    if module is None:
-        raise RematError("remat: a routed head's hook was called on a shallow copy whose original no longer exists; "
-                         "copy the model with `copy.deepcopy`.")
-    return module
 
 
 class _HeadClose:
