@@ -78,6 +78,11 @@ rule 3)."""
 #    (NOTE [ Counted once ] in remat/_engine/once.py), the first two where every chunk has one size: every chunk of
 #    one size holds the same bytes at its peak and leaves alive what the one before it left (the loss per token and
 #    the gradients are made before the first).
+# 8. A chunk's matmuls in a half precision add their partial sums in float32, whatever cuBLAS's
+#    `allow_bf16_reduced_precision_reduction` (and fp16's) says: a chunk's few rows against the whole vocabulary
+#    (an inner dimension of tens of thousands) is the shape for which cuBLAS splits the sum and adds the parts in
+#    the half precision, where one matmul over every token does not: the gradients then strayed from float32's far
+#    beyond the plain composition's rounding (docs/benchmarks.md).
 #
 # Implementation notes:
 # 1. (rules 2, 6) The gradient of the loss for the logits z of one token with label y, smoothing e and V classes
@@ -351,6 +356,19 @@ def _plain(
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
+@contextlib.contextmanager
+def _full_precision_sums() -> Iterator[None]:
+    """cuBLAS's half-precision matmuls with their partial sums added in float32 (rule 8): off, torch's default, a
+    matmul may add the partial sums of a long inner dimension (split-K) in the half precision."""
+    matmul = torch.backends.cuda.matmul
+    was = matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = was
+
+
 class _Chunk:
     """One pass over the chunks of tokens: each chunk's loss and, with `scale`, its share of the gradients."""
 
@@ -403,30 +421,31 @@ class _Chunk:
             if wanted[2] and self.bias is not None:
                 grad_bias = torch.zeros(weight.shape[0], dtype=self.sums, device=self.bias.device)
         starts = parts(range(0, tokens, spec.size), hidden, even=tokens % spec.size == 0)  # rule 7
-        for start in starts:
-            end = min(start + spec.size, tokens)
-            logits, kept = self.logits(start, end)
-            loss, grad = self._loss_and_gradient(logits, kept, self.safe[start:end], scale is not None)
-            losses[start:end] = torch.where(self.valid[start:end], loss, 0.0)
-            del logits  # before the next chunk's logits are made
-            if grad is None or scale is None:
-                continue
-            grad = self._through_steps(grad, kept)
-            del kept
-            # implementation note 1: each token's weight applied on the side of `hidden`, not of the vocabulary
-            rows = scaled[start:end, None]
-            if grad_hidden is not None:
-                grad_hidden[start:end] = torch.mul(grad @ weight, rows)
-            if grad_weight is not None:
-                chunk = torch.mul(hidden[start:end], rows).to(self.compute)
-                if grad.dtype == grad_weight.dtype:
-                    grad_weight.addmm_(grad.t(), chunk)
-                else:
-                    grad_weight += grad.t() @ chunk
-                del chunk
-            if grad_bias is not None:  # the shared factor in float32, not rounded to the projection's dtype
-                grad_bias += (weights[start:end].to(grad.dtype) @ grad).to(grad_bias.dtype) * factor
-            del grad  # before the next chunk's logits are made
+        with _full_precision_sums():  # rule 8
+            for start in starts:
+                end = min(start + spec.size, tokens)
+                logits, kept = self.logits(start, end)
+                loss, grad = self._loss_and_gradient(logits, kept, self.safe[start:end], scale is not None)
+                losses[start:end] = torch.where(self.valid[start:end], loss, 0.0)
+                del logits  # before the next chunk's logits are made
+                if grad is None or scale is None:
+                    continue
+                grad = self._through_steps(grad, kept)
+                del kept
+                # implementation note 1: each token's weight applied on the side of `hidden`, not of the vocabulary
+                rows = scaled[start:end, None]
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = torch.mul(grad @ weight, rows)
+                if grad_weight is not None:
+                    chunk = torch.mul(hidden[start:end], rows).to(self.compute)
+                    if grad.dtype == grad_weight.dtype:
+                        grad_weight.addmm_(grad.t(), chunk)
+                    else:
+                        grad_weight += grad.t() @ chunk
+                    del chunk
+                if grad_bias is not None:  # the shared factor in float32, not rounded to the projection's dtype
+                    grad_bias += (weights[start:end].to(grad.dtype) @ grad).to(grad_bias.dtype) * factor
+                del grad  # before the next chunk's logits are made
         return losses, grad_hidden, grad_weight, grad_bias
 
     def _loss_and_gradient(

@@ -470,3 +470,29 @@ def test_on_cuda_under_autocast_chunks_of_the_accelerators_rows_give_the_plain_v
     torch.testing.assert_close(loss, expected, rtol=1e-2, atol=1e-2)
     for got, want in zip(grads_of(loss.cpu(), moved), grads_of(expected.cpu(), moved), strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_the_chunks_matmuls_add_their_partial_sums_in_float32() -> None:
+    """NOTE [ The head in chunks ], rule 8: cuBLAS added a chunk's split sums over the vocabulary in bf16 (a GPT-2's
+    gradients under bf16 autocast strayed far from float32's on an H200); the flag is off for the chunks' matmuls
+    and back as it was after."""
+    matmul = torch.backends.cuda.matmul
+    seen: list[tuple[bool, bool]] = []
+
+    class Flags(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                seen.append((matmul.allow_bf16_reduced_precision_reduction,
+                             matmul.allow_fp16_reduced_precision_reduction))
+            return func(*args, **(kwargs or {}))
+
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.randn(30, 8, requires_grad=True)
+    labels = torch.randint(0, 30, (12,))
+    before = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    with Flags():
+        remat.linear_cross_entropy(hidden, weight, labels, chunks=3).backward()
+    assert seen and set(seen) == {(False, False)}
+    assert (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction) == before
+    torch.testing.assert_close(hidden.grad, torch.func.grad(
+        lambda h: F.cross_entropy(F.linear(h, weight.detach()), labels))(hidden.detach()))
