@@ -179,6 +179,7 @@ class SiteForward:
     before (its class's forward, or a forward of its own), asked of its site while dynamo traces."""
 
     __slots__ = ("_module", "own", "site")
+    _remat_owned = True  # NOTE [ A model set aside ] in remat/_sites/targets.py
 
     def __init__(self, module: torch.nn.Module, own: Callable[..., Any] | None, site: Any) -> None:
         self._module = weakref.ref(module)

@@ -41,29 +41,16 @@ DEFAULT_CONFIGS: tuple[Any, ...] = ("none", "full", "save_matmuls", 0.3)
 
 
 # NOTE [ Applying a configuration for a while ]
-# 1. A configuration is on the user's model only while its row is estimated: every module's forward-hook tables and
-#    attribute names are recorded first and put back exactly afterwards (the user's own sites as they were, same hook
-#    objects, same order; nothing the configuration added left).
+# 1. A configuration is on the user's model only while its row is estimated, on the model as it was before remat:
+#    what `remat(module)`, `remat.apply` or an earlier budget put on its instances (sites, tiles, a routed head, a
+#    budget's hook) is set aside for the row, and every module's hook tables and instance attributes are put back
+#    exactly afterwards (NOTE [ A model set aside ] in remat/_sites/targets.py). A row is the same on a model remat
+#    was applied to as on a fresh one.
 # 2. "full", "save_matmuls" and a policy rematerialize the blocks `remat.apply(model)` picks (or `where`); a budget
 #    lets the planner choose per block.
 # 3. "none" switches every site off with `remat.enabled(False)`; the others run with the switch on, whatever `REMAT`
-#    says, since that is what they predict.
-
-
-@contextlib.contextmanager
-def _restoring(model: nn.Module) -> Iterator[None]:
-    modules = list(model.modules())
-    tables = [(table, dict(table)) for m in modules for table in (getattr(m, n) for n in _targets._HOOK_DICTS)]
-    names = [(m, set(vars(m))) for m in modules]
-    try:
-        yield
-    finally:
-        for table, saved in tables:
-            table.clear()
-            table.update(saved)
-        for m, before in names:
-            for name in set(vars(m)) - before:
-                delattr(m, name)
+#    says, since that is what they predict. Sites of a class `@remat` decorated are the class's, not set aside: they
+#    run in every row but "none".
 
 
 def _config_label(config: Any) -> str:
@@ -99,7 +86,12 @@ def _configuration(model: nn.Module, config: Any, where: Where | None, offload: 
         raise TypeError(f"remat: estimate's configurations are 'none', 'full', 'save_matmuls', a policy or a "
                         f"budget, but got {config!r}.")
     if config == "none":
-        return Configured(config, "none", lambda sample: enabled(False))
+        @contextlib.contextmanager
+        def off(sample: Any) -> Iterator[None]:
+            with _targets.set_aside(model), enabled(False):
+                yield
+
+        return Configured(config, "none", off)
     if is_budget(config):
         try:
             parse_budget(config)
@@ -112,7 +104,7 @@ def _configuration(model: nn.Module, config: Any, where: Where | None, offload: 
 
         @contextlib.contextmanager
         def planned(sample: Any) -> Iterator[None]:
-            with _restoring(model):
+            with _targets.set_aside(model):
                 # the planner of remat.apply(budget=), on fake tensors; the plan verified at once, as a real model's
                 # first training step would verify it (NOTE [ The first step ])
                 request = BudgetRequest(budget=config, sample=sample, where=where, first_step=False)
@@ -130,7 +122,7 @@ def _configuration(model: nn.Module, config: Any, where: Where | None, offload: 
 
     @contextlib.contextmanager
     def applied(sample: Any) -> Iterator[None]:
-        with _restoring(model):
+        with _targets.set_aside(model):
             _targets.apply_blocks(model, where, 1, options)
             with enabled(True):
                 yield

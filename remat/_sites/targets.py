@@ -5,10 +5,11 @@ See NOTE [ Module instances ].
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -30,8 +31,8 @@ from .table import OFFLOADED, ModelPlan, Site, TiledModule
 if TYPE_CHECKING:
     from .._core.requests import Where
 
-__all__ = ["apply_blocks", "model_plan", "remove_hooks", "select", "undo_sites", "wrap", "wrap_class", "wrap_function",
-           "wrap_module"]
+__all__ = ["apply_blocks", "model_plan", "remove_hooks", "select", "set_aside", "undo_sites", "wrap", "wrap_class",
+           "wrap_function", "wrap_module"]
 
 
 _M = TypeVar("_M", bound=nn.Module)
@@ -222,13 +223,13 @@ def _is_ours(hook: Any) -> bool:
     return isinstance(hook, (_Open, _Close)) or getattr(hook, "_remat_owned", False)
 
 
+def _our_hooks(module: nn.Module) -> list[int]:
+    return [key for name in ("_forward_pre_hooks", "_forward_hooks") for key, hook in getattr(module, name).items()
+            if _is_ours(hook)]
+
+
 def remove_hooks(module: nn.Module) -> None:
-    ids = [
-        key
-        for name in ("_forward_pre_hooks", "_forward_hooks")
-        for key, hook in getattr(module, name).items()
-        if _is_ours(hook)
-    ]
+    ids = _our_hooks(module)
     for name in _HOOK_DICTS:
         table = getattr(module, name)
         for key in ids:
@@ -237,6 +238,57 @@ def remove_hooks(module: nn.Module) -> None:
             if callable(close):  # a budget's tracked step: NOTE [ The first step ] in remat/_budget/first_step.py
                 close()
     unroute_module(module)
+
+
+# NOTE [ A model set aside ]
+# Rules:
+# 1. `set_aside(model)` shows, for a while, the model as it was before remat: every hook remat registered on its
+#    modules (sites, a routed head, a budget's hook) is out of their tables, and every instance attribute remat put
+#    in front of the module's own (a site's, a tile's or a routed head's `forward`, the head's loss function) gives
+#    way to the one it wraps. Nothing is closed: a budget's tracked step, a head's route are as they were.
+# 2. On exit every module's hook tables and instance attributes are exactly what they were on entry (same hook
+#    objects, same order, the user's own too), whatever ran in between added or took away.
+#
+# Implementation notes:
+# 1. (rule 1) What remat wraps an instance attribute with is marked `_remat_owned` on its class and keeps what it
+#    wraps as `own` (None: the class's own, so the attribute goes).
+
+
+def _unwrapped(value: Any) -> Any:
+    while getattr(type(value), "_remat_owned", False) and hasattr(value, "own"):
+        value = value.own
+    return value
+
+
+@contextlib.contextmanager
+def set_aside(model: nn.Module) -> Iterator[None]:
+    """`model` without what remat put on it, for a while (NOTE [ A model set aside ])."""
+    modules = list(model.modules())
+    tables = [(table, dict(table)) for m in modules for table in (getattr(m, n) for n in _HOOK_DICTS)]
+    attributes = [(m, dict(vars(m))) for m in modules]
+    try:
+        for module in modules:
+            ids = _our_hooks(module)
+            for name in _HOOK_DICTS:
+                for key in ids:
+                    getattr(module, name).pop(key, None)
+            own = vars(module)
+            for name, value in list(own.items()):
+                if (bare := _unwrapped(value)) is not value:
+                    if bare is None:
+                        del own[name]
+                    else:
+                        own[name] = bare
+        yield
+    finally:
+        for table, saved in tables:
+            table.clear()
+            table.update(saved)
+        for module, before in attributes:
+            own = vars(module)
+            for name in set(own) - set(before):
+                del own[name]
+            own.update(before)
 
 
 _RULES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # owner -> its one cache rule

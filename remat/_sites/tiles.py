@@ -279,6 +279,7 @@ class TiledForward:
     `inspect.signature` as the forward it calls (as `SiteForward` does)."""
 
     __slots__ = ("_module", "chosen_by", "dim", "leaf", "own", "tiles")
+    _remat_owned = True  # NOTE [ A model set aside ] in remat/_sites/targets.py
 
     def __init__(self, module: nn.Module, own: Callable[..., Any] | None, tiles: int, dim: int,
                  leaf: bool = False, chosen_by: str | None = None) -> None:

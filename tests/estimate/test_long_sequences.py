@@ -446,3 +446,43 @@ def test_an_estimate_runs_a_few_parts_of_the_head_and_of_tiles_and_counts_what_a
     assert once == every
     assert (chunks, tiles) == (2 * ran, all_tiles // 8 * ran), (chunks, all_chunks, tiles, all_tiles)
     assert all_chunks == 2 * count
+
+
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=16000, n_positions=128,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def _hooks(model: nn.Module) -> list[tuple[str, str, list[Any]]]:
+    return [(name, table, list(getattr(module, table).values())) for name, module in model.named_modules()
+            for table in ("_forward_pre_hooks", "_forward_hooks")] + \
+        [(name, "own", list(vars(module).get(attr) for attr in ("forward", "_loss_function")))
+         for name, module in model.named_modules()]
+
+
+@pytest.mark.parametrize("applied", ["head and tiles", "budget"])
+def test_an_estimate_of_a_model_remat_was_applied_to_is_the_fresh_models_and_leaves_it_as_it_was(
+        applied: str) -> None:
+    ids = torch.randint(0, 16000, (2, 128), generator=torch.Generator().manual_seed(0))
+    sample = {"input_ids": ids, "labels": ids}
+    configs = ("none", "full", "save_matmuls", "full+head", "full+head+tiles=2", 0.45)
+    fresh = remat.estimate(_gpt2(), sample, optimizer="adamw", configs=configs)
+    model = _gpt2()
+    if applied == "budget":  # a budget only the chunked head fits: the plan routes it
+        remat.apply(model, budget=0.45, sample=sample)
+    else:
+        remat.apply(model, head=True, tiles=4)
+    assert remat._sites.head.routed_by(model) is not None
+    plan, hooks = str(remat.plan(model)), _hooks(model)
+    got = remat.estimate(model, sample, optimizer="adamw", configs=configs)
+    for config in configs:  # the applied head (and tiles) in no row that does not ask for them
+        assert got[config].peak_bytes == fresh[config].peak_bytes, config
+    assert fresh["full+head"].peak_bytes < 0.8 * fresh["full"].peak_bytes  # a head left on would show
+    assert str(remat.plan(model)) == plan
+    after = _hooks(model)
+    assert all(a[:2] == b[:2] and len(a[2]) == len(b[2]) and all(x is y for x, y in zip(a[2], b[2], strict=True))
+               for a, b in zip(after, hooks, strict=True))
+    assert model(**sample).logits is None  # the user's head still routed

@@ -218,6 +218,7 @@ class HeadForward:
     """The head's own `forward` while routed: `DeferredLogits` for an open call of its model, else what it had."""
 
     __slots__ = ("_module", "own")
+    _remat_owned = True  # NOTE [ A model set aside ] in remat/_sites/targets.py
 
     def __init__(self, module: nn.Module, own: Callable[..., Any] | None) -> None:
         self._module = weakref.ref(module)
@@ -250,6 +251,8 @@ class HeadForward:
 class _ChunkedLoss:
     """The model's `_loss_function` while routed: `ForCausalLMLoss` computed in chunks from `DeferredLogits`, the
     model's own loss function for real logits."""
+
+    _remat_owned = True  # NOTE [ A model set aside ] in remat/_sites/targets.py
 
     def __init__(self, own: Callable[..., Any]) -> None:
         self.own = own
