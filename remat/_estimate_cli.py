@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -185,6 +186,8 @@ def estimate_main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
                         "none, full, save_matmuls, 0.3, and for a causal LM "
                         f"{', '.join(LONG_CONFIGS)}, the offload row on an accelerator)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
+    parser.add_argument("--jobs", type=_positive_count, default=os.cpu_count() or 1,
+                        help="processes that estimate the configurations side by side (default: the CPU count)")
     parser.add_argument("--world-size", type=_positive_count, help="predict one rank of this many data-parallel ranks")
     parser.add_argument("--shard", choices=["fsdp2", "ddp"], help="with --world-size: fsdp2, as if fully_shard "
                         "were applied to each block and the root; ddp, as if wrapped in DistributedDataParallel "
@@ -288,7 +291,7 @@ def _run(args: argparse.Namespace, search: dict[str, Any], optimizer: str | None
                    else default_configs(case.model, args.device, args.largest_seq))
         start = time.perf_counter()
         report = remat.estimate(case.model, case.sample, loss=case.loss, optimizer=optimizer, where=case.where,
-                                configs=configs, device=args.device, **ranks, **search)
+                                configs=configs, device=args.device, jobs=args.jobs, **ranks, **search)
         print(f"{case.name}: estimated in {time.perf_counter() - start:.1f} s", file=out)
         print(report, file=out)
         reports.append(report.to_dict())

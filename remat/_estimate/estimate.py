@@ -145,6 +145,7 @@ def estimate(
     batch_dim: int | None = None,
     seq_dim: int | None = None,
     headroom: float | int | str | None = None,
+    jobs: int = 1,
 ) -> EstimateReport:
     """Predict the memory of one training step of `model` on `sample`, per remat configuration, without running it.
 
@@ -197,6 +198,9 @@ def estimate(
         batch_dim, seq_dim: the dimension of the sample's tensors that is the batch, the sequence.
         headroom: with `memory`, what of it to leave to the device's allocator, as for `remat.apply(memory=)`: a
             fraction of `memory` or bytes; by default 0.1 where the device's allocator caches (CUDA), else 0.
+        jobs: how many worker processes estimate the configurations side by side, forked from this one (on Linux;
+            one process's whole model, not a rank's): the report is the same, sooner on as many cores. Fork only
+            where forking this process is safe (`python -m remat estimate` does: `--jobs`).
 
     Returns:
         An `EstimateReport`: `report[config]` has `params_bytes`, `grads_bytes`, `optimizer_bytes`,
@@ -230,6 +234,8 @@ def estimate(
         configs = DEFAULT_CONFIGS
     if isinstance(configs, (str, Policy)) or not isinstance(configs, Sequence):
         configs = (configs,)
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"remat: estimate's `jobs` must be a positive int (how many processes), but got {jobs!r}.")
     target = resolve_device(model, sample, device)
     room = 0
     if memory is not None:  # the allocator's share: NOTE [ The allocator's reserve ] in reserve.py
@@ -245,7 +251,7 @@ def estimate(
     else:
         resolved = [_configuration(model, config, where) for config in configs]
         report = predict(model, sample, loss=loss, optimizer=optimizer, configs=resolved, device=target,
-                         refine=refine, engine=engine_of(model))  # one rank's, under DeepSpeed
+                         refine=refine, engine=engine_of(model), jobs=jobs)  # one rank's, under DeepSpeed
     if refine is None:
         return report
     return dataclasses.replace(report, memory=parse_memory(memory, "estimate's `memory`"), headroom=room)

@@ -84,6 +84,7 @@ from .constants import first_step_bytes
 from .depth import Layers, identical_layers
 from .phases import BACKWARD, FORWARD, OPTIMIZER, PhaseTracker, where_it_peaks
 from .report import ConfigEstimate, EstimateReport
+from .workers import in_workers
 
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed, RankState
@@ -322,7 +323,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
             prepare: Callable[[], list[torch.Tensor]] | None = None,
             resident: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-            refine: Refine | None = None, engine: DeepSpeed | None = None) -> EstimateReport:
+            refine: Refine | None = None, engine: DeepSpeed | None = None, jobs: int = 1) -> EstimateReport:
     """Run the step of NOTE [ What an estimate runs ] on fake tensors once per configuration; count its bytes.
 
     ``prepare``, if given, runs once the model holds fake parameters (``fully_shard`` for a per-rank estimate)
@@ -330,7 +331,8 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     throughout the step besides the model's and the optimizer's (DDP's gradient buckets), counted in the peak.
     ``refine``, if given, takes a second look at each row (the largest batch that fits). ``engine``, the engine
     that owns the model (DeepSpeed ZeRO), makes it one rank's estimate on the engine's fake twin (NOTE [ One rank's
-    state under DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py).
+    state under DeepSpeed ZeRO ] in remat/_sites/integrations/deepspeed.py). ``jobs``: how many forked workers
+    run the configurations (NOTE [ Configurations in workers ] in workers.py).
     """
     site = f"`{type(model).__qualname__}`"
     rows: list[ConfigEstimate] = []
@@ -372,12 +374,14 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
             layers = identical_layers(model) if refine is not None and alone else None
             steps = _Steps(model, loss, made, params, buffers, state, kept, constants, device, run, autocast,
                            _State(params_bytes, optimizer_bytes, engine_bytes), rank, layers)
-            for configured in configs:
+            def answer(configured: Configured) -> ConfigEstimate:
                 row = steps.row(configured, sample)
-                if refine is not None:
-                    depth = layers.depth if layers is not None and configured.alike else None
-                    row = refine(configured, row, Rerun(steps, configured, depth))
-                rows.append(row)
+                if refine is None:
+                    return row
+                depth = layers.depth if layers is not None and configured.alike else None
+                return refine(configured, row, Rerun(steps, configured, depth))
+
+            rows = in_workers(configs, answer, jobs)  # NOTE [ Configurations in workers ]
     except RematError:  # a BudgetError raised here is not a configuration's (`apply(memory=)`'s own)
         raise
     except Exception as error:
