@@ -66,7 +66,7 @@ def in_workers(items: Sequence[_T], work: Callable[[_T], _R], jobs: int) -> list
             code = 1
             try:
                 os.close(results_read)
-                _serve(items, work, tasks_read, results_write)
+                _take_and_answer(items, work, tasks_read, results_write)
                 code = 0
             finally:
                 os._exit(code)
@@ -80,7 +80,7 @@ def in_workers(items: Sequence[_T], work: Callable[[_T], _R], jobs: int) -> list
     return [done[index] if index in done else work(item) for index, item in enumerate(items)]  # rule 3
 
 
-def _serve(items: Sequence[_T], work: Callable[[_T], _R], tasks: int, results: int) -> None:
+def _take_and_answer(items: Sequence[_T], work: Callable[[_T], _R], tasks: int, results: int) -> None:
     """A worker's loop: take the next item, answer it, until none is left or one fails."""
     torch.set_num_threads(1)
     with os.fdopen(results, "wb") as out:
