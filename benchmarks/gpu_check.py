@@ -627,5 +627,54 @@ def main(device: torch.device, out: TextIO, progress: Callable[[str], None] = la
     return 1 if any(r.ok is False for r in rows) else 0
 
 
+def _full_head(model: nn.Module) -> nn.Module:
+    return remat.apply(model, head=True)
+
+
+def _full_head_tiles(model: nn.Module) -> nn.Module:
+    from remat._sites.blocks import find_blocks
+    from remat._sites.tiles import tile_blocks
+
+    remat.apply(model, head=True)
+    tile_blocks(find_blocks(model), TILES)
+    return model
+
+
+def profile_long(device: torch.device, out: TextIO, tiny: bool | None = None, rows: int = 15) -> None:
+    """Where the tiles' step time goes (issue 54: the tiled line's step missed 1.15x on an H200): one step of full
+    remat with the head, then with the tiles too, at the long rows' longer length under `torch.profiler`, the ops by
+    self time on the device (on the CPU where there is none), and each step's wall time against its device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if tiny is None:
+        tiny = device.type != "cuda"
+    shape = LONG_TINY if tiny else LONG_REAL
+    dev, base = Device(device), build(shape)
+    batch = sample(dataclasses.replace(shape, seq=LONG_SEQS[shape.name][1]), device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
+    key = "self_device_time_total" if dev.cuda else "self_cpu_time_total"
+    for label, configure in (("remat full + head", _full_head), ("remat full + head + tiles", _full_head_tiles)):
+        model = configure(copy.deepcopy(base).to(device))
+        step(model, batch, device)  # warm-up
+        dev.sync()
+        begun = time.perf_counter()
+        with profile(activities=activities) as prof:
+            step(model, batch, device)
+            dev.sync()
+        wall = time.perf_counter() - begun
+        averages = prof.key_averages()
+        busy = sum(getattr(event, key) for event in averages) / 1e6
+        print(f"{shape.name}, {label}, {batch['input_ids'].shape[1]:,} tokens: step {wall * 1e3:.0f} ms under the "
+              f"profiler, {len(averages)} kinds of op, {'device' if dev.cuda else 'CPU'} self time {busy * 1e3:.0f} ms",
+              file=out)
+        print(averages.table(sort_by=key, row_limit=rows), file=out)
+        del model, prof
+        dev.free()
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(torch.device("cuda" if torch.cuda.is_available() else "cpu"), sys.stdout))
+    chosen = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if "--profile-long" in sys.argv[1:]:
+        profile_long(chosen, sys.stdout)
+        raise SystemExit(0)
+    raise SystemExit(main(chosen, sys.stdout))

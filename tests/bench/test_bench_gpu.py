@@ -50,3 +50,16 @@ def test_the_gpu_check_runs_every_row_at_tiny_sizes_on_the_cpu() -> None:
         assert any(f"long: {label}  " in row and "KiB/token" in row for row in long), (label, text)
     assert any("4x transformers' longest" in row for row in long), text
     assert lines[-1].startswith("every check holds")
+
+
+def test_the_long_rows_profile_runs_at_tiny_sizes_on_the_cpu() -> None:
+    import torch
+
+    from benchmarks.gpu_check import profile_long
+
+    out = io.StringIO()
+    profile_long(torch.device("cpu"), out)
+    text = out.getvalue()
+    for label in ("remat full + head,", "remat full + head + tiles,"):
+        assert f"{LONG_TINY.name}, {label}" in text, text
+    assert text.count("Self CPU time total") == 2 and "_TilesFunctionBackward" in text, text
