@@ -49,7 +49,7 @@ from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
 from .._measure.sample import as_call, detached, signature
 from .._measure.step_autocast import StepAutocast
-from .._sites.asked import head_asked, tiles_asked
+from .._sites.asked import head_asked, head_or_tiles_on, tiles_asked
 from .._sites.integrations import engine_of
 from .._sites.targets import remove_hooks, select
 from .choices import Choices
@@ -96,12 +96,13 @@ def apply_budget(model: _M, request: BudgetRequest,
     Args:
         model: the model; its blocks are those the request's `where` selects.
         request: the request, its budget as `parse_budget` reads it.
-        own_step_bytes: with `head=True`, a fractional budget in bytes of the step with the model's own head,
-            found before the head is routed (implementation note 3 of NOTE [ The head as a choice ]: it needs the
-            estimator, above this layer).
+        own_step_bytes: a fractional budget in bytes of the step without remat, with the model's own head and
+            untiled, where the model's own step is not the profile's with every block kept (`head=True`, tiles, or
+            a head or tiles an earlier `remat.apply` left on it); found before the head is routed (implementation
+            note 3 of NOTE [ The head as a choice ]: it needs the estimator, above this layer).
     """
     with tiles_asked(model, request):
-        if request.head and isinstance(request.budget, float):
+        if isinstance(request.budget, float) and (request.head or head_or_tiles_on(model)):
             request = dataclasses.replace(request, budget=own_step_bytes(model, request))
         with head_asked(model, request):
             return fit_budget(model, request, request.budget)

@@ -27,8 +27,9 @@ __all__ = ["BY_BUDGET", "HeadChoice"]
 # 2. `head=True` routes the head before planning, whatever the budget, and a fractional budget is still of the
 #    step without remat with the model's own head (`remat.apply` turns it into bytes on the sample first, on fake
 #    tensors: a re-plan for a new input shape then keeps those bytes); a head routed by an earlier
-#    `remat.apply(model, head=True)` stays routed; `head=False` never routes the head, and takes off one that an
-#    earlier `remat.apply`'s budget routed.
+#    `remat.apply(model, head=True)` stays routed, and a fraction is of the step without it as well (the same
+#    bytes as `head=True` in one call); `head=False` never routes the head, and takes off one that an earlier
+#    `remat.apply`'s budget routed.
 # 3. A head the budget routed shows in `remat.plan(model)` as chosen by it, and every re-plan (a new input shape)
 #    chooses again: first without it. A re-plan that fails leaves the head as the plan before it had it.
 # 4. Only where it is needed, although it costs no time: a routed head changes the model's output (`logits` is

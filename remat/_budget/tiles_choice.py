@@ -32,7 +32,8 @@ __all__ = ["TilesChoice"]
 # 2. One count, for every block: `TILES`. Past a few tiles what is left of a block's backward is its input and the
 #    attention's internals, which tiles do not touch, so a larger count buys little memory for more calls; a count
 #    per block would multiply the profile by the counts tried. `tiles=N` tiles before planning, whatever the
-#    budget; `tiles=False` never tiles.
+#    budget, and a fractional budget is of the step without tiles, as for a head (NOTE [ The head as a choice ],
+#    rule 2; so are tiles an earlier `remat.apply` left on the model); `tiles=False` never tiles.
 # 3. Tiles the budget chose show in `remat.plan(model)` as chosen by it, and every re-plan (a new input shape)
 #    chooses again: first without them. A plan that fails takes back its own, and a re-plan that fails puts back
 #    those the plan before it had chosen.

@@ -17,10 +17,10 @@ from torch import nn
 
 from .._core.requests import Request
 from . import targets as _targets
-from .head import route_head, unroute_head
-from .tiles import nothing_tiled, tile_blocks, untile
+from .head import route_head, routed_by, unroute_head
+from .tiles import nothing_tiled, tile_blocks, tiled_of, untile
 
-__all__ = ["head_asked", "tiles_asked"]
+__all__ = ["head_asked", "head_or_tiles_on", "tiles_asked"]
 
 
 @contextlib.contextmanager
@@ -57,3 +57,9 @@ def head_asked(model: nn.Module, request: Request) -> Iterator[None]:
     except BaseException:
         unroute_head(model)
         raise
+
+
+def head_or_tiles_on(model: nn.Module) -> bool:
+    """Whether `model` carries a routed head or tiled modules (this request's or an earlier `remat.apply`'s): then
+    its step without remat is not the step its profile runs with every block kept."""
+    return routed_by(model) is not None or any(tiled_of(module) is not None for module in model.modules())

@@ -103,6 +103,27 @@ def test_head_true_with_a_budget_routes_it_as_the_users_and_the_fraction_is_of_i
     assert abs(plan.budget.budget - 0.5 * plain.no_remat[0]) <= 0.02 * plain.no_remat[0]
 
 
+@pytest.mark.parametrize("earlier", [{"head": True}, {"tiles": 4}, {"head": True, "tiles": 4}, None],
+                         ids=["head", "tiles", "head and tiles", "tiles in the same call"])
+def test_a_fraction_is_of_the_step_without_remat_whatever_head_or_tiles_the_model_carries(
+        earlier: dict[str, object] | None) -> None:
+    """NOTE [ The head as a choice ], rule 2, and NOTE [ Tiles as a choice ], rule 2: the same bytes as on the fresh
+    model, so a budget that full remat with the head meets is not refused for a head an earlier call routed."""
+    base = make()
+    fresh = remat.plan(remat.apply(copy.deepcopy(base), budget=0.8, sample=batch())).budget
+    assert fresh is not None
+    model = copy.deepcopy(base)
+    if earlier is None:
+        remat.apply(model, budget=0.8, sample=batch(), tiles=4)
+    else:
+        remat.apply(model, **earlier)  # type: ignore[arg-type]
+        remat.apply(model, budget=0.8, sample=batch())
+    plan = remat.plan(model).budget
+    assert plan is not None and plan.budget == fresh.budget
+    peaks = [trained(model)[1] for _ in range(3)]
+    assert max(peaks) <= 1.05 * fresh.budget, (peaks, fresh.budget)
+
+
 @pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
 def test_memory_that_only_the_chunked_head_fits_is_planned() -> None:
     base = make()
