@@ -186,8 +186,9 @@ def estimate_main(argv: Sequence[str], stdout: TextIO | None = None) -> int:
                         "none, full, save_matmuls, 0.3, and for a causal LM "
                         f"{', '.join(LONG_CONFIGS)}, the offload row on an accelerator)")
     parser.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
-    parser.add_argument("--jobs", type=_positive_count, default=os.cpu_count() or 1,
-                        help="processes that estimate the configurations side by side (default: the CPU count)")
+    parser.add_argument("--jobs", type=_positive_count, default=_cores(),
+                        help="processes that estimate the configurations side by side (default: the cores this "
+                        "process may run on)")
     parser.add_argument("--world-size", type=_positive_count, help="predict one rank of this many data-parallel ranks")
     parser.add_argument("--shard", choices=["fsdp2", "ddp"], help="with --world-size: fsdp2, as if fully_shard "
                         "were applied to each block and the root; ddp, as if wrapped in DistributedDataParallel "
@@ -275,6 +276,12 @@ def _config(text: str) -> Any:
         return float(text) if "." in text and not text.lower().endswith("b") else text
     except ValueError:
         return text
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity, where the platform says), else the machine's."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _run(args: argparse.Namespace, search: dict[str, Any], optimizer: str | None, ranks: dict[str, Any],
