@@ -381,7 +381,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 depth = layers.depth if layers is not None and configured.alike else None
                 return refine(configured, row, Rerun(steps, configured, depth))
 
-            rows = in_workers(configs, answer, jobs)  # NOTE [ Configurations in workers ]
+            rows = in_workers(configs, answer, jobs if alone else 1)  # NOTE [ Configurations in workers ], rule 4
     except RematError:  # a BudgetError raised here is not a configuration's (`apply(memory=)`'s own)
         raise
     except Exception as error:

@@ -32,8 +32,9 @@ _R = TypeVar("_R")
 #    files, its atexit handlers, a test runner's state) runs twice.
 # 3. Where a worker fails (an error in a configuration, a row that cannot be pickled, a worker killed), the
 #    configurations it did not answer run here after the others, so their errors are raised here, as with `jobs=1`.
-# 4. Only where the platform forks safely (Linux); elsewhere, and with `jobs=1`, the configurations run here in
-#    turn.
+# 4. Only where the platform forks safely (Linux), and for one process's whole model (not a rank's under FSDP2,
+#    DDP or DeepSpeed, whose fake process group and engine are this process's); elsewhere, and with `jobs=1`, the
+#    configurations run here in turn.
 #
 # Implementation notes:
 # 1. (rule 1) The configurations to take are bytes in one pipe that every worker reads one at a time (a read of
