@@ -319,6 +319,12 @@ class _Steps:
         )
 
 
+def _expected_work(configured: Configured) -> tuple[bool, int, bool]:
+    """How long a configuration's estimate is likely to take, to sort by (NOTE [ Configurations in workers ], rule 2):
+    a budget's plan first, then by its suffixes, then all but "none"."""
+    return not configured.alike, configured.label.count("+"), configured.label != "none"
+
+
 def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor] | None,
             optimizer: OptimizerLike, configs: Sequence[Configured], device: torch.device,
             prepare: Callable[[], list[torch.Tensor]] | None = None,
@@ -381,7 +387,9 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
                 depth = layers.depth if layers is not None and configured.alike else None
                 return refine(configured, row, Rerun(steps, configured, depth))
 
-            rows = in_workers(configs, answer, jobs if alone else 1)  # NOTE [ Configurations in workers ], rule 4
+            # NOTE [ Configurations in workers ] in workers.py, rules 2 and 5
+            longest_first = sorted(range(len(configs)), key=lambda i: _expected_work(configs[i]), reverse=True)
+            rows = in_workers(configs, answer, jobs if alone else 1, longest_first)
     except RematError:  # a BudgetError raised here is not a configuration's (`apply(memory=)`'s own)
         raise
     except Exception as error:

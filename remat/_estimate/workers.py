@@ -28,11 +28,13 @@ _R = TypeVar("_R")
 # 1. With `jobs` > 1, `jobs` workers are forked from this process once it holds the fake session, and take the
 #    configurations one at a time, each the next one not taken, until none is left; this process collects their
 #    rows. The report is the one `jobs=1` gives, row for row, in the order of `configs`.
-# 2. A worker runs nothing but fake steps, on one thread, and leaves by `os._exit`: nothing of this process (its
+# 2. They take those likely to take longest first (a budget, which plans anew, then those with more suffixes, each
+#    a step's more work, then all but "none"), so that the last to finish is a short one.
+# 3. A worker runs nothing but fake steps, on one thread, and leaves by `os._exit`: nothing of this process (its
 #    files, its atexit handlers, a test runner's state) runs twice.
-# 3. Where a worker fails (an error in a configuration, a row that cannot be pickled, a worker killed), the
+# 4. Where a worker fails (an error in a configuration, a row that cannot be pickled, a worker killed), the
 #    configurations it did not answer run here after the others, so their errors are raised here, as with `jobs=1`.
-# 4. Only where the platform forks safely (Linux), and for one process's whole model (not a rank's under FSDP2,
+# 5. Only where the platform forks safely (Linux), and for one process's whole model (not a rank's under FSDP2,
 #    DDP or DeepSpeed, whose fake process group and engine are this process's); elsewhere, and with `jobs=1`, the
 #    configurations run here in turn.
 #
@@ -45,25 +47,26 @@ _R = TypeVar("_R")
 
 
 def can_fork() -> bool:
-    """Whether configurations may run in forked workers here (rule 4)."""
+    """Whether configurations may run in forked workers here (rule 5)."""
     return sys.platform == "linux" and hasattr(os, "fork")
 
 
-def in_workers(items: Sequence[_T], work: Callable[[_T], _R], jobs: int) -> list[_R]:
+def in_workers(items: Sequence[_T], work: Callable[[_T], _R], jobs: int,
+               order: Sequence[int] | None = None) -> list[_R]:
     """`[work(item) for item in items]`, the items taken by `jobs` forked workers (NOTE [ Configurations in
-    workers ]); in this process alone where `jobs` is 1, the items are fewer than two or the platform does not
-    fork."""
+    workers ]), taken in ``order`` (indices; default: as given); in this process alone where `jobs` is 1, the
+    items are fewer than two or the platform does not fork."""
     jobs = min(jobs, len(items), 255)
     if jobs < 2 or not can_fork():
         return [work(item) for item in items]
     tasks_read, tasks_write = os.pipe()
-    os.write(tasks_write, bytes(range(len(items))))
+    os.write(tasks_write, bytes(range(len(items)) if order is None else order))
     os.close(tasks_write)
     workers: list[tuple[int, int]] = []
     for _ in range(jobs):
         results_read, results_write = os.pipe()
         pid = os.fork()
-        if pid == 0:  # rule 2
+        if pid == 0:  # rule 3
             code = 1
             try:
                 os.close(results_read)
@@ -78,7 +81,7 @@ def in_workers(items: Sequence[_T], work: Callable[[_T], _R], jobs: int) -> list
     for pid, results_read in workers:
         done.update(_collect(results_read))
         os.waitpid(pid, 0)
-    return [done[index] if index in done else work(item) for index, item in enumerate(items)]  # rule 3
+    return [done[index] if index in done else work(item) for index, item in enumerate(items)]  # rule 4
 
 
 def _take_and_answer(items: Sequence[_T], work: Callable[[_T], _R], tasks: int, results: int) -> None:

@@ -99,3 +99,14 @@ def test_in_workers_keeps_the_order_of_its_items() -> None:
 def test_jobs_must_be_a_positive_count(jobs: Any) -> None:
     with pytest.raises(ValueError, match=r"remat: estimate's `jobs` must be a positive int"):
         remat.estimate(stack(), torch.randn(2, 8, WIDTH), loss=loss, configs=("none",), jobs=jobs)
+
+
+def test_the_workers_take_the_longest_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """NOTE [ Configurations in workers ], rule 2: a budget, then more suffixes, then all but "none"; one worker
+    takes them in that order."""
+    _noting(monkeypatch, tmp_path / "rows")
+    configs = ("none", "full", "full+tiles=2", 0.9)
+    report = remat.estimate(stack(), torch.randn(2, 16, WIDTH), loss=loss, configs=configs, jobs=2)
+    assert [row.label for row in report.rows] == ["none", "full", "full+tiles=2", "budget 0.9"]
+    first = [line.split()[0] for line in (tmp_path / "rows").read_text().splitlines()]
+    assert first[0] in ("budget", "full+tiles=2") and first[-1] == "none", first
