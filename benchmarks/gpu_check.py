@@ -489,12 +489,12 @@ def memories(shape: Shape, base: nn.Module, dev: Device, out: list[Row]) -> None
             dev.free()
 
 
-def _long_line(model: nn.Module) -> nn.Module:
-    """remat's line for long sequences (rule 6)."""
+def _long_line(model: nn.Module, offload: bool = True) -> nn.Module:
+    """remat's line for long sequences (rule 6); without offload for `profile_long`."""
     from remat._sites.blocks import find_blocks
     from remat._sites.tiles import tile_blocks
 
-    remat.apply(model, head=True, offload=True)
+    remat.apply(model, head=True, offload=offload)
     tile_blocks(find_blocks(model), TILES)
     return model
 
@@ -631,15 +631,6 @@ def _full_head(model: nn.Module) -> nn.Module:
     return remat.apply(model, head=True)
 
 
-def _full_head_tiles(model: nn.Module) -> nn.Module:
-    from remat._sites.blocks import find_blocks
-    from remat._sites.tiles import tile_blocks
-
-    remat.apply(model, head=True)
-    tile_blocks(find_blocks(model), TILES)
-    return model
-
-
 def profile_long(device: torch.device, out: TextIO, tiny: bool | None = None, rows: int = 15) -> None:
     """Where the tiles' step time goes (issue 54: the tiled line's step missed 1.15x on an H200): one step of full
     remat with the head, then with the tiles too, at the long rows' longer length under `torch.profiler`, the ops by
@@ -653,7 +644,8 @@ def profile_long(device: torch.device, out: TextIO, tiny: bool | None = None, ro
     batch = sample(dataclasses.replace(shape, seq=LONG_SEQS[shape.name][1]), device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
     key = "self_device_time_total" if dev.cuda else "self_cpu_time_total"
-    for label, configure in (("remat full + head", _full_head), ("remat full + head + tiles", _full_head_tiles)):
+    tiled = functools.partial(_long_line, offload=False)
+    for label, configure in (("remat full + head", _full_head), ("remat full + head + tiles", tiled)):
         model = configure(copy.deepcopy(base).to(device))
         step(model, batch, device)  # warm-up
         dev.sync()

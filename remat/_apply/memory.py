@@ -43,10 +43,9 @@ from .._measure.loss import default_loss
 from .._measure.sample import as_call
 from .._measure.step_autocast import StepAutocast, planning, step_region
 from .._measure.track import placed
-from .._sites.asked import head_asked, tiles_asked
-from .._sites.head import can_route_head, routed_by
+from .._sites.asked import carried, head_asked, tiles_asked
+from .._sites.head import can_route_head
 from .._sites.integrations import engine_of
-from .._sites.tiles import tiled_of
 
 __all__ = ["apply_memory", "as_optimizer"]
 
@@ -135,7 +134,7 @@ def _least(model: nn.Module, request: MemoryRequest, total: int, device: torch.d
     host (NOTE [ Offload as a choice ] in remat/_budget/offload_choice.py)."""
     optimizer = as_optimizer(request.optimizer)
     offloads = offload_lowers_peak((device,), request.compile)
-    config = "full" + _carried(model) + (OFFLOAD if offloads and resolve(request.offload) is not None else "")
+    config = "full" + _suffixes(model) + (OFFLOAD if offloads and resolve(request.offload) is not None else "")
     row = estimate(model, request.sample, loss=request.loss, optimizer=optimizer, configs=(config,),
                    where=request.where)[config]
     for suffix, open_ in ((HEAD, request.head is None and can_route_head(model)),
@@ -148,12 +147,11 @@ def _least(model: nn.Module, request: MemoryRequest, total: int, device: torch.d
     return row
 
 
-def _carried(model: nn.Module) -> str:
-    """The configuration's suffixes for what the model carries besides its blocks' sites, asked by this request or
-    left by an earlier `remat.apply`: a routed head, tiles (in the fewest tiles any module has). An estimate's row
-    is of the model as it was before remat (NOTE [ Applying a configuration for a while ]), so they are named."""
-    counts = [tiled.tiles for module in model.modules() if (tiled := tiled_of(module)) is not None]
-    return (HEAD if routed_by(model) is not None else "") + (f"{TILES_SUFFIX}={min(counts)}" if counts else "")
+def _suffixes(model: nn.Module) -> str:
+    """The configuration's suffixes for what the model `carried`: an estimate's row is of the model as it was
+    before remat (NOTE [ Applying a configuration for a while ]), so they are named."""
+    head, tiles = carried(model)
+    return (HEAD if head else "") + (f"{TILES_SUFFIX}={tiles}" if tiles is not None else "")
 
 
 def _reserved(model: nn.Module, device: torch.device, sample: Any, loss: Callable[[Any], Any] | None,

@@ -49,7 +49,7 @@ from .._engine.compiled import compiling, in_compiled_call
 from .._measure import sharded as _sharded
 from .._measure.sample import as_call, detached, signature
 from .._measure.step_autocast import StepAutocast
-from .._sites.asked import head_asked, head_or_tiles_on, tiles_asked
+from .._sites.asked import carried, head_asked, tiles_asked
 from .._sites.integrations import engine_of
 from .._sites.targets import remove_hooks, select
 from .choices import Choices
@@ -102,7 +102,7 @@ def apply_budget(model: _M, request: BudgetRequest,
             note 3 of NOTE [ The head as a choice ]: it needs the estimator, above this layer).
     """
     with tiles_asked(model, request):
-        if isinstance(request.budget, float) and (request.head or head_or_tiles_on(model)):
+        if isinstance(request.budget, float) and (request.head or carried(model) != (False, None)):
             request = dataclasses.replace(request, budget=own_step_bytes(model, request))
         with head_asked(model, request):
             return fit_budget(model, request, request.budget)

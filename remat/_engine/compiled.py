@@ -190,7 +190,9 @@ class SiteForward:
         return alive(self._module, "a rematerialized module's `forward`")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module()
+        module = self._module()  # every call of the module: the reference read here, `module()` only to raise
+        if module is None:
+            module = self.module()
         own = self.own
         if compiling():
             forward = type(module).forward if own is None else functools.partial(_call_own, own)

@@ -20,7 +20,7 @@ from . import targets as _targets
 from .head import route_head, routed_by, unroute_head
 from .tiles import nothing_tiled, tile_blocks, tiled_of, untile
 
-__all__ = ["head_asked", "head_or_tiles_on", "tiles_asked"]
+__all__ = ["carried", "head_asked", "tiles_asked"]
 
 
 @contextlib.contextmanager
@@ -59,7 +59,9 @@ def head_asked(model: nn.Module, request: Request) -> Iterator[None]:
         raise
 
 
-def head_or_tiles_on(model: nn.Module) -> bool:
-    """Whether `model` carries a routed head or tiled modules (this request's or an earlier `remat.apply`'s): then
-    its step without remat is not the step its profile runs with every block kept."""
-    return routed_by(model) is not None or any(tiled_of(module) is not None for module in model.modules())
+def carried(model: nn.Module) -> tuple[bool, int | None]:
+    """What `model` carries besides its blocks' sites, asked by this request or left by an earlier `remat.apply`:
+    whether its head is routed, and the fewest tiles any of its modules runs in (None: none is tiled). Where it
+    carries either, its step without remat is not the step a profile runs with every block kept."""
+    counts = [tiled.tiles for module in model.modules() if (tiled := tiled_of(module)) is not None]
+    return routed_by(model) is not None, min(counts, default=None)

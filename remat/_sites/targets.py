@@ -223,20 +223,18 @@ def _is_ours(hook: Any) -> bool:
     return isinstance(hook, (_Open, _Close)) or getattr(hook, "_remat_owned", False)
 
 
-def _our_hooks(module: nn.Module) -> list[int]:
-    return [key for name in ("_forward_pre_hooks", "_forward_hooks") for key, hook in getattr(module, name).items()
-            if _is_ours(hook)]
+def _pop_ours(module: nn.Module) -> list[Any]:
+    """Take remat's hooks out of every hook table of `module`; returns what the tables held for them."""
+    ids = [key for name in ("_forward_pre_hooks", "_forward_hooks") for key, hook in getattr(module, name).items()
+           if _is_ours(hook)]
+    return [getattr(module, name).pop(key, None) for name in _HOOK_DICTS for key in ids]
 
 
 def remove_hooks(module: nn.Module) -> None:
-    ids = _our_hooks(module)
-    for name in _HOOK_DICTS:
-        table = getattr(module, name)
-        for key in ids:
-            hook = table.pop(key, None)
-            close = getattr(hook, "close", None)
-            if callable(close):  # a budget's tracked step: NOTE [ The first step ] in remat/_budget/first_step.py
-                close()
+    for hook in _pop_ours(module):
+        close = getattr(hook, "close", None)
+        if callable(close):  # a budget's tracked step: NOTE [ The first step ] in remat/_budget/first_step.py
+            close()
     unroute_module(module)
 
 
@@ -268,10 +266,7 @@ def set_aside(model: nn.Module) -> Iterator[None]:
     attributes = [(m, dict(vars(m))) for m in modules]
     try:
         for module in modules:
-            ids = _our_hooks(module)
-            for name in _HOOK_DICTS:
-                for key in ids:
-                    getattr(module, name).pop(key, None)
+            _pop_ours(module)
             own = vars(module)
             for name, value in list(own.items()):
                 if (bare := _unwrapped(value)) is not value:
