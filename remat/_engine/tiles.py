@@ -6,6 +6,7 @@ See NOTE [ Tiles ]. The public form (`remat.tiled`) and the choice of what to ti
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -13,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._core.errors import BUG, RematError
 from .._core.torch_compat import graph_task_keeps_graph, top_saved_hooks, tree_leaves
@@ -56,7 +56,8 @@ __all__ = ["spans", "tiles"]
 #    gradients are accumulated (remat/_sites/tiles.py, NOTE [ What is tiled ]).
 # 6. A second derivative (`create_graph=True`) goes through the tiles with every tile's graph kept.
 # 7. Chained tiles: a tiled call whose input is the output of the tiled call just before it (unchanged since,
-#    along the same dimension, under the same autocast), where that earlier function is cheap to run again (it
+#    along the same dimension, under the same autocast and the same saved-tensor hooks: the same site's forward,
+#    the same recompute, or none), where that earlier function is cheap to run again (it
 #    reads no tensor of more than one dimension, as a norm), draws no random numbers and has its parameters outside
 #    its own call too (not a module that ZeRO-3 or FSDP2 gathers for itself), runs the two as one
 #    token-wise function over the earlier call's input, which is all it keeps: each tile runs the earlier
@@ -77,10 +78,14 @@ __all__ = ["spans", "tiles"]
 #    drops them as soon as it is done when the running backward does not keep the graph (no `retain_graph`), as
 #    autograd frees a node's saved tensors; where torch cannot say, an end-of-backward callback drops them once
 #    autograd freed the node's own.
-# 4. (rule 7) The earlier call's output is noted (`_made`, weakly: the note dies with the output) with its function,
-#    its input (weakly) and both versions; the reads' shapes and the random ops are seen on its first tile, under
-#    `_Reads`. The chained call's node takes the earlier input, so the earlier node, unreachable from the loss
-#    once its output is gone, is freed with what it kept.
+# 4. (rule 7) The last tiled call of each thread is noted (`_last`) with its function, its output (weakly), its input
+#    and the saved-tensor hooks in force (both held until the output dies or the next tiled call) and the versions;
+#    the reads' shapes and the random ops are seen on its first tile, under `_Reads`. Forward and the recompute of
+#    an enclosing site must chain alike, or the recompute keeps the earlier input where forward kept the earlier
+#    output, of the same shape: a silent wrong gradient. Hence the input held: under a site's hooks forward lets a
+#    temporary input go (a post-norm block's `norm(x + attn)`) that the recompute keeps; and hence the hooks: a
+#    site's recompute never sees the call made before the site. The chained call's node takes the earlier input,
+#    so the earlier node, unreachable from the loss once its output is gone, is freed with what it kept.
 
 
 def spans(length: int, count: int) -> list[tuple[int, int]]:
@@ -202,6 +207,7 @@ def tiles(
     >>> torch.testing.assert_close(tiles(lin, x, 1, 3, site="lin"), lin(x))
     """
     found = _earlier(x, dim) if torch.is_grad_enabled() else None
+    _last.made = None  # this call is the one just before the next (rule 7)
     if found is not None:  # rule 7
         earlier, x = found
         fn, site = functools.partial(_one_after_other, earlier.fn, fn), f"{earlier.site} then {site}"
@@ -222,36 +228,51 @@ def tiles(
         return _rest(fn, x, first, dim, cuts, site)
     out: torch.Tensor = _TilesFunction.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
     if chain and found is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
-        _made[out] = _Made(fn, x, dim, site, out._version, spec.devices, spec.autocast)
+        _last.made = _Made(fn, x, out, dim, site, spec.devices, spec.autocast)
     return out
 
 
 class _Made:
-    """A tiled call's output that the next tiled call may chain onto (NOTE [ Tiles ], rule 7)."""
+    """The tiled call just made, which the next tiled call may chain onto (NOTE [ Tiles ], rule 7)."""
 
-    __slots__ = ("autocast", "devices", "dim", "fn", "input_ref", "input_version", "site", "version")
+    __slots__ = ("autocast", "devices", "dim", "fn", "held", "input_version", "output", "site", "version")
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dim: int, site: str, version: int,
-                 devices: tuple[torch.device, ...], autocast: AutocastState | None) -> None:
-        self.fn, self.dim, self.site, self.version, self.devices = fn, dim, site, version, devices
-        self.input_ref, self.input_version = weakref.ref(x), x._version
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor, dim: int,
+                 site: str, devices: tuple[torch.device, ...], autocast: AutocastState | None) -> None:
+        self.fn, self.dim, self.site, self.devices = fn, dim, site, devices
+        # the input and the saved-tensor hooks in force, held until the output dies (implementation note 4)
+        self.held: list[Any] = [x, top_saved_hooks(False)]
+        self.output = weakref.ref(out, functools.partial(_let_go, self.held))
+        self.version, self.input_version = out._version, x._version
         self.autocast = None if autocast is None else autocast.key()
 
 
-_made: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+def _let_go(held: list[Any], _: object) -> None:
+    held.clear()
+
+
+_last = threading.local()
+"""`made`: this thread's last tiled call with a graph, a `_Made` where a later call may chain onto it, else None."""
 
 
 def _earlier(x: torch.Tensor, dim: int) -> tuple[_Made, torch.Tensor] | None:
-    """The tiled call `x` is the unchanged output of and that call's input, where this call may chain onto it
-    (rule 7), or None."""
-    made: _Made | None = _made.get(x)  # type: ignore[no-untyped-call, unused-ignore]
-    if made is None or made.dim != dim or x._version != made.version:
+    """The tiled call just before, where `x` is its unchanged output and this call may chain onto it (rule 7), with
+    that call's input; else None."""
+    made: _Made | None = getattr(_last, "made", None)
+    if made is None or not made.held or made.output() is not x or made.dim != dim or x._version != made.version:
         return None
-    earlier = made.input_ref()
-    if earlier is None or earlier._version != made.input_version:
+    earlier, hooks = made.held
+    if earlier._version != made.input_version or not _same(hooks, top_saved_hooks(False)):
         return None
     now = AutocastState.capture(made.devices)
     return (made, earlier) if (None if now is None else now.key()) == made.autocast else None
+
+
+def _same(hooks: tuple[Any, Any] | None, now: tuple[Any, Any] | None) -> bool:
+    """Whether the same saved-tensor hooks are in force: the same site's forward, the same recompute, or none."""
+    if hooks is None or now is None:
+        return hooks is now
+    return hooks[0] is now[0] and hooks[1] is now[1]
 
 
 def _one_after_other(first: Callable[[torch.Tensor], torch.Tensor], then: Callable[[torch.Tensor], torch.Tensor],

@@ -355,6 +355,62 @@ def test_no_chain_across_an_autocast_change() -> None:
     assert _stats.tiles - before == 6
 
 
+class PostNorm(nn.Module):
+    """A post-norm block as openai-gpt writes it: the norm's input a temporary, its output used twice (the MLP and the
+    residual). Under remat the temporary is let go of in forward and kept by the recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mlp = GatedMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x + self.inner(x))
+        return h + self.mlp(h)
+
+
+def test_a_chain_is_the_same_in_forward_and_in_the_recompute_where_the_norms_input_is_a_temporary() -> None:
+    """Forward let the temporary go before the MLP's call and did not chain, the recompute kept it and chained: the
+    MLP's backward ran on the norm's input in place of its output, a silent wrong gradient (openai-gpt)."""
+    before = _stats.tiles
+    assert_same_grads(PostNorm, inputs(), lambda block: remat.remat(_tile_both(block)))
+    assert _stats.tiles - before == 6, "chained in forward and in the recompute: the chained call's tiles and the " \
+        "norm's own (its output's gradient from the residual)"
+
+
+class Blocks(nn.Module):
+    """Two rematerialized blocks: the first ends in a tiled norm, the second starts with a tiled MLP on its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(WIDTH, WIDTH), GatedMLP()
+        self.norm = nn.LayerNorm(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ending(x)
+        return h * 2 + self.starting(h)
+
+    def ending(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.first(x))
+
+    def starting(self, h: torch.Tensor) -> torch.Tensor:
+        return self.second(h)
+
+
+def test_no_chain_across_a_sites_boundary() -> None:
+    """A tiled call never chains onto one made under other saved-tensor hooks (another site's forward, or outside
+    the recompute it runs in): in the recompute the earlier call is not there to chain onto."""
+
+    def sites(model: nn.Module) -> nn.Module:
+        remat.tiled(model.norm, tiles=3, dim=1)
+        remat.tiled(model.second, tiles=3, dim=1)
+        model.ending, model.starting = remat.remat(model.ending), remat.remat(model.starting)
+        return model
+
+    assert_same_grads(Blocks, inputs(), sites)
+
+
 # -- RNG and autocast ---------------------------------------------------------------------------------------
 
 
