@@ -621,6 +621,32 @@ def test_an_output_that_reduces_over_positions_is_caught() -> None:
         remat.tiled(lambda x: (x, x), torch.randn(2, SEQ, WIDTH, requires_grad=True), tiles=3)
 
 
+class ResidualMLP(nn.Module):
+    """Bloom's and MPT's MLP: the residual comes in as a second tensor of the same positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = GatedMLP()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) + residual
+
+
+def test_a_tensor_of_the_inputs_positions_beside_it_is_refused_not_handed_whole_to_each_tile() -> None:
+    """Before, Bloom's and MPT's MLPs were tiled by `apply(tiles=...)` and their first step failed on a shape."""
+    with pytest.raises(ValueError, match="takes `residual` besides the tensor to tile"):
+        remat.tiled(ResidualMLP(), tiles=2)
+    block = Block()
+    block.mlp = ResidualMLP()  # type: ignore[assignment]
+    report = tile_blocks([("b", block)], 2)
+    assert report.tiled == ("b.norm",) and "takes `residual`" in dict(report.skipped)["b.mlp"]
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    with pytest.raises(remat.RematError, match="called with argument 2, a tensor of the same positions"):
+        remat.tiled(lambda t, r: t + r, x, x * 2, dim=1, tiles=3)
+    with pytest.raises(remat.RematError, match="called with `residual`, a tensor of the same positions"):
+        remat.tiled(lambda t, residual: t + residual, x, residual=x * 2, dim=1, tiles=3)
+
+
 # -- the token-wise modules of blocks -----------------------------------------------------------------------
 
 

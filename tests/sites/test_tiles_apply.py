@@ -131,3 +131,25 @@ def test_a_post_norm_model_whose_norms_input_is_a_temporary_keeps_no_remats_grad
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, msg=lambda m, k=name: f"gradient of {k}: {m}")
 
+
+@pytest.mark.equivalence
+def test_a_mixture_of_experts_models_norms_are_tiled_and_its_experts_skipped() -> None:
+    """Qwen2-MoE names every class after its family (`Qwen2MoeRMSNorm`): the family's name is not the module's, so the
+    norms are tiled and only the sparse block is skipped. Before, `apply(tiles=...)` refused the model: every norm
+    was taken for a mixture of experts."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        hidden_size=WIDTH, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=SEQ,
+        experts_implementation="eager")  # the grouped matmul takes no float64 on the CPU
+    base = transformers.Qwen2MoeForCausalLM(config).double().train()
+    expected = grads_of(copy.deepcopy(base), head=False)
+    model = remat.apply(copy.deepcopy(base), tiles=4)
+    assert [t.name for t in remat.plan(model).tiles] == [
+        f"model.layers.{i}.{name}" for i in range(LAYERS) for name in ("input_layernorm", "post_attention_layernorm")]
+    tiles, recomputes = _stats.tiles, _stats.recomputes
+    grads = grads_of(model, head=False)
+    assert _stats.tiles - tiles == LAYERS * 2 * 4 and _stats.recomputes > recomputes
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, msg=lambda m, k=name: f"gradient of {k}: {m}")
