@@ -78,8 +78,8 @@ __all__ = ["spans", "tiles"]
 #    drops them as soon as it is done when the running backward does not keep the graph (no `retain_graph`), as
 #    autograd frees a node's saved tensors; where torch cannot say, an end-of-backward callback drops them once
 #    autograd freed the node's own.
-# 4. (rule 7) The last tiled call of each thread is noted (`_last`) with its function, its output (weakly), its input
-#    and the saved-tensor hooks in force (both held until the output dies or the next tiled call) and the versions;
+# 4. (rule 7) The last tiled call of each thread is noted (`_last`) with its output (weakly), its function, its input
+#    and the saved-tensor hooks in force (held until the output dies or the next tiled call) and the versions;
 #    the reads' shapes and the random ops are seen on its first tile, under `_Reads`. Forward and the recompute of
 #    an enclosing site must chain alike, or the recompute keeps the earlier input where forward kept the earlier
 #    output, of the same shape: a silent wrong gradient. Hence the input held: under a site's hooks forward lets a
@@ -209,8 +209,8 @@ def tiles(
     found = _earlier(x, dim) if torch.is_grad_enabled() else None
     _last.made = None  # this call is the one just before the next (rule 7)
     if found is not None:  # rule 7
-        earlier, x = found
-        fn, site = functools.partial(_one_after_other, earlier.fn, fn), f"{earlier.site} then {site}"
+        earlier, first_fn, x = found
+        fn, site = functools.partial(_one_after_other, first_fn, fn), f"{earlier.site} then {site}"
     cuts = spans(x.shape[dim], count)
     start, length = cuts[0]
     part = _tile(x.detach(), dim, start, length)  # without a graph: not one of fn's reads (a copy, if not contiguous)
@@ -235,13 +235,14 @@ def tiles(
 class _Made:
     """The tiled call just made, which the next tiled call may chain onto (NOTE [ Tiles ], rule 7)."""
 
-    __slots__ = ("autocast", "devices", "dim", "fn", "held", "input_version", "output", "site", "version")
+    __slots__ = ("autocast", "devices", "dim", "held", "input_version", "output", "site", "version")
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor, dim: int,
                  site: str, devices: tuple[torch.device, ...], autocast: AutocastState | None) -> None:
-        self.fn, self.dim, self.site, self.devices = fn, dim, site, devices
-        # the input and the saved-tensor hooks in force, held until the output dies (implementation note 4)
-        self.held: list[Any] = [x, top_saved_hooks(False)]
+        self.dim, self.site, self.devices = dim, site, devices
+        # the function, its input and the saved-tensor hooks in force, held until the output dies (implementation
+        # note 4)
+        self.held: list[Any] = [fn, x, top_saved_hooks(False)]
         self.output = weakref.ref(out, functools.partial(_let_go, self.held))
         self.version, self.input_version = out._version, x._version
         self.autocast = None if autocast is None else autocast.key()
@@ -255,17 +256,17 @@ _last = threading.local()
 """`made`: this thread's last tiled call with a graph, a `_Made` where a later call may chain onto it, else None."""
 
 
-def _earlier(x: torch.Tensor, dim: int) -> tuple[_Made, torch.Tensor] | None:
+def _earlier(x: torch.Tensor, dim: int) -> tuple[_Made, Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None:
     """The tiled call just before, where `x` is its unchanged output and this call may chain onto it (rule 7), with
-    that call's input; else None."""
+    that call's function and input; else None."""
     made: _Made | None = getattr(_last, "made", None)
     if made is None or not made.held or made.output() is not x or made.dim != dim or x._version != made.version:
         return None
-    earlier, hooks = made.held
+    fn, earlier, hooks = made.held
     if earlier._version != made.input_version or not _same(hooks, top_saved_hooks(False)):
         return None
     now = AutocastState.capture(made.devices)
-    return (made, earlier) if (None if now is None else now.key()) == made.autocast else None
+    return (made, fn, earlier) if (None if now is None else now.key()) == made.autocast else None
 
 
 def _same(hooks: tuple[Any, Any] | None, now: tuple[Any, Any] | None) -> bool:

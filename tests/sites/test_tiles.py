@@ -411,6 +411,19 @@ def test_no_chain_across_a_sites_boundary() -> None:
     assert_same_grads(Blocks, inputs(), sites)
 
 
+def test_the_last_tiled_call_holds_nothing_once_its_output_is_gone() -> None:
+    """What a later call would chain onto (the function, its input) is let go of with the output: a model dropped
+    after its step is freed, without another tiled call first."""
+    norm = remat.tiled(nn.LayerNorm(WIDTH), tiles=3, dim=1)
+    x = inputs()[0]
+    out = norm(x)
+    out.sum().backward()
+    dropped, kept = weakref.ref(norm), weakref.ref(x)
+    del norm, out, x
+    gc.collect()
+    assert dropped() is None and kept() is None
+
+
 # -- RNG and autocast ---------------------------------------------------------------------------------------
 
 
