@@ -4,11 +4,13 @@ Every family of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` (189 in transformers 5.23) i
 tiny (`tiny_config`: widths, depths, heads, experts and the vocabulary shrunk, dropout off), in float64 where the
 model allows it (else float32), and trains one step twice on the same weights and batch: without remat, its loss
 taken from its logits as its own `ForCausalLMLoss` takes it (labels shifted, the mean over tokens), and with
-`remat.apply(model, head=True)`. Each family ends in one of:
+`remat.apply(model, head=True)` (with `--tiles N`, `remat.apply(model, head=True, tiles=N)`: the token-wise modules
+of its blocks in tiles too). Each family ends in one of:
 
 * `equal`: the routed loss went through the chunks (`logits` None) and equals the baseline's, every gradient too
   (`torch.testing.assert_close` at the dtype's default tolerances);
-* `refused`: `apply` refused the model (no head it can route: a `ValueError` saying what it found);
+* `refused`: `apply` refused the model (no head it can route, or with `--tiles` nothing token-wise to tile: a
+  `ValueError` saying what it found);
 * `refused at step`: the first training step raised a `RematError` naming the use of the logits it cannot chunk;
 * `DIFFERS`: routed, and the loss or a gradient differs from the baseline's: a silent difference, the one outcome
   that must never happen;
@@ -147,14 +149,15 @@ def _step(model: nn.Module, ids: torch.Tensor, routed: bool) -> tuple[torch.Tens
     return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def check(model_type: str, class_name: str) -> Outcome:
-    """One family's outcome (see the module's docstring)."""
+def check(model_type: str, class_name: str, tiles: int | None = None) -> Outcome:
+    """One family's outcome (see the module's docstring); `tiles` adds `tiles=` to the request."""
+    request: dict[str, Any] = {"head": True} if tiles is None else {"head": True, "tiles": tiles}
     try:
         model = _build(model_type, class_name)
     except Exception as error:
         return Outcome("no tiny model", _why(error))
     try:
-        remat.apply(copy.deepcopy(model), head=True)  # a refusal comes here, before any step
+        remat.apply(copy.deepcopy(model), **request)  # a refusal comes here, before any step
     except ValueError as error:
         return Outcome("refused", str(error))
     ids = torch.randint(3, VOCAB - 1, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -168,7 +171,8 @@ def check(model_type: str, class_name: str) -> Outcome:
     except Exception as error:
         return Outcome("no tiny model", "its own step: " + _why(error))
     try:
-        loss, grads = _step(remat.apply(model, head=True), ids, routed=True)
+        applied = remat.apply(model, **request)
+        loss, grads = _step(applied, ids, routed=True)
         _compare(expected, loss, grads)
     except remat.RematError as error:
         return Outcome("refused at step", str(error))
@@ -178,7 +182,8 @@ def check(model_type: str, class_name: str) -> Outcome:
         return Outcome("DIFFERS", str(error))
     except Exception as error:
         return Outcome("DIFFERS", "the routed step failed where the model's own ran: " + _why(error))
-    return Outcome("equal", str(loss.dtype).removeprefix("torch."))
+    tiled = "" if tiles is None else f", {len(remat.plan(applied).tiles)} modules tiled"
+    return Outcome("equal", str(loss.dtype).removeprefix("torch.") + tiled)
 
 
 def _compare(expected: tuple[torch.Tensor, dict[str, torch.Tensor]], loss: torch.Tensor,
@@ -218,21 +223,23 @@ def _quiet() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
 
 
-def sweep(names: Sequence[str] | None = None, progress: TextIO | None = None) -> dict[str, Outcome]:
-    """The outcome of every family named (default: all of them), in order."""
+def sweep(names: Sequence[str] | None = None, progress: TextIO | None = None,
+          tiles: int | None = None) -> dict[str, Outcome]:
+    """The outcome of every family named (default: all of them), in order; `tiles` adds `tiles=` to the request."""
     every = families()
     results: dict[str, Outcome] = {}
     for name in names or list(every):
         with _quiet():
-            results[name] = check(name, every[name])
+            results[name] = check(name, every[name], tiles)
         if progress is not None:
             print(f"{name:28s} {results[name].kind}", file=progress, flush=True)
     return results
 
 
-def format_sweep(results: dict[str, Outcome], width: int = 160) -> str:
+def format_sweep(results: dict[str, Outcome], width: int = 160, tiles: int | None = None) -> str:
     counts = collections.Counter(outcome.kind for outcome in results.values())
-    lines = [f"remat.apply(model, head=True) on {len(results)} causal LM families of transformers "
+    request = "head=True" if tiles is None else f"head=True, tiles={tiles}"
+    lines = [f"remat.apply(model, {request}) on {len(results)} causal LM families of transformers "
              f"{_transformers().__version__} (tiny configs; float64 where the model allows)"]
     for name, outcome in results.items():
         lines.append(f"  {name:28s} {outcome.kind:16s} {outcome.detail}"[:width])
@@ -245,9 +252,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.head_families", description=__doc__.split("\n")[0])
     parser.add_argument("--family", action="append", help="a model type (repeatable); default: every family")
     parser.add_argument("--progress", action="store_true", help="print each family's outcome as it comes")
+    parser.add_argument("--tiles", type=int, help="also tile the blocks' token-wise modules in this many tiles")
     args = parser.parse_args(argv)
-    results = sweep(args.family, sys.stderr if args.progress else None)
-    print(format_sweep(results), file=out or sys.stdout)
+    results = sweep(args.family, sys.stderr if args.progress else None, args.tiles)
+    print(format_sweep(results, tiles=args.tiles), file=out or sys.stdout)
     return 1 if any(outcome.kind == "DIFFERS" for outcome in results.values()) else 0
 
 
