@@ -65,6 +65,9 @@ __all__ = ["spans", "tiles"]
 #    transformer's MLP after its norm keeps the norm's input, not the norm's output too). Gradients reach the
 #    earlier input and both functions' reads through the chained call; the earlier call's node gets gradients
 #    only from other users of its output, if it has any.
+# 8. More tensors of `x`'s positions (`along`: the same sizes up to `dim`; Bloom's MLP takes the residual) are
+#    tiled with it: each tile calls fn on the tile of each, they are kept as `x` is (rule 3), and their gradients
+#    are made tile by tile as `x`'s. Such a call does not chain (rule 7).
 #
 # Implementation notes:
 # 1. (rule 2) Which tensors fn reads is seen on the first tile, which forward runs under a dispatch mode that
@@ -105,9 +108,9 @@ def spans(length: int, count: int) -> list[tuple[int, int]]:
 
 
 class _Reads(Mode):
-    """Notes every tensor requiring grad that an op reads, other than the tiled input (implementation note 1)."""
+    """Notes every tensor requiring grad that an op reads, other than the tiled inputs (implementation note 1)."""
 
-    def __init__(self, skip: torch.Tensor) -> None:
+    def __init__(self, skip: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
         self.skip = skip
         self.found: dict[int, torch.Tensor] = {}
@@ -119,7 +122,7 @@ class _Reads(Mode):
         for item in tree_leaves((args, kwargs)):
             if isinstance(item, torch.Tensor) and item.requires_grad:
                 base = item._base if item._base is not None else item
-                if base is not self.skip:
+                if not any(base is tiled for tiled in self.skip):
                     self.found.setdefault(id(base), base)
         return func(*args, **(kwargs or {}))
 
@@ -163,11 +166,11 @@ class _TileSpec:
 
     __slots__ = ("autocast", "devices", "dim", "fn", "kept", "reads", "rng", "site", "spans")
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], dim: int, cuts: list[tuple[int, int]],
-                 site: str, kept: _KeptTile, devices: tuple[torch.device, ...]) -> None:
-        self.fn: Callable[[torch.Tensor], torch.Tensor] | None = fn
+    def __init__(self, fn: Callable[..., torch.Tensor], dim: int, cuts: list[tuple[int, int]],
+                 site: str, kept: tuple[_KeptTile, ...], devices: tuple[torch.device, ...]) -> None:
+        self.fn: Callable[..., torch.Tensor] | None = fn
         self.dim, self.spans, self.site = dim, cuts, site
-        self.kept: _KeptTile | None = kept
+        self.kept: tuple[_KeptTile, ...] | None = kept  # the tiled inputs: `x`, then `along`'s
         self.devices = devices
         self.rng = RngStash.capture(devices)
         self.autocast = AutocastState.capture(devices)
@@ -188,7 +191,7 @@ def _release_when_freed(ctx: Any) -> None:
 
 
 def tiles(
-    fn: Callable[[torch.Tensor], torch.Tensor],
+    fn: Callable[..., torch.Tensor],
     x: torch.Tensor,
     dim: int,
     count: int,
@@ -196,38 +199,43 @@ def tiles(
     site: str,
     module: nn.Module | None = None,
     chain: bool = True,
+    along: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
-    """`fn(x)` computed over `count` tiles of `x` along `dim` (NOTE [ Tiles ]); `dim` is non-negative.
+    """`fn(x, *along)` computed over `count` tiles of `x` along `dim` (NOTE [ Tiles ]); `dim` is non-negative.
 
     `module`: the module fn belongs to, whose parameters' devices the RNG state covers. `chain`: whether a later
     tiled call may run fn again as part of its own (rule 7; not where fn's parameters exist only inside its call).
+    `along`: more tensors of `x`'s positions, tiled with it (rule 8).
 
     >>> lin = torch.nn.Linear(4, 4)
     >>> x = torch.randn(2, 6, 4, requires_grad=True)
     >>> torch.testing.assert_close(tiles(lin, x, 1, 3, site="lin"), lin(x))
     """
-    found = _earlier(x, dim) if torch.is_grad_enabled() else None
+    found = _earlier(x, dim) if torch.is_grad_enabled() and not along else None
     _last.made = None  # this call is the one just before the next (rule 7)
     if found is not None:  # rule 7
         earlier, first_fn, x = found
         fn, site = functools.partial(_one_after_other, first_fn, fn), f"{earlier.site} then {site}"
+    xs = (x, *along)
     cuts = spans(x.shape[dim], count)
     start, length = cuts[0]
-    part = _tile(x.detach(), dim, start, length)  # without a graph: not one of fn's reads (a copy, if not contiguous)
+    # without a graph: not one of fn's reads (a copy, if not contiguous)
+    tile = [_tile(t.detach(), dim, start, length) for t in xs]
     if not torch.is_grad_enabled():
-        first = fn(part)
-        _check_tile(first, part, dim, site, 0)
-        return _rest(fn, x, first, dim, cuts, site)
-    kept = _KeptTile(x)  # rule 3: before any tile runs
-    spec = _TileSpec(fn, dim, cuts, site, kept, devices_of((x,), module))
-    with torch.no_grad(), _Reads(x._base if x._base is not None else x) as reads:
-        first = fn(part)
-    _check_tile(first, part, dim, site, 0)
+        first = fn(*tile)
+        _check_tile(first, tile[0], dim, site, 0)
+        return _rest(fn, xs, first, dim, cuts, site)
+    kept = tuple(_KeptTile(t) for t in xs)  # rule 3: before any tile runs
+    spec = _TileSpec(fn, dim, cuts, site, kept, devices_of(xs, module))
+    with torch.no_grad(), _Reads(tuple(t._base if t._base is not None else t for t in xs)) as reads:
+        first = fn(*tile)
+    _check_tile(first, tile[0], dim, site, 0)
+    del tile
     spec.reads = tuple(reads.found.values())
-    if not x.requires_grad and not spec.reads:  # nothing to differentiate: the rest as without grad
-        return _rest(fn, x, first, dim, cuts, site)
-    out: torch.Tensor = _TilesFunction.apply(spec, x, first, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
-    if chain and found is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
+    if not any(t.requires_grad for t in xs) and not spec.reads:  # nothing to differentiate: as without grad
+        return _rest(fn, xs, first, dim, cuts, site)
+    out: torch.Tensor = _TilesFunction.apply(spec, first, *xs, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
+    if chain and not along and found is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
         _last.made = _Made(fn, x, out, dim, site, spec.devices, spec.autocast)
     return out
 
@@ -308,36 +316,37 @@ def _check_tile(out: Any, part: torch.Tensor, dim: int, site: str, index: int) -
         )
 
 
-def _rest(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, first: torch.Tensor, dim: int,
+def _rest(fn: Callable[..., torch.Tensor], xs: Sequence[torch.Tensor], first: torch.Tensor, dim: int,
           cuts: list[tuple[int, int]], site: str) -> torch.Tensor:
     """The whole output, from the first tile's and the others computed now (without a graph)."""
     if len(cuts) == 1:
         return first
     shape = list(first.shape)
-    shape[dim] = x.shape[dim]
+    shape[dim] = xs[0].shape[dim]
     out = first.new_empty(shape)
     out.narrow(dim, 0, first.shape[dim]).copy_(first)
     del first
     with torch.no_grad():  # the first tile ran already; an estimate on fake tensors runs a few: NOTE [ Counted once ]
-        for index, (start, length) in parts(list(enumerate(cuts)), x, even=_even(cuts))[1:]:
-            part = _tile(x, dim, start, length)
-            piece = fn(part)
-            _check_tile(piece, part, dim, site, index)
+        for index, (start, length) in parts(list(enumerate(cuts)), xs[0], even=_even(cuts))[1:]:
+            tile = [_tile(t, dim, start, length) for t in xs]
+            piece = fn(*tile)
+            _check_tile(piece, tile[0], dim, site, index)
             out.narrow(dim, start, length).copy_(piece)
             del piece
     return out
 
 
 class _TilesFunction(torch.autograd.Function):
-    """The tiles as one autograd node: inputs `x`, the first tile's output (no gradient), the tensors fn reads."""
+    """The tiles as one autograd node: inputs the first tile's output (no gradient), the tiled inputs (`x`, then
+    `along`'s) and the tensors fn reads."""
 
     @staticmethod
-    def forward(ctx: Any, spec: _TileSpec, x: torch.Tensor, first: torch.Tensor, *reads: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, spec: _TileSpec, first: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.spec = spec
         ctx.set_materialize_grads(False)
         ctx.save_for_backward()  # none, but autograd marks them freed after a backward without `retain_graph`
-        assert spec.fn is not None
-        return _rest(spec.fn, x, first, spec.dim, spec.spans, spec.site)
+        assert spec.fn is not None and spec.kept is not None
+        return _rest(spec.fn, tensors[:len(spec.kept)], first, spec.dim, spec.spans, spec.site)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -352,52 +361,59 @@ class _TilesFunction(torch.autograd.Function):
         if keeps is None:  # not known: implementation note 4
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_release_when_freed, ctx))
         begun = time.perf_counter()
-        x = spec.kept.get(spec.site)
-        grads = _differentiate(spec, x, grad, wanted[1], wanted[3:])
-        del x
+        tiled = len(spec.kept)
+        xs = [kept.get(spec.site) for kept in spec.kept]
+        grads = _differentiate(spec, xs, grad, wanted[2:2 + tiled], wanted[2 + tiled:])
+        del xs
         if keeps is False:  # no backward can come again: free what forward kept now, as autograd frees its own
             spec.release()
         _stats.add_recompute(time.perf_counter() - begun)
-        return (None, grads[0], None, *grads[1:])
+        return (None, None, *grads)
 
 
-def _differentiate(spec: _TileSpec, x: torch.Tensor, grad: torch.Tensor, x_wanted: bool,
+def _differentiate(spec: _TileSpec, xs: Sequence[torch.Tensor], grad: torch.Tensor, xs_wanted: Sequence[bool],
                    reads_wanted: Sequence[bool]) -> list[torch.Tensor | None]:
-    """The gradients of `x` and of the reads, tile by tile (NOTE [ Tiles ], rules 2, 4 and 6)."""
+    """The gradients of the tiled inputs and of the reads, tile by tile (NOTE [ Tiles ], rules 2, 4, 6 and 8)."""
     create = torch.is_grad_enabled()  # a second derivative: every tile's graph is kept
     dim, cuts = spec.dim, spec.spans
     fn = spec.fn
     assert fn is not None
     reads = [t for t, want in zip(spec.reads, reads_wanted, strict=True) if want]
     sums: list[torch.Tensor | None] = [None] * len(reads)
-    grad_x: torch.Tensor | None = x.new_empty(x.shape) if x_wanted and not create else None
-    pieces: list[torch.Tensor] = []
+    wanted = [i for i, want in enumerate(xs_wanted) if want]
+    # each wanted input's gradient, written a tile at a time; with `create`, its tiles' pieces, joined at the end
+    grads_x: list[torch.Tensor | None] = [None if create else xs[i].new_empty(xs[i].shape) for i in wanted]
+    pieces: list[list[torch.Tensor]] = [[] for _ in wanted]
     every = list(enumerate(cuts))
     caller_rng = spec.rng.swap_in()
     try:
-        tiles = every if create else parts(every, x, even=_even(cuts))  # NOTE [ Counted once ]
+        tiles = every if create else parts(every, xs[0], even=_even(cuts))  # NOTE [ Counted once ]
         with AutocastState.kept_casts(spec.autocast):  # rule 4: each weight cast once for all the tiles
             for index, (start, length) in tiles:
-                part = _tile(x, dim, start, length).detach().requires_grad_(x_wanted)
+                tile = [_tile(x, dim, start, length).detach().requires_grad_(want)
+                        for x, want in zip(xs, xs_wanted, strict=True)]
                 with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
-                    out = fn(part)
-                _check_tile(out, part, dim, spec.site, index)
+                    out = fn(*tile)
+                _check_tile(out, tile[0], dim, spec.site, index)
                 _stats.add_tile()
-                inputs = ([part] if x_wanted else []) + reads
+                inputs = [tile[i] for i in wanted] + reads
                 if not out.requires_grad or not inputs:
                     made: Sequence[torch.Tensor | None] = [None] * len(inputs)
                 else:
                     made = torch.autograd.grad(out, inputs, grad.narrow(dim, start, length), allow_unused=True,
                                                create_graph=create)
                 del out
-                if x_wanted:
-                    piece = made[0] if made[0] is not None else torch.zeros_like(part)
-                    if grad_x is not None:
-                        grad_x.narrow(dim, start, length).copy_(piece)
+                for slot, i in enumerate(wanted):
+                    got = made[slot]
+                    piece = got if got is not None else torch.zeros_like(tile[i])
+                    whole = grads_x[slot]
+                    if whole is not None:
+                        whole.narrow(dim, start, length).copy_(piece)
                     else:
-                        pieces.append(piece)
-                    del piece
-                    made = made[1:]
+                        pieces[slot].append(piece)
+                    del got, piece, whole
+                del tile
+                made = made[len(wanted):]
                 for slot, g in enumerate(made):
                     if g is None:
                         continue
@@ -412,8 +428,9 @@ def _differentiate(spec: _TileSpec, x: torch.Tensor, grad: torch.Tensor, x_wante
                 g = total = None  # the last tile's gradient would sit beside the next tile's
     finally:
         caller_rng.apply()
-    if x_wanted and grad_x is None:
-        grad_x = torch.cat(pieces, dim)
+    joined = iter(whole if whole is not None else torch.cat(tiles_of, dim)
+                  for whole, tiles_of in zip(grads_x, pieces, strict=True))
     out_reads = iter(None if s is None else s.to(t.dtype) for s, t in zip(sums, reads, strict=True))
-    return [grad_x, *(next(out_reads) if want else None for want in reads_wanted)]
+    return [*(next(joined) if want else None for want in xs_wanted),
+            *(next(out_reads) if want else None for want in reads_wanted)]
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._core import switch as _switch
-from .._core.errors import RematError, alive
+from .._core.errors import alive
 from .._core.public import claim
 from .._engine.compiled import SiteForward, compiling, warn_once
 from .._engine.tiles import tiles
@@ -37,10 +37,10 @@ _M = TypeVar("_M", bound=nn.Module)
 #    convolutions and pools over more than one position, norms over positions (batch, instance and group norms),
 #    and mixtures of experts, whose routing may see all tokens (capacity, load balancing): a module with a
 #    submodule named `experts` or a `MoE`, `Moe`, `Router` or `Sparse` class name (a transformers class named
-#    without its family: Qwen2-MoE's `Qwen2MoeRMSNorm` is a norm). Other arguments go whole to each tile, so a
-#    module whose forward needs another tensor (annotated so: Bloom's and MPT's MLPs take the residual) is not
-#    tiled, and a tensor of the input's positions among a tiled call's other arguments is refused on the call. A
-#    tile's output must also keep the tile's positions, which is checked on every call.
+#    without its family: Qwen2-MoE's `Qwen2MoeRMSNorm` is a norm). A tile's output must also keep the tile's
+#    positions, which is checked on every call. The call's other arguments go whole to each tile, except tensors of
+#    the input's positions (as many dimensions, the same sizes up to the tiled one: Bloom's and MPT's MLPs take
+#    the residual), which are tiled with it: handed whole, they could not line up with a tile.
 # 2. By default the modules tiled in a block (a Hugging Face decoder layer) are its feed-forward modules as
 #    transformers names them (`TILED_NAMES`: `mlp`, `feed_forward`, `ffn`, ...), the outermost in the block, and
 #    the norms that are the block's own children (`input_layernorm`, `ln_1`, ...: a norm keeps its normalized
@@ -168,26 +168,10 @@ def _gathers(module: nn.Module) -> str | None:
     return None
 
 
-def _more_tensors(module: nn.Module) -> str | None:
-    """Why `module` cannot be tiled whole where its forward needs a tensor besides the one to tile (Bloom's and MPT's
-    MLPs take the residual: NOTE [ What is tiled ], rule 1), or None. Read from the forward's signature: the
-    parameters after the first without a default, annotated as tensors."""
-    try:
-        parameters = list(inspect.signature(module.forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return None
-    more = [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-            and p.annotation in (torch.Tensor, "torch.Tensor", "Tensor")]
-    if not more:
-        return None
-    return (f"its forward takes {', '.join(f'`{name}`' for name in more)} besides the tensor to tile: tiles hand "
-            "every other argument whole to each tile, where a tensor of the same positions would not line up")
-
-
 def _refuse(module: nn.Module | None, site: str) -> None:
     if module is None:
         return
-    why = not_token_wise(module) or _more_tensors(module)
+    why = not_token_wise(module)
     if why is not None:
         raise ValueError(f"remat: `{site}` cannot run in tiles: {why}. Tile only token-wise modules (an MLP, a "
                          "norm): those whose output at a position depends only on that position's input.")
@@ -213,30 +197,39 @@ def _tiled_call(fn: Callable[..., torch.Tensor], x: Any, args: tuple[Any, ...], 
         warn_once(f"tiles:{site}", f"remat: the tiled `{site}` runs untiled under torch.compile (its backward "
                   "calls autograd, which dynamo does not trace); its intermediates are not tiled there.")
         return fn(x, *args, **kwargs)
-    _check_rest(x, axis, args, kwargs, site)
-    call = fn if not args and not kwargs else functools.partial(_with_rest, fn, args, kwargs)
+    # tensors of the input's positions among the other arguments are tiled with it (NOTE [ What is tiled ], rule 1);
+    # the call holds the rest, never them (they are kept as the tiled input is: NOTE [ Tiles ], rule 3)
+    keys = [i for i, a in enumerate(args) if _positions_of(a, x, axis)]
+    names = [k for k, v in kwargs.items() if _positions_of(v, x, axis)]
+    along = tuple(args[i] for i in keys) + tuple(kwargs[k] for k in names)
+    if along:
+        args = tuple(None if i in keys else a for i, a in enumerate(args))
+        kwargs = {k: None if k in names else v for k, v in kwargs.items()}
+    call = fn if not args and not kwargs else functools.partial(_with_rest, fn, args, kwargs, (*keys, *names))
     # a module whose own hooks gather its parameters (ZeRO-3, FSDP2 on it) has them only inside its own call: a
     # later tiled call may not run it again (NOTE [ Tiles ], rule 7)
-    return tiles(call, x, axis, count, site=site, module=module, chain=module is None or _gathers(module) is None)
+    return tiles(call, x, axis, count, site=site, module=module, chain=module is None or _gathers(module) is None,
+                 along=along)
 
 
-def _check_rest(x: torch.Tensor, axis: int, args: tuple[Any, ...], kwargs: dict[str, Any], site: str) -> None:
-    """Refuse a tensor of the input's positions among the other arguments: handed whole to each tile, it would not
-    line up with the tile (a call that fails on its first tile, or worse)."""
-    named = [(f"argument {i + 2}", a) for i, a in enumerate(args)] + [(f"`{k}`", v) for k, v in kwargs.items()]
-    for name, value in named:
-        if isinstance(value, torch.Tensor) and value.dim() == x.dim() and value.shape[:axis + 1] == x.shape[:axis + 1]:
-            raise RematError(
-                f"remat: the tiled `{site}` was called with {name}, a tensor of the same positions as its input "
-                f"(shape {list(value.shape)}, positions along dimension {axis}): tiles hand every argument but the "
-                "input whole to each tile, where it would not line up with the tile. Tile a module or function "
-                "whose forward takes the positions in one tensor (Bloom's and MPT's MLPs take the residual too)."
-            )
+def _positions_of(value: object, x: torch.Tensor, axis: int) -> bool:
+    """Whether `value` is a tensor of `x`'s positions: as many dimensions, the same sizes up to `axis` included."""
+    return isinstance(value, torch.Tensor) and value.dim() == x.dim() and value.shape[:axis + 1] == x.shape[:axis + 1]
 
 
 def _with_rest(fn: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any],
-               part: torch.Tensor) -> torch.Tensor:
-    return fn(part, *args, **kwargs)
+               where: tuple[int | str, ...], part: torch.Tensor, *tiled: torch.Tensor) -> torch.Tensor:
+    """`fn(part, *args, **kwargs)` with the tiles of the tensors of the input's positions put back `where` they were
+    (an index of `args`, a key of `kwargs`)."""
+    if not tiled:
+        return fn(part, *args, **kwargs)
+    rest, named = list(args), dict(kwargs)
+    for key, tile in zip(where, tiled, strict=True):
+        if isinstance(key, int):
+            rest[key] = tile
+        else:
+            named[key] = tile
+    return fn(part, *rest, **named)
 
 
 _NOTHING: Any = object()
@@ -270,8 +263,9 @@ def tiled(fn: Any, x: Any = _NOTHING, /, *args: Any, tiles: int, dim: int = -2, 
     warning); with `REMAT=0`, it is the plain call.
 
     Args:
-        fn: a module, or any callable of the tensor to tile (and of `args`, `kwargs`, passed whole to every tile:
-            a tensor of the input's positions among them is refused).
+        fn: a module, or any callable of the tensor to tile (and of `args`, `kwargs`, passed whole to every tile,
+            except tensors of the input's positions: as many dimensions and the same sizes up to `dim`, tiled with
+            it, as Bloom's MLP takes the residual).
         x: the tensor to tile; leave it out to tile the module `fn` in place.
         tiles: how many tiles (at most one per position).
         dim: the dimension of positions in `x` (default -2: ``(..., positions, features)``).
@@ -281,10 +275,9 @@ def tiled(fn: Any, x: Any = _NOTHING, /, *args: Any, tiles: int, dim: int = -2, 
 
     Raises:
         ValueError: `tiles` is not a positive int, `x` has no dimension `dim`, or `fn` is a module remat can tell
-            is not token-wise, whose forward needs another tensor, or that holds a module sharded by FSDP2.
+            is not token-wise (or holds a module sharded by FSDP2).
         TypeError: `x` is not a tensor, or `fn` returns something else than one tensor.
-        RematError: a tile's output does not keep the tile's positions along `dim`, or a tensor of the input's
-            positions is among the other arguments.
+        RematError: a tile's output does not keep the tile's positions along `dim`.
 
     >>> import torch, remat
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
@@ -514,8 +507,8 @@ def tile_blocks(blocks: Sequence[tuple[str, nn.Module]], tiles: int, *, dim: int
                 continue
             chosen.append(name)
             full = f"{block_name}.{name}" if block_name else name
-            why = not_token_wise(module) or _more_tensors(module) or (
-                None if _sharded_inside(module) is None else "a module inside it is sharded by FSDP2")
+            why = not_token_wise(module) or (None if _sharded_inside(module) is None else
+                                             "a module inside it is sharded by FSDP2")
             if why is not None:
                 if where is not None:
                     _refuse(module, full)

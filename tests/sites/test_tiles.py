@@ -645,19 +645,40 @@ class ResidualMLP(nn.Module):
         return self.mlp(x) + residual
 
 
-def test_a_tensor_of_the_inputs_positions_beside_it_is_refused_not_handed_whole_to_each_tile() -> None:
-    """Before, Bloom's and MPT's MLPs were tiled by `apply(tiles=...)` and their first step failed on a shape."""
-    with pytest.raises(ValueError, match="takes `residual` besides the tensor to tile"):
-        remat.tiled(ResidualMLP(), tiles=2)
+@pytest.mark.parametrize("strategy", ["plain", "rerun"])
+def test_tensors_of_the_inputs_positions_beside_it_are_tiled_with_it(strategy: str) -> None:
+    """Bloom's and MPT's MLPs take the residual, a second tensor of the same positions: it is tiled with the input
+    (handed whole, the first step failed on a shape), its gradient made tile by tile, and kept as the input is."""
+
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.mlp = nn.Linear(WIDTH, WIDTH), ResidualMLP()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(torch.tanh(x), residual=self.inner(x))
+
+    def tiled(model: nn.Module) -> nn.Module:
+        remat.tiled(model.mlp, tiles=3, dim=1)
+        return remat.remat(model) if strategy == "rerun" else model
+
+    before = _stats.tiles
+    assert_same_grads(Residual, inputs(), tiled, expect_recompute=strategy == "rerun")
+    assert _stats.tiles - before == 3
     block = Block()
     block.mlp = ResidualMLP()  # type: ignore[assignment]
-    report = tile_blocks([("b", block)], 2)
-    assert report.tiled == ("b.norm",) and "takes `residual`" in dict(report.skipped)["b.mlp"]
-    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
-    with pytest.raises(remat.RematError, match="called with argument 2, a tensor of the same positions"):
-        remat.tiled(lambda t, r: t + r, x, x * 2, dim=1, tiles=3)
-    with pytest.raises(remat.RematError, match="called with `residual`, a tensor of the same positions"):
-        remat.tiled(lambda t, residual: t + residual, x, residual=x * 2, dim=1, tiles=3)
+    assert tile_blocks([("b", block)], 2).tiled == ("b.norm", "b.mlp")
+    x, r = inputs()[0], torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    scale = torch.randn(WIDTH, requires_grad=True)
+
+    def fn(t: torch.Tensor, scale: torch.Tensor, r: torch.Tensor, *, also: torch.Tensor) -> torch.Tensor:
+        assert r.shape == t.shape == also.shape and scale.shape == (WIDTH,), "each tile of r, all of scale"
+        return t * scale + r.sin() * also
+
+    expected = torch.autograd.grad(fn(x, scale, r, also=r * 2).square().sum(), (x, scale, r))
+    got = torch.autograd.grad(remat.tiled(fn, x, scale, r, also=r * 2, dim=1, tiles=4).square().sum(), (x, scale, r))
+    for want, have in zip(expected, got, strict=True):
+        torch.testing.assert_close(have, want)
 
 
 # -- the token-wise modules of blocks -----------------------------------------------------------------------

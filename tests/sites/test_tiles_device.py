@@ -117,3 +117,31 @@ def test_per_block_offload_takes_the_block_inputs_off_the_device() -> None:
     block_input = SEQ * WIDTH * 8
     assert kept_on_device - offloaded >= (LAYERS - 2) * block_input, (kept_on_device, offloaded)
     assert host == 0, "the host copies are not the device's memory"
+
+
+class BloomLoss(Loss):
+    """Bloom, whose MLP takes the residual as a second tensor of the same positions (tiled with its input:
+    NOTE [ Tiles ], rule 8)."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        config = transformers.BloomConfig(n_layer=LAYERS, hidden_size=WIDTH, n_head=4, vocab_size=VOCAB,
+                                          hidden_dropout=0.0, attention_dropout=0.0)
+        self.model = transformers.BloomForCausalLM(config).double()
+        self.routed = False
+
+
+def test_an_mlp_that_takes_the_residual_runs_in_tiles_with_the_head_and_per_block_offload() -> None:
+    before, tiles = _transfer.traffic(), _stats.tiles
+
+    def variant(target: Loss) -> Loss:
+        remat.apply(target.model, head=True, offload=True)
+        assert tile_blocks(find_blocks(target.model), TILES).tiled[:3] == (
+            "transformer.h.0.input_layernorm", "transformer.h.0.post_attention_layernorm", "transformer.h.0.mlp")
+        target.routed = True
+        return target
+
+    assert_same_on_device(lambda: BloomLoss().to(D0), (ids(),), variant)
+    # per layer: the two norms, and the MLP with its residual (which does not chain onto the norm)
+    assert _stats.tiles - tiles == 3 * LAYERS * TILES
+    assert _transfer.traffic().out_bytes - before.out_bytes >= LAYERS * SEQ * WIDTH * 8
