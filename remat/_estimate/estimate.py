@@ -28,7 +28,7 @@ from .._measure.fake import resolve_device
 from .._measure.host_offload import HostOffload
 from .._sites import targets as _targets
 from .._sites.integrations import engine_of
-from .largest_batch import searches
+from .largest_batch import position_table, searches
 from .long_sequences import split_extras, with_extras
 from .predict import OPTIMIZERS, Configured, OptimizerLike, Refine, predict
 from .report import EstimateReport
@@ -194,7 +194,9 @@ def estimate(
         memory: with `batch_dim` and/or `seq_dim`, the device memory (bytes, or a string such as "80GiB") to
             fit: each configuration also gets the largest batch size (`largest_batch`, along `batch_dim` of the
             sample's tensors) and sequence length (`largest_seq`, along `seq_dim`, at the sample's batch size)
-            whose device peak fits in it (less `headroom`), found by bisection on fake tensors.
+            whose device peak fits in it (less `headroom`), found by bisection on fake tensors. Where the model
+            holds a table of learned positions (GPT-2's `wpe`), the report's `positions` names it, and its text
+            says when a `largest_seq` is more than the model can take.
         batch_dim, seq_dim: the dimension of the sample's tensors that is the batch, the sequence.
         headroom: with `memory`, what of it to leave to the device's allocator, as for `remat.apply(memory=)`: a
             fraction of `memory` or bytes; by default 0.1 where the device's allocator caches (CUDA), else 0.
@@ -254,7 +256,8 @@ def estimate(
                          refine=refine, engine=engine_of(model), jobs=jobs)  # one rank's, under DeepSpeed
     if refine is None:
         return report
-    return dataclasses.replace(report, memory=parse_memory(memory, "estimate's `memory`"), headroom=room)
+    return dataclasses.replace(report, memory=parse_memory(memory, "estimate's `memory`"), headroom=room,
+                               positions=position_table(model) if seq_dim is not None else None)
 
 
 def _per_rank(model: nn.Module, sample: Any, loss: Callable[[Any], torch.Tensor] | None, optimizer: OptimizerLike,

@@ -10,7 +10,9 @@ Rules:
    optimizer's state is made once.
 2. The answer is checked: the size fits and the next one up does not. A size whose planner refuses its budget
    (a refused row) does not fit. Sizes are capped at `CAP`.
-3. With ``seq_dim`` the same search runs along the sequence at the sample's batch size.
+3. With ``seq_dim`` the same search runs along the sequence at the sample's batch size. Its answer is the memory's
+   alone: where the model holds a table of learned positions (`position_table`: GPT-2's `wpe`), a longer
+   sequence cannot run, and the report says so beside an answer above it.
 
 4. Where the step's peak is affine in the size (wherever no tensor grows with its square: attention that keeps
    no sequence x sequence tensor, no materialized mask), a few estimates give the answer, not a search: each phase's
@@ -75,6 +77,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from .._core.errors import BudgetError
 from .._core.torch_compat import tree_leaves
@@ -85,7 +88,8 @@ from .predict import Configured, Refine, Rerun
 from .report import ConfigEstimate
 
 __all__ = [
-    "AGREE", "CAP", "DEPTHS", "ROUNDS", "TOLERANCE", "largest", "largest_sizes", "resized", "searches", "size_along",
+    "AGREE", "CAP", "DEPTHS", "ROUNDS", "TOLERANCE", "largest", "largest_sizes", "position_table", "resized",
+    "searches", "size_along",
 ]
 
 CAP = 1 << 20
@@ -104,6 +108,34 @@ DEPTHS = (2, 3)
 AGREE = 1e-4
 """How far the cut models' phase peaks at the sample's size may be from the whole model's, as a share of its peak,
 for the cut models to be tried (rule 5)."""
+
+
+_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions", "positions_embed", "position_embedding",
+                    "pos_embed", "pos_emb")
+"""The names transformers (and GPT-like code) give a table of learned positions."""
+
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "n_ctx")
+
+
+def position_table(model: nn.Module) -> tuple[str, int] | None:
+    """The model's table of learned positions and how many positions it holds, or None (rotary, relative or no
+    positions: no table bounds the sequence). Its rows, or fewer where the model's config says so (OPT's table has
+    two rows more than its `max_position_embeddings`).
+
+    >>> class GPT(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.wte, self.wpe = nn.Embedding(50, 8), nn.Embedding(16, 8)
+    >>> position_table(GPT())
+    ('wpe', 16)
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES:
+            rows = module.num_embeddings
+            config = getattr(model, "config", None)
+            said = [getattr(config, key, None) for key in _POSITION_LIMITS]
+            return name, min([rows, *(n for n in said if isinstance(n, int) and not isinstance(n, bool) and n > 0)])
+    return None
 
 
 def resized(sample: Any, dim: int, old: int, new: int) -> Any:

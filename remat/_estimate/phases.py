@@ -232,7 +232,8 @@ def where_it_peaks(tracker: PhaseTracker, base: int, model: nn.Module, params: S
     return phase, phases, fold(held)
 
 
-def peak_lines(rows: Sequence[Any], memory: int | None, headroom: int = 0) -> list[str]:
+def peak_lines(rows: Sequence[Any], memory: int | None, headroom: int = 0,
+               positions: tuple[str, int] | None = None) -> list[str]:
     """The lines under an estimate's table: where each configuration peaks and who holds the bytes there, what
     remat frees when the optimizer step sets the peak, what holding on to the model's output adds, which
     configurations were refused, and the largest batches that fit in ``memory``."""
@@ -261,11 +262,15 @@ def peak_lines(rows: Sequence[Any], memory: int | None, headroom: int = 0) -> li
     if memory is not None:
         for row in rows:
             room = f" ({format_bytes(headroom)} left to the allocator)" if headroom else ""
+            beyond = ""
+            if positions is not None and row.largest_seq is not None and row.largest_seq > positions[1]:
+                beyond = (f" (more than the {positions[1]} positions `{positions[0]}` holds: the model takes at "
+                          f"most {positions[1]})")
             if row.largest_batch is not None:
-                seq = f", sequence length {row.largest_seq}" if row.largest_seq is not None else ""
+                seq = f", sequence length {row.largest_seq}{beyond}" if row.largest_seq is not None else ""
                 fits = f"largest batch that fits in {format_bytes(memory)}{room}"
                 lines.append(f"{row.label}: {fits}: {row.largest_batch}{seq}")
             elif row.largest_seq is not None:
                 lines.append(f"{row.label}: longest sequence that fits in {format_bytes(memory)}{room} at the "
-                             f"sample's batch size: {row.largest_seq}")
+                             f"sample's batch size: {row.largest_seq}{beyond}")
     return lines

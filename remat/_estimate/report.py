@@ -130,6 +130,9 @@ class EstimateReport:
         memory: The memory the largest batch sizes were searched for, in bytes (None without ``memory=``).
         headroom: Bytes of ``memory`` left to the device's allocator: each largest size's step peaks within
             ``memory - headroom`` (NOTE [ The allocator's reserve ] in reserve.py).
+        positions: With ``seq_dim=``, the model's table of learned positions and how many it holds, ``(name,
+            count)``, where it has one (GPT-2's ``transformer.wpe``): a `largest_seq` above the count is what the
+            memory allows, not a sequence the model can take, and the table says so.
 
     Example:
         >>> import torch, remat
@@ -148,6 +151,7 @@ class EstimateReport:
     rows: tuple[ConfigEstimate, ...]
     memory: int | None = None
     headroom: int = 0
+    positions: tuple[str, int] | None = None
 
     def __getitem__(self, config: Any) -> ConfigEstimate:
         for row in self.rows:
@@ -173,6 +177,7 @@ class EstimateReport:
             "configs": [row.to_dict() for row in self.rows],
             "memory": self.memory,
             "headroom": self.headroom,
+            "positions": None if self.positions is None else list(self.positions),
         }
 
     def __str__(self) -> str:
@@ -191,7 +196,7 @@ class EstimateReport:
                      row[-1]]
             lines.append("  ".join(cells).rstrip())
         legend = [f"held for backward: {HELD_FOR_BACKWARD}", f"step peak: {STEP_PEAK}", f"device peak: {DEVICE_PEAK}"]
-        return "\n".join([*lines, *legend, *peak_lines(self.rows, self.memory, self.headroom)])
+        return "\n".join([*lines, *legend, *peak_lines(self.rows, self.memory, self.headroom, self.positions)])
 
 
 def _cell(row: ConfigEstimate, attr: str) -> str:

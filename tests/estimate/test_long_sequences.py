@@ -486,3 +486,40 @@ def test_an_estimate_of_a_model_remat_was_applied_to_is_the_fresh_models_and_lea
     assert all(a[:2] == b[:2] and len(a[2]) == len(b[2]) and all(x is y for x, y in zip(a[2], b[2], strict=True))
                for a, b in zip(after, hooks, strict=True))
     assert model(**sample).logits is None  # the user's head still routed
+
+
+
+class LearnedPositions(nn.Module):
+    """GPT-2's embeddings: a table of learned positions (`wpe`) bounds the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(96, 32), nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            h = h + block(h)
+        return h.square().mean()
+
+
+def test_a_longest_sequence_beyond_a_table_of_learned_positions_is_marked() -> None:
+    """A model with a table of 64 learned positions takes at most 64 tokens: the memory's longest sequence is
+    reported, and the text says the model cannot take it. Before, the estimate answered a length the model cannot
+    run (GPT-2 past `n_positions`), silently."""
+    report = remat.estimate(LearnedPositions(), torch.randint(0, 96, (1, 32)), configs=("full",), memory="16MiB",
+                            seq_dim=1)
+    assert report.positions == ("wpe", 64) and report.to_dict()["positions"] == ["wpe", 64]
+    longest = report["full"].largest_seq
+    assert longest is not None and longest > 64
+    assert (f"sample's batch size: {longest} (more than the 64 positions `wpe` holds: the model takes at most 64)"
+            in str(report))
+    transformers = pytest.importorskip("transformers")
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
+        num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2, vocab_size=96,
+        max_position_embeddings=48, word_embed_proj_dim=16))
+    assert _largest.position_table(opt) == ("model.decoder.embed_positions", 48)  # its table has 2 rows more
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=96))
+    assert _largest.position_table(llama) is None  # rotary: no table bounds the sequence
