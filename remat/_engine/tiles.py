@@ -251,12 +251,12 @@ class _Made:
         # the function, its input and the saved-tensor hooks in force, held until the output dies (implementation
         # note 4)
         self.held: list[Any] = [fn, x, top_saved_hooks(False)]
-        self.output = weakref.ref(out, functools.partial(_let_go, self.held))
+        self.output = weakref.ref(out, functools.partial(_drop_held, self.held))
         self.version, self.input_version = out._version, x._version
         self.autocast = None if autocast is None else autocast.key()
 
 
-def _let_go(held: list[Any], _: object) -> None:
+def _drop_held(held: list[Any], _: object) -> None:
     held.clear()
 
 
@@ -271,13 +271,13 @@ def _earlier(x: torch.Tensor, dim: int) -> tuple[_Made, Callable[[torch.Tensor],
     if made is None or not made.held or made.output() is not x or made.dim != dim or x._version != made.version:
         return None
     fn, earlier, hooks = made.held
-    if earlier._version != made.input_version or not _same(hooks, top_saved_hooks(False)):
+    if earlier._version != made.input_version or not _same_hooks(hooks, top_saved_hooks(False)):
         return None
     now = AutocastState.capture(made.devices)
     return (made, fn, earlier) if (None if now is None else now.key()) == made.autocast else None
 
 
-def _same(hooks: tuple[Any, Any] | None, now: tuple[Any, Any] | None) -> bool:
+def _same_hooks(hooks: tuple[Any, Any] | None, now: tuple[Any, Any] | None) -> bool:
     """Whether the same saved-tensor hooks are in force: the same site's forward, the same recompute, or none."""
     if hooks is None or now is None:
         return hooks is now
