@@ -88,8 +88,9 @@ class Assignment:
             return f"{seconds / base:+.1%}"
         return f"{seconds / base:.2f}x no remat's"
 
-    def summary(self) -> list[str]:
-        """Its figures as lines: predicted step peak and step time, and the two baselines'."""
+    def summary(self, carrying: str = "") -> list[str]:
+        """Its figures as lines: predicted step peak and step time, and the two baselines'. `carrying` names what
+        the model carried while it was planned (the head in chunks, tiles), which the baselines carry too."""
         lines = [
             f"predicted step peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget)}), "
             f"step time {self.time(self.step_time)}"
@@ -102,13 +103,15 @@ class Assignment:
         if self.missed:
             lines.append(f"re-planned after a measured step went over the budget: the prediction counts "
                          f"{format_bytes(self.missed)} it had missed")
+        with_ = f" (with {carrying})" if carrying else ""
         for label, figures in (("no remat", self.no_remat), ("full remat", self.full_remat)):
             if figures is not None:
-                lines.append(f"{label}: step peak {format_bytes(figures[0])}, step time {self.time(figures[1])}")
+                lines.append(f"{label}{with_}: step peak {format_bytes(figures[0])}, step time "
+                             f"{self.time(figures[1])}")
         lines.append(f"step peak: {STEP_PEAK}")
         if self.cost.priced:
-            lines.append("times are relative to no remat's step: planned on fake tensors, ops priced on a nominal "
-                         "device rather than timed on this one")
+            lines.append(f"times are relative to no remat's step{with_}: planned on fake tensors, ops priced on a "
+                         "nominal device rather than timed on this one")
         return lines
 
 

@@ -135,7 +135,9 @@ class ModelPlan:
             rows.append((name or "(model)", kind, choice, held, plan.time(extra, extra=True)))
         lines = [f"remat plan for {self.model}: {len(plan.cost)} blocks under a budget"]
         lines += aligned(rows)
-        lines += plan.summary()
+        carried = [what for what, on in (("the head in chunks", self.head is not None), ("the tiles", bool(self.tiles)))
+                   if on]
+        lines += plan.summary(" and ".join(carried))
         return "\n".join(lines)
 
 claim(__name__)  # its public names carry __module__ = "remat" (remat/_core/public.py)

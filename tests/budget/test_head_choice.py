@@ -70,6 +70,10 @@ def test_a_budget_only_the_chunked_head_makes_feasible_is_planned_not_refused() 
     model = remat.apply(copy.deepcopy(base), budget=budget, sample=batch())
     plan = remat.plan(model)
     assert plan.budget is not None and "chosen by the budget" in str(plan)
+    # the baselines were planned with the head: the table says so, where "no remat" alone would not be the step
+    # the fraction is of
+    assert "no remat (with the head in chunks): step peak" in str(plan)
+    assert "full remat (with the head in chunks): step peak" in str(plan)
     logits, peak, _ = trained(model)
     assert not logits
     assert peak <= 1.05 * plan.budget.budget, (peak, plan.budget.budget)
