@@ -82,7 +82,7 @@ from .._engine.rng import devices_of
 from .._engine.selective import SaveOps
 from .._measure import ddp as _ddp
 from .._measure.clock import clock_for, priced
-from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state, resolve_device
+from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state, note_fake_step, resolve_device
 from .._measure.hf_fake import real_masks
 from .._measure.loss import default_loss
 from .._measure.state import step_state
@@ -298,6 +298,7 @@ def _on_fake_twin(model: nn.Module, step: TrainingStep, measure: Callable[[Train
     except Exception as error:
         translated = data_dependent(error, type(model).__name__)
         if translated is None:
+            note_fake_step(error, "the budget's profile", f"`{type(model).__name__}`")
             raise
         if twin is not None:  # an engine's model is never profiled on a real step it would see
             raise translated from error

@@ -71,6 +71,7 @@ from .._measure.fake import (
     fake_mode,
     fake_sample,
     fake_state,
+    note_fake_step,
     run_on,
     stand_in,
     storage_bytes,
@@ -395,6 +396,7 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
     except Exception as error:
         translated = data_dependent(error, site)
         if translated is None:
+            note_fake_step(error, "remat.estimate", site)
             raise
         raise translated from error
     name = type(made).__name__ if made is not None else None

@@ -62,6 +62,7 @@ __all__ = [
     "counted_on",
     "run_on",
     "stand_in",
+    "FAKE_STEP",
     "FakeTracker",
     "FullShape",
     "allocator_bytes",
@@ -73,6 +74,7 @@ __all__ = [
     "NO_DEVICE",
     "local",
     "map_sample",
+    "note_fake_step",
     "resolve_device",
     "storage_bytes",
     "tensors_of",
@@ -272,6 +274,19 @@ DATA_DEPENDENT = (
     "`.tolist()` or `if tensor:` in forward, a mask multiplied in instead of `nonzero` or boolean indexing, "
     "an `attention_mask` left out when it is all ones), or measure a real run with `remat.measure`."
 )
+
+
+FAKE_STEP = (
+    "remat: raised while {what} ran {site} on fake tensors. A fake tensor's op runs torch's fake (meta) kernel, "
+    "which may refuse what the device's own kernel runs (aten._grouped_mm's asks for bfloat16 where the CPU's "
+    "takes float32); where the model runs for real, `remat.measure` measures a real step instead."
+)
+
+
+def note_fake_step(error: BaseException, what: str, site: str) -> None:
+    """Say on `error` (a note, where Python has them) that it was raised on fake tensors, and what that can mean."""
+    if hasattr(error, "add_note"):
+        error.add_note(FAKE_STEP.format(what=what, site=site))
 
 
 def data_dependent(error: Exception, site: str) -> RematError | None:

@@ -276,6 +276,44 @@ def test_data_dependent_ops_raise_a_clear_error(model: nn.Module, op: str) -> No
     assert list(model.parameters()) == params and all(type(p) is nn.Parameter for p in params)
 
 
+@torch.library.custom_op("remat_test::picky", mutates_args=())
+def _picky(x: torch.Tensor) -> torch.Tensor:
+    """A kernel whose fake kernel refuses what the real one runs, as torch's `aten._grouped_mm` refuses float32."""
+    return x.sin()
+
+
+@_picky.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("Expected inputs of BF16 type")
+
+
+_picky.register_autograd(lambda ctx, grad: grad * ctx.x.cos(),
+                         setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+
+
+class _Picky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = _picky(block(x))
+        return x
+
+
+def test_an_op_whose_fake_kernel_refuses_says_it_ran_on_fake_tensors() -> None:
+    """The error is torch's own, with a note that it came from fake tensors and what that can mean; the real step
+    runs. Before, a MoE model's `estimate` or `apply(budget=)` on the CPU ended in a bare `aten._grouped_mm` error."""
+    _Picky()(torch.randn(4, 8)).sum().backward()  # the real kernel runs
+    with pytest.raises(RuntimeError, match="BF16") as raised:
+        remat.estimate(_Picky(), torch.randn(4, 8), configs=("none",))
+    assert "remat: raised while remat.estimate ran `_Picky` on fake tensors" in "".join(raised.value.__notes__)
+    with pytest.raises(RuntimeError, match="BF16") as raised:
+        remat.apply(_Picky(), budget=0.5, sample=torch.randn(4, 8))
+    assert "remat: raised while the budget's profile ran `_Picky` on fake tensors" in "".join(raised.value.__notes__)
+
+
 def test_the_users_model_is_left_as_it_was() -> None:
     model = _stack()
     remat.remat(model[1], policy=remat.policies.save_matmuls)  # the user's own site
