@@ -62,7 +62,6 @@ __all__ = [
     "counted_on",
     "run_on",
     "stand_in",
-    "FAKE_STEP",
     "FakeTracker",
     "FullShape",
     "allocator_bytes",
@@ -276,7 +275,7 @@ DATA_DEPENDENT = (
 )
 
 
-FAKE_STEP = (
+_FAKE_STEP = (
     "remat: raised while {what} ran {site} on fake tensors. A fake tensor's op runs torch's fake (meta) kernel, "
     "which may refuse what the device's own kernel runs (aten._grouped_mm's asks for bfloat16 where the CPU's "
     "takes float32); where the model runs for real, `remat.measure` measures a real step instead."
@@ -286,7 +285,7 @@ FAKE_STEP = (
 def note_fake_step(error: BaseException, what: str, site: str) -> None:
     """Say on `error` (a note, where Python has them) that it was raised on fake tensors, and what that can mean."""
     if hasattr(error, "add_note"):
-        error.add_note(FAKE_STEP.format(what=what, site=site))
+        error.add_note(_FAKE_STEP.format(what=what, site=site))
 
 
 def data_dependent(error: Exception, site: str) -> RematError | None:
