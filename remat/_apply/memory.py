@@ -108,11 +108,14 @@ def _fit_memory(model: _M, request: MemoryRequest) -> _M:
         # reserve ], rule 2
         step = max(SEGMENT, math.ceil(STEP * total)) << attempt
         target = (min(target, reserved[1]) - (reserved[0] - total) if reserved is not None else target) - step
+        if row.peak_bytes > target:  # below full remat's own peak: no plan holds less
+            break
         _log.warning("remat: the plan for memory=%s %s in a real step; planning again for %s allocated.",
                      format_bytes(total), f"reserved {format_bytes(reserved[0])} on {device}" if reserved is not None
                      else f"ran out of memory on {device}", format_bytes(target))
-        if row.peak_bytes > target:
-            break
+    least = row.peak_bytes + total - target  # full remat's peak, with the last shortfall added
+    if reserved is not None:  # at most what the last plan reserved (a segment's rounding can outweigh the rest)
+        least = min(least, reserved[0])
     raise BudgetError(
         f"remat: a training step does not fit in memory={format_bytes(total)} on {device}: "
         f"{'the plan that holds least still ' if row.peak_bytes <= target else 'the last plan '}"
@@ -121,7 +124,7 @@ def _fit_memory(model: _M, request: MemoryRequest) -> _M:
         "allocator reserves "
         "above what tensors take counts: NOTE [ The allocator's reserve ]). Give more memory, a smaller batch, or "
         "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to waste less.",
-        least_bytes=max(total + 1, row.peak_bytes + total - target),
+        least_bytes=max(total + 1, least),
     )
 
 

@@ -4,6 +4,7 @@ checked against a real training step tracked with `remat.track()`."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -398,3 +399,31 @@ def test_cli_prints_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> Non
     assert out.count("sequence length") == 5 and "full+head+tiles: largest batch" in out, out
     with pytest.raises(SystemExit):
         main(["estimate", "--memory", "64MiB"])  # the benchmark's models: --hf only
+
+
+def test_a_memory_the_allocators_segments_outweigh_is_refused_naming_a_total_that_fits(
+        test_device: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A small model's step reserves a whole segment more than a memory just above full remat's estimate: `apply`
+    refuses without a warning of a plan below full remat's own peak (which it would not make), and the least total
+    it names is at most what full remat's loop reserves, and fits."""
+    with _device_of(None) as reserved:
+        model, x = _on(test_device, width=64, batch=256)
+        _adamw_loop(remat.apply(model), x, torch.optim.AdamW(model.parameters()))
+        full_loop = reserved()
+        del model, x
+    model, x = _on(test_device, width=64, batch=256)
+    row = remat.estimate(model, x, loss=_loss, configs=("full",), device=test_device)["full"]
+    memory = int(1.15 * row.peak_bytes / (1 - DEFAULT))
+    with caplog.at_level(logging.WARNING, logger="remat"), pytest.raises(remat.BudgetError) as refused:
+        remat.apply(model, memory=memory, sample=x, loss=_loss)
+    assert not [record for record in caplog.records if "planning again" in record.getMessage()]
+    least = refused.value.least_bytes
+    assert least is not None and memory < least <= full_loop, (memory, least, full_loop)
+    before = recomputes()
+    with _device_of(least) as reserved:
+        optimizer = torch.optim.AdamW(model.parameters())
+        remat.apply(model, memory=least, sample=x, loss=_loss, optimizer=optimizer)
+        _adamw_loop(model, x, optimizer)
+        assert reserved() <= least
+    assert recomputes() > before
+    del model, x, optimizer
