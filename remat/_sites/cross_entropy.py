@@ -429,6 +429,7 @@ class _Chunk:
                 losses[start:end] = torch.where(self.valid[start:end], loss, 0.0)
                 del logits  # before the next chunk's logits are made
                 if grad is None or scale is None:
+                    del kept  # a tanh's output too
                     continue
                 grad = self._through_steps(grad, kept)
                 del kept
@@ -485,9 +486,8 @@ class _Chunk:
         """The gradient for the projection's output from that for the logits (implementation note 2), in place."""
         tanhs = iter(reversed(kept))
         for step, value in reversed(self.spec.transform):
-            if step == "tanh":
-                out = next(tanhs)
-                grad.mul_(1 - out * out)
+            if step == "tanh":  # 1 - out * out made in the kept output, needed no more: no chunk-sized temporary
+                grad.mul_(next(tanhs).square_().neg_().add_(1.0))
             elif step == "mul":
                 grad.mul_(value)
             else:

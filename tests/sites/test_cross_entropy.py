@@ -230,6 +230,19 @@ def test_the_step_peaks_at_one_chunk_of_logits_not_all() -> None:
         assert made.count == (32 if reduction == "none" else 16)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_soft_capping_holds_two_chunks_of_logits_at_most(reduction: str) -> None:
+    """Soft-capped logits (Gemma 2's, Beam's: div, tanh, mul) hold the chunk's tanh for its gradient beside the
+    chunk the loss works in, and no chunk-sized temporary more: the step peaks at two chunks of logits, not four
+    (where the logits are one chunk, the head in chunks then peaks below the plain composition)."""
+    h, w, labels, _ = inputs(batch=1, seq=512, hidden=16, vocabulary=4000, dtype=torch.float32)
+    chunk = 512 // 4 * 4000 * 4
+    parameters = w.numel() * 4 + h.numel() * 4
+    with remat.track() as tracked:
+        remat.linear_cross_entropy(h, w, labels, softcap=30.0, reduction=reduction, chunks=4).sum().backward()
+    assert chunk * 2 <= tracked.peak_bytes <= chunk * 2.25 + 2 * parameters, (tracked.peak_bytes, chunk)
+
+
 def test_chunks_none_aims_at_64_mib_of_logits_per_chunk() -> None:
     assert CHUNK_BYTES == 64 * 2**20
     assert chunk_count(16384, 50257) == 50  # GPT-2 at batch 16 x 1024: 3.1 GiB of float32 logits
