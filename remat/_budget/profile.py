@@ -60,7 +60,8 @@ Implementation notes:
    attributes stay, so the blocks' choices are placed on the user's own modules while the profile runs and stay
    there after it.
 2. The fake sample keeps one fake per tensor object (an `input_ids` that is also `labels` stays one tensor), and
-   transformers' packed-sequence detection is kept off fake position ids (`real_masks`).
+   transformers' packed-sequence detection is kept off fake position ids, and its padding detection off a fake
+   mask where the step's own has no padding (`real_masks_of`: NOTE [ transformers and fake tensors ]).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ from .._engine.selective import SaveOps
 from .._measure import ddp as _ddp
 from .._measure.clock import clock_for, priced
 from .._measure.fake import data_dependent, fake_mode, fake_sample, fake_state, note_fake_step, resolve_device
-from .._measure.hf_fake import real_masks
+from .._measure.hf_fake import real_masks_of
 from .._measure.loss import default_loss
 from .._measure.state import step_state
 from .._measure.step_autocast import StepAutocast, planning, step_region
@@ -292,7 +293,8 @@ def _on_fake_twin(model: nn.Module, step: TrainingStep, measure: Callable[[Train
     model's tensors are swapped for fake ones while `measure` runs and put back after."""
     device = resolve_device(model, (step.args, step.kwargs), None)
     try:
-        with fake_mode(), (twin or fake_state)(model, device), real_masks(step.kwargs), torch.enable_grad():
+        masks = real_masks_of(step.args, step.kwargs)  # it reads the step's mask: before the fake mode
+        with fake_mode(), (twin or fake_state)(model, device), masks, torch.enable_grad():
             fake_args, fake_kwargs = fake_sample((step.args, step.kwargs), device)
             return measure(step.on(tuple(fake_args), fake_kwargs))
     except Exception as error:

@@ -356,9 +356,10 @@ def predict(model: nn.Module, sample: Any, *, loss: Callable[[Any], torch.Tensor
         from .._sites.integrations.deepspeed import gradients_taken, rank_state
 
         rank, twin = rank_state(engine, model), engine.twin  # read before the twin stands in
+    masks = real_masks(sample)  # it reads the sample's mask: before the fake mode
     try:
         with stand_in(run, device), planning(autocast, [run]), fake_mode(), twin(model, run) as params, \
-                torch.enable_grad(), real_masks(sample), contextlib.ExitStack() as taken:
+                torch.enable_grad(), masks, contextlib.ExitStack() as taken:
             if prepare is not None:
                 params = prepare()
                 kinds = {type(p) for p in params}  # sharded ones: DTensors, as on the real ranks

@@ -4,15 +4,22 @@ NOTE [ transformers and fake tensors ]
 1. While an estimate runs, transformers' question whether position ids describe packed sequences
    (``find_packed_sequence_indices``) answers "not packed" for fake tensors, as it does for the usual batch; the
    sample's own ``position_ids``, when it has them, leave the question alone (a packed batch keeps its mask).
-2. The module attribute is replaced by the first of overlapping estimates (in any threads) and put back by the
-   last; one thread's estimate never changes the answer in another thread.
-3. Nothing is done when transformers is not imported.
+2. While an estimate runs, transformers' question whether SDPA may skip the causal mask (``_ignore_causal_mask_sdpa``:
+   no padding, as long as the keys) is asked of a fake padding mask as of one without padding, where the sample's
+   own ``attention_mask`` has none (every entry nonzero) or the sample has none: a real step then skips the mask and
+   runs SDPA with ``is_causal``. A sample whose mask pads, or that the estimate cannot read (fake, meta, or among
+   several positional tensors), leaves the question alone: the mask is made, as a real step with padding makes it.
+3. Each replacement of a module attribute is made by the first of overlapping estimates (in any threads) and put
+   back by the last; one thread's estimate never changes the answer in another thread.
+4. Nothing is done when transformers is not imported.
 
 Implementation notes:
-1. (rule 1) transformers treats a `FakeTensor` as tracing (``is_tracing``) and then cannot read the ids: it assumes
-   packing and builds a full ``(batch, 1, seq, seq)`` mask, which also turns off SDPA's grouped-query path (keys
-   and values expanded to every head). An estimate would count bytes a real step never holds.
-2. (rule 2) A count under a lock; each thread asks the question its own way (a thread-local depth).
+1. (rules 1, 2) transformers treats a `FakeTensor` as tracing (``is_tracing``) and then cannot read it: it assumes
+   packing, or padding, and builds a full ``(batch, 1, seq, seq)`` mask, which also turns off SDPA's fused paths
+   (and its grouped-query path: keys and values expanded to every head). An estimate would count bytes a real step
+   never holds, a term that grows with the sequence's square (BioGPT, whose forward makes an all-ones mask itself:
+   8 MiB over a real step's 34 MiB at 1,024 tokens).
+2. (rule 3) A count under a lock; each thread asks the question its own way (a thread-local depth).
 """
 
 from __future__ import annotations
@@ -26,38 +33,44 @@ from typing import Any
 import torch
 
 from .._core.torch_compat import FakeTensor
+from .sample import as_call
 
-__all__ = ["real_masks"]
+__all__ = ["real_masks", "real_masks_of"]
 
-_NAME = "find_packed_sequence_indices"
+_PACKED = "find_packed_sequence_indices"
+_CAUSAL_SKIP = "_ignore_causal_mask_sdpa"
 
 
-class _PackedPatch:
-    """The one replacement of transformers' packed-sequence question, shared by every estimate in the process."""
+class _Patch:
+    """One replacement of a function of transformers' masking_utils, shared by every estimate in the process: inside
+    an estimate in this thread, a fake first argument gets ``fake``'s answer (given the original), any other the
+    original's."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, fake: Callable[..., Any]) -> None:
+        self.name = name
+        self._fake = fake
         self._lock = threading.Lock()
         self._users = 0
         self._module: Any = None
-        self._original: Callable[[torch.Tensor], Any] | None = None
+        self._original: Callable[..., Any] | None = None
         self._here = threading.local()  # how many estimates this thread is inside
 
     def _depth(self) -> int:
         return int(getattr(self._here, "depth", 0))
 
-    def _unpacked(self, position_ids: torch.Tensor) -> Any:
+    def _replacement(self, first: Any, *args: Any, **kwargs: Any) -> Any:
         original = self._original
         assert original is not None
-        if self._depth() > 0 and isinstance(position_ids, FakeTensor):
-            return None
-        return original(position_ids)
+        if self._depth() > 0 and isinstance(first, FakeTensor):
+            return self._fake(original, first, *args, **kwargs)
+        return original(first, *args, **kwargs)
 
     @contextlib.contextmanager
     def active(self, masking: Any) -> Iterator[None]:
         with self._lock:
             if self._users == 0:
-                self._module, self._original = masking, getattr(masking, _NAME)
-                setattr(masking, _NAME, self._unpacked)
+                self._module, self._original = masking, getattr(masking, self.name)
+                setattr(masking, self.name, self._replacement)
             self._users += 1
         self._here.depth = self._depth() + 1
         try:
@@ -67,20 +80,53 @@ class _PackedPatch:
             with self._lock:
                 self._users -= 1
                 if self._users == 0:
-                    if getattr(self._module, _NAME, None) == self._unpacked:  # else someone replaced it since
-                        setattr(self._module, _NAME, self._original)
+                    if getattr(self._module, self.name, None) == self._replacement:  # else replaced since
+                        setattr(self._module, self.name, self._original)
                     self._module = self._original = None
 
 
-_PATCH = _PackedPatch()
+_PACKED_PATCH = _Patch(_PACKED, lambda original, position_ids: None)  # rule 1
+_CAUSAL_SKIP_PATCH = _Patch(_CAUSAL_SKIP, lambda original, padding_mask, *args, **kwargs: original(
+    None, *args, **kwargs))  # rule 2: asked as of no padding
+
+
+def _unpadded(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a real step on ``args`` and ``kwargs`` has no padding: its ``attention_mask`` every entry nonzero, or
+    no mask at all (rule 2); False where it cannot be told (several positional tensors, a fake or meta mask)."""
+    if "attention_mask" in kwargs:
+        mask = kwargs["attention_mask"]
+    elif sum(isinstance(arg, torch.Tensor) for arg in args) > 1:
+        return False  # which one is the mask cannot be told
+    else:
+        return True
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor) or isinstance(mask, FakeTensor) or mask.is_meta:
+        return False
+    try:
+        return bool(mask.all())
+    except RuntimeError:  # no values to read here (a fake mode already in force)
+        return False
+
+
+def real_masks(sample: Any) -> contextlib.AbstractContextManager[None]:
+    """While inside, transformers treats fake position ids as one sequence per row, and a fake padding mask as no
+    padding where ``sample`` (as `remat.estimate` takes it) has none (see the NOTE above). Call it before a fake
+    mode is entered: it reads the sample's mask."""
+    return real_masks_of(*as_call(sample))
+
+
+def real_masks_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """`real_masks` for a call's positional and keyword arguments."""
+    return _patched("position_ids" not in kwargs, _unpadded(args, kwargs))
 
 
 @contextlib.contextmanager
-def real_masks(sample: Any) -> Iterator[None]:
-    """While inside, transformers treats fake position ids as one sequence per row (see the NOTE above)."""
+def _patched(unpacked: bool, unpadded: bool) -> Iterator[None]:
     masking = sys.modules.get("transformers.masking_utils")
-    if getattr(masking, _NAME, None) is None or (isinstance(sample, Mapping) and "position_ids" in sample):
-        yield
-        return
-    with _PATCH.active(masking):
+    with contextlib.ExitStack() as patched:
+        if unpacked and getattr(masking, _PACKED, None) is not None:
+            patched.enter_context(_PACKED_PATCH.active(masking))
+        if unpadded and getattr(masking, _CAUSAL_SKIP, None) is not None:
+            patched.enter_context(_CAUSAL_SKIP_PATCH.active(masking))
         yield

@@ -129,3 +129,33 @@ def test_gpt2_estimate_matches_a_default_training_loop() -> None:
     kept = _default_loop_peak("full", keep_output=True)
     assert report["full"].peak_bytes < kept <= report["full"].peak_bytes + report["full"].output_bytes
     assert "a loop that keeps it through backward peaks up to 1.00 MiB higher" in str(report)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_attention_mask_in_the_sample_is_made_as_a_real_step_makes_it(padded: bool) -> None:
+    """A tokenizer's batch carries `attention_mask`. With no padding a real step skips the causal mask (SDPA's
+    `is_causal`); transformers cannot tell that from a fake mask and made a sequence x sequence one, which the
+    estimate counted (29% over a real step here). With padding both make it (NOTE [ transformers and fake tensors ]
+    in remat/_measure/hf_fake.py)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                                      max_position_embeddings=1024, attn_implementation="sdpa")
+    ids = torch.randint(0, 500, (2, 512), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :100] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    torch.manual_seed(0)
+    report = remat.estimate(transformers.LlamaForCausalLM(config), batch, configs=("none", "full"))
+    for name in ("none", "full"):
+        with remat.track() as tracked:  # the model made inside: the row's peak counts the parameters
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(config)
+            if name == "full":
+                remat.apply(model)
+            model(**batch).loss.backward()
+            del model
+        assert abs(report[name].peak_bytes / tracked.peak_bytes - 1) < 0.01, (name, report[name].peak_bytes,
+                                                                             tracked.peak_bytes)
+    assert report["full"].peak_bytes < report["none"].peak_bytes

@@ -1,5 +1,6 @@
-"""transformers' packed-sequence question answers "not packed" for fake ids only inside an estimate, in the thread
-that runs it, and is put back however estimates in several threads end (NOTE [ transformers and fake tensors ] in
+"""transformers' packed-sequence question answers "not packed" for fake ids, and its padding question "no padding"
+for a fake mask where the sample has none, only inside an estimate, in the thread that runs it, and each is put
+back however estimates in several threads end (NOTE [ transformers and fake tensors ] in
 remat/_measure/hf_fake.py)."""
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ def _packed(position_ids: torch.Tensor) -> Any:
     return "packed?"
 
 
+def _causal_skip(padding_mask: torch.Tensor | None, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
+                 local_attention_size: int | None = None) -> Any:
+    return "asked of", padding_mask
+
+
 @pytest.fixture
 def masking(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """A stand-in for transformers.masking_utils, so that the test needs no transformers."""
     module = types.ModuleType("transformers.masking_utils")
     module.find_packed_sequence_indices = _packed  # type: ignore[attr-defined]
+    module._ignore_causal_mask_sdpa = _causal_skip  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", module)
     return module
 
@@ -88,3 +95,31 @@ def test_another_thread_is_not_answered_for(masking: Any) -> None:
         done.set()
         thread.join()
     assert answers == ["packed?"]
+
+
+@pytest.mark.parametrize("sample", ["unmasked", "ones"])
+def test_a_fake_padding_mask_is_asked_of_as_none_where_the_sample_has_no_padding(masking: Any, sample: str) -> None:
+    mask = torch.ones(1, 8, dtype=torch.long)
+    ids = torch.arange(8).unsqueeze(0)
+    with real_masks(ids if sample == "unmasked" else {"input_ids": ids, "attention_mask": mask}):
+        real = masking._ignore_causal_mask_sdpa(mask, 8, 8, 0, 0)
+        with fake_mode() as mode:
+            fake = masking._ignore_causal_mask_sdpa(mode.from_tensor(mask), 8, 8, 0, 0, local_attention_size=4)
+    assert real == ("asked of", mask) and fake == ("asked of", None)
+    assert masking._ignore_causal_mask_sdpa is _causal_skip
+
+
+def _padded() -> dict[str, torch.Tensor]:
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    return {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("sample", [
+    _padded(),
+    (torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)),  # which one is the mask?
+    {"input_ids": torch.zeros(1, 8), "attention_mask": torch.ones(1, 8, device="meta")},
+], ids=["padded", "positional", "meta"])
+def test_a_sample_that_pads_or_cannot_be_read_keeps_the_padding_question(masking: Any, sample: Any) -> None:
+    with real_masks(sample):
+        assert masking._ignore_causal_mask_sdpa is _causal_skip
