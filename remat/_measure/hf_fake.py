@@ -17,8 +17,7 @@ Implementation notes:
 1. (rules 1, 2) transformers treats a `FakeTensor` as tracing (``is_tracing``) and then cannot read it: it assumes
    packing, or padding, and builds a full ``(batch, 1, seq, seq)`` mask, which also turns off SDPA's fused paths
    (and its grouped-query path: keys and values expanded to every head). An estimate would count bytes a real step
-   never holds, a term that grows with the sequence's square (BioGPT, whose forward makes an all-ones mask itself:
-   8 MiB over a real step's 34 MiB at 1,024 tokens).
+   never holds, a term that grows with the sequence's square (BioGPT's forward makes an all-ones mask itself).
 2. (rule 3) A count under a lock; each thread asks the question its own way (a thread-local depth).
 """
 
