@@ -42,11 +42,11 @@ _CAUSAL_SKIP = "_ignore_causal_mask_sdpa"
 
 class _Patch:
     """One replacement of a function of transformers' masking_utils, shared by every estimate in the process: inside
-    an estimate in this thread, a fake first argument gets ``fake``'s answer (given the original), any other the
-    original's."""
+    an estimate in this thread, a fake ``argument`` (the first) gets ``fake``'s answer (given the original and the
+    call's arguments), any other the original's."""
 
-    def __init__(self, name: str, fake: Callable[..., Any]) -> None:
-        self.name = name
+    def __init__(self, name: str, argument: str, fake: Callable[..., Any]) -> None:
+        self.name, self.argument = name, argument
         self._fake = fake
         self._lock = threading.Lock()
         self._users = 0
@@ -57,12 +57,13 @@ class _Patch:
     def _depth(self) -> int:
         return int(getattr(self._here, "depth", 0))
 
-    def _replacement(self, first: Any, *args: Any, **kwargs: Any) -> Any:
+    def _replacement(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original
         assert original is not None
+        first = args[0] if args else kwargs.get(self.argument)
         if self._depth() > 0 and isinstance(first, FakeTensor):
-            return self._fake(original, first, *args, **kwargs)
-        return original(first, *args, **kwargs)
+            return self._fake(original, *args, **kwargs)
+        return original(*args, **kwargs)
 
     @contextlib.contextmanager
     def active(self, masking: Any) -> Iterator[None]:
@@ -84,9 +85,15 @@ class _Patch:
                     self._module = self._original = None
 
 
-_PACKED_PATCH = _Patch(_PACKED, lambda original, position_ids: None)  # rule 1
-_CAUSAL_SKIP_PATCH = _Patch(_CAUSAL_SKIP, lambda original, padding_mask, *args, **kwargs: original(
-    None, *args, **kwargs))  # rule 2: asked as of no padding
+def _without_padding(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """transformers' ``_ignore_causal_mask_sdpa`` asked as of no padding mask (rule 2)."""
+    if args:
+        return original(None, *args[1:], **kwargs)
+    return original(**{**kwargs, "padding_mask": None})
+
+
+_PACKED_PATCH = _Patch(_PACKED, "position_ids", lambda original, *args, **kwargs: None)  # rule 1
+_CAUSAL_SKIP_PATCH = _Patch(_CAUSAL_SKIP, "padding_mask", _without_padding)  # rule 2
 
 
 def _unpadded(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:

@@ -123,3 +123,12 @@ def _padded() -> dict[str, torch.Tensor]:
 def test_a_sample_that_pads_or_cannot_be_read_keeps_the_padding_question(masking: Any, sample: Any) -> None:
     with real_masks(sample):
         assert masking._ignore_causal_mask_sdpa is _causal_skip
+
+
+def test_the_padding_question_asked_with_keywords_is_answered_alike(masking: Any) -> None:
+    mask = torch.ones(1, 8, dtype=torch.long)
+    with real_masks({"attention_mask": mask}), fake_mode() as mode:
+        fake = mode.from_tensor(mask)
+        answer = masking._ignore_causal_mask_sdpa(padding_mask=fake, q_length=8, kv_length=8, q_offset=0,
+                                                  kv_offset=0)
+    assert answer == ("asked of", None)
