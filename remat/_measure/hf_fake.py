@@ -4,11 +4,13 @@ NOTE [ transformers and fake tensors ]
 1. While an estimate runs, transformers' question whether position ids describe packed sequences
    (``find_packed_sequence_indices``) answers "not packed" for fake tensors, as it does for the usual batch; the
    sample's own ``position_ids``, when it has them, leave the question alone (a packed batch keeps its mask).
-2. While an estimate runs, transformers' question whether SDPA may skip the causal mask (``_ignore_causal_mask_sdpa``:
-   no padding, as long as the keys) is asked of a fake padding mask as of one without padding, where the sample's
-   own ``attention_mask`` has none (every entry nonzero) or the sample has none: a real step then skips the mask and
-   runs SDPA with ``is_causal``. A sample whose mask pads, or that the estimate cannot read (fake, meta, or among
-   several positional tensors), leaves the question alone: the mask is made, as a real step with padding makes it.
+2. While an estimate runs, transformers' questions whether a mask may be skipped, the causal one
+   (``_ignore_causal_mask_sdpa``: no padding, as long as the keys) and the bidirectional one
+   (``_ignore_bidirectional_mask_sdpa``: an encoder's, eager attention's too), are asked of a fake padding mask as
+   of none, where the sample's own ``attention_mask`` has no padding (every entry nonzero) or the sample has none: a
+   real step then makes no mask (SDPA's ``is_causal`` does the causal one). A sample whose mask pads, or that the
+   estimate cannot read (fake, meta, or among several positional tensors), leaves the questions alone: the mask is
+   made, as a real step with padding makes it.
 3. Each replacement of a module attribute is made by the first of overlapping estimates (in any threads) and put
    back by the last; one thread's estimate never changes the answer in another thread.
 4. Nothing is done when transformers is not imported.
@@ -38,6 +40,7 @@ __all__ = ["real_masks", "real_masks_of"]
 
 _PACKED = "find_packed_sequence_indices"
 _CAUSAL_SKIP = "_ignore_causal_mask_sdpa"
+_BIDIRECTIONAL_SKIP = "_ignore_bidirectional_mask_sdpa"
 
 
 class _Patch:
@@ -86,14 +89,15 @@ class _Patch:
 
 
 def _without_padding(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """transformers' ``_ignore_causal_mask_sdpa`` asked as of no padding mask (rule 2)."""
+    """transformers' question whether a mask may be skipped, asked as of no padding mask (rule 2)."""
     if args:
         return original(None, *args[1:], **kwargs)
     return original(**{**kwargs, "padding_mask": None})
 
 
 _PACKED_PATCH = _Patch(_PACKED, "position_ids", lambda original, *args, **kwargs: None)  # rule 1
-_CAUSAL_SKIP_PATCH = _Patch(_CAUSAL_SKIP, "padding_mask", _without_padding)  # rule 2
+_SKIP_PATCHES = tuple(_Patch(name, "padding_mask", _without_padding) for name in (_CAUSAL_SKIP, _BIDIRECTIONAL_SKIP))
+"""Rule 2: the causal mask's question, and the bidirectional mask's (an encoder's, BERT's as a decoder)."""
 
 
 def _unpadded(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
@@ -133,6 +137,7 @@ def _patched(unpacked: bool, unpadded: bool) -> Iterator[None]:
     with contextlib.ExitStack() as patched:
         if unpacked and getattr(masking, _PACKED, None) is not None:
             patched.enter_context(_PACKED_PATCH.active(masking))
-        if unpadded and getattr(masking, _CAUSAL_SKIP, None) is not None:
-            patched.enter_context(_CAUSAL_SKIP_PATCH.active(masking))
+        for patch in _SKIP_PATCHES if unpadded else ():
+            if getattr(masking, patch.name, None) is not None:
+                patched.enter_context(patch.active(masking))
         yield

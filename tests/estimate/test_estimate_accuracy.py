@@ -186,3 +186,23 @@ def test_a_budget_on_a_batch_with_an_attention_mask_is_its_fraction_of_a_real_st
     assert assignment is not None and assignment.no_remat is not None
     assert abs(assignment.no_remat[0] / plain - 1) < 0.01, (assignment.no_remat[0], plain)
     assert peak(model) <= 1.05 * assignment.budget <= 1.05 * 0.5 * plain
+
+
+def test_an_encoders_bidirectional_mask_is_made_as_a_real_step_makes_it() -> None:
+    """Megatron-BERT run as a language model without `is_decoder` masks bidirectionally: with no padding a real step
+    makes no mask, eager attention too; the estimate made one, sequence x sequence (NOTE [ transformers and fake
+    tensors ], rule 2)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MegatronBertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, vocab_size=500, max_position_embeddings=1024,
+                                             attn_implementation="eager")
+    ids = torch.randint(0, 500, (1, 1024), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    torch.manual_seed(0)
+    model = transformers.MegatronBertForCausalLM(config)
+    row = remat.estimate(model, batch, configs=("full",))["full"]
+    state = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers(), ids])
+    remat.apply(model)
+    with remat.track() as tracked:
+        model(**batch).loss.backward()
+    assert abs(row.peak_bytes / (state + tracked.peak_bytes) - 1) < 0.01, (row.peak_bytes, state + tracked.peak_bytes)

@@ -26,12 +26,18 @@ def _causal_skip(padding_mask: torch.Tensor | None, q_length: int, kv_length: in
     return "asked of", padding_mask
 
 
+def _bidirectional_skip(padding_mask: torch.Tensor | None, kv_length: int,
+                        local_attention_size: int | None = None) -> Any:
+    return "asked of", padding_mask
+
+
 @pytest.fixture
 def masking(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """A stand-in for transformers.masking_utils, so that the test needs no transformers."""
     module = types.ModuleType("transformers.masking_utils")
     module.find_packed_sequence_indices = _packed  # type: ignore[attr-defined]
     module._ignore_causal_mask_sdpa = _causal_skip  # type: ignore[attr-defined]
+    module._ignore_bidirectional_mask_sdpa = _bidirectional_skip  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers.masking_utils", module)
     return module
 
@@ -105,8 +111,10 @@ def test_a_fake_padding_mask_is_asked_of_as_none_where_the_sample_has_no_padding
         real = masking._ignore_causal_mask_sdpa(mask, 8, 8, 0, 0)
         with fake_mode() as mode:
             fake = masking._ignore_causal_mask_sdpa(mode.from_tensor(mask), 8, 8, 0, 0, local_attention_size=4)
-    assert real == ("asked of", mask) and fake == ("asked of", None)
+            both = masking._ignore_bidirectional_mask_sdpa(mode.from_tensor(mask), 8)
+    assert real == ("asked of", mask) and fake == ("asked of", None) and both == ("asked of", None)
     assert masking._ignore_causal_mask_sdpa is _causal_skip
+    assert masking._ignore_bidirectional_mask_sdpa is _bidirectional_skip
 
 
 def _padded() -> dict[str, torch.Tensor]:
@@ -123,6 +131,7 @@ def _padded() -> dict[str, torch.Tensor]:
 def test_a_sample_that_pads_or_cannot_be_read_keeps_the_padding_question(masking: Any, sample: Any) -> None:
     with real_masks(sample):
         assert masking._ignore_causal_mask_sdpa is _causal_skip
+        assert masking._ignore_bidirectional_mask_sdpa is _bidirectional_skip
 
 
 def test_the_padding_question_asked_with_keywords_is_answered_alike(masking: Any) -> None:
