@@ -427,3 +427,35 @@ def test_a_memory_the_allocators_segments_outweigh_is_refused_naming_a_total_tha
         assert reserved() <= least
     assert recomputes() > before
     del model, x, optimizer
+
+
+class _Tabled(nn.Module):
+    """Blocks behind a large table the step only reads (as GPT-2's and GPT-BigCode's causal masks are kept) and a
+    BatchNorm whose statistics the step writes."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("table", torch.ones(4096, 4096, dtype=torch.bool))  # 16 MiB
+        self.norm = nn.BatchNorm1d(width)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                                    nn.Linear(4 * width, width)) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.norm(x) * self.table[: x.shape[0], :1].to(x.dtype))
+
+
+def test_applys_own_peak_holds_no_copy_of_a_buffer_its_steps_only_read() -> None:
+    """`apply(memory=M)` at the least M its plan fits: its own real steps (the plan's check) stay within M, but for
+    the copies of the BatchNorm statistics they write (put back after), with no copy of the table they only read
+    (NOTE [ Buffers a measured step writes ] in remat/_measure/state.py)."""
+    model, x = _Tabled(), torch.randn(2048, 64)
+    memory = remat.estimate(model, x, loss=_loss, configs=("full",))["full"].peak_bytes
+    state = _bytes([*model.parameters(), *model.buffers(), x])
+    written = _bytes(list(model.norm.buffers()))
+    before = [b.clone() for b in model.buffers()]
+    with remat.track() as tracked:
+        remat.apply(model, memory=memory, sample=x, loss=_loss)
+    assert state + tracked.peak_bytes <= memory + written, (state + tracked.peak_bytes, memory)
+    assert all(torch.equal(b, old) for b, old in zip(model.buffers(), before, strict=True))
+    assert sum(site.choice != "kept" for site in remat.plan(model)) > 0  # remat was active
