@@ -430,7 +430,7 @@ def test_a_memory_the_allocators_segments_outweigh_is_refused_naming_a_total_tha
 
 
 class _Tabled(nn.Module):
-    """Blocks behind a large table the step only reads (as GPT-2's and GPT-BigCode's causal masks are kept) and a
+    """Blocks behind a large table the step only reads (as GPT-Neo's and GPT-BigCode's causal masks are kept) and a
     BatchNorm whose statistics the step writes."""
 
     def __init__(self, width: int = 64) -> None:
