@@ -8,7 +8,8 @@ NOTE [ Total memory ]
    the plan's real step against what the allocator reserved).
 3. Unlike a plain budget, it counts the gradients: the plan's verified step (NOTE [ Verifying the plan ] in
    remat/_budget/verify.py) starts without them, as after `zero_grad()`, and a plan over it is corrected as for
-   any budget.
+   any budget, but without the budget's slack: a step over what the state leaves is refused, and the head, tiles
+   and offload still open are taken next.
 4. Two refusals, both a `BudgetError` naming the least total that fits: the estimate of full remat of every block
    (with the head in chunks where only that fits and the head may be routed, and the blocks' token-wise modules in
    tiles where only that fits and the request leaves tiles to the plan: NOTE [ Tiles as a choice ] in

@@ -31,7 +31,7 @@ from .costs import ModelCost, with_gradients
 from .costs_compiled import gradient_bytes, graph_extra, with_graph_gradients
 from .profile import Profile, TrainingStep, Twin, fake_stands_in
 from .solve import Assignment
-from .verify import Measure, max_over_ranks, verify, verify_both_ways
+from .verify import SLACK, Measure, max_over_ranks, verify, verify_both_ways
 
 if TYPE_CHECKING:
     from .._sites.integrations.deepspeed import DeepSpeed
@@ -97,9 +97,9 @@ class BudgetRegime:
         `zero_grad()`: the largest over the ranks (NOTE [ The same plan on every rank ] in verify.py)."""
         return max_over_ranks(measure_step(step.model, step))
 
-    def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
+    def verify(self, assignment: Assignment, measure: Measure, place: Place, slack: float = SLACK) -> Assignment:
         """Verify `assignment` on real steps before it is kept (NOTE [ Verifying the plan ])."""
-        return verify(assignment, measure, place)
+        return verify(assignment, measure, place, slack)
 
 
 class ShardedRegime(BudgetRegime):
@@ -187,16 +187,16 @@ class CompiledRegime(BudgetRegime):
         eager = max_over_ranks(measure_step(step.model, step, grads=False))
         return eager + graph_extra(measured, cost, assignment.choice)
 
-    def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
-        return verify_both_ways(assignment, measure, place)
+    def verify(self, assignment: Assignment, measure: Measure, place: Place, slack: float = SLACK) -> Assignment:
+        return verify_both_ways(assignment, measure, place, slack)
 
 
 class MemoryRegime(BudgetRegime):
     """The plans of `remat.apply(model, memory=...)` for what a step's state leaves (NOTE [ Total memory ] in
     remat/_apply/memory.py): those of the regime it wraps (`BudgetRegime` or `CompiledRegime`), except that
 
-    1. every one is verified on the sample before `remat.apply` returns: going over is an out-of-memory error, not
-       a missed promise;
+    1. every one is verified on the sample before `remat.apply` returns, without `SLACK`: going over is an
+       out-of-memory error, not a missed promise;
     2. on eager steps from no gradients, compiled or not: the gradients take from the same memory, and eager code
        keeps each one to the step's end, as a one-graph backward does.
     """
@@ -221,8 +221,8 @@ class MemoryRegime(BudgetRegime):
     def verifies_later(self) -> bool:
         return False
 
-    def verify(self, assignment: Assignment, measure: Measure, place: Place) -> Assignment:
-        return self.inner.verify(assignment, measure, place)
+    def verify(self, assignment: Assignment, measure: Measure, place: Place, slack: float = SLACK) -> Assignment:
+        return self.inner.verify(assignment, measure, place, slack=1.0)  # rule 1: no slack
 
 
 class EngineRegime(BudgetRegime):

@@ -18,7 +18,9 @@ Rules:
    the next step, at most `STEPS` steps in all (`Verification`).
 4. Only a measured step may refuse a budget: a budget below the least predicted peak is not refused on the
    prediction alone. Where nothing the costs offer fits, full remat of every block is verified, and if even that
-   measures over the slack, `BudgetError` names its measured peak as the least budget.
+   measures over the slack, `BudgetError` names its measured peak as the least budget. Under `memory=` there is no
+   slack: going over is an out-of-memory error (`MemoryRegime` in regimes.py), and the refusal takes the open
+   choices next (the head, tiles, offload: NOTE [ The head as a choice ] in head_choice.py).
 
 Implementation notes:
 1. (rule 2) The regimes that verify before `remat.apply` returns (regimes.py): a prediction that does not fit,
@@ -104,8 +106,9 @@ class Verification:
     slack once nothing else is left to try.
     """
 
-    def __init__(self, assignment: Assignment) -> None:
+    def __init__(self, assignment: Assignment, slack: float = SLACK) -> None:
         self.assignment = assignment
+        self.slack = slack
         self._tried: set[tuple[int, ...]] = set()
         self._left = STEPS
         self._floor = False  # whether `assignment` is the choice that holds least, measured last
@@ -118,7 +121,7 @@ class Verification:
         """
         assignment = self.assignment = dataclasses.replace(self.assignment, measured=measured)
         self._tried.add(assignment.choice)
-        slack = assignment.budget * SLACK
+        slack = assignment.budget * self.slack
         if measured <= assignment.budget or (self._floor and measured <= slack):
             return None
         if self._floor:
@@ -151,18 +154,21 @@ def _refusal(assignment: Assignment, floor: int) -> BudgetError:
     )
 
 
-def verify(assignment: Assignment, measure: Measure, place: Callable[[Assignment], None]) -> Assignment:
+def verify(assignment: Assignment, measure: Measure, place: Callable[[Assignment], None],
+           slack: float = SLACK) -> Assignment:
     """Measure `assignment` (already on the blocks) and correct it until a step fits (NOTE [ Verifying the plan ]).
 
     Args:
         assignment: the solved assignment, on the blocks.
         measure: runs one tracked step of the model with an assignment on its blocks and returns its peak.
         place: puts an assignment's choices on the blocks.
+        slack: how far over the budget the choice that holds least may measure and be kept (`SLACK`; 1.0 where
+            going over is an out-of-memory error: `memory=`).
 
     Raises:
         BudgetError: even the choice that holds least measured over the budget's slack.
     """
-    verification = Verification(assignment)
+    verification = Verification(assignment, slack)
     while (following := verification.after(measure(verification.assignment))) is not None:
         place(following)
     return verification.assignment
@@ -180,7 +186,8 @@ def verify(assignment: Assignment, measure: Measure, place: Callable[[Assignment
 #    NOTE [ Verifying the plan ] (full remat measured last, `BudgetError` if even that is over the slack).
 
 
-def verify_both_ways(assignment: Assignment, measure: Measure, place: Callable[[Assignment], None]) -> Assignment:
+def verify_both_ways(assignment: Assignment, measure: Measure, place: Callable[[Assignment], None],
+                     slack: float = SLACK) -> Assignment:
     """`verify` with the prediction's miss taken both ways (NOTE [ Planned on measured steps ]).
 
     Raises:
@@ -204,7 +211,7 @@ def verify_both_ways(assignment: Assignment, measure: Measure, place: Callable[[
         if least.choice != assignment.choice:
             place(least)
             assignment = dataclasses.replace(least, measured=measure(least))
-        if assignment.measured is None or assignment.measured > assignment.budget * SLACK:
+        if assignment.measured is None or assignment.measured > assignment.budget * slack:
             raise _refusal(assignment, assignment.measured or 0)
         return assignment
     if best.choice != assignment.choice:
