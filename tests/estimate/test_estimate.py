@@ -354,9 +354,9 @@ def test_a_budget_configuration_uses_the_planner() -> None:
     checked: list[int] = []
     real = _regimes.verify
 
-    def spy(assignment: Any, measure: Any, place: Any) -> Any:
+    def spy(assignment: Any, measure: Any, place: Any, *slack: Any) -> Any:
         checked.append(1)
-        return real(assignment, measure, place)
+        return real(assignment, measure, place, *slack)
 
     _regimes.verify = spy  # type: ignore[assignment]
     try:  # the assignment a real model ends with once its first step verified it: verified at once, on fake tensors
