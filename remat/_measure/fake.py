@@ -50,6 +50,7 @@ from .._core.errors import RematError
 from .._core.torch_compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     local_tensor,
     tree_leaves,
@@ -167,9 +168,43 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t)
 
 
+class _FakeMode(FakeTensorMode):  # type: ignore[no-untyped-call]
+    """torch's fake tensor mode, but for the grouped matmul of a mixture of experts on the CPU (implementation note
+    of `fake_mode`)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _GROUPED_MM and _cpu_grouped_mm(args, kwargs or {}):
+            wide = args[0].dtype
+            narrow = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                           for a in args)
+            out = super().__torch_dispatch__(func, types, narrow, kwargs)
+            assert isinstance(out, torch.Tensor)
+            return out.to(wide)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+def _cpu_grouped_mm(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a `_grouped_mm` call is one the CPU's kernel runs and torch's fake kernel refuses: fake operands on
+    the CPU in float32 or float16, no output dtype asked."""
+    operands = args[:2]
+    return (len(operands) == 2 and all(isinstance(a, FakeTensor) and a.device.type == "cpu" for a in operands)
+            and {a.dtype for a in operands} <= {torch.float32, torch.float16} and kwargs.get("out_dtype") is None
+            and (len(args) < 5 or args[4] is None))
+
+
 def fake_mode() -> FakeTensorMode:
-    """A fake tensor mode that turns real tensors it meets (constants, closures) into fake ones."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    """A fake tensor mode that turns real tensors it meets (constants, closures) into fake ones.
+
+    Implementation note: torch's fake kernel of `aten._grouped_mm` (a mixture of experts' matmul, transformers'
+    default) takes bfloat16 alone, as CUDA's kernel does, while the CPU's takes float32 and float16 too; on fake CPU
+    operands of those it computes in bfloat16 and hands back the operands' dtype, so that a float32 model of such a
+    family estimates on the CPU as it trains there. Only the output is allocated in the step: the casts are the fake
+    mode's own, which no tracker above it sees.
+    """
+    return _FakeMode(allow_non_fake_inputs=True)
 
 
 def fake_like(t: torch.Tensor, device: torch.device, shape: torch.Size | None = None) -> torch.Tensor:
@@ -277,8 +312,8 @@ DATA_DEPENDENT = (
 
 _FAKE_STEP = (
     "remat: raised while {what} ran {site} on fake tensors. A fake tensor's op runs torch's fake (meta) kernel, "
-    "which may refuse what the device's own kernel runs (aten._grouped_mm's asks for bfloat16 where the CPU's "
-    "takes float32); where the model runs for real, `remat.measure` measures a real step instead."
+    "which may refuse what the device's own kernel runs (a dtype, a layout); where the model runs for real, "
+    "`remat.measure` measures a real step instead."
 )
 
 

@@ -461,3 +461,32 @@ def test_the_step_peak_is_one_quantity_in_the_estimate_the_plan_and_measure() ->
     assert row.peak_bytes > row.step_peak_bytes + row.params_bytes + row.optimizer_bytes  # the device peak
     assert abs(row.activation_bytes - measured.held_bytes) <= 0.03 * measured.held_bytes
     assert assignment.budget == int(0.5 * no_remat)
+
+
+class _Experts(nn.Module):
+    """A mixture of experts' matmuls as transformers makes them: the tokens sorted by expert, one grouped matmul."""
+
+    def __init__(self, experts: int = 4, width: int = 16, hidden: int = 64) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, width, hidden) / width**0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, width) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offsets = torch.tensor([x.shape[0] // 4 * (i + 1) for i in range(4)], dtype=torch.int32)
+        h = torch._grouped_mm(x, self.up, offs=offsets).relu()
+        return torch._grouped_mm(h, self.down, offs=offsets)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no grouped matmul")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_grouped_matmul_in_float_estimates_on_the_cpu_as_it_runs(dtype: torch.dtype) -> None:
+    """torch's fake kernel of `aten._grouped_mm` takes bfloat16 alone (CUDA's kernel does), the CPU's float32 and
+    float16 too: a MoE model of those on the CPU is estimated, every byte as a real step holds it (implementation
+    note of `fake_mode` in remat/_measure/fake.py)."""
+    model = nn.Sequential(_Experts(), _Experts()).to(dtype)
+    x = torch.randn(256, 16, dtype=dtype, requires_grad=True)
+    row = remat.estimate(model, x, loss=lambda out: out.square().mean(), configs=("none",))["none"]
+    state = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
+    with remat.track() as tracked:
+        model(x).square().mean().backward()
+    assert row.peak_bytes == state + tracked.peak_bytes
