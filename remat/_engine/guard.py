@@ -59,14 +59,18 @@ _WRITES: dict[Any, Writes] = {}
 
 
 def written_arguments(func: Any) -> Writes:
-    """The `(position, name)` of every argument the aten overload `func` writes to, declared or not."""
-    schema = func._schema
-    undeclared = _UNDECLARED.get(schema.name, ())
-    return tuple(
-        (position, argument.name)
-        for position, argument in enumerate(schema.arguments)
-        if (argument.alias_info is not None and argument.alias_info.is_write) or argument.name in undeclared
-    )
+    """The `(position, name)` of every argument the aten overload `func` writes to, declared or not (found once per
+    overload)."""
+    writes = _WRITES.get(func)
+    if writes is None:
+        schema = func._schema
+        undeclared = _UNDECLARED.get(schema.name, ())
+        writes = _WRITES[func] = tuple(
+            (position, argument.name)
+            for position, argument in enumerate(schema.arguments)
+            if (argument.alias_info is not None and argument.alias_info.is_write) or argument.name in undeclared
+        )
+    return writes
 
 
 _storage_id: Callable[[torch.Tensor], int] = storage_id
@@ -97,9 +101,7 @@ class BufferWrites(Mode):
         return isinstance(value, torch.Tensor) and storage_key(value) in self.protected
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        writes = _WRITES.get(func)
-        if writes is None:
-            writes = _WRITES[func] = written_arguments(func)
+        writes = written_arguments(func)
         if kwargs is None:
             kwargs = {}
         if writes:

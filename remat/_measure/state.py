@@ -35,7 +35,7 @@ class _CopyOnWrite(Mode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for position, name in _writes(func):
+        for position, name in written_arguments(func):
             value = args[position] if position < len(args) else kwargs.get(name)
             key = storage_key(value) if isinstance(value, torch.Tensor) else None
             if key in self.buffers and key not in self.saved:
@@ -48,16 +48,6 @@ class _CopyOnWrite(Mode):
             for buffer, saved in self.saved.values():
                 buffer.copy_(saved)
         self.saved.clear()
-
-
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def _writes(func: Any) -> tuple[tuple[int, str], ...]:
-    found = _WRITES.get(func)
-    if found is None:
-        found = _WRITES[func] = written_arguments(func)
-    return found
 
 
 @contextlib.contextmanager
