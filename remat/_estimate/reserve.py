@@ -127,7 +127,7 @@ def reserved_peak(model: nn.Module, device: torch.device, forward: Callable[[], 
     synchronize = getattr(module, "synchronize", None)
     empty_cache = getattr(module, "empty_cache", None)
     try:
-        with _stand_ins(params, state_bytes), step_state(model, zeros=False):
+        with _stand_ins(params, state_bytes), step_state(model, zeros=False, lazy=True):
             if synchronize is not None:
                 synchronize(device)
             if empty_cache is not None:  # what planning left cached, which the allocator gives back when it must

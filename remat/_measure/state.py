@@ -2,11 +2,14 @@
 its devices put back.
 
 NOTE [ Buffers a measured step writes ]
-1. A buffer is copied before the first op of the step that writes to it (its storage, through any view), and
-   copied back after the step; a buffer the step does not write is never copied. So the step holds no copy of
-   buffers that are only read (a causal mask's table, rotary frequencies): under `memory=` (NOTE [ Total memory ])
-   `apply`'s own peak is its plan's step's, plus the copies of what that step writes (BatchNorm's statistics).
-2. A buffer replaced rather than written (a new tensor assigned to it) is not put back.
+1. In the eager steps that check a plan (`measure_step`, the allocator's check: `lazy=True`), a buffer is copied
+   before the first op of the step that writes to it (its storage, through any view), and copied back after the
+   step; a buffer the step does not write is never copied. So the step holds no copy of buffers that are only read
+   (a causal mask's table, rotary frequencies): under `memory=` (NOTE [ Total memory ]) `apply`'s own peak is its
+   plan's step's, plus the copies of what that step writes (BatchNorm's statistics).
+2. Elsewhere (a profile's steps, a compiled step) every buffer is copied before the step: compiled code writes
+   inside kernels that no dispatch mode sees.
+3. A buffer replaced rather than written (a new tensor assigned to it) is not put back.
 """
 
 from __future__ import annotations
@@ -51,20 +54,26 @@ class _CopyOnWrite(Mode):
 
 
 @contextlib.contextmanager
-def step_state(model: nn.Module, zeros: bool = True) -> Iterator[None]:
+def step_state(model: nn.Module, zeros: bool = True, lazy: bool = False) -> Iterator[None]:
     """Inside: every parameter that requires grad has a zero `.grad` (a step accumulates in place, so gradients
     are outside what it measures), or none without `zeros`. After: the parameters' `.grad`, the model's buffers
-    (those the step wrote: NOTE [ Buffers a measured step writes ]) and the RNG streams of the devices it is on are
-    as they were (dropout draws the same masks in the steps that follow)."""
+    and the RNG streams of the devices it is on are as they were (dropout draws the same masks in the steps that
+    follow). With `lazy`, for an eager step, only the buffers it writes are copied (NOTE [ Buffers a measured step
+    writes ])."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     buffers = list(model.buffers())
     copies = _CopyOnWrite(buffers) if buffers else None
+    if copies is not None and not lazy:  # rule 2: every buffer, now
+        for buffer in buffers:
+            key = storage_key(buffer)
+            if key is not None and key not in copies.saved:
+                copies.saved[key] = (buffer, buffer.detach().clone())
     try:
         for p in params:
             p.grad = torch.zeros_like(p) if zeros else None
         with RngStash.capture(devices_of(params, module=model)).restore(), (
-                copies if copies is not None else contextlib.nullcontext()):
+                copies if copies is not None and lazy else contextlib.nullcontext()):
             yield
     finally:
         for p, g in zip(params, grads, strict=True):

@@ -43,7 +43,7 @@ def measure_step(model: nn.Module, step: Callable[[], torch.Tensor], *, grads: b
     """The tracked peak of one training step (forward and backward) above what was live before it, starting
     without gradients as after ``zero_grad()`` (so backward's new gradients count), or from zero gradients without
     ``grads`` (an eager step lifted to one compiled graph adds them itself); the model left as it was found."""
-    with step_state(model, zeros=not grads):
+    with step_state(model, zeros=not grads, lazy=True):  # NOTE [ Buffers a measured step writes ]
         with FakeTracker() as tracker:  # a twin's fake tensors count where they claim to be
             loss = step()
             torch.autograd.backward(loss)
