@@ -40,11 +40,16 @@ class _CopyOnWrite(Mode):
         kwargs = kwargs or {}
         for position, name in written_arguments(func):
             value = args[position] if position < len(args) else kwargs.get(name)
-            key = storage_key(value) if isinstance(value, torch.Tensor) else None
-            if key in self.buffers and key not in self.saved:
-                buffer = self.buffers[key]
-                self.saved[key] = (buffer, buffer.detach().clone())
+            if isinstance(value, torch.Tensor):
+                self.save(storage_key(value))
         return func(*args, **kwargs)
+
+    def save(self, key: int | None) -> None:
+        """A copy of the buffer of storage `key`, where it is one and has none yet."""
+        if key is None or key in self.saved or key not in self.buffers:
+            return
+        buffer = self.buffers[key]
+        self.saved[key] = (buffer, buffer.detach().clone())
 
     def put_back(self) -> None:
         with torch.no_grad():
@@ -65,10 +70,8 @@ def step_state(model: nn.Module, zeros: bool = True, lazy: bool = False) -> Iter
     buffers = list(model.buffers())
     copies = _CopyOnWrite(buffers) if buffers else None
     if copies is not None and not lazy:  # rule 2: every buffer, now
-        for buffer in buffers:
-            key = storage_key(buffer)
-            if key is not None and key not in copies.saved:
-                copies.saved[key] = (buffer, buffer.detach().clone())
+        for key in list(copies.buffers):
+            copies.save(key)
     try:
         for p in params:
             p.grad = torch.zeros_like(p) if zeros else None
