@@ -68,11 +68,16 @@ __all__ = ["spans", "tiles"]
 # 8. More tensors of `x`'s positions (`along`: the same sizes up to `dim`; Bloom's MLP takes the residual) are
 #    tiled with it: each tile calls fn on the tile of each, they are kept as `x` is (rule 3), and their gradients
 #    are made tile by tile as `x`'s. Such a call does not chain (rule 7).
+# 9. Every tensor from outside that fn reads (a parameter, a frozen weight, a buffer, a tensor in a closure) is
+#    read again by backward's tiles, so one changed in place between forward and backward raises autograd's
+#    "modified by an inplace operation" error, as `x` does (rule 3), never a gradient of the changed value.
 #
 # Implementation notes:
-# 1. (rule 2) Which tensors fn reads is seen on the first tile, which forward runs under a dispatch mode that
-#    notes every op argument requiring grad (a view stands for its base); they become inputs of the autograd
-#    function. fn must read the same tensors on every tile, as a token-wise function does.
+# 1. (rules 2, 9) Which tensors fn reads is seen on the first tile, which forward runs under a dispatch mode that
+#    notes every op argument that no op of the tile made (a view stands for its base); those requiring grad
+#    become inputs of the autograd function. Their versions after forward are checked at backward, and those of
+#    the rest too, held weakly (a tensor a closure holds lives as long as fn does). fn must read the same tensors
+#    on every tile, as a token-wise function does.
 # 2. (rule 3) The first tile runs after `x` is handed over, outside the autograd function (it names the tensors
 #    the function takes); the rest run inside it.
 # 3. (rule 3) What backward needs (the kept `x`, fn, the reads) hangs on the node's context, which outlives the
@@ -89,6 +94,15 @@ __all__ = ["spans", "tiles"]
 #    temporary input go (a post-norm block's `norm(x + attn)`) that the recompute keeps; and hence the hooks: a
 #    site's recompute never sees the call made before the site. The chained call's node takes the earlier input,
 #    so the earlier node, unreachable from the loss once its output is gone, is freed with what it kept.
+# 5. (rules 2, 4) Under autocast, a weight's cast stands for the weight among the reads. A cast taken from
+#    autocast's cache (made by an earlier call of the same module in the region, or an earlier use of the weight)
+#    would hide the weight it was cast from: the weight would not be a read, and a second call of a tiled module
+#    in one region gave its weight no gradient. And a cast that was itself a read while backward's tiles used
+#    another (their own, after the region) or the same (a backward run inside the region) either lost the
+#    gradient or counted it twice. So a cast the first tile makes (`_to_copy` of a leaf requiring grad) is not a
+#    read, its weight is; and one it takes from the cache (a `ToCopyBackward0` node over such a leaf) is noted as
+#    its weight. The casts stay held to backward, as forward's node held them before (what a budget's profile
+#    counts: NOTE [ Deriving choices ] in remat/_budget/costs_derived.py).
 
 
 def spans(length: int, count: int) -> list[tuple[int, int]]:
@@ -108,23 +122,49 @@ def spans(length: int, count: int) -> list[tuple[int, int]]:
 
 
 class _Reads(Mode):
-    """Notes every tensor requiring grad that an op reads, other than the tiled inputs (implementation note 1)."""
+    """Notes every tensor from outside that an op reads, other than the tiled inputs: those requiring grad
+    (implementation note 1) and the rest (rule 9); a weight's cast stands for the weight (implementation note 5)."""
 
     def __init__(self, skip: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
         self.skip = skip
-        self.found: dict[int, torch.Tensor] = {}
+        self.found: dict[int, torch.Tensor] = {}  # requiring grad
+        self.others: dict[int, torch.Tensor] = {}  # not requiring grad
+        self.casts: dict[int, torch.Tensor] = {}  # the weights' casts the tile used
+        self.made: set[int] = set()  # what the ops made (alive, so no id of a tensor from outside)
         self.drew = False  # a random op ran (rule 7)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.drew = True
         for item in tree_leaves((args, kwargs)):
-            if isinstance(item, torch.Tensor) and item.requires_grad:
+            if isinstance(item, torch.Tensor) and id(item) not in self.made:
                 base = item._base if item._base is not None else item
-                if not any(base is tiled for tiled in self.skip):
-                    self.found.setdefault(id(base), base)
-        return func(*args, **(kwargs or {}))
+                if not any(base is tiled or item is tiled for tiled in self.skip):
+                    weight = _cast_of(base)
+                    if weight is not None:  # taken from autocast's cache
+                        self.casts.setdefault(id(base), base)
+                        base = weight
+                    (self.found if base.requires_grad else self.others).setdefault(id(base), base)
+        out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.made.update(id(t) for t in made)
+        if func is torch.ops.aten._to_copy.default and _is_weight(args[0]):
+            self.casts.update((id(t), t) for t in made)
+        return out
+
+
+def _is_weight(tensor: object) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.is_leaf and tensor.requires_grad
+
+
+def _cast_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The weight that `tensor` is a cast of (autocast's: `_to_copy` of a leaf that requires grad), or None."""
+    node = tensor.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0":
+        return None
+    source = getattr(node.next_functions[0][0], "variable", None) if node.next_functions else None
+    return source if _is_weight(source) else None
 
 
 class _KeptTile:
@@ -164,7 +204,7 @@ class _TileSpec:
     """What backward needs besides tensors; `release` drops what it holds once no backward can come (implementation
     note 3)."""
 
-    __slots__ = ("autocast", "devices", "dim", "fn", "kept", "reads", "rng", "site", "spans")
+    __slots__ = ("autocast", "casts", "devices", "dim", "fn", "kept", "reads", "rng", "site", "spans", "watched")
 
     def __init__(self, fn: Callable[..., torch.Tensor], dim: int, cuts: list[tuple[int, int]],
                  site: str, kept: tuple[_KeptTile, ...], devices: tuple[torch.device, ...]) -> None:
@@ -175,10 +215,35 @@ class _TileSpec:
         self.rng = RngStash.capture(devices)
         self.autocast = AutocastState.capture(devices)
         self.reads: tuple[torch.Tensor, ...] = ()
+        self.casts: tuple[torch.Tensor, ...] = ()  # held to backward, as forward's node held them (note 5)
+        # every read from outside, weakly, with its version (rule 9, implementation note 1)
+        self.watched: list[tuple[weakref.ref[torch.Tensor], int]] = []
+
+    def watch(self, others: Sequence[torch.Tensor]) -> None:
+        """Note the versions of the reads and of `others` (those needing no grad) after forward."""
+        self.watched = [(weakref.ref(t), t._version) for t in (*self.reads, *others)]
+
+    def rewatch(self) -> None:
+        """Note the versions again after a backward, whose tiles may write a buffer as forward's did."""
+        self.watched = [(ref, t._version) for ref, _ in self.watched if (t := ref()) is not None]
+
+    def check(self) -> None:
+        """Raise as autograd does where a read changed in place since it was noted (rule 9)."""
+        for ref, version in self.watched:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                raise RematError(
+                    f"remat: one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a tensor of shape {list(tensor.shape)} that the tiled `{self.site}` reads was at "
+                    f"version {version} after forward and is at version {tensor._version} now; backward would run "
+                    "the tiles on the changed value and give wrong gradients. Don't modify it in place between "
+                    "forward and backward (clone it first)."
+                )
 
     def release(self) -> None:
         self.fn = self.kept = None
-        self.reads = ()
+        self.reads = self.casts = ()
+        self.watched = []
 
 
 def _release_when_freed(ctx: Any) -> None:
@@ -227,14 +292,18 @@ def tiles(
         return _rest(fn, xs, first, dim, cuts, site)
     kept = tuple(_KeptTile(t) for t in xs)  # rule 3: before any tile runs
     spec = _TileSpec(fn, dim, cuts, site, kept, devices_of(xs, module))
-    with torch.no_grad(), _Reads(tuple(t._base if t._base is not None else t for t in xs)) as reads:
+    skip = tuple(t if t._base is None else t._base for t in xs) + tuple(tile)
+    skip += tuple(t._base for t in tile if t._base is not None)
+    with torch.no_grad(), _Reads(skip) as reads:
         first = fn(*tile)
     _check_tile(first, tile[0], dim, site, 0)
-    del tile
+    del tile, skip
     spec.reads = tuple(reads.found.values())
+    spec.casts = tuple(t for t in reads.casts.values() if t.grad_fn is not None)  # autocast's: cast with grad on
     if not any(t.requires_grad for t in xs) and not spec.reads:  # nothing to differentiate: as without grad
         return _rest(fn, xs, first, dim, cuts, site)
     out: torch.Tensor = _TilesFunction.apply(spec, first, *xs, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
+    spec.watch(tuple(reads.others.values()))
     if chain and not along and found is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
         _last.made = _Made(fn, x, out, dim, site, spec.devices, spec.autocast)
     return out
@@ -363,8 +432,10 @@ class _TilesFunction(torch.autograd.Function):
         begun = time.perf_counter()
         tiled = len(spec.kept)
         xs = [kept.get(spec.site) for kept in spec.kept]
+        spec.check()
         grads = _differentiate(spec, xs, grad, wanted[2:2 + tiled], wanted[2 + tiled:])
         del xs
+        spec.rewatch()
         if keeps is False:  # no backward can come again: free what forward kept now, as autograd frees its own
             spec.release()
         _stats.add_recompute(time.perf_counter() - begun)

@@ -126,6 +126,39 @@ def test_tiles_the_user_gives_are_planned_with_and_stay_the_users() -> None:
     assert len(tiles_of(model)) == 3 * LAYERS
 
 
+@pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
+@pytest.mark.xfail(strict=True, reason="the profile run per choice misprices bytes that die before backward")
+def test_a_budgets_profile_prices_tiles_under_autocast_as_a_real_step_runs_them() -> None:
+    """Known gap. Where more than 5% of what the blocks' forwards left alive dies before the first backward (here
+    the KV cache that `use_cache=True`, transformers' default, fills in the kept blocks), the profile runs every
+    choice instead of deriving them (NOTE [ Profiling rounds ], rule 1), and that run prices full remat with tiles
+    under autocast 4.1% under a real step (948,232 bytes against 989,192): NOTE [ Budget model ] counts a block's
+    bytes to its backward, and under autocast some die with the step's autocast region. The first training step's
+    check catches a plan it misses (NOTE [ The first step ])."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    base = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+
+    def step(model: nn.Module) -> int:
+        model.zero_grad(set_to_none=True)
+        with remat.track() as tracked:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**inputs).loss
+            loss.backward()
+        return tracked.peak_bytes
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned = remat.apply(copy.deepcopy(base), budget=0.99, sample=inputs, tiles=8)
+    plan = remat.plan(planned).budget
+    assert plan is not None and plan.full_remat is not None
+    real = step(remat.apply(copy.deepcopy(base), tiles=8))
+    assert _stats.tiles > 0
+    assert abs(plan.full_remat[0] / real - 1) < 0.01, (plan.full_remat[0], real)
+
+
 def test_a_replan_that_fails_puts_back_the_tiles_the_plan_before_it_chose() -> None:
     """NOTE [ Tiles as a choice ], rule 3, and NOTE [ Budgeted models ], rule 4: a training forward of a longer
     sequence plans again, first untiled; where that plan is refused, the previous choices come back with the tiles

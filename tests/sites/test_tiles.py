@@ -265,6 +265,60 @@ def test_an_input_changed_in_place_before_backward_raises() -> None:
         out.sum().backward()
 
 
+class ScaledMLP(nn.Module):
+    """An MLP that also reads a buffer and a tensor from a closure, neither requiring grad, both saved by autograd
+    (a multiplication's other operand)."""
+
+    def __init__(self, extra: torch.Tensor) -> None:
+        super().__init__()
+        self.mlp = GatedMLP()
+        self.register_buffer("scale", torch.rand(WIDTH) + 0.5)
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mlp(x) * self.scale) * self.extra
+
+
+@pytest.mark.parametrize("changed", ["weight", "frozen weight", "buffer", "closure"])
+def test_a_read_changed_in_place_before_backward_raises(changed: str) -> None:
+    """NOTE [ Tiles ], rule 9: as autograd raises without tiles, never a gradient of the changed value (this gave
+    one before the reads' versions were checked)."""
+    extra = torch.rand(WIDTH) + 0.5
+    module = ScaledMLP(extra)
+    if changed == "frozen weight":
+        module.mlp.up.weight.requires_grad_(False)
+    target = {"weight": module.mlp.gate.weight, "frozen weight": module.mlp.up.weight, "buffer": module.scale,
+              "closure": extra}[changed]
+    h = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    plain = module(h)
+    with torch.no_grad():
+        target.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain.sum().backward()  # the baseline: autograd's own check
+    with torch.no_grad():
+        target.div_(2)
+    out = remat.tiled(module, h, tiles=3, dim=1)
+    with torch.no_grad():
+        target.mul_(2)
+    with pytest.raises(remat.RematError, match=r"modified by an inplace operation: a tensor of shape \[\d+(, \d+)?\] "
+                       r"that the tiled `ScaledMLP` reads"):
+        out.sum().backward()
+
+
+def test_reads_unchanged_since_forward_pass_backward_twice() -> None:
+    """The reads' versions are checked, not their identity: an unchanged buffer passes, twice with `retain_graph`,
+    and gradients equal the untiled call's."""
+    module = ScaledMLP(torch.rand(WIDTH) + 0.5)
+    h = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    expected = torch.autograd.grad(module(h).sum(), [h, *module.parameters()])
+    module.mlp.seen.clear()
+    out = remat.tiled(module, h, tiles=3, dim=1).sum()
+    for _ in range(2):
+        got = torch.autograd.grad(out, [h, *module.parameters()], retain_graph=True)
+        torch.testing.assert_close(got, expected)
+    assert module.mlp.seen == [(2, SEQ // 3, WIDTH)] * 9, "forward's tiles, then each backward's"
+
+
 # -- chained tiles (NOTE [ Tiles ], rule 7) ----------------------------------------------------------------
 
 
@@ -475,6 +529,37 @@ def test_autocast_in_forward_is_autocast_in_backward() -> None:
     assert dtypes == [torch.bfloat16] * 8, "backward's calls ran under forward's autocast"
     for a, b in zip(want, [x.grad, *(p.grad for p in mlp.parameters())], strict=True):
         torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward after the region", "backward in the region"])
+def test_autocast_gradients_whatever_autocast_cached_before(calls: int, backward_inside: bool) -> None:
+    """NOTE [ Tiles ], implementation note 5. Autocast caches a weight's cast for its region. A second call of the
+    tiled module in one region took its casts from the cache, so its tiles never read the weights: their gradients
+    lost the second call's share (84% off). With backward run inside the region, the first call's cast was both a
+    read of the tiles and the cast backward used: the weights' gradients counted twice (100% off)."""
+    torch.manual_seed(0)
+    mlp = GatedMLP().float()
+    x = torch.randn(2, SEQ, WIDTH, dtype=torch.float32)
+
+    def grads(tiles: int | None) -> list[torch.Tensor]:
+        model = copy.deepcopy(mlp)
+        h = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = h
+            for _ in range(calls):
+                out = model(out.float()) if tiles is None else remat.tiled(model, out.float(), tiles=tiles)
+            loss = out.float().pow(2).sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        if tiles is not None:
+            assert (2, SEQ // tiles, WIDTH) in model.seen, "ran in tiles"
+        return [h.grad, *(p.grad for p in model.parameters())]
+
+    for a, b in zip(grads(None), grads(4), strict=True):  # bfloat16's rounding, of the largest gradient
+        torch.testing.assert_close(b, a, atol=2e-2 * a.abs().max().item(), rtol=0)
 
 
 class _CastsOf(TorchDispatchMode):

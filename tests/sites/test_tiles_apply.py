@@ -61,6 +61,33 @@ def test_apply_with_tiles_keeps_no_remats_gradients_and_runs_in_tiles(options: d
         torch.testing.assert_close(grads[name], grad, msg=lambda m, k=name: f"gradient of {k}: {m}")
 
 
+@pytest.mark.equivalence
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward after the region", "backward in the region"])
+def test_apply_with_tiles_under_autocast_keeps_no_remats_gradients(backward_inside: bool) -> None:
+    """A training step under bf16 autocast, its backward inside the region or after it: with the backward inside,
+    every tiled module's weights got twice their gradient (NOTE [ Tiles ], implementation note 5)."""
+    base = make().float()
+    batch = ids()
+
+    def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=batch, labels=batch).loss
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    expected = grads(copy.deepcopy(base))
+    tiles, recomputes = _stats.tiles, _stats.recomputes
+    got = grads(remat.apply(copy.deepcopy(base), tiles=4))
+    assert _stats.tiles - tiles == LAYERS * (len(TILED) - 1) * 4
+    assert _stats.recomputes > recomputes
+    for name, grad in expected.items():  # bfloat16's rounding, of the largest gradient
+        torch.testing.assert_close(got[name], grad, atol=2e-2 * grad.abs().max().item(), rtol=0,
+                                   msg=lambda m, k=name: f"gradient of {k}: {m}")
+
+
 def test_plan_shows_the_tiles_and_undo_takes_them_off() -> None:
     model = remat.apply(make(), tiles=True)
     shown = str(remat.plan(model))
