@@ -266,7 +266,10 @@ def peak_lines(rows: Sequence[Any], memory: int | None, headroom: int = 0,
             if positions is not None and row.largest_seq is not None and row.largest_seq > positions[1]:
                 beyond = (f" (more than the {positions[1]} positions `{positions[0]}` holds: the model takes at "
                           f"most {positions[1]})")
-            if row.largest_batch is not None:
+            if row.largest_batch == 0 and not row.largest_seq:  # not one sample: say so, not "0"
+                lines.append(f"{row.label}: nothing fits in {format_bytes(memory)}{room}, not even a batch of 1 "
+                             f"(its device peak at the sample: {format_bytes(row.peak_bytes)})")
+            elif row.largest_batch is not None:
                 seq = f", sequence length {row.largest_seq}{beyond}" if row.largest_seq is not None else ""
                 fits = f"largest batch that fits in {format_bytes(memory)}{room}"
                 lines.append(f"{row.label}: {fits}: {row.largest_batch}{seq}")

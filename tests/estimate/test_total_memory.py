@@ -401,6 +401,20 @@ def test_cli_prints_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> Non
         main(["estimate", "--memory", "64MiB"])  # the benchmark's models: --hf only
 
 
+@pytest.mark.slow  # estimates at several sizes: NOTE [ Slow tests ] in tests/conftest.py
+def test_cli_says_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """Where not one sample fits, each configuration says so, with its peak (it printed "largest batch that fits
+    in 1.00 KiB: 0, sequence length 0")."""
+    pytest.importorskip("transformers")
+    from remat.__main__ import main
+
+    assert main(["estimate", "--hf", "llama", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8",
+                 "--optimizer", "sgd", "--memory", "1KiB", "--largest-seq"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("nothing fits in 1.00 KiB, not even a batch of 1 (its device peak at the sample: ") == 5, out
+    assert "largest batch" not in out, out
+
+
 def test_a_memory_the_allocators_segments_outweigh_is_refused_naming_a_total_that_fits(
         test_device: str, caplog: pytest.LogCaptureFixture) -> None:
     """A small model's step reserves a whole segment more than a memory just above full remat's estimate: `apply`
