@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import remat
+from remat._engine import stats as _stats
 from remat._sites.integrations.transformers import CacheOff
 
 transformers = pytest.importorskip("transformers")
@@ -186,6 +187,34 @@ def test_cache_is_kept_in_eval_and_without_grad_and_off_in_training_without_a_ma
     assert out.past_key_values.get_seq_length() == 0
     out.loss.backward()
     assert out.past_key_values.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("request_", [{}, {"head": True, "tiles": 4}, {"budget": 0.9}],
+                         ids=["full", "head and tiles", "budget"])
+def test_after_training_steps_generate_and_eval_give_the_plain_models_tokens_and_logits(
+        request_: dict[str, Any]) -> None:
+    """Train, then evaluate or generate, on the same model: remat stays out of the way once gradients are off (the
+    cache kept, the head's logits whole, the tiles' output that of the untiled modules)."""
+    base = llama().double()
+    ids = batch()["input_ids"]
+    if "budget" in request_:
+        request_ = {**request_, "sample": {"input_ids": ids, "labels": ids}}
+    plain, model = copy.deepcopy(base), remat.apply(copy.deepcopy(base), **request_)
+    recomputes = _stats.recomputes
+    for trained in (plain, model):
+        for _ in range(2):  # a training step, then another with the gradients of the first in place
+            trained(input_ids=ids, labels=ids).loss.backward()
+    assert _stats.recomputes > recomputes, "remat ran in training"
+    for trained in (plain, model):
+        trained.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+    prompt = ids[:, :4]
+    expected = plain.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False), expected)
+    model.train()
+    with torch.no_grad():  # an evaluation left in training mode
+        torch.testing.assert_close(model(input_ids=ids).logits, plain.train()(input_ids=ids).logits)
 
 
 def test_one_log_line_per_model(caplog: pytest.LogCaptureFixture) -> None:
