@@ -125,9 +125,9 @@ class _Reads(Mode):
     """Notes every tensor from outside that an op reads, other than the tiled inputs: those requiring grad
     (implementation note 1) and the rest (rule 9); a weight's cast stands for the weight (implementation note 5)."""
 
-    def __init__(self, skip: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, skip: set[int]) -> None:
         super().__init__()
-        self.skip = skip
+        self.skip = skip  # the ids of the tiled inputs, their tiles and their bases (alive while the tile runs)
         self.found: dict[int, torch.Tensor] = {}  # requiring grad
         self.others: dict[int, torch.Tensor] = {}  # not requiring grad
         self.casts: dict[int, torch.Tensor] = {}  # the weights' casts the tile used
@@ -140,7 +140,7 @@ class _Reads(Mode):
         for item in tree_leaves((args, kwargs)):
             if isinstance(item, torch.Tensor) and id(item) not in self.made:
                 base = item._base if item._base is not None else item
-                if not any(base is tiled or item is tiled for tiled in self.skip):
+                if id(base) not in self.skip and id(item) not in self.skip:
                     weight = _cast_of(base)
                     if weight is not None:  # taken from autocast's cache
                         self.casts.setdefault(id(base), base)
@@ -190,14 +190,20 @@ class _KeptTile:
             return self.unpack(self.packed).detach()
         tensor = self.tensor
         assert tensor is not None
-        if tensor._version != self.version:
-            raise RematError(
-                f"remat: one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: the input of the tiled `{site}` (shape {list(tensor.shape)}) was at version "
-                f"{self.version} in forward and is at version {tensor._version} now. Don't modify it in place "
-                "between forward and backward (clone it first)."
-            )
+        _unchanged(tensor, self.version, f"the input of the tiled `{site}` (shape {{shape}})")
         return tensor.detach()
+
+
+def _unchanged(tensor: torch.Tensor, version: int, what: str) -> None:
+    """Raise as autograd does where `tensor` changed in place since it was at `version` (rules 3 and 9); `what`
+    names it, with `{shape}` where its shape goes."""
+    if tensor._version != version:
+        raise RematError(
+            f"remat: one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: {what.format(shape=list(tensor.shape))} was at version {version} after forward and is at "
+            f"version {tensor._version} now; backward would run the tiles on the changed value and give wrong "
+            "gradients. Don't modify it in place between forward and backward (clone it first)."
+        )
 
 
 class _TileSpec:
@@ -231,14 +237,8 @@ class _TileSpec:
         """Raise as autograd does where a read changed in place since it was noted (rule 9)."""
         for ref, version in self.watched:
             tensor = ref()
-            if tensor is not None and tensor._version != version:
-                raise RematError(
-                    f"remat: one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: a tensor of shape {list(tensor.shape)} that the tiled `{self.site}` reads was at "
-                    f"version {version} after forward and is at version {tensor._version} now; backward would run "
-                    "the tiles on the changed value and give wrong gradients. Don't modify it in place between "
-                    "forward and backward (clone it first)."
-                )
+            if tensor is not None:
+                _unchanged(tensor, version, f"a tensor of shape {{shape}} that the tiled `{self.site}` reads")
 
     def release(self) -> None:
         self.fn = self.kept = None
@@ -292,12 +292,11 @@ def tiles(
         return _rest(fn, xs, first, dim, cuts, site)
     kept = tuple(_KeptTile(t) for t in xs)  # rule 3: before any tile runs
     spec = _TileSpec(fn, dim, cuts, site, kept, devices_of(xs, module))
-    skip = tuple(t if t._base is None else t._base for t in xs) + tuple(tile)
-    skip += tuple(t._base for t in tile if t._base is not None)
+    skip = {id(t) for t in (*xs, *tile)} | {id(t._base) for t in (*xs, *tile) if t._base is not None}
     with torch.no_grad(), _Reads(skip) as reads:
         first = fn(*tile)
     _check_tile(first, tile[0], dim, site, 0)
-    del tile, skip
+    del tile
     spec.reads = tuple(reads.found.values())
     spec.casts = tuple(t for t in reads.casts.values() if t.grad_fn is not None)  # autocast's: cast with grad on
     if not any(t.requires_grad for t in xs) and not spec.reads:  # nothing to differentiate: as without grad

@@ -168,6 +168,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return local_tensor(t)
 
 
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
 class _FakeMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     """torch's fake tensor mode, but for the grouped matmul of a mixture of experts on the CPU (implementation note
     of `fake_mode`)."""
@@ -182,8 +185,6 @@ class _FakeMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             return out.to(wide)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-
-_GROUPED_MM = torch.ops.aten._grouped_mm.default
 
 
 def _cpu_grouped_mm(args: Any, kwargs: dict[str, Any]) -> bool:
