@@ -70,6 +70,7 @@ __all__ = [
     "fake_store",
     "flop_formula",
     "foreach_by_default",
+    "fsdp_group",
     "fsdp_state_keys",
     "local_tensor",
     "graph_exec_group",
@@ -506,6 +507,14 @@ def fsdp_state_keys() -> set[str]:
     STATE_KEY and REGISTRY_KEY, present in 2.4); an estimate removes them from its copy of a sharded model."""
     contract = importlib.import_module("torch.distributed._composable.contract")
     return {contract.STATE_KEY, contract.REGISTRY_KEY}
+
+
+def fsdp_group(module: Any) -> tuple[Any, ...]:
+    """The modules that one `fully_shard` call sharded together with `module`, itself included (its FSDP state's
+    private `_modules`, present since 2.6, when `fully_shard` took a list); () where `module` is no FSDPModule."""
+    state = getattr(module, "_get_fsdp_state", None)
+    modules = getattr(state(), "_modules", None) if callable(state) else None
+    return tuple(modules) if modules is not None else ()
 
 
 def fake_store() -> Any:

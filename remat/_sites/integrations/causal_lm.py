@@ -19,6 +19,7 @@ from torch import nn
 
 from ..._core import switch as _switch
 from ..._core.errors import RematError, alive
+from ..._core.torch_compat import fsdp_group
 from ..cross_entropy import Transform, chunked, logits_dtype
 from . import comes_from
 
@@ -45,19 +46,31 @@ __all__ = ["HeadRoute", "check", "find_causal_lm", "route", "unroute"]
 #    transformers model whose `get_output_embeddings()` is an `nn.Linear` and whose class's forward computes its
 #    loss with `self.loss_function`, which is transformers' `ForCausalLMLoss`.
 # 4. `remat.undo` (through the hooks' `close`) gives the head its forward and the model its `loss_function` back.
+# 5. The head's parameters are read only inside a call of the head: the loss is the head's second call in the
+#    forward, with its input and the labels, so that whatever gathers the head's parameters around its calls
+#    (FSDP2's `fully_shard` on the head or on a group with it, DeepSpeed ZeRO-3, an offload hook) has them there,
+#    and its hooks see the loss among the head's outputs and its input among the head's inputs, as they would
+#    see the logits and the input of the model's own head (gathered again for backward, gradients reduced after
+#    it). Its forward hooks run for both calls.
 #
 # Implementation notes:
 # 1. (rule 1) A forward pre-hook on the causal LM opens a call when the rule applies (a thread-local stack, so two
 #    threads and nested calls keep theirs); the head's own `forward` (an instance attribute, as `remat(module)`
-#    sets one) returns `DeferredLogits` (the head's input and parameters) instead of the logits for an open call;
-#    the model's `_loss_function` (the instance attribute transformers' `loss_function` property reads first)
-#    computes the chunked loss from it; a forward hook closes the call and takes the placeholder out of the output.
-#    The placeholder knows the logits' shape, dtype and device without making them (rule 2): `F.linear`'s output
-#    has the input's leading dimensions and the weight's rows, autocast's dtype where autocast casts the input,
-#    and the input's device.
+#    sets one) returns `DeferredLogits` (the head and its input) instead of the logits for an open call; the
+#    model's `_loss_function` (the instance attribute transformers' `loss_function` property reads first) calls
+#    the head again with its input and a `_HeadLoss`, for which the head's `forward` returns the chunked loss
+#    (rule 5); a forward hook closes the call and takes the placeholder out of the output. The placeholder knows
+#    the logits' shape, dtype and device without making them (rule 2): `F.linear`'s output has the input's
+#    leading dimensions and the head's `out_features`, autocast's dtype where autocast casts the input, and the
+#    input's device.
 # 2. (rule 1) Under torch.compile the same happens in traced code: dynamo traces the hooks, the stack and the
 #    placeholder (a call is pushed and popped within one forward), and `linear_cross_entropy`'s operator stays
 #    whole in the graph, so a compiled step holds one chunk of logits too.
+# 3. (rule 5) The placeholder has no `__slots__`: DeepSpeed's hook after the head's first call looks for
+#    parameters among the attributes of an output it does not know (`vars`), and finds none there (it holds the
+#    head, not its weight). DeepSpeed logs once that it cannot see the tensors inside it; the second call's loss
+#    is a tensor it sees. Under ZeRO-3 and FSDP2 on the head, the first call gathers the head's parameters and
+#    uses none of them: one gather of the head more per forward than the model's own head.
 
 _FORWARDS_LOSS = "self.loss_function("
 _LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
@@ -89,11 +102,11 @@ class DeferredLogits:
     """What a routed head returns instead of its logits: its input and parameters, and the model's elementwise steps
     on them so far (NOTE [ A causal LM's head ], rule 2)."""
 
-    __slots__ = ("bias", "call", "dtype", "hidden", "steps", "weight")
+    # no __slots__: implementation note 3
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: _RoutedCall,
-                 steps: Transform = (), dtype: torch.dtype | None = None) -> None:
-        self.hidden, self.weight, self.bias, self.call, self.steps = hidden, weight, bias, call, steps
+    def __init__(self, hidden: torch.Tensor, head: nn.Linear, call: _RoutedCall, steps: Transform = (),
+                 dtype: torch.dtype | None = None) -> None:
+        self.hidden, self.head, self.call, self.steps = hidden, head, call, steps
         self.dtype: torch.dtype = logits_dtype(hidden) if dtype is None else dtype
         """The dtype the logits would have (rule 2: a read that changes nothing)."""
 
@@ -101,7 +114,7 @@ class DeferredLogits:
         if step not in (None, "tanh") and (isinstance(value, bool) or not isinstance(value, (int, float))):
             self._refuse(f"`logits {'*' if step == 'mul' else '/'} {type(value).__name__}`")
         steps = self.steps if step is None else (*self.steps, (step, float(value)))
-        out = DeferredLogits(self.hidden, self.weight, self.bias, self.call, steps, dtype or self.dtype)
+        out = DeferredLogits(self.hidden, self.head, self.call, steps, dtype or self.dtype)
         self.call.deferred.append(out)
         return out
 
@@ -109,7 +122,7 @@ class DeferredLogits:
     @property
     def shape(self) -> torch.Size:
         """The logits' shape: the head's input's leading dimensions, then one logit per class."""
-        return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
+        return torch.Size((*self.hidden.shape[:-1], self.head.out_features))
 
     @property
     def device(self) -> torch.device:
@@ -227,11 +240,14 @@ class HeadForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = alive(self._module, "a routed head's `forward`")
         call = _open_call()
-        if call is not None and call.route.head is module and len(args) == 1 and not kwargs:
+        if call is not None and call.route.head is module and not kwargs:
             assert isinstance(module, nn.Linear)  # `route` checked it
-            placeholder = DeferredLogits(args[0], module.weight, module.bias, call)
-            call.deferred.append(placeholder)
-            return placeholder
+            if len(args) == 2 and isinstance(args[1], _HeadLoss):  # the loss, inside the head's call: rule 5
+                return args[1].of(args[0], module.weight, module.bias)
+            if len(args) == 1:
+                placeholder = DeferredLogits(args[0], module, call)
+                call.deferred.append(placeholder)
+                return placeholder
         if self.own is not None:
             return self.own(*args, **kwargs)
         return type(module).forward(module, *args, **kwargs)
@@ -272,7 +288,7 @@ def _causal_lm_loss(
     """transformers' `ForCausalLMLoss` (loss/loss_utils.py), on the chunks of `linear_cross_entropy`."""
     del kwargs  # as `ForCausalLMLoss`, which takes and ignores the model's other keywords
     hidden = logits.hidden
-    classes = logits.weight.shape[0]
+    classes = logits.head.out_features
     if vocab_size is not None and vocab_size != classes:
         raise RematError(
             f"remat: head=True: `{logits.call.route.model_name}`'s head makes {classes} logits per token but its "
@@ -283,13 +299,45 @@ def _causal_lm_loss(
         shift_labels = padded[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
     reduction: Literal["mean", "sum"] = "sum" if num_items_in_batch is not None else "mean"
-    loss = chunked(hidden, logits.weight, shift_labels.reshape(hidden.shape[:-1]), logits.bias,
-                   ignore_index=ignore_index, reduction=reduction, transform=logits.steps)
+    _one_head_call_at_a_time(logits)
+    loss: torch.Tensor = logits.head(hidden, _HeadLoss(shift_labels.reshape(hidden.shape[:-1]), ignore_index, reduction,
+                                         logits.steps))
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+def _one_head_call_at_a_time(logits: DeferredLogits) -> None:
+    """Refuse a head that FSDP2 shards in one group with other modules (rule 5): the group ends its forward after
+    each of its modules ran once, so the head's second call would open one that never ends."""
+    group = fsdp_group(logits.head)
+    if len(group) > 1:
+        route = logits.call.route
+        names = {module: name for name, module in route.model.named_modules()}
+        others = ", ".join(f"`{names.get(module, type(module).__qualname__)}`" for module in group
+                           if module is not logits.head)
+        raise RematError(
+            f"remat: head=True cannot compute `{route.model_name}`'s loss in chunks: its head `{route.head_name}` "
+            f"is sharded by FSDP2 in one group with {others} (one `fully_shard` call on a list), and the loss runs "
+            "in a second call of the head, which FSDP2 would take for the group's next forward. Shard the head "
+            "alone (`fully_shard(model.lm_head)`) or with the model's root, or pass head=False to remat.apply."
+        )
+
+
+@dataclass(frozen=True)
+class _HeadLoss:
+    """What the head's second call is asked for: the loss of its input's logits against `labels` (rule 5)."""
+
+    labels: torch.Tensor
+    ignore_index: int
+    reduction: Literal["mean", "sum"]
+    steps: Transform
+
+    def of(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return chunked(hidden, weight, self.labels, bias, ignore_index=self.ignore_index, reduction=self.reduction,
+                       transform=self.steps)
 
 
 class HeadRoute:
@@ -475,6 +523,11 @@ def check(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         raise ValueError(f"remat: apply(head=True) needs {LOOKED_FOR}, but `{kind}`'s output embeddings are "
                          f"{_what_head(head)}.")
+    if len(fsdp_group(head)) > 1:
+        raise ValueError(f"remat: apply(head=True) cannot route `{kind}`'s head: FSDP2 shards it in one group with "
+                         "other modules (one `fully_shard` call on a list), and the loss runs in a second call of "
+                         "the head (NOTE [ A causal LM's head ], rule 5). Shard the head alone or with the model's "
+                         "root.")
     try:
         source = inspect.getsource(type(lm).forward)
     except (OSError, TypeError):

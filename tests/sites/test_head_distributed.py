@@ -1,0 +1,308 @@
+"""The routed head under FSDP2 and DeepSpeed ZeRO-3 (NOTE [ A causal LM's head ], rule 5): 2 processes on CPU with
+gloo.
+
+Each rank takes half of a fixed batch and runs two training steps of a tiny Hugging Face Llama (float64) whose loss
+`remat.apply(model, head=True)` routes; the full parameter gradients after each backward equal a single-process
+run without remat on the whole batch. The head is sharded with the root (FSDP2's usual set-up), alone
+(`fully_shard(model.lm_head)`), or by ZeRO-3 with every module (routed before or after `deepspeed.initialize`):
+in the last two, the head's parameters exist only inside its own calls, which the routed loss must run in. Each
+step also counts the head's gathers: one more per step than the model's own head (its first call gathers them for
+nothing). A head that FSDP2 shards in a group with other modules is refused, before or after it is sharded.
+DeepSpeed cases are skipped where deepspeed is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import free_port, spawn_ranks
+from torch import nn
+
+import remat
+from remat._engine import stats
+
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow  # two gloo ranks (torch.multiprocessing.spawn): NOTE [ Slow tests ] in tests/conftest.py
+
+WORLD, VOCAB, WIDTH, LENGTH, BATCH, STEPS, LR = 2, 96, 32, 12, 4, 2, 0.1
+DEADLINE_S = 900.0  # DeepSpeed builds its communication op on its first use on a machine (minutes)
+
+
+def make_model() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * LENGTH,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).double().train()
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(42))
+
+
+# --- FSDP2 -------------------------------------------------------------------------------------------------
+
+
+def fsdp2(head: bool, layout: str, routed_after: bool = False) -> Callable[[], Any]:
+    """`layout`: "root" (the head in the root's group), "alone" (`fully_shard` on the head), "grouped" (one group
+    of the final norm and the head)."""
+
+    def build() -> Any:
+        from torch.distributed.fsdp import fully_shard
+
+        model = make_model()
+        if head and not routed_after:
+            remat.apply(model, head=True)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        if layout == "alone":
+            fully_shard(model.lm_head)
+        elif layout == "grouped":
+            fully_shard([model.model.norm, model.lm_head])
+        fully_shard(model)
+        if head and routed_after:
+            remat.apply(model, head=True)
+        return model
+
+    return build
+
+
+def train_fsdp2(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    gathers: Counter[str] = Counter()
+    phase = ["forward"]
+    original = group.FSDPParamGroup.unshard
+    head = model.lm_head
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(param._module_info.module is head for param in self.fsdp_params) and not self.is_unsharded:
+            gathers[phase[0]] += 1
+        return original(self, *args, **kwargs)
+
+    group.FSDPParamGroup.unshard = counted  # type: ignore[method-assign]
+    try:
+        return _train(model, ids, phase, gathers, lambda loss: loss.backward(), _fsdp2_grads)
+    finally:
+        group.FSDPParamGroup.unshard = original  # type: ignore[method-assign]
+
+
+def _fsdp2_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+
+
+# --- DeepSpeed ZeRO-3 --------------------------------------------------------------------------------------
+
+
+ZERO3 = {
+    "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // WORLD, "steps_per_print": 10**9,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                          "stage3_max_live_parameters": 0},
+    "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+    "gradient_clipping": 0.0,  # DeepSpeed's default, 1.0, would clip this model's gradients
+}
+
+
+def zero3(head: str) -> Callable[[], Any]:
+    """`head`: "" (the model's own), "before" or "after" `deepspeed.initialize`."""
+
+    def build() -> Any:
+        import deepspeed
+
+        model = make_model()
+        if head == "before":
+            remat.apply(model, head=True)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ZERO3)
+        if head == "after":
+            remat.apply(engine.module, head=True)
+        return engine
+
+    return build
+
+
+def train_zero3(engine: Any, ids: torch.Tensor) -> dict[str, Any]:
+    gathers: Counter[str] = Counter()
+    phase = ["forward"]
+    weight = engine.module.lm_head.weight
+    original = weight.all_gather_coalesced
+
+    def counted(params: Any, *args: Any, **kwargs: Any) -> Any:
+        params = list(params)
+        gathers[phase[0]] += sum(1 for p in params if p is weight)
+        return original(params, *args, **kwargs)
+
+    weight.all_gather_coalesced = counted
+    return _train(engine, ids, phase, gathers, engine.backward, _zero3_grads, engine.step)
+
+
+def _zero3_grads(engine: Any) -> dict[str, torch.Tensor]:
+    from deepspeed.utils import safe_get_full_grad
+
+    return {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+
+
+# --- training ----------------------------------------------------------------------------------------------
+
+
+def _train(model: Any, ids: torch.Tensor, phase: list[str], gathers: Counter[str],
+           backward: Callable[[torch.Tensor], Any], grads_of: Callable[[Any], dict[str, torch.Tensor]],
+           step: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """`STEPS` steps: full gradients after each backward, the head's gathers per phase, chunks of the head's loss."""
+    optimizer = None if step is not None else torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, list[Any]] = {"grads": [], "gathers": [], "chunks": []}
+    for _ in range(STEPS):
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        gathers.clear()
+        chunks = stats.head_chunks
+        phase[0] = "forward"
+        loss = model(input_ids=ids, labels=ids).loss
+        phase[0] = "backward"
+        backward(loss)
+        out["grads"].append(grads_of(model))
+        out["gathers"].append(dict(gathers))
+        out["chunks"].append(stats.head_chunks - chunks)
+        phase[0] = "step"
+        if optimizer is not None:
+            optimizer.step()
+        else:
+            assert step is not None
+            step()
+    return out
+
+
+CASES: dict[str, tuple[Callable[[], Any], Callable[..., dict[str, Any]]]] = {
+    "fsdp2_root": (fsdp2(True, "root"), train_fsdp2),
+    "fsdp2_alone": (fsdp2(True, "alone"), train_fsdp2),
+    "fsdp2_alone_own_head": (fsdp2(False, "alone"), train_fsdp2),
+    "fsdp2_grouped": (fsdp2(True, "grouped"), train_fsdp2),
+    "fsdp2_grouped_routed_after": (fsdp2(True, "grouped", routed_after=True), train_fsdp2),
+    "zero3_before_init": (zero3("before"), train_zero3),
+    "zero3_after_init": (zero3("after"), train_zero3),
+    "zero3_own_head": (zero3(""), train_zero3),
+}
+DEEPSPEED = [name for name in CASES if name.startswith("zero3")]
+REFUSED = {"fsdp2_grouped": "sharded by FSDP2 in one group with `model.norm`",
+           "fsdp2_grouped_routed_after": "FSDP2 shards it in one group with other modules"}
+
+
+def _rank(rank: int, port: int, out: str, names: list[str]) -> None:
+    warnings.simplefilter("ignore")  # DeepSpeed and FSDP2 warn about CPU and float64 set-ups
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        share = BATCH // WORLD
+        ids = batch()[rank * share:(rank + 1) * share]
+        results: dict[str, Any] = {}
+        for name in names:
+            build, train = CASES[name]
+            try:
+                results[name] = train(build(), ids)
+            except Exception:
+                results[name] = f"rank {rank}, case {name}:\n{traceback.format_exc()}"
+            dist.barrier()
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _deepspeed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    names = [name for name in CASES if _deepspeed() or name not in DEEPSPEED]
+    out = tmp_path_factory.mktemp("head_distributed")
+    spawn_ranks(_rank, (free_port(), str(out), names), WORLD, DEADLINE_S)
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[dict[str, torch.Tensor]]:
+    """Single process, whole batch, no remat: full gradients after each step."""
+    model = make_model()
+    ids = batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    grads = []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})  # type: ignore[union-attr]
+        optimizer.step()
+    return grads
+
+
+def _case(results: list[dict[str, Any]], name: str) -> list[Any]:
+    if name in DEEPSPEED and not _deepspeed():
+        pytest.skip("deepspeed is not installed")
+    return [result[name] for result in results]
+
+
+def _trained(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    found = _case(results, name)
+    for got in found:
+        if isinstance(got, str):
+            pytest.fail(got, pytrace=False)
+    return found
+
+
+TRAINED = [name for name in CASES if name not in REFUSED]
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("name", TRAINED)
+def test_gradients_equal_a_single_process_without_remat(
+    name: str, results: list[dict[str, Any]], reference: list[dict[str, torch.Tensor]]
+) -> None:
+    for rank, got in enumerate(_trained(results, name)):
+        routed = "own_head" not in name
+        assert all((chunks > 0) == routed for chunks in got["chunks"]), f"rank {rank}: chunks {got['chunks']}"
+        for step, (ours, theirs) in enumerate(zip(got["grads"], reference, strict=True)):
+            assert ours.keys() == theirs.keys()
+            for param, grad in theirs.items():
+                # ZeRO-3 reduces gradients in float32, whatever the parameters' dtype
+                tolerance: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6} if ours[param].dtype != grad.dtype else {}
+                torch.testing.assert_close(ours[param].to(grad.dtype), grad, **tolerance,
+                                           msg=lambda m, s=step, p=param: f"step {s}, {p}: {m}")
+
+
+@pytest.mark.parametrize("name", ["fsdp2_alone", "zero3_before_init", "zero3_after_init"])
+def test_the_head_is_gathered_at_most_once_more_per_step_than_the_models_own(
+    name: str, results: list[dict[str, Any]]
+) -> None:
+    """Rule 5, implementation note 3: the head's first call gathers its parameters and uses none of them."""
+    own = "fsdp2_alone_own_head" if name.startswith("fsdp2") else "zero3_own_head"
+    for ours, theirs in zip(_trained(results, name), _trained(results, own), strict=True):
+        for mine, plain in zip(ours["gathers"], theirs["gathers"], strict=True):
+            assert plain.get("forward", 0) > 0, "the counter saw no gather"
+            assert sum(mine.values()) <= sum(plain.values()) + 1, (ours["gathers"], theirs["gathers"])
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_head_fsdp2_shards_in_a_group_with_other_modules_is_refused(
+    name: str, results: list[dict[str, Any]]
+) -> None:
+    for got in _case(results, name):
+        assert isinstance(got, str) and REFUSED[name] in got, got
