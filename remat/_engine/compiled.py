@@ -184,7 +184,8 @@ class SiteForward:
     def __init__(self, module: torch.nn.Module, own: Callable[..., Any] | None, site: Any) -> None:
         self._module = weakref.ref(module)
         self.own = own  # the instance's own forward before remat (a library's or the user's), or None: its class's
-        self.site = site  # the instance's forward pre-hook: `site.compiled_call(forward, module, args, kwargs)`
+        # the instance's forward pre-hook: `site.compiled_call(forward, module, args, kwargs)`, `site.abandon(module)`
+        self.site = site
 
     def module(self) -> torch.nn.Module:
         return alive(self._module, "a rematerialized module's `forward`")
@@ -197,9 +198,15 @@ class SiteForward:
         if compiling():
             forward = type(module).forward if own is None else functools.partial(_call_own, own)
             return self.site.compiled_call(forward, module, args, kwargs)
-        if own is None:
-            return type(module).forward(module, *args, **kwargs)
-        return own(*args, **kwargs)
+        try:
+            if own is None:
+                return type(module).forward(module, *args, **kwargs)
+            return own(*args, **kwargs)
+        except Exception:
+            raise  # torch runs the module's always-called forward hooks: the site's closes it
+        except BaseException:  # a KeyboardInterrupt, which torch runs no hook for: closed here
+            self.site.abandon(module)
+            raise
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:

@@ -185,6 +185,12 @@ class _Open:
                 args, kwargs = changed
         return torch_checkpoint(forward, (module, *args), kwargs, **self.engine.keywords)
 
+    def abandon(self, module: nn.Module) -> None:
+        """Close the region this hook opened for `module`, whose forward raised an exception that torch runs no
+        always-called hook for (a `KeyboardInterrupt` is no `Exception`): the saved-tensor hooks and the replay's
+        recorder would stay on for every later step of the process."""
+        _Close()(module, (), None)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Open, (self.options, self.site, self.adapt))
 

@@ -529,3 +529,24 @@ def test_the_switch_off_runs_the_models_own_loss() -> None:
     with remat.enabled(False):
         out = model(**batch())
     assert out.logits is not None
+
+
+def test_a_keyboard_interrupt_after_the_heads_call_leaves_no_call_open() -> None:
+    """torch runs no always-called hook for a `KeyboardInterrupt`: the call stayed open, its placeholder holding
+    the head's input (the last hidden states) for the rest of the process. The model's next forward ends it."""
+    expected = baseline(fresh(llama), batch())
+    model = remat.apply(fresh(llama), head=True)
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def interrupt(module: nn.Module, args: Any, output: Any) -> None:
+        held.append(weakref.ref(output.hidden))
+        raise KeyboardInterrupt
+
+    handle = model.lm_head.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(**batch())
+    handle.remove()
+    out, grads = routed_step(model, batch())
+    assert_same(expected, out.loss, grads)
+    assert held[0]() is None, "the interrupted call's hidden states outlived the next step"
+    assert causal_lm._calls.stack == []

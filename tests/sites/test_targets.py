@@ -461,3 +461,52 @@ def test_import_remat_loads_the_engine_not_the_planner_the_tools_or_the_benchmar
             "transformers", "peft")
     assert not [m for m in loaded.split() if m.startswith(late)], loaded
     assert used.split() == ["remat._chain.chain", "remat._measure.track", "remat._estimate.estimate", "remat"]
+
+
+class Interrupted(nn.Module):
+    """A block whose forward a Ctrl-C stops halfway, once asked to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inner(x))
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return x + self.outer(h)
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+@pytest.mark.parametrize("entry", ["instance", "apply"])
+def test_a_keyboard_interrupt_in_a_sites_forward_leaves_nothing_on(entry: str, strategy: str) -> None:
+    """torch runs a module's always-called forward hooks for an `Exception` only: a Ctrl-C in a rematerialized
+    instance's forward left its saved-tensor hooks (rerun) or its recorder (replay) on, and every later backward of
+    the process raised, that of a model remat never saw included."""
+    from conftest import dispatch_modes, hooks_installed
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Interrupted(), Interrupted()).double()
+    plain = copy.deepcopy(model)
+    if entry == "instance":
+        for block in model:
+            remat(block, strategy=strategy)
+    else:
+        remat.apply(model, Interrupted, strategy=strategy)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    modes = dispatch_modes()
+    model[1].interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    assert not hooks_installed() and dispatch_modes() == modes
+    other = nn.Linear(8, 8).double()  # a model remat never saw trains as before
+    other(x).tanh().sum().backward()
+    assert other.weight.grad is not None
+    before = recomputes()
+    for module in (model, plain):  # the model trains on, as the same model without remat
+        module(x).pow(2).sum().backward()
+    assert recomputes() > before
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)

@@ -380,11 +380,17 @@ class HeadRoute:
             # the route): the forward's hooks were read before, and torch calls this one without its keyword
             # arguments; its forward hook, gone too, will not close a call, so none is opened.
             return
+        stack = _calls.stack
+        while stack and (stale := stack[-1]) is not None and stale.route is self:
+            # a call of this model that never closed: its forward raised what torch runs no hook for (a
+            # KeyboardInterrupt); a model does not call itself, so it is over, and its placeholders hold its input
+            stack.pop()
+            stale.deferred.clear()
         labels = (kwargs or {}).get("labels")
         if labels is None and self.labels_at is not None and self.labels_at < len(args):
             labels = args[self.labels_at]
         on = self.on and module.training and labels is not None and _switch._state[0]
-        _calls.stack.append(_RoutedCall(self) if on else None)
+        stack.append(_RoutedCall(self) if on else None)
 
     def install(self) -> None:
         head, model = self.head, self.model
