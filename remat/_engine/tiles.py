@@ -54,7 +54,8 @@ __all__ = ["spans", "tiles"]
 #    hooks gather parameters (FSDP2, ZeRO-3), the caller runs the tiled module's hooks once around the tiles, so the
 #    parameters are gathered once per forward (and per recompute) and once in backward, and released after their
 #    gradients are accumulated (remat/_sites/tiles.py, NOTE [ What is tiled ]).
-# 6. A second derivative (`create_graph=True`) goes through the tiles with every tile's graph kept.
+# 6. A second derivative (`create_graph=True`) goes through the tiles with every tile's graph kept, to the tiled
+#    input and what is upstream of it as to the reads.
 # 7. Chained tiles: a tiled call whose input is the output of the tiled call just before it (unchanged since,
 #    along the same dimension, under the same autocast and the same saved-tensor hooks: the same site's forward,
 #    the same recompute, or none), where that earlier function is cheap to run again (it
@@ -103,6 +104,12 @@ __all__ = ["spans", "tiles"]
 #    read, its weight is; and one it takes from the cache (a `ToCopyBackward0` node over such a leaf) is noted as
 #    its weight. The casts stay held to backward, as forward's node held them before (what a budget's profile
 #    counts: NOTE [ Deriving choices ] in remat/_budget/costs_derived.py).
+# 6. (rules 3, 6) The tiled inputs that need gradients are saved by a node of their own (`_Keep`), made before the
+#    first tile runs, whose outputs the tiles' node takes: autograd packs them through the hooks in force then,
+#    checks their versions, and unpacks them in backward with their place in the graph. A second derivative runs
+#    backward's tiles on slices of them, so it reaches the input and what is upstream of it (a detached copy gave
+#    the second-order part through the input no path: the input's gradient was off by 0.6, or None). Inputs that
+#    need none are kept by `_KeptTile`.
 
 
 def spans(length: int, count: int) -> list[tuple[int, int]]:
@@ -167,8 +174,61 @@ def _cast_of(tensor: torch.Tensor) -> torch.Tensor | None:
     return source if _is_weight(source) else None
 
 
+class _Keep(torch.autograd.Function):
+    """The tiled inputs, saved as autograd saves a node's tensors (NOTE [ Tiles ], rules 3 and 6): packed now by the
+    saved-tensor hooks in force, before any tile runs, and unpacked in backward with their place in the graph,
+    which a second derivative follows back through them. Passes them on unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(*xs)
+        passed = tuple(x.view_as(x) for x in xs)
+        ctx.mark_non_differentiable(*(p for p, want in zip(passed, ctx.needs_input_grad, strict=True) if not want))
+        return passed
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return grads
+
+
+class _Kept:
+    """The tiled inputs (`x`, then `along`'s), kept as autograd keeps saved tensors (NOTE [ Tiles ], rules 3 and 6):
+    by a `_Keep` node where one requires grad, else each as `_KeptTile` keeps it. `keep` makes it."""
+
+    __slots__ = ("count", "node", "plain")
+
+    def __init__(self, count: int, node: Any, plain: tuple[_KeptTile, ...]) -> None:
+        self.count, self.node, self.plain = count, node, plain
+
+    @staticmethod
+    def keep(xs: Sequence[torch.Tensor]) -> tuple[_Kept, tuple[torch.Tensor, ...]]:
+        """The tiled inputs kept, and what the tiles' node takes for them: the `_Keep` node's outputs (held by
+        nothing else, or they would hold `x` on its device past the hooks that pack it), or the inputs."""
+        if not any(t.requires_grad for t in xs):
+            return _Kept(len(xs), None, tuple(_KeptTile(t) for t in xs)), tuple(xs)
+        passed: tuple[torch.Tensor, ...] = _Keep.apply(*xs)  # type: ignore[no-untyped-call, unused-ignore]
+        return _Kept(len(xs), next(t.grad_fn for t in passed if t.grad_fn is not None), ()), passed
+
+    def get(self, site: str, graph: bool) -> list[torch.Tensor]:
+        """The tiled inputs again, in forward's graph where `graph` (a second derivative: rule 6), else detached."""
+        if self.node is None:
+            return [kept.get(site) for kept in self.plain]
+        try:
+            saved: tuple[torch.Tensor, ...] = self.node.saved_tensors
+        except RuntimeError as e:
+            if "modified by an inplace operation" not in str(e):
+                raise
+            raise RematError(
+                f"remat: one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: an input of the tiled `{site}` changed in place between forward and backward; backward "
+                "would run the tiles on the changed value and give wrong gradients. Don't modify it in place "
+                f"between forward and backward (clone it first). autograd: {str(e).splitlines()[0]}"
+            ) from None
+        return [t if graph else t.detach() for t in saved]
+
+
 class _KeptTile:
-    """`x`, kept as autograd keeps a saved tensor (NOTE [ Tiles ], rule 3)."""
+    """`x`, kept as autograd keeps a saved tensor (NOTE [ Tiles ], rule 3), where it needs no gradient."""
 
     __slots__ = ("packed", "requires_grad", "tensor", "unpack", "version")
 
@@ -213,10 +273,10 @@ class _TileSpec:
     __slots__ = ("autocast", "casts", "devices", "dim", "fn", "kept", "reads", "rng", "site", "spans", "watched")
 
     def __init__(self, fn: Callable[..., torch.Tensor], dim: int, cuts: list[tuple[int, int]],
-                 site: str, kept: tuple[_KeptTile, ...], devices: tuple[torch.device, ...]) -> None:
+                 site: str, kept: _Kept, devices: tuple[torch.device, ...]) -> None:
         self.fn: Callable[..., torch.Tensor] | None = fn
         self.dim, self.spans, self.site = dim, cuts, site
-        self.kept: tuple[_KeptTile, ...] | None = kept  # the tiled inputs: `x`, then `along`'s
+        self.kept: _Kept | None = kept  # the tiled inputs: `x`, then `along`'s
         self.devices = devices
         self.rng = RngStash.capture(devices)
         self.autocast = AutocastState.capture(devices)
@@ -290,7 +350,7 @@ def tiles(
         first = fn(*tile)
         _check_tile(first, tile[0], dim, site, 0)
         return _rest(fn, xs, first, dim, cuts, site)
-    kept = tuple(_KeptTile(t) for t in xs)  # rule 3: before any tile runs
+    kept, passed = _Kept.keep(xs)  # rule 3: before any tile runs
     spec = _TileSpec(fn, dim, cuts, site, kept, devices_of(xs, module))
     skip = {id(t) for t in (*xs, *tile)} | {id(t._base) for t in (*xs, *tile) if t._base is not None}
     with torch.no_grad(), _Reads(skip) as reads:
@@ -301,7 +361,7 @@ def tiles(
     spec.casts = tuple(t for t in reads.casts.values() if t.grad_fn is not None)  # autocast's: cast with grad on
     if not any(t.requires_grad for t in xs) and not spec.reads:  # nothing to differentiate: as without grad
         return _rest(fn, xs, first, dim, cuts, site)
-    out: torch.Tensor = _TilesFunction.apply(spec, first, *xs, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
+    out: torch.Tensor = _TilesFunction.apply(spec, first, *passed, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
     spec.watch(tuple(reads.others.values()))
     if chain and not along and found is None and not reads.drew and all(t.dim() <= 1 for t in spec.reads):
         _last.made = _Made(fn, x, out, dim, site, spec.devices, spec.autocast)
@@ -370,6 +430,14 @@ def _tile(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return part.contiguous() if x.is_contiguous() else part
 
 
+def _tile_of(x: torch.Tensor, dim: int, start: int, length: int, want: bool, create: bool) -> torch.Tensor:
+    """One tile of a kept input for backward's call of fn: in forward's graph for a second derivative (rule 6; a
+    copy, which fn may change in place), else a leaf of its own that requires grad where its gradient is wanted."""
+    if create and x.requires_grad:
+        return x.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
+    return _tile(x, dim, start, length).detach().requires_grad_(want)
+
+
 def _check_tile(out: Any, part: torch.Tensor, dim: int, site: str, index: int) -> None:
     """A tile's output must be a tensor with the tile's positions along `dim`."""
     if not isinstance(out, torch.Tensor):
@@ -414,7 +482,7 @@ class _TilesFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward()  # none, but autograd marks them freed after a backward without `retain_graph`
         assert spec.fn is not None and spec.kept is not None
-        return _rest(spec.fn, tensors[:len(spec.kept)], first, spec.dim, spec.spans, spec.site)
+        return _rest(spec.fn, tensors[:spec.kept.count], first, spec.dim, spec.spans, spec.site)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -429,8 +497,8 @@ class _TilesFunction(torch.autograd.Function):
         if keeps is None:  # not known: implementation note 4
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_release_when_freed, ctx))
         begun = time.perf_counter()
-        tiled = len(spec.kept)
-        xs = [kept.get(spec.site) for kept in spec.kept]
+        tiled = spec.kept.count
+        xs = spec.kept.get(spec.site, graph=torch.is_grad_enabled())
         spec.check()
         grads = _differentiate(spec, xs, grad, wanted[2:2 + tiled], wanted[2 + tiled:])
         del xs
@@ -460,8 +528,7 @@ def _differentiate(spec: _TileSpec, xs: Sequence[torch.Tensor], grad: torch.Tens
         tiles = every if create else parts(every, xs[0], even=_even(cuts))  # NOTE [ Counted once ]
         with AutocastState.kept_casts(spec.autocast):  # rule 4: each weight cast once for all the tiles
             for index, (start, length) in tiles:
-                tile = [_tile(x, dim, start, length).detach().requires_grad_(want)
-                        for x, want in zip(xs, xs_wanted, strict=True)]
+                tile = [_tile_of(x, dim, start, length, want, create) for x, want in zip(xs, xs_wanted, strict=True)]
                 with torch.enable_grad(), AutocastState.enter(spec.autocast, spec.devices):
                     out = fn(*tile)
                 _check_tile(out, tile[0], dim, spec.site, index)
