@@ -134,6 +134,19 @@ _INPLACE_KEPT = (
 )
 
 
+# NOTE [ Parameters in recompute ]
+# Rerun runs a module's forward again in backward with the module's parameters as they are then. A forward that ran
+# with other tensors in their place (`torch.func.functional_call(module, params, ...)`, fast weights, a parameter
+# replaced by a new one between forward and backward) would be recomputed with the module's own: values that are
+# not forward's, of the same shapes, and gradients silently wrong (torch.utils.checkpoint gives them).
+#
+# Rules:
+# 1. Where recompute saves a parameter that requires grad (or a view of one) and forward saved, at the same place,
+#    a tensor it computed, or another tensor than that parameter, the recompute is a mismatch
+#    (`RecomputeMismatchError`, with `check=True`, the default). Replay replays forward's own tensors and is exact.
+# 2. A parameter that needs no gradient is rebuilt like any tensor and not checked; an input of the site is not a
+#    parameter of its module even where it is one (recompute runs on copies of the inputs).
+
 class Frame:
     """The saved tensors of one forward run of a remat site, and how to rebuild them.
 
@@ -312,6 +325,9 @@ class Frame:
             metas = self._metas
             if index >= len(metas) or metas[index] != (tensor.shape, tensor.dtype, tensor.device):
                 raise self.mismatch(index, tensor, self.differs(index, tensor) or "recompute saved another tensor")
+            what = self._another_parameter(index, tensor)
+            if what is not None:
+                raise self.mismatch(index, tensor, what)
 
     def differs(self, index: int, tensor: torch.Tensor) -> str | None:
         """How recompute's `index`-th saved tensor differs from forward's, or None when it does not."""
@@ -322,7 +338,24 @@ class Frame:
         shape, dtype, device = self._metas[index]
         if tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
             return "recompute saved a different tensor than forward"
-        return None
+        return self._another_parameter(index, tensor)
+
+    def _another_parameter(self, index: int, tensor: torch.Tensor) -> str | None:
+        """Where recompute saved a parameter (or a view of one) that forward did not: the clause that says so (NOTE
+        [ Parameters in recompute ]), else None."""
+        now = tensor._base if tensor._base is not None else tensor
+        if not isinstance(now, torch.nn.Parameter):
+            return None
+        kept = self._kept.get(index)
+        if kept is not None:
+            before = kept[0]._base if kept[0]._base is not None else kept[0]
+            if before is now:
+                return None
+        elif not now.requires_grad or index >= len(self._handles) or self._handles[index] is None:
+            return None  # a frozen parameter is rebuilt; what enclosing hooks keep is theirs to check
+        return ("recompute saved a parameter of the module where forward saved another tensor: the module ran with "
+                "other parameters in forward (`torch.func.functional_call`, or a parameter replaced between forward "
+                "and backward), and rerun runs it again with the parameters it has now")
 
     def mismatch(
         self,

@@ -135,6 +135,76 @@ def test_a_recompute_that_saves_fewer_tensors_raises_without_early_stop() -> Non
         remat.checkpoint(fn, x, w, use_reentrant=False, early_stop=False).sum().backward()
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+def _other_parameters(model: nn.Module, kind: str) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    if kind == "computed":  # fast weights, MAML's inner step
+        return {name: p * 2 for name, p in params.items()}
+    if kind == "leaves":
+        return {name: (p.detach() * 2).requires_grad_() for name, p in params.items()}
+    return {name: nn.Parameter(p.detach() * 2) for name, p in params.items()}
+
+
+@pytest.mark.parametrize("kind", ["computed", "leaves", "parameters"])
+def test_a_forward_with_other_parameters_is_a_mismatch_under_rerun_and_exact_under_replay(kind: str) -> None:
+    """NOTE [ Parameters in recompute ]: `torch.func.functional_call` runs the module with other tensors in place of
+    its parameters; rerun would recompute with the module's own, silently (the gradients off by 0.3 to 0.6, as
+    torch.utils.checkpoint's)."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    base = nn.Sequential(_Residual(), _Residual()).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+
+    def gradients(model: nn.Module) -> list[torch.Tensor]:
+        others = _other_parameters(model, kind)
+        functional_call(model, others, (x,)).pow(2).sum().backward()
+        leaves = others.values() if kind != "computed" else model.parameters()
+        return [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+    expected = gradients(base)
+    for strategy in ("rerun", "replay"):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Residual(), _Residual()).double()
+        for block in model:
+            remat(block, strategy=strategy)
+        before = recomputes()
+        if strategy == "rerun":
+            with pytest.raises(remat.RecomputeMismatchError, match="functional_call"):
+                gradients(model)
+            continue
+        got = gradients(model)
+        assert recomputes() > before
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_parameters_frozen_or_given_as_inputs_are_no_mismatch() -> None:
+    """NOTE [ Parameters in recompute ], rule 2: a frozen parameter is rebuilt; a parameter given to a site as its
+    input is recomputed from a copy."""
+
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(4, 8))
+            self.block = _Residual()
+            self.block.inner.weight.requires_grad_(False)
+
+        def forward(self) -> torch.Tensor:
+            return self.block(self.table)
+
+    assert_same_grads(Table, (), lambda model: (remat(model.block), model)[1])
+
+
 class _Probe(torch.autograd.Function):
     """Identity whose backward records what a callback returns at that moment."""
 

@@ -141,3 +141,25 @@ def test_eval_mode_batchnorm_uses_running_statistics() -> None:
 
     _, ours = assert_same_grads(make, (randn(5, 6, requires_grad=True),), remat.remat)
     assert int(ours.target.bn.num_batches_tracked) == 0
+
+
+class SpectralNormed(nn.Module):
+    """A linear layer under spectral norm: its forward runs a step of power iteration on buffers it reads and
+    writes in place, then divides the weight by the estimate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).tanh()
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_spectral_norms_power_iteration_once(strategy: str) -> None:
+    """docs/design.md, 'Side effects': recompute's update of the vectors goes to copies, and what it reads after
+    the update is forward's result, so the estimate, the gradients and the vectors equal the run without remat."""
+    base, ours = assert_same_grads(SpectralNormed, (randn(5, 6, requires_grad=True),),
+                                   lambda model: remat.remat(model, strategy=strategy))
+    for name, buffer in base.target.named_buffers():
+        torch.testing.assert_close(dict(ours.target.named_buffers())[name], buffer)
