@@ -65,6 +65,11 @@ _M = TypeVar("_M", bound=nn.Module)
 # 5. Under torch.compile a tiled call runs untiled, with one warning per site: its backward calls autograd
 #    itself, which dynamo does not trace.
 # 6. With the switch off (`REMAT=0`) a tiled call is the plain call.
+# 7. Forward runs the tiles without a graph, and a module inside a tiled one is called once per tile (in forward,
+#    and again in backward): a forward hook on it sees tiles, and a tensor it keeps has no gradient (an auxiliary
+#    loss on such a capture gets none through it). A tiled call with gradients on warns once per site where a
+#    module inside has a forward hook or pre-hook that is not a sharding framework's (FSDP2's, DeepSpeed's) or
+#    remat's own; hooks on the tiled module itself run once around the tiles.
 
 TILED_NAMES = ("mlp", "feed_forward", "ffn", "mlp_block", "ffn1", "ffn2", "feed_forward1", "feed_forward2",
                "block_sparse_moe")
@@ -197,6 +202,8 @@ def _tiled_call(fn: Callable[..., torch.Tensor], x: Any, args: tuple[Any, ...], 
         warn_once(f"tiles:{site}", f"remat: the tiled `{site}` runs untiled under torch.compile (its backward "
                   "calls autograd, which dynamo does not trace); its intermediates are not tiled there.")
         return fn(x, *args, **kwargs)
+    if module is not None:
+        _warn_of_hooks_inside(module, site)
     # tensors of the input's positions among the other arguments are tiled with it (NOTE [ What is tiled ], rule 1);
     # the call holds the rest, never them (they are kept as the tiled input is: NOTE [ Tiles ], rule 3)
     keys = [i for i, a in enumerate(args) if _positions_of(a, x, axis)]
@@ -210,6 +217,27 @@ def _tiled_call(fn: Callable[..., torch.Tensor], x: Any, args: tuple[Any, ...], 
     # later tiled call may not run it again (NOTE [ Tiles ], rule 7)
     return tiles(call, x, axis, count, site=site, module=module, chain=module is None or _gathers(module) is None,
                  along=along)
+
+
+_FRAMEWORKS = ("torch.distributed.", "deepspeed.", "remat.")
+"""Where the hooks come from that rule 7 does not warn of: sharding frameworks' and remat's own."""
+
+
+def _warn_of_hooks_inside(module: nn.Module, site: str) -> None:
+    """Rule 7: warn once per site where a module inside `module` has a hook of the user's."""
+    for name, inner in module.named_modules():
+        if inner is module or not (inner._forward_hooks or inner._forward_pre_hooks):
+            continue
+        for hook in (*inner._forward_pre_hooks.values(), *inner._forward_hooks.values()):
+            origin = getattr(getattr(hook, "func", hook), "__module__", None) or ""
+            if getattr(hook, "_remat_owned", False) or origin.startswith(_FRAMEWORKS):
+                continue
+            warn_once(f"tiles:hooks:{site}", (
+                f"remat: `{site}.{name}` has a forward hook (`{getattr(hook, '__qualname__', type(hook).__name__)}`)"
+                f" inside the tiled `{site}`: it sees one tile per call, in forward and again in backward, without "
+                "a graph in forward, so a tensor it keeps has no gradient. Hook the tiled module itself (its hooks "
+                "run once around the tiles) or leave it untiled."), stacklevel=5)
+            return
 
 
 def _positions_of(value: object, x: torch.Tensor, axis: int) -> bool:

@@ -524,6 +524,7 @@ def test_dropout_draws_per_tile_and_backward_draws_the_same_masks() -> None:
     assert (out_a == 0).any(), "dropout dropped something"
 
 
+@pytest.mark.filterwarnings("ignore:remat.*has a forward hook")  # the hook only reads a dtype
 def test_autocast_in_forward_is_autocast_in_backward() -> None:
     mlp = GatedMLP().float()
     dtypes: list[torch.dtype] = []
@@ -799,3 +800,23 @@ def test_tile_blocks_finds_feed_forward_modules_and_skips_experts() -> None:
     assert report.tiled == ("b.mlp",)
     with pytest.raises(ValueError, match="cannot run in tiles"):
         tile_blocks([("b", blocks[1])], 2, where=lambda name, module: name == "mlp")
+
+
+def test_a_hook_inside_a_tiled_module_is_warned_of_once() -> None:
+    """NOTE [ What is tiled ], rule 7: a capture by a hook on a module inside sees tiles and has no gradient (an
+    auxiliary loss on it gets none through it, silently); hooks on the tiled module itself are not warned of."""
+    from remat._engine import compiled
+
+    mlp = GatedMLP()
+    mlp.register_forward_hook(lambda module, args, out: None)  # around the tiles: fine
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    remat.tiled(mlp, x, tiles=3).sum().backward()  # no warning (warnings are errors here)
+    captured: list[torch.Tensor] = []
+    handle = mlp.up.register_forward_hook(lambda module, args, out: captured.append(out))
+    compiled._warned.discard("tiles:hooks:GatedMLP")
+    try:
+        with pytest.warns(UserWarning, match=r"`GatedMLP.up` has a forward hook .* no gradient"):
+            remat.tiled(mlp, x, tiles=3).sum().backward()
+        assert [tuple(t.shape) for t in captured[:3]] == [(2, 4, HIDDEN)] * 3 and captured[0].grad_fn is None
+    finally:
+        handle.remove()
