@@ -17,7 +17,8 @@ import inspect
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pydevice
@@ -160,6 +161,92 @@ def spawn_ranks(rank: Callable[..., None], args: tuple[Any, ...], world: int, de
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def run_cases(rank: int, port: int, world: int, out: str, names: list[str], run: Callable[[str], Any]) -> None:
+    """One gloo rank of a multi-process test (`spawn_ranks`): each case `run(name)` in turn, its result or this
+    rank's traceback saved to `out/rank{rank}.pt` (a dict by case) for the test process to read."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        results: dict[str, Any] = {}
+        for name in names:
+            try:
+                results[name] = run(name)
+            except Exception:
+                results[name] = f"rank {rank}, case {name}:\n{traceback.format_exc()}"
+            dist.barrier()
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def ranks_results(rank: Callable[..., None], folder: Path, cases: Iterable[str], deepspeed_cases: Iterable[str],
+                  world: int, deadline_s: float) -> list[dict[str, Any]]:
+    """Run `rank(index, port, folder, names)` on `world` gloo ranks (`spawn_ranks`, `run_cases`) for `cases`
+    (those of `deepspeed_cases` only where deepspeed is installed); each rank's results by case."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    skipped = set() if deepspeed_installed() else set(deepspeed_cases)
+    spawn_ranks(rank, (free_port(), str(folder), [name for name in cases if name not in skipped]), world, deadline_s)
+    return [torch.load(folder / f"rank{index}.pt", weights_only=False) for index in range(world)]
+
+
+def case_results(results: list[dict[str, Any]], name: str, deepspeed_cases: Iterable[str],
+                 failed: bool = False) -> list[Any]:
+    """Each rank's result of case `name` (skipped where it needs deepspeed and it is absent); a rank's traceback
+    fails the test unless `failed` asks for it."""
+    if name in deepspeed_cases and not deepspeed_installed():
+        pytest.skip("deepspeed is not installed")
+    found = [result[name] for result in results]
+    for got in found:
+        if isinstance(got, str) and not failed:
+            pytest.fail(got, pytrace=False)
+    return found
+
+
+def assert_full_gradients_close(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], step: int) -> None:
+    """A step's full gradients by parameter name against a single process's (ZeRO-3 reduces them in float32)."""
+    assert ours.keys() == theirs.keys()
+    for param, grad in theirs.items():
+        tolerance: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6} if ours[param].dtype != grad.dtype else {}
+        torch.testing.assert_close(ours[param].to(grad.dtype), grad, **tolerance,
+                                   msg=lambda m, p=param: f"step {step}, {p}: {m}")
+
+
+def fsdp2_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of an FSDP2 model, whole, by name."""
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+
+
+def zero3_config(batch: int, world: int, lr: float) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 with every parameter partitioned (nothing persistent, prefetched or kept live), SGD, no
+    gradient clipping (DeepSpeed's default clips at 1.0)."""
+    return {
+        "train_batch_size": batch, "train_micro_batch_size_per_gpu": batch // world, "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                              "stage3_max_live_parameters": 0},
+        "optimizer": {"type": "SGD", "params": {"lr": lr}}, "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
+
+
+def deepspeed_installed() -> bool:
+    """Whether deepspeed imports here (its cases are skipped where it does not)."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def hooks_installed() -> bool:

@@ -12,19 +12,15 @@ with the rank's traceback and fails that case's test only; a rank that dies or h
 
 from __future__ import annotations
 
-import os
-import traceback
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import free_port, spawn_ranks
+from conftest import free_port, run_cases, spawn_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -261,23 +257,10 @@ RUNS = {**CASES, CONTROL: Case(control_torch_reentrant_shared_block, shared=True
 def _rank(rank: int, port: int, out: str) -> None:
     """One process: run every case on this rank's half of the batch, save gradients or the traceback."""
     warnings.simplefilter("error")  # as pytest's filterwarnings = ["error"]: a warning is a failure here too
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=30))
-    try:
-        x, y = batch()
-        share = BATCH // WORLD
-        x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-        results: dict[str, Any] = {}
-        for name, case in RUNS.items():
-            try:
-                results[name] = train(case.build(), x, y)
-            except Exception:
-                results[name] = f"rank {rank}, case {name}:\n{traceback.format_exc()}"
-            dist.barrier()
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    x, y = batch()
+    share = BATCH // WORLD
+    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+    run_cases(rank, port, WORLD, out, list(RUNS), lambda name: train(RUNS[name].build(), x, y))
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,14 @@ DeepSpeed cases are skipped where deepspeed is absent.
 
 from __future__ import annotations
 
-import os
-import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from conftest import free_port, spawn_ranks
+from conftest import assert_full_gradients_close, case_results, fsdp2_full_grads, ranks_results, run_cases, zero3_config
 from torch import nn
 
 import remat
@@ -95,25 +90,16 @@ def train_fsdp2(model: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
 
     group.FSDPParamGroup.unshard = counted  # type: ignore[method-assign]
     try:
-        return _train(model, ids, phase, gathers, lambda loss: loss.backward(), _fsdp2_grads)
+        return _train(model, ids, phase, gathers, lambda loss: loss.backward(), fsdp2_full_grads)
     finally:
         group.FSDPParamGroup.unshard = original  # type: ignore[method-assign]
 
-
-def _fsdp2_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # type: ignore[union-attr]
 
 
 # --- DeepSpeed ZeRO-3 --------------------------------------------------------------------------------------
 
 
-ZERO3 = {
-    "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // WORLD, "steps_per_print": 10**9,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
-                          "stage3_max_live_parameters": 0},
-    "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
-    "gradient_clipping": 0.0,  # DeepSpeed's default, 1.0, would clip this model's gradients
-}
+ZERO3 = zero3_config(BATCH, WORLD, LR)
 
 
 def zero3(head: str) -> Callable[[], Any]:
@@ -201,42 +187,19 @@ REFUSED = {"fsdp2_grouped": "sharded by FSDP2 in one group with `model.norm`",
 
 def _rank(rank: int, port: int, out: str, names: list[str]) -> None:
     warnings.simplefilter("ignore")  # DeepSpeed and FSDP2 warn about CPU and float64 set-ups
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
-        share = BATCH // WORLD
-        ids = batch()[rank * share:(rank + 1) * share]
-        results: dict[str, Any] = {}
-        for name in names:
-            build, train = CASES[name]
-            try:
-                results[name] = train(build(), ids)
-            except Exception:
-                results[name] = f"rank {rank}, case {name}:\n{traceback.format_exc()}"
-            dist.barrier()
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    share = BATCH // WORLD
+    ids = batch()[rank * share:(rank + 1) * share]
 
+    def run(name: str) -> dict[str, Any]:
+        build, train = CASES[name]
+        return train(build(), ids)
 
-def _deepspeed() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        return False
-    return True
+    run_cases(rank, port, WORLD, out, names, run)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this torch build")
-    names = [name for name in CASES if _deepspeed() or name not in DEEPSPEED]
-    out = tmp_path_factory.mktemp("head_distributed")
-    spawn_ranks(_rank, (free_port(), str(out), names), WORLD, DEADLINE_S)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    return ranks_results(_rank, tmp_path_factory.mktemp("head_distributed"), CASES, DEEPSPEED, WORLD, DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
@@ -254,20 +217,6 @@ def reference() -> list[dict[str, torch.Tensor]]:
     return grads
 
 
-def _case(results: list[dict[str, Any]], name: str) -> list[Any]:
-    if name in DEEPSPEED and not _deepspeed():
-        pytest.skip("deepspeed is not installed")
-    return [result[name] for result in results]
-
-
-def _trained(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    found = _case(results, name)
-    for got in found:
-        if isinstance(got, str):
-            pytest.fail(got, pytrace=False)
-    return found
-
-
 TRAINED = [name for name in CASES if name not in REFUSED]
 
 
@@ -276,16 +225,11 @@ TRAINED = [name for name in CASES if name not in REFUSED]
 def test_gradients_equal_a_single_process_without_remat(
     name: str, results: list[dict[str, Any]], reference: list[dict[str, torch.Tensor]]
 ) -> None:
-    for rank, got in enumerate(_trained(results, name)):
+    for rank, got in enumerate(case_results(results, name, DEEPSPEED)):
         routed = "own_head" not in name
         assert all((chunks > 0) == routed for chunks in got["chunks"]), f"rank {rank}: chunks {got['chunks']}"
         for step, (ours, theirs) in enumerate(zip(got["grads"], reference, strict=True)):
-            assert ours.keys() == theirs.keys()
-            for param, grad in theirs.items():
-                # ZeRO-3 reduces gradients in float32, whatever the parameters' dtype
-                tolerance: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6} if ours[param].dtype != grad.dtype else {}
-                torch.testing.assert_close(ours[param].to(grad.dtype), grad, **tolerance,
-                                           msg=lambda m, s=step, p=param: f"step {s}, {p}: {m}")
+            assert_full_gradients_close(ours, theirs, step)
 
 
 @pytest.mark.parametrize("name", ["fsdp2_alone", "zero3_before_init", "zero3_after_init"])
@@ -294,7 +238,7 @@ def test_the_head_is_gathered_at_most_once_more_per_step_than_the_models_own(
 ) -> None:
     """Rule 5, implementation note 3: the head's first call gathers its parameters and uses none of them."""
     own = "fsdp2_alone_own_head" if name.startswith("fsdp2") else "zero3_own_head"
-    for ours, theirs in zip(_trained(results, name), _trained(results, own), strict=True):
+    for ours, theirs in zip(case_results(results, name, DEEPSPEED), case_results(results, own, DEEPSPEED), strict=True):
         for mine, plain in zip(ours["gathers"], theirs["gathers"], strict=True):
             assert plain.get("forward", 0) > 0, "the counter saw no gather"
             assert sum(mine.values()) <= sum(plain.values()) + 1, (ours["gathers"], theirs["gathers"])
@@ -304,5 +248,5 @@ def test_the_head_is_gathered_at_most_once_more_per_step_than_the_models_own(
 def test_a_head_fsdp2_shards_in_a_group_with_other_modules_is_refused(
     name: str, results: list[dict[str, Any]]
 ) -> None:
-    for got in _case(results, name):
+    for got in case_results(results, name, DEEPSPEED, failed=True):
         assert isinstance(got, str) and REFUSED[name] in got, got

@@ -11,20 +11,15 @@ skipped where deepspeed is absent.
 
 from __future__ import annotations
 
-import os
-import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import free_port, spawn_ranks
+from conftest import assert_full_gradients_close, case_results, fsdp2_full_grads, ranks_results, run_cases, zero3_config
 from torch import nn
 
 import remat
@@ -123,24 +118,16 @@ def train_fsdp2(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str,
 
     group.foreach_all_gather = counted
     try:
-        return _train(model, x, y, phase, gathers, lambda loss: loss.backward(), _fsdp2_grads)
+        return _train(model, x, y, phase, gathers, lambda loss: loss.backward(), fsdp2_full_grads)
     finally:
         group.foreach_all_gather = original
 
-
-def _fsdp2_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # type: ignore[union-attr]
 
 
 # --- DeepSpeed ZeRO-3 --------------------------------------------------------------------------------------
 
 
-ZERO3 = {
-    "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // WORLD, "steps_per_print": 10**9,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
-                          "stage3_max_live_parameters": 0},
-    "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
-}
+ZERO3 = zero3_config(BATCH, WORLD, LR)
 
 
 def zero3(tiles: str, rematerialized: bool) -> Callable[[], Any]:
@@ -230,43 +217,20 @@ DEEPSPEED = [name for name in CASES if name.startswith("zero3")]
 
 def _rank(rank: int, port: int, out: str, names: list[str]) -> None:
     warnings.simplefilter("ignore")  # DeepSpeed and FSDP2 warn about CPU and float64 set-ups
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
-        x, y = batch()
-        share = BATCH // WORLD
-        x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-        results: dict[str, Any] = {}
-        for name in names:
-            build, train = CASES[name]
-            try:
-                results[name] = train(build(), x, y)
-            except Exception:
-                results[name] = f"rank {rank}, case {name}:\n{traceback.format_exc()}"
-            dist.barrier()
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    x, y = batch()
+    share = BATCH // WORLD
+    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
 
+    def run(name: str) -> dict[str, Any]:
+        build, train = CASES[name]
+        return train(build(), x, y)
 
-def _deepspeed() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except Exception:
-        return False
-    return True
+    run_cases(rank, port, WORLD, out, names, run)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this torch build")
-    names = [name for name in CASES if _deepspeed() or name not in DEEPSPEED]
-    out = tmp_path_factory.mktemp("tiles_distributed")
-    spawn_ranks(_rank, (free_port(), str(out), names), WORLD, DEADLINE_S)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    return ranks_results(_rank, tmp_path_factory.mktemp("tiles_distributed"), CASES, DEEPSPEED, WORLD, DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
@@ -284,38 +248,24 @@ def reference() -> list[dict[str, torch.Tensor]]:
     return grads
 
 
-def _case(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    if name in DEEPSPEED and not _deepspeed():
-        pytest.skip("deepspeed is not installed")
-    found = [result[name] for result in results]
-    for got in found:
-        if isinstance(got, str):
-            pytest.fail(got, pytrace=False)
-    return found
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradients_equal_a_single_process_without_tiles(
     name: str, results: list[dict[str, Any]], reference: list[dict[str, torch.Tensor]]
 ) -> None:
     per_mlp = 2 * TILES if "tiles" in name else 2 if "remat" in name else 1  # with remat of the blocks, their
     calls = [2 * per_mlp] * STEPS  # recompute stops before the tiles: forward's tiles and backward's, per MLP
-    for rank, got in enumerate(_case(results, name)):
+    for rank, got in enumerate(case_results(results, name, DEEPSPEED)):
         assert got["calls"] == calls, f"rank {rank}: the MLPs ran {got['calls']} times per step"
         for step, (ours, theirs) in enumerate(zip(got["grads"], reference, strict=True)):
-            assert ours.keys() == theirs.keys()
-            for param, grad in theirs.items():
-                # ZeRO-3 reduces gradients in float32, whatever the parameters' dtype
-                tolerance: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6} if ours[param].dtype != grad.dtype else {}
-                torch.testing.assert_close(ours[param].to(grad.dtype), grad, **tolerance,
-                                           msg=lambda m, s=step, p=param: f"step {s}, {p}: {m}")
+            assert_full_gradients_close(ours, theirs, step)
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if "tiles" in name])
 def test_parameters_are_gathered_no_more_than_without_tiles(name: str, results: list[dict[str, Any]]) -> None:
     """As often as without tiles; with remat of the blocks, less (their recompute stops before the tiles)."""
     untiled = name.replace("_tiles", "").replace("_before_init", "").replace("_after_init", "")
-    for ours, theirs in zip(_case(results, name), _case(results, untiled), strict=True):
+    tiled, plain_runs = (case_results(results, case, DEEPSPEED) for case in (name, untiled))
+    for ours, theirs in zip(tiled, plain_runs, strict=True):
         for mine, plain in zip(ours["gathers"], theirs["gathers"], strict=True):
             assert mine.keys() == plain.keys(), (ours["gathers"], theirs["gathers"])
             if "remat" in name:
