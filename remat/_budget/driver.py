@@ -332,13 +332,15 @@ class BudgetHook:
         self.settle(model)
         if not model.training or not torch.is_grad_enabled():
             return
-        if self.request.replan and signature(args, kwargs) != self.signature:
+        if self.request.replan and (now := signature(args, kwargs)) != self.signature:
             if not self.told:
                 self.told = True
+                shapes = self.signature is None or [s and s[0] for s in now] != [s and s[0] for s in self.signature]
                 _log.warning(
-                    "remat: the budgeted %s was called with new input shapes: profiling one training step and "
-                    "planning again inside this forward (it will do so for every new shape; pass `replan=False` "
-                    "to remat.apply to keep the first plan). Logged once per model.", type(model).__name__,
+                    "remat: the budgeted %s was called with %s: profiling one training step and planning again "
+                    "inside this forward (it will do so for every new shape, dtype or device of its inputs; pass "
+                    "`replan=False` to remat.apply to keep the first plan). Logged once per model.",
+                    type(model).__name__, "new input shapes" if shapes else "inputs of a new dtype or device",
                 )
             self.fit(model, args, kwargs)
         elif self.assignment is not None and StepAutocast.caller(self.devices) != self.autocast:

@@ -31,6 +31,14 @@ def test_a_budgeted_model_logs_its_first_replan_once(caplog: pytest.LogCaptureFi
     assert "new input shapes" in _messages(caplog)[0] and "replan=False" in _messages(caplog)[0]
 
 
+def test_a_replan_for_a_new_dtype_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    model = remat.apply(_stack(), nn.Sequential, budget=1.0, sample=torch.randn(4, 8, dtype=torch.float64))
+    model.float()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        model(torch.randn(4, 8)).sum().backward()
+    assert len(_messages(caplog)) == 1 and "inputs of a new dtype or device" in _messages(caplog)[0]
+
+
 def test_replan_false_neither_plans_nor_logs(caplog: pytest.LogCaptureFixture) -> None:
     model = remat.apply(_stack(), nn.Sequential, budget=1.0, sample=torch.randn(4, 8, dtype=torch.float64),
                         replan=False)  # fmt: skip
