@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.errors import RematError
+from .._core.errors import RecomputeMismatchError, RematError
 from .._core.policies import Policy, tags
 from .._core.torch_compat import any_autocast, pop_saved_hooks, push_saved_hooks, set_grad_enabled
 from .autocast import AutocastState
@@ -43,6 +43,11 @@ _frame = sys._getframe
 #    enabled (so autograd saves, and the pack hook sees, what forward saved), and under `guard_buffers` (NOTE
 #    [ Writes during recompute ]).
 # 2. Autocast, the user's recompute context, the policy and debug traces are entered only where a site has them.
+# 3. A module's recompute runs it with the parameters it has then: NOTE [ Parameters in recompute ] in hooks.py.
+# 4. A module that was in training mode in forward and is in eval mode at backward (`model.eval()` between them),
+#    or the other way round, would be recomputed in the other mode, where dropout, BatchNorm and any
+#    `if self.training:` branch compute other values, some without a sign (an op that saves nothing): the
+#    recompute raises `RecomputeMismatchError` saying so before it runs. Forward notes the site module's own flag.
 #
 # Implementation notes:
 # 1. (rule 2) The common path sets three things and restores three, with no context-manager machinery: it runs
@@ -79,6 +84,12 @@ _frame = sys._getframe
 #    site's inputs and their AccumulateGrad nodes, for good; a detached tensor has no grad_fn, so no store entry
 #    holds the recompute graph.
 
+_MODE_CHANGED = (
+    "remat: `{site}` ran in {then} mode in forward and is in {mode} mode now, in backward (`model.{now}()` between "
+    "them): rerun would recompute it in {mode} mode, where dropout, BatchNorm and any `if self.training:` branch "
+    "compute other values than forward did, and give wrong gradients. Switch modes after backward, or use "
+    "strategy='replay', which replays forward's ops."
+)
 _INPLACE_INPUT = (
     "remat: one of the variables needed for gradient computation has been modified by an inplace "
     "operation: input tensor #{index} of `{site}` was at version {before} when forward started and is at "
@@ -93,7 +104,8 @@ class RerunFrame(Frame):
 
     __slots__ = (
         "args", "attrs", "autocast", "claimed", "contexts", "devices", "draws", "exit", "fn", "ids", "kept", "kept_ids",
-        "kept_tags", "kwargs", "live", "module", "offload", "policy", "rng", "saver", "tensors", "versions",
+        "kept_tags", "kwargs", "live", "module", "offload", "policy", "rng", "saver", "tensors", "training",
+        "versions",
     )
 
     fn: Callable[..., Any]
@@ -109,6 +121,7 @@ class RerunFrame(Frame):
     contexts: Callable[[], AbstractContextManager[Any]] | None
     exit: ExitStack | None
     module: nn.Module | None  # the module whose forward runs, for its buffers: NOTE [ Writes during recompute ]
+    training: bool  # the module's mode in forward: NOTE [ Recompute state ], rule 4
     policy: Policy | None
     saver: SaveOps | None  # forward's notes of the policy's ops (NOTE [ What a policy keeps ])
     kept: list[KeptOutput | None]  # per call of a policy op, its kept outputs (None once dropped); after forward
@@ -187,6 +200,10 @@ class RerunFrame(Frame):
     def recompute(self, wanted: set[int], store: dict[int, torch.Tensor]) -> None:
         """Call the function again under hooks that collect the saved tensors in `wanted`."""
         args, kwargs = self._inputs()
+        if self.module is not None and self.module.training != self.training:
+            raise RecomputeMismatchError(_MODE_CHANGED.format(
+                site=self.site, then="training" if self.training else "eval", now="eval" if self.training else "train",
+                mode="training" if self.module.training else "eval"))
         self.attrs = attributes(self.module) if self.module is not None else None
         collector = _Collector(self, wanted, store, args, kwargs)
         # See NOTE [ Recompute state ].
@@ -332,6 +349,7 @@ def begin(
     frame = RerunFrame(site, check, early_stop, [] if debug else None)
     frame.fn = fn
     frame.module = module
+    frame.training = module is not None and module.training
     frame.policy = policy
     frame.exit = frame.saver = frame.offload = frame.contexts = None
     if offload is not None or policy is not None:

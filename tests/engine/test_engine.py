@@ -473,3 +473,45 @@ def test_a_long_chain_of_sites_is_freed_without_recursion(strategy: str) -> None
     x.sum().backward()
     assert a.grad is not None
     del x
+
+
+class _Noisy(nn.Module):
+    """Noise in training only, from an op that autograd saves nothing of (so a recompute in eval mode saves what
+    forward saved, of the same shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.training:
+            h = h + 0.5 * torch.randn_like(h)
+        return h.tanh()
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_a_mode_switched_between_forward_and_backward(strategy: str) -> None:
+    """NOTE [ Recompute state ], rule 4: `model.eval()` before backward made rerun recompute without the noise,
+    and the gradients were off by 0.7, silently; replay replays forward's ops."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_Noisy(), _Noisy()).double()
+    model = nn.Sequential(_Noisy(), _Noisy()).double()
+    model.load_state_dict(plain.state_dict())
+    for block in model:
+        remat(block, strategy=strategy)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.manual_seed(1)
+    plain(x).pow(2).sum().backward()
+    torch.manual_seed(1)
+    loss = model(x).pow(2).sum()
+    model.eval()
+    if strategy == "rerun":
+        with pytest.raises(remat.RecomputeMismatchError, match=r"training mode in forward and is in eval mode now"):
+            loss.backward()
+        return
+    before = recomputes()
+    loss.backward()
+    assert recomputes() > before
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
