@@ -18,9 +18,8 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import free_port, run_cases, spawn_ranks
+from conftest import ranks_results, run_cases
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -254,23 +253,19 @@ RUNS = {**CASES, CONTROL: Case(control_torch_reentrant_shared_block, shared=True
 # --- the ranks ---------------------------------------------------------------------------------------------
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, port: int, out: str, names: list[str]) -> None:
     """One process: run every case on this rank's half of the batch, save gradients or the traceback."""
     warnings.simplefilter("error")  # as pytest's filterwarnings = ["error"]: a warning is a failure here too
     x, y = batch()
     share = BATCH // WORLD
     x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-    run_cases(rank, port, WORLD, out, list(RUNS), lambda name: train(RUNS[name].build(), x, y))
+    run_cases(rank, port, WORLD, out, names, lambda name: train(RUNS[name].build(), x, y))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every rank's results: case name -> gradients after each step, or the rank's traceback."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this torch build")
-    out = tmp_path_factory.mktemp("distributed")
-    spawn_ranks(_rank, (free_port(), str(out)), WORLD, DEADLINE_S)
-    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    return ranks_results(_rank, tmp_path_factory.mktemp("distributed"), RUNS, (), WORLD, DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
