@@ -188,6 +188,12 @@ def run_cases(rank: int, port: int, world: int, out: str, names: list[str], run:
         dist.destroy_process_group()
 
 
+def build_and_train(cases: dict[str, tuple[Callable[[], Any], Callable[..., Any]]],
+                    *inputs: Any) -> Callable[[str], Any]:
+    """A rank's `run` for `run_cases` over cases of `(build, train)`: `train(build(), *inputs)`."""
+    return lambda name: cases[name][1](cases[name][0](), *inputs)
+
+
 def ranks_results(rank: Callable[..., None], folder: Path, cases: Iterable[str], deepspeed_cases: Iterable[str],
                   world: int, deadline_s: float) -> list[dict[str, Any]]:
     """Run `rank(index, port, folder, names)` on `world` gloo ranks (`spawn_ranks`, `run_cases`) for `cases`
@@ -226,6 +232,43 @@ def assert_full_gradients_close(ours: dict[str, torch.Tensor], theirs: dict[str,
 def fsdp2_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient of an FSDP2 model, whole, by name."""
     return {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+
+
+def zero3_full_grads(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient under DeepSpeed ZeRO-3, whole, by name."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+
+
+def train_steps(model: Any, loss_of: Callable[[Any], torch.Tensor], steps: int, lr: float, phase: list[str],
+                gathers: Any, backward: Callable[[torch.Tensor], Any], grads_of: Callable[[Any], dict[str, Any]],
+                step: Callable[[], Any] | None = None, **counts: Callable[[], int]) -> dict[str, list[Any]]:
+    """`steps` training steps of a sharded model, SGD at `lr` (or the engine's `step`): after each backward its full
+    gradients (`grads_of`), the gathers a patched collective counted per phase (`phase[0]` is "forward",
+    "backward" or "step" as the step runs), and how much each of `counts` grew during the step."""
+    optimizer = None if step is not None else torch.optim.SGD(model.parameters(), lr=lr)
+    out: dict[str, list[Any]] = {"grads": [], "gathers": [], **{name: [] for name in counts}}
+    for _ in range(steps):
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        gathers.clear()
+        before = {name: count() for name, count in counts.items()}
+        phase[0] = "forward"
+        loss = loss_of(model)
+        phase[0] = "backward"
+        backward(loss)
+        out["grads"].append(grads_of(model))
+        out["gathers"].append(dict(gathers))
+        for name, count in counts.items():
+            out[name].append(count() - before[name])
+        phase[0] = "step"
+        if optimizer is not None:
+            optimizer.step()
+        else:
+            assert step is not None
+            step()
+    return out
 
 
 def zero3_config(batch: int, world: int, lr: float) -> dict[str, Any]:

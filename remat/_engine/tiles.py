@@ -218,23 +218,18 @@ class _Kept:
         except RuntimeError as e:
             if "modified by an inplace operation" not in str(e):
                 raise
-            raise RematError(
-                f"remat: one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: an input of the tiled `{site}` changed in place between forward and backward; backward "
-                "would run the tiles on the changed value and give wrong gradients. Don't modify it in place "
-                f"between forward and backward (clone it first). autograd: {str(e).splitlines()[0]}"
-            ) from None
+            raise _changed(f"an input of the tiled `{site}` changed in place between forward and backward "
+                           f"(autograd: {str(e).splitlines()[0]})") from None
         return [t if graph else t.detach() for t in saved]
 
 
 class _KeptTile:
     """`x`, kept as autograd keeps a saved tensor (NOTE [ Tiles ], rule 3), where it needs no gradient."""
 
-    __slots__ = ("packed", "requires_grad", "tensor", "unpack", "version")
+    __slots__ = ("packed", "tensor", "unpack", "version")
 
     def __init__(self, x: torch.Tensor) -> None:
         hooks = top_saved_hooks(False)
-        self.requires_grad = x.requires_grad
         self.tensor: torch.Tensor | None
         if hooks is None:
             self.tensor = x
@@ -258,12 +253,17 @@ def _unchanged(tensor: torch.Tensor, version: int, what: str) -> None:
     """Raise as autograd does where `tensor` changed in place since it was at `version` (rules 3 and 9); `what`
     names it, with `{shape}` where its shape goes."""
     if tensor._version != version:
-        raise RematError(
-            f"remat: one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: {what.format(shape=list(tensor.shape))} was at version {version} after forward and is at "
-            f"version {tensor._version} now; backward would run the tiles on the changed value and give wrong "
-            "gradients. Don't modify it in place between forward and backward (clone it first)."
-        )
+        raise _changed(f"{what.format(shape=list(tensor.shape))} was at version {version} after forward and is at "
+                       f"version {tensor._version} now")
+
+
+def _changed(what: str) -> RematError:
+    """The error for a tensor backward's tiles read that changed in place since forward (rules 3 and 9)."""
+    return RematError(
+        f"remat: one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"{what}; backward would run the tiles on the changed value and give wrong gradients. Don't modify it in "
+        "place between forward and backward (clone it first)."
+    )
 
 
 class _TileSpec:
@@ -498,9 +498,10 @@ class _TilesFunction(torch.autograd.Function):
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_release_when_freed, ctx))
         begun = time.perf_counter()
         tiled = spec.kept.count
-        xs = spec.kept.get(spec.site, graph=torch.is_grad_enabled())
+        create = torch.is_grad_enabled()  # a second derivative (rule 6): every tile's graph is kept
+        xs = spec.kept.get(spec.site, graph=create)
         spec.check()
-        grads = _differentiate(spec, xs, grad, wanted[2:2 + tiled], wanted[2 + tiled:])
+        grads = _differentiate(spec, xs, grad, wanted[2:2 + tiled], wanted[2 + tiled:], create)
         del xs
         spec.rewatch()
         if keeps is False:  # no backward can come again: free what forward kept now, as autograd frees its own
@@ -510,9 +511,9 @@ class _TilesFunction(torch.autograd.Function):
 
 
 def _differentiate(spec: _TileSpec, xs: Sequence[torch.Tensor], grad: torch.Tensor, xs_wanted: Sequence[bool],
-                   reads_wanted: Sequence[bool]) -> list[torch.Tensor | None]:
-    """The gradients of the tiled inputs and of the reads, tile by tile (NOTE [ Tiles ], rules 2, 4, 6 and 8)."""
-    create = torch.is_grad_enabled()  # a second derivative: every tile's graph is kept
+                   reads_wanted: Sequence[bool], create: bool) -> list[torch.Tensor | None]:
+    """The gradients of the tiled inputs and of the reads, tile by tile (NOTE [ Tiles ], rules 2, 4, 6 and 8);
+    `create`: a second derivative, every tile's graph kept."""
     dim, cuts = spec.dim, spec.spans
     fn = spec.fn
     assert fn is not None

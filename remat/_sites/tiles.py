@@ -225,13 +225,14 @@ _FRAMEWORKS = ("torch.distributed.", "deepspeed.", "remat.")
 
 def _warn_of_hooks_inside(module: nn.Module, site: str) -> None:
     """Rule 7: warn once per site where a module inside `module` has a hook of the user's."""
-    for name, inner in module.named_modules():
+    for inner in module.modules():  # names are made only for a hook found: this runs on every tiled call
         if inner is module or not (inner._forward_hooks or inner._forward_pre_hooks):
             continue
         for hook in (*inner._forward_pre_hooks.values(), *inner._forward_hooks.values()):
             origin = getattr(getattr(hook, "func", hook), "__module__", None) or ""
             if getattr(hook, "_remat_owned", False) or origin.startswith(_FRAMEWORKS):
                 continue
+            name = next(name for name, found in module.named_modules() if found is inner)
             warn_once(f"tiles:hooks:{site}", (
                 f"remat: `{site}.{name}` has a forward hook (`{getattr(hook, '__qualname__', type(hook).__name__)}`)"
                 f" inside the tiled `{site}`: it sees one tile per call, in forward and again in backward, without "

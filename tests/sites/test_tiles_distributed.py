@@ -19,7 +19,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_full_gradients_close, case_results, fsdp2_full_grads, ranks_results, run_cases, zero3_config
+from conftest import (
+    assert_full_gradients_close,
+    build_and_train,
+    case_results,
+    fsdp2_full_grads,
+    ranks_results,
+    run_cases,
+    train_steps,
+    zero3_config,
+    zero3_full_grads,
+)
 from torch import nn
 
 import remat
@@ -160,13 +170,7 @@ def train_zero3(engine: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]
             return original(params, *args, **kwargs)
 
         param.all_gather_coalesced = counted
-    return _train(engine, x, y, phase, gathers, engine.backward, _zero3_grads, engine.step)
-
-
-def _zero3_grads(engine: Any) -> dict[str, torch.Tensor]:
-    from deepspeed.utils import safe_get_full_grad
-
-    return {name: safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    return _train(engine, x, y, phase, gathers, engine.backward, zero3_full_grads, engine.step)
 
 
 # --- training ----------------------------------------------------------------------------------------------
@@ -175,28 +179,8 @@ def _zero3_grads(engine: Any) -> dict[str, torch.Tensor]:
 def _train(model: Any, x: torch.Tensor, y: torch.Tensor, phase: list[str], gathers: Counter[str],
            backward: Callable[[torch.Tensor], Any], grads_of: Callable[[Any], dict[str, torch.Tensor]],
            step: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """`STEPS` steps: full gradients after each backward, gathers per phase, MLP calls per step."""
-    optimizer = None if step is not None else torch.optim.SGD(model.parameters(), lr=LR)
-    out: dict[str, list[Any]] = {"grads": [], "gathers": [], "calls": []}
-    for _ in range(STEPS):
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        gathers.clear()
-        MLP_CALLS[0] = 0
-        phase[0] = "forward"
-        loss = F.mse_loss(model(x), y)
-        phase[0] = "backward"
-        backward(loss)
-        out["grads"].append(grads_of(model))
-        out["gathers"].append(dict(gathers))
-        out["calls"].append(MLP_CALLS[0])
-        phase[0] = "step"
-        if optimizer is not None:
-            optimizer.step()
-        else:
-            assert step is not None
-            step()
-    return out
+    return train_steps(model, lambda m: F.mse_loss(m(x), y), STEPS, LR, phase, gathers, backward, grads_of, step,
+                       calls=lambda: MLP_CALLS[0])
 
 
 CASES: dict[str, tuple[Callable[[], Any], Callable[..., dict[str, Any]]]] = {
@@ -219,13 +203,8 @@ def _rank(rank: int, port: int, out: str, names: list[str]) -> None:
     warnings.simplefilter("ignore")  # DeepSpeed and FSDP2 warn about CPU and float64 set-ups
     x, y = batch()
     share = BATCH // WORLD
-    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-
-    def run(name: str) -> dict[str, Any]:
-        build, train = CASES[name]
-        return train(build(), x, y)
-
-    run_cases(rank, port, WORLD, out, names, run)
+    run_cases(rank, port, WORLD, out, names,
+              build_and_train(CASES, x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]))
 
 
 @pytest.fixture(scope="module")
