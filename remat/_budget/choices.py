@@ -10,15 +10,12 @@ from torch import nn
 from .._core.policies import Policy, PolicyLike, as_policy, matmuls, save_matmuls
 from .._engine.offload import Offload
 from .._sites.targets import remove_hooks, wrap_module
+from .costs import KEPT
 from .profile import DERIVABLE, PARTS
 from .regimes import BudgetRegime
 from .solve import Assignment
 
 __all__ = ["KEPT", "Choices"]
-
-KEPT = "kept"
-"""The label of the choice that leaves a block as it is."""
-
 
 class Choices:
     """The choices open to the blocks `names` of a model under `regime`, numbered as the profile and the costs number

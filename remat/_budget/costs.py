@@ -32,6 +32,36 @@ Implementation notes:
    Where the blocks' forwards leave less alive than this assumes, the profile runs the choices instead of
    deriving them (NOTE [ Deriving choices ] in costs_derived.py).
 
+NOTE [ Outside inputs ]
+A tensor made outside the blocks and read by them (a 4-D attention mask that every decoder layer takes, position
+ids) is alive through forward, held by the model's own code; whether it lives on through backward depends on the
+choices, not on one block: kept, a block saves it for backward only if one of its ops does (an attention mask added
+to the scores is not saved), while a rematerialized block holds every input it takes until its own backward, to
+run again. With eager attention the mask is a float per batch row and pair of positions, as large as one head's
+scores.
+
+Rules:
+1. The profile notes, per tracked step, the inputs of the blocks that were made outside every block's forward and
+   are dead when backward starts with every block that takes them kept (`outside_inputs`: bytes, and the blocks
+   that take them). Inputs some kept block saves, or that outlive forward for any other reason, are in the
+   measured windows already, and the blocks' own outputs are in their held bytes (rule 1 of NOTE [ Budget model ]).
+2. Under a plan, such an input is alive from the end of forward until the backward of the first block (in forward
+   order) that takes it under a choice other than kept has run: so it adds its bytes to that block's backward peak
+   and to every block's after it, to the windows outside the blocks after it (the loss's among them), and to
+   nothing in forward, where it is alive under every plan and measured.
+3. This couples blocks (two rematerialized blocks that take one mask hold it once), so it is not in the additive
+   model: the solver carries which inputs are held as part of its state (NOTE [ Block recurrence ] in solve.py).
+   Inputs that the same blocks take are one group; past `_INPUT_GROUPS` groups, the smallest are merged into one
+   taken by all their blocks (an overestimate).
+
+Implementation notes:
+1. (rule 1) `Windows.outside_born` holds the storages allocated while no block's forward window was open; a block's
+   forward pre-hook notes those among its inputs (`Marks.note_inputs` in profile_step.py), and the first backward
+   mark keeps those that died. A step where a block that takes one was not kept does not say (it holds it): only
+   steps where all of them ran kept count, and the largest bytes per group are kept.
+2. (rule 2) The windows outside the blocks are one peak each for forward and backward; the input is added to the
+   whole, an overestimate where the window's forward part is the larger.
+
 NOTE [ Gradients in the budget ]
 Rules:
 1. A budget bounds what a step allocates as the device counts it (`remat.track()`, or
@@ -68,13 +98,26 @@ import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .costs_derived import changed_calls, compiled_times, derive_bytes, derive_times, output_calls, part_calls
-from .profile import PARTS, GradientSteps, KeptRun, Profile
+from .profile import PARTS, GradientSteps, KeptRun, Profile, Round
 from .profile_alone import Shift
 
-__all__ = ["BlockCost", "ModelCost", "measured_costs", "shifted", "with_gradients"]
+__all__ = ["BlockCost", "ModelCost", "OutsideInput", "measured_costs", "shifted", "with_gradients"]
+
+KEPT = "kept"
+"""The label of the choice that leaves a block as it is: every other choice holds the block's inputs for its backward
+(NOTE [ Outside inputs ])."""
+
+_INPUT_GROUPS = 4  # groups of outside inputs the solver tells apart; the rest merged (NOTE [ Outside inputs ])
+
+
+class OutsideInput(NamedTuple):
+    """Tensors made outside the blocks that `users` take and nothing keeps for backward (NOTE [ Outside inputs ])."""
+
+    nbytes: int
+    users: frozenset[int]
 
 
 
@@ -134,6 +177,7 @@ class ModelCost:
             in costs_derived.py), which of them; None for every other; empty: none such anywhere.
         priced: the times are ops priced on a nominal device (a profile on fake tensors: NOTE [ Priced time ] in
             remat/_measure/clock.py), good for comparing plans with each other, not as seconds of this device.
+        outside_inputs: what a rematerialized block holds beyond its own bytes (NOTE [ Outside inputs ]).
 
     >>> kept, full = BlockCost(8, 12, 16, 1.0, 2.0), BlockCost(1, 12, 20, 1.0, 3.0)
     >>> cost = ModelCost(("0", "1"), ("kept", "full"), ((kept, full), (kept, full)), (0, 0, 4), 0.5)
@@ -148,9 +192,14 @@ class ModelCost:
     outside_time: float = 0.0
     calls: tuple[tuple[frozenset[int] | None, ...], ...] = ()
     priced: bool = False
+    outside_inputs: tuple[OutsideInput, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
+        for found in self.outside_inputs:
+            if found.nbytes < 0 or not found.users or not all(0 <= i < n for i in found.users):
+                raise ValueError(f"remat: an outside input of a ModelCost of {n} blocks needs bytes >= 0 and blocks "
+                                 f"among them, but got {found!r}.")
         if self.calls and len(self.calls) != n:
             raise ValueError(f"remat: a ModelCost of {n} blocks needs {n} rows of calls, but got {len(self.calls)}.")
         if len(self.blocks) != n or len(self.outside_peaks) != n + 1:
@@ -219,8 +268,35 @@ def measured_costs(profile: Profile) -> ModelCost:
         for i, row in enumerate(rows)
     )
     cost = ModelCost(profile.names, profile.choices, rows, tuple(outside), max(0.0, outside_time * outside_scale),
-                     calls, priced=profile.priced)
+                     calls, priced=profile.priced, outside_inputs=_outside_inputs(profile.choices, profile.tracked))
     return shifted(cost, profile.kinds, profile.sample_kind, profile.shifts) if profile.shifts else cost
+
+
+def _outside_inputs(choices: Sequence[str], rounds: Sequence[Round]) -> tuple[OutsideInput, ...]:
+    """The outside inputs of NOTE [ Outside inputs ]: grouped by the blocks that take them, the largest of the
+    steps in which all those blocks ran kept, the smallest groups merged past `_INPUT_GROUPS`.
+
+    >>> mask, ids, other = (16, frozenset({0, 1})), (1, frozenset({0, 1})), (8, frozenset({1}))
+    >>> kept = Round((0, 0), (0, 0), (0, 0), {}, {}, outside_inputs=(mask, ids, other))
+    >>> one_full = Round((0, 1), (0, 0), (0, 0), {}, {}, outside_inputs=((32, frozenset({1})),))
+    >>> _outside_inputs(("kept", "full"), [kept, one_full])
+    (OutsideInput(nbytes=17, users=frozenset({0, 1})), OutsideInput(nbytes=8, users=frozenset({1})))
+    """
+    kept = choices.index(KEPT) if KEPT in choices else None
+    groups: dict[frozenset[int], int] = {}
+    for rnd in rounds:
+        step: defaultdict[frozenset[int], int] = defaultdict(int)
+        for nbytes, users in rnd.outside_inputs:
+            if all(rnd.choice[i] == kept for i in users):
+                step[users] += nbytes
+        for users, nbytes in step.items():
+            groups[users] = max(groups.get(users, 0), nbytes)
+    ordered = sorted(groups.items(), key=lambda item: (-item[1], sorted(item[0])))
+    if len(ordered) > _INPUT_GROUPS:
+        rest = ordered[_INPUT_GROUPS - 1:]
+        merged = (frozenset().union(*(users for users, _ in rest)), sum(nbytes for _, nbytes in rest))
+        ordered = [*ordered[:_INPUT_GROUPS - 1], merged]
+    return tuple(OutsideInput(nbytes, users) for users, nbytes in ordered if nbytes)
 
 
 def _bytes(profile: Profile) -> _Bytes:

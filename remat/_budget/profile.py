@@ -122,6 +122,8 @@ class Round:
         peaks: per window (("fwd" | "bwd" | "out", index)), its peak above what the blocks before it held.
         times: per window, its seconds.
         kept: per block that ran kept and was recorded in detail, what derivations start from.
+        outside_inputs: the blocks' inputs made outside every block and dead when backward started, as bytes and
+            the blocks that took them (NOTE [ Outside inputs ] in costs.py).
     """
 
     choice: Sequence[int]
@@ -130,6 +132,7 @@ class Round:
     peaks: Mapping[tuple[str, int], int]
     times: Mapping[tuple[str, int], float]
     kept: Mapping[int, KeptRun] = field(default_factory=dict)
+    outside_inputs: tuple[tuple[int, frozenset[int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -476,7 +479,7 @@ def _per_op(
 
 
 def _round(choice: list[int], marks: Marks, kept: dict[int, KeptRun]) -> Round:
-    return Round(choice, marks.held, marks.base, marks.peaks, marks.times, kept)
+    return Round(choice, marks.held, marks.base, marks.peaks, marks.times, kept, marks.outside_inputs or ())
 
 
 def _kept_runs(marks: Marks) -> dict[int, KeptRun]:

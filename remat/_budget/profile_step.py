@@ -63,6 +63,9 @@ class Marks:
         self.at_backward: dict[int, tuple[int, int, frozenset[int]]] = {}  # live, own live, outputs live
         self.early: tuple[int, int] | None = None  # at the first backward: bytes the others held, and lost since
         self.made: set[int] = set()  # parameters whose gradient this step's backward has made (`gradient_made`)
+        # the blocks' inputs made outside every block, until the first backward: key -> bytes, reference, blocks
+        self.inputs: dict[int, tuple[int, object, set[int]]] = {}
+        self.outside_inputs: tuple[tuple[int, frozenset[int]], ...] | None = None  # at the first backward
 
     def _switch(self, owner: tuple[str, int]) -> int:
         if self.timing:
@@ -78,9 +81,25 @@ class Marks:
             base = self.held_sum if kind == "out" else self.held_sum - self.held[k]  # S_k: NOTE [ Budget model ]
             self.peaks[self.owner] = max(self.peaks.get(self.owner, 0), peak - base)
         self.owner = owner
+        if self.tracker is not None:
+            self.tracker.in_block = owner[0] == "fwd"
         if self.timing:
             self.clock = now()  # the marks' own work between windows counts in none
         return level
+
+    def note_inputs(self, i: int, args: Any, kwargs: Any) -> None:
+        """Note the tensors block i takes that were made outside every block (NOTE [ Outside inputs ] in costs.py)."""
+        tracker = self.tracker
+        if tracker is None or self.outside_inputs is not None:  # a recompute in backward: noted already
+            return
+        for key, _ in _storage_keys((args, kwargs)):
+            entry = tracker.born_outside(key)
+            if entry is None:
+                continue
+            found = self.inputs.get(key)
+            if found is None or found[1] is not entry[1]:  # a storage freed and its key used again: another
+                found = self.inputs[key] = (*entry, set())
+            found[2].add(i)
 
     def forward_start(self, i: int) -> None:
         self.start_level[i] = self._switch(("fwd", i))
@@ -103,6 +122,11 @@ class Marks:
         if self.owner[0] == "bwd" and self.owner[1] > i:  # a block after i never marked its end
             self.backward_end(self.owner[1])
         level = self._switch(("bwd", i))
+        if self.tracker is not None and self.outside_inputs is None:
+            self.outside_inputs = tuple(  # those nothing kept for backward
+                (nbytes, frozenset(users)) for key, (nbytes, ref, users) in self.inputs.items()
+                if not self.tracker.is_live(key, ref)
+            )
         if self.tracker is not None and self.early is None and self.details:
             self.early = _early_deaths(self.tracker, [d for j, (d, _) in self.details.items() if j != i])
         if self.tracker is not None and i in self.details:
@@ -193,6 +217,7 @@ def _hooks(blocks: Sequence[nn.Module], marks: Marks) -> list[Any]:
         def pre(module: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
             if i in marks.describing:
                 marks.specs[i] = describe_args(args, kwargs)
+            marks.note_inputs(i, args, kwargs)
             marks.forward_start(i)
             first = _first_grad_tensor((args, kwargs))
             if first is not None and torch.is_grad_enabled():
@@ -330,6 +355,11 @@ class Windows(FakeTracker):
     _last = 0.0  # when the last `_see` ended: an op's time is from there to the start of the next one's
     _in_matmul = False
     _casting = False  # the op is autocast's cached cast of a parameter: `Detail.cached`
+    in_block = False  # a block's forward window is open: what is allocated now is not in `outside_born`
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside_born: set[int] = set()  # live storages allocated while no block's forward ran
 
     def mark(self) -> int:
         """The window's peak; the next window starts at what is live now, gradients counted by `made` left out."""
@@ -378,6 +408,8 @@ class Windows(FakeTracker):
 
     def _add(self, key: int, t: torch.Tensor, st: torch.UntypedStorage) -> None:
         super()._add(key, t, st)
+        if not self.in_block:
+            self.outside_born.add(key)
         detail = self.detail
         if detail is not None:
             number = len(detail.born)
@@ -393,6 +425,7 @@ class Windows(FakeTracker):
 
     def _release(self, key: int, ref: object = None) -> None:
         start = now()
+        self.outside_born.discard(key)
         detail = self.detail
         if detail is not None:
             number = detail.live.pop(key, None)
@@ -413,13 +446,22 @@ class Windows(FakeTracker):
             detail.refs = {number: (key, self._live[key][2]) for key, number in detail.live.items()}
         return detail
 
+    def born_outside(self, key: int) -> tuple[int, object] | None:
+        """The bytes and weak reference of the live storage `key` if no block's forward allocated it, else None."""
+        entry = self._live.get(key)
+        return (entry[1], entry[2]) if entry is not None and key in self.outside_born else None
+
+    def is_live(self, key: int, ref: object) -> bool:
+        """Whether the storage that `ref` (from `born_outside`) refers to is live still."""
+        entry = self._live.get(key)
+        return entry is not None and entry[2] is ref
+
     def still_live(self, detail: Detail, numbers: Iterable[int]) -> list[int]:
         """The storages among `numbers` (of `detail`, live when it closed) that are live still."""
         out = []
         for number in numbers:
             key, ref = detail.refs.get(number, (0, None))
-            entry = self._live.get(key)
-            if entry is not None and entry[2] is ref:
+            if self.is_live(key, ref):
                 out.append(number)
         return out
 

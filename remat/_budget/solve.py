@@ -17,13 +17,14 @@ its `check_bytes`.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._chain.simulate import check_bytes
 from .._core.errors import BUG, BudgetError, RematError
 from .._core.units import STEP_PEAK, format_bytes
-from .costs import BlockCost, ModelCost
+from .costs import KEPT, BlockCost, ModelCost
 
 __all__ = [
     "Assignment", "evaluate_blocks", "least_assignment", "least_budget_blocks", "resolve_budget", "solve_blocks",
@@ -73,7 +74,7 @@ class Assignment:
         row = self.cost.blocks[i]
         chosen = row[self.choice[i]]
         assert chosen is not None
-        kept = row[0] if self.cost.choices[0] == "kept" else None
+        kept = row[0] if self.cost.choices[0] == KEPT else None
         extra = chosen.time - kept.time if kept is not None else 0.0
         return self.cost.names[i], self.cost.choices[self.choice[i]], chosen, extra
 
@@ -192,51 +193,87 @@ def least_assignment(cost: ModelCost, budget: int | float) -> Assignment:
 _INF = math.inf
 
 
+class _Held:
+    """The outside inputs' groups as bit masks (NOTE [ Outside inputs ] in costs.py): which groups each block holds
+    under each choice, and the bytes of each set of groups held."""
+
+    def __init__(self, cost: ModelCost) -> None:
+        groups = cost.outside_inputs
+        self.takes = [sum(1 << k for k, group in enumerate(groups) if i in group.users) for i in range(len(cost))]
+        self.holds = [label != KEPT for label in cost.choices]
+        self.bytes = [sum(group.nbytes for k, group in enumerate(groups) if mask >> k & 1)
+                      for mask in range(1 << len(groups))]
+
+    def after(self, i: int, c: int, held: int) -> int:
+        """The groups held once block i ran its forward under choice c, `held` before it."""
+        return held | self.takes[i] if self.holds[c] else held
+
+
+def _need(block: BlockCost, extra: int) -> int:
+    """Block's room above what the blocks before it hold, with `extra` bytes of outside inputs held in its backward."""
+    return max(block.forward_peak, block.backward_peak + extra)
+
+
 def evaluate_blocks(cost: ModelCost, choice: Sequence[int]) -> tuple[int, float]:
-    """The predicted peak bytes and step time of one choice per block (NOTE [ Budget model ])."""
-    held, peak, time = 0, 0, cost.outside_time
+    """The predicted peak bytes and step time of one choice per block (NOTE [ Budget model ] and NOTE [ Outside
+    inputs ] in costs.py)."""
+    inputs = _Held(cost)
+    held, groups, peak, time = 0, 0, 0, cost.outside_time
     for i, (row, c) in enumerate(zip(cost.blocks, choice, strict=True)):
         block = row[c]
         if block is None:
             raise ValueError(f"remat: choice {cost.choices[c]!r} is not open to block {cost.names[i]!r}.")
-        peak = max(peak, held + cost.outside_peaks[i], held + block.need)
+        peak = max(peak, held + cost.outside_peaks[i] + inputs.bytes[groups])
+        groups = inputs.after(i, c, groups)
+        peak = max(peak, held + _need(block, inputs.bytes[groups]))
         held += block.held_bytes
         time += block.time
-    return max(peak, held + cost.outside_peaks[-1]), time
+    return max(peak, held + cost.outside_peaks[-1] + inputs.bytes[groups]), time
 
 
 # NOTE [ Block recurrence ]
 # `remat.apply(model, budget=...)` asks for one choice c_i per block under the model of NOTE [ Budget model ]
 # in costs.py: with S_i the bytes held by blocks 0..i-1, a plan fits M when S_i + need(i, c_i)
 # <= M for every block and S_k + outside_peaks[k] <= M for every k; its time is the sum of the blocks' times.
-# The only state that links block i to the ones after it is S_i, so the dynamic program runs over blocks,
-# keeping for every reachable S the least time (and dropping any (S, time) that another beats on both): the
-# Pareto front of (bytes held, time). That is exact in bytes. Fronts stay small on real models (repeated
-# blocks make repeated sums); if one grows past `slots` states, its S are rounded UP to multiples of
+# The only state that links block i to the ones after it is S_i, with G_i, the groups of outside inputs that the
+# blocks 0..i-1 hold (NOTE [ Outside inputs ] in costs.py: their bytes add to the backward peaks and the outside
+# windows from there on; at most 2^4 sets, one where there are none), so the dynamic program runs over blocks,
+# keeping for every reachable (G, S) the least time (and dropping any (S, time) that another of the same G beats
+# on both): a Pareto front of (bytes held, time) per G. That is exact in bytes. Fronts stay small on real models
+# (repeated blocks make repeated sums); if one grows past `slots` states, its S are rounded UP to multiples of
 # M / slots before merging, as the chain solver's slots are (NOTE [ Discretisation ]): a plan that fits with
 # rounded sums fits in bytes, and the solution is then at worst slightly slower, never over budget.
-# The smallest feasible budget is exact too: for a given M, keeping the smallest reachable S is enough
-# (every constraint only gets harder as S grows), so feasibility is a greedy pass, and the smallest M is
-# found by bisection over integers.
+# The smallest feasible budget is exact too: for a given M and G, keeping the smallest reachable S is enough
+# (every constraint only gets harder as S grows), so feasibility is a greedy pass over the sets G, and the
+# smallest M is found by bisection over integers.
 
 
 def _fits_greedy(cost: ModelCost, budget: int) -> list[int] | None:
-    held, choice = 0, []
+    inputs = _Held(cost)
+    front: dict[int, tuple[int, float, list[int]]] = {0: (0, 0.0, [])}  # G -> least S, its time, its choices
     for i, row in enumerate(cost.blocks):
-        if held + cost.outside_peaks[i] > budget:
+        out: dict[int, tuple[int, float, list[int]]] = {}
+        for groups, (held, time, choice) in front.items():
+            if held + cost.outside_peaks[i] + inputs.bytes[groups] > budget:
+                continue
+            for c, b in enumerate(row):
+                after = inputs.after(i, c, groups)
+                if b is None or held + _need(b, inputs.bytes[after]) > budget:
+                    continue
+                entry = (held + b.held_bytes, time + b.time, [*choice, c])
+                if after not in out or entry[:2] < out[after][:2]:
+                    out[after] = entry
+        if not out:
             return None
-        open_ = [(b.held_bytes, b.time, c) for c, b in enumerate(row) if b is not None and held + b.need <= budget]
-        if not open_:
-            return None
-        h, _, c = min(open_)
-        held += h
-        choice.append(c)
-    return choice if held + cost.outside_peaks[-1] <= budget else None
+        front = out
+    ends = [(held, time, choice) for groups, (held, time, choice) in front.items()
+            if held + cost.outside_peaks[-1] + inputs.bytes[groups] <= budget]
+    return min(ends, key=lambda end: end[:2])[2] if ends else None
 
 
 def least_budget_blocks(cost: ModelCost) -> tuple[int, tuple[int, ...]]:
     """The smallest budget under which some choice per block fits, in bytes, and such a choice."""
-    low, high = 0, 1 + max(cost.outside_peaks) + sum(
+    low, high = 0, 1 + max(cost.outside_peaks) + sum(found.nbytes for found in cost.outside_inputs) + sum(
         max(b.held_bytes for b in row if b is not None) + max(b.need for b in row if b is not None)
         for row in cost.blocks
     )
@@ -255,35 +292,32 @@ def least_budget_blocks(cost: ModelCost) -> tuple[int, tuple[int, ...]]:
 def solve_blocks(cost: ModelCost, budget: int, *, slots: int = 4096) -> tuple[tuple[int, ...], float] | None:
     """The fastest choice per block that fits `budget` (NOTE [ Block recurrence ]), or None if none is found."""
     check_bytes("budget", budget)
+    inputs = _Held(cost)
     grain = max(1, -(-budget // slots))
-    # The front: S -> (time, index of the back pointer); back pointers are (parent, choice) per block.
-    front: dict[int, tuple[float, int]] = {0: (0.0, -1)}
+    # The fronts: G -> S -> (time, index of the back pointer); back pointers are (parent, choice) per block.
+    fronts: dict[int, dict[int, tuple[float, int]]] = {0: {0: (0.0, -1)}}
     parents: list[list[tuple[int, int]]] = []
     for i, row in enumerate(cost.blocks):
-        out: dict[int, tuple[float, int]] = {}
+        out: defaultdict[int, dict[int, tuple[float, int]]] = defaultdict(dict)
         links: list[tuple[int, int]] = []
-        for held, (time, ptr) in front.items():
-            if held + cost.outside_peaks[i] > budget:
-                continue
-            for c, block in enumerate(row):
-                if block is None or held + block.need > budget:
+        for groups, front in fronts.items():
+            for held, (time, ptr) in front.items():
+                if held + cost.outside_peaks[i] + inputs.bytes[groups] > budget:
                     continue
-                new, t = held + block.held_bytes, time + block.time
-                if new not in out or t < out[new][0]:
-                    links.append((ptr, c))
-                    out[new] = (t, len(links) - 1)
-        front = _pareto(out)
-        if len(front) > slots:
-            coarse: dict[int, tuple[float, int]] = {}
-            for held, entry in front.items():
-                key = -(-held // grain) * grain
-                if key not in coarse or entry[0] < coarse[key][0]:
-                    coarse[key] = entry
-            front = _pareto(coarse)
+                for c, block in enumerate(row):
+                    after = inputs.after(i, c, groups)
+                    if block is None or held + _need(block, inputs.bytes[after]) > budget:
+                        continue
+                    states, new, t = out[after], held + block.held_bytes, time + block.time
+                    if new not in states or t < states[new][0]:
+                        links.append((ptr, c))
+                        states[new] = (t, len(links) - 1)
+        fronts = {groups: _coarse(_pareto(states), slots, grain) for groups, states in out.items()}
         parents.append(links)
-        if not front:
+        if not fronts:
             return None
-    ends = [(time, ptr) for held, (time, ptr) in front.items() if held + cost.outside_peaks[-1] <= budget]
+    ends = [(time, ptr) for groups, front in fronts.items() for held, (time, ptr) in front.items()
+            if held + cost.outside_peaks[-1] + inputs.bytes[groups] <= budget]
     if not ends:
         return None
     time, ptr = min(ends)
@@ -292,6 +326,18 @@ def solve_blocks(cost: ModelCost, budget: int, *, slots: int = 4096) -> tuple[tu
         ptr, c = links[ptr]
         choice.append(c)
     return tuple(reversed(choice)), cost.outside_time + time
+
+
+def _coarse(front: dict[int, tuple[float, int]], slots: int, grain: int) -> dict[int, tuple[float, int]]:
+    """`front` with its S rounded up to multiples of `grain` where it has more than `slots` states."""
+    if len(front) <= slots:
+        return front
+    coarse: dict[int, tuple[float, int]] = {}
+    for held, entry in front.items():
+        key = -(-held // grain) * grain
+        if key not in coarse or entry[0] < coarse[key][0]:
+            coarse[key] = entry
+    return _pareto(coarse)
 
 
 def _pareto(states: dict[int, tuple[float, int]]) -> dict[int, tuple[float, int]]:

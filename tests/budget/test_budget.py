@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import remat
-from remat._budget.costs import BlockCost, ModelCost
+from remat._budget.costs import BlockCost, ModelCost, OutsideInput
 from remat._budget.solve import evaluate_blocks, least_budget_blocks, solve_blocks, solve_budget
 from tests.conftest import assert_same_grads, randn
 from tests.models import ConvBN, TransformerBlock
@@ -22,7 +22,8 @@ from tests.models import ConvBN, TransformerBlock
 
 @st.composite
 def model_costs(draw: st.DrawFn) -> ModelCost:
-    """Random small instances: 1-5 blocks, 1-3 choices (some closed), integer sizes and times."""
+    """Random small instances: 1-5 blocks, 1-3 choices (some closed; the first is kept), integer sizes and times, and
+    0-2 groups of outside inputs (NOTE [ Outside inputs ] in remat/_budget/costs.py)."""
     n, k = draw(st.integers(1, 5)), draw(st.integers(1, 3))
     rows = []
     for _ in range(n):
@@ -38,7 +39,12 @@ def model_costs(draw: st.DrawFn) -> ModelCost:
             ))
         rows.append(tuple(row))
     outside = tuple(draw(st.integers(0, 15)) for _ in range(n + 1))
-    return ModelCost(tuple(map(str, range(n))), tuple(f"c{c}" for c in range(k)), tuple(rows), outside, 1.0)
+    inputs = tuple(
+        OutsideInput(draw(st.integers(0, 10)), frozenset(draw(st.sets(st.integers(0, n - 1), min_size=1))))
+        for _ in range(draw(st.integers(0, 2)))
+    )
+    return ModelCost(tuple(map(str, range(n))), ("kept", *(f"c{c}" for c in range(1, k))), tuple(rows), outside, 1.0,
+                     outside_inputs=inputs)
 
 
 def _exhaustive(cost: ModelCost) -> list[tuple[int, float, tuple[int, ...]]]:
