@@ -182,6 +182,7 @@ def _searched(model: nn.Module, x: torch.Tensor, configs: tuple[str, ...], memor
     return {config: (report[config].largest_batch, report[config].largest_seq) for config in configs}
 
 
+@pytest.mark.slow  # checks the answer against an exhaustive search: NOTE [ Slow tests ] in tests/conftest.py
 def test_the_cut_models_give_the_searchs_answer_with_one_check_at_full_depth(
         depths: list[int | None], monkeypatch: pytest.MonkeyPatch) -> None:
     memory, x, configs = 24 * 2**20, torch.randn(1, 256, WIDTH, dtype=torch.float64), ("full", "full+tiles")
@@ -270,6 +271,7 @@ def test_the_cut_models_add_up_where_backward_peaks_at_either_end(depths: list[i
         assert real_peak(model, torch.randn(batch + 1, 8, WIDTH, dtype=torch.float64)) > memory
 
 
+@pytest.mark.slow  # checks the answer against an exhaustive search: NOTE [ Slow tests ] in tests/conftest.py
 def test_a_llama_with_eager_attention_falls_back_and_agrees(depths: list[int | None],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")
