@@ -57,8 +57,10 @@ Rules:
 Implementation notes:
 1. (rule 1) `Windows.outside_born` holds the storages allocated while no block's forward window was open; a block's
    forward pre-hook notes those among its inputs (`Marks.note_inputs` in profile_step.py), and the first backward
-   mark keeps those that died. A step where a block that takes one was not kept does not say (it holds it): only
-   steps where all of them ran kept count, and the largest bytes per group are kept.
+   mark keeps those that died (`_outside_inputs` in profile.py). A step where a block that takes one was not kept
+   does not say (it holds it): only steps where all of them ran kept count, and the largest bytes per group are
+   kept; a profile that runs the derivable choices after its kept step (NOTE [ Deriving choices ], rule 2) keeps
+   the kept step's.
 2. (rule 2) The windows outside the blocks are one peak each for forward and backward; the input is added to the
    whole, an overestimate where the window's forward part is the larger.
 
@@ -101,14 +103,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .costs_derived import changed_calls, compiled_times, derive_bytes, derive_times, output_calls, part_calls
-from .profile import PARTS, GradientSteps, KeptRun, Profile, Round
+from .profile import PARTS, GradientSteps, KeptRun, Profile
 from .profile_alone import Shift
 
 __all__ = ["BlockCost", "ModelCost", "OutsideInput", "measured_costs", "shifted", "with_gradients"]
 
 KEPT = "kept"
-"""The label of the choice that leaves a block as it is: every other choice holds the block's inputs for its backward
-(NOTE [ Outside inputs ])."""
+"""The label of the choice that leaves a block as it is (choice 0 of a profile): every other choice holds the block's
+inputs for its backward (NOTE [ Outside inputs ])."""
 
 _INPUT_GROUPS = 4  # groups of outside inputs the solver tells apart; the rest merged (NOTE [ Outside inputs ])
 
@@ -268,35 +270,24 @@ def measured_costs(profile: Profile) -> ModelCost:
         for i, row in enumerate(rows)
     )
     cost = ModelCost(profile.names, profile.choices, rows, tuple(outside), max(0.0, outside_time * outside_scale),
-                     calls, priced=profile.priced, outside_inputs=_outside_inputs(profile.choices, profile.tracked))
+                     calls, priced=profile.priced, outside_inputs=_outside_inputs(profile.outside_inputs))
     return shifted(cost, profile.kinds, profile.sample_kind, profile.shifts) if profile.shifts else cost
 
 
-def _outside_inputs(choices: Sequence[str], rounds: Sequence[Round]) -> tuple[OutsideInput, ...]:
-    """The outside inputs of NOTE [ Outside inputs ]: grouped by the blocks that take them, the largest of the
-    steps in which all those blocks ran kept, the smallest groups merged past `_INPUT_GROUPS`.
+def _outside_inputs(groups: Mapping[frozenset[int], int]) -> tuple[OutsideInput, ...]:
+    """The profile's outside inputs (NOTE [ Outside inputs ]), largest first, the smallest groups merged past
+    `_INPUT_GROUPS`.
 
-    >>> mask, ids, other = (16, frozenset({0, 1})), (1, frozenset({0, 1})), (8, frozenset({1}))
-    >>> kept = Round((0, 0), (0, 0), (0, 0), {}, {}, outside_inputs=(mask, ids, other))
-    >>> one_full = Round((0, 1), (0, 0), (0, 0), {}, {}, outside_inputs=((32, frozenset({1})),))
-    >>> _outside_inputs(("kept", "full"), [kept, one_full])
-    (OutsideInput(nbytes=17, users=frozenset({0, 1})), OutsideInput(nbytes=8, users=frozenset({1})))
+    >>> _outside_inputs({frozenset({0, 1}): 16, frozenset({1}): 8, frozenset({0}): 0})
+    (OutsideInput(nbytes=16, users=frozenset({0, 1})), OutsideInput(nbytes=8, users=frozenset({1})))
     """
-    kept = choices.index(KEPT) if KEPT in choices else None
-    groups: dict[frozenset[int], int] = {}
-    for rnd in rounds:
-        step: defaultdict[frozenset[int], int] = defaultdict(int)
-        for nbytes, users in rnd.outside_inputs:
-            if all(rnd.choice[i] == kept for i in users):
-                step[users] += nbytes
-        for users, nbytes in step.items():
-            groups[users] = max(groups.get(users, 0), nbytes)
-    ordered = sorted(groups.items(), key=lambda item: (-item[1], sorted(item[0])))
+    ordered = sorted(((users, nbytes) for users, nbytes in groups.items() if nbytes),
+                     key=lambda item: (-item[1], sorted(item[0])))
     if len(ordered) > _INPUT_GROUPS:
         rest = ordered[_INPUT_GROUPS - 1:]
         merged = (frozenset().union(*(users for users, _ in rest)), sum(nbytes for _, nbytes in rest))
         ordered = [*ordered[:_INPUT_GROUPS - 1], merged]
-    return tuple(OutsideInput(nbytes, users) for users, nbytes in ordered if nbytes)
+    return tuple(OutsideInput(nbytes, users) for users, nbytes in ordered)
 
 
 def _bytes(profile: Profile) -> _Bytes:

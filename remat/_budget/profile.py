@@ -67,6 +67,7 @@ Implementation notes:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -122,8 +123,6 @@ class Round:
         peaks: per window (("fwd" | "bwd" | "out", index)), its peak above what the blocks before it held.
         times: per window, its seconds.
         kept: per block that ran kept and was recorded in detail, what derivations start from.
-        outside_inputs: the blocks' inputs made outside every block and dead when backward started, as bytes and
-            the blocks that took them (NOTE [ Outside inputs ] in costs.py).
     """
 
     choice: Sequence[int]
@@ -132,7 +131,6 @@ class Round:
     peaks: Mapping[tuple[str, int], int]
     times: Mapping[tuple[str, int], float]
     kept: Mapping[int, KeptRun] = field(default_factory=dict)
-    outside_inputs: tuple[tuple[int, frozenset[int]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,6 +164,8 @@ class Profile:
         priced: the times are ops priced on a nominal device (NOTE [ Priced time ] in remat/_measure/clock.py).
         shifts: per choice, what compiling adds to the bytes of a block of `sample_kind` (NOTE [ Compiled bytes ] in
             costs_compiled.py); empty where nothing is shifted.
+        outside_inputs: the blocks' inputs made outside every block that nothing kept for backward, in bytes by the
+            blocks that take them (NOTE [ Outside inputs ] in costs.py).
     """
 
     names: tuple[str, ...]
@@ -181,6 +181,7 @@ class Profile:
     compiled: bool = False
     priced: bool = False
     shifts: Mapping[int, Shift] = field(default_factory=dict)
+    outside_inputs: Mapping[frozenset[int], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -437,10 +438,12 @@ def profile_blocks(
             r, sample = samples[0]
             shifts = compiled_shifts(blocks[sample], tracked[r].specs[sample], [0, *derived, *run[1:]],
                                      lambda c: assign(sample, c))
+    inputs = _outside_inputs(rounds, tracked)
     if again:
         parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
-        return profile_blocks(model, names, blocks, choices, step, assign, order, closed=parts, compiled=compiled,
-                              gradients_kept=gradients_kept)
+        redone = profile_blocks(model, names, blocks, choices, step, assign, order, closed=parts, compiled=compiled,
+                                gradients_kept=gradients_kept)
+        return dataclasses.replace(redone, outside_inputs=inputs or redone.outside_inputs)  # kept ran here
     return Profile(
         names=tuple(names),
         kinds=tuple(_block_kind(b) for b in blocks),
@@ -455,6 +458,7 @@ def profile_blocks(
         compiled=compiled,
         priced=exact,  # NOTE [ Priced time ]: relative, not this device's
         shifts=shifts,
+        outside_inputs=inputs,
     )
 
 
@@ -479,7 +483,22 @@ def _per_op(
 
 
 def _round(choice: list[int], marks: Marks, kept: dict[int, KeptRun]) -> Round:
-    return Round(choice, marks.held, marks.base, marks.peaks, marks.times, kept, marks.outside_inputs or ())
+    return Round(choice, marks.held, marks.base, marks.peaks, marks.times, kept)
+
+
+def _outside_inputs(rounds: Sequence[Sequence[int]], tracked: Sequence[Marks]) -> dict[frozenset[int], int]:
+    """The blocks' inputs made outside every block that nothing kept for backward, in bytes by the blocks that take
+    them: from the steps in which all those blocks ran kept (choice 0), the largest (NOTE [ Outside inputs ] in
+    costs.py)."""
+    groups: dict[frozenset[int], int] = {}
+    for choice, marks in zip(rounds, tracked, strict=True):
+        step: defaultdict[frozenset[int], int] = defaultdict(int)
+        for nbytes, users in marks.outside_inputs or ():
+            if all(choice[i] == 0 for i in users):
+                step[users] += nbytes
+        for users, nbytes in step.items():
+            groups[users] = max(groups.get(users, 0), nbytes)
+    return groups
 
 
 def _kept_runs(marks: Marks) -> dict[int, KeptRun]:

@@ -133,3 +133,36 @@ def test_full_remats_predicted_step_peak_is_a_real_steps_and_a_budget_between_ho
     measured = _step_peak(model)
     assert measured <= plan.budget
     assert abs(plan.peak_bytes - measured) <= 0.02 * measured
+
+
+class _Stashing(Attention):
+    """Attention that also leaves a tensor the size of its scores in a list the next block's forward empties: the
+    profile's derivations do not hold there (NOTE [ Deriving choices ], rule 2), so it runs the choices after its
+    kept step."""
+
+    def __init__(self, width: int, shared: list[torch.Tensor]) -> None:
+        super().__init__(width)
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.shared.clear()
+        self.shared.append(mask.exp())
+        return super().forward(x, mask)
+
+
+def test_a_profile_that_runs_its_choices_after_the_kept_step_keeps_the_kept_steps_mask() -> None:
+    # The steps that run the choices rematerialize some block that takes the mask in each, so only the kept step
+    # can tell that nothing else holds it.
+    shared: list[torch.Tensor] = []
+    model = _model()
+    model.blocks = nn.ModuleList(_Stashing(8, shared) for _ in range(4)).double()
+    calls: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        remat.apply(model, budget=10**9, sample=X)
+    finally:
+        handle.remove()
+    assert len(calls) >= 2, "the choices were derived, not run"
+    plan = remat.plan(model).budget
+    assert plan is not None
+    assert plan.cost.outside_inputs == (OutsideInput(MASK_BYTES, frozenset(range(4))),)
