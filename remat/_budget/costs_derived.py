@@ -39,9 +39,12 @@ Implementation notes:
    `save_matmuls` the matmul outputs never die before recompute, and recompute hands them back and drops them,
    so the forward can peak above the recompute and kept's peak is no bound: the forward's log is replayed with
    the matmul outputs never released and what kept's autograd saved (born, never released, neither output nor
-   matmul) released at the next allocation, as an operand dies after the op that reads it. That is exact where a
-   block's Python keeps no locals alive, and low where it does (they live longer than the ops that read them),
-   where backward peaks higher anyway (docs/benchmarks.md).
+   matmul) released once the last op of the block that reads it has run (its outputs allocated), as a temporary
+   dies after the op that reads it last; one that no later op reads, at the next allocation. That is exact where
+   the block's Python keeps no local alive past its last read, and low where it does, where backward peaks higher
+   anyway (docs/benchmarks.md). (Released at the next allocation instead, a softmax's output died before the
+   dropout that reads it had made its mask and output: GPT-2's derived forward peak came out low by two of its
+   attention's score tensors.)
 2. (rule 1, backward peak) Backward starts at what kept started at (`at_backward`, above S_i), less the born
    storages kept still held then (`alive`), plus those that c holds then: the matmul outputs under
    `save_matmuls`, and the outputs that something outside the block still holds (`live_outputs`). An output can
@@ -153,17 +156,23 @@ def _replay(detail: Detail, saved: frozenset[int] | set[int], handed: bool, keep
     saved: the matmul outputs the choice keeps.
     handed: they are not allocated (recompute gets them back).
     keep: they are never released (forward keeps them).
-    drop: storages never released in the log that are released once the next storage is allocated.
+    drop: storages never released in the log that are released once the last op that reads them has run, or,
+        read by none, once the next storage is allocated.
     """
+    last = {number: i for i, (number, delta) in enumerate(detail.events) if delta == 0 and number in drop}
     level = peak = pending = 0
-    for number, delta in detail.events:
+    for i, (number, delta) in enumerate(detail.events):
+        if delta == 0:
+            if last.get(number) == i:
+                level -= detail.born[number]
+            continue
         if number in saved and ((handed and delta > 0) or (keep and delta < 0)):
             continue
         level += delta
         peak = max(peak, level)
         if delta > 0:
             level -= pending
-            pending = detail.born[number] if number in drop else 0
+            pending = detail.born[number] if number in drop and number not in last else 0
     return peak
 
 

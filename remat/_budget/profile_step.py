@@ -319,7 +319,8 @@ class Detail:
         call_time: per matmul-class call, its seconds (from the end of the op before).
         changed: the numbers among `matmul` that a later op of the window wrote into (in place, through any view):
             a policy does not keep those (NOTE [ A kept output changed in place ] in remat/_engine/kept.py).
-        events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released.
+        events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released, 0
+            when an op read it (after that op's outputs were allocated).
         ops: aten ops the window ran.
         live: the storages of `born` live now (while the window is open) or when it closed: key -> number.
         refs: when the window closed, the tracker's weak reference to each storage of `live`, by number.
@@ -403,6 +404,7 @@ class Windows(FakeTracker):
                     self._in_matmul = False
             else:
                 super()._see(func, args, kwargs, out)
+            _note_reads(detail, args, kwargs)
         self._last = end = now()
         self.overhead += end - start + self.per_op
 
@@ -464,6 +466,15 @@ class Windows(FakeTracker):
             if self.is_live(key, ref):
                 out.append(number)
         return out
+
+
+def _note_reads(detail: Detail, args: Any, kwargs: dict[str, Any] | None) -> None:
+    """Note, after an op's outputs, the storages of `detail` it read (`Detail.events`' reads)."""
+    for t in tree_leaves((args, kwargs)):
+        storage = _storage(t) if isinstance(t, torch.Tensor) else None
+        number = detail.live.get(storage._cdata) if storage is not None else None
+        if number is not None:
+            detail.events.append((number, 0))
 
 
 def _note_writes(detail: Detail, func: Any, args: Any, kwargs: dict[str, Any] | None) -> None:
