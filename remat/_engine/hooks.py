@@ -96,12 +96,15 @@ class Handle:
 
 
 class Kept:
-    """What autograd keeps for a tensor the frame holds as it is (an input, a parameter, a view of one)."""
+    """What autograd keeps for a tensor kept as it is: one the frame holds (an input, a parameter, a view of one), or
+    one the token holds itself (`held`: the tensor, its version and what else it keeps alive), which then lives as
+    long as autograd keeps the token (`Frame.keep_held`)."""
 
-    __slots__ = ("index",)
+    __slots__ = ("held", "index")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, held: tuple[torch.Tensor, int, object] | None = None) -> None:
         self.index = index
+        self.held = held
 
 
 # NOTE [ Inputs of nested sites ]
@@ -193,6 +196,14 @@ class Frame:
         self.account(tensor)
         return kept
 
+    def keep_held(self, tensor: torch.Tensor, owner: object = None) -> Kept:
+        """Keep a saved tensor as it is in the token autograd keeps, not in the frame: it dies once autograd has
+        released every token that holds it (after the ops of backward that read it ran), with `owner`, which the
+        token keeps alive as long (NOTE [ What a policy keeps ] in selective.py, rule 2)."""
+        kept = Kept(len(self._handles), (tensor, tensor._version, owner))
+        self.account(tensor)
+        return kept
+
     def hand_over(self, tensor: torch.Tensor) -> Outer:
         """Give a tensor from outside the frame to the enclosing pack hook (see NOTE [ Inputs of nested sites ])."""
         assert self.outer is not None
@@ -262,7 +273,8 @@ class Frame:
         raise RematError(f"remat: `{self.site}` was handed {kind.__name__} to unpack; {BUG}.")
 
     def _unpack_kept(self, kept: Kept) -> torch.Tensor:
-        tensor, version = self._kept[kept.index]
+        held = kept.held
+        tensor, version = (held[0], held[1]) if held is not None else self._kept[kept.index]
         if tensor._version != version:
             raise RematError(
                 _INPLACE_KEPT.format(

@@ -98,7 +98,7 @@ class KeptOutput:
     `preserve_rng`).
     """
 
-    __slots__ = ("repeatable", "value", "version", "watch")
+    __slots__ = ("__weakref__", "repeatable", "value", "version", "watch")
 
     def __init__(self, value: Any, watch: Any, version: int, repeatable: bool = True) -> None:
         self.value = value

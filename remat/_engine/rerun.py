@@ -28,7 +28,7 @@ from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .kept import KeptOutput, keep_output
 from .offload import Offload, for_kept, no_offload_inside
 from .rng import Draw, RngStash, devices_of
-from .selective import ReuseOps, SaveOps
+from .selective import KeptCall, ReuseOps, SaveOps, held_by_autograd
 from .transfer import Parcel, Stay
 from .tree import map_tensors, tensors_in
 
@@ -124,7 +124,7 @@ class RerunFrame(Frame):
     training: bool  # the module's mode in forward: NOTE [ Recompute state ], rule 4
     policy: Policy | None
     saver: SaveOps | None  # forward's notes of the policy's ops (NOTE [ What a policy keeps ])
-    kept: list[KeptOutput | None]  # per call of a policy op, its kept outputs (None once dropped); after forward
+    kept: list[KeptCall]  # per call of a policy op, its kept outputs (`KeptCall`); after forward
     claimed: set[int]  # the calls in `kept` whose outputs autograd saves
     draws: dict[int, Draw]  # the calls in `kept` that drew random numbers: their generator's state after them
     # tensors kept through `remat.tag`, by id: the tensor (weakly) and what keeps it
@@ -145,11 +145,14 @@ class RerunFrame(Frame):
             return self.keep_outside(tensor)
         if tensor.requires_grad and tensor.is_leaf:  # never `grad_fn`: see NOTE [ Freeing long chains ]
             return self.keep(tensor)
-        if self.policy is not None and self._kept_by_policy(tensor):
+        owner = self._kept_by_policy(tensor) if self.policy is not None else None
+        if owner is not None:
             if self.offload is not None:
                 self.account(tensor)
                 return self.offload.pack(tensor)
-            return self.keep(tensor.detach())  # detached: an op may save its own output
+            # detached: an op may save its own output; held by autograd's token, with what recompute would hand
+            # back, and no longer (NOTE [ What a policy keeps ] in selective.py, rule 2)
+            return self.keep_held(tensor.detach(), owner)
         base = tensor._base
         if base is not None:
             if id(base) in self.ids:
@@ -158,12 +161,13 @@ class RerunFrame(Frame):
                 return self.keep(tensor)
         return self.handle(tensor)
 
-    def _kept_by_policy(self, tensor: torch.Tensor) -> bool:
+    def _kept_by_policy(self, tensor: torch.Tensor) -> KeptOutput | None:
+        """The kept output whose memory `tensor` lies in, if the policy keeps it; else None (rebuilt)."""
         found = self.kept_ids.get(id(tensor))
         if found is not None and found[0]() is tensor:
             # changed since it was tagged: rebuilt (NOTE [ A kept output changed in place ] in kept.py)
-            return not found[1].moved()
-        return self.saver is not None and self.saver.claim(tensor)
+            return None if found[1].moved() else found[1]
+        return self.saver.claim(tensor) if self.saver is not None else None
 
     def keep_tagged(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Forward's `remat.tag`: keep `tensor` when the policy saves `name`."""
@@ -401,7 +405,10 @@ def end(frame: RerunFrame, *, ok: bool = True) -> None:
         frame.exit.close()
         frame.exit = None
     if frame.saver is not None:
-        frame.kept, frame.claimed, frame.draws = frame.saver.finish()
+        outputs, frame.claimed, frame.draws = frame.saver.finish()
+        # what autograd saves lives in autograd's tokens (NOTE [ What a policy keeps ] in selective.py, rule 2); an
+        # offloaded site's in host memory, kept as before
+        frame.kept = held_by_autograd(outputs, frame.claimed) if frame.offload is None else list(outputs)
         frame.saver = None
     if frame.policy is not None and frame.kept_tags:
         # a tagged tensor changed since: nothing to hand back (NOTE [ A kept output changed in place ] in kept.py)

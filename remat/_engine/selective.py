@@ -6,6 +6,7 @@ changed in place ] in kept.py.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,11 @@ from .modes import Mode
 from .recorder import op_info
 from .rng import Draw, Draws, draws, own_generator
 
-__all__ = ["ReuseOps", "SaveOps", "reuse"]
+__all__ = ["KeptCall", "ReuseOps", "SaveOps", "held_by_autograd", "reuse"]
+
+KeptCall = KeptOutput | weakref.ref[KeptOutput] | None
+"""A call's kept output in a site's list: held, held weakly (autograd saves it: NOTE [ What a policy keeps ], rule 2),
+or dropped (None)."""
 
 # NOTE [ What a policy keeps ]
 # A policy names ops whose outputs are kept from forward instead of rebuilt (`save_matmuls`), so that recompute
@@ -30,7 +35,9 @@ __all__ = ["ReuseOps", "SaveOps", "reuse"]
 #    is handed over: it dies as soon as recompute has used it, like the input of the same op in no remat's
 #    forward.
 # 2. A kept output that autograd saves (itself, or a view of its memory such as q/k/v split from one projection:
-#    `claim`, by storage) stays while the site's graph does, as no remat keeps it.
+#    `claim`, by storage) stays as long as autograd keeps it, as in no remat: once the ops of backward that read it
+#    have run (and autograd released what they saved), it is gone, though the rest of the site's backward runs on.
+#    A recompute after that runs its op again.
 # 3. A kept output that recompute never reaches (it stopped early, NOTE [ Early stop ] in rerun.py: the block's
 #    last matmul, whose output is the block's own) is dropped when recompute ends, or it would stay through the
 #    block's whole backward, which full remat never holds. A later recompute of the same graph
@@ -48,6 +55,11 @@ __all__ = ["ReuseOps", "SaveOps", "reuse"]
 #    on nn.TransformerEncoder.
 # 2. (rule 4) A kept output with its grad_fn would reach the site's saved-tensor hooks, a cycle through C++ that
 #    kept everything alive when the graph was dropped without backward.
+# 3. (rule 2) The token autograd keeps for such a tensor holds it and its `KeptOutput` (`Frame.keep_held` in
+#    hooks.py); the site's list of kept outputs holds the `KeptOutput` weakly. Held by the site itself, the kept
+#    outputs of a block's MLP lived through its attention's backward too: 4 MiB of a tiny Qwen2's up projection at
+#    the step's peak, above what no remat and a budget's prediction hold. An offloaded site keeps its outputs as
+#    before (its host copies are not device memory).
 
 
 class SaveOps(Mode):
@@ -113,19 +125,20 @@ class SaveOps(Mode):
         if key is not None:
             self.notes[key] = index
 
-    def claim(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor`, which autograd saves, lies in the memory of a kept output that was not changed in place
-        (then keep it for good; NOTE [ A kept output changed in place ], rule 3)."""
+    def claim(self, tensor: torch.Tensor) -> KeptOutput | None:
+        """The kept output in whose memory `tensor`, which autograd saves, lies, if it was not changed in place (then
+        autograd keeps it: NOTE [ What a policy keeps ], rule 2; NOTE [ A kept output changed in place ], rule 3);
+        else None."""
         if not self.notes:
-            return False
+            return None
         index = self.notes.get(storage_key(tensor))  # type: ignore[arg-type]
         if index is None:
-            return False
+            return None
         kept = self.kept[index]
         if kept is None or kept.moved():
-            return False
+            return None
         self.claimed.add(index)
-        return True
+        return kept
 
     def finish(self) -> tuple[list[KeptOutput | None], set[int], dict[int, Draw]]:
         """End of forward: the kept outputs in order, which of them autograd saves, and the draws of those that are
@@ -138,6 +151,13 @@ class SaveOps(Mode):
                 kept[index] = None
                 claimed.discard(index)
         return kept, claimed, drawn
+
+
+def held_by_autograd(kept: list[KeptOutput | None], claimed: set[int]) -> list[KeptCall]:
+    """`kept` (forward's, from `SaveOps.finish`) with the outputs autograd saves held weakly: autograd's tokens hold
+    them (NOTE [ What a policy keeps ], implementation note 3)."""
+    return [weakref.ref(entry) if entry is not None and index in claimed else entry
+            for index, entry in enumerate(kept)]
 
 
 def reuse(kept: Any) -> Any:
@@ -157,7 +177,7 @@ class ReuseOps(Mode):
     """
 
     def __init__(
-        self, policy: Policy, kept: list[KeptOutput | None], claimed: set[int],
+        self, policy: Policy, kept: list[KeptCall], claimed: set[int],
         unpack: Callable[[Any], Any] | None = None, draws: dict[int, Draw] | None = None, site: str = "?",
     ) -> None:
         super().__init__()
@@ -175,7 +195,9 @@ class ReuseOps(Mode):
         if self.saves_op(func):
             index = self.next
             self.next = index + 1
-            kept = self.kept[index] if index < len(self.kept) else None
+            entry = self.kept[index] if index < len(self.kept) else None
+            # held weakly where autograd saves it: gone once backward no longer needs it (rule 2)
+            kept = entry() if isinstance(entry, weakref.ref) else entry
             if kept is not None:
                 if index not in self.claimed:
                     self.kept[index] = None

@@ -236,3 +236,60 @@ def test_a_kept_output_recompute_never_reaches_is_dropped_when_recompute_ends() 
     assert recomputes() == before + 1 and len(last) == 1  # recompute ran, and stopped before the last matmul
     assert dead == [True]
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.equivalence
+def test_a_kept_output_autograd_saves_dies_once_the_ops_that_read_it_in_backward_have_run() -> None:
+    # `save_matmuls` keeps h, which gelu saves. Without remat h dies once gelu's backward has run, while the rest of
+    # the block's backward (the first matmul's) runs on; held by the site, it lived until the site's graph died: a
+    # block's MLP outputs through its attention's backward (NOTE [ What a policy keeps ], rule 2).
+    w1, w2 = randn(32, 128, requires_grad=True), randn(128, 32, requires_grad=True)
+    kept: list[StorageWeakRef] = []
+    dead: list[bool] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w1
+        kept.append(StorageWeakRef(h.untyped_storage()))
+        if len(kept) == 1:  # forward only: gelu's backward has run, the first matmul's is next
+            h.register_hook(lambda grad: dead.append(kept[0].expired()))
+        return torch.nn.functional.gelu(h) @ w2
+
+    x = randn(64, 32, requires_grad=True)
+    expected = torch.autograd.grad(block(x).sum(), (x, w1, w2))
+    assert dead == [True]
+    kept.clear()
+    dead.clear()
+    out = remat.remat(block, policy=policies.save_matmuls)(x)
+    before = recomputes()
+    got = torch.autograd.grad(out.sum(), (x, w1, w2))
+    assert recomputes() == before + 1
+    assert dead == [True]
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_kept_output_gone_before_recompute_runs_its_op_again(retain: bool) -> None:
+    # sin's backward runs first (created last) and releases the kept h; tanh's then asks for recompute, which
+    # reaches the matmul whose kept output is gone and runs it again. With `retain_graph` nothing is released, and a
+    # second backward hands h back again.
+    w = randn(32, 32, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        e = (x * 3).tanh()
+        return h.sin() + e
+
+    x = randn(16, 32, requires_grad=True)
+    expected = torch.autograd.grad(block(x).sum(), (x, w))
+    out = remat.remat(block, policy=policies.save_matmuls)(x)
+    before = recomputes()
+    matmuls = CountOps(lambda func: func is torch.ops.aten.mm.default)
+    with matmuls:
+        got = torch.autograd.grad(out.sum(), (x, w), retain_graph=retain)
+    assert recomputes() == before + 1
+    assert matmuls.count == 2 + (not retain)  # backward's two, and the forward's run again where h was gone
+    torch.testing.assert_close(got, expected)
+    if retain:
+        again = torch.autograd.grad(out.sum(), (x, w))
+        torch.testing.assert_close(again, expected)
