@@ -81,7 +81,7 @@ class SaveOps(Mode):
         # next site saves, so that it is copied once; NOTE [ Offloaded sites ])
         self.pack = pack
         self.kept: list[KeptOutput | None] = []  # per chosen op call: its outputs, detached
-        self.claimed: set[int] = set()  # calls whose output autograd saves (kept for the graph's lifetime)
+        self.claimed: set[int] = set()  # calls whose output autograd saves (autograd keeps them: rule 2)
         self.notes: dict[int, int] = {}  # storage of a kept output -> its call
         self.calls = policy.calls  # only these calls (NOTE [ Some calls ] in remat/_core/policies.py); None: all
 
