@@ -57,9 +57,9 @@ or dropped (None)."""
 #    kept everything alive when the graph was dropped without backward.
 # 3. (rule 2) The token autograd keeps for such a tensor holds it and its `KeptOutput` (`Frame.keep_held` in
 #    hooks.py); the site's list of kept outputs holds the `KeptOutput` weakly. Held by the site itself, the kept
-#    outputs of a block's MLP lived through its attention's backward too: 4 MiB of a tiny Qwen2's up projection at
-#    the step's peak, above what no remat and a budget's prediction hold. An offloaded site keeps its outputs as
-#    before (its host copies are not device memory).
+#    outputs of a block's MLP lived through its attention's backward too, at the step's peak, above what no remat
+#    and a budget's prediction hold (docs/benchmarks.md, "A budget across families"). An offloaded site keeps its
+#    outputs as before (its host copies are not device memory).
 
 
 class SaveOps(Mode):

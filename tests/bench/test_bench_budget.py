@@ -1,7 +1,9 @@
-"""Tests of `python -m remat --model budget`'s table, torch.compile column and plot, on small fake results."""
+"""Tests of `python -m remat --model budget`'s table, torch.compile column and plot, on small fake results; of the
+families' sweep (`python -m benchmarks.budget_families`)."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import budget, budget_compile
+from benchmarks import budget, budget_compile, budget_families
 from benchmarks.budget import Row
 from benchmarks.cli import main
 
@@ -107,3 +109,23 @@ def test_plot_without_matplotlib_says_how_to_get_it(
     assert main(["--model", "budget", "--plot", str(tmp_path / "x.png"), "--quiet"]) == 2
     assert capsys.readouterr().err.startswith("remat: --plot needs matplotlib")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_families_row_keeps_the_promise_within_its_slack_and_refuses_only_below_full_remat() -> None:
+    row = budget_families.Row
+    assert row("llama", "eager", 1.05, (1.0499, 0.95, 0.95), 0.98).kept_promise
+    assert not row("llama", "eager", 1.05, (1.0501, 0.95, 0.95), 0.98).kept_promise
+    assert row("llama", "eager", 0.9, (), None, "no choice fits").kept_promise  # below full remat: a true refusal
+    assert not row("llama", "eager", 1.0, (), None, "no choice fits").kept_promise
+    assert "OVER" in budget_families.format_row(row("gpt2", "sdpa", 1.0, (1.07, 1.0, 1.0), 0.93))
+
+
+@pytest.mark.slow  # plans and trains a transformers model at 1,024 tokens: NOTE [ Slow tests ] in tests/conftest.py
+def test_the_families_sweep_runs_a_family_and_exits_zero_where_the_promise_holds() -> None:
+    pytest.importorskip("transformers")
+    out = io.StringIO()
+    status = budget_families.main(["--family", "llama", "--attention", "eager", "--fraction", "1.05"], out)
+    lines = out.getvalue().splitlines()
+    assert status == 0, out.getvalue()
+    assert lines[-1].startswith("1 of 1 rows keep the promise")
+    assert lines[2].split()[:3] == ["llama", "eager", "1.05"]
