@@ -147,7 +147,9 @@ class RegionFrame(Frame):
                 # The kept output itself is the object the tape keeps: one host copy serves both.
                 kept = recorder.kept.get(slot) if tensor._base is None else None
                 return self.offload.pack(kept.value if kept is not None else tensor.detach())
-            return self.keep(tensor.detach())  # detached: an op may save its own output
+            # detached: an op may save its own output; held by autograd's token with its kept output, which the tape
+            # holds weakly (NOTE [ Policies on the tape ] in tape.py, rule 3)
+            return self.keep_held(tensor.detach(), recorder.kept.get(slot))
         finally:
             recorder.paused = False
 
@@ -199,6 +201,8 @@ class RegionFrame(Frame):
         self.tape = Tape(recorder, alive, self.site, frozenset(self.claimed))
         if self.offload is not None:
             self.tape.offload_kept(self.offload.pack)
+        else:
+            self.tape.hold_claimed_weakly()
         if self.outer is not None:
             self.tape.hand_to(self.outer[0])
 

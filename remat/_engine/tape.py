@@ -28,7 +28,9 @@ __all__ = ["Tape"]
 #    its slot instead of running its op: a kept op never runs again, and its inputs are not needed.
 # 2. A saved tensor that is a kept output, or a view of one, is kept by reference instead of rebuilt ("claimed").
 # 3. As in rerun (NOTE [ What a policy keeps ] in selective.py), a kept output autograd does not save is dropped after
-#    the replay that used it; a second replay (`retain_graph`) runs its op.
+#    the replay that used it; a second replay (`retain_graph`) runs its op. One that autograd saves lives as long as
+#    autograd keeps it (its token holds it, the tape weakly): a replay after the backward ops that read it released
+#    it runs its op.
 # 4. A kept output changed in place after it was kept, in forward or after it, is not kept: its op is replayed (NOTE
 #    [ A kept output changed in place ] in kept.py).
 # 5. A kept op that drew random numbers sets its generator, where replay would have run it, to the state forward
@@ -162,7 +164,10 @@ class Tape:
         self.lock = threading.Lock()
         # See NOTE [ Policies on the tape ]: a kept output changed in place after it was kept is not kept.
         end = self.ops[-1][3] + max(self.ops[-1][4], 1) if self.ops else 0
-        self.kept: dict[int, KeptOutput] = {slot: kept for slot, kept in recorder.kept.items() if slot < end}
+        # held weakly where autograd saves them, once forward ended (`hold_claimed_weakly`)
+        self.kept: dict[int, KeptOutput | weakref.ref[KeptOutput]] = {
+            slot: kept for slot, kept in recorder.kept.items() if slot < end
+        }
         # kept random ops that replay cannot run again as they ran (no `preserve_rng`), and those of them whose
         # outputs changed: op -> (version kept, version now); replay raises if it must run one
         self.unrepeatable = frozenset(op for op in recorder.unrepeatable if op < stop)
@@ -170,7 +175,33 @@ class Tape:
         self.claimed = claimed
         self.draws = {op: draw for op, draw in recorder.draws.items() if op < stop} if recorder.draws else {}
         if self.kept:
-            self._drop_changed()
+            self._drop_changed(self._kept_now())
+
+    def hold_claimed_weakly(self) -> None:
+        """Hold the kept outputs autograd saves weakly: autograd's tokens hold them (`Frame.keep_held`), so that they
+        die once the backward ops that read them have run (NOTE [ Policies on the tape ], rule 3)."""
+        for slot in self.claimed:
+            found = self.kept.get(slot)
+            if isinstance(found, KeptOutput):
+                self.kept[slot] = weakref.ref(found)
+
+    def _kept_now(self) -> dict[int, KeptOutput]:
+        """The kept outputs, held for one replay; those autograd has released since are gone, and the script that
+        filled them is dropped (their ops run: NOTE [ Policies on the tape ], rule 3)."""
+        kept: dict[int, KeptOutput] = {}
+        gone: list[int] = []
+        for slot, entry in self.kept.items():
+            found = entry() if isinstance(entry, weakref.ref) else entry
+            if found is None:
+                gone.append(slot)
+            else:
+                kept[slot] = found
+        if gone:
+            with self.lock:
+                for slot in gone:
+                    self.kept.pop(slot, None)
+                self.script = None
+        return kept
 
     def hand_to(self, pack: Callable[[torch.Tensor], Any]) -> None:
         """Give the outside tensors to an enclosing pack hook (see NOTE [ Inputs of nested sites ])."""
@@ -182,17 +213,19 @@ class Tape:
     def offload_kept(self, pack: Callable[[torch.Tensor], Parcel | Stay]) -> None:
         """Hold the outputs the policy keeps through an offload's `pack` (NOTE [ Offloaded sites ]), each with the
         version noted when it was kept (NOTE [ A kept output changed in place ] in kept.py)."""
-        self.kept = {slot: kept.packed(pack) for slot, kept in self.kept.items()}
+        self.kept = {slot: kept.packed(pack) for slot, kept in self._kept_now().items()}
 
-    def _drop_changed(self) -> None:
-        """Stop keeping the outputs changed in place since they were kept: replay runs their ops (NOTE [ A kept output
-        changed in place ] in kept.py). Called when forward ends and before each replay."""
-        moved = {slot: (kept.version, kept.now()) for slot, kept in self.kept.items() if kept.moved()}
+    def _drop_changed(self, kept: dict[int, KeptOutput]) -> None:
+        """Stop keeping the outputs changed in place since they were kept (`kept`: `_kept_now`'s, which loses them
+        too): replay runs their ops (NOTE [ A kept output changed in place ] in kept.py). Called when forward ends
+        and before each replay."""
+        moved = {slot: (output.version, output.now()) for slot, output in kept.items() if output.moved()}
         if not moved:
             return
         with self.lock:
             for slot in moved:
                 self.kept.pop(slot, None)
+                kept.pop(slot, None)
             self.script = None
         for op in self.unrepeatable:
             _, _, _, first, outputs, _ = self.ops[op]
@@ -323,8 +356,9 @@ class Tape:
             retrace: under REMAT_DEBUG, receives one line per replayed op.
         """
         stop = max(self.points[index] for index in wanted)
-        if self.kept:
-            self._drop_changed()
+        kept = self._kept_now() if self.kept else {}
+        if kept:
+            self._drop_changed(kept)
         for op, (before, after) in self.refused.items():
             if op < stop:
                 func = self.ops[op][0]
@@ -372,8 +406,8 @@ class Tape:
                         retrace.append(describe(func, out))
                 elif fills is not None and (filled := fills[index]) is not None:
                     for slot in filled:
-                        kept = self.kept[slot].value
-                        values[slot] = kept.detach() if isinstance(kept, torch.Tensor) else kept.get()
+                        value = kept[slot].value
+                        values[slot] = value.detach() if isinstance(value, torch.Tensor) else value.get()
                     if self.draws and (draw := self.draws.get(index)) is not None:
                         draw.set(None)  # within the stash's fork: the recorder stashed this generator
                 taken = captures[index]

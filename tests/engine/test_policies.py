@@ -239,7 +239,8 @@ def test_a_kept_output_recompute_never_reaches_is_dropped_when_recompute_ends() 
 
 
 @pytest.mark.equivalence
-def test_a_kept_output_autograd_saves_dies_once_the_ops_that_read_it_in_backward_have_run() -> None:
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_a_kept_output_autograd_saves_dies_once_the_ops_that_read_it_in_backward_have_run(strategy: str) -> None:
     # `save_matmuls` keeps h, which gelu saves. Without remat h dies once gelu's backward has run, while the rest of
     # the block's backward (the first matmul's) runs on; held by the site, it lived until the site's graph died: a
     # block's MLP outputs through its attention's backward (NOTE [ What a policy keeps ], rule 2).
@@ -259,7 +260,7 @@ def test_a_kept_output_autograd_saves_dies_once_the_ops_that_read_it_in_backward
     assert dead == [True]
     kept.clear()
     dead.clear()
-    out = remat.remat(block, policy=policies.save_matmuls)(x)
+    out = remat.remat(block, policy=policies.save_matmuls, strategy=strategy)(x)  # type: ignore[call-overload]
     before = recomputes()
     got = torch.autograd.grad(out.sum(), (x, w1, w2))
     assert recomputes() == before + 1
@@ -268,21 +269,22 @@ def test_a_kept_output_autograd_saves_dies_once_the_ops_that_read_it_in_backward
 
 
 @pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
 @pytest.mark.parametrize("retain", [False, True])
-def test_a_kept_output_gone_before_recompute_runs_its_op_again(retain: bool) -> None:
-    # sin's backward runs first (created last) and releases the kept h; tanh's then asks for recompute, which
-    # reaches the matmul whose kept output is gone and runs it again. With `retain_graph` nothing is released, and a
-    # second backward hands h back again.
+def test_a_kept_output_gone_before_recompute_runs_its_op_again(retain: bool, strategy: str) -> None:
+    # sin's backward runs first (created last) and releases the kept h; tanh's then asks for a recompute that needs
+    # h, whose kept output is gone: the matmul runs again. With `retain_graph` nothing is released, and a second
+    # backward hands h back again.
     w = randn(32, 32, requires_grad=True)
 
     def block(x: torch.Tensor) -> torch.Tensor:
         h = x @ w
-        e = (x * 3).tanh()
+        e = (h * 3).tanh()
         return h.sin() + e
 
     x = randn(16, 32, requires_grad=True)
     expected = torch.autograd.grad(block(x).sum(), (x, w))
-    out = remat.remat(block, policy=policies.save_matmuls)(x)
+    out = remat.remat(block, policy=policies.save_matmuls, strategy=strategy)(x)  # type: ignore[call-overload]
     before = recomputes()
     matmuls = CountOps(lambda func: func is torch.ops.aten.mm.default)
     with matmuls:
