@@ -45,6 +45,13 @@ __all__ = ["CHANGED_RANDOM", "KeptOutput", "keep_output", "version_probe"]
 # 6. An op that writes into its arguments (in place, `out=`: `bernoulli_`, chosen by a callable policy) is never
 #    kept: its output is the tensor it wrote, which recompute rebuilds and the op must write into again. It runs
 #    again, drawing what it drew (rule 4).
+# 7. A change through an `_unsafe_view` of a kept output counts too. torch's composite ops return one in place of
+#    the matmul output they made (`x @ w` of 3-D or 4-D tensors, `nn.Linear` without a bias on a 3-D input: `mm` or
+#    `bmm`, then `_unsafe_view`), and an `_unsafe_view` has a version counter of its own, so `scores /= scale` on
+#    what the user got left the kept `bmm` output's version as it was, and recompute divided it a second time
+#    (transformers' Falcon with eager attention: gradients off by 1.5% under `save_matmuls`, torch's own selective
+#    checkpoint as well). What forward's mode sees of a kept output through `_unsafe_view` (and `_unsafe_view`s of
+#    those) is watched with it.
 #
 # Implementation notes:
 # 1. (rule 1) A dispatch mode's handler runs below autograd's view tracking, where a plain `detach` makes a tensor
@@ -116,6 +123,14 @@ class KeptOutput:
     def moved(self) -> bool:
         """Whether the kept tensor(s) were changed in place since they were kept."""
         return self.now() != self.version
+
+    def watch_also(self, alias: torch.Tensor) -> None:
+        """Also count the in-place changes of `alias`, a tensor in this output's memory with a version counter of its
+        own (an `_unsafe_view` of it: rule 7)."""
+        probe = version_probe(alias)
+        watch = self.watch
+        self.watch = (*watch, probe) if type(watch) is tuple else (watch, probe)
+        self.version += alias._version
 
     def packed(self, pack: Callable[[torch.Tensor], Any]) -> KeptOutput:
         """This kept output (one tensor, kept on the device) held through `pack` (an offload) from now on, with the

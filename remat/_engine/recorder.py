@@ -52,6 +52,7 @@ __all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info"
 
 _Tensor = torch.Tensor
 _ref = weakref.ref
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -157,6 +158,7 @@ class Recorder(Mode):
         # Outputs of the ops the policy keeps, by slot, detached, with their version (see NOTE [ Policies on the tape ]
         # and NOTE [ A kept output changed in place ] in kept.py).
         self.kept: dict[int, KeptOutput] = {}
+        self.aliases: dict[int, int] = {}  # an `_unsafe_view` of a kept output's slot -> that output's slot
         # the kept ops that drew random numbers while `preserve_rng` is off: replay cannot run them again as they ran
         self.unrepeatable: set[int] = set()
         self.refs: dict[int, Marker] = {}
@@ -261,6 +263,12 @@ class Recorder(Mode):
         self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
         if self.trace is not None:
             self.trace.append(describe(func, out))
+        if func is _UNSAFE_VIEW and self.kept and type(marked[0]) is Slot:  # rule 7 of the NOTE in kept.py
+            source = self.aliases.get(marked[0], marked[0])
+            kept = self.kept.get(source)
+            if kept is not None:
+                kept.watch_also(out)
+                self.aliases[Slot(first)] = source
         # an op that writes into its arguments is never kept (NOTE [ A kept output changed in place ] in kept.py)
         if self.policy is not None and count != 0 and not info.writes and self.policy.saves_op(func):
             for index, item in enumerate((out,) if count < 0 else out):

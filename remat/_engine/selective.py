@@ -22,6 +22,8 @@ from .rng import Draw, Draws, draws, own_generator
 
 __all__ = ["KeptCall", "ReuseOps", "SaveOps", "held_by_autograd", "reuse"]
 
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
 KeptCall = KeptOutput | weakref.ref[KeptOutput] | None
 """A call's kept output in a site's list: held, held weakly (autograd saves it: NOTE [ What a policy keeps ], rule 2),
 or dropped (None)."""
@@ -95,6 +97,11 @@ class SaveOps(Mode):
             out = func._op(*args, **kwargs)
         else:
             out = func._op(*args)  # `_op`: no Python frame of `__call__`
+        if func is _UNSAFE_VIEW and self.notes:  # a kept output's alias: NOTE [ A kept output changed in place ]
+            index = self.notes.get(storage_key(args[0]))  # type: ignore[arg-type]
+            kept = self.kept[index] if index is not None else None
+            if kept is not None:
+                kept.watch_also(out)
         if self.saves_op(func):
             index = len(self.kept)
             if (self.calls is not None and index not in self.calls) or (

@@ -58,7 +58,21 @@ def through_a_view(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch
     return h.sin() @ w2
 
 
-ROWS = {"mul_": scaled, "+=": shifted, "masked_fill_": masked, "through a view": through_a_view}
+def batched(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    h = x.view(2, 4, 16) @ w1  # mm, then an `_unsafe_view`: a version counter of its own (rule 7 of the NOTE)
+    h.mul_(2)
+    return (h.sin() @ w2).cos()
+
+
+def scaled_scores(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    q = (x @ w1).view(2, 2, 2, 16)
+    s = q @ q.transpose(-1, -2)  # attention's scores: bmm, then an `_unsafe_view`
+    s /= 4.0  # as transformers' Falcon scales them
+    return (s.softmax(-1) @ q).reshape(8, 16) @ w2
+
+
+ROWS = {"mul_": scaled, "+=": shifted, "masked_fill_": masked, "through a view": through_a_view,
+        "through an _unsafe_view": batched, "scores scaled in place": scaled_scores}
 
 
 def inputs(device: str = "cpu") -> tuple[torch.Tensor, ...]:
