@@ -241,9 +241,12 @@ class _Bytes:
         unchanged: per kind, the seconds of those whose output the block did not change in place (what `save_matmuls`
             keeps in eager code: NOTE [ Deriving choices ] in costs_derived.py).
         ops: per kind, the ops of each run kept.
+        unread: per block, the bytes of its outputs no later op read (NOTE [ Outputs no one reads ] in
+            costs_derived.py), the largest over its runs kept.
     """
 
     base: list[int]
+    unread: list[int]
     own: dict[tuple[int, int], Entry] = field(default_factory=dict)
     of_kind: defaultdict[tuple[Any, int], list[Entry]] = field(default_factory=lambda: defaultdict(list))
     parts: dict[tuple[Any, int], frozenset[int] | None] = field(default_factory=dict)
@@ -262,6 +265,7 @@ def measured_costs(profile: Profile) -> ModelCost:
     seconds = _seconds(profile, found, scale)
     rows = tuple(_row(profile, found, seconds, i) for i in range(len(profile.names)))
     outside = [max(rnd.peaks.get(("out", k), 0) for rnd in profile.tracked) for k in range(len(profile.names) + 1)]
+    outside[-1] += found.unread[-1] if found.unread else 0  # NOTE [ Outputs no one reads ] in costs_derived.py
     outside_time = statistics.median(
         sum(v for key, v in rnd.times.items() if key[0] == "out") for rnd in profile.timed
     )
@@ -292,7 +296,7 @@ def _outside_inputs(groups: Mapping[frozenset[int], int]) -> tuple[OutsideInput,
 
 def _bytes(profile: Profile) -> _Bytes:
     """Each block's own bytes under every choice it ran, and under the derived ones where it ran kept."""
-    found = _Bytes(base=[0] * len(profile.names))
+    found = _Bytes(base=[0] * len(profile.names), unread=[0] * len(profile.names))
     for rnd in profile.tracked:
         for i, c in enumerate(rnd.choice):
             b, h = rnd.base[i], rnd.held[i]
@@ -302,6 +306,8 @@ def _bytes(profile: Profile) -> _Bytes:
             kept = rnd.kept.get(i)
             if kept is not None:
                 entries.update(_derived(profile, found, profile.kinds[i], kept, b))
+                unread = sum(kept.detail.born[n] for n in kept.outputs - kept.read_outputs)
+                found.unread[i] = max(found.unread[i], unread)
             for choice, entry in entries.items():
                 found.own[(i, choice)] = entry
                 found.of_kind[(profile.kinds[i], choice)].append(entry)
@@ -417,9 +423,10 @@ def _row(profile: Profile, found: _Bytes, seconds: Seconds, i: int) -> tuple[Blo
             continue
         held, forward_peak, backward_peak = entry
         forward, backward = seconds.get((kind, c), (0.0, 0.0))
+        before = found.unread[i - 1] if i else 0  # alive through this forward: NOTE [ Outputs no one reads ]
         row.append(BlockCost(
             held_bytes=held,
-            forward_peak=max(0, found.base[i] + forward_peak),
+            forward_peak=max(0, found.base[i] + forward_peak) + before,
             backward_peak=max(0, found.base[i] + held + backward_peak),
             forward_time=forward,
             backward_time=backward,

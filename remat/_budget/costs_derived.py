@@ -77,6 +77,27 @@ from .profile_step import Detail
 
 __all__ = ["changed_calls", "compiled_times", "derive_bytes", "derive_times", "output_calls", "part_calls"]
 
+# NOTE [ Outputs no one reads ]
+# A block may return more than the next block reads: transformers' Falcon with eager attention returns its layer's
+# attention weights (batch x heads x seq^2), and the model drops them. Kept, the block saves them for its backward
+# anyway; rematerialized, it does not, and they live only as long as the model's code holds them.
+#
+# Rules:
+# 1. The profile notes which of a block's outputs an op after its forward reads before backward starts
+#    (`KeptRun.read_outputs`: the next block's input, the loss's). The derived choices hold only those through
+#    backward, and count only those as held from outside when backward starts.
+# 2. The others stay alive as long as the model holds the block's result, at most until the next block's forward
+#    has returned (a loop variable assigned again): their bytes add to the next block's forward peak under every
+#    choice (kept, the block holds them anyway: an overestimate by them), and the last block's to the window
+#    after the last forward (its final norm; the loss after it: an overestimate there).
+#
+# Implementation notes:
+# 1. (rule 1) A weak reference to the output tensor cannot tell: autograd saves an input of an op as the tensor
+#    itself, and torch keeps its Python object alive while autograd holds it. The tracker notes the reads
+#    (`Windows.watched` in profile_step.py) from the block's forward end to the first backward.
+# 2. Before, Falcon's predicted full remat came out 1.5-1.7 times the real step's (docs/benchmarks.md, "A budget
+#    across families").
+
 # NOTE [ Some matmuls ]
 # Between full remat (keep nothing but the output) and `save_matmuls` (keep every matmul-class output) a block
 # may keep some of its matmul outputs, as torch's selective checkpointing planner does op by op.
@@ -203,14 +224,15 @@ def derive_bytes(
 
     >>> d = Detail()
     >>> d.born, d.matmul, d.calls, d.events = {1: 8, 2: 4}, {1}, {1: 0}, [(1, 8), (2, 4)]  # a matmul, the output
-    >>> kept = KeptRun(0, 12, 12, 20, 16, 12, frozenset({2}), frozenset({2}), d)
+    >>> kept = KeptRun(0, 12, 12, 20, 16, 12, frozenset({2}), frozenset({2}), frozenset({2}), d)
     >>> derive_bytes("full", kept), derive_bytes("save_matmuls", kept), derive_bytes("save_matmuls/2", kept, {0})
     ((4, 12, 20), (12, 12, 20), (12, 12, 20))
     """
     detail = kept.detail
     born = detail.born
     saved = _kept_storages(choice, detail, calls, compiled)
-    holds = kept.outputs | saved | detail.cached  # autocast's casts: to the region's end (NOTE [ Deriving choices ])
+    # the outputs a later op reads (NOTE [ Outputs no one reads ]); autocast's casts, to the region's end
+    holds = kept.read_outputs | saved | detail.cached
     held = sum(born[key] for key in holds)
     forward_peak = kept.forward_peak
     handed = choice != "full"
@@ -218,7 +240,7 @@ def derive_bytes(
         released = {number for number, delta in detail.events if delta < 0}
         dropped = frozenset(n for n in born if n not in released and n not in holds)  # saved by kept's autograd
         forward_peak = kept.base + _replay(detail, saved, handed=False, keep=True, drop=dropped)
-    live = kept.live_outputs | saved  # born storages live at backward under c
+    live = (kept.live_outputs & kept.read_outputs) | saved  # born storages live at backward under c
     start = kept.at_backward - kept.alive + sum(born[key] for key in live)
     rise = _replay(detail, saved, handed=handed, keep=False)
     backward_peak = max(start + rise, kept.backward_peak)

@@ -197,6 +197,9 @@ class KeptRun:
         alive: bytes of its born storages still live when its backward started.
         outputs: its outputs' born storages (numbered as in `detail`).
         live_outputs: those of them that something outside the block still held when its backward started.
+        read_outputs: those of them that an op after its forward read before backward started (the next block's
+            input, the loss's); the others (attention weights a layer returns and the model drops) live on only in
+            what the block saves itself (NOTE [ Outputs no one reads ] in costs_derived.py).
         detail: its forward window's allocations, op by op.
     """
 
@@ -208,6 +211,7 @@ class KeptRun:
     alive: int
     outputs: frozenset[int]
     live_outputs: frozenset[int]
+    read_outputs: frozenset[int]
     detail: Detail
 
 
@@ -512,7 +516,7 @@ def _kept_runs(marks: Marks) -> dict[int, KeptRun]:
         forward = marks.peaks.get(("fwd", i), marks.base[i] + held)
         backward = marks.peaks.get(("bwd", i), marks.base[i] + held)
         out[i] = KeptRun(marks.base[i], held, forward, backward, at, alive, frozenset(k for k, _ in outputs), live,
-                         detail)
+                         frozenset(marks.read.get(i, ())), detail)
     return out
 
 

@@ -66,6 +66,7 @@ class Marks:
         # the blocks' inputs made outside every block, until the first backward: key -> bytes, reference, blocks
         self.inputs: dict[int, tuple[int, object, set[int]]] = {}
         self.outside_inputs: tuple[tuple[int, frozenset[int]], ...] | None = None  # at the first backward
+        self.read: dict[int, set[int]] = {}  # per block recorded in detail, its outputs a later op read in forward
 
     def _switch(self, owner: tuple[str, int]) -> int:
         if self.timing:
@@ -114,8 +115,11 @@ class Marks:
             self.held[i] = max(0, tracker.current_bytes - self.start_level[i])
             self.held_sum += self.held[i]
             if detail is not None:
-                outputs = [(detail.live[k], ref) for k, ref in _storage_keys(output) if k in detail.live]
+                keys = [(k, ref) for k, ref in _storage_keys(output) if k in detail.live]
+                outputs = [(detail.live[k], ref) for k, ref in keys]
                 self.details[i] = (detail, outputs)
+                if self.outside_inputs is None:  # forward: which of them a later op reads (`KeptRun.read_outputs`)
+                    tracker.watched.update((k, (i, detail.live[k])) for k, _ in keys)
         self._switch(("out", i + 1))
 
     def backward_start(self, i: int) -> None:
@@ -123,6 +127,9 @@ class Marks:
             self.backward_end(self.owner[1])
         level = self._switch(("bwd", i))
         if self.tracker is not None and self.outside_inputs is None:
+            for block, number in self.tracker.read:
+                self.read.setdefault(block, set()).add(number)
+            self.tracker.watched.clear()
             self.outside_inputs = tuple(  # those nothing kept for backward
                 (nbytes, frozenset(users)) for key, (nbytes, ref, users) in self.inputs.items()
                 if not self.tracker.is_live(key, ref)
@@ -361,6 +368,8 @@ class Windows(FakeTracker):
     def __init__(self) -> None:
         super().__init__()
         self.outside_born: set[int] = set()  # live storages allocated while no block's forward ran
+        self.watched: dict[int, tuple[int, int]] = {}  # storage key of a block's output -> (block, its number)
+        self.read: set[tuple[int, int]] = set()  # those of `watched` an op read
 
     def mark(self) -> int:
         """The window's peak; the next window starts at what is live now, gradients counted by `made` left out."""
@@ -387,6 +396,8 @@ class Windows(FakeTracker):
 
     def _see(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         start = now()
+        if self.watched:
+            _note_watched(self, args, kwargs)
         detail = self.detail
         if detail is None:
             super()._see(func, args, kwargs, out)
@@ -466,6 +477,16 @@ class Windows(FakeTracker):
             if self.is_live(key, ref):
                 out.append(number)
         return out
+
+
+def _note_watched(tracker: Windows, args: Any, kwargs: dict[str, Any] | None) -> None:
+    """Note the blocks' outputs (`Windows.watched`) that an op read."""
+    watched = tracker.watched
+    for t in tree_leaves((args, kwargs)):
+        storage = _storage(t) if isinstance(t, torch.Tensor) else None
+        found = watched.get(storage._cdata) if storage is not None else None
+        if found is not None:
+            tracker.read.add(found)
 
 
 def _note_reads(detail: Detail, args: Any, kwargs: dict[str, Any] | None) -> None:

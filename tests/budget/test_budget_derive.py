@@ -282,7 +282,7 @@ def test_a_matmul_output_changed_in_place_is_priced_as_recomputed() -> None:
     d = Detail()  # two matmuls (numbers 1 and 2), the output (3); the first matmul's output is changed in place
     d.born, d.matmul, d.calls, d.events = {1: 8, 2: 4, 3: 4}, {1, 2}, {1: 0, 2: 1}, [(1, 8), (2, 4), (3, 4)]
     d.call_time, d.changed = [1.0, 1.0], {1}
-    kept = KeptRun(0, 16, 16, 24, 20, 16, frozenset({3}), frozenset({3}), d)
+    kept = KeptRun(0, 16, 16, 24, 20, 16, frozenset({3}), frozenset({3}), frozenset({3}), d)
     assert changed_calls(d) == {0}
     assert derive_bytes("save_matmuls", kept)[0] == 4 + 4  # the output and the unchanged matmul's
     assert derive_bytes("save_matmuls", kept, compiled=True)[0] == 4 + 8 + 4

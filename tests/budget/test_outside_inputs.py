@@ -166,3 +166,43 @@ def test_a_profile_that_runs_its_choices_after_the_kept_step_keeps_the_kept_step
     plan = remat.plan(model).budget
     assert plan is not None
     assert plan.cost.outside_inputs == (OutsideInput(MASK_BYTES, frozenset(range(4))),)
+
+
+# -- outputs no one reads (NOTE [ Outputs no one reads ] in remat/_budget/costs_derived.py) ----------------------
+
+
+class _Weighing(Attention):
+    """Attention that also returns its weights, which the model drops, as transformers' Falcon does with eager
+    attention."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = (q @ k.transpose(-1, -2) + mask).softmax(-1)
+        return x + self.out(weights @ v), weights
+
+
+class _Dropping(Masked):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Weighing(8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-2]
+        mask = torch.full((n, n), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
+        for block in self.blocks:
+            outputs = block(x, mask)  # the weights live until the next block has returned
+            x = outputs[0]
+        return x
+
+
+def test_an_output_the_model_drops_is_not_held_by_a_rematerialized_block() -> None:
+    torch.manual_seed(0)
+    base = _Dropping().double()
+    full = _step_peak(remat.apply(copy.deepcopy(base), where=_Weighing))
+    model = remat.apply(copy.deepcopy(base), budget=10**9, sample=X)
+    plan = remat.plan(model).budget
+    assert plan is not None and plan.full_remat is not None
+    # counted held through backward, the weights made full remat come out high by three blocks' worth
+    assert plan.full_remat[0] == full
+    held = plan.cost.blocks[0][plan.cost.choices.index("full")]
+    assert held is not None and held.held_bytes < MASK_BYTES  # the block's output, not its weights
