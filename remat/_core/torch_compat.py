@@ -588,7 +588,10 @@ def _rerun_changed_mode() -> type | None:
 
     def changed(entry: Any) -> bool:
         return any(
-            isinstance(leaf, wrapper) and leaf.version is not None and leaf.val._version != leaf.version
+            isinstance(leaf, wrapper) and leaf.version is not None and (
+                leaf.val._version != leaf.version
+                or any(alias._version != version for alias, version in getattr(leaf, _ALIASES, ()))
+            )
             for leaf in tree_leaves(entry)
         )
 
@@ -603,11 +606,46 @@ def _rerun_changed_mode() -> type | None:
     return RerunChanged
 
 
+_ALIASES = "_remat_aliases"  # on a cached `_VersionWrapper`: (version probe, version) of its `_unsafe_view`s
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+@functools.cache
+def _watching_mode() -> type | None:
+    """torch's forward mode of selective checkpointing, made to watch the `_unsafe_view`s of what it caches (their
+    version counters are their own: rule 7 of NOTE [ A kept output changed in place ] in _engine/kept.py); None where
+    torch's names are not there."""
+    checkpoint = importlib.import_module("torch.utils.checkpoint")
+    caching = getattr(checkpoint, "_CachingTorchDispatchMode", None)
+    wrapper = getattr(checkpoint, "_VersionWrapper", None)
+    if caching is None or wrapper is None:
+        return None
+    versioned: type = wrapper
+
+    class WatchAliases(caching):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if func is _UNSAFE_VIEW and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+                source = args[0].untyped_storage()._cdata
+                for entries in self.storage.values():
+                    for entry in entries.values():
+                        for leaf in tree_leaves(entry):
+                            value = getattr(leaf, "val", None) if isinstance(leaf, versioned) else None
+                            if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata == source:
+                                probe = shared_detach(out)
+                                probe.data = torch.empty(0, dtype=out.dtype, device=out.device)
+                                setattr(leaf, _ALIASES, (*getattr(leaf, _ALIASES, ()), (probe, out._version)))
+            return out
+
+    return WatchAliases
+
+
 def rerun_changed(contexts: tuple[Any, Any]) -> tuple[Any, Any]:
     """torch's selective-checkpoint contexts (`create_selective_checkpoint_contexts`), with the recompute one made to
     run again every op whose cached output was changed in place since it was cached, instead of raising "Tensor cached
     during selective activation checkpoint has been mutated" or handing the changed tensor back (NOTE [ A kept output
-    changed in place ] in _engine/kept.py).
+    changed in place ] in _engine/kept.py); the forward one made to watch changes through `_unsafe_view`s of what it
+    caches too (rule 7 there).
 
     Where torch runs its checkpoint operator eagerly (`backend="eager"`) these modes run; compiled code functionalises
     in-place ops and saves each op's own value. Other contexts, or a torch without these names
@@ -619,6 +657,10 @@ def rerun_changed(contexts: tuple[Any, Any]) -> tuple[Any, Any]:
         return contexts
     mode = copy.copy(recompute)
     mode.__class__ = kind
+    watching = _watching_mode()
+    if watching is not None and type(forward) is watching.__base__ and hasattr(forward, "storage"):
+        forward = copy.copy(forward)
+        forward.__class__ = watching
     return forward, mode
 
 

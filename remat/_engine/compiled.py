@@ -39,7 +39,8 @@ __all__ = [
 # 4. What a selective context keeps and the function then changes in place is never handed back (NOTE [ A kept
 #    output changed in place ] in kept.py): compiled code functionalises in-place ops, so what it saves is the
 #    op's own value; where torch runs its operator eagerly (`backend="eager"`), its recompute mode runs such an op
-#    again (`rerun_changed`) instead of raising "has been mutated".
+#    again (`rerun_changed`) instead of raising "has been mutated", its forward mode watching the `_unsafe_view`s of
+#    what it caches too.
 #
 # Implementation notes:
 # 1. (rule 3) The instance's `__dict__` gets `forward`: a `SiteForward`, which `nn.Module._call_impl` finds as
