@@ -49,9 +49,9 @@ __all__ = ["CHANGED_RANDOM", "KeptOutput", "keep_output", "version_probe"]
 #    the matmul output they made (`x @ w` of 3-D or 4-D tensors, `nn.Linear` without a bias on a 3-D input: `mm` or
 #    `bmm`, then `_unsafe_view`), and an `_unsafe_view` has a version counter of its own, so `scores /= scale` on
 #    what the user got left the kept `bmm` output's version as it was, and recompute divided it a second time
-#    (transformers' Falcon with eager attention: gradients off by 1.5% under `save_matmuls`, torch's own selective
-#    checkpoint as well). What forward's mode sees of a kept output through `_unsafe_view` (and `_unsafe_view`s of
-#    those) is watched with it.
+#    (transformers' Falcon with eager attention under `save_matmuls`: wrong gradients, no error; torch's own
+#    selective checkpoint as well: CHANGELOG). What forward's mode sees of a kept output through `_unsafe_view` (and
+#    `_unsafe_view`s of those) is watched with it.
 #
 # Implementation notes:
 # 1. (rule 1) A dispatch mode's handler runs below autograd's view tracking, where a plain `detach` makes a tensor
