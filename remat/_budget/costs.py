@@ -57,7 +57,7 @@ Rules:
 Implementation notes:
 1. (rule 1) `Windows.outside_born` holds the storages allocated while no block's forward window was open; a block's
    forward pre-hook notes those among its inputs (`Marks.note_inputs` in profile_step.py), and the first backward
-   mark keeps those that died (`_outside_inputs` in profile.py). A step where a block that takes one was not kept
+   mark keeps those that died (`_dead_inputs` in profile.py). A step where a block that takes one was not kept
    does not say (it holds it): only steps where all of them ran kept count, and the largest bytes per group are
    kept; a profile that runs the derivable choices after its kept step (NOTE [ Deriving choices ], rule 2) keeps
    the kept step's.

@@ -442,7 +442,7 @@ def profile_blocks(
             r, sample = samples[0]
             shifts = compiled_shifts(blocks[sample], tracked[r].specs[sample], [0, *derived, *run[1:]],
                                      lambda c: assign(sample, c))
-    inputs = _outside_inputs(rounds, tracked)
+    inputs = _dead_inputs(rounds, tracked)
     if again:
         parts = [c for c in derived if choices[c] in PARTS]  # NOTE [ Deriving choices ]: run the others
         redone = profile_blocks(model, names, blocks, choices, step, assign, order, closed=parts, compiled=compiled,
@@ -490,7 +490,7 @@ def _round(choice: list[int], marks: Marks, kept: dict[int, KeptRun]) -> Round:
     return Round(choice, marks.held, marks.base, marks.peaks, marks.times, kept)
 
 
-def _outside_inputs(rounds: Sequence[Sequence[int]], tracked: Sequence[Marks]) -> dict[frozenset[int], int]:
+def _dead_inputs(rounds: Sequence[Sequence[int]], tracked: Sequence[Marks]) -> dict[frozenset[int], int]:
     """The blocks' inputs made outside every block that nothing kept for backward, in bytes by the blocks that take
     them: from the steps in which all those blocks ran kept (choice 0), the largest (NOTE [ Outside inputs ] in
     costs.py)."""
@@ -508,6 +508,7 @@ def _outside_inputs(rounds: Sequence[Sequence[int]], tracked: Sequence[Marks]) -
 def _kept_runs(marks: Marks) -> dict[int, KeptRun]:
     """The runs kept recorded in detail whose backward ran: what derivations start from."""
     out: dict[int, KeptRun] = {}
+    read = marks.tracker.read if marks.tracker is not None else set()
     for i, (detail, outputs) in marks.details.items():
         if i not in marks.at_backward:
             continue  # its backward never ran: nothing to derive from
@@ -516,7 +517,7 @@ def _kept_runs(marks: Marks) -> dict[int, KeptRun]:
         forward = marks.peaks.get(("fwd", i), marks.base[i] + held)
         backward = marks.peaks.get(("bwd", i), marks.base[i] + held)
         out[i] = KeptRun(marks.base[i], held, forward, backward, at, alive, frozenset(k for k, _ in outputs), live,
-                         frozenset(marks.read.get(i, ())), detail)
+                         frozenset(n for block, n in read if block == i), detail)
     return out
 
 

@@ -66,7 +66,6 @@ class Marks:
         # the blocks' inputs made outside every block, until the first backward: key -> bytes, reference, blocks
         self.inputs: dict[int, tuple[int, object, set[int]]] = {}
         self.outside_inputs: tuple[tuple[int, frozenset[int]], ...] | None = None  # at the first backward
-        self.read: dict[int, set[int]] = {}  # per block recorded in detail, its outputs a later op read in forward
 
     def _switch(self, owner: tuple[str, int]) -> int:
         if self.timing:
@@ -93,7 +92,7 @@ class Marks:
         tracker = self.tracker
         if tracker is None or self.outside_inputs is not None:  # a recompute in backward: noted already
             return
-        for key, _ in _storage_keys((args, kwargs)):
+        for key in _storages_read(args, kwargs):
             entry = tracker.born_outside(key)
             if entry is None:
                 continue
@@ -127,9 +126,7 @@ class Marks:
             self.backward_end(self.owner[1])
         level = self._switch(("bwd", i))
         if self.tracker is not None and self.outside_inputs is None:
-            for block, number in self.tracker.read:
-                self.read.setdefault(block, set()).add(number)
-            self.tracker.watched.clear()
+            self.tracker.watched.clear()  # forward is over: `Windows.read` holds what was read
             self.outside_inputs = tuple(  # those nothing kept for backward
                 (nbytes, frozenset(users)) for key, (nbytes, ref, users) in self.inputs.items()
                 if not self.tracker.is_live(key, ref)
@@ -327,7 +324,7 @@ class Detail:
         changed: the numbers among `matmul` that a later op of the window wrote into (in place, through any view):
             a policy does not keep those (NOTE [ A kept output changed in place ] in remat/_engine/kept.py).
         events: `(number, bytes)` in order: + when a storage of `born` was allocated, - when it was released, 0
-            when an op read it (after that op's outputs were allocated).
+            when an op read it (noted after that op's outputs).
         ops: aten ops the window ran.
         live: the storages of `born` live now (while the window is open) or when it closed: key -> number.
         refs: when the window closed, the tracker's weak reference to each storage of `live`, by number.
@@ -369,7 +366,7 @@ class Windows(FakeTracker):
         super().__init__()
         self.outside_born: set[int] = set()  # live storages allocated while no block's forward ran
         self.watched: dict[int, tuple[int, int]] = {}  # storage key of a block's output -> (block, its number)
-        self.read: set[tuple[int, int]] = set()  # those of `watched` an op read
+        self.read: set[tuple[int, int]] = set()  # those of `watched` an op read (`KeptRun.read_outputs`)
 
     def mark(self) -> int:
         """The window's peak; the next window starts at what is live now, gradients counted by `made` left out."""
@@ -396,9 +393,10 @@ class Windows(FakeTracker):
 
     def _see(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         start = now()
-        if self.watched:
-            _note_watched(self, args, kwargs)
         detail = self.detail
+        read = _storages_read(args, kwargs) if self.watched or detail is not None else ()
+        if self.watched:
+            self.read.update(found for key in read if (found := self.watched.get(key)) is not None)
         if detail is None:
             super()._see(func, args, kwargs, out)
         else:
@@ -415,7 +413,7 @@ class Windows(FakeTracker):
                     self._in_matmul = False
             else:
                 super()._see(func, args, kwargs, out)
-            _note_reads(detail, args, kwargs)
+            detail.events.extend((number, 0) for key in read if (number := detail.live.get(key)) is not None)
         self._last = end = now()
         self.overhead += end - start + self.per_op
 
@@ -479,23 +477,14 @@ class Windows(FakeTracker):
         return out
 
 
-def _note_watched(tracker: Windows, args: Any, kwargs: dict[str, Any] | None) -> None:
-    """Note the blocks' outputs (`Windows.watched`) that an op read."""
-    watched = tracker.watched
+def _storages_read(args: Any, kwargs: dict[str, Any] | None) -> list[int]:
+    """The storage keys of the tensors an op (or a block) was given."""
+    keys = []
     for t in tree_leaves((args, kwargs)):
         storage = _storage(t) if isinstance(t, torch.Tensor) else None
-        found = watched.get(storage._cdata) if storage is not None else None
-        if found is not None:
-            tracker.read.add(found)
-
-
-def _note_reads(detail: Detail, args: Any, kwargs: dict[str, Any] | None) -> None:
-    """Note, after an op's outputs, the storages of `detail` it read (`Detail.events`' reads)."""
-    for t in tree_leaves((args, kwargs)):
-        storage = _storage(t) if isinstance(t, torch.Tensor) else None
-        number = detail.live.get(storage._cdata) if storage is not None else None
-        if number is not None:
-            detail.events.append((number, 0))
+        if storage is not None:
+            keys.append(storage._cdata)
+    return keys
 
 
 def _note_writes(detail: Detail, func: Any, args: Any, kwargs: dict[str, Any] | None) -> None:

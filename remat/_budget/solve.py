@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .._chain.simulate import check_bytes
@@ -193,42 +193,55 @@ def least_assignment(cost: ModelCost, budget: int | float) -> Assignment:
 _INF = math.inf
 
 
-class _Held:
-    """The outside inputs' groups as bit masks (NOTE [ Outside inputs ] in costs.py): which groups each block holds
-    under each choice, and the bytes of each set of groups held."""
+class _Steps:
+    """One step of the block recurrence (NOTE [ Block recurrence ]) over `cost`: the groups of outside inputs
+    (NOTE [ Outside inputs ] in costs.py) as bit masks, which each block holds under each choice, and the bytes of
+    each set held."""
 
     def __init__(self, cost: ModelCost) -> None:
-        groups = cost.outside_inputs
-        self.takes = [sum(1 << k for k, group in enumerate(groups) if i in group.users) for i in range(len(cost))]
+        self.cost = cost
+        inputs = cost.outside_inputs
+        self.takes = [sum(1 << k for k, group in enumerate(inputs) if i in group.users) for i in range(len(cost))]
         self.holds = [label != KEPT for label in cost.choices]
-        self.bytes = [sum(group.nbytes for k, group in enumerate(groups) if mask >> k & 1)
-                      for mask in range(1 << len(groups))]
+        self.bytes = [sum(group.nbytes for k, group in enumerate(inputs) if mask >> k & 1)
+                      for mask in range(1 << len(inputs))]
 
-    def after(self, i: int, c: int, held: int) -> int:
-        """The groups held once block i ran its forward under choice c, `held` before it."""
-        return held | self.takes[i] if self.holds[c] else held
+    def after(self, i: int, c: int, groups: int) -> int:
+        """The groups held once block i ran its forward under choice c, `groups` before it."""
+        return groups | self.takes[i] if self.holds[c] else groups
 
+    def moves(self, i: int, groups: int, held: int, budget: int) -> Iterator[tuple[int, BlockCost, int]]:
+        """The choices c open to block i that fit `budget` where the blocks before it hold `held` bytes and `groups`
+        (the window before it included), each with its cost and the groups held after it."""
+        if held + self.cost.outside_peaks[i] + self.bytes[groups] > budget:
+            return
+        for c, block in enumerate(self.cost.blocks[i]):
+            if block is None:
+                continue
+            after = self.after(i, c, groups)
+            if held + max(block.forward_peak, block.backward_peak + self.bytes[after]) <= budget:
+                yield c, block, after
 
-def _need(block: BlockCost, extra: int) -> int:
-    """Block's room above what the blocks before it hold, with `extra` bytes of outside inputs held in its backward."""
-    return max(block.forward_peak, block.backward_peak + extra)
+    def ends(self, groups: int, held: int, budget: int) -> bool:
+        """Whether the window after the last forward (the loss, its backward) fits `budget`."""
+        return held + self.cost.outside_peaks[-1] + self.bytes[groups] <= budget
 
 
 def evaluate_blocks(cost: ModelCost, choice: Sequence[int]) -> tuple[int, float]:
     """The predicted peak bytes and step time of one choice per block (NOTE [ Budget model ] and NOTE [ Outside
     inputs ] in costs.py)."""
-    inputs = _Held(cost)
+    steps = _Steps(cost)
     held, groups, peak, time = 0, 0, 0, cost.outside_time
     for i, (row, c) in enumerate(zip(cost.blocks, choice, strict=True)):
         block = row[c]
         if block is None:
             raise ValueError(f"remat: choice {cost.choices[c]!r} is not open to block {cost.names[i]!r}.")
-        peak = max(peak, held + cost.outside_peaks[i] + inputs.bytes[groups])
-        groups = inputs.after(i, c, groups)
-        peak = max(peak, held + _need(block, inputs.bytes[groups]))
+        peak = max(peak, held + cost.outside_peaks[i] + steps.bytes[groups])
+        groups = steps.after(i, c, groups)
+        peak = max(peak, held + block.forward_peak, held + block.backward_peak + steps.bytes[groups])
         held += block.held_bytes
         time += block.time
-    return max(peak, held + cost.outside_peaks[-1] + inputs.bytes[groups]), time
+    return max(peak, held + cost.outside_peaks[-1] + steps.bytes[groups]), time
 
 
 # NOTE [ Block recurrence ]
@@ -249,17 +262,12 @@ def evaluate_blocks(cost: ModelCost, choice: Sequence[int]) -> tuple[int, float]
 
 
 def _fits_greedy(cost: ModelCost, budget: int) -> list[int] | None:
-    inputs = _Held(cost)
+    steps = _Steps(cost)
     front: dict[int, tuple[int, float, list[int]]] = {0: (0, 0.0, [])}  # G -> least S, its time, its choices
-    for i, row in enumerate(cost.blocks):
+    for i in range(len(cost)):
         out: dict[int, tuple[int, float, list[int]]] = {}
         for groups, (held, time, choice) in front.items():
-            if held + cost.outside_peaks[i] + inputs.bytes[groups] > budget:
-                continue
-            for c, b in enumerate(row):
-                after = inputs.after(i, c, groups)
-                if b is None or held + _need(b, inputs.bytes[after]) > budget:
-                    continue
+            for c, b, after in steps.moves(i, groups, held, budget):
                 entry = (held + b.held_bytes, time + b.time, [*choice, c])
                 if after not in out or entry[:2] < out[after][:2]:
                     out[after] = entry
@@ -267,7 +275,7 @@ def _fits_greedy(cost: ModelCost, budget: int) -> list[int] | None:
             return None
         front = out
     ends = [(held, time, choice) for groups, (held, time, choice) in front.items()
-            if held + cost.outside_peaks[-1] + inputs.bytes[groups] <= budget]
+            if steps.ends(groups, held, budget)]
     return min(ends, key=lambda end: end[:2])[2] if ends else None
 
 
@@ -292,22 +300,17 @@ def least_budget_blocks(cost: ModelCost) -> tuple[int, tuple[int, ...]]:
 def solve_blocks(cost: ModelCost, budget: int, *, slots: int = 4096) -> tuple[tuple[int, ...], float] | None:
     """The fastest choice per block that fits `budget` (NOTE [ Block recurrence ]), or None if none is found."""
     check_bytes("budget", budget)
-    inputs = _Held(cost)
+    steps = _Steps(cost)
     grain = max(1, -(-budget // slots))
     # The fronts: G -> S -> (time, index of the back pointer); back pointers are (parent, choice) per block.
     fronts: dict[int, dict[int, tuple[float, int]]] = {0: {0: (0.0, -1)}}
     parents: list[list[tuple[int, int]]] = []
-    for i, row in enumerate(cost.blocks):
+    for i in range(len(cost)):
         out: defaultdict[int, dict[int, tuple[float, int]]] = defaultdict(dict)
         links: list[tuple[int, int]] = []
         for groups, front in fronts.items():
             for held, (time, ptr) in front.items():
-                if held + cost.outside_peaks[i] + inputs.bytes[groups] > budget:
-                    continue
-                for c, block in enumerate(row):
-                    after = inputs.after(i, c, groups)
-                    if block is None or held + _need(block, inputs.bytes[after]) > budget:
-                        continue
+                for c, block, after in steps.moves(i, groups, held, budget):
                     states, new, t = out[after], held + block.held_bytes, time + block.time
                     if new not in states or t < states[new][0]:
                         links.append((ptr, c))
@@ -317,7 +320,7 @@ def solve_blocks(cost: ModelCost, budget: int, *, slots: int = 4096) -> tuple[tu
         if not fronts:
             return None
     ends = [(time, ptr) for groups, front in fronts.items() for held, (time, ptr) in front.items()
-            if held + cost.outside_peaks[-1] + inputs.bytes[groups] <= budget]
+            if steps.ends(groups, held, budget)]
     if not ends:
         return None
     time, ptr = min(ends)

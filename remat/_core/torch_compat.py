@@ -73,6 +73,7 @@ __all__ = [
     "fsdp_group",
     "fsdp_state_keys",
     "local_tensor",
+    "UNSAFE_VIEW",
     "graph_exec_group",
     "graph_task_id",
     "graph_task_keeps_graph",
@@ -88,6 +89,7 @@ __all__ = [
     "top_saved_hooks",
     "when_traced",
     "top_dispatch_mode",
+    "version_probe",
     "torch_function_mode_on",
     "tree_leaves",
     "tree_map",
@@ -210,6 +212,27 @@ def shared_detach(tensor: torch.Tensor) -> torch.Tensor:
     """
     with _exclude_keys(_in_place_or_view, False):
         return tensor.detach()
+
+
+def version_probe(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares `tensor`'s version counter and holds none of its memory (NOTE [ A kept output changed in
+    place ] in _engine/kept.py, implementation note 1).
+
+    >>> h = torch.ones(1024)
+    >>> probe = version_probe(h)
+    >>> h.mul_(2)[0].add_(1)  # changed in place, also through a view
+    tensor(3.)
+    >>> probe._version == h._version, probe.untyped_storage().nbytes()
+    (True, 0)
+    """
+    probe = shared_detach(tensor)
+    probe.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # the same kind of tensor
+    return probe
+
+
+# Present in 2.4: the op torch's composite `matmul` returns its `mm`/`bmm` output through, with a version counter of
+# its own (rule 7 of NOTE [ A kept output changed in place ] in _engine/kept.py).
+UNSAFE_VIEW: OpOverload = torch.ops.aten._unsafe_view.default
 
 # -- dispatch and function modes ------------------------------------------------------------------------------
 # Present in 2.4: the length of the dispatch-mode stack (`torch.utils._python_dispatch` reads it since 2.0).
@@ -607,7 +630,6 @@ def _rerun_changed_mode() -> type | None:
 
 
 _ALIASES = "_remat_aliases"  # on a cached `_VersionWrapper`: (version probe, version) of its `_unsafe_view`s
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 
 
 @functools.cache
@@ -625,16 +647,15 @@ def _watching_mode() -> type | None:
     class WatchAliases(caching):  # type: ignore[misc, valid-type]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if func is _UNSAFE_VIEW and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            if func is UNSAFE_VIEW and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
                 source = args[0].untyped_storage()._cdata
                 for entries in self.storage.values():
                     for entry in entries.values():
                         for leaf in tree_leaves(entry):
                             value = getattr(leaf, "val", None) if isinstance(leaf, versioned) else None
                             if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata == source:
-                                probe = shared_detach(out)
-                                probe.data = torch.empty(0, dtype=out.dtype, device=out.device)
-                                setattr(leaf, _ALIASES, (*getattr(leaf, _ALIASES, ()), (probe, out._version)))
+                                aliases = (*getattr(leaf, _ALIASES, ()), (version_probe(out), out._version))
+                                setattr(leaf, _ALIASES, aliases)
             return out
 
     return WatchAliases

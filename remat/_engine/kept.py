@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from .._core.torch_compat import shared_detach
+from .._core.torch_compat import shared_detach, version_probe
 from .transfer import Parcel
 
-__all__ = ["CHANGED_RANDOM", "KeptOutput", "keep_output", "version_probe"]
+__all__ = ["CHANGED_RANDOM", "KeptOutput", "keep_output"]
 
 # NOTE [ A kept output changed in place ]
 # A policy keeps the op's output tensor itself. When the function then changes it in place (`h = x @ w; h += b`,
@@ -78,22 +78,6 @@ CHANGED_RANDOM = (
     "random numbers than forward did: wrong gradients. Keep `preserve_rng=True` (`preserve_rng_state=True` for "
     "remat.checkpoint), or make the change out of place (`h = h * s`)."
 )
-
-
-def version_probe(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor that shares `tensor`'s version counter and holds none of its memory (NOTE [ A kept output changed in
-    place ], implementation note 1).
-
-    >>> h = torch.ones(1024)
-    >>> probe = version_probe(h)
-    >>> h.mul_(2)[0].add_(1)  # changed in place, also through a view
-    tensor(3.)
-    >>> probe._version == h._version, probe.untyped_storage().nbytes()
-    (True, 0)
-    """
-    probe = shared_detach(tensor)
-    probe.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)  # the same kind of tensor
-    return probe
 
 
 class KeptOutput:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._core.policies import Policy
+from .._core.torch_compat import UNSAFE_VIEW
 from .debug import describe
 from .guard import storage_key, written_arguments
 from .kept import KeptOutput, keep_output
@@ -52,7 +53,6 @@ __all__ = ["Entry", "Marker", "OpInfo", "Outside", "Recorder", "Slot", "op_info"
 
 _Tensor = torch.Tensor
 _ref = weakref.ref
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -263,7 +263,7 @@ class Recorder(Mode):
         self.ops.append((func, marked, marked_kwargs, first, count, _grad_enabled()))
         if self.trace is not None:
             self.trace.append(describe(func, out))
-        if func is _UNSAFE_VIEW and self.kept and type(marked[0]) is Slot:  # rule 7 of the NOTE in kept.py
+        if func is UNSAFE_VIEW and self.kept and type(marked[0]) is Slot:  # rule 7 of the NOTE in kept.py
             source = self.aliases.get(marked[0], marked[0])
             kept = self.kept.get(source)
             if kept is not None:

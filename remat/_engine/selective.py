@@ -14,6 +14,7 @@ import torch
 
 from .._core.errors import RematError
 from .._core.policies import Policy
+from .._core.torch_compat import UNSAFE_VIEW
 from .guard import storage_key
 from .kept import CHANGED_RANDOM, KeptOutput, keep_output
 from .modes import Mode
@@ -22,7 +23,6 @@ from .rng import Draw, Draws, draws, own_generator
 
 __all__ = ["KeptCall", "ReuseOps", "SaveOps", "held_by_autograd", "reuse"]
 
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 
 KeptCall = KeptOutput | weakref.ref[KeptOutput] | None
 """A call's kept output in a site's list: held, held weakly (autograd saves it: NOTE [ What a policy keeps ], rule 2),
@@ -97,7 +97,7 @@ class SaveOps(Mode):
             out = func._op(*args, **kwargs)
         else:
             out = func._op(*args)  # `_op`: no Python frame of `__call__`
-        if func is _UNSAFE_VIEW and self.notes:  # a kept output's alias: NOTE [ A kept output changed in place ]
+        if func is UNSAFE_VIEW and self.notes:  # a kept output's alias: NOTE [ A kept output changed in place ]
             index = self.notes.get(storage_key(args[0]))  # type: ignore[arg-type]
             kept = self.kept[index] if index is not None else None
             if kept is not None:

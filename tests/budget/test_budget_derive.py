@@ -71,10 +71,12 @@ class Scaled(nn.Module):
         return x + self.b(h.sin())  # type: ignore[no-any-return]
 
 
-class ScaledStack(nn.Module):
-    def __init__(self, n: int = 4, width: int = 16) -> None:
+class Chained(nn.Module):
+    """`blocks` one after the other, named `blocks.0`, `blocks.1`, ... (as `_profile` names them)."""
+
+    def __init__(self, *blocks: nn.Module) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(*(Scaled(width) for _ in range(n)))
+        self.blocks = nn.Sequential(*blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.blocks(x)  # type: ignore[no-any-return]
@@ -263,7 +265,7 @@ def test_derived_bytes_of_a_block_that_changes_a_kept_output_match_running_each_
     """What `save_matmuls` holds for the block (the changed matmul output dropped when forward ends) is what its
     derivation says."""
     torch.manual_seed(0)
-    model = ScaledStack().double()
+    model = Chained(*(Scaled() for _ in range(4))).double()
     measured, derived = _profile(model, TOKENS, ()), _profile(model, TOKENS, (1, 2))
     for i in range(len(measured)):
         for c in range(len(LABELS)):
@@ -322,22 +324,11 @@ class _SoftmaxDropout(nn.Module):
         return x + weights @ h
 
 
-class _SoftmaxDropoutStack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_SoftmaxDropout() for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def test_save_matmuls_derived_forward_peak_keeps_an_operand_until_its_last_reader_ran() -> None:
     # Released at the next allocation, the softmax's output died before the dropout had made its mask and output:
     # the derived forward peak came out low by one score tensor of the two the dropout adds.
     torch.manual_seed(0)
-    model = _SoftmaxDropoutStack().double()
+    model = Chained(*(_SoftmaxDropout() for _ in range(3))).double()
     x = randn(2, 64, 16, seed=6)
     measured, derived = _profile(model, x, ()), _profile(model, x, (1, 2))
     scores = 2 * 64 * 64 * 8
