@@ -58,8 +58,9 @@ __all__ = ["Chain", "chain", "parse_budget"]
 # 2. (rule 3) The state before a stage's first run is stashed, and every recomputation runs inside a fork set to
 #    that state, so dropout masks match.
 # 3. (rule 4) Recomputations (and profiling) run under the engine's `keep_buffers`, which sends their writes to
-#    copies (NOTE [ Writes during recompute ]). Autocast is captured and re-entered as the rerun engine does
-#    (`AutocastState`).
+#    copies (NOTE [ Writes during recompute ]); a recomputation that read a buffer a stage changes after reading it
+#    raises (NOTE [ Buffers read before forward changed them ]). Autocast is captured and re-entered as the rerun
+#    engine does (`AutocastState`).
 
 
 class _FnStage(nn.Module):
@@ -121,7 +122,7 @@ class _ChainRun:
         else:
             with (
                 self.rng[i].restore(),
-                keep_buffers(),
+                keep_buffers(site=f"stage {i} of the chain ({type(self.stages[i]).__name__})"),
                 AutocastState.enter(self.autocast, self.devices),
             ):
                 out = self.stages[i](given)

@@ -1,11 +1,14 @@
-"""Keep recompute from updating module buffers, or module attributes, a second time (side effects once).
+"""Keep recompute from updating module buffers, or module attributes, a second time (side effects once), and from
+reading a buffer forward changed after it read it.
 
-See NOTE [ Writes during recompute ] and NOTE [ Attributes during recompute ].
+See NOTE [ Writes during recompute ], NOTE [ Buffers read before forward changed them ] and NOTE [ Attributes during
+recompute ].
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,10 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core.errors import RecomputeMismatchError
 from .._core.torch_compat import GlobalModuleHooks, storage_id
 from .modes import Mode
 
-__all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_key", "written_arguments"]
+__all__ = [
+    "BufferWrites", "BufferVersions", "StaleReads", "buffer_versions", "guard_buffers", "keep_buffers", "release",
+    "saved_in_recompute", "storage_key", "written_arguments",
+]
 
 # NOTE [ Writes during recompute ]
 # Forward already applied every in-place update to module buffers: BatchNorm's running statistics and
@@ -37,6 +44,36 @@ __all__ = ["BufferWrites", "guard_buffers", "keep_buffers", "release", "storage_
 # 2. (rule 1) Some ops write to arguments that their schema does not mark as written: `native_batch_norm` (and its
 #    cuDNN and MIOpen forms) updates `running_mean` and `running_var` in training, yet declares them `Tensor?`.
 #    Those writes are listed in `_UNDECLARED` by hand, or BatchNorm's statistics would be updated twice.
+
+# NOTE [ Buffers read before forward changed them ]  (for users: the docs' design page, "Side effects")
+# A forward may read a module buffer and then change it in place: Batch Renormalization's correction from the
+# running statistics, then their update; a scale read, then moved. Rerun's recompute runs after forward, so it reads
+# the buffer as forward left it, not as forward read it, and rebuilds other tensors than forward saved: gradients
+# silently wrong, as torch.utils.checkpoint's. Rerun cannot know the value forward read (keeping every buffer at
+# every call would cost forward memory and time), so it refuses such a recompute.
+#
+# Rules:
+# 1. A rerun recompute raises `RecomputeMismatchError`, naming the buffer and the site, where a tensor it saves for
+#    backward, or the output of a module that owns buffers, or a Python number it reads, depends on a stale read: a
+#    read of a buffer that forward changed in place (counted from the site module's buffers at forward's start and
+#    end) before recompute reached its first write to it, or a read followed in recompute by a write to it.
+# 2. A stale read whose values only feed writes to buffers is harmless (spectral norm's power iteration: its update
+#    goes to a copy, and what forward's later reads saw is what recompute reads): no error.
+# 3. Forward pays one look at its buffers' versions per call of a module site whose modules own buffers; nothing
+#    for a site without buffers or a function site. Recompute pays only inside modules that own buffers (NOTE
+#    [ Writes during recompute ], rule 2).
+#
+# Implementation notes:
+# 1. (rule 1) `StaleReads` follows values inside the `BufferWrites` modes: each tensor an op makes carries the reads
+#    of buffers it depends on, as (buffer, writes recompute had sent to copies when read). Only ops inside modules
+#    that own buffers are seen, so a read made outside them (a parent reading a child's buffer) goes unchecked; a
+#    function site knows no forward writes and catches only reads that recompute itself sees written later (not
+#    past an early stop).
+# 2. (rule 2) A write's own read of the buffer it updates (an in-place op's `self`) counts as a read only for the
+#    write's result, which the caller usually drops; BatchNorm's undeclared writes (`_UNDECLARED`) neither read nor
+#    count, so a training BatchNorm is never stale.
+# 3. (rule 3) Which modules of a site own buffers is found at its first call and kept (`buffer_versions`): a module
+#    with buffers added to the site later goes unchecked.
 
 # NOTE [ Attributes during recompute ]  (for users: the docs' design page, "Side effects")
 # A forward may also change its modules' plain Python attributes: `self.calls += 1`, `self.last_len = n`.
@@ -73,6 +110,28 @@ def written_arguments(func: Any) -> Writes:
     return writes
 
 
+_READS: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+
+
+def _read_arguments(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The positions, then the names (keyword-only), of the tensor arguments whose values the aten overload `func`
+    reads: all but those it writes other than an in-place op's `self` (NOTE [ Buffers read before forward changed
+    them ], implementation note 2); found once per overload."""
+    found = _READS.get(func)
+    if found is None:
+        schema = func._schema
+        written = {position for position, _ in written_arguments(func)}
+        if schema.name not in _WRITE_ONLY:
+            written.discard(0)
+        arguments = [(position, argument) for position, argument in enumerate(schema.arguments)
+                     if "Tensor" in str(argument.type) and position not in written]
+        found = _READS[func] = (
+            tuple(position for position, argument in arguments if not argument.kwarg_only),
+            tuple(argument.name for _, argument in arguments if argument.kwarg_only),
+        )
+    return found
+
+
 _storage_id: Callable[[torch.Tensor], int] = storage_id
 
 
@@ -84,34 +143,176 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
-def _buffer_memory(module: nn.Module) -> set[int | None]:
-    keys = {storage_key(buffer) for buffer in module._buffers.values() if buffer is not None}
-    keys.discard(None)
-    return keys
+def _buffer_memory(module: nn.Module) -> dict[int, str]:
+    """The storages of `module`'s own buffers, each with the name errors give it."""
+    found = {}
+    for name, buffer in module._buffers.items():
+        if buffer is not None and (key := storage_key(buffer)) is not None:
+            found[key] = f"{type(module).__name__}.{name}"
+    return found
+
+
+Taint = frozenset[tuple[int, int]]  # (a buffer's storage, the writes to it recompute had sent to copies then)
+STALE_READ_WHAT = (
+    "read the buffer `{buffer}` as forward left it, where forward read it before changing it in place, and {what} "
+    "depends on that read"
+)
+_WRITE_ONLY = frozenset({"aten::copy_", "aten::fill_", "aten::zero_"})  # write their `self` without reading it
+_SCALAR_READ = "aten::_local_scalar_dense"  # `item()`, `float(t)`, `bool(t)`: a value Python goes on with
+
+
+class StaleReads:
+    """What one recompute read of module buffers: see NOTE [ Buffers read before forward changed them ]."""
+
+    __slots__ = ("buffers", "changed", "escaped", "names", "taint", "writes")
+
+    def __init__(self, changed: frozenset[int]) -> None:
+        self.changed = changed  # the buffers forward changed in place, by storage
+        self.names: dict[int, str] = {}  # every buffer of the modules recompute entered, by storage
+        self.buffers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # the same by id: tensor (weakly), storage
+        self.writes: dict[int, int] = {}  # per buffer, the writes recompute sent to copies so far
+        self.taint: dict[int, tuple[weakref.ref[torch.Tensor], Taint]] = {}  # by id: the tensor, weakly
+        self.escaped: list[tuple[str, Taint]] = []  # what reached the gradients, and the reads it depends on
+
+    def entered(self, module: nn.Module, protected: dict[int, str]) -> None:
+        """Recompute entered `module`, whose buffers' storages are `protected`."""
+        self.names.update(protected)
+        for buffer in module._buffers.values():
+            if buffer is not None and (key := storage_key(buffer)) is not None:
+                self.buffers[id(buffer)] = (weakref.ref(buffer), key)
+
+    def of(self, value: Any) -> Taint | None:
+        """The buffer reads `value` depends on (a tensor made inside a module that owns buffers), if any."""
+        found = self.taint.get(id(value))
+        if found is not None and found[0]() is value:
+            return found[1]
+        return None
+
+    def read(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Taint | None:
+        """The buffer reads the op's outputs depend on: the buffers among its tensor arguments (NOTE [ Buffers read
+        before forward changed them ], implementation note 2 for those it writes), and what those carry."""
+        positions, names = _read_arguments(func)
+        found: set[tuple[int, int]] | None = None
+        for position in positions:
+            if position >= len(args):
+                break
+            value = args[position]
+            for item in (value if type(value) in (list, tuple) else (value,)):
+                taint = self._one(item)
+                if taint:
+                    found = set(taint) if found is None else found | taint
+        for name in names:
+            taint = self._one(kwargs.get(name))
+            if taint:
+                found = set(taint) if found is None else found | taint
+        return None if found is None else frozenset(found)
+
+    def _one(self, value: Any) -> Taint | None:
+        """A buffer itself (its views are made inside the mode, so they carry its read), or what `value` carries."""
+        buffer = self.buffers.get(id(value))
+        if buffer is not None and buffer[0]() is value:
+            return frozenset(((buffer[1], self.writes.get(buffer[1], 0)),))
+        return self.of(value)
+
+    def made(self, func: Any, out: Any, taint: Taint) -> None:
+        """Mark what the op made as depending on `taint`; a Python number read from it reaches the gradients."""
+        if func._schema.name == _SCALAR_READ:
+            self.escaped.append(("a Python number read from it (`item()`, `float()`, a condition)", taint))
+            return
+        for value in (out if type(out) in (list, tuple) else (out,)):
+            if isinstance(value, torch.Tensor):
+                self.taint[id(value)] = (weakref.ref(value), taint)
+
+    def reached(self, what: str, values: Any) -> None:
+        """Note the buffer reads `values` (a tensor, or a tuple or list of them) depend on, as reaching the
+        gradients through `what`."""
+        if not self.taint:
+            return
+        for value in (values if type(values) in (list, tuple) else (values,)):
+            taint = self.of(value)
+            if taint:
+                self.escaped.append((what, taint))
+
+    def stale(self) -> str | None:
+        """The first stale read that reached the gradients, in words; None where there is none."""
+        for what, taint in self.escaped:
+            for key, writes in taint:
+                if writes < max(self.writes.get(key, 0), key in self.changed):
+                    return STALE_READ_WHAT.format(buffer=self.names.get(key, "a buffer"), what=what)
+        return None
 
 
 class BufferWrites(Mode):
-    """Run ops that write to the given memory on clones of those arguments."""
+    """Run ops that write to the given memory on clones of those arguments; with `reads`, follow what buffers the
+    op's outputs depend on (NOTE [ Buffers read before forward changed them ])."""
 
-    def __init__(self, protected: set[int | None]) -> None:
+    def __init__(self, module: nn.Module, reads: StaleReads | None = None) -> None:
         super().__init__()
-        self.protected = protected
+        self.protected = protected = _buffer_memory(module)
+        self.reads = reads
+        if reads is not None:
+            reads.entered(module, protected)
 
-    def _protected(self, value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and storage_key(value) in self.protected
+    def _protected(self, value: Any) -> int | None:
+        if isinstance(value, torch.Tensor) and (key := storage_key(value)) in self.protected:
+            return key
+        return None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         writes = written_arguments(func)
         if kwargs is None:
             kwargs = {}
+        reads = self.reads
+        taint = reads.read(func, args, kwargs) if reads is not None else None
         if writes:
             args = list(args)
+            counted = reads is not None and func._schema.name not in _UNDECLARED
             for position, name in writes:
-                if position < len(args) and self._protected(args[position]):
+                if position < len(args) and (key := self._protected(args[position])) is not None:
                     args[position] = args[position].clone()
-                elif name in kwargs and self._protected(kwargs[name]):
+                elif name in kwargs and (key := self._protected(kwargs[name])) is not None:
                     kwargs = {**kwargs, name: kwargs[name].clone()}
-        return func._op(*args, **kwargs)  # `_op`: no Python frame of `OpOverload.__call__`
+                else:
+                    continue
+                if counted:
+                    reads.writes[key] = reads.writes.get(key, 0) + 1  # type: ignore[union-attr]
+        out = func._op(*args, **kwargs)  # `_op`: no Python frame of `OpOverload.__call__`
+        if taint:
+            reads.made(func, out, taint)  # type: ignore[union-attr]
+        return out
+
+
+class BufferVersions:
+    """The versions of a module site's buffers when its forward started, to find those forward changed in place
+    (NOTE [ Buffers read before forward changed them ], rule 3)."""
+
+    __slots__ = ("buffers", "versions")
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.versions = [buffer._version for buffer in buffers]
+
+    def changed(self) -> frozenset[int]:
+        """The storages of the buffers forward changed; the buffers are let go."""
+        found = frozenset(
+            key for buffer, version in zip(self.buffers, self.versions, strict=True)
+            if buffer._version != version and (key := storage_key(buffer)) is not None
+        )
+        self.buffers = []
+        return found
+
+
+_owners: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
+
+
+def buffer_versions(module: nn.Module) -> BufferVersions | None:
+    """The versions of the buffers of `module` and its submodules now; None where none owns buffers."""
+    owners = _owners.get(module)
+    if owners is None:
+        owners = _owners[module] = tuple(sub for sub in module.modules() if sub._buffers)
+    if not owners:
+        return None
+    return BufferVersions([b for sub in owners for b in sub._buffers.values() if b is not None])
 
 
 _MISSING = object()
@@ -143,6 +344,7 @@ class _GuardState(threading.local):
         self.depth = 0  # recomputes running on this thread
         self.open: list[tuple[nn.Module, BufferWrites]] = []
         self.attributes: list[_EnteredDicts] = []  # one per recompute running on this thread, innermost last
+        self.reads: list[StaleReads] = []  # the same
 
 
 _local = _GuardState()
@@ -158,7 +360,7 @@ def _enter_module(module: nn.Module, args: Any) -> None:
         return
     _local.attributes[-1].enter(module)
     if module._buffers:
-        mode = BufferWrites(_buffer_memory(module))
+        mode = BufferWrites(module, _local.reads[-1])
         mode.__enter__()  # type: ignore[no-untyped-call]
         _local.open.append((module, mode))
 
@@ -167,14 +369,23 @@ def _leave_module(module: nn.Module, args: Any, output: Any) -> None:
     opened = _local.open
     if _local.depth and opened and opened[-1][0] is module:
         opened.pop()[1].__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        _local.reads[-1].reached(f"the output of `{type(module).__name__}`", output)
+
+
+def saved_in_recompute(tensor: torch.Tensor) -> None:
+    """Recompute saved `tensor` for backward: note the buffer reads it depends on (NOTE [ Buffers read before
+    forward changed them ], rule 1)."""
+    reads = _local.reads
+    if reads and reads[-1].taint:
+        reads[-1].reached("a tensor it saves for backward", tensor)
 
 
 _global_hooks = GlobalModuleHooks(_KEY, _enter_module, _leave_module)
 
 
-def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
-    """Start keeping module buffers and attributes as forward left them, for a recompute on this thread; see
-    `release`.
+def guard_buffers(root: nn.Module | None, changed: frozenset[int] = frozenset()) -> BufferWrites | None:
+    """Start keeping module buffers and attributes as forward left them, for a recompute on this thread, and
+    checking its reads of buffers (`changed`: those forward changed in place, by storage); see `release`.
 
     Returns the mode that guards `root`'s own buffers (its forward is called directly, without the module
     hooks), to hand to `release`.
@@ -190,35 +401,56 @@ def guard_buffers(root: nn.Module | None) -> BufferWrites | None:
     _local.depth += 1
     attributes = _EnteredDicts()
     _local.attributes.append(attributes)
+    reads = StaleReads(changed)
+    _local.reads.append(reads)
     if root is None:
         return None
     attributes.enter(root)
     if not root._buffers:
         return None
-    mode = BufferWrites(_buffer_memory(root))
+    mode = BufferWrites(root, reads)
     mode.__enter__()  # type: ignore[no-untyped-call]
     return mode
 
 
-def release(mode: BufferWrites | None) -> None:
-    """End what `guard_buffers` started, and put back the module attributes the recompute changed."""
+def release(mode: BufferWrites | None) -> str | None:
+    """End what `guard_buffers` started, and put back the module attributes the recompute changed.
+
+    Returns the first stale read of a buffer that reached the gradients, in words (NOTE [ Buffers read before
+    forward changed them ]); None where there is none.
+    """
     global _users
     if mode is not None:
         mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
     _local.attributes.pop().restore()
+    stale = _local.reads.pop().stale()
     _local.depth -= 1
     _lock.acquire()
     _users -= 1
     if not _users:
         _global_hooks.remove()
     _lock.release()
+    return stale
+
+
+STALE_READ = (
+    "remat: the recompute of `{site}` in backward {what}, so it rebuilds other tensors than forward saved and the "
+    "gradients would be wrong (torch.utils.checkpoint gives them silently). Use strategy='replay' for this site, "
+    "which replays forward's values, or change the buffer outside the site."
+)
 
 
 @contextmanager
-def keep_buffers(root: nn.Module | None = None) -> Iterator[None]:
-    """`guard_buffers` and `release` around a block: modules called inside leave their buffers as they are."""
+def keep_buffers(root: nn.Module | None = None, site: str | None = None) -> Iterator[None]:
+    """`guard_buffers` and `release` around a block: modules called inside leave their buffers as they are. Where
+    the block recomputes `site`, a stale read of a buffer (NOTE [ Buffers read before forward changed them ]) raises
+    `RecomputeMismatchError` once the block ends well; elsewhere (a profile's run) none is looked for."""
     mode = guard_buffers(root)
     try:
         yield
-    finally:
+    except BaseException:
         release(mode)
+        raise
+    stale = release(mode)
+    if stale is not None and site is not None:
+        raise RecomputeMismatchError(STALE_READ.format(site=site, what=stale))

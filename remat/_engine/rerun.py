@@ -22,7 +22,7 @@ from .._core.policies import Policy, tags
 from .._core.torch_compat import any_autocast, pop_saved_hooks, push_saved_hooks, set_grad_enabled
 from .autocast import AutocastState
 from .debug import OpTrace
-from .guard import guard_buffers, release
+from .guard import STALE_READ, BufferVersions, buffer_versions, guard_buffers, release, saved_in_recompute
 from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .kept import KeptOutput, keep_output
@@ -103,9 +103,9 @@ class RerunFrame(Frame):
     """One forward call of a rerun site: the function, its inputs, and the state to call it again in."""
 
     __slots__ = (
-        "args", "attrs", "autocast", "claimed", "contexts", "devices", "draws", "exit", "fn", "ids", "kept", "kept_ids",
-        "kept_tags", "kwargs", "live", "module", "offload", "policy", "rng", "saver", "tensors", "training",
-        "versions",
+        "args", "attrs", "autocast", "buffers", "changed", "claimed", "contexts", "devices", "draws", "exit", "fn",
+        "ids", "kept", "kept_ids", "kept_tags", "kwargs", "live", "module", "offload", "policy", "rng", "saver",
+        "tensors", "training", "versions",
     )
 
     fn: Callable[..., Any]
@@ -122,6 +122,10 @@ class RerunFrame(Frame):
     exit: ExitStack | None
     module: nn.Module | None  # the module whose forward runs, for its buffers: NOTE [ Writes during recompute ]
     training: bool  # the module's mode in forward: NOTE [ Recompute state ], rule 4
+    # the module's buffers' versions while forward runs, then those it changed in place (NOTE [ Buffers read before
+    # forward changed them ] in guard.py)
+    buffers: BufferVersions | None
+    changed: frozenset[int]
     policy: Policy | None
     saver: SaveOps | None  # forward's notes of the policy's ops (NOTE [ What a policy keeps ])
     kept: list[KeptCall]  # per call of a policy op, its kept outputs (`KeptCall`); after forward
@@ -220,19 +224,21 @@ class RerunFrame(Frame):
             or self.trace is not None or self.saver is not None or any_autocast()
             else None
         )
-        guard = guard_buffers(self.module)
+        guard = guard_buffers(self.module, self.changed)
         push_saved_hooks(collector.pack, _identity)
         try:
             self._call_again(collector, args, kwargs)
         finally:
             pop_saved_hooks()
             collector.close()
-            release(guard)
+            stale = release(guard)
             if extra is not None:
                 extra.close()
             set_grad_enabled(grad_was)
             if caller_rng is not None:
                 caller_rng.apply()
+        if stale is not None:  # NOTE [ Buffers read before forward changed them ] in guard.py
+            raise RecomputeMismatchError(STALE_READ.format(site=self.site, what=stale))
         self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
 
     def _call_again(self, collector: _Collector, args: Any, kwargs: Any) -> None:
@@ -298,6 +304,7 @@ class _Collector:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | None:
         frame, found = self.live
+        saved_in_recompute(tensor)
         index = self.count
         self.count = index + 1
         kept = self._to_keep(tensor) if self.inner else None
@@ -319,6 +326,9 @@ class _Collector:
 
 _RECOMPUTE = RerunFrame._call_again.__code__  # the frame the function is called from: see `returns_at_once`
 no_offload_inside(RerunFrame)  # an offload block inside the function would take what recompute rebuilds
+
+
+_UNCHANGED: frozenset[int] = frozenset()
 
 
 def _identity(packed: Any) -> Any:
@@ -354,6 +364,7 @@ def begin(
     frame.fn = fn
     frame.module = module
     frame.training = module is not None and module.training
+    frame.buffers, frame.changed = None if module is None else buffer_versions(module), _UNCHANGED
     frame.policy = policy
     frame.exit = frame.saver = frame.offload = frame.contexts = None
     if offload is not None or policy is not None:
@@ -398,6 +409,8 @@ def end(frame: RerunFrame, *, ok: bool = True) -> None:
     """Close the region `begin` opened; `ok=False` after an exception (nothing differs for rerun)."""
     pop_saved_hooks()
     frame.open = False
+    if frame.buffers is not None:
+        frame.changed, frame.buffers = frame.buffers.changed(), None
     if frame.live is not None:  # handed over to the enclosing hooks: hold none of them any more
         frame.close()
         frame.live, frame.tensors, frame.versions = None, [], []

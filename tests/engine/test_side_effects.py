@@ -14,6 +14,7 @@ from models import ConvBN
 from torch import nn
 
 import remat
+from remat._engine import guard
 
 
 class Counting(nn.Module):
@@ -163,3 +164,98 @@ def test_spectral_norms_power_iteration_once(strategy: str) -> None:
                                    lambda model: remat.remat(model, strategy=strategy))
     for name, buffer in base.target.named_buffers():
         torch.testing.assert_close(dict(ours.target.named_buffers())[name], buffer)
+
+
+class Renormed(nn.Module):
+    """Batch Renormalization's pattern: a correction read from a running statistic without grad, then the
+    statistic moved in place, before the output is made or (`update_last`) after it, past recompute's early stop
+    (NOTE [ Buffers read before forward changed them ] in remat/_engine/guard.py)."""
+
+    def __init__(self, update_last: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("running", torch.ones(6))
+        self.update_last = update_last
+
+    def _update(self, h: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.running.mul_(0.9).add_(h.std(0), alpha=0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        with torch.no_grad():
+            r = (h.std(0) / self.running).clamp(0.5, 2.0)
+        if not self.update_last:
+            self._update(h)
+        out = (h * r).tanh()
+        if self.update_last:
+            self._update(h)
+        return out
+
+
+class Annealed(nn.Module):
+    """A step count kept in a buffer, read as a Python number and then counted (`first`: counted, then read)."""
+
+    def __init__(self, first: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.first = first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            self.steps.add_(1)
+        scale = 1.0 / (1.0 + float(self.steps))
+        if not self.first:
+            self.steps.add_(1)
+        return (self.fc(x) * scale).tanh()
+
+
+def _backward_refused(site: Callable[[torch.Tensor], torch.Tensor], match: str) -> None:
+    loss = site(randn(5, 6, requires_grad=True)).sum()
+    with pytest.raises(remat.RecomputeMismatchError, match=match):  # raised by the recompute
+        loss.backward()
+
+    assert guard._local.depth == 0 and not guard._local.reads and not guard._local.open  # nothing left behind
+
+
+STALE_SITES: list[Any] = [
+    pytest.param(lambda: Renormed(), "Renormed.running", id="instance"),
+    pytest.param(lambda: Renormed(update_last=True), "Renormed.running", id="changed-after-the-output"),
+    pytest.param(lambda: Annealed(), "Annealed.steps.*a Python number", id="read-as-a-number"),
+]
+
+
+@pytest.mark.parametrize(("make", "buffer"), STALE_SITES)
+def test_rerun_refuses_a_buffer_read_before_forward_changed_it(make: Callable[[], nn.Module], buffer: str) -> None:
+    """docs/design.md, 'Side effects': recompute reads the buffer as forward left it, not as forward read it, so it
+    rebuilt other tensors than forward saved and the gradients were silently wrong (0.013 off for `Renormed`, as
+    torch.utils.checkpoint's); now rerun says so, naming the buffer and the site."""
+    torch.manual_seed(0)
+    model = remat.remat(make().double())
+    _backward_refused(model, rf"`{type(model).__name__}` in backward read the buffer `{buffer}.*strategy='replay'")
+
+
+def test_rerun_refuses_a_stale_read_in_a_function_site() -> None:
+    """A function site knows no forward writes: recompute sees the read and then the write itself."""
+    torch.manual_seed(0)
+    model = Renormed().double()
+    _backward_refused(remat.remat(lambda x: model(x)), r"read the buffer `Renormed.running`")
+
+
+def test_a_chains_recomputation_refuses_a_stale_read() -> None:
+    torch.manual_seed(0)
+    stages = nn.Sequential(Renormed(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    run = remat.chain(stages, segments=2)
+    _backward_refused(run, r"stage 0 of the chain \(Renormed\).*`Renormed.running`")
+
+
+@pytest.mark.parametrize("make", [p.values[0] for p in STALE_SITES], ids=[p.id for p in STALE_SITES])
+def test_replay_replays_the_value_forward_read(make: Callable[[], nn.Module]) -> None:
+    assert_same_grads(make, (randn(5, 6, requires_grad=True),), lambda model: remat.remat(model, strategy="replay"))
+
+
+def test_a_buffer_changed_before_it_is_read_reruns_exactly() -> None:
+    """Counted, then read: recompute's read comes after its own (dropped) write, and reads what forward read."""
+    _, ours = assert_same_grads(lambda: Annealed(first=True), (randn(5, 6, requires_grad=True),))
+    assert int(ours.target.steps) == 1
