@@ -89,6 +89,7 @@ __all__ = [
     "top_saved_hooks",
     "when_traced",
     "top_dispatch_mode",
+    "version_of",
     "version_probe",
     "torch_function_mode_on",
     "tree_leaves",
@@ -212,6 +213,18 @@ def shared_detach(tensor: torch.Tensor) -> torch.Tensor:
     """
     with _exclude_keys(_in_place_or_view, False):
         return tensor.detach()
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """`tensor._version`; -1 for an inference tensor, which has none (and cannot be changed in place outside
+    inference mode).
+
+    >>> with torch.inference_mode():
+    ...     made = torch.ones(2)
+    >>> version_of(made), version_of(torch.ones(2).add_(1))
+    (-1, 1)
+    """
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def version_probe(tensor: torch.Tensor) -> torch.Tensor:

@@ -312,7 +312,10 @@ def buffer_versions(module: nn.Module) -> BufferVersions | None:
         owners = _owners[module] = tuple(sub for sub in module.modules() if sub._buffers)
     if not owners:
         return None
-    return BufferVersions([b for sub in owners for b in sub._buffers.values() if b is not None])
+    # an inference tensor has no version, and cannot be changed in place outside inference mode
+    return BufferVersions(
+        [b for sub in owners for b in sub._buffers.values() if b is not None and not b.is_inference()]
+    )
 
 
 _MISSING = object()

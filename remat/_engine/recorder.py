@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._core.policies import Policy
-from .._core.torch_compat import UNSAFE_VIEW
+from .._core.torch_compat import UNSAFE_VIEW, version_of
 from .debug import describe
 from .guard import storage_key, written_arguments
 from .kept import KeptOutput, keep_output
@@ -123,7 +123,7 @@ class Outside:
 
     def __init__(self, tensor: torch.Tensor, first: int) -> None:
         self.tensor: torch.Tensor | None = tensor
-        self.version = tensor._version
+        self.version = version_of(tensor)
         self.storage: int | None = None  # read only when an op writes (see `Recorder._outside_storages`)
         self.first = first  # the index of the first op that reads it
         self.packed: Any = None

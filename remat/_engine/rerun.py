@@ -19,7 +19,7 @@ from torch import nn
 
 from .._core.errors import RecomputeMismatchError, RematError
 from .._core.policies import Policy, tags
-from .._core.torch_compat import any_autocast, pop_saved_hooks, push_saved_hooks, set_grad_enabled
+from .._core.torch_compat import any_autocast, pop_saved_hooks, push_saved_hooks, set_grad_enabled, version_of
 from .autocast import AutocastState
 from .debug import OpTrace
 from .guard import STALE_READ, BufferVersions, buffer_versions, guard_buffers, release, saved_in_recompute
@@ -197,7 +197,7 @@ class RerunFrame(Frame):
                 return tensor
 
             return map_tensors(self.args, fetch, Outer), map_tensors(self.kwargs, fetch, Outer)
-        if [tensor._version for tensor in self.tensors] != self.versions:
+        if _versions(self.tensors) != self.versions:
             for index, (tensor, before) in enumerate(zip(self.tensors, self.versions, strict=True)):
                 if tensor._version != before:
                     raise RematError(
@@ -331,6 +331,14 @@ no_offload_inside(RerunFrame)  # an offload block inside the function would take
 _UNCHANGED: frozenset[int] = frozenset()
 
 
+def _versions(tensors: list[torch.Tensor]) -> list[int]:
+    """The version of each tensor (`version_of`: -1 for an inference tensor), at the cost of one list of ints."""
+    try:
+        return [tensor._version for tensor in tensors]
+    except RuntimeError:  # an inference tensor among them
+        return [version_of(tensor) for tensor in tensors]
+
+
 def _identity(packed: Any) -> Any:
     return packed
 
@@ -371,7 +379,7 @@ def begin(
         if offload is not None and frame.outer is None:  # see NOTE [ Offloaded sites ] in offload.py
             frame.outer = offload.hooks
         frame.offload = for_kept(offload, policy)
-    frame.tensors, frame.versions = tensors, [tensor._version for tensor in tensors]
+    frame.tensors, frame.versions = tensors, _versions(tensors)
     if frame.outer is None:
         frame.args, frame.kwargs, frame.live = args, kwargs, None
     else:

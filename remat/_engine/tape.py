@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._core.errors import RematError
-from .._core.torch_compat import any_autocast
+from .._core.torch_compat import any_autocast, version_of
 from .autocast import AutocastState
 from .debug import describe
 from .kept import CHANGED_RANDOM, KeptOutput
@@ -331,7 +331,7 @@ class Tape:
             assert unpack is not None
             return unpack(o.packed)  # type: ignore[no-any-return]
         tensor = o.tensor
-        if tensor._version != o.version:
+        if version_of(tensor) != o.version:
             raise RematError(
                 _INPLACE_OUTSIDE.format(
                     shape=list(tensor.shape), site=self.site, op=op, name=op_info(self.ops[op][0]).name,

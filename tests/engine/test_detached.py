@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import assert_same_grads, randn
+from conftest import assert_same_grads, randn, recomputes
 from models import MLP, ConvBN, TransformerBlock
 from torch import nn
 
@@ -117,3 +117,29 @@ def test_detached_input_from_a_graph() -> None:
     w = randn(6, 6, requires_grad=True, seed=1)
     h = (randn(4, 6, requires_grad=True) * 2).detach()
     assert_same_grads(lambda: fn, (h, w))
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_inference_tensors_as_plain_autograd_takes_them(strategy: str) -> None:
+    """A tensor made under `torch.inference_mode()` has no version counter: an input that autograd never saves, and
+    a buffer made in inference mode, run as without remat (rerun raised "Inference tensors do not track version
+    counter" at the call); an input autograd would save raises torch's own error."""
+    with torch.inference_mode():
+        made = randn(4, 6)
+    base_model = nn.Linear(6, 6).double()
+    with torch.inference_mode():
+        base_model.register_buffer("shift", randn(6, seed=2))
+
+    def fn(model: nn.Module, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (model(w) + x + model.shift).tanh()  # the addition saves neither `x` nor the buffer
+
+    w = randn(4, 6, requires_grad=True, seed=1)
+    fn(base_model, made, w).sum().backward()
+    expected, w.grad = w.grad, None
+    before = recomputes()
+    ours = remat.remat(base_model, strategy=strategy)
+    remat.remat(lambda x, w: fn(ours, x, w), strategy=strategy)(made, w).sum().backward()
+    assert recomputes() > before
+    torch.testing.assert_close(w.grad, expected)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        remat.remat(lambda x: (x * w).sum(), strategy=strategy)(made)  # `mul` saves `x`
