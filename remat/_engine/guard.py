@@ -302,20 +302,22 @@ class BufferVersions:
         return found
 
 
-_owners: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Module, ...]] = weakref.WeakKeyDictionary()
+# per site module, weakly, its modules that own buffers, weakly too (the module is among them where it owns some)
+_owners: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
 
 def buffer_versions(module: nn.Module) -> BufferVersions | None:
     """The versions of the buffers of `module` and its submodules now; None where none owns buffers."""
     owners = _owners.get(module)
     if owners is None:
-        owners = _owners[module] = tuple(sub for sub in module.modules() if sub._buffers)
+        owners = _owners[module] = tuple(weakref.ref(sub) for sub in module.modules() if sub._buffers)
     if not owners:
         return None
     # an inference tensor has no version, and cannot be changed in place outside inference mode
-    return BufferVersions(
-        [b for sub in owners for b in sub._buffers.values() if b is not None and not b.is_inference()]
-    )
+    return BufferVersions([
+        b for owner in owners if (sub := owner()) is not None
+        for b in sub._buffers.values() if b is not None and not b.is_inference()
+    ])
 
 
 _MISSING = object()

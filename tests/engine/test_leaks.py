@@ -177,3 +177,16 @@ def test_a_good_recompute_keeps_no_attribute_value_of_the_module() -> None:
     gc.collect()
     assert seen[0]() is None, "forward's value of `last` is held after recompute"
     del loss
+
+
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+def test_a_site_module_with_buffers_dies_with_its_last_reference(strategy: str) -> None:
+    """What a site notes of its modules' buffers (NOTE [ Buffers read before forward changed them ] in guard.py) holds
+    none of them: the module, its buffers and BatchNorm's die once the caller lets go."""
+    model = remat.remat(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)), strategy=strategy)
+    model.register_buffer("scale", torch.ones(4))
+    model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    refs = [weakref.ref(model), weakref.ref(model[1]), weakref.ref(model.scale), weakref.ref(model[1].running_mean)]
+    del model
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True] * 4
