@@ -74,6 +74,9 @@ __all__ = [
 #    count, so a training BatchNorm is never stale.
 # 3. (rule 3) Which modules of a site own buffers is found at its first call and kept (`buffer_versions`): a module
 #    with buffers added to the site later goes unchecked.
+# 4. (rule 1) What a stale read reaches is refused even where it ends equal to forward's (a flag read as a Python
+#    condition that chose a one-time initialization forward ran and recompute skips): the check sees which values
+#    depend on the read, not whether they came out the same. Replay runs such code exactly.
 
 # NOTE [ Attributes during recompute ]  (for users: the docs' design page, "Side effects")
 # A forward may also change its modules' plain Python attributes: `self.calls += 1`, `self.last_len = n`.
