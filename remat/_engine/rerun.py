@@ -199,7 +199,7 @@ class RerunFrame(Frame):
             return map_tensors(self.args, fetch, Outer), map_tensors(self.kwargs, fetch, Outer)
         if _versions(self.tensors) != self.versions:
             for index, (tensor, before) in enumerate(zip(self.tensors, self.versions, strict=True)):
-                if tensor._version != before:
+                if version_of(tensor) != before:
                     raise RematError(
                         _INPLACE_INPUT.format(index=index, site=self.site, before=before, after=tensor._version)
                     )
