@@ -143,3 +143,8 @@ def test_inference_tensors_as_plain_autograd_takes_them(strategy: str) -> None:
     torch.testing.assert_close(w.grad, expected)
     with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
         remat.remat(lambda x: (x * w).sum(), strategy=strategy)(made)  # `mul` saves `x`
+    h = w * 1.0
+    loss = remat.remat(lambda x, h: (x + h).tanh().sum(), strategy=strategy)(made, h)
+    h.add_(1)  # the other input changed in place: named, beside the inference tensor
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
