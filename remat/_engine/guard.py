@@ -71,7 +71,9 @@ __all__ = [
 #    past an early stop).
 # 2. (rule 2) A write's own read of the buffer it updates (an in-place op's `self`) counts as a read only for the
 #    write's result, which the caller usually drops; BatchNorm's undeclared writes (`_UNDECLARED`) neither read nor
-#    count, so a training BatchNorm is never stale.
+#    count, so a training BatchNorm is never stale. InstanceNorm with running statistics hands BatchNorm copies of
+#    them (`running_mean.repeat(b)`), which autograd saves (before the op reaches the mode) although backward never
+#    reads them in training: a training BatchNorm op takes back what saving its statistics' arguments noted.
 # 3. (rule 3) Which modules of a site own buffers is found at its first call and kept (`buffer_versions`): a module
 #    with buffers added to the site later goes unchecked.
 # 4. (rule 1) What a stale read reaches is refused even where it ends equal to forward's (a flag read as a Python
@@ -96,6 +98,7 @@ _UNDECLARED = {
     "aten::miopen_batch_norm": _BN_STATS,
 }
 _WRITES: dict[Any, Writes] = {}
+_STATISTICS, _TRAINING = (3, 4), 5  # the positions of `running_mean`, `running_var` and `training` in those ops
 
 
 def written_arguments(func: Any) -> Writes:
@@ -175,7 +178,8 @@ class StaleReads:
         self.buffers: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # the same by id: tensor (weakly), storage
         self.writes: dict[int, int] = {}  # per buffer, the writes recompute sent to copies so far
         self.taint: dict[int, tuple[weakref.ref[torch.Tensor], Taint]] = {}  # by id: the tensor, weakly
-        self.escaped: list[tuple[str, Taint]] = []  # what reached the gradients, and the reads it depends on
+        # what reached the gradients (and the tensor's id, 0 for a Python number), and the reads it depends on
+        self.escaped: list[tuple[str, int, Taint]] = []
 
     def entered(self, module: nn.Module, protected: dict[int, str]) -> None:
         """Recompute entered `module`, whose buffers' storages are `protected`."""
@@ -220,11 +224,19 @@ class StaleReads:
     def made(self, func: Any, out: Any, taint: Taint) -> None:
         """Mark what the op made as depending on `taint`; a Python number read from it reaches the gradients."""
         if func._schema.name == _SCALAR_READ:
-            self.escaped.append(("a Python number read from it (`item()`, `float()`, a condition)", taint))
+            self.escaped.append(("a Python number read from it (`item()`, `float()`, a condition)", 0, taint))
             return
         for value in (out if type(out) in (list, tuple) else (out,)):
             if isinstance(value, torch.Tensor):
                 self.taint[id(value)] = (weakref.ref(value), taint)
+
+    def written_only(self, args: Any, positions: tuple[int, ...]) -> None:
+        """The op wrote these arguments without reading them (a training BatchNorm's statistics: implementation
+        note 2): what they carry reaches nothing through it, although autograd saved them as the op began."""
+        ids = {id(args[position]) for position in positions}
+        self.escaped = [entry for entry in self.escaped if entry[1] not in ids]
+        for key in ids:
+            self.taint.pop(key, None)
 
     def reached(self, what: str, values: Any) -> None:
         """Note the buffer reads `values` (a tensor, or a tuple or list of them) depend on, as reaching the
@@ -234,11 +246,11 @@ class StaleReads:
         for value in (values if type(values) in (list, tuple) else (values,)):
             taint = self.of(value)
             if taint:
-                self.escaped.append((what, taint))
+                self.escaped.append((what, id(value), taint))
 
     def stale(self) -> str | None:
         """The first stale read that reached the gradients, in words; None where there is none."""
-        for what, taint in self.escaped:
+        for what, _, taint in self.escaped:
             for key, writes in taint:
                 if writes < max(self.writes.get(key, 0), key in self.changed):
                     return STALE_READ_WHAT.format(buffer=self.names.get(key, "a buffer"), what=what)
@@ -280,6 +292,8 @@ class BufferWrites(Mode):
                 if counted:
                     reads.writes[key] = reads.writes.get(key, 0) + 1  # type: ignore[union-attr]
         out = func._op(*args, **kwargs)  # `_op`: no Python frame of `OpOverload.__call__`
+        if reads is not None and reads.escaped and func._schema.name in _UNDECLARED and args[_TRAINING]:
+            reads.written_only(args, _STATISTICS)
         if taint:
             reads.made(func, out, taint)  # type: ignore[union-attr]
         return out
