@@ -37,6 +37,30 @@ def test_picks_the_longest_container_of_one_class() -> None:
     assert names == ["blocks.0", "blocks.1", "blocks.2"]
 
 
+class Stages(nn.Module):
+    """Stages, each a list of blocks (transformers' Funnel), and a layer under weight norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList(TransformerBlock() for _ in range(2)) for _ in range(2))
+        self.out = nn.utils.parametrizations.weight_norm(nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for block in stage:
+                x = block(x)
+        return self.out(x)
+
+
+def test_blocks_inside_lists_of_lists_not_the_lists_nor_a_parametrization() -> None:
+    """NOTE [ Picking blocks ], rule 2: the lists were picked (no forward calls a list) and so was weight norm's
+    parametrization, so apply rematerialized nothing and said nothing."""
+    names = [name for name, _ in find_blocks(Stages())]
+    assert names == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1"]
+    _, ours = assert_same_grads(Stages, (randn(2, 5, 8, requires_grad=True),), remat.apply)
+    assert [site.name for site in remat.plan(ours.target)] == names
+
+
 def test_a_sequential_model_is_its_own_container() -> None:
     model = nn.Sequential(MLP(), MLP(), MLP())
     assert [name for name, _ in find_blocks(model)] == ["0", "1", "2"]
