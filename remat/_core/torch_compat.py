@@ -224,7 +224,10 @@ def version_of(tensor: torch.Tensor) -> int:
     >>> version_of(made), version_of(torch.ones(2).add_(1))
     (-1, 1)
     """
-    return -1 if tensor.is_inference() else tensor._version
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return -1
 
 
 def version_probe(tensor: torch.Tensor) -> torch.Tensor:
