@@ -104,8 +104,9 @@ def apply(
 
     A submodule inside one already selected is not selected again (no nested regions). Without `where`,
     the model's repeated blocks are chosen: on a Hugging Face model the layers its own gradient
-    checkpointing wraps, elsewhere the children of the longest `nn.ModuleList`/`nn.Sequential` whose
-    children share one class; `remat.plan(model)` lists them.
+    checkpointing wraps, elsewhere the children of the `nn.ModuleList`s and `nn.Sequential`s whose children
+    share one class, gathered by class (all of a ResNet's stages), the outermost class with the most blocks
+    (NOTE [ Picking blocks ] in remat/_sites/blocks.py); `remat.plan(model)` lists them.
 
     Args:
         model: the model; it is changed in place and returned.

@@ -13,19 +13,30 @@ __all__ = ["describe_search", "find_blocks", "is_hf_layer"]
 # NOTE [ Picking blocks ]
 # 1. On a Hugging Face model the blocks are the layers its own gradient checkpointing wraps (in transformers 5 the
 #    instances of `transformers.modeling_layers.GradientCheckpointingLayer`).
-# 2. Elsewhere they are the children of the longest `nn.ModuleList`/`nn.Sequential` whose children all share one
-#    class (the first such container in `named_modules()` order on a tie). A child that is itself an
-#    `nn.ModuleList` or `nn.ModuleDict` is never called, so its own children stand in its place (a list of stages,
-#    each a list of layers, gives the layers); a parametrization's list (`parametrizations.weight`, as weight norm
+# 2. Elsewhere they are the repeated blocks of one class: the children of every `nn.ModuleList`/`nn.Sequential`
+#    whose children all share one class, gathered by that class over all such containers (stages that each hold a
+#    few blocks give all the blocks). A child that is itself an `nn.ModuleList` or `nn.ModuleDict` is never called,
+#    so its own children stand in its place; a parametrization's list (`parametrizations.weight`, as weight norm
 #    makes) is never a container of blocks.
-# 3. Blocks inside a chosen block are never chosen too.
+# 3. Of those classes, one whose every block lies inside a block of another class is left out (the experts of a
+#    layer, the blocks of a stage held in a list of stages: the outer ones are picked). Of the rest, the class with
+#    the most blocks is picked, the first found in `named_modules()` order on a tie, and one of torch's layers of one
+#    op (`Linear`, the convolutions, `Embedding`: each saves only its input and weight, so rematerializing it frees
+#    nothing) only where no other class is left.
+# 4. Blocks inside a chosen block are never chosen too.
 #
 # Implementation notes:
 # 1. (rule 1) The class is found by its module and name along the MRO, so transformers is never imported here.
-# 2. (rule 2) Before, a list of lists gave the inner lists, and weight norm's list its parametrization: sites that
-#    no forward calls, so `remat.apply(model)` rematerialized nothing and said nothing (transformers' Funnel,
-#    EnCodec).
+# 2. (rules 2, 3) Before, the pick was the longest single container: one stage of a ResNet (2 of 8 blocks in
+#    resnet18, 6 of 16 in resnet50), the inner lists of a list of lists (transformers' Funnel: no forward calls a
+#    list, so nothing was rematerialized), weight norm's parametrization (EnCodec), or a Res2Net block's list of
+#    seven `Conv2d` (nothing to rebuild): each without a word.
 
+# torch's layers of one op whose backward needs only their input and weight: nothing to rebuild (rule 3)
+_LONE_OPS = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Embedding, nn.EmbeddingBag, nn.Identity,
+)
 _HF_LAYER = ("transformers.modeling_layers", "GradientCheckpointingLayer")
 
 
@@ -50,14 +61,23 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     layers = [(name, module) for name, module in model.named_modules() if is_hf_layer(module)]
     if layers:
         return _outermost(layers)
-    best: list[tuple[str, nn.Module]] = []
+    groups: dict[type[nn.Module], dict[str, nn.Module]] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or isinstance(module, ParametrizationList):
             continue
         members = _called(f"{name}." if name else "", module)
-        if len(members) > len(best) and len({type(member) for _, member in members}) == 1:
-            best = members
-    return best
+        kinds = {type(member) for _, member in members}
+        if len(kinds) == 1:  # rule 2
+            groups.setdefault(kinds.pop(), {}).update(members)
+    outer = [group for group in groups.values() if not all(_inside(name, group, groups) for name in group)]
+    blocks = [group for group in outer if not issubclass(type(next(iter(group.values()))), _LONE_OPS)]  # rule 3
+    best = max(blocks or outer, key=len, default={})  # the first of the longest; its blocks in `named_modules()` order
+    return _outermost(list(best.items()))
+
+
+def _inside(name: str, own: dict[str, nn.Module], groups: dict[type[nn.Module], dict[str, nn.Module]]) -> bool:
+    """Whether the block `name` lies inside a block of another group than `own`."""
+    return any(group is not own and any(name.startswith(other + ".") for other in group) for group in groups.values())
 
 
 def _called(prefix: str, container: nn.Module) -> list[tuple[str, nn.Module]]:

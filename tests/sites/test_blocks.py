@@ -61,6 +61,63 @@ def test_blocks_inside_lists_of_lists_not_the_lists_nor_a_parametrization() -> N
     assert [site.name for site in remat.plan(ours.target)] == names
 
 
+class Residual(nn.Module):
+    def __init__(self, inner: nn.Module | None = None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.fc(x).tanh()
+        return x if self.inner is None else self.inner(x)
+
+
+class Branches(nn.Module):
+    """Res2Net's block: a list of lone convolutions inside each block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = x + conv(x).tanh()
+        return x
+
+
+class Expert(Residual):
+    pass
+
+
+class Experts(nn.Module):
+    """A layer of a mixture of experts written with a list: more experts than layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((expert(x) for expert in self.experts), torch.zeros_like(x))
+
+
+def test_the_repeated_blocks_of_a_class_over_every_container() -> None:
+    """NOTE [ Picking blocks ], rules 2 and 3: the longest single container was one ResNet stage (2 of 8 blocks), a
+    Res2Net block's list of lone convolutions (nothing to rebuild), a mixture's experts rather than its layers."""
+    stages = nn.Module()
+    for index in range(3):
+        stages.add_module(f"layer{index}", nn.Sequential(Residual(), Residual()))
+    assert [name for name, _ in find_blocks(stages)] == [f"layer{i}.{j}" for i in range(3) for j in range(2)]
+    res2 = nn.Module()  # a stage of blocks with lists of lone layers, then one of plain blocks
+    res2.add_module("layer0", nn.Sequential(*(Residual(Branches()) for _ in range(2))))
+    res2.add_module("layer1", nn.Sequential(*(Residual() for _ in range(2))))
+    res2.forward = lambda x: res2.layer1(res2.layer0(x))  # type: ignore[method-assign]
+    assert [name for name, _ in find_blocks(res2)] == ["layer0.0", "layer0.1", "layer1.0", "layer1.1"]
+    moe = nn.ModuleList(Residual(Experts()) for _ in range(3))
+    assert [name for name, _ in find_blocks(moe)] == ["0", "1", "2"]
+    _, ours = assert_same_grads(lambda: res2, (randn(3, 8, requires_grad=True),), remat.apply)
+    assert len(list(remat.plan(ours.target))) == 4
+
+
 def test_a_sequential_model_is_its_own_container() -> None:
     model = nn.Sequential(MLP(), MLP(), MLP())
     assert [name for name, _ in find_blocks(model)] == ["0", "1", "2"]
