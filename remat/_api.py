@@ -105,7 +105,7 @@ def apply(
     A submodule inside one already selected is not selected again (no nested regions). Without `where`,
     the model's repeated blocks are chosen: on a Hugging Face model the layers its own gradient
     checkpointing wraps, elsewhere the children of the `nn.ModuleList`s and `nn.Sequential`s whose children
-    share one class, gathered by class (all of a ResNet's stages), the outermost class with the most blocks
+    share one class, gathered by class (all of a ResNet's stages), the class with the most blocks outside others
     (NOTE [ Picking blocks ] in remat/_sites/blocks.py); `remat.plan(model)` lists them.
 
     Args:

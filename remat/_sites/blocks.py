@@ -18,11 +18,11 @@ __all__ = ["describe_search", "find_blocks", "is_hf_layer"]
 #    few blocks give all the blocks). A child that is itself an `nn.ModuleList` or `nn.ModuleDict` is never called,
 #    so its own children stand in its place; a parametrization's list (`parametrizations.weight`, as weight norm
 #    makes) is never a container of blocks.
-# 3. Of those classes, one whose every block lies inside a block of another class is left out (the experts of a
-#    layer, the blocks of a stage held in a list of stages: the outer ones are picked). Of the rest, the class with
-#    the most blocks is picked, the first found in `named_modules()` order on a tie, and one of torch's layers of one
-#    op (`Linear`, the convolutions, `Embedding`: each saves only its input and weight, so rematerializing it frees
-#    nothing) only where no other class is left.
+# 3. Of each class, the blocks that lie inside a block of another class are left out (the experts of a layer, the
+#    blocks of a stage held in a list of stages: the outer ones count). The class with the most blocks left is
+#    picked, the first found in `named_modules()` order on a tie, and one of torch's layers of one op (`Linear`, the
+#    convolutions, `Embedding`: each saves only its input and weight, so rematerializing it frees nothing) only
+#    where no other class is left.
 # 4. Blocks inside a chosen block are never chosen too.
 #
 # Implementation notes:
@@ -69,15 +69,20 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         kinds = {type(member) for _, member in members}
         if len(kinds) == 1:  # rule 2
             groups.setdefault(kinds.pop(), {}).update(members)
-    outer = [group for group in groups.values() if not all(_inside(name, group, groups) for name in group)]
-    blocks = [group for group in outer if not issubclass(type(next(iter(group.values()))), _LONE_OPS)]  # rule 3
+    kind_of = {name: kind for kind, group in groups.items() for name in group}
+    outer = [  # rule 3: each class's blocks that lie inside no block of another class
+        kept for kind, group in groups.items()
+        if (kept := {name: block for name, block in group.items() if not _inside(name, kind, kind_of)})
+    ]
+    blocks = [group for group in outer if not isinstance(next(iter(group.values())), _LONE_OPS)]
     best = max(blocks or outer, key=len, default={})  # the first of the longest; its blocks in `named_modules()` order
     return _outermost(list(best.items()))
 
 
-def _inside(name: str, own: dict[str, nn.Module], groups: dict[type[nn.Module], dict[str, nn.Module]]) -> bool:
-    """Whether the block `name` lies inside a block of another group than `own`."""
-    return any(group is not own and any(name.startswith(other + ".") for other in group) for group in groups.values())
+def _inside(name: str, kind: type[nn.Module], kind_of: dict[str, type[nn.Module]]) -> bool:
+    """Whether the block `name` (of class `kind`) lies inside a block of another class (`kind_of`: each block's)."""
+    parts = name.split(".")
+    return any(kind_of.get(".".join(parts[:end]), kind) is not kind for end in range(1, len(parts)))
 
 
 def _called(prefix: str, container: nn.Module) -> list[tuple[str, nn.Module]]:

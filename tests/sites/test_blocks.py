@@ -114,6 +114,10 @@ def test_the_repeated_blocks_of_a_class_over_every_container() -> None:
     assert [name for name, _ in find_blocks(res2)] == ["layer0.0", "layer0.1", "layer1.0", "layer1.1"]
     moe = nn.ModuleList(Residual(Experts()) for _ in range(3))
     assert [name for name, _ in find_blocks(moe)] == ["0", "1", "2"]
+    staged = nn.Module()  # stages in a list, each a list of blocks, and one more block of that class outside them
+    staged.add_module("stages", nn.Sequential(*(Residual(nn.Sequential(Expert(), Expert())) for _ in range(3))))
+    staged.add_module("final", nn.Sequential(Expert()))
+    assert [name for name, _ in find_blocks(staged)] == ["stages.0", "stages.1", "stages.2"]  # not 6 + 1 experts
     _, ours = assert_same_grads(lambda: res2, (randn(3, 8, requires_grad=True),), remat.apply)
     assert len(list(remat.plan(ours.target))) == 4
 
