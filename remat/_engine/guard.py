@@ -22,7 +22,7 @@ from .modes import Mode
 
 __all__ = [
     "BufferWrites", "BufferVersions", "StaleReads", "buffer_versions", "guard_buffers", "keep_buffers", "release",
-    "saved_in_recompute", "storage_key", "written_arguments",
+    "saved_in_recompute", "stale_read", "storage_key", "written_arguments",
 ]
 
 # NOTE [ Writes during recompute ]
@@ -149,20 +149,15 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
-def _buffer_memory(module: nn.Module) -> dict[int, str]:
-    """The storages of `module`'s own buffers, each with the name errors give it."""
-    found = {}
-    for name, buffer in module._buffers.items():
-        if buffer is not None and (key := storage_key(buffer)) is not None:
-            found[key] = f"{type(module).__name__}.{name}"
-    return found
+def _own_buffers(module: nn.Module) -> list[tuple[torch.Tensor, int, str]]:
+    """`module`'s own buffers, each with its storage and the name errors give it."""
+    return [
+        (buffer, key, f"{type(module).__name__}.{name}") for name, buffer in module._buffers.items()
+        if buffer is not None and (key := storage_key(buffer)) is not None
+    ]
 
 
 Taint = frozenset[tuple[int, int]]  # (a buffer's storage, the writes to it recompute had sent to copies then)
-STALE_READ_WHAT = (
-    "read the buffer `{buffer}` as forward left it, where forward read it before changing it in place, and {what} "
-    "depends on that read"
-)
 _WRITE_ONLY = frozenset({"aten::copy_", "aten::fill_", "aten::zero_"})  # write their `self` without reading it
 _SCALAR_READ = "aten::_local_scalar_dense"  # `item()`, `float(t)`, `bool(t)`: a value Python goes on with
 
@@ -181,12 +176,11 @@ class StaleReads:
         # what reached the gradients (and the tensor's id, 0 for a Python number), and the reads it depends on
         self.escaped: list[tuple[str, int, Taint]] = []
 
-    def entered(self, module: nn.Module, protected: dict[int, str]) -> None:
-        """Recompute entered `module`, whose buffers' storages are `protected`."""
-        self.names.update(protected)
-        for buffer in module._buffers.values():
-            if buffer is not None and (key := storage_key(buffer)) is not None:
-                self.buffers[id(buffer)] = (weakref.ref(buffer), key)
+    def entered(self, buffers: list[tuple[torch.Tensor, int, str]]) -> None:
+        """Recompute entered a module with these buffers (`_own_buffers`)."""
+        for buffer, key, name in buffers:
+            self.names[key] = name
+            self.buffers[id(buffer)] = (weakref.ref(buffer), key)
 
     def of(self, value: Any) -> Taint | None:
         """The buffer reads `value` depends on (a tensor made inside a module that owns buffers), if any."""
@@ -248,25 +242,26 @@ class StaleReads:
             if taint:
                 self.escaped.append((what, id(value), taint))
 
-    def stale(self) -> str | None:
-        """The first stale read that reached the gradients, in words; None where there is none."""
+    def stale(self) -> tuple[str, str] | None:
+        """The first stale read that reached the gradients: the buffer's name, and what it reached; None where there
+        is none."""
         for what, _, taint in self.escaped:
             for key, writes in taint:
                 if writes < max(self.writes.get(key, 0), key in self.changed):
-                    return STALE_READ_WHAT.format(buffer=self.names.get(key, "a buffer"), what=what)
+                    return self.names.get(key, "a buffer"), what
         return None
 
 
 class BufferWrites(Mode):
-    """Run ops that write to the given memory on clones of those arguments; with `reads`, follow what buffers the
-    op's outputs depend on (NOTE [ Buffers read before forward changed them ])."""
+    """Run ops that write to `module`'s own buffers on clones of those arguments, and follow for `reads` what buffers
+    the ops' outputs depend on (NOTE [ Buffers read before forward changed them ])."""
 
-    def __init__(self, module: nn.Module, reads: StaleReads | None = None) -> None:
+    def __init__(self, module: nn.Module, reads: StaleReads) -> None:
         super().__init__()
-        self.protected = protected = _buffer_memory(module)
+        buffers = _own_buffers(module)
+        self.protected = {key for _, key, _ in buffers}
         self.reads = reads
-        if reads is not None:
-            reads.entered(module, protected)
+        reads.entered(buffers)
 
     def _protected(self, value: Any) -> int | None:
         if isinstance(value, torch.Tensor) and (key := storage_key(value)) in self.protected:
@@ -278,10 +273,10 @@ class BufferWrites(Mode):
         if kwargs is None:
             kwargs = {}
         reads = self.reads
-        taint = reads.read(func, args, kwargs) if reads is not None else None
+        taint = reads.read(func, args, kwargs)
         if writes:
             args = list(args)
-            counted = reads is not None and func._schema.name not in _UNDECLARED
+            counted = func._schema.name not in _UNDECLARED
             for position, name in writes:
                 if position < len(args) and (key := self._protected(args[position])) is not None:
                     args[position] = args[position].clone()
@@ -290,12 +285,12 @@ class BufferWrites(Mode):
                 else:
                     continue
                 if counted:
-                    reads.writes[key] = reads.writes.get(key, 0) + 1  # type: ignore[union-attr]
+                    reads.writes[key] = reads.writes.get(key, 0) + 1
         out = func._op(*args, **kwargs)  # `_op`: no Python frame of `OpOverload.__call__`
-        if reads is not None and reads.escaped and func._schema.name in _UNDECLARED and args[_TRAINING]:
+        if reads.escaped and func._schema.name in _UNDECLARED and args[_TRAINING]:
             reads.written_only(args, _STATISTICS)
         if taint:
-            reads.made(func, out, taint)  # type: ignore[union-attr]
+            reads.made(func, out, taint)
         return out
 
 
@@ -310,13 +305,11 @@ class BufferVersions:
         self.versions = [buffer._version for buffer in buffers]
 
     def changed(self) -> frozenset[int]:
-        """The storages of the buffers forward changed; the buffers are let go."""
-        found = frozenset(
+        """The storages of the buffers forward changed."""
+        return frozenset(
             key for buffer, version in zip(self.buffers, self.versions, strict=True)
             if buffer._version != version and (key := storage_key(buffer)) is not None
         )
-        self.buffers = []
-        return found
 
 
 # per site module, weakly, its modules that own buffers, weakly too (the module is among them where it owns some)
@@ -435,11 +428,11 @@ def guard_buffers(root: nn.Module | None, changed: frozenset[int] = frozenset())
     return mode
 
 
-def release(mode: BufferWrites | None) -> str | None:
+def release(mode: BufferWrites | None) -> tuple[str, str] | None:
     """End what `guard_buffers` started, and put back the module attributes the recompute changed.
 
-    Returns the first stale read of a buffer that reached the gradients, in words (NOTE [ Buffers read before
-    forward changed them ]); None where there is none.
+    Returns the first stale read of a buffer that reached the gradients (`StaleReads.stale`: NOTE [ Buffers read
+    before forward changed them ]), for `stale_read`; None where there is none.
     """
     global _users
     if mode is not None:
@@ -455,11 +448,15 @@ def release(mode: BufferWrites | None) -> str | None:
     return stale
 
 
-STALE_READ = (
-    "remat: the recompute of `{site}` in backward {what}, so it rebuilds other tensors than forward saved and the "
-    "gradients would be wrong (torch.utils.checkpoint gives them silently). Use strategy='replay' for this site, "
-    "which replays forward's values, or change the buffer outside the site."
-)
+def stale_read(site: str, found: tuple[str, str]) -> RecomputeMismatchError:
+    """The error for a stale read `release` found in the recompute of `site`."""
+    buffer, what = found
+    return RecomputeMismatchError(
+        f"remat: the recompute of `{site}` in backward read the buffer `{buffer}` as forward left it, where forward "
+        f"read it before changing it in place, and {what} depends on that read, so it rebuilds other tensors than "
+        "forward saved and the gradients would be wrong (torch.utils.checkpoint gives them silently). Use "
+        "strategy='replay' for this site, which replays forward's values, or change the buffer outside the site."
+    )
 
 
 @contextmanager
@@ -475,4 +472,4 @@ def keep_buffers(root: nn.Module | None = None, site: str | None = None) -> Iter
         raise
     stale = release(mode)
     if stale is not None and site is not None:
-        raise RecomputeMismatchError(STALE_READ.format(site=site, what=stale))
+        raise stale_read(site, stale)

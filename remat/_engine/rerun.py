@@ -22,7 +22,7 @@ from .._core.policies import Policy, tags
 from .._core.torch_compat import any_autocast, pop_saved_hooks, push_saved_hooks, set_grad_enabled, version_of
 from .autocast import AutocastState
 from .debug import OpTrace
-from .guard import STALE_READ, BufferVersions, buffer_versions, guard_buffers, release, saved_in_recompute
+from .guard import BufferVersions, buffer_versions, guard_buffers, release, saved_in_recompute, stale_read
 from .hints import Attributes, attributes, explain
 from .hooks import Frame, Handle, Kept, Outer, StopRecompute
 from .kept import KeptOutput, keep_output
@@ -238,7 +238,7 @@ class RerunFrame(Frame):
             if caller_rng is not None:
                 caller_rng.apply()
         if stale is not None:  # NOTE [ Buffers read before forward changed them ] in guard.py
-            raise RecomputeMismatchError(STALE_READ.format(site=self.site, what=stale))
+            raise stale_read(self.site, stale)
         self.attrs = None  # recompute went well: only a mismatch reads it (NOTE [ Mismatch hints ])
 
     def _call_again(self, collector: _Collector, args: Any, kwargs: Any) -> None:
