@@ -21,6 +21,7 @@ from torch import nn
 from .._core.requests import BlocksRequest, BudgetRequest, MemoryRequest, Request
 from .._sites import targets as _targets
 from .._sites.asked import head_asked, tiles_asked
+from .._sites.unreached import watch_blocks
 
 __all__ = ["drive", "own_step_bytes"]
 
@@ -41,7 +42,9 @@ def drive(model: _M, request: Request) -> _M:
         return apply_memory(model, request)
     if isinstance(request, BlocksRequest):
         with tiles_asked(model, request), head_asked(model, request):
-            return _targets.apply_blocks(model, request.where, request.every, request.options(request.policy))
+            names = _targets.apply_blocks(model, request.where, request.every, request.options(request.policy))
+        watch_blocks(model, names)  # NOTE [ Blocks that forward never calls ]
+        return model
     raise TypeError(f"remat: apply takes a blocks, budget or memory request, but got `{type(request).__name__}`.")
 
 

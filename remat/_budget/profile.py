@@ -90,6 +90,7 @@ from .._measure.loss import default_loss
 from .._measure.state import step_state
 from .._measure.step_autocast import StepAutocast, planning, step_region
 from .._measure.track import placed
+from .._sites.blocks import describe_unreached
 from .profile_alone import Shift, compiled_shifts, mode_alone, time_alone
 from .profile_step import Detail, Marks, marked_step, mode_overhead
 
@@ -278,7 +279,10 @@ def profile(
                                   gradients_kept=gradients_kept)
 
     found = _on_fake_twin(model, step, measured, twin) if fake else None
-    return measured(step) if found is None else found
+    profiled = measured(step) if found is None else found
+    if not any(window == "fwd" for window, _ in profiled.tracked[0].peaks):  # NOTE [ Blocks that forward never calls ]
+        raise ValueError(describe_unreached(model, names, "profiled a budget's", "there is nothing to plan"))
+    return profiled
 
 
 def fake_stands_in(model: nn.Module, strategy: str) -> bool:

@@ -45,8 +45,9 @@ __all__ = [
 # Implementation notes:
 # 1. (rule 3) The instance's `__dict__` gets `forward`: a `SiteForward`, which `nn.Module._call_impl` finds as
 #    `self.forward` (in eager code and while dynamo traces) and which, only while dynamo traces, asks the site
-#    for the checkpointed call. In eager code it calls what the instance called before and nothing else (one
-#    `is_compiling` check). `undo` puts back what the instance had: nothing, or a forward of its own.
+#    for the checkpointed call. In eager code it opens the site's region, whose pre-hook has run (NOTE [ Module
+#    instances ] in remat/_sites/targets.py), and calls what the instance called before. `undo` puts back what
+#    the instance had: nothing, or a forward of its own.
 # 2. (rule 3) The site is an attribute of that object, which dynamo guards on, not an entry of the hook table,
 #    which it does not (`skip_nnmodule_hook_guards`): where identical blocks share one compiled forward
 #    (`block.compile()`), a site found in the hook table made every block run the graph traced last, whatever
@@ -185,7 +186,8 @@ class SiteForward:
     def __init__(self, module: torch.nn.Module, own: Callable[..., Any] | None, site: Any) -> None:
         self._module = weakref.ref(module)
         self.own = own  # the instance's own forward before remat (a library's or the user's), or None: its class's
-        # the instance's forward pre-hook: `site.compiled_call(forward, module, args, kwargs)`, `site.abandon(module)`
+        # the instance's forward pre-hook: `site.compiled_call(forward, module, args, kwargs)`, `site.at_forward(args,
+        # kwargs)`, `site.abandon(module)`
         self.site = site
 
     def module(self) -> torch.nn.Module:
@@ -199,6 +201,7 @@ class SiteForward:
         if compiling():
             forward = type(module).forward if own is None else functools.partial(_call_own, own)
             return self.site.compiled_call(forward, module, args, kwargs)
+        self.site.at_forward(args, kwargs)  # after every pre-hook: NOTE [ Module instances ] in remat/_sites/targets.py
         try:
             if own is None:
                 return type(module).forward(module, *args, **kwargs)

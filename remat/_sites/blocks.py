@@ -5,10 +5,12 @@ See NOTE [ Picking blocks ].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-__all__ = ["describe_search", "find_blocks", "is_hf_layer"]
+__all__ = ["describe_search", "describe_unreached", "find_blocks", "is_hf_layer"]
 
 # NOTE [ Picking blocks ]
 # 1. On a Hugging Face model the blocks are the layers its own gradient checkpointing wraps (in transformers 5 the
@@ -105,3 +107,14 @@ def describe_search(model: nn.Module) -> str:
         "children share one class. Name the blocks with `remat.apply(model, BlockClass)` or a predicate "
         "`(name, module) -> bool`."
     )
+
+
+def describe_unreached(model: nn.Module, names: Sequence[str], did: str, so: str) -> str:
+    """The message for `model`'s blocks `names`, none of which its forward called as a module (NOTE [ Blocks that
+    forward never calls ] in unreached.py): what apply `did` with them, and `so`, what that means."""
+    shown = ", ".join(f"`{name or '(the model)'}`" for name in names[:3]) + (", ..." if len(names) > 3 else "")
+    count = f"{len(names)} block" + ("s" if len(names) > 1 else "")
+    return (f"remat: apply {did} {count} of `{type(model).__name__}` ({shown}), but its forward called none of "
+            "them as a module (`block(x)`; a call through another method, such as `block.encode(x)` or "
+            f"`block.forward(x)`, skips the hooks), so {so}. Name blocks that forward calls, "
+            "`remat.apply(model, where=...)`, or decorate the method it calls with `@remat`.")

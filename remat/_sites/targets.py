@@ -21,7 +21,15 @@ from .._core.options import Options
 from .._core.policies import as_policy
 from .._engine import region as _region
 from .._engine import rerun as _rerun
-from .._engine.compiled import compiled_key, compiling, context_for, route_module, torch_checkpoint, unroute_module
+from .._engine.compiled import (
+    SiteForward,
+    compiled_key,
+    compiling,
+    context_for,
+    route_module,
+    torch_checkpoint,
+    unroute_module,
+)
 from .._engine.offload import resolve as resolve_offload
 from .blocks import describe_search, find_blocks
 from .head import describe_head
@@ -31,8 +39,8 @@ from .table import OFFLOADED, ModelPlan, Site, TiledModule
 if TYPE_CHECKING:
     from .._core.requests import Where
 
-__all__ = ["apply_blocks", "model_plan", "remove_hooks", "select", "set_aside", "undo_sites", "wrap", "wrap_class",
-           "wrap_function", "wrap_module"]
+__all__ = ["apply_blocks", "model_plan", "opener_of", "remove_hooks", "select", "set_aside", "undo_sites", "wrap",
+           "wrap_class", "wrap_function", "wrap_module"]
 
 
 _M = TypeVar("_M", bound=nn.Module)
@@ -139,14 +147,22 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 # NOTE [ Module instances ]
 # 1. `remat(module)` leaves the object itself untouched: same type, no wrapper in `named_modules()` or
 #    `state_dict()`, and `deepcopy`, `pickle` and `.to()` unaffected; the class is not touched.
-# 2. The region opens in a forward pre-hook and closes in a forward hook that runs before any other forward hook and
-#    also when forward raises.
-# 3. Recompute calls `module.forward` itself, not `module(...)`, so other hooks are not run twice.
+# 2. The region opens when forward starts, after every forward pre-hook (the user's, registered before or after
+#    `remat(module)`), with the arguments they leave, and closes in a forward hook that runs before any other
+#    forward hook and also when forward raises. A pre-hook's own ops run outside the region, as they do outside
+#    `torch.utils.checkpoint` around the call.
+# 3. Recompute calls `module.forward` itself, not `module(...)`, so other hooks are not run twice: it takes the
+#    arguments forward took.
 # 4. `remat.undo` gives the instance back exactly what it had.
 #
 # Implementation notes:
 # 1. (rules 1, 2) Nothing is proxied: the close hook is prepended and `always_call`; the one attribute set is the
-#    instance's own `forward`, which reaches the pre-hook under compile (NOTE [ Under torch.compile ]).
+#    instance's own `forward`, which reaches the site under compile (NOTE [ Under torch.compile ]) and opens it in
+#    eager code (`_Open.at_forward`). The pre-hook, registered as the site is made, runs before any pre-hook
+#    registered later: where it opened the region itself (before), a later pre-hook's change of the arguments
+#    (`args[0] * 1.5`, pruning's masked weight) was missing from recompute (silently wrong gradients under rerun),
+#    and its ops were packed as the region's (a `RecomputeMismatchError` in backward). Where that forward is not
+#    the site's (code that set its own over it and never calls it), the pre-hook opens the region as before.
 # 2. (rule 4) The hooks and that forward are small picklable objects that carry the options; `undo_sites` finds them
 #    by type.
 
@@ -158,6 +174,11 @@ class _Open:
         self.site = site
         self.engine = _Engine(options, site)
         self.adapt = adapt  # changes the arguments of an active site: see _cache_rule
+        self.ran = False  # opened a region once: NOTE [ Blocks that forward never calls ] in unreached.py
+
+    def active(self) -> bool:
+        """Whether a call now would open a region (eager, with grad, the site switched on and saving something)."""
+        return not self.engine.passthrough and _active(self.options) and not compiling()
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -170,8 +191,23 @@ class _Open:
         if changed is not None:
             args, kwargs = changed
         engine = self.engine
+        routed = module.__dict__.get("forward")
+        if type(routed) is SiteForward and routed.site is self:  # rule 2: opened by `at_forward`
+            stack.append((module, engine, _AT_FORWARD))
+            return changed
         stack.append((module, engine, engine.open(module.forward, args, kwargs, module=module)))
+        self.ran = True
         return changed
+
+    def at_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Open the region the pre-hook left to forward, with the arguments forward takes (NOTE [ Module
+        instances ], rule 2): eager code only, and only where this site's pre-hook has just run."""
+        stack = _open_sites.stack
+        engine = self.engine
+        if stack and stack[-1][2] is _AT_FORWARD and stack[-1][1] is engine:
+            module = stack[-1][0]
+            stack[-1] = (module, engine, engine.open(module.forward, args, kwargs, module=module))
+            self.ran = True
 
     def compiled_call(
         self, forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -203,11 +239,14 @@ class _Close:
         stack = _open_sites.stack
         if stack and stack[-1][0] is module:
             _, engine, token = stack.pop()
-            if engine is not None:
+            if engine is not None and token is not _AT_FORWARD:  # a forward that raised before it opened
                 engine.end(token, ok=len(rest) == 2)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Close, ())
+
+
+_AT_FORWARD = object()  # the stack's token for a region that forward opens (`_Open.at_forward`)
 
 
 class _OpenSites(threading.local):
@@ -223,6 +262,11 @@ _HOOK_DICTS = (
     "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called",
 )
+
+
+def opener_of(module: nn.Module) -> _Open | None:
+    """The hook that opens `module`'s region, where `remat(module)` or `remat.apply` made it a site."""
+    return next((hook for hook in module._forward_pre_hooks.values() if isinstance(hook, _Open)), None)
 
 
 def _is_ours(hook: Any) -> bool:
@@ -361,18 +405,17 @@ def undo_sites(module: _M) -> _M:
 
 
 def apply_blocks(
-    model: _M,
+    model: nn.Module,
     where: Where | None,
     every: int,
     options: Options,
-) -> _M:
+) -> list[str]:
     """Rematerialize each `every`-th submodule of `model` that `where` selects; see `remat.apply` (whose request
-    checked the arguments: remat/_core/requests.py)."""
-    chosen = select(model, where)
-    for index, (_, module) in enumerate(chosen):
-        if index % every == 0:
-            wrap_module(module, options, model)
-    return model
+    checked the arguments: remat/_core/requests.py). Returns their qualified names."""
+    chosen = select(model, where)[::every]
+    for _, module in chosen:
+        wrap_module(module, options, model)
+    return [name for name, _ in chosen]
 
 
 def select(

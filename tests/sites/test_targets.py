@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune as prune
 from conftest import assert_same_grads, randn
 from models import MLP, Attention, Cell, ConvBN, TransformerBlock, Unrolled
 from torch import nn
@@ -226,6 +227,56 @@ def test_instance_keeps_user_hooks_and_runs_them_once() -> None:
     remat.remat(model)
     assert recomputed_in_backward(model, X.detach().clone().requires_grad_()) == 1
     assert calls == ["pre", "post"], "recompute must not run the module's hooks again"
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x)) * self.gain
+
+
+def _scale(module: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, object]) -> object:
+    return (args[0] * 1.5,), kwargs
+
+
+def _exp(module: nn.Module, args: tuple[torch.Tensor, ...]) -> object:
+    return (args[0].exp(),)  # its own op saves a tensor: outside the region, as outside torch's checkpoint
+
+
+def _hook_up(model: nn.Module, hook: str) -> None:
+    for block in model:
+        if hook == "prune":  # pruning's pre-hook sets the masked parameter on the site itself
+            prune.random_unstructured(block, "gain", amount=0.5)
+        elif hook == "scale":
+            block.register_forward_pre_hook(_scale, with_kwargs=True)
+        else:
+            block.register_forward_pre_hook(_exp)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", ["rerun", "replay"])
+@pytest.mark.parametrize("hook", ["scale", "exp", "prune"])
+def test_a_pre_hook_registered_after_the_site_is_honoured_by_recompute(hook: str, strategy: str) -> None:
+    """NOTE [ Module instances ], rule 2: rerun recomputed with the arguments before a later pre-hook changed them
+    (wrong gradients), and packed the hook's own ops as the region's (a RecomputeMismatchError)."""
+    grads = []
+    for rematerialized in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(Scaled(), Scaled()).double()
+        if rematerialized:
+            remat.apply(model, Scaled, strategy=strategy)
+        torch.manual_seed(1)
+        _hook_up(model, hook)  # after the sites
+        x = randn(3, 8, requires_grad=True)
+        before = recomputes()
+        model(x).pow(2).sum().backward()
+        assert (recomputes() - before == 2) is rematerialized
+        grads.append([x.grad, *(p.grad for p in model.parameters())])
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
 def test_instance_with_options() -> None:
