@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn import Parameter
 
 from .._core.errors import BUG, RecomputeMismatchError, RematError
 from .._core.torch_compat import graph_exec_group, graph_task_id, top_saved_hooks
@@ -147,8 +148,12 @@ _INPLACE_KEPT = (
 # 1. Where recompute saves a parameter that requires grad (or a view of one) and forward saved, at the same place,
 #    a tensor it computed, or another tensor than that parameter, the recompute is a mismatch
 #    (`RecomputeMismatchError`, with `check=True`, the default). Replay replays forward's own tensors and is exact.
-# 2. A parameter that needs no gradient is rebuilt like any tensor and not checked; an input of the site is not a
-#    parameter of its module even where it is one (recompute runs on copies of the inputs).
+# 2. A parameter that needs no gradient is rebuilt like any tensor (under DeepSpeed ZeRO-3 it is gathered again for
+#    recompute), and is a mismatch where forward saved, at the same place, a tensor that was no parameter (a frozen
+#    parameter swapped by `functional_call`). An input of the site is not a parameter of its module even where it
+#    is one (recompute runs on copies of the inputs).
+# 3. A buffer is a tensor like any other: one swapped by `functional_call` is recomputed from the module's own
+#    (the design page's "state set by other code"; replay is exact).
 
 class Frame:
     """The saved tensors of one forward run of a remat site, and how to rebuild them.
@@ -157,8 +162,8 @@ class Frame:
     """
 
     __slots__ = (
-        "__weakref__", "_given", "_handles", "_kept", "_metas", "_stores", "check", "early_stop", "inner", "open",
-        "outer", "retrace", "site", "trace",
+        "__weakref__", "_frozen", "_given", "_handles", "_kept", "_metas", "_stores", "check", "early_stop", "inner",
+        "open", "outer", "retrace", "site", "trace",
     )
 
     def __init__(self, site: str, check: bool, early_stop: bool, trace: list[str] | None) -> None:
@@ -169,6 +174,7 @@ class Frame:
         self.retrace: list[str] | None = None  # the running recompute's op trace
         self._handles: list[weakref.ref[Handle] | None] = []
         self._metas: list[Meta] = []
+        self._frozen: set[int] = set()  # rebuilt tensors forward saved as parameters (or views of them)
         self._stores: dict[Any, dict[int, torch.Tensor]] = {}  # graph task id or GraphExecGroup -> store
         self._kept: dict[int, tuple[torch.Tensor, int]] = {}
         # See NOTE [ Backward inside a site ]: forward is running; a backward read saved tensors while it ran.
@@ -236,6 +242,8 @@ class Frame:
         self._handles.append(weakref.ref(handle))
         if self.check:
             self._metas.append((tensor.shape, tensor.dtype, tensor.device))
+            if isinstance(tensor, Parameter) or isinstance(tensor._base, Parameter):  # NOTE [ Parameters in
+                self._frozen.add(handle.index)  # recompute ], rule 2
         return handle
 
     @property
@@ -356,15 +364,17 @@ class Frame:
         """Where recompute saved a parameter (or a view of one) that forward did not: the clause that says so (NOTE
         [ Parameters in recompute ]), else None."""
         now = tensor._base if tensor._base is not None else tensor
-        if not isinstance(now, torch.nn.Parameter):
+        if not isinstance(now, Parameter):
             return None
         kept = self._kept.get(index)
         if kept is not None:
             before = kept[0]._base if kept[0]._base is not None else kept[0]
             if before is now:
                 return None
-        elif not now.requires_grad or index >= len(self._handles) or self._handles[index] is None:
-            return None  # a frozen parameter is rebuilt; what enclosing hooks keep is theirs to check
+        elif index >= len(self._handles) or self._handles[index] is None:
+            return None  # what enclosing hooks keep is theirs to check
+        elif not now.requires_grad and index in self._frozen:
+            return None  # a frozen parameter, rebuilt as itself (rule 2)
         return ("recompute saved a parameter of the module where forward saved another tensor: the module ran with "
                 "other parameters in forward (`torch.func.functional_call`, or a parameter replaced between forward "
                 "and backward), and rerun runs it again with the parameters it has now")

@@ -85,12 +85,21 @@ def _tensor_list(kind: Any) -> bool:
 class OpInfo:
     """What the recorder needs to know about one op overload, read once from its schema."""
 
-    __slots__ = ("lists", "name", "seeded", "slow", "writes")
+    __slots__ = ("beside", "lists", "name", "seeded", "slow", "writes")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         self.name = str(func)
         self.writes = written_arguments(func)
+        # written arguments no return aliases (`rrelu_with_noise`'s noise, BatchNorm's running statistics): NOTE
+        # [ Replay script ], rule 3
+        returned = {alias for r in schema.returns if r.alias_info is not None for alias in r.alias_info.before_set}
+        self.beside = frozenset(
+            position for position, _ in self.writes
+            if position < len(schema.arguments) and (schema.arguments[position].alias_info is None
+                                                     or not set(schema.arguments[position].alias_info.before_set)
+                                                     & returned)
+        )
         self.lists = any(_tensor_list(argument.type) for argument in schema.arguments)
         self.seeded = torch.Tag.nondeterministic_seeded in func.tags
         self.slow = bool(self.lists or self.writes or self.seeded)
@@ -170,7 +179,8 @@ class Recorder(Mode):
         self.snapshots: dict[int, torch.UntypedStorage] = {}
         # Writes into the storage of a tensor the region already saved: (op index, that storage's weak reference,
         # as the region's `captured` holds it). Only these can change a saved tensor before replay takes it.
-        self.writes: list[tuple[int, weakref.ref[torch.UntypedStorage]]] = []
+        # saved storages written: (op, storage, whether through an argument the op does not return: `OpInfo.beside`)
+        self.writes: list[tuple[int, weakref.ref[torch.UntypedStorage], bool]] = []
         # The region's saved storages: storage key -> the storage, weakly (`RegionFrame.freed`).
         self.captured: dict[int, weakref.ref[torch.UntypedStorage]] = {} if captured is None else captured
         self.preserve_rng = preserve_rng
@@ -326,7 +336,7 @@ class Recorder(Mode):
                 # from a new one at the same address.
                 saved = self.captured.get(key)
                 if saved is not None and saved() is tensor.untyped_storage():
-                    self.writes.append((len(self.ops), saved))
+                    self.writes.append((len(self.ops), saved, position in info.beside))
                 if key in outside and key not in self.snapshots:
                     self.snapshots[key] = tensor.untyped_storage().clone()  # type: ignore[no-untyped-call]
 

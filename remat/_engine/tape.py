@@ -46,7 +46,9 @@ __all__ = ["Tape"]
 #    reused by later ones (`retain_graph`).
 # 2. An op whose outputs feed no saved tensor is skipped unless it writes memory or draws random numbers.
 # 3. A saved tensor is taken after the op count it was saved at; if a later replayed op writes into its memory
-#    (in-place on it or on a view), it is cloned when taken.
+#    (in-place on it or on a view), it is cloned when taken. One the next op writes through an argument it does not
+#    return is that op's own, saved before it ran and read by backward as the op left it (`rrelu_with_noise`'s
+#    noise, which the op fills): it is taken after that op, as autograd holds it.
 #
 # Implementation notes:
 # 1. (rule 3) Forward notes such writes by the storage's identity (the one weak reference the region holds to it),
@@ -139,6 +141,7 @@ class Tape:
         self.site = site
         if recorder.snapshots:
             recorder._outside_storages()
+        captures = _after_own_writes(captures, recorder.writes)
         stop = max((point for _, _, point, _ in captures), default=0)
         self.ops = recorder.ops[:stop]
         self.slots = recorder.slots
@@ -154,7 +157,7 @@ class Tape:
                 o.offset = int(o.tensor.storage_offset())
                 if final:
                     o.tensor = None  # replay uses the snapshot; keeping the original could make a cycle
-        self.writes = [(op, storage) for op, storage in recorder.writes if op < stop]
+        self.writes = [(op, storage) for op, storage, _ in recorder.writes if op < stop]
         self.captures = captures
         self.points = {index: point for index, _, point, _ in captures}
         self.rng = recorder.rng() if recorder.preserve_rng else None
@@ -447,3 +450,19 @@ class _generator_fork:
     def __exit__(self, *exc: object) -> None:
         assert self.caller is not None
         self.generator.set_state(self.caller)
+
+
+_Capture = tuple[int, int, int, "weakref.ref[torch.UntypedStorage] | None"]
+
+
+def _after_own_writes(captures: list[_Capture],
+                      writes: list[tuple[int, weakref.ref[torch.UntypedStorage], bool]]) -> list[_Capture]:
+    """The captures, each one the next op writes through an argument it does not return taken after that op (NOTE
+    [ Replay script ], rule 3): its autograd saved it before the op filled it."""
+    if not writes:
+        return captures
+    beside = {(op, id(storage)) for op, storage, aside in writes if aside}
+    return [(handle, slot, point + 1, storage)
+            if storage is not None and (point, id(storage)) in beside else (handle, slot, point, storage)
+            for handle, slot, point, storage in captures]
+

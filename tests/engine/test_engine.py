@@ -187,6 +187,37 @@ def test_a_forward_with_other_parameters_is_a_mismatch_under_rerun_and_exact_und
             torch.testing.assert_close(a, b)
 
 
+def test_a_frozen_parameter_swapped_by_functional_call_is_a_mismatch_under_rerun() -> None:
+    """NOTE [ Parameters in recompute ], rule 2: rerun recomputed with the module's own frozen weight where forward
+    ran with another tensor (the input gradient off by 1.02, as torch.utils.checkpoint's), without a word."""
+    from torch.func import functional_call
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+
+    def gradients(model: nn.Module) -> list[torch.Tensor]:
+        for block in model:
+            block.inner.weight.requires_grad_(False)
+        others = {f"{i}.inner.weight": block.inner.weight * 2 for i, block in enumerate(model)}
+        leaf = x.clone().requires_grad_()
+        functional_call(model, others, (leaf,)).pow(2).sum().backward()
+        return [leaf.grad, *(p.grad for p in model.parameters() if p.requires_grad)]  # type: ignore[list-item]
+
+    torch.manual_seed(0)
+    expected = gradients(nn.Sequential(_Residual(), _Residual()).double())
+    for strategy in ("rerun", "replay"):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Residual(), _Residual()).double()
+        for block in model:
+            remat(block, strategy=strategy)
+        before = recomputes()
+        if strategy == "rerun":
+            with pytest.raises(remat.RecomputeMismatchError, match="functional_call"):
+                gradients(model)
+            continue
+        torch.testing.assert_close(gradients(model), expected)
+        assert recomputes() > before
+
+
 def test_parameters_frozen_or_given_as_inputs_are_no_mismatch() -> None:
     """NOTE [ Parameters in recompute ], rule 2: a frozen parameter is rebuilt; a parameter given to a site as its
     input is recomputed from a copy."""

@@ -141,6 +141,23 @@ def test_dropout_masks_match_and_rng_after_backward_is_unchanged() -> None:
     compare(setup)
 
 
+@pytest.mark.parametrize("last", [False, True])
+def test_an_op_that_fills_an_argument_it_saved(last: bool) -> None:
+    """NOTE [ Replay script ], rule 3: `rrelu_with_noise` saves its noise before it fills it; replay took the noise
+    as it was before the op (the input gradient off by 0.21)."""
+
+    def setup() -> Any:
+        fc, out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def fn(x: torch.Tensor, fc: nn.Module, out: nn.Module) -> torch.Tensor:
+            h = F.rrelu(fc(x), training=True)
+            return h.sum(-1) if last else out(torch.tanh(h)).sum(-1)
+
+        return fn, (torch.randn(4, 8, requires_grad=True), fc, out)
+
+    compare(setup)
+
+
 def test_layer_norm_and_ops_with_several_outputs() -> None:
     def setup() -> Any:
         ln = nn.LayerNorm(6)
