@@ -14,7 +14,9 @@ NOTE [ Total memory ]
    (with the head in chunks where only that fits and the head may be routed, and the blocks' token-wise modules in
    tiles where only that fits and the request leaves tiles to the plan: NOTE [ Tiles as a choice ] in
    remat/_budget/tiles_choice.py) does not fit in `memory` less the headroom; or the planner finds no plan in the
-   remainder (the least total is then the state plus the least budget it names, plus the headroom).
+   remainder (the least total is then the state plus the least budget it names, plus the headroom). The least
+   total named is the least `memory` whose headroom leaves that (`least_memory`): `memory=` set to it does not
+   fall short by its own headroom.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .._estimate.long_sequences import HEAD, OFFLOAD, TILES_SUFFIX
 from .._estimate.phases import OPTIMIZER
 from .._estimate.predict import OptimizerLike
 from .._estimate.report import ConfigEstimate
-from .._estimate.reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, reserved_peak
+from .._estimate.reserve import SEGMENT, STEP, TRIES, caches, headroom_bytes, least_memory, reserved_peak
 from .._measure.loss import default_loss
 from .._measure.sample import as_call
 from .._measure.step_autocast import StepAutocast, planning, step_region
@@ -89,7 +91,7 @@ def _fit_memory(model: _M, request: MemoryRequest) -> _M:
     # an engine's own buffers too (DeepSpeed ZeRO): a plan's first step sets them apart, as it does this state
     state = row.params_bytes + row.buffers_bytes + row.input_bytes + row.optimizer_bytes + row.engine_bytes
     if row.peak_bytes > usable:
-        raise _refused(total, row.peak_bytes + room, state, row.peak_phase, room)
+        raise _refused(total, least_memory(row.peak_bytes, request.headroom, device), state, row.peak_phase, room)
     reserved: tuple[int, int] | None = None
     # no real step of remat's under an engine (NOTE [ Budgets under DeepSpeed ZeRO ], rule 4)
     verified = caches(device) and request.strategy == "rerun" and not request.compile and engine_of(model) is None
@@ -97,9 +99,10 @@ def _fit_memory(model: _M, request: MemoryRequest) -> _M:
     for attempt in range(TRIES + 1 if verified else 1):
         try:
             fit_budget(model, request, target - state)
-        except BudgetError as error:
-            raise _refused(total, max(row.peak_bytes, state + (error.least_bytes or 0)) + total - target, state,
-                           "", total - target) from error
+        except BudgetError as error:  # the least that fits, with the shortfalls of earlier tries (`usable - target`)
+            least = least_memory(max(row.peak_bytes, state + (error.least_bytes or 0)) + usable - target,
+                                 request.headroom, device)
+            raise _refused(total, least, state, "", total - target) from error
         if not verified:
             return model
         reserved = _reserved(model, device, sample, loss, optimizer, row)
@@ -114,7 +117,7 @@ def _fit_memory(model: _M, request: MemoryRequest) -> _M:
         _log.warning("remat: the plan for memory=%s %s in a real step; planning again for %s allocated.",
                      format_bytes(total), f"reserved {format_bytes(reserved[0])} on {device}" if reserved is not None
                      else f"ran out of memory on {device}", format_bytes(target))
-    least = row.peak_bytes + total - target  # full remat's peak, with the last shortfall added
+    least = least_memory(row.peak_bytes + usable - target, request.headroom, device)  # with the last shortfall
     if reserved is not None:  # at most what the last plan reserved (a segment's rounding can outweigh the rest)
         least = min(least, reserved[0])
     raise BudgetError(

@@ -86,6 +86,7 @@ __all__ = [
     "set_grad_enabled",
     "shared_detach",
     "storage_id",
+    "tensor_hooks_held",
     "top_saved_hooks",
     "when_traced",
     "top_dispatch_mode",
@@ -228,6 +229,24 @@ def version_of(tensor: torch.Tensor) -> int:
         return tensor._version
     except RuntimeError:  # "Inference tensors do not track version counter"
         return -1
+
+
+@contextlib.contextmanager
+def tensor_hooks_held(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """The hooks `Tensor.register_hook` put on `tensors` do not run inside (a tiled call's per-tile gradients: NOTE
+    [ Tiles ] in _engine/tiles.py, rule 2); they are back, in their order, after.
+
+    Present in 2.4: `Tensor._backward_hooks`, the dict the tensor's autograd hook calls them from (emptied here and
+    refilled); without it they would run inside too.
+    """
+    held = [(hooks, list(hooks.items())) for t in tensors if (hooks := getattr(t, "_backward_hooks", None))]
+    for hooks, _ in held:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)
 
 
 def version_probe(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.errors import BUG, RematError
-from .._core.torch_compat import graph_task_keeps_graph, top_saved_hooks, tree_leaves
+from .._core.errors import BUG, RecomputeMismatchError, RematError
+from .._core.torch_compat import graph_task_keeps_graph, tensor_hooks_held, top_saved_hooks, tree_leaves
 from . import stats as _stats
 from .autocast import AutocastState
 from .modes import Mode
@@ -39,7 +39,7 @@ __all__ = ["spans", "tiles"]
 # 2. The gradients of `x` and of every tensor that requires grad and that fn reads (a module's parameters, a
 #    tensor in a closure) are made once: summed over the tiles (in float32 at least) and returned as the tiled
 #    call's own gradients, so a parameter's gradient is accumulated once per backward, as without tiles, and hooks
-#    on it (DDP's and FSDP2's reductions, ZeRO's gradient hooks) fire once.
+#    on it (DDP's and FSDP2's reductions, ZeRO's gradient hooks, a user's `register_hook`) fire once, on the sum.
 # 3. `x` is kept as autograd keeps a saved tensor: handed to the saved-tensor hooks in force (an enclosing remat
 #    site, `save_on_cpu`, an offload block), and fetched back through them in backward. It is handed over before
 #    the first tile runs, so the recompute of an enclosing remat site that needs nothing after it stops there
@@ -72,6 +72,10 @@ __all__ = ["spans", "tiles"]
 # 9. Every tensor from outside that fn reads (a parameter, a frozen weight, a buffer, a tensor in a closure) is
 #    read again by backward's tiles, so one changed in place between forward and backward raises autograd's
 #    "modified by an inplace operation" error, as `x` does (rule 3), never a gradient of the changed value.
+# 10. A module that ran in forward with other tensors in place of its parameters (`torch.func.functional_call`)
+#    is run again by backward's tiles with its own: a `RecomputeMismatchError`, as rerun's (NOTE [ Parameters in
+#    recompute ] in hooks.py), where a parameter read in forward got no gradient from backward's tiles and the
+#    module's parameter of that name is another tensor now.
 #
 # Implementation notes:
 # 1. (rules 2, 9) Which tensors fn reads is seen on the first tile, which forward runs under a dispatch mode that
@@ -270,7 +274,8 @@ class _TileSpec:
     """What backward needs besides tensors; `release` drops what it holds once no backward can come (implementation
     note 3)."""
 
-    __slots__ = ("autocast", "casts", "devices", "dim", "fn", "kept", "reads", "rng", "site", "spans", "watched")
+    __slots__ = ("autocast", "casts", "devices", "dim", "fn", "kept", "names", "owner", "reads", "rng", "site",
+                 "spans", "watched")
 
     def __init__(self, fn: Callable[..., torch.Tensor], dim: int, cuts: list[tuple[int, int]],
                  site: str, kept: _Kept, devices: tuple[torch.device, ...]) -> None:
@@ -282,6 +287,9 @@ class _TileSpec:
         self.autocast = AutocastState.capture(devices)
         self.reads: tuple[torch.Tensor, ...] = ()
         self.casts: tuple[torch.Tensor, ...] = ()  # held to backward, as forward's node held them (note 5)
+        # the module fn belongs to, and per read, its name among the module's parameters in forward (rule 10)
+        self.owner: weakref.ref[nn.Module] | None = None
+        self.names: dict[int, str] = {}
         # every read from outside, weakly, with its version (rule 9, implementation note 1)
         self.watched: list[tuple[weakref.ref[torch.Tensor], int]] = []
 
@@ -359,6 +367,10 @@ def tiles(
     del tile
     spec.reads = tuple(reads.found.values())
     spec.casts = tuple(t for t in reads.casts.values() if t.grad_fn is not None)  # autocast's: cast with grad on
+    if module is not None:  # rule 10
+        at = {id(t): index for index, t in enumerate(spec.reads)}
+        spec.owner = weakref.ref(module)
+        spec.names = {at[id(p)]: name for name, p in module.named_parameters() if id(p) in at}
     if not any(t.requires_grad for t in xs) and not spec.reads:  # nothing to differentiate: as without grad
         return _rest(fn, xs, first, dim, cuts, site)
     out: torch.Tensor = _TilesFunction.apply(spec, first, *passed, *spec.reads)  # type: ignore[no-untyped-call, unused-ignore]
@@ -538,8 +550,9 @@ def _differentiate(spec: _TileSpec, xs: Sequence[torch.Tensor], grad: torch.Tens
                 if not out.requires_grad or not inputs:
                     made: Sequence[torch.Tensor | None] = [None] * len(inputs)
                 else:
-                    made = torch.autograd.grad(out, inputs, grad.narrow(dim, start, length), allow_unused=True,
-                                               create_graph=create)
+                    with tensor_hooks_held(reads):  # rule 2: a read's hooks run once, on the sum
+                        made = torch.autograd.grad(out, inputs, grad.narrow(dim, start, length), allow_unused=True,
+                                                   create_graph=create)
                 del out
                 for slot, i in enumerate(wanted):
                     got = made[slot]
@@ -556,8 +569,8 @@ def _differentiate(spec: _TileSpec, xs: Sequence[torch.Tensor], grad: torch.Tens
                     if g is None:
                         continue
                     total = sums[slot]
-                    if total is None:
-                        sums[slot] = g if g.dtype.itemsize >= 4 or create else g.float()
+                    if total is None:  # a copy: `g` may be the incoming gradient itself (`x + bias`), or a view of it
+                        sums[slot] = g if create else g.float() if g.dtype.itemsize < 4 else g.clone()
                     elif create:
                         sums[slot] = total + g
                     else:
@@ -566,9 +579,27 @@ def _differentiate(spec: _TileSpec, xs: Sequence[torch.Tensor], grad: torch.Tens
                 g = total = None  # the last tile's gradient would sit beside the next tile's
     finally:
         caller_rng.apply()
+    _same_parameters(spec, reads_wanted, sums)
     joined = iter(whole if whole is not None else torch.cat(tiles_of, dim)
                   for whole, tiles_of in zip(grads_x, pieces, strict=True))
     out_reads = iter(None if s is None else s.to(t.dtype) for s, t in zip(sums, reads, strict=True))
     return [*(next(joined) if want else None for want in xs_wanted),
             *(next(out_reads) if want else None for want in reads_wanted)]
+
+
+def _same_parameters(spec: _TileSpec, reads_wanted: Sequence[bool], sums: Sequence[torch.Tensor | None]) -> None:
+    """Raise where backward's tiles gave no gradient to a read that was one of the module's parameters in forward
+    and is not now (NOTE [ Tiles ], rule 10): forward ran with other tensors in their place."""
+    module = spec.owner() if spec.owner is not None else None
+    if module is None or all(s is not None for s in sums):
+        return
+    wanted = [index for index, want in enumerate(reads_wanted) if want]
+    for slot, index in enumerate(wanted):
+        name = spec.names.get(index)
+        if sums[slot] is None and name is not None and module.get_parameter(name) is not spec.reads[index]:
+            raise RecomputeMismatchError(
+                f"remat: the tiled `{spec.site}` ran in forward with another tensor in place of its parameter "
+                f"`{name}` (`torch.func.functional_call`, or a parameter replaced between forward and backward), and "
+                "its tiles run again in backward with the parameters it has now: its gradients would be wrong. Call "
+                "it untiled there (`remat.enabled(False)`, or `remat.undo` on the tiled module).")
 

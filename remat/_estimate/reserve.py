@@ -40,7 +40,7 @@ from torch import nn
 from .._core.units import parse_memory
 from .._measure.state import step_state
 
-__all__ = ["DEFAULT", "SEGMENT", "STEP", "TRIES", "caches", "headroom_bytes", "reserved_peak"]
+__all__ = ["DEFAULT", "SEGMENT", "STEP", "TRIES", "caches", "headroom_bytes", "least_memory", "reserved_peak"]
 
 DEFAULT = 0.1
 """The headroom of a caching allocator, a fraction of the device's memory (NOTE [ The allocator's reserve ])."""
@@ -91,6 +91,24 @@ def headroom_bytes(headroom: float | int | str | None, memory: int, device: torc
     if nbytes >= memory:
         raise ValueError(f"remat: `headroom` ({nbytes} bytes) leaves nothing of `memory` ({memory} bytes).")
     return nbytes
+
+
+def least_memory(allocated: int, headroom: float | int | str | None, device: torch.device) -> int:
+    """The least `memory` whose headroom (`headroom_bytes`) leaves `allocated` bytes: what a refusal names, so
+    that `memory=` set to it leaves the allocated peak it names.
+
+    >>> least_memory(900, None, torch.device("cuda")), least_memory(900, "200B", torch.device("cuda"))
+    (1000, 1100)
+    """
+    if headroom is None or isinstance(headroom, float):
+        fraction = headroom if isinstance(headroom, float) else DEFAULT if caches(device) else 0.0
+        memory = max(allocated, math.floor(allocated / (1.0 - fraction)) - 1)  # then up to the first that leaves it
+        while memory - math.ceil(fraction * memory) < allocated:
+            memory += 1
+        return memory
+    if isinstance(headroom, int) and not isinstance(headroom, bool) and headroom == 0:
+        return allocated
+    return allocated + parse_memory(headroom, "apply's `headroom`")
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ here (remat/_budget/head_choice.py, remat/_budget/tiles_choice.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 from torch import nn
@@ -21,6 +22,8 @@ from .head import route_head, routed_by, unroute_head
 from .tiles import nothing_tiled, tile_blocks, tiled_of, untile
 
 __all__ = ["carried", "head_asked", "tiles_asked"]
+
+_log = logging.getLogger("remat")
 
 
 @contextlib.contextmanager
@@ -36,6 +39,11 @@ def tiles_asked(model: nn.Module, request: Request) -> Iterator[None]:
     report = tile_blocks(blocks, count)
     if not report.tiled:
         raise nothing_tiled(report, blocks)
+    if report.skipped:  # NOTE [ What is tiled ], rule 2: a mixture of experts
+        name, why = report.skipped[0]
+        more = f" and {len(report.skipped) - 1} more like it" if len(report.skipped) > 1 else ""
+        _log.warning("remat: tiles=%d on `%s` left `%s`%s untiled (%s); %d modules run in tiles.", count,
+                     type(model).__name__, name, more, why, len(report.tiled))
     try:
         yield
     except BaseException:

@@ -39,8 +39,8 @@ _M = TypeVar("_M", bound=nn.Module)
 #    submodule named `experts` or a `MoE`, `Moe`, `Router` or `Sparse` class name (a transformers class named
 #    without its family: Qwen2-MoE's `Qwen2MoeRMSNorm` is a norm). A tile's output must also keep the tile's
 #    positions, which is checked on every call. The call's other arguments go whole to each tile, except tensors of
-#    the input's positions (as many dimensions, the same sizes up to the tiled one: Bloom's and MPT's MLPs take
-#    the residual), which are tiled with it: handed whole, they could not line up with a tile.
+#    the input's positions (as many dimensions, the same sizes up to the tiled one, and not a parameter: Bloom's and
+#    MPT's MLPs take the residual), which are tiled with it: handed whole, they could not line up with a tile.
 # 2. By default the modules tiled in a block (a Hugging Face decoder layer) are its feed-forward modules as
 #    transformers names them (`TILED_NAMES`: `mlp`, `feed_forward`, `ffn`, ...), the outermost in the block, and
 #    the norms that are the block's own children (`input_layernorm`, `ln_1`, ...: a norm keeps its normalized
@@ -242,8 +242,10 @@ def _warn_of_hooks_inside(module: nn.Module, site: str) -> None:
 
 
 def _positions_of(value: object, x: torch.Tensor, axis: int) -> bool:
-    """Whether `value` is a tensor of `x`'s positions: as many dimensions, the same sizes up to `axis` included."""
-    return isinstance(value, torch.Tensor) and value.dim() == x.dim() and value.shape[:axis + 1] == x.shape[:axis + 1]
+    """Whether `value` is a tensor of `x`'s positions: as many dimensions, the same sizes up to `axis` included, and
+    no parameter (a weight whose first size happens to be the number of positions is a weight)."""
+    return (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.dim() == x.dim()
+            and value.shape[:axis + 1] == x.shape[:axis + 1])
 
 
 def _with_rest(fn: Callable[..., torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any],

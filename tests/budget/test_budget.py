@@ -182,6 +182,19 @@ def test_budget_error_names_the_smallest_feasible_budget() -> None:
     assert _peak(model, X) <= least * 1.05
 
 
+@pytest.mark.parametrize("headroom", [0.25, "4KiB"])
+def test_memory_set_to_the_least_a_refusal_names_is_not_refused_for_its_headroom(headroom: float | str) -> None:
+    """NOTE [ Total memory ], rule 4: the least total named the peak plus the headroom of the memory given (10% of
+    it by default on a caching device), which a larger memory's headroom outgrew: each retry was refused again."""
+    with pytest.raises(remat.BudgetError) as info:
+        remat.apply(_stack(), memory=1 << 16, headroom=headroom, sample=X, optimizer="sgd")
+    least = info.value.least_bytes
+    assert least is not None
+    with pytest.raises(remat.BudgetError):  # a byte less is short
+        remat.apply(_stack(), memory=least - 1, headroom=headroom, sample=X, optimizer="sgd")
+    remat.apply(_stack(), memory=least, headroom=headroom, sample=X, optimizer="sgd")
+
+
 def test_budget_strings_and_bad_arguments() -> None:
     model = _stack()
     remat.apply(model, budget="64MiB", sample=X)

@@ -124,6 +124,18 @@ def test_extra_arguments_go_whole_to_every_tile() -> None:
         torch.testing.assert_close(got, expected)
 
 
+def test_a_parameter_shaped_like_the_positions_goes_whole() -> None:
+    """NOTE [ What is tiled ], rule 1: a weight whose first size is the number of positions was tiled with the input
+    (`F.linear` gave 16 features for 64)."""
+    x = torch.randn(64, WIDTH, requires_grad=True)
+    weight = nn.Parameter(torch.randn(64, WIDTH))
+    expected = torch.autograd.grad(F.linear(x, weight).pow(2).sum(), (x, weight))
+    out = remat.tiled(F.linear, x, weight, dim=0, tiles=4)
+    assert out.shape == (64, 64)
+    for want, got in zip(expected, torch.autograd.grad(out.pow(2).sum(), (x, weight)), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_parameters_gradient_is_accumulated_once_per_backward() -> None:
     mlp = GatedMLP()
     calls = {name: 0 for name, _ in mlp.named_parameters()}
@@ -132,6 +144,76 @@ def test_a_parameters_gradient_is_accumulated_once_per_backward() -> None:
     x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
     remat.tiled(mlp, x, tiles=4).sum().backward()
     assert set(calls.values()) == {1}, calls
+
+
+def test_a_gradient_hook_on_a_parameter_runs_once_on_the_sum() -> None:
+    """NOTE [ Tiles ], rule 2: hooks of `register_hook` ran on each tile's gradient and again on the sum (a hook
+    halving the gradient gave a quarter of it, with four tiles)."""
+
+    def halved(tiles: int | None) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        mlp, calls = GatedMLP(), [0]
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            return grad * 0.5
+
+        for param in mlp.parameters():
+            param.register_hook(hook)
+        x = torch.randn(2, SEQ, WIDTH, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        (mlp(x) if tiles is None else remat.tiled(mlp, x, tiles=tiles)).pow(2).sum().backward()
+        return [x.grad, *(p.grad for p in mlp.parameters())], calls[0]  # type: ignore[list-item]
+
+    expected, calls = halved(None)
+    before = _stats.tiles
+    got, tiled_calls = halved(4)
+    assert _stats.tiles - before == 4  # backward ran four tiles
+    assert tiled_calls == calls == 4  # once per parameter
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_parameter_whose_gradient_is_the_incoming_one() -> None:
+    """A tile of one position and a bias of its shape: the bias's first gradient was the incoming gradient itself,
+    which the next tile's was added to in place, changing the gradient another branch reads (or raising where it
+    was expanded)."""
+
+    class AddBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(1, 1, WIDTH))
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return t * 2 + self.bias
+
+    x = torch.randn(1, 4, WIDTH)
+    weights = torch.arange(4 * WIDTH, dtype=torch.float64).view(1, 4, WIDTH)
+    grads = []
+    for tiles in (None, 4):
+        torch.manual_seed(0)
+        module, other = AddBias(), torch.ones(1, 4, WIDTH, requires_grad=True)
+        out = module(x) if tiles is None else remat.tiled(module, x, tiles=tiles)
+        ((other * 3 + out) * weights).sum().backward()  # one gradient tensor for both branches
+        grads.append([module.bias.grad, other.grad])
+        module.bias.grad = None
+        (module(x) if tiles is None else remat.tiled(module, x, tiles=tiles)).sum().backward()  # expanded
+        grads[-1].append(module.bias.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_a_forward_with_other_parameters_is_a_mismatch() -> None:
+    """NOTE [ Tiles ], rule 10: under `functional_call` backward's tiles ran with the module's own parameters (the
+    input gradient off by 1.4, the given parameters without gradients), without a word."""
+    torch.manual_seed(0)
+    mlp = remat.tiled(GatedMLP(), tiles=3)
+    given = {name: (p.detach() + 0.1).requires_grad_() for name, p in mlp.named_parameters()}
+    x = torch.randn(2, SEQ, WIDTH, requires_grad=True)
+    out = torch.func.functional_call(mlp, given, (x,))
+    with pytest.raises(remat.RecomputeMismatchError, match=r"tiled `GatedMLP` ran in forward with another tensor "
+                       r"in place of its parameter `gate.weight` \(`torch.func.functional_call`"):
+        out.sum().backward()
+    with remat.enabled(False):
+        torch.func.functional_call(mlp, given, (x,)).sum().backward()
+    assert all(p.grad is not None for p in given.values())
 
 
 def test_autograd_grad_on_parameters_and_a_subset() -> None:

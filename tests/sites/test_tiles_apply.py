@@ -160,10 +160,11 @@ def test_a_post_norm_model_whose_norms_input_is_a_temporary_keeps_no_remats_grad
 
 
 @pytest.mark.equivalence
-def test_a_mixture_of_experts_models_norms_are_tiled_and_its_experts_skipped() -> None:
+def test_a_mixture_of_experts_models_norms_are_tiled_and_its_experts_skipped(caplog: pytest.LogCaptureFixture
+                                                                              ) -> None:
     """Qwen2-MoE names every class after its family (`Qwen2MoeRMSNorm`): the family's name is not the module's, so the
     norms are tiled and only the sparse block is skipped. Before, `apply(tiles=...)` refused the model: every norm
-    was taken for a mixture of experts."""
+    was taken for a mixture of experts. The skip is said, in one line."""
     torch.manual_seed(0)
     config = transformers.Qwen2MoeConfig(
         hidden_size=WIDTH, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
@@ -174,3 +175,6 @@ def test_a_mixture_of_experts_models_norms_are_tiled_and_its_experts_skipped() -
     assert [t.name for t in remat.plan(model).tiles] == [
         f"model.layers.{i}.{name}" for i in range(LAYERS) for name in ("input_layernorm", "post_attention_layernorm")]
     assert tiles == LAYERS * 2 * 4
+    said = [r.getMessage() for r in caplog.records if "untiled" in r.getMessage()]
+    assert len(said) == 1 and "`model.layers.0.mlp` and 1 more like it untiled" in said[0], said
+    assert "mixture of experts" in said[0]
