@@ -35,8 +35,9 @@ __all__ = ["TilesChoice"]
 #    budget, and a fractional budget is of the step without tiles, as for a head (NOTE [ The head as a choice ],
 #    rule 2; so are tiles an earlier `remat.apply` left on the model); `tiles=False` never tiles.
 # 3. Tiles the budget chose show in `remat.plan(model)` as chosen by it, and every re-plan (a new input shape)
-#    chooses again: first without them. A plan that fails takes back its own, and a re-plan that fails puts back
-#    those the plan before it had chosen.
+#    chooses again: first without them. A module the user tiled (`remat.tiled(module, tiles=4)`) keeps its own
+#    tiles: the choice tiles the other token-wise modules, and never takes the user's back. A plan that fails takes
+#    back its own, and a re-plan that fails puts back those the plan before it had chosen.
 # 4. Only where they are needed: tiles cost time (each tiled module's forward runs once more per backward, outside
 #    a rematerialized block's recompute), and a plan that fits without them is faster.
 # 5. Only in eager code: inside one compiled graph (`compile=True`) a tiled call runs untiled (NOTE [ What is tiled

@@ -545,6 +545,9 @@ def tile_blocks(blocks: Sequence[tuple[str, nn.Module]], tiles: int, *, dim: int
                     _refuse(module, full)
                 skipped.append((full, why))
                 continue
+            found = tiled_of(module) if chosen_by is not None else None
+            if found is not None and found.chosen_by != chosen_by:
+                continue  # tiled by the user: a budget's choice leaves it as it is (NOTE [ Tiles as a choice ])
             tile_module(module, count, dim, chosen_by)
             tiled_names.append(full)
     return TileReport(tuple(tiled_names), tuple(skipped))

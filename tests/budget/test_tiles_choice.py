@@ -124,6 +124,13 @@ def test_tiles_the_user_gives_are_planned_with_and_stay_the_users() -> None:
     assert {(count, chosen) for _, count, chosen in tiles_of(model)} == {(8, None)}
     remat.apply(model, memory=4 * memory, sample=batch(), optimizer="adamw")  # a re-plan leaves the user's tiles
     assert len(tiles_of(model)) == 3 * LAYERS
+    model = copy.deepcopy(base)
+    remat.tiled(model.model.layers[0].mlp, tiles=4)  # the user's own, before a plan that chooses tiles
+    remat.apply(model, memory=memory, sample=batch(), optimizer="adamw")
+    assert ("model.layers.0.mlp", 4, None) in tiles_of(model)  # was taken over: 8 tiles, chosen by the budget
+    assert ("model.layers.1.mlp", 8, "the budget") in tiles_of(model)
+    remat.apply(model, memory=4 * memory, sample=batch(), optimizer="adamw")  # was untiled by the re-plan
+    assert tiles_of(model) == [("model.layers.0.mlp", 4, None)]
 
 
 @pytest.mark.slow  # measures real training steps for seconds: NOTE [ Slow tests ] in tests/conftest.py
