@@ -186,8 +186,8 @@ class SiteForward:
     def __init__(self, module: torch.nn.Module, own: Callable[..., Any] | None, site: Any) -> None:
         self._module = weakref.ref(module)
         self.own = own  # the instance's own forward before remat (a library's or the user's), or None: its class's
-        # the instance's forward pre-hook: `site.compiled_call(forward, module, args, kwargs)`, `site.at_forward(args,
-        # kwargs)`, `site.abandon(module)`
+        # the instance's forward pre-hook: `site.compiled_call(forward, module, args, kwargs)`, `site.at_forward(self,
+        # args, kwargs)`, `site.abandon(module)`
         self.site = site
 
     def module(self) -> torch.nn.Module:
@@ -201,7 +201,7 @@ class SiteForward:
         if compiling():
             forward = type(module).forward if own is None else functools.partial(_call_own, own)
             return self.site.compiled_call(forward, module, args, kwargs)
-        self.site.at_forward(args, kwargs)  # after every pre-hook: NOTE [ Module instances ] in remat/_sites/targets.py
+        self.site.at_forward(self, args, kwargs)  # after the pre-hooks: NOTE [ Module instances ] in _sites/targets.py
         try:
             if own is None:
                 return type(module).forward(module, *args, **kwargs)

@@ -114,7 +114,7 @@ def describe_unreached(model: nn.Module, names: Sequence[str], did: str, so: str
     forward never calls ] in unreached.py): what apply `did` with them, and `so`, what that means."""
     shown = ", ".join(f"`{name or '(the model)'}`" for name in names[:3]) + (", ..." if len(names) > 3 else "")
     count = f"{len(names)} block" + ("s" if len(names) > 1 else "")
-    return (f"remat: apply {did} {count} of `{type(model).__name__}` ({shown}), but its forward called none of "
-            "them as a module (`block(x)`; a call through another method, such as `block.encode(x)` or "
+    return (f"remat: apply {did} {count} of `{type(model).__name__}` ({shown}), but its first training forward "
+            "called none of them as a module (`block(x)`; a call through another method, such as `block.encode(x)` or "
             f"`block.forward(x)`, skips the hooks), so {so}. Name blocks that forward calls, "
             "`remat.apply(model, where=...)`, or decorate the method it calls with `@remat`.")

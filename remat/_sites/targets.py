@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -162,9 +163,14 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 #    registered later: where it opened the region itself (before), a later pre-hook's change of the arguments
 #    (`args[0] * 1.5`, pruning's masked weight) was missing from recompute (silently wrong gradients under rerun),
 #    and its ops were packed as the region's (a `RecomputeMismatchError` in backward). Where that forward is not
-#    the site's (code that set its own over it and never calls it), the pre-hook opens the region as before.
+#    the site's, nor a wrapper that names it as `__wrapped__` (accelerate's hooks added after remat), but code that
+#    set its own over it, which may never call it, the pre-hook opens the region as before.
 # 2. (rule 4) The hooks and that forward are small picklable objects that carry the options; `undo_sites` finds them
 #    by type.
+# 3. (rule 2) The placeholder the pre-hook pushes is stale where a `KeyboardInterrupt` in a later pre-hook ends the
+#    call before forward (torch runs no always-called hook for it). So recompute calls what the routed forward
+#    calls, never the routed forward: that would open a region inside the recompute for the stale placeholder;
+#    and the module's next call replaces it.
 
 class _Open:
     """Forward pre-hook that opens a region around `module.forward`."""
@@ -174,7 +180,7 @@ class _Open:
         self.site = site
         self.engine = _Engine(options, site)
         self.adapt = adapt  # changes the arguments of an active site: see _cache_rule
-        self.ran = False  # opened a region once: NOTE [ Blocks that forward never calls ] in unreached.py
+        self.ran = False  # called as a module once: NOTE [ Blocks that forward never calls ] in unreached.py
 
     def active(self) -> bool:
         """Whether a call now would open a region (eager, with grad, the site switched on and saving something)."""
@@ -186,27 +192,41 @@ class _Open:
         stack = _open_sites.stack
         if self.engine.passthrough or not _active(self.options) or compiling():
             stack.append((module, None, None))
+            if not self.ran and not compiling():  # called as a module (under no_grad, say): NOTE [ Blocks that
+                self.ran = True  # forward never calls ] in unreached.py
             return None
         changed = self.adapt(module, args, kwargs) if self.adapt is not None else None
         if changed is not None:
             args, kwargs = changed
         engine = self.engine
-        routed = module.__dict__.get("forward")
-        if type(routed) is SiteForward and routed.site is self:  # rule 2: opened by `at_forward`
+        if self._reached(module.__dict__.get("forward")):  # rule 2: opened by `at_forward`
+            if stack and stack[-1][2] is _AT_FORWARD and stack[-1][0] is module:
+                stack.pop()  # stale: implementation note 3
             stack.append((module, engine, _AT_FORWARD))
             return changed
         stack.append((module, engine, engine.open(module.forward, args, kwargs, module=module)))
         self.ran = True
         return changed
 
-    def at_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Open the region the pre-hook left to forward, with the arguments forward takes (NOTE [ Module
-        instances ], rule 2): eager code only, and only where this site's pre-hook has just run."""
+    def _reached(self, forward: Any) -> bool:
+        """Whether the instance's forward is this site's routed one, or a wrapper that names it as `__wrapped__`
+        (accelerate's hooks, `functools.wraps`): implementation note 1."""
+        for _ in range(8):
+            if type(forward) is SiteForward:
+                return forward.site is self
+            forward = getattr(forward, "__wrapped__", None)
+        return False
+
+    def at_forward(self, routed: SiteForward, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Open the region the pre-hook left to forward (`routed`, the instance's), with the arguments forward takes
+        (NOTE [ Module instances ], rule 2): eager code only, and only where this site's pre-hook has just run."""
         stack = _open_sites.stack
         engine = self.engine
         if stack and stack[-1][2] is _AT_FORWARD and stack[-1][1] is engine:
             module = stack[-1][0]
-            stack[-1] = (module, engine, engine.open(module.forward, args, kwargs, module=module))
+            # recompute calls what forward calls, not the routed forward: implementation note 3
+            call = routed.own if routed.own is not None else types.MethodType(type(module).forward, module)
+            stack[-1] = (module, engine, engine.open(call, args, kwargs, module=module))
             self.ran = True
 
     def compiled_call(

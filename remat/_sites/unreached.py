@@ -25,18 +25,19 @@ __all__ = ["NeverRan", "watch_blocks"]
 # apply rematerializes nothing, and nothing but memory says so.
 # Rules:
 # 1. After `remat.apply(model)` places blocks (picked or named by `where`), the model's first forward in which
-#    those sites would act (grad enabled, the switch on, not compiling) checks whether any of them opened a
-#    region. Blocks whose sites never act are not watched (`enabled=False`, `save_all`), nor blocks of a class
-#    decorated with `@remat`, whose forward is a site however it is called. Where none did, one
-#    `UserWarning` names the model, the blocks and what to do; where any did (a layer drop skips some), nothing
-#    is said. Either way the check then leaves the model.
+#    those sites would act (grad enabled, the switch on, not compiling) checks whether any of them was called as a
+#    module (under `no_grad` too: a frozen block the forward calls is called). Blocks whose sites never act are
+#    not watched (`enabled=False`, `save_all`), nor blocks of a class decorated with `@remat`, whose forward is a
+#    site however it is called. Where none was, one `UserWarning` names the model, the blocks and what to do;
+#    where any was (a layer drop skips some), nothing is said. Either way the check then leaves the model.
 # 2. A forward in which the sites would not act (no grad, `REMAT=0`, inside a compiled frame) leaves the check
 #    waiting for the next one.
 # 3. The check is remat's own hook: `remat.undo` takes it off, a model set aside hides it, it pickles and
 #    deep-copies with the model, and applying again replaces it.
 #
 # Implementation notes:
-# 1. (rule 1) Each site's opener notes that it ran (`_Open.ran`, one attribute store per region); the check finds
+# 1. (rule 1) Each site's opener notes that it ran (`_Open.ran`, one attribute store per region, and one the
+#    first time it is called without acting); the check decides on the first forward, which says so; it finds
 #    the openers by the blocks' qualified names, so copies of the model check their own blocks.
 # 2. A budget or a memory request profiles its blocks on the step itself and refuses blocks that never ran there
 #    (`profile` in remat/_budget/profile.py).

@@ -63,8 +63,8 @@ def _step(model: nn.Module) -> None:
 def test_warns_once_where_forward_calls_no_block(through: str) -> None:
     model = remat.apply(Encoded(through))
     before = recomputes()
-    with pytest.warns(UserWarning, match=r"3 blocks of `Encoded` \(`layers.0`, `layers.1`, `layers.2`\).*"
-                      r"called none of them as a module.*nothing is rematerialized.*where="):
+    with pytest.warns(UserWarning, match=r"3 blocks of `Encoded` \(`layers.0`, `layers.1`, `layers.2`\), but its "
+                      r"first training forward called none of them as a module.*nothing is rematerialized.*where="):
         _step(model)
     assert recomputes() == before  # what the warning says
     assert not _checks(model)
@@ -84,6 +84,26 @@ def test_blocks_that_run_say_nothing_and_the_check_leaves() -> None:
 def test_a_block_that_ran_is_enough() -> None:
     model = remat.apply(LayerDrop())
     _step(model)
+    assert not _checks(model)
+
+
+class Probed(Encoded):
+    """Frozen blocks called as modules under `no_grad`, then a trained head (linear probing)."""
+
+    def __init__(self) -> None:
+        super().__init__("call")
+        self.head = nn.Linear(8, 8).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = super().forward(x)
+        return self.head(x)
+
+
+def test_blocks_called_under_no_grad_were_called() -> None:
+    """The warning said they were called through another method: they were called, with nothing to rebuild."""
+    model = remat.apply(Probed(), Quantizer)
+    _step(model)  # pyproject turns warnings into errors
     assert not _checks(model)
 
 
