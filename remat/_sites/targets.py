@@ -163,8 +163,9 @@ def wrap_class(cls: type[_M], options: Options) -> type[_M]:
 #    registered later: where it opened the region itself (before), a later pre-hook's change of the arguments
 #    (`args[0] * 1.5`, pruning's masked weight) was missing from recompute (silently wrong gradients under rerun),
 #    and its ops were packed as the region's (a `RecomputeMismatchError` in backward). Where that forward is not
-#    the site's, nor a wrapper that names it as `__wrapped__` (accelerate's hooks added after remat), but code that
-#    set its own over it, which may never call it, the pre-hook opens the region as before.
+#    the site's (code set its own over it after remat: accelerate's hooks, which change the arguments and move the
+#    weights before they call ours, and which recompute must run again with forward's arguments), the pre-hook
+#    opens the region as before, and recompute calls that forward.
 # 2. (rule 4) The hooks and that forward are small picklable objects that carry the options; `undo_sites` finds them
 #    by type.
 # 3. (rule 2) The placeholder the pre-hook pushes is stale where a `KeyboardInterrupt` in a later pre-hook ends the
@@ -199,7 +200,8 @@ class _Open:
         if changed is not None:
             args, kwargs = changed
         engine = self.engine
-        if self._reached(module.__dict__.get("forward")):  # rule 2: opened by `at_forward`
+        routed = module.__dict__.get("forward")
+        if type(routed) is SiteForward and routed.site is self:  # rule 2: opened by `at_forward`
             if stack and stack[-1][2] is _AT_FORWARD and stack[-1][0] is module:
                 stack.pop()  # stale: implementation note 3
             stack.append((module, engine, _AT_FORWARD))
@@ -208,15 +210,6 @@ class _Open:
         self.ran = True
         return changed
 
-    def _reached(self, forward: Any) -> bool:
-        """Whether the instance's forward is this site's routed one, or a wrapper that names it as `__wrapped__`
-        (accelerate's hooks, `functools.wraps`): implementation note 1."""
-        for _ in range(8):
-            if type(forward) is SiteForward:
-                return forward.site is self
-            forward = getattr(forward, "__wrapped__", None)
-        return False
-
     def at_forward(self, routed: SiteForward, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Open the region the pre-hook left to forward (`routed`, the instance's), with the arguments forward takes
         (NOTE [ Module instances ], rule 2): eager code only, and only where this site's pre-hook has just run."""
@@ -224,7 +217,7 @@ class _Open:
         engine = self.engine
         if stack and stack[-1][2] is _AT_FORWARD and stack[-1][1] is engine:
             module = stack[-1][0]
-            # recompute calls what forward calls, not the routed forward: implementation note 3
+            # recompute calls what the routed forward calls, not the routed forward: implementation note 3
             call = routed.own if routed.own is not None else types.MethodType(type(module).forward, module)
             stack[-1] = (module, engine, engine.open(call, args, kwargs, module=module))
             self.ran = True
