@@ -82,6 +82,11 @@ def _tensor_list(kind: Any) -> bool:
     return isinstance(kind, torch.ListType) and "Tensor" in str(kind.getElementType())
 
 
+def _aliases(argument: Any) -> Any:
+    """The alias set of a schema argument (empty where it has none)."""
+    return () if argument.alias_info is None else argument.alias_info.before_set
+
+
 class OpInfo:
     """What the recorder needs to know about one op overload, read once from its schema."""
 
@@ -94,12 +99,8 @@ class OpInfo:
         # written arguments no return aliases (`rrelu_with_noise`'s noise, BatchNorm's running statistics): NOTE
         # [ Replay script ], rule 3
         returned = {alias for r in schema.returns if r.alias_info is not None for alias in r.alias_info.before_set}
-        self.beside = frozenset(
-            position for position, _ in self.writes
-            if position < len(schema.arguments) and (schema.arguments[position].alias_info is None
-                                                     or not set(schema.arguments[position].alias_info.before_set)
-                                                     & returned)
-        )
+        self.beside = frozenset(position for position, _ in self.writes
+                                if not returned & set(_aliases(schema.arguments[position])))
         self.lists = any(_tensor_list(argument.type) for argument in schema.arguments)
         self.seeded = torch.Tag.nondeterministic_seeded in func.tags
         self.slow = bool(self.lists or self.writes or self.seeded)

@@ -157,7 +157,7 @@ class Tape:
                 o.offset = int(o.tensor.storage_offset())
                 if final:
                     o.tensor = None  # replay uses the snapshot; keeping the original could make a cycle
-        self.writes = [(op, storage) for op, storage, _ in recorder.writes if op < stop]
+        self.writes = [write for write in recorder.writes if write[0] < stop]
         self.captures = captures
         self.points = {index: point for index, _, point, _ in captures}
         self.rng = recorder.rng() if recorder.preserve_rng else None
@@ -242,7 +242,7 @@ class Tape:
         if not self.writes:
             return [(handle, slot, point, False) for handle, slot, point, _ in self.captures]
         last: dict[int, int] = {}  # the id of a saved storage's weak reference -> the last op that writes into it
-        for op, storage in self.writes:
+        for op, storage, _ in self.writes:
             last[id(storage)] = op
         return [
             (handle, slot, point, storage is not None and last.get(id(storage), -1) >= point)

@@ -70,6 +70,20 @@ def caches(device: torch.device) -> bool:
     return callable(getattr(module, "max_memory_reserved", None))
 
 
+def _resolved(headroom: float | int | str | None, device: torch.device) -> tuple[float, int]:
+    """``headroom`` as a fraction of the memory and bytes (one of them zero): `DEFAULT` where None and the
+    device's allocator caches."""
+    if headroom is None:
+        return (DEFAULT if caches(device) else 0.0), 0
+    if isinstance(headroom, float):
+        if not 0.0 <= headroom < 1.0:
+            raise ValueError(f"remat: `headroom` as a fraction of `memory` must be in [0, 1), but got {headroom!r}.")
+        return headroom, 0
+    if isinstance(headroom, int) and not isinstance(headroom, bool) and headroom == 0:
+        return 0.0, 0
+    return 0.0, parse_memory(headroom, "apply's `headroom`")
+
+
 def headroom_bytes(headroom: float | int | str | None, memory: int, device: torch.device) -> int:
     """The bytes of ``memory`` left to the allocator: ``headroom`` as a fraction of it or bytes, by default `DEFAULT`
     of it where the device's allocator caches, else none (NOTE [ The allocator's reserve ]).
@@ -79,18 +93,10 @@ def headroom_bytes(headroom: float | int | str | None, memory: int, device: torc
     >>> headroom_bytes(0.05, 1000, torch.device("cpu")), headroom_bytes("200B", 1000, torch.device("cuda"))
     (50, 200)
     """
-    if headroom is None:
-        return math.ceil(DEFAULT * memory) if caches(device) else 0
-    if isinstance(headroom, float):
-        if not 0.0 <= headroom < 1.0:
-            raise ValueError(f"remat: `headroom` as a fraction of `memory` must be in [0, 1), but got {headroom!r}.")
-        return math.ceil(headroom * memory)
-    if isinstance(headroom, int) and not isinstance(headroom, bool) and headroom == 0:
-        return 0
-    nbytes = parse_memory(headroom, "apply's `headroom`")
-    if nbytes >= memory:
+    fraction, nbytes = _resolved(headroom, device)
+    if nbytes and nbytes >= memory:
         raise ValueError(f"remat: `headroom` ({nbytes} bytes) leaves nothing of `memory` ({memory} bytes).")
-    return nbytes
+    return math.ceil(fraction * memory) + nbytes
 
 
 def least_memory(allocated: int, headroom: float | int | str | None, device: torch.device) -> int:
@@ -100,15 +106,11 @@ def least_memory(allocated: int, headroom: float | int | str | None, device: tor
     >>> least_memory(900, None, torch.device("cuda")), least_memory(900, "200B", torch.device("cuda"))
     (1000, 1100)
     """
-    if headroom is None or isinstance(headroom, float):
-        fraction = headroom if isinstance(headroom, float) else DEFAULT if caches(device) else 0.0
-        memory = max(allocated, math.floor(allocated / (1.0 - fraction)) - 1)  # then up to the first that leaves it
-        while memory - math.ceil(fraction * memory) < allocated:
-            memory += 1
-        return memory
-    if isinstance(headroom, int) and not isinstance(headroom, bool) and headroom == 0:
-        return allocated
-    return allocated + parse_memory(headroom, "apply's `headroom`")
+    fraction, nbytes = _resolved(headroom, device)
+    memory = max(allocated, math.floor(allocated / (1.0 - fraction)) - 1) + nbytes  # then up to the first that does
+    while memory - math.ceil(fraction * memory) - nbytes < allocated:
+        memory += 1
+    return memory
 
 
 @contextlib.contextmanager

@@ -191,7 +191,7 @@ class _Open:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         stack = _open_sites.stack
-        if self.engine.passthrough or not _active(self.options) or compiling():
+        if not self.active():
             stack.append((module, None, None))
             if not self.ran and not compiling():  # called as a module (under no_grad, say): NOTE [ Blocks that
                 self.ran = True  # forward never calls ] in unreached.py
